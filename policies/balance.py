@@ -1,0 +1,52 @@
+"""Replica choice: a load score and power-of-two-choices over it.
+
+Load tracking (what a replica carries) is kept by the caller; this module only
+scores snapshots and chooses (tower's ``Load`` + ``p2c`` split).
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Sequence
+
+import msgspec
+
+__all__ = ["ReplicaLoad", "score", "choose"]
+
+
+class ReplicaLoad(msgspec.Struct, frozen=True, gc=False):
+    """A snapshot of one replica's load, as the router sees it."""
+
+    inflight: int  # requests the router has on it
+    inflight_tokens: int  # tokens those requests may still produce (router's own accounting)
+    running: int  # the replica's last report
+    waiting: int
+    kv_usage: float  # 0..1
+
+
+def score(load: ReplicaLoad) -> float:
+    """Lower is better. The router's own in-flight count is current; the
+    replica's report lags by up to one report interval, so it only breaks
+    ties and penalizes queues that formed inside the engine."""
+    return (
+        load.inflight
+        + load.inflight_tokens / 4096.0
+        + 2.0 * load.waiting
+        + 4.0 * max(0.0, load.kv_usage - 0.9)
+    )
+
+
+def choose(loads: Sequence[ReplicaLoad], rng: random.Random) -> int:
+    """Index of the chosen replica among ``loads`` (which must not be empty):
+    the less loaded of two picked at random."""
+    n = len(loads)
+    if n == 1:
+        return 0
+    a = rng.randrange(n)
+    b = rng.randrange(n - 1)
+    if b >= a:
+        b += 1
+    sa, sb = score(loads[a]), score(loads[b])
+    if sa < sb or (sa == sb and a < b):
+        return a
+    return b

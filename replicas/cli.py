@@ -1,0 +1,63 @@
+"""Command line of a replica process."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import os
+import sys
+
+__all__ = ["main", "add_arguments", "run"]
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--engine", choices=["sim", "vllm"], default="sim")
+    where = p.add_mutually_exclusive_group()
+    where.add_argument("--socket", help="listen on this Unix socket path")
+    where.add_argument("--listen", help="listen on HOST:PORT (remote replicas)")
+    p.add_argument("--config-json", default="{}", help="engine settings as a JSON object")
+    p.add_argument(
+        "--secret-env",
+        default="FAIRSTREAM_REPLICA_SECRET",
+        help="environment variable with the shared secret routers must present",
+    )
+    p.add_argument("--exit-with-parent", action="store_true", help=argparse.SUPPRESS)
+
+
+def run(args: argparse.Namespace) -> None:
+    from replicas.server import serve
+
+    logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(asctime)s replica %(levelname)s %(message)s")
+    config = json.loads(args.config_json)
+    secret = os.environ.get(args.secret_env, "")
+    host = port = None
+    if args.listen:
+        host, _, p = args.listen.rpartition(":")
+        port = int(p)
+    elif not args.socket:
+        sys.exit("fairstream replica: give --socket PATH or --listen HOST:PORT")
+    try:
+        import uvloop
+
+        runner = uvloop.run
+    except ImportError:  # pragma: no cover
+        runner = asyncio.run
+    runner(
+        serve(
+            args.engine,
+            config,
+            socket_path=args.socket,
+            host=host,
+            port=port or 0,
+            secret=secret,
+            exit_with_parent=args.exit_with_parent,
+        )
+    )
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(prog="fairstream replica")
+    add_arguments(p)
+    run(p.parse_args(argv))

@@ -1,0 +1,264 @@
+"""Router side of the replica protocol: one connection, one reader task.
+
+``ReplicaClient.generate`` returns a ``Collector``: a single slot that merges
+deltas while its consumer is busy (vLLM's ``RequestOutputCollector``), so a
+slow client never makes the reader buffer without bound and never blocks
+other requests on the same connection.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+from collections.abc import Callable
+
+from replicas.protocol import (
+    Abort,
+    Delta,
+    Deltas,
+    FinishReason,
+    FrameDecoder,
+    Generate,
+    Hello,
+    LoadReport,
+    Ping,
+    Pong,
+    Ready,
+    Refused,
+    SamplingParams,
+    encode_frame,
+    replica_decoder,
+)
+
+__all__ = ["ReplicaClient", "Collector", "ReplicaDead", "ReplicaRefused", "connect"]
+
+log = logging.getLogger("fairstream.replica_client")
+
+
+class ReplicaDead(ConnectionError):
+    """The replica's connection is gone; its streams can be resumed elsewhere."""
+
+
+class ReplicaRefused(ConnectionError):
+    """The replica refused the handshake (bad secret or version)."""
+
+
+class Collector:
+    """Single-slot mailbox for one request's deltas."""
+
+    __slots__ = ("rid", "token_ids", "text", "finish", "error", "prompt_token_ids", "dead", "_event")
+
+    def __init__(self, rid: int) -> None:
+        self.rid = rid
+        self.token_ids: list[int] = []
+        self.text = ""
+        self.finish = FinishReason.NONE
+        self.error = ""
+        self.prompt_token_ids: list[int] | None = None
+        self.dead: BaseException | None = None
+        self._event = asyncio.Event()
+
+    def put(self, delta: Delta) -> None:
+        if delta.token_ids:
+            if self.token_ids:
+                self.token_ids.extend(delta.token_ids)
+            else:
+                self.token_ids = delta.token_ids
+        if delta.text:
+            self.text += delta.text
+        if delta.prompt_token_ids is not None:
+            self.prompt_token_ids = delta.prompt_token_ids
+        if delta.finish:
+            self.finish = FinishReason(delta.finish)
+            self.error = delta.error
+        self._event.set()
+
+    def fail(self, exc: BaseException) -> None:
+        self.dead = exc
+        self._event.set()
+
+    async def get(self) -> tuple[list[int], str, FinishReason]:
+        """Wait for output; return (token ids, text, finish) merged since the last call.
+
+        Raises ``ReplicaDead`` if the connection died first (output that
+        arrived before the death is returned first).
+        """
+        if not self._event.is_set():
+            await self._event.wait()
+        self._event.clear()
+        ids, text, finish = self.token_ids, self.text, self.finish
+        if not ids and not text and finish == FinishReason.NONE and self.dead is not None:
+            raise self.dead
+        self.token_ids = []
+        self.text = ""
+        if self.dead is not None and finish == FinishReason.NONE:
+            self._event.set()  # report the death on the next call
+        return ids, text, finish
+
+
+class ReplicaClient:
+    """One connection to one replica and the reader task that serves it.
+
+    ``on_close`` is called once when the connection ends, with the reason.
+    """
+
+    def __init__(
+        self,
+        name: str,
+        reader: asyncio.StreamReader,
+        writer: asyncio.StreamWriter,
+        ready: Ready,
+        on_close: Callable[[ReplicaClient, BaseException], None] | None = None,
+    ) -> None:
+        self.name = name
+        self.ready = ready
+        self.model = ready.model
+        self.load = LoadReport(0, 0, 0.0)
+        self._reader = reader
+        self._writer = writer
+        self._streams: dict[int, Collector] = {}
+        self._ids = itertools.count(1)
+        self._pings: dict[int, asyncio.Future[Pong]] = {}
+        self._ping_ids = itertools.count(1)
+        self._on_close = on_close
+        self.closed: BaseException | None = None
+        self._task = asyncio.get_running_loop().create_task(self._read(), name=f"replica-reader-{name}")
+
+    @property
+    def active(self) -> int:
+        return len(self._streams)
+
+    def generate(
+        self,
+        params: SamplingParams,
+        *,
+        prompt: str | None = None,
+        messages: list[dict[str, str]] | None = None,
+        prompt_token_ids: list[int] | None = None,
+        prefix_token_ids: list[int] | None = None,
+        prefix_text_len: int = 0,
+    ) -> Collector:
+        if self.closed is not None:
+            raise ReplicaDead(f"replica {self.name} is disconnected")
+        rid = next(self._ids)
+        col = Collector(rid)
+        self._streams[rid] = col
+        msg = Generate(
+            rid,
+            params,
+            prompt=prompt,
+            messages=messages,
+            prompt_token_ids=prompt_token_ids,
+            prefix_token_ids=prefix_token_ids or [],
+            prefix_text_len=prefix_text_len,
+        )
+        self._writer.write(encode_frame(msg))
+        return col
+
+    def abort(self, col: Collector) -> None:
+        """Stop the request on the replica (no-op if it already ended)."""
+        if self._streams.pop(col.rid, None) is not None and self.closed is None:
+            try:
+                self._writer.write(encode_frame(Abort(col.rid)))
+            except (ConnectionError, RuntimeError):
+                pass
+
+    def release(self, col: Collector) -> None:
+        """Forget a finished request."""
+        self._streams.pop(col.rid, None)
+
+    async def ping(self, timeout: float) -> Pong:
+        seq = next(self._ping_ids)
+        fut: asyncio.Future[Pong] = asyncio.get_running_loop().create_future()
+        self._pings[seq] = fut
+        try:
+            self._writer.write(encode_frame(Ping(seq)))
+            return await asyncio.wait_for(fut, timeout)
+        finally:
+            self._pings.pop(seq, None)
+
+    async def close(self) -> None:
+        self._task.cancel()
+        try:
+            await self._task
+        except (asyncio.CancelledError, Exception):
+            pass
+        self._writer.close()
+
+    async def _read(self) -> None:
+        decoder = FrameDecoder(replica_decoder())
+        reason: BaseException = ReplicaDead(f"replica {self.name} closed the connection")
+        streams = self._streams
+        try:
+            while True:
+                data = await self._reader.read(262144)
+                if not data:
+                    break
+                for msg in decoder.feed(data):
+                    if type(msg) is Deltas:
+                        for d in msg.items:
+                            col = streams.get(d.rid)
+                            if col is not None:
+                                col.put(d)
+                                if d.finish:
+                                    del streams[d.rid]
+                    elif type(msg) is LoadReport:
+                        self.load = msg
+                    elif type(msg) is Pong:
+                        self.load = msg.load
+                        fut = self._pings.get(msg.seq)
+                        if fut is not None and not fut.done():
+                            fut.set_result(msg)
+        except asyncio.CancelledError:
+            reason = ReplicaDead(f"replica {self.name} connection closed by the router")
+            raise
+        except Exception as e:  # noqa: BLE001 - any failure ends the connection
+            reason = ReplicaDead(f"replica {self.name} connection failed: {e}")
+        finally:
+            self.closed = reason
+            for col in streams.values():
+                col.fail(reason)
+            streams.clear()
+            for fut in self._pings.values():
+                if not fut.done():
+                    fut.set_exception(reason)
+            self._writer.close()
+            if self._on_close is not None:
+                self._on_close(self, reason)
+
+
+async def connect(
+    name: str,
+    address: str,
+    *,
+    secret: str = "",
+    timeout: float = 5.0,
+    on_close: Callable[[ReplicaClient, BaseException], None] | None = None,
+) -> ReplicaClient:
+    """Connect to ``address`` ("unix:/path" or "host:port") and handshake."""
+    if address.startswith("unix:"):
+        reader, writer = await asyncio.wait_for(asyncio.open_unix_connection(address[5:]), timeout)
+    else:
+        host, _, port = address.rpartition(":")
+        reader, writer = await asyncio.wait_for(
+            asyncio.open_connection(host.strip("[]"), int(port)), timeout
+        )
+    try:
+        writer.write(encode_frame(Hello(secret=secret)))
+        decoder = FrameDecoder(replica_decoder())
+        msgs: list = []
+        while not msgs:
+            data = await asyncio.wait_for(reader.read(65536), timeout)
+            if not data:
+                raise ReplicaDead(f"replica {name} closed the connection during the handshake")
+            msgs = decoder.feed(data)
+        first = msgs[0]
+        if isinstance(first, Refused):
+            raise ReplicaRefused(f"replica {name} refused the connection: {first.reason}")
+        if not isinstance(first, Ready):
+            raise ReplicaDead(f"replica {name} sent {type(first).__name__} instead of Ready")
+    except BaseException:
+        writer.close()
+        raise
+    return ReplicaClient(name, reader, writer, first, on_close)

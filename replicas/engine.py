@@ -1,0 +1,77 @@
+"""The engine interface a replica process drives.
+
+An engine owns the model and continuous batching. It takes requests as token
+ids and pushes new token ids through a callback; detokenization, stop strings
+and framing live in ``replicas.output`` and ``replicas.server`` so that every
+engine (``sim``, ``vllm``) gets identical text semantics, including across a
+failover splice.
+"""
+
+from __future__ import annotations
+
+import abc
+from collections.abc import Callable
+from typing import Protocol
+
+from replicas.protocol import FinishReason, LoadReport, SamplingParams
+
+__all__ = ["Tokenizer", "Engine", "OutputSink", "EngineError"]
+
+
+class EngineError(RuntimeError):
+    """The engine cannot serve a request (bad prompt, too long, engine dead)."""
+
+
+class Tokenizer(Protocol):
+    """What the replica needs from a tokenizer."""
+
+    eos_token_id: int | None
+
+    def encode(self, text: str) -> list[int]: ...
+
+    def decode(self, token_ids: list[int]) -> str:
+        """Text of ``token_ids``; an unfinished UTF-8 sequence decodes to U+FFFD."""
+        ...
+
+    def chat(self, messages: list[dict[str, str]]) -> list[int]:
+        """Token ids of ``messages`` rendered by the chat template, with the
+        generation prompt appended."""
+        ...
+
+
+# rid, new token ids, finish reason (NONE while running), error text
+OutputSink = Callable[[int, list[int], FinishReason, str], None]
+
+
+class Engine(abc.ABC):
+    """A continuous-batching engine serving one model."""
+
+    name: str  # "sim" or "vllm"
+    model: str
+    max_model_len: int
+    tokenizer: Tokenizer
+
+    def __init__(self, sink: OutputSink) -> None:
+        self.sink = sink
+
+    @abc.abstractmethod
+    async def start(self) -> None:
+        """Load the model; return when requests can be served."""
+
+    @abc.abstractmethod
+    def add(self, rid: int, token_ids: list[int], params: SamplingParams) -> None:
+        """Start generating after ``token_ids``. ``params.max_tokens`` counts
+        new tokens only. Output goes to ``sink``; the last call for ``rid``
+        has a finish reason other than NONE (unless ``abort`` was called)."""
+
+    @abc.abstractmethod
+    def abort(self, rid: int) -> None:
+        """Stop ``rid`` at once and free its resources; no further output."""
+
+    @abc.abstractmethod
+    def load(self) -> LoadReport:
+        """Current scheduler stats."""
+
+    @abc.abstractmethod
+    async def close(self) -> None:
+        """Stop everything and release the model."""

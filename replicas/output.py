@@ -1,0 +1,134 @@
+"""Per-request output processing: incremental detokenization and stop strings.
+
+Pure and synchronous (vLLM keeps its ``OutputProcessor`` the same way): the
+replica server feeds new token ids in and gets text out.
+
+Text contract: the concatenation of every emitted ``text`` equals
+``tokenizer.decode(all completion tokens)`` (truncated before a matched stop
+string), whatever the chunking and whichever replica produced which tokens.
+Two things are held back until they are settled:
+
+* bytes of a multi-byte character that is not complete yet;
+* when stop strings are set, the last ``len(longest stop) - 1`` characters,
+  since they could be the start of a stop string (vLLM does the same).
+
+A request resumed on another replica passes the tokens and the number of
+characters the client already has (``prefix_text_len``); the processor rebuilds
+the held-back text from them, so a stop string or a character that spans the
+failover point is handled exactly as without the failover.
+"""
+
+from __future__ import annotations
+
+from replicas.engine import Tokenizer
+from replicas.protocol import FinishReason
+
+__all__ = ["OutputProcessor"]
+
+# How many tokens before the undecoded ones to re-decode for context; enough
+# for byte-level and sentencepiece tokenizers (vLLM uses 5).
+_CONTEXT = 6
+_REPLACEMENT = "\ufffd"
+
+
+class OutputProcessor:
+    __slots__ = (
+        "_tok",
+        "_ids",
+        "_prefix_offset",
+        "_read_offset",
+        "_pending",
+        "_stop",
+        "_hold",
+        "finished",
+    )
+
+    def __init__(
+        self,
+        tokenizer: Tokenizer,
+        stop: list[str],
+        prefix_token_ids: list[int] = (),  # type: ignore[assignment]
+        prefix_text_len: int = 0,
+    ) -> None:
+        self._tok = tokenizer
+        self._ids: list[int] = list(prefix_token_ids)
+        self._stop = [s for s in stop if s]
+        self._hold = max((len(s) for s in self._stop), default=1) - 1
+        self.finished = False
+        # Text decoded so far but not yet emitted.
+        self._pending = ""
+        if self._ids:
+            # Find the longest prefix of tokens whose text is complete; the
+            # tokens after it stay undecoded until a later token completes them.
+            read = len(self._ids)
+            text = tokenizer.decode(self._ids)
+            while read > 0 and text.endswith(_REPLACEMENT):
+                read -= 1
+                text = tokenizer.decode(self._ids[:read])
+            if prefix_text_len > len(text):
+                raise ValueError(
+                    f"prefix_text_len {prefix_text_len} exceeds the prefix text ({len(text)} chars)"
+                )
+            self._pending = text[prefix_text_len:]
+            self._read_offset = read
+            self._prefix_offset = max(0, read - _CONTEXT)
+        else:
+            self._read_offset = 0
+            self._prefix_offset = 0
+
+    @property
+    def num_tokens(self) -> int:
+        """Completion tokens seen, prefix included."""
+        return len(self._ids)
+
+    def process(self, new_ids: list[int], finish: FinishReason) -> tuple[str, FinishReason]:
+        """Take new tokens; return (text to emit now, finish reason).
+
+        The finish reason is ``STOP`` when a stop string matched (the text is
+        cut before it), else ``finish`` as given. After a finish the processor
+        emits everything it still holds.
+        """
+        if self.finished:
+            return "", finish
+        ids = self._ids
+        if new_ids:
+            ids.extend(new_ids)
+            tok = self._tok
+            prefix_text = tok.decode(ids[self._prefix_offset : self._read_offset])
+            full = tok.decode(ids[self._prefix_offset :])
+            if len(full) > len(prefix_text) and not full.endswith(_REPLACEMENT):
+                self._pending += full[len(prefix_text) :]
+                self._prefix_offset = max(0, len(ids) - _CONTEXT)
+                self._read_offset = len(ids)
+            elif finish != FinishReason.NONE and full.endswith(_REPLACEMENT):
+                # The sequence ends inside a character: emit what decode gives.
+                self._pending += full[len(prefix_text) :]
+                self._read_offset = len(ids)
+        pending = self._pending
+        if self._stop and pending:
+            hit = _find_stop(pending, self._stop)
+            if hit >= 0:
+                self._pending = ""
+                self.finished = True
+                return pending[:hit], FinishReason.STOP
+        if finish != FinishReason.NONE:
+            self._pending = ""
+            self.finished = True
+            return pending, finish
+        hold = self._hold
+        if hold and len(pending) > hold:
+            self._pending = pending[-hold:]
+            return pending[:-hold], finish
+        if hold:
+            return "", finish
+        self._pending = ""
+        return pending, finish
+
+
+def _find_stop(text: str, stops: list[str]) -> int:
+    best = -1
+    for s in stops:
+        i = text.find(s)
+        if i >= 0 and (best < 0 or i < best):
+            best = i
+    return best

@@ -1,0 +1,120 @@
+"""The set of replicas the router can dispatch to, and their load handles.
+
+``ReplicaPool.choose`` snapshots the ready replicas' loads and lets the pure
+``policies.balance.choose`` pick one. A ``LoadHandle`` is entered at dispatch
+and left when the stream ends (not when headers go out), so the in-flight
+counts the balancer sees are exact.
+"""
+
+from __future__ import annotations
+
+import random
+
+from policies.balance import ReplicaLoad, choose
+from replicas.client import ReplicaClient
+from replicas.spec import ReplicaSpec
+
+__all__ = ["ReplicaSlot", "ReplicaPool", "LoadHandle", "NoReplica"]
+
+
+class NoReplica(RuntimeError):
+    """No ready replica serves the model."""
+
+
+class ReplicaSlot:
+    """One configured replica: its spec, its live client (when connected),
+    its supervision counters and the router's own load accounting."""
+
+    def __init__(self, spec: ReplicaSpec) -> None:
+        self.spec = spec
+        self.name = spec.name
+        self.client: ReplicaClient | None = None
+        self.pid: int | None = None
+        self.restarts = 0
+        self.state = "starting"  # starting | ready | down
+        self.inflight = 0
+        self.inflight_tokens = 0
+        self.served = 0
+
+    @property
+    def ready(self) -> bool:
+        c = self.client
+        return self.state == "ready" and c is not None and c.closed is None
+
+    def snapshot(self) -> ReplicaLoad:
+        rep = self.client.load if self.client is not None else None
+        return ReplicaLoad(
+            inflight=self.inflight,
+            inflight_tokens=self.inflight_tokens,
+            running=rep.running if rep else 0,
+            waiting=rep.waiting if rep else 0,
+            kv_usage=rep.kv_usage if rep else 0.0,
+        )
+
+
+class LoadHandle:
+    """Counts one request against a slot from dispatch until release."""
+
+    __slots__ = ("slot", "tokens", "_open")
+
+    def __init__(self, slot: ReplicaSlot, tokens: int) -> None:
+        self.slot = slot
+        self.tokens = tokens
+        self._open = True
+        slot.inflight += 1
+        slot.inflight_tokens += tokens
+
+    def produced(self, n: int) -> None:
+        """``n`` of the expected tokens arrived; they no longer count as load."""
+        n = min(n, self.tokens)
+        self.tokens -= n
+        self.slot.inflight_tokens -= n
+
+    def release(self) -> None:
+        if self._open:
+            self._open = False
+            self.slot.inflight -= 1
+            self.slot.inflight_tokens -= self.tokens
+            self.slot.served += 1
+
+
+class ReplicaPool:
+    def __init__(self, specs: list[ReplicaSpec], rng: random.Random | None = None) -> None:
+        names = [s.name for s in specs]
+        if len(set(names)) != len(names):
+            raise ValueError("replica names must be unique")
+        self.slots = [ReplicaSlot(s) for s in specs]
+        self._rng = rng or random.Random()
+
+    def models(self) -> list[str]:
+        """Models served by ready replicas, or configured ones when none is ready."""
+        seen = {s.client.model for s in self.slots if s.ready and s.client is not None}
+        if not seen:
+            seen = {str(s.spec.config.get("model", "")) for s in self.slots} - {""}
+        return sorted(seen)
+
+    def ready_slots(self, model: str | None = None, exclude: set[str] | None = None) -> list[ReplicaSlot]:
+        out = []
+        for s in self.slots:
+            if not s.ready:
+                continue
+            if model is not None and s.client.model != model:  # type: ignore[union-attr]
+                continue
+            if exclude and s.name in exclude:
+                continue
+            out.append(s)
+        return out
+
+    def choose(self, model: str, tokens: int, exclude: set[str] | None = None) -> LoadHandle:
+        """Pick a replica for a request expected to produce ``tokens`` tokens.
+
+        ``exclude`` names replicas to avoid (e.g. the one that just died);
+        they are used anyway when nothing else is ready.
+        """
+        slots = self.ready_slots(model, exclude)
+        if not slots and exclude:
+            slots = self.ready_slots(model)
+        if not slots:
+            raise NoReplica(f"no ready replica serves model {model!r}")
+        i = choose([s.snapshot() for s in slots], self._rng)
+        return LoadHandle(slots[i], tokens)

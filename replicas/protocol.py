@@ -1,0 +1,225 @@
+"""Replica wire protocol: msgspec structs in length-prefixed msgpack frames.
+
+One connection per (router, replica) carries every request, multiplexed by
+``rid``. A frame is a 4-byte big-endian length followed by one msgpack-encoded
+message. Messages are tagged array-like structs, so a frame is a small array
+whose first item is the message tag.
+
+Router -> replica: ``Hello``, ``Generate``, ``Abort``, ``Ping``.
+Replica -> router: ``Ready``, ``Deltas`` (one engine step's deltas for all of
+the replica's requests in one frame), ``LoadReport``, ``Pong``, ``Refused``.
+"""
+
+from __future__ import annotations
+
+import enum
+import struct
+
+import msgspec
+
+__all__ = [
+    "PROTOCOL_VERSION",
+    "FinishReason",
+    "SamplingParams",
+    "Hello",
+    "Generate",
+    "Abort",
+    "Ping",
+    "Ready",
+    "Delta",
+    "Deltas",
+    "LoadReport",
+    "Pong",
+    "Refused",
+    "RouterMessage",
+    "ReplicaMessage",
+    "FrameDecoder",
+    "encode_frame",
+    "router_decoder",
+    "replica_decoder",
+    "MAX_FRAME",
+]
+
+PROTOCOL_VERSION = 1
+MAX_FRAME = 64 * 1024 * 1024
+_LEN = struct.Struct(">I")
+
+
+class FinishReason(enum.IntEnum):
+    """Why a generation ended. ``NONE`` means it has not ended yet."""
+
+    NONE = 0
+    STOP = 1  # end-of-sequence token or a stop string
+    LENGTH = 2  # max_tokens reached
+    ABORT = 3  # aborted by the router
+    ERROR = 4  # the engine failed this request; ``Delta.error`` says why
+
+    @property
+    def openai(self) -> str | None:
+        return _OPENAI_FINISH[self]
+
+
+_OPENAI_FINISH = {
+    FinishReason.NONE: None,
+    FinishReason.STOP: "stop",
+    FinishReason.LENGTH: "length",
+    FinishReason.ABORT: "abort",
+    FinishReason.ERROR: "error",
+}
+
+
+class SamplingParams(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+    """What the engine needs to sample. Mirrors the vLLM fields we support."""
+
+    max_tokens: int = 16
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    seed: int | None = None
+    stop: list[str] = []
+    stop_token_ids: list[int] = []
+    ignore_eos: bool = False
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    min_tokens: int = 0
+
+
+class Hello(msgspec.Struct, tag=1, array_like=True, gc=False):
+    """First frame from the router; ``secret`` must match the replica's."""
+
+    version: int = PROTOCOL_VERSION
+    secret: str = ""
+
+
+class Generate(msgspec.Struct, tag=2, array_like=True, omit_defaults=True, gc=False):
+    """Start request ``rid``.
+
+    Exactly one of ``prompt`` (text), ``messages`` (chat, rendered with the
+    model's chat template) or ``prompt_token_ids`` is set. ``prefix_token_ids``
+    are completion tokens already delivered to the client by an earlier replica:
+    the engine continues after ``prompt + prefix`` and the replica detokenizes
+    and checks stop strings as if it had produced the prefix itself, so a
+    resumed stream is text-exact even across a split multi-byte character.
+    """
+
+    rid: int
+    params: SamplingParams
+    prompt: str | None = None
+    messages: list[dict[str, str]] | None = None
+    prompt_token_ids: list[int] | None = None
+    prefix_token_ids: list[int] = []
+    prefix_text_len: int = 0  # characters of the prefix's text the client already has
+
+
+class Abort(msgspec.Struct, tag=3, array_like=True, gc=False):
+    rid: int
+
+
+class Ping(msgspec.Struct, tag=4, array_like=True, gc=False):
+    seq: int
+
+
+class Ready(msgspec.Struct, tag=10, array_like=True, gc=False):
+    """Answer to ``Hello``: the replica is serving ``model``."""
+
+    version: int
+    model: str
+    engine: str
+    max_model_len: int
+    pid: int
+
+
+class Delta(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+    """New output of one request since its previous delta.
+
+    ``prompt_token_ids`` is set on the first delta of a request only. ``text``
+    is the detokenization of ``token_ids`` exactly, except that bytes of an
+    unfinished multi-byte character are held back until it completes.
+    """
+
+    rid: int
+    token_ids: list[int] = []
+    text: str = ""
+    finish: FinishReason = FinishReason.NONE
+    prompt_token_ids: list[int] | None = None
+    error: str = ""
+
+
+class Deltas(msgspec.Struct, tag=11, array_like=True, gc=False):
+    """One engine step's deltas for all of a replica's requests."""
+
+    items: list[Delta]
+
+
+class LoadReport(msgspec.Struct, tag=12, array_like=True, gc=False):
+    """Scheduler stats as vLLM reports them."""
+
+    running: int
+    waiting: int
+    kv_usage: float  # 0..1
+    steps: int = 0
+    tokens_generated: int = 0
+
+
+class Pong(msgspec.Struct, tag=13, array_like=True, gc=False):
+    seq: int
+    load: LoadReport
+
+
+class Refused(msgspec.Struct, tag=14, array_like=True, gc=False):
+    """The replica refuses the connection (bad secret, version) and closes it."""
+
+    reason: str
+
+
+RouterMessage = Hello | Generate | Abort | Ping
+ReplicaMessage = Ready | Deltas | LoadReport | Pong | Refused
+
+_encoder = msgspec.msgpack.Encoder()
+
+
+def encode_frame(msg: msgspec.Struct) -> bytes:
+    """One length-prefixed frame for ``msg``."""
+    body = _encoder.encode(msg)
+    return _LEN.pack(len(body)) + body
+
+
+def router_decoder() -> msgspec.msgpack.Decoder:
+    """Decoder for messages the router sends (used by replicas)."""
+    return msgspec.msgpack.Decoder(RouterMessage)
+
+
+def replica_decoder() -> msgspec.msgpack.Decoder:
+    """Decoder for messages replicas send (used by the router)."""
+    return msgspec.msgpack.Decoder(ReplicaMessage)
+
+
+class FrameDecoder:
+    """Splits a byte stream into frames; feed bytes, iterate messages."""
+
+    __slots__ = ("_buf", "_decoder")
+
+    def __init__(self, decoder: msgspec.msgpack.Decoder) -> None:
+        self._buf = bytearray()
+        self._decoder = decoder
+
+    def feed(self, data: bytes) -> list:
+        buf = self._buf
+        buf += data
+        out = []
+        pos = 0
+        n = len(buf)
+        with memoryview(buf) as view:
+            while n - pos >= 4:
+                (size,) = _LEN.unpack_from(buf, pos)
+                if size > MAX_FRAME:
+                    raise ValueError(f"frame of {size} bytes exceeds the {MAX_FRAME} limit")
+                if n - pos - 4 < size:
+                    break
+                start = pos + 4
+                out.append(self._decoder.decode(view[start : start + size]))
+                pos = start + size
+        if pos:
+            del buf[:pos]
+        return out

@@ -1,0 +1,297 @@
+"""The replica process: one engine behind the replica protocol.
+
+``ReplicaServer`` accepts router connections on a Unix socket (local) or TCP
+(remote), checks the shared secret, and multiplexes every connection's
+requests onto the one engine. All deltas produced in one engine step are sent
+in one ``Deltas`` frame per connection, flushed once per event-loop turn.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import itertools
+import logging
+import os
+import signal
+from typing import Any
+
+import msgspec
+
+from replicas.engine import Engine, EngineError
+from replicas.output import OutputProcessor
+from replicas.protocol import (
+    PROTOCOL_VERSION,
+    Abort,
+    Delta,
+    Deltas,
+    FinishReason,
+    FrameDecoder,
+    Generate,
+    Hello,
+    Ping,
+    Pong,
+    Ready,
+    Refused,
+    encode_frame,
+    router_decoder,
+)
+
+__all__ = ["ReplicaServer", "create_engine"]
+
+log = logging.getLogger("fairstream.replica")
+
+LOAD_REPORT_INTERVAL = 0.2
+
+
+def create_engine(name: str, config: dict[str, Any], sink) -> Engine:
+    """Build engine ``name`` ("sim" or "vllm") from its config mapping."""
+    if name == "sim":
+        from replicas.sim import SimConfig, SimEngine
+
+        return SimEngine(msgspec.convert(config, SimConfig), sink)
+    if name == "vllm":
+        from replicas.vllm_engine import VllmEngine, VllmEngineConfig
+
+        return VllmEngine(msgspec.convert(config, VllmEngineConfig), sink)
+    raise ValueError(f"unknown engine {name!r} (expected 'sim' or 'vllm')")
+
+
+class _Request:
+    __slots__ = ("conn", "rid", "proc", "first", "prompt_ids", "done")
+
+    def __init__(self, conn: _Connection, rid: int, proc: OutputProcessor, prompt_ids: list[int]):
+        self.conn = conn
+        self.rid = rid
+        self.proc = proc
+        self.first = True
+        self.prompt_ids = prompt_ids
+        self.done = False
+
+
+class _Connection:
+    """One router connection: its requests, its outbox and its writer."""
+
+    def __init__(self, server: ReplicaServer, writer: asyncio.StreamWriter) -> None:
+        self.server = server
+        self.writer = writer
+        self.requests: dict[int, int] = {}  # router rid -> engine rid
+        self.outbox: list[Delta] = []
+        self.flush_scheduled = False
+        self.closed = False
+
+    def send(self, msg: msgspec.Struct) -> None:
+        if not self.closed:
+            self.writer.write(encode_frame(msg))
+
+    def queue(self, delta: Delta) -> None:
+        self.outbox.append(delta)
+        if not self.flush_scheduled:
+            self.flush_scheduled = True
+            asyncio.get_running_loop().call_soon(self.flush)
+
+    def flush(self) -> None:
+        self.flush_scheduled = False
+        if self.outbox:
+            items, self.outbox = self.outbox, []
+            self.send(Deltas(items))
+
+
+class ReplicaServer:
+    """Owns the engine, the listening socket and every connection."""
+
+    def __init__(self, engine_name: str, engine_config: dict[str, Any], secret: str = "") -> None:
+        self.engine = create_engine(engine_name, engine_config, self._on_output)
+        self.secret = secret
+        self._requests: dict[int, _Request] = {}
+        self._ids = itertools.count(1)
+        self._server: asyncio.AbstractServer | None = None
+        self._conns: set[_Connection] = set()
+
+    async def start(self, *, socket_path: str | None = None, host: str | None = None, port: int = 0):
+        await self.engine.start()
+        if socket_path:
+            try:
+                os.unlink(socket_path)
+            except FileNotFoundError:
+                pass
+            self._server = await asyncio.start_unix_server(self._serve, path=socket_path)
+        else:
+            self._server = await asyncio.start_server(self._serve, host=host or "127.0.0.1", port=port)
+        return self._server
+
+    async def close(self) -> None:
+        if self._server is not None:
+            self._server.close()
+        for conn in list(self._conns):
+            conn.closed = True
+            conn.writer.close()
+        await self.engine.close()
+
+    # -- engine output -----------------------------------------------------
+
+    def _on_output(self, erid: int, new_ids: list[int], finish: FinishReason, error: str) -> None:
+        req = self._requests.get(erid)
+        if req is None or req.done:
+            return
+        text, finish_out = req.proc.process(new_ids, finish)
+        if finish_out != FinishReason.NONE:
+            req.done = True
+            del self._requests[erid]
+            req.conn.requests.pop(req.rid, None)
+            if finish == FinishReason.NONE:  # a stop string ended it early
+                self.engine.abort(erid)
+        delta = Delta(req.rid, new_ids, text, finish_out, None, error)
+        if req.first:
+            req.first = False
+            delta.prompt_token_ids = req.prompt_ids
+        req.conn.queue(delta)
+
+    # -- connections -------------------------------------------------------
+
+    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        conn = _Connection(self, writer)
+        decoder = FrameDecoder(router_decoder())
+        self._conns.add(conn)
+        reporter: asyncio.Task[None] | None = None
+        try:
+            hello = await self._handshake(reader, decoder, conn)
+            if hello is None:
+                return
+            reporter = asyncio.create_task(self._report_load(conn))
+            while True:
+                data = await reader.read(65536)
+                if not data:
+                    break
+                for msg in decoder.feed(data):
+                    self._handle(conn, msg)
+        except (ConnectionError, msgspec.DecodeError, ValueError) as e:
+            log.warning("connection dropped: %s", e)
+        finally:
+            conn.closed = True
+            self._conns.discard(conn)
+            if reporter is not None:
+                reporter.cancel()
+            for erid in list(conn.requests.values()):
+                self._requests.pop(erid, None)
+                self.engine.abort(erid)
+            conn.requests.clear()
+            writer.close()
+
+    async def _handshake(self, reader, decoder: FrameDecoder, conn: _Connection) -> Hello | None:
+        msgs: list = []
+        while not msgs:
+            data = await asyncio.wait_for(reader.read(65536), timeout=10)
+            if not data:
+                return None
+            msgs = decoder.feed(data)
+        hello = msgs[0]
+        if not isinstance(hello, Hello):
+            conn.send(Refused("expected Hello as the first frame"))
+            return None
+        if hello.version != PROTOCOL_VERSION:
+            conn.send(Refused(f"protocol version {hello.version} unsupported (want {PROTOCOL_VERSION})"))
+            return None
+        if not hmac.compare_digest(hello.secret.encode(), self.secret.encode()):
+            conn.send(Refused("bad replica secret"))
+            return None
+        eng = self.engine
+        conn.send(Ready(PROTOCOL_VERSION, eng.model, eng.name, eng.max_model_len, os.getpid()))
+        for msg in msgs[1:]:
+            self._handle(conn, msg)
+        return hello
+
+    def _handle(self, conn: _Connection, msg: Any) -> None:
+        if isinstance(msg, Generate):
+            self._generate(conn, msg)
+        elif isinstance(msg, Abort):
+            erid = conn.requests.pop(msg.rid, None)
+            if erid is not None:
+                self._requests.pop(erid, None)
+                self.engine.abort(erid)
+        elif isinstance(msg, Ping):
+            conn.send(Pong(msg.seq, self.engine.load()))
+
+    def _generate(self, conn: _Connection, msg: Generate) -> None:
+        eng = self.engine
+        try:
+            if msg.prompt_token_ids is not None:
+                prompt_ids = msg.prompt_token_ids
+            elif msg.messages is not None:
+                prompt_ids = eng.tokenizer.chat(msg.messages)
+            elif msg.prompt is not None:
+                prompt_ids = eng.tokenizer.encode(msg.prompt)
+            else:
+                raise EngineError("request has no prompt")
+            params = msg.params
+            if len(prompt_ids) + params.max_tokens > eng.max_model_len:
+                raise EngineError(
+                    f"This model's maximum context length is {eng.max_model_len} tokens. However, you "
+                    f"requested {len(prompt_ids) + params.max_tokens} tokens ({len(prompt_ids)} in the "
+                    f"prompt, {params.max_tokens} in the completion). Please reduce the length of the "
+                    "prompt or max_tokens."
+                )
+            remaining = params.max_tokens - len(msg.prefix_token_ids)
+            if remaining <= 0:
+                raise EngineError("max_tokens already reached by the resumed prefix")
+            proc = OutputProcessor(eng.tokenizer, params.stop, msg.prefix_token_ids, msg.prefix_text_len)
+            if params.max_tokens != remaining or msg.prefix_token_ids:
+                params = msgspec.structs.replace(
+                    params,
+                    max_tokens=remaining,
+                    min_tokens=max(0, params.min_tokens - len(msg.prefix_token_ids)),
+                )
+            erid = next(self._ids)
+            self._requests[erid] = _Request(conn, msg.rid, proc, prompt_ids)
+            conn.requests[msg.rid] = erid
+            eng.add(erid, prompt_ids + msg.prefix_token_ids, params)
+        except (EngineError, ValueError) as e:
+            conn.requests.pop(msg.rid, None)
+            conn.queue(Delta(msg.rid, [], "", FinishReason.ERROR, None, str(e)))
+            return
+
+    async def _report_load(self, conn: _Connection) -> None:
+        last = None
+        while not conn.closed:
+            await asyncio.sleep(LOAD_REPORT_INTERVAL)
+            report = self.engine.load()
+            key = (report.running, report.waiting, round(report.kv_usage, 3))
+            if key != last:
+                last = key
+                conn.send(report)
+
+
+async def serve(
+    engine: str,
+    config: dict[str, Any],
+    *,
+    socket_path: str | None = None,
+    host: str | None = None,
+    port: int = 0,
+    secret: str = "",
+    exit_with_parent: bool = False,
+) -> None:
+    """Run a replica until SIGTERM/SIGINT (or, with ``exit_with_parent``,
+    until the process that started it exits)."""
+    server = ReplicaServer(engine, config, secret=secret)
+    await server.start(socket_path=socket_path, host=host, port=port)
+    where = socket_path or f"{host}:{port}"
+    log.info("replica serving %s (%s) on %s", server.engine.model, engine, where)
+    print(f"fairstream replica ready on {where}", flush=True)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    parent = os.getppid()
+
+    async def watch_parent() -> None:
+        # Exit when the supervising router goes away, even by SIGKILL.
+        while os.getppid() == parent:
+            await asyncio.sleep(0.5)
+        stop.set()
+
+    watcher = asyncio.create_task(watch_parent()) if exit_with_parent else None
+    await stop.wait()
+    if watcher is not None:
+        watcher.cancel()
+    await server.close()

@@ -1,0 +1,343 @@
+"""The ``sim`` engine: a simulated continuous-batching engine.
+
+Good enough to demo, test and plan capacity with, on machines without a GPU:
+
+* **Text.** A byte-level Markov chain over a small built-in corpus (English,
+  French, German, Japanese, Spanish, a few emoji), so multi-byte characters
+  are split across tokens as they are with real byte-level tokenizers. The
+  next token is a pure function of the engine seed, the request seed (sampled
+  requests only) and the context (the last ``ORDER`` token ids and the
+  sequence length), so a generation restarted from prompt + generated tokens
+  continues with exactly the same tokens.
+* **Time.** One engine step costs ``step_base_ms + step_per_seq_ms * decodes +
+  step_per_prefill_token_ms * prefill_tokens``; prefill is chunked under a
+  token budget per step (``max_num_batched_tokens``), as in vLLM.
+* **Memory.** A paged KV cache of ``kv_cache_tokens`` in blocks of
+  ``block_size``: a request waits while its prompt does not fit, and the
+  newest running request is preempted (recomputed later) when decoding runs
+  out of blocks, so ``running``, ``waiting`` and ``kv_usage`` behave like
+  vLLM's scheduler stats.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import bisect
+import random
+from collections import deque
+from importlib import resources
+
+import msgspec
+
+from replicas.engine import Engine, EngineError, OutputSink
+from replicas.protocol import FinishReason, LoadReport, SamplingParams
+
+__all__ = ["SimConfig", "SimEngine", "ByteTokenizer", "EOS", "BOS"]
+
+EOS = 256
+BOS = 257
+VOCAB = 258
+ORDER = 6
+
+
+class SimConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    """Timing, capacity and model knobs of a ``sim`` replica."""
+
+    model: str = "fairstream-sim"
+    """Model name the replica serves (what clients put in ``model``)."""
+    seed: int = 0
+    """Engine seed; replicas that must produce identical text share it."""
+    max_model_len: int = 4096
+    """Prompt plus completion tokens per request."""
+    max_num_seqs: int = 64
+    """Requests decoded together at most (vLLM ``max_num_seqs``)."""
+    max_num_batched_tokens: int = 2048
+    """Tokens processed per step at most (decodes plus prefill chunks)."""
+    kv_cache_tokens: int = 131072
+    """KV-cache capacity in tokens."""
+    block_size: int = 16
+    """KV-cache block size in tokens."""
+    step_base_ms: float = 4.0
+    """Fixed cost of one engine step."""
+    step_per_seq_ms: float = 0.05
+    """Added step cost per decoding sequence."""
+    step_per_prefill_token_ms: float = 0.002
+    """Added step cost per prefill token."""
+    eos: bool = True
+    """End sequences at the corpus's paragraph ends (unless ``ignore_eos``)."""
+
+
+class ByteTokenizer:
+    """Token i < 256 is byte i; 256 is end-of-sequence, 257 begin-of-sequence."""
+
+    eos_token_id = EOS
+
+    def encode(self, text: str) -> list[int]:
+        return list(text.encode("utf-8"))
+
+    def decode(self, token_ids: list[int]) -> str:
+        return bytes(t for t in token_ids if t < 256).decode("utf-8", "replace")
+
+    def chat(self, messages: list[dict[str, str]]) -> list[int]:
+        parts = [f"<|{m.get('role', 'user')}|>\n{m.get('content', '')}\n" for m in messages]
+        parts.append("<|assistant|>\n")
+        return [BOS, *"".join(parts).encode("utf-8")]
+
+
+class _Chain:
+    """Byte-level Markov chain with back-off from ``ORDER`` down to 0."""
+
+    def __init__(self, text: str) -> None:
+        data = text.strip().encode("utf-8")
+        paragraphs = [p for p in data.split(b"\n\n") if p.strip()]
+        # The chain walks paragraph after paragraph; a paragraph end may also
+        # end the sequence (EOS).
+        seq: list[int] = []
+        ends: set[int] = set()
+        for p in paragraphs:
+            seq.extend(p.strip())
+            ends.add(len(seq))
+            seq.extend(b"\n\n")
+        n = len(seq)
+        tables: list[dict[tuple[int, ...], dict[int, int]]] = [{} for _ in range(ORDER + 1)]
+        for i in range(n):
+            nxt = seq[(i) % n]
+            for k in range(ORDER + 1):
+                ctx = tuple(seq[(i - k + j) % n] for j in range(k))
+                counts = tables[k].setdefault(ctx, {})
+                counts[nxt] = counts.get(nxt, 0) + 1
+                if i in ends:
+                    counts[EOS] = counts.get(EOS, 0) + 1
+        self._tables: list[dict[tuple[int, ...], tuple[list[int], list[int]]]] = []
+        for table in tables:
+            frozen = {}
+            for ctx, counts in table.items():
+                toks = sorted(counts)
+                cum, total = [], 0
+                for t in toks:
+                    total += counts[t]
+                    cum.append(total)
+                frozen[ctx] = (toks, cum)
+            self._tables.append(frozen)
+
+    def next(self, context: list[int], key: int, allow_eos: bool) -> int:
+        tail = [t for t in context[-ORDER:] if t < 256]
+        for k in range(min(ORDER, len(tail)), -1, -1):
+            entry = self._tables[k].get(tuple(tail[len(tail) - k :]))
+            if entry is not None:
+                break
+        toks, cum = entry  # order 0 always exists
+        if not allow_eos and toks[-1] == EOS:
+            toks, cum = toks[:-1], cum[:-1]
+            if not toks:
+                return 0x20
+        r = (key & 0xFFFFFFFF) * cum[-1] >> 32
+        return toks[bisect.bisect_right(cum, r)]
+
+
+_CHAIN: _Chain | None = None
+
+
+def _chain() -> _Chain:
+    global _CHAIN
+    if _CHAIN is None:
+        _CHAIN = _Chain(resources.files("replicas").joinpath("corpus.txt").read_text("utf-8"))
+    return _CHAIN
+
+
+class _Seq:
+    __slots__ = ("rid", "tokens", "prompt_len", "params", "computed", "generated", "blocks", "key")
+
+    def __init__(self, rid: int, tokens: list[int], params: SamplingParams, key: int) -> None:
+        self.rid = rid
+        self.tokens = tokens
+        self.prompt_len = len(tokens)
+        self.params = params
+        self.computed = 0  # tokens with KV computed
+        self.generated = 0
+        self.blocks = 0
+        self.key = key
+
+
+class SimEngine(Engine):
+    name = "sim"
+
+    def __init__(self, config: SimConfig, sink: OutputSink) -> None:
+        super().__init__(sink)
+        self.config = config
+        self.model = config.model
+        self.max_model_len = config.max_model_len
+        self.tokenizer = ByteTokenizer()
+        self._total_blocks = max(1, config.kv_cache_tokens // config.block_size)
+        self._free_blocks = self._total_blocks
+        self._waiting: deque[_Seq] = deque()
+        self._running: list[_Seq] = []
+        self._by_rid: dict[int, _Seq] = {}
+        self._wake = asyncio.Event()
+        self._task: asyncio.Task[None] | None = None
+        self._steps = 0
+        self._generated = 0
+
+    async def start(self) -> None:
+        _chain()
+        self._task = asyncio.get_running_loop().create_task(self._run(), name="sim-engine")
+
+    def add(self, rid: int, token_ids: list[int], params: SamplingParams) -> None:
+        if rid in self._by_rid:
+            raise EngineError(f"request {rid} already running")
+        if len(token_ids) >= self.max_model_len:
+            raise EngineError(
+                f"prompt has {len(token_ids)} tokens; this model's limit is {self.max_model_len}"
+            )
+        if self._blocks_for(len(token_ids) + 1) > self._total_blocks:
+            raise EngineError("prompt does not fit in the KV cache")
+        if params.temperature <= 0:
+            key = 0
+        elif params.seed is not None:
+            key = params.seed + 1
+        else:
+            key = random.getrandbits(62) + 1
+        seq = _Seq(rid, list(token_ids), params, key)
+        self._by_rid[rid] = seq
+        self._waiting.append(seq)
+        self._wake.set()
+
+    def abort(self, rid: int) -> None:
+        seq = self._by_rid.pop(rid, None)
+        if seq is None:
+            return
+        if seq in self._running:
+            self._running.remove(seq)
+        else:
+            try:
+                self._waiting.remove(seq)
+            except ValueError:
+                pass
+        self._release(seq)
+
+    def load(self) -> LoadReport:
+        return LoadReport(
+            running=len(self._running),
+            waiting=len(self._waiting),
+            kv_usage=1.0 - self._free_blocks / self._total_blocks,
+            steps=self._steps,
+            tokens_generated=self._generated,
+        )
+
+    async def close(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            try:
+                await self._task
+            except asyncio.CancelledError:
+                pass
+            self._task = None
+
+    # -- internals ---------------------------------------------------------
+
+    def _blocks_for(self, tokens: int) -> int:
+        return -(-tokens // self.config.block_size)
+
+    def _release(self, seq: _Seq) -> None:
+        self._free_blocks += seq.blocks
+        seq.blocks = 0
+
+    def _grow(self, seq: _Seq, tokens: int) -> bool:
+        need = self._blocks_for(tokens) - seq.blocks
+        if need <= 0:
+            return True
+        if need > self._free_blocks:
+            return False
+        self._free_blocks -= need
+        seq.blocks += need
+        return True
+
+    def _preempt_newest(self) -> None:
+        victim = self._running.pop()
+        self._release(victim)
+        victim.computed = 0
+        self._waiting.appendleft(victim)
+
+    def _schedule(self) -> tuple[list[_Seq], int]:
+        """Pick this step's work; return (sequences that produce a token, prefill tokens)."""
+        cfg = self.config
+        budget = cfg.max_num_batched_tokens
+        emitting: list[_Seq] = []
+        prefill = 0
+        # Decodes first, as vLLM does; preempt the newest when blocks run out.
+        i = 0
+        while i < len(self._running):
+            seq = self._running[i]
+            if seq.computed < len(seq.tokens) - 1 or budget <= 0:
+                i += 1
+                continue
+            if not self._grow(seq, len(seq.tokens) + 1):
+                if self._running[-1] is seq and len(self._running) == 1:
+                    i += 1
+                    continue
+                self._preempt_newest()
+                continue
+            budget -= 1
+            emitting.append(seq)
+            i += 1
+        # Continue chunked prefills of running sequences, then admit waiting ones.
+        candidates = [s for s in self._running if s.computed < len(s.tokens) - 1]
+        while self._waiting and len(self._running) < cfg.max_num_seqs and budget > 0:
+            seq = self._waiting[0]
+            if not self._grow(seq, len(seq.tokens) + 1):
+                break
+            self._waiting.popleft()
+            self._running.append(seq)
+            candidates.append(seq)
+        for seq in candidates:
+            if budget <= 0:
+                break
+            todo = len(seq.tokens) - seq.computed
+            chunk = min(todo, budget)
+            seq.computed += chunk
+            budget -= chunk
+            prefill += chunk
+            if seq.computed == len(seq.tokens):
+                seq.computed -= 1  # the last token is "computed" by the emitting step
+                emitting.append(seq)
+        return emitting, prefill
+
+    async def _run(self) -> None:
+        cfg = self.config
+        chain = _chain()
+        seed = cfg.seed
+        sink = self.sink
+        while True:
+            if not self._running and not self._waiting:
+                self._wake.clear()
+                await self._wake.wait()
+                continue
+            emitting, prefill = self._schedule()
+            step_ms = (
+                cfg.step_base_ms
+                + cfg.step_per_seq_ms * len(emitting)
+                + cfg.step_per_prefill_token_ms * prefill
+            )
+            await asyncio.sleep(step_ms / 1000.0)
+            self._steps += 1
+            for seq in emitting:
+                if self._by_rid.get(seq.rid) is not seq:
+                    continue  # aborted during the step
+                toks = seq.tokens
+                params = seq.params
+                allow_eos = cfg.eos and not params.ignore_eos and seq.generated >= params.min_tokens
+                tok = chain.next(toks, hash((seed, seq.key, len(toks), *toks[-ORDER:])), allow_eos)
+                toks.append(tok)
+                seq.computed = len(toks) - 1
+                seq.generated += 1
+                self._generated += 1
+                finish = FinishReason.NONE
+                if tok == EOS or tok in params.stop_token_ids and seq.generated > params.min_tokens:
+                    finish = FinishReason.STOP
+                elif seq.generated >= params.max_tokens or len(toks) >= self.max_model_len:
+                    finish = FinishReason.LENGTH
+                if finish != FinishReason.NONE:
+                    self._running.remove(seq)
+                    del self._by_rid[seq.rid]
+                    self._release(seq)
+                sink(seq.rid, [tok], finish, "")

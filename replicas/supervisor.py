@@ -1,0 +1,239 @@
+"""Starts, watches and restarts replicas; owns their processes and connections.
+
+One task per slot runs the slot's life cycle: start the process (local) or
+connect (remote), wait for readiness, health-check with pings, and on death
+restart with exponential backoff. ``close()`` ends every task and process.
+Local replicas also die with the router: the child gets PR_SET_PDEATHSIG and
+watches its parent pid.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import ctypes
+import json
+import logging
+import os
+import signal
+import sys
+import tempfile
+from collections.abc import Callable
+
+from replicas.client import ReplicaClient, ReplicaRefused, connect
+from replicas.pool import ReplicaPool, ReplicaSlot
+
+__all__ = ["Supervisor", "SupervisorSettings"]
+
+log = logging.getLogger("fairstream.supervisor")
+
+_PR_SET_PDEATHSIG = 1
+
+
+def _die_with_parent() -> None:  # runs in the child between fork and exec
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+    except OSError:
+        pass
+
+
+class SupervisorSettings:
+    def __init__(
+        self,
+        *,
+        health_interval: float = 1.0,
+        health_timeout: float = 5.0,
+        backoff_initial: float = 0.5,
+        backoff_max: float = 30.0,
+        healthy_after: float = 30.0,
+        run_dir: str | None = None,
+    ) -> None:
+        self.health_interval = health_interval
+        self.health_timeout = health_timeout
+        self.backoff_initial = backoff_initial
+        self.backoff_max = backoff_max
+        self.healthy_after = healthy_after
+        self.run_dir = run_dir
+
+
+class Supervisor:
+    def __init__(
+        self,
+        pool: ReplicaPool,
+        settings: SupervisorSettings | None = None,
+        on_event: Callable[[str, ReplicaSlot], None] | None = None,
+    ) -> None:
+        self.pool = pool
+        self.settings = settings or SupervisorSettings()
+        self._on_event = on_event or (lambda event, slot: None)
+        self._tasks: list[asyncio.Task[None]] = []
+        self._procs: dict[str, asyncio.subprocess.Process] = {}
+        self._run_dir = self.settings.run_dir or tempfile.mkdtemp(prefix="fairstream-")
+        self._closing = False
+
+    async def start(self) -> None:
+        loop = asyncio.get_running_loop()
+        for slot in self.pool.slots:
+            self._tasks.append(loop.create_task(self._supervise(slot), name=f"supervise-{slot.name}"))
+
+    async def wait_ready(self, timeout: float, minimum: int = 1) -> bool:
+        """Wait until ``minimum`` replicas are ready; False on timeout."""
+        loop = asyncio.get_running_loop()
+        end = loop.time() + timeout
+        while loop.time() < end:
+            if sum(1 for s in self.pool.slots if s.ready) >= minimum:
+                return True
+            await asyncio.sleep(0.05)
+        return False
+
+    def process(self, name: str) -> asyncio.subprocess.Process | None:
+        return self._procs.get(name)
+
+    async def close(self) -> None:
+        self._closing = True
+        for t in self._tasks:
+            t.cancel()
+        for t in self._tasks:
+            try:
+                await t
+            except (asyncio.CancelledError, Exception):
+                pass
+        self._tasks.clear()
+        await asyncio.gather(*(self._stop_process(p) for p in list(self._procs.values())))
+        self._procs.clear()
+
+    # -- life cycle --------------------------------------------------------
+
+    async def _supervise(self, slot: ReplicaSlot) -> None:
+        s = self.settings
+        failures = 0
+        loop = asyncio.get_running_loop()
+        while not self._closing:
+            started = loop.time()
+            try:
+                await self._run_once(slot)
+            except asyncio.CancelledError:
+                raise
+            except ReplicaRefused as e:
+                log.error("replica %s: %s", slot.name, e)
+            except Exception as e:  # noqa: BLE001 - any failure means restart
+                log.warning("replica %s failed: %s", slot.name, e)
+            slot.state = "down"
+            self._on_event("down", slot)
+            if self._closing:
+                return
+            if loop.time() - started > s.healthy_after:
+                failures = 0
+            delay = min(s.backoff_max, s.backoff_initial * (2**failures))
+            failures += 1
+            slot.restarts += 1
+            log.info("replica %s: restarting in %.1fs (restart %d)", slot.name, delay, slot.restarts)
+            await asyncio.sleep(delay)
+
+    async def _run_once(self, slot: ReplicaSlot) -> None:
+        slot.state = "starting"
+        proc = None
+        try:
+            if slot.spec.local:
+                proc, address = await self._spawn(slot)
+                client = await self._connect_when_up(slot, address, proc)
+            else:
+                client = await connect(
+                    slot.name, slot.spec.address or "", secret=self._secret(slot), timeout=10
+                )
+            slot.client = client
+            slot.state = "ready"
+            log.info("replica %s ready (model %s, pid %s)", slot.name, client.model, client.ready.pid)
+            self._on_event("ready", slot)
+            await self._watch(slot, client, proc)
+        finally:
+            if slot.client is not None:
+                await slot.client.close()
+            if proc is not None:
+                await self._stop_process(proc)
+                self._procs.pop(slot.name, None)
+
+    async def _watch(self, slot: ReplicaSlot, client: ReplicaClient, proc) -> None:
+        """Return when the replica is dead, disconnected or stops answering pings."""
+        s = self.settings
+        exited = asyncio.ensure_future(proc.wait()) if proc is not None else None
+        try:
+            while client.closed is None:
+                if exited is not None and exited.done():
+                    raise RuntimeError(f"process exited with code {proc.returncode}")
+                try:
+                    await client.ping(s.health_timeout)
+                except asyncio.TimeoutError:
+                    raise RuntimeError(f"no pong within {s.health_timeout}s (stalled)") from None
+                except ConnectionError:
+                    break
+                await asyncio.sleep(s.health_interval)
+            raise RuntimeError(str(client.closed))
+        finally:
+            if exited is not None:
+                exited.cancel()
+
+    async def _spawn(self, slot: ReplicaSlot) -> tuple[asyncio.subprocess.Process, str]:
+        spec = slot.spec
+        path = os.path.join(self._run_dir, f"{spec.name}.sock")
+        try:
+            os.unlink(path)
+        except FileNotFoundError:
+            pass
+        env = dict(os.environ)
+        env.update(spec.env)
+        if spec.gpu is not None:
+            env["CUDA_VISIBLE_DEVICES"] = str(spec.gpu)
+        secret = self._secret(slot)
+        env["FAIRSTREAM_REPLICA_SECRET"] = secret
+        cmd = [
+            sys.executable,
+            "-m",
+            "replicas",
+            "--engine",
+            spec.engine,
+            "--socket",
+            path,
+            "--config-json",
+            json.dumps(spec.config),
+            "--exit-with-parent",
+        ]
+        proc = await asyncio.create_subprocess_exec(
+            *cmd, env=env, stdout=sys.stderr, preexec_fn=_die_with_parent
+        )
+        self._procs[spec.name] = proc
+        slot.pid = proc.pid
+        self._on_event("spawned", slot)
+        return proc, "unix:" + path
+
+    async def _connect_when_up(self, slot: ReplicaSlot, address: str, proc) -> ReplicaClient:
+        loop = asyncio.get_running_loop()
+        end = loop.time() + slot.spec.start_timeout
+        path = address[5:]
+        while True:
+            if proc.returncode is not None:
+                raise RuntimeError(f"process exited with code {proc.returncode} while starting")
+            if os.path.exists(path):
+                try:
+                    return await connect(slot.name, address, secret=self._secret(slot), timeout=10)
+                except (ConnectionError, FileNotFoundError, asyncio.TimeoutError):
+                    pass
+            if loop.time() > end:
+                raise RuntimeError(f"not ready within {slot.spec.start_timeout}s")
+            await asyncio.sleep(0.1)
+
+    def _secret(self, slot: ReplicaSlot) -> str:
+        if slot.spec.secret_env:
+            return os.environ.get(slot.spec.secret_env, "")
+        return ""
+
+    async def _stop_process(self, proc: asyncio.subprocess.Process) -> None:
+        if proc.returncode is not None:
+            return
+        try:
+            proc.terminate()
+            await asyncio.wait_for(proc.wait(), 10)
+        except asyncio.TimeoutError:
+            proc.kill()
+            await proc.wait()
+        except ProcessLookupError:
+            pass

@@ -1,0 +1,342 @@
+"""The ``vllm`` engine: vLLM's ``AsyncLLM`` behind the ``Engine`` interface.
+
+The replica server tokenizes prompts itself (``VllmEngine.tokenizer``) and
+detokenizes output with ``replicas.output``; this engine only moves token ids.
+Requests go to vLLM as ``TokensPrompt`` with ``RequestOutputKind.DELTA`` and
+``detokenize=False``. Stop strings are not passed to vLLM (the replica's
+``OutputProcessor`` matches them and the server aborts the request); stop token
+ids, ``ignore_eos``, ``min_tokens``, the seed and every sampling knob are.
+
+One task per request iterates ``AsyncLLM.generate`` and pushes deltas into the
+sink; ``abort`` cancels that task (vLLM's generator aborts the request in the
+engine when cancelled) and also aborts by id in case the cancel landed while
+the request was being added. Load comes from vLLM's scheduler stats through a
+stat logger registered on the engine, clamped to the requests this engine
+still has in flight (vLLM reports stats per step, so after the last request
+ends the last report would otherwise stay stale).
+
+vLLM is imported in ``start()`` only, so this module imports without it. vLLM
+starts its engine core in a child process: code that calls ``start()`` must
+run under ``if __name__ == "__main__":``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import time
+from pathlib import Path
+from typing import Any
+
+import msgspec
+
+from replicas.engine import Engine, EngineError, OutputSink, Tokenizer
+from replicas.protocol import FinishReason, LoadReport, SamplingParams
+
+__all__ = ["VllmEngine", "VllmEngineConfig", "HfTokenizer"]
+
+log = logging.getLogger(__name__)
+
+_GIB = 1 << 30
+
+# vLLM's CompletionOutput.finish_reason strings -> our codes.
+_FINISH = {
+    "stop": FinishReason.STOP,
+    "length": FinishReason.LENGTH,
+    "abort": FinishReason.ABORT,
+    "error": FinishReason.ERROR,
+    "repetition": FinishReason.STOP,
+}
+
+
+class VllmEngineConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    """How to start vLLM for one replica."""
+
+    model: str
+    """Model directory or Hugging Face name (no downloads on offline hosts)."""
+    served_name: str | None = None
+    """Model name reported to the router; default: ``model``."""
+    seed: int = 0
+    """Engine seed. Replicas of one model must share it: with ``load_format=dummy``
+    it fixes the random weights, and it fixes unseeded sampling."""
+    max_model_len: int = 2048
+    """Longest prompt + completion in tokens."""
+    dtype: str = "float32"
+    """Weight and activation dtype (``float32``, ``bfloat16``, ``auto``...)."""
+    kv_cache_gib: float | None = 1.0
+    """KV cache size in GiB (vLLM ``kv_cache_memory_bytes``); ``None`` lets vLLM
+    size it (``gpu_memory_utilization`` on GPUs). ``VLLM_CPU_KVCACHE_SPACE``
+    in the environment overrides it on CPU hosts."""
+    enforce_eager: bool = True
+    """Skip graph capture and compilation: much faster start, needed on CPU."""
+    tiny: bool = False
+    """Generate the built-in tiny model (``replicas.tinymodel``, seeded random
+    weights) into ``model`` when it is missing."""
+    load_format: str = "auto"
+    """vLLM ``load_format``; ``dummy`` gives random weights from ``seed``."""
+    extra: dict[str, Any] = {}
+    """More ``AsyncEngineArgs`` keywords, passed through unchanged; they win
+    over the fields above."""
+
+
+class HfTokenizer:
+    """``replicas.engine.Tokenizer`` over a Hugging Face tokenizer.
+
+    ``decode`` skips special tokens (no ``</s>`` in completion text) and leaves
+    an unfinished UTF-8 sequence as U+FFFD, as byte-level tokenizers do.
+    """
+
+    __slots__ = ("_tok", "eos_token_id")
+
+    def __init__(self, hf_tokenizer: Any) -> None:
+        self._tok = hf_tokenizer
+        self.eos_token_id: int | None = hf_tokenizer.eos_token_id
+
+    def encode(self, text: str) -> list[int]:
+        # Completion prompts get the model's special tokens (BOS), as in vLLM.
+        return list(self._tok.encode(text, add_special_tokens=True))
+
+    def decode(self, token_ids: list[int]) -> str:
+        return self._tok.decode(token_ids, skip_special_tokens=True)
+
+    def chat(self, messages: list[dict[str, str]]) -> list[int]:
+        if not getattr(self._tok, "chat_template", None):
+            raise EngineError("the model has no chat template")
+        # Render to text first: the tokenize=True return type differs between
+        # transformers 4 (list) and 5 (BatchEncoding). The template carries BOS.
+        text = self._tok.apply_chat_template(
+            messages, tokenize=False, add_generation_prompt=True
+        )
+        return list(self._tok.encode(text, add_special_tokens=False))
+
+
+class _SchedulerLoad:
+    """Last scheduler stats vLLM reported (written by the stat logger)."""
+
+    __slots__ = ("running", "waiting", "kv_usage", "steps")
+
+    def __init__(self) -> None:
+        self.running = 0
+        self.waiting = 0
+        self.kv_usage = 0.0
+        self.steps = 0
+
+
+class VllmEngine(Engine):
+    """vLLM ``AsyncLLM`` serving one model in this process (plus vLLM's
+    engine-core child process)."""
+
+    name = "vllm"
+
+    def __init__(self, config: VllmEngineConfig, sink: OutputSink) -> None:
+        super().__init__(sink)
+        self.config = config
+        self.model = config.served_name or config.model
+        self.max_model_len = config.max_model_len
+        self._llm: Any = None
+        self._vllm: Any = None  # the vllm names start() imports
+        self._tasks: dict[int, asyncio.Task[None]] = {}
+        self._req_ids: dict[int, str] = {}
+        self._aborts: set[asyncio.Task[None]] = set()
+        self._seq = itertools.count()
+        self._load = _SchedulerLoad()
+        self._tokens_generated = 0
+        self.start_seconds = 0.0
+
+    async def start(self) -> None:
+        cfg = self.config
+        t0 = time.monotonic()
+        if cfg.tiny:
+            from replicas.tinymodel import ensure_tiny_model
+
+            await asyncio.to_thread(ensure_tiny_model, Path(cfg.model))
+        try:
+            from vllm import SamplingParams as VllmSamplingParams
+            from vllm.engine.arg_utils import AsyncEngineArgs
+            from vllm.inputs import TokensPrompt
+            from vllm.sampling_params import RequestOutputKind
+            from vllm.v1.engine.async_llm import AsyncLLM
+            from vllm.v1.engine.exceptions import EngineDeadError
+        except ImportError as e:
+            raise EngineError(f"vllm is not installed or does not import: {e}") from e
+        self._vllm = (VllmSamplingParams, TokensPrompt, RequestOutputKind, EngineDeadError)
+
+        kwargs: dict[str, Any] = {
+            "model": cfg.model,
+            "seed": cfg.seed,
+            "max_model_len": cfg.max_model_len,
+            "dtype": cfg.dtype,
+            "enforce_eager": cfg.enforce_eager,
+            "load_format": cfg.load_format,
+            # Our stat logger below keeps the scheduler stats flowing; vLLM's
+            # own periodic log lines stay off.
+            "disable_log_stats": True,
+        }
+        if cfg.served_name:
+            kwargs["served_model_name"] = cfg.served_name
+        if cfg.kv_cache_gib is not None:
+            kwargs["kv_cache_memory_bytes"] = int(cfg.kv_cache_gib * _GIB)
+        kwargs.update(cfg.extra)
+        args = AsyncEngineArgs(**kwargs)
+        factory = _stat_logger_factory(self._load)
+        # Building the engine blocks for the whole model load (~30 s for the
+        # tiny model on CPU); keep the event loop free meanwhile.
+        try:
+            self._llm = await asyncio.to_thread(
+                AsyncLLM.from_engine_args, args, stat_loggers=[factory]
+            )
+        except Exception as e:
+            raise EngineError(f"vLLM failed to start: {type(e).__name__}: {e}") from e
+        self.tokenizer: Tokenizer = HfTokenizer(self._llm.get_tokenizer())
+        self.max_model_len = self._llm.model_config.max_model_len
+        self.start_seconds = time.monotonic() - t0
+        log.info("vLLM engine for %s ready in %.1f s", cfg.model, self.start_seconds)
+
+    def add(self, rid: int, token_ids: list[int], params: SamplingParams) -> None:
+        llm = self._llm
+        if llm is None:
+            raise EngineError("engine not started")
+        if llm.errored:
+            raise EngineError("vLLM engine is dead")
+        if rid in self._tasks:
+            raise EngineError(f"request {rid} is already running")
+        if not token_ids:
+            raise EngineError("empty prompt")
+        if len(token_ids) >= self.max_model_len:
+            raise EngineError(
+                f"prompt has {len(token_ids)} tokens; this model takes at most "
+                f"{self.max_model_len - 1} (max_model_len {self.max_model_len})"
+            )
+        sp = self._sampling_params(params)
+        # Unique per attempt: a rid may be reused right after an abort, before
+        # vLLM has dropped the old request.
+        req_id = f"{rid}-{next(self._seq)}"
+        self._req_ids[rid] = req_id
+        self._tasks[rid] = asyncio.create_task(
+            self._run(rid, req_id, list(token_ids), sp), name=f"vllm-{req_id}"
+        )
+
+    def _sampling_params(self, p: SamplingParams) -> Any:
+        VllmSamplingParams, _, RequestOutputKind, _ = self._vllm
+        try:
+            return VllmSamplingParams(
+                n=1,
+                max_tokens=p.max_tokens,
+                temperature=p.temperature,
+                top_p=p.top_p,
+                top_k=p.top_k if p.top_k > 0 else 0,
+                seed=p.seed,
+                stop_token_ids=list(p.stop_token_ids) or None,
+                ignore_eos=p.ignore_eos,
+                min_tokens=p.min_tokens,
+                presence_penalty=p.presence_penalty,
+                frequency_penalty=p.frequency_penalty,
+                repetition_penalty=p.repetition_penalty,
+                detokenize=False,
+                output_kind=RequestOutputKind.DELTA,
+            )
+        except (ValueError, TypeError) as e:
+            raise EngineError(f"bad sampling parameters: {e}") from e
+
+    async def _run(self, rid: int, req_id: str, prompt: list[int], sp: Any) -> None:
+        _, TokensPrompt, _, EngineDeadError = self._vllm
+        sink = self.sink
+        try:
+            gen = self._llm.generate(TokensPrompt(prompt_token_ids=prompt), sp, req_id)
+            async for out in gen:
+                c = out.outputs[0]
+                ids = list(c.token_ids)
+                finish = FinishReason.NONE
+                if c.finish_reason is not None:
+                    finish = _FINISH.get(c.finish_reason, FinishReason.STOP)
+                elif out.finished:
+                    finish = FinishReason.STOP
+                self._tokens_generated += len(ids)
+                if ids or finish != FinishReason.NONE:
+                    sink(rid, ids, finish, "")
+        except asyncio.CancelledError:
+            raise  # abort(): no further output
+        except EngineDeadError as e:
+            sink(rid, [], FinishReason.ERROR, f"vLLM engine is dead: {e}")
+        except Exception as e:
+            cause = e.__cause__ or e
+            sink(rid, [], FinishReason.ERROR, f"{type(cause).__name__}: {cause}")
+        finally:
+            if self._req_ids.get(rid) == req_id:
+                del self._req_ids[rid]
+                self._tasks.pop(rid, None)
+
+    def abort(self, rid: int) -> None:
+        task = self._tasks.pop(rid, None)
+        req_id = self._req_ids.pop(rid, None)
+        if task is None or req_id is None:
+            return
+        task.cancel()
+        llm = self._llm
+        if llm is not None and not llm.errored:
+            # The cancelled generator aborts in vLLM too; this covers a cancel
+            # that lands before generate() has registered the request.
+            t = asyncio.get_running_loop().create_task(_abort_quietly(llm, req_id))
+            self._aborts.add(t)
+            t.add_done_callback(self._aborts.discard)
+
+    def load(self) -> LoadReport:
+        s = self._load
+        n = len(self._tasks)
+        running = min(s.running, n)
+        return LoadReport(
+            running=running,
+            waiting=n - running,
+            kv_usage=s.kv_usage if n else 0.0,
+            steps=s.steps,
+            tokens_generated=self._tokens_generated,
+        )
+
+    async def close(self) -> None:
+        tasks = list(self._tasks.values())
+        self._tasks.clear()
+        self._req_ids.clear()
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, *self._aborts, return_exceptions=True)
+        llm, self._llm = self._llm, None
+        if llm is not None:
+            await asyncio.to_thread(llm.shutdown)
+
+
+async def _abort_quietly(llm: Any, req_id: str) -> None:
+    try:
+        await llm.abort(req_id)
+    except Exception:  # the engine may be shutting down
+        log.debug("abort of %s failed", req_id, exc_info=True)
+
+
+def _stat_logger_factory(load: _SchedulerLoad) -> Any:
+    """A vLLM per-engine stat logger factory that copies scheduler stats into
+    ``load``. vLLM calls ``record`` from its output handler task, on our loop."""
+    from vllm.v1.metrics.loggers import StatLoggerBase
+
+    class _LoadLogger(StatLoggerBase):
+        def __init__(self, vllm_config: Any, engine_index: int = 0) -> None:
+            self._load = load
+
+        def record(
+            self,
+            scheduler_stats: Any,
+            iteration_stats: Any,
+            mm_cache_stats: Any = None,
+            engine_idx: int = 0,
+        ) -> None:
+            if scheduler_stats is None:
+                return
+            ld = self._load
+            ld.running = scheduler_stats.num_running_reqs
+            ld.waiting = scheduler_stats.num_waiting_reqs
+            ld.kv_usage = float(scheduler_stats.kv_cache_usage)
+            ld.steps += 1
+
+        def log_engine_initialized(self) -> None:
+            pass
+
+    return _LoadLogger

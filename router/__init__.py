@@ -1,0 +1,1 @@
+"""The async edge of fairstream: HTTP, auth, dispatch, relay and metrics."""

@@ -1,0 +1,131 @@
+"""The Litestar application: routes, error mapping and lifespan."""
+
+from __future__ import annotations
+
+import logging
+from contextlib import asynccontextmanager
+from pathlib import Path
+
+import msgspec
+from litestar import Litestar, Request, Response, get, post
+from litestar.exceptions import HTTPException
+
+from router.auth import bearer
+from router.completions import handle_completion, new_request_id
+from router.config import RouterConfig
+from router.errors import ApiError, error_body
+from router.service import RouterService
+
+__all__ = ["create_app"]
+
+log = logging.getLogger("fairstream.router")
+
+_JSON = "application/json"
+
+
+def _svc(request: Request) -> RouterService:
+    return request.app.state.service
+
+
+@post("/v1/chat/completions", status_code=200)
+async def chat_completions(request: Request) -> Response:
+    svc = _svc(request)
+    tenant = svc.keys.tenant(bearer(request.headers.get("authorization")))
+    return await handle_completion(svc, await request.body(), tenant, True, new_request_id())
+
+
+@post("/v1/completions", status_code=200)
+async def completions(request: Request) -> Response:
+    svc = _svc(request)
+    tenant = svc.keys.tenant(bearer(request.headers.get("authorization")))
+    return await handle_completion(svc, await request.body(), tenant, False, new_request_id())
+
+
+class _Model(msgspec.Struct):
+    id: str
+    object: str
+    created: int
+    owned_by: str
+
+
+class _ModelList(msgspec.Struct):
+    object: str
+    data: list[_Model]
+
+
+@get("/v1/models")
+async def models(request: Request) -> Response:
+    svc = _svc(request)
+    svc.keys.tenant(bearer(request.headers.get("authorization")))
+    data = [_Model(m, "model", 0, "fairstream") for m in svc.pool.models()]
+    return Response(msgspec.json.encode(_ModelList("list", data)), media_type=_JSON)
+
+
+@get("/health")
+async def health() -> Response:
+    return Response(b'{"status":"ok"}', media_type=_JSON)
+
+
+@get("/ready")
+async def ready(request: Request) -> Response:
+    svc = _svc(request)
+    replicas = {s.name: s.state for s in svc.pool.slots}
+    ok = any(s.ready for s in svc.pool.slots)
+    body = msgspec.json.encode({"ready": ok, "replicas": replicas})
+    return Response(body, media_type=_JSON, status_code=200 if ok else 503)
+
+
+@get("/metrics")
+async def metrics(request: Request) -> Response:
+    svc = _svc(request)
+    return Response(svc.metrics.expose(svc.pool), media_type="text/plain; version=0.0.4; charset=utf-8")
+
+
+def _api_error(request: Request, exc: ApiError) -> Response:
+    return Response(exc.body(), status_code=exc.status, headers=exc.headers, media_type=_JSON)
+
+
+_HTTP_TYPES = {401: "invalid_request_error", 404: "invalid_request_error", 405: "invalid_request_error",
+               413: "invalid_request_error", 429: "rate_limit_error"}
+
+
+def _http_error(request: Request, exc: HTTPException) -> Response:
+    status = exc.status_code
+    if status == 404:
+        message = f"Unknown path {request.url.path}."
+    elif status == 405:
+        message = f"Method {request.method} is not allowed on {request.url.path}."
+    elif status == 413:
+        message = "The request body is too large."
+    else:
+        message = str(exc.detail)
+    type_ = _HTTP_TYPES.get(status, "invalid_request_error" if status < 500 else "server_error")
+    return Response(error_body(message, type_), status_code=status, headers=exc.headers, media_type=_JSON)
+
+
+def _internal_error(request: Request, exc: Exception) -> Response:
+    log.exception("unhandled error on %s", request.url.path, exc_info=exc)
+    return Response(error_body("Internal server error.", "server_error"), status_code=500, media_type=_JSON)
+
+
+def create_app(config: RouterConfig, tenants_path: Path) -> Litestar:
+    service = RouterService(config, tenants_path)
+
+    @asynccontextmanager
+    async def lifespan(app: Litestar):
+        await service.start()
+        try:
+            yield
+        finally:
+            await service.close()
+
+    app = Litestar(
+        route_handlers=[chat_completions, completions, models, health, ready, metrics],
+        lifespan=[lifespan],
+        exception_handlers={ApiError: _api_error, HTTPException: _http_error, Exception: _internal_error},
+        request_max_body_size=config.max_body_bytes,
+        openapi_config=None,
+        debug=False,
+    )
+    app.state.service = service
+    return app

@@ -1,0 +1,66 @@
+"""API key -> tenant. Keys are stored and compared as SHA-256 digests."""
+
+from __future__ import annotations
+
+import hashlib
+
+from router.errors import Forbidden, Unauthorized
+from router.tenants import TenantsFile
+
+__all__ = ["KeyIndex", "hash_key", "bearer"]
+
+
+def hash_key(key: str) -> str:
+    return hashlib.sha256(key.encode("utf-8")).hexdigest()
+
+
+def bearer(authorization: str | None) -> str:
+    """The key in an ``Authorization: Bearer KEY`` header; 401 if absent."""
+    if not authorization:
+        raise Unauthorized(
+            "You didn't provide an API key. Send it as 'Authorization: Bearer YOUR_KEY'.",
+            code="missing_api_key",
+        )
+    scheme, _, key = authorization.partition(" ")
+    key = key.strip()
+    if scheme.lower() != "bearer" or not key:
+        raise Unauthorized("Malformed Authorization header; expected 'Bearer YOUR_KEY'.")
+    return key
+
+
+class KeyIndex:
+    """Maps key digests to tenant names.
+
+    The presented key is hashed before any comparison, so the dict lookup
+    compares digests, never the secret: its timing depends on the digest of
+    what the caller sent, which tells the caller nothing about stored keys
+    (an attacker cannot steer a SHA-256 prefix). That is the constant-time
+    property of comparing hashes, with O(1) lookup for any number of keys."""
+
+    def __init__(self, tenants: TenantsFile) -> None:
+        self._tenants: dict[str, str] = {}
+        for name, tenant in tenants.tenants.items():
+            for digest in tenant.keys:
+                self._tenants[digest] = name
+        self._admins = set(tenants.admin_keys)
+
+    def tenant(self, key: str) -> str:
+        digest = hash_key(key)
+        name = self._tenants.get(digest)
+        if name is None:
+            if digest in self._admins:
+                raise Forbidden("Admin keys cannot call the inference API; use a tenant key.")
+            raise Unauthorized(f"Incorrect API key provided: {_redact(key)}.")
+        return name
+
+    def admin(self, key: str) -> None:
+        digest = hash_key(key)
+        if digest in self._admins:
+            return
+        if digest in self._tenants:
+            raise Forbidden("This endpoint needs an admin key; tenant keys are not allowed.")
+        raise Unauthorized(f"Incorrect API key provided: {_redact(key)}.")
+
+
+def _redact(key: str) -> str:
+    return key[:3] + "*" * 4 + key[-4:] if len(key) > 8 else "****"

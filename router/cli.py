@@ -1,0 +1,100 @@
+"""The ``fairstream`` command: serve, replica, check-config, hash-key."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from pathlib import Path
+
+__all__ = ["main"]
+
+
+def _serve(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    from router.app import create_app
+    from router.config import load_router_config
+    from router.configfile import ConfigError
+
+    try:
+        config, tenants = load_router_config(args.config)
+        if args.tenants:
+            tenants = Path(args.tenants)
+        app = create_app(config, tenants)
+    except ConfigError as e:
+        print("\n".join(e.errors), file=sys.stderr)
+        return 1
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    uvicorn.run(
+        app,
+        host=args.host or config.host,
+        port=args.port or config.port,
+        loop="uvloop",
+        http="httptools",
+        lifespan="on",
+        log_level="warning",
+        access_log=False,
+        timeout_graceful_shutdown=5,
+    )
+    return 0
+
+
+def _check(args: argparse.Namespace) -> int:
+    from router.config import RouterConfig
+    from router.configfile import ConfigError, load_yaml
+    from router.tenants import TenantsFile
+
+    failed = False
+    for path in args.files:
+        try:
+            import yaml
+
+            with open(path, encoding="utf-8") as f:
+                head = yaml.safe_load(f)
+            kind = RouterConfig if isinstance(head, dict) and "replicas" in head else TenantsFile
+            load_yaml(path, kind)
+            print(f"{path}: ok ({'router' if kind is RouterConfig else 'tenants'} config)")
+        except ConfigError as e:
+            failed = True
+            print("\n".join(e.errors), file=sys.stderr)
+        except Exception as e:  # noqa: BLE001 - report unreadable files the same way
+            failed = True
+            print(f"{path}:1: (file): {e}", file=sys.stderr)
+    return 1 if failed else 0
+
+
+def _hash_key(args: argparse.Namespace) -> int:
+    from router.auth import hash_key
+
+    print(hash_key(args.key))
+    return 0
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(prog="fairstream", description="Multi-tenant streaming router for vLLM")
+    sub = p.add_subparsers(dest="cmd", required=True)
+
+    s = sub.add_parser("serve", help="run the router")
+    s.add_argument("--config", default="configs/router.yaml")
+    s.add_argument("--tenants", help="tenant policy file (default: from router.yaml)")
+    s.add_argument("--host")
+    s.add_argument("--port", type=int)
+    s.set_defaults(func=_serve)
+
+    from replicas.cli import add_arguments, run
+
+    r = sub.add_parser("replica", help="run one replica process (e.g. on a GPU host)")
+    add_arguments(r)
+    r.set_defaults(func=lambda a: run(a) or 0)
+
+    c = sub.add_parser("check-config", help="validate router.yaml / tenants.yaml files")
+    c.add_argument("files", nargs="+")
+    c.set_defaults(func=_check)
+
+    h = sub.add_parser("hash-key", help="print the SHA-256 digest of an API key for tenants.yaml")
+    h.add_argument("key")
+    h.set_defaults(func=_hash_key)
+
+    args = p.parse_args(argv)
+    sys.exit(args.func(args))

@@ -1,0 +1,66 @@
+"""router.yaml: where the router listens and which replicas it serves from."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import msgspec
+
+from replicas.spec import ReplicaSpec
+from router.configfile import Located, load_yaml
+
+__all__ = ["RouterConfig", "load_router_config"]
+
+
+class RouterConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    """The whole router.yaml."""
+
+    host: str = "127.0.0.1"
+    """Address to listen on."""
+    port: int = 8080
+    """Port to listen on."""
+    tenants: str = "tenants.yaml"
+    """Path of the tenant policy file, relative to router.yaml."""
+    replicas: list[ReplicaSpec]
+    """Replicas to supervise (local) or attach to (``address``)."""
+    default_max_tokens: int = 256
+    """``max_tokens`` for requests that do not set it."""
+    max_body_bytes: int = 4 * 1024 * 1024
+    """Largest request body accepted (413 above)."""
+    max_failovers: int = 3
+    """How many times one stream may move to another replica."""
+    ready_timeout: float = 180.0
+    """Seconds ``serve`` waits at start for the first replica."""
+    health_interval: float = 1.0
+    """Seconds between health pings to each replica."""
+    health_timeout: float = 5.0
+    """A replica that does not answer a ping within this is restarted."""
+    restart_backoff_max: float = 30.0
+    """Longest wait between restarts of a failing replica."""
+
+    def validate(self, located: Located) -> list[str]:
+        errors = []
+        if not (0 < self.port < 65536):
+            errors.append(located.error(("port",), "must be between 1 and 65535"))
+        if not self.replicas:
+            errors.append(located.error(("replicas",), "at least one replica is needed"))
+        seen: set[str] = set()
+        for i, r in enumerate(self.replicas):
+            if r.name in seen:
+                errors.append(located.error(("replicas", i, "name"), f"duplicate replica name {r.name!r}"))
+            seen.add(r.name)
+        for key in ("default_max_tokens", "max_body_bytes"):
+            if getattr(self, key) < 1:
+                errors.append(located.error((key,), "must be at least 1"))
+        if self.max_failovers < 0:
+            errors.append(located.error(("max_failovers",), "must not be negative"))
+        return errors
+
+
+def load_router_config(path: str | Path) -> tuple[RouterConfig, Path]:
+    """Load router.yaml; return it and the resolved tenants path."""
+    cfg, _ = load_yaml(path, RouterConfig)
+    tenants = Path(cfg.tenants)
+    if not tenants.is_absolute():
+        tenants = Path(path).parent / tenants
+    return cfg, tenants

@@ -1,0 +1,123 @@
+"""Strict YAML loading into msgspec structs, with ``file:line: key: reason`` errors.
+
+PyYAML's node tree keeps a line for every key and value; msgspec's validation
+errors carry a JSON path (``$.tenants.gold.limits.rpm``). ``load_yaml`` maps the
+one onto the other so every error names the file, the line and the key.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Any, TypeVar
+
+import msgspec
+import yaml
+
+__all__ = ["ConfigError", "load_yaml", "Located"]
+
+T = TypeVar("T")
+
+
+class ConfigError(ValueError):
+    """A config file is invalid; ``errors`` holds one ``file:line: key: reason`` per problem."""
+
+    def __init__(self, errors: list[str]) -> None:
+        self.errors = errors
+        super().__init__("\n".join(errors))
+
+
+class Located:
+    """Line numbers of every path in a YAML document."""
+
+    def __init__(self, path: str, root: yaml.Node | None) -> None:
+        self.path = path
+        self.lines: dict[tuple[Any, ...], int] = {}
+        self.key_lines: dict[tuple[Any, ...], int] = {}
+        if root is not None:
+            self._walk(root, ())
+
+    def _walk(self, node: yaml.Node, at: tuple[Any, ...]) -> None:
+        self.lines[at] = node.start_mark.line + 1
+        if isinstance(node, yaml.MappingNode):
+            for k, v in node.value:
+                key = k.value
+                self.key_lines[at + (key,)] = k.start_mark.line + 1
+                self._walk(v, at + (key,))
+        elif isinstance(node, yaml.SequenceNode):
+            for i, v in enumerate(node.value):
+                self._walk(v, at + (i,))
+
+    def line(self, at: tuple[Any, ...]) -> int:
+        while at:
+            if at in self.key_lines:
+                return self.key_lines[at]
+            if at in self.lines:
+                return self.lines[at]
+            at = at[:-1]
+        return self.lines.get((), 1)
+
+    def error(self, at: tuple[Any, ...], reason: str) -> str:
+        key = ".".join(str(p) for p in at) or "(top level)"
+        return f"{self.path}:{self.line(at)}: {key}: {reason}"
+
+
+_PATH_RE = re.compile(r" - at `\$(.*)`$")
+_PART_RE = re.compile(r"\.([^.\[]+)|\[(\d+|\.\.\.)\]")
+_UNKNOWN_RE = re.compile(r"Object contains unknown field `([^`]+)`")
+_MISSING_RE = re.compile(r"Object missing required field `([^`]+)`")
+
+
+def _parse_error(err: str) -> tuple[tuple[Any, ...], str]:
+    m = _PATH_RE.search(err)
+    reason = err[: m.start()] if m else err
+    at: tuple[Any, ...] = ()
+    if m:
+        for name, idx in _PART_RE.findall(m.group(1)):
+            if name:
+                at += (name,)
+            elif idx != "...":
+                at += (int(idx),)
+    u = _UNKNOWN_RE.match(reason)
+    if u:
+        return at + (u.group(1),), "unknown key"
+    mm = _MISSING_RE.match(reason)
+    if mm:
+        return at, f"missing required key `{mm.group(1)}`"
+    return at, reason
+
+
+def load_yaml(path: str | Path, type_: type[T], text: str | None = None) -> tuple[T, Located]:
+    """Parse and validate ``path`` (or ``text`` reported as ``path``) as ``type_``.
+
+    Raises ``ConfigError`` with located messages. Structs may define
+    ``validate(located) -> list[str]`` for checks across fields.
+    """
+    name = str(path)
+    if text is None:
+        try:
+            text = Path(path).read_text("utf-8")
+        except OSError as e:
+            raise ConfigError([f"{name}:1: (file): cannot read: {e.strerror or e}"]) from e
+    try:
+        root = yaml.compose(text, Loader=yaml.SafeLoader)
+        data = yaml.safe_load(text)
+    except yaml.MarkedYAMLError as e:
+        line = (e.problem_mark.line + 1) if e.problem_mark else 1
+        raise ConfigError([f"{name}:{line}: (syntax): {e.problem or e}"]) from e
+    except yaml.YAMLError as e:
+        raise ConfigError([f"{name}:1: (syntax): {e}"]) from e
+    located = Located(name, root)
+    if data is None:
+        data = {}
+    try:
+        value = msgspec.convert(data, type_, strict=True)
+    except msgspec.ValidationError as e:
+        at, reason = _parse_error(str(e))
+        raise ConfigError([located.error(at, reason)]) from e
+    check = getattr(value, "validate", None)
+    if check is not None:
+        problems = check(located)
+        if problems:
+            raise ConfigError(problems)
+    return value, located

@@ -1,0 +1,106 @@
+"""Errors that map to HTTP: each carries its status, OpenAI error type and headers."""
+
+from __future__ import annotations
+
+import msgspec
+
+__all__ = [
+    "ApiError",
+    "BadRequest",
+    "Unauthorized",
+    "Forbidden",
+    "NotFound",
+    "PayloadTooLarge",
+    "RateLimited",
+    "ServiceUnavailable",
+    "ReplicaUnavailable",
+    "error_body",
+]
+
+
+class _ErrorDetail(msgspec.Struct):
+    message: str
+    type: str
+    param: str | None
+    code: str | None
+
+
+class _ErrorBody(msgspec.Struct):
+    error: _ErrorDetail
+
+
+def error_body(message: str, type_: str, param: str | None = None, code: str | None = None) -> bytes:
+    """OpenAI's error shape: ``{"error": {"message", "type", "param", "code"}}``."""
+    return msgspec.json.encode(_ErrorBody(_ErrorDetail(message, type_, param, code)))
+
+
+class ApiError(Exception):
+    status = 500
+    type = "server_error"
+    code: str | None = None
+    recoverable = False  # worth retrying later as is
+
+    def __init__(self, message: str, *, param: str | None = None, code: str | None = None,
+                 headers: dict[str, str] | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        self.param = param
+        if code is not None:
+            self.code = code
+        self.headers = headers or {}
+
+    def body(self) -> bytes:
+        return error_body(self.message, self.type, self.param, self.code)
+
+
+class BadRequest(ApiError):
+    status = 400
+    type = "invalid_request_error"
+
+
+class Unauthorized(ApiError):
+    status = 401
+    type = "invalid_request_error"
+    code = "invalid_api_key"
+
+
+class Forbidden(ApiError):
+    status = 403
+    type = "invalid_request_error"
+    code = "forbidden"
+
+
+class NotFound(ApiError):
+    status = 404
+    type = "invalid_request_error"
+
+
+class PayloadTooLarge(ApiError):
+    status = 413
+    type = "invalid_request_error"
+    code = "request_too_large"
+
+
+class RateLimited(ApiError):
+    status = 429
+    type = "rate_limit_error"
+    code = "rate_limit_exceeded"
+    recoverable = True
+
+    def __init__(self, message: str, retry_after: float, **kw) -> None:
+        super().__init__(message, **kw)
+        self.retry_after = retry_after
+        self.headers.setdefault("retry-after", str(max(1, int(retry_after + 0.999))))
+
+
+class ServiceUnavailable(ApiError):
+    status = 503
+    type = "server_error"
+    code = "service_unavailable"
+    recoverable = True
+
+
+class ReplicaUnavailable(ServiceUnavailable):
+    """No replica can take the request (none ready, or all failed it)."""
+
+    code = "no_replica_available"

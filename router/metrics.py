@@ -1,0 +1,67 @@
+"""Prometheus metrics of the router (prometheus-client).
+
+Tenant and priority labels are bounded by tenants.yaml; replica labels by
+router.yaml. Nothing is labelled by request, key or model input.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+__all__ = ["Metrics"]
+
+_LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1, 1.5, 2, 3, 5, 10, 30)
+_ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.015, 0.02, 0.03, 0.05, 0.075, 0.1, 0.2, 0.5, 1, 2, 5)
+
+
+class Metrics:
+    """All metric families of one router, in their own registry."""
+
+    def __init__(self) -> None:
+        r = self.registry = CollectorRegistry()
+        self.requests = Counter(
+            "fairstream_requests", "Requests by tenant, endpoint and outcome.",
+            ["tenant", "endpoint", "outcome"], registry=r,
+        )
+        self.ttft = Histogram(
+            "fairstream_time_to_first_token_seconds", "Time from request arrival to its first token.",
+            ["tenant", "priority"], buckets=_LATENCY_BUCKETS, registry=r,
+        )
+        self.itl = Histogram(
+            "fairstream_inter_token_latency_seconds",
+            "Time between tokens delivered to the client (an event's gap spread over its tokens).",
+            ["tenant", "priority"], buckets=_ITL_BUCKETS, registry=r,
+        )
+        self.e2e = Histogram(
+            "fairstream_request_duration_seconds", "Time from request arrival to its last byte.",
+            ["tenant", "priority"], buckets=_LATENCY_BUCKETS, registry=r,
+        )
+        self.tokens = Counter(
+            "fairstream_tokens", "Tokens by tenant and direction (prompt, completion).",
+            ["tenant", "direction"], registry=r,
+        )
+        self.replica_up = Gauge("fairstream_replica_up", "1 when the replica is connected and ready.", ["replica"], registry=r)
+        self.replica_restarts = Counter("fairstream_replica_restarts", "Replica restarts by the supervisor.", ["replica"], registry=r)
+        self.replica_inflight = Gauge(
+            "fairstream_replica_inflight_requests", "Requests the router has on the replica.", ["replica"], registry=r
+        )
+        self.replica_running = Gauge("fairstream_replica_running_requests", "Running requests the replica reports.", ["replica"], registry=r)
+        self.replica_waiting = Gauge("fairstream_replica_waiting_requests", "Waiting requests the replica reports.", ["replica"], registry=r)
+        self.replica_kv = Gauge("fairstream_replica_kv_cache_usage_ratio", "KV-cache use the replica reports (0-1).", ["replica"], registry=r)
+        self.failovers = Counter("fairstream_failovers", "Streams moved to another replica mid-generation.", ["replica"], registry=r)
+        self.resumed_tokens = Counter("fairstream_resumed_tokens", "Completion tokens carried over to a new replica on failover.", registry=r)
+        self.failover_latency = Histogram(
+            "fairstream_failover_latency_seconds", "From a replica's death to the stream's next token.",
+            buckets=_LATENCY_BUCKETS, registry=r,
+        )
+        self.streams_lost = Counter("fairstream_streams_lost", "Streams ended with an error because no replica could continue them.", registry=r)
+
+    def expose(self, pool) -> bytes:
+        for slot in pool.slots:
+            self.replica_up.labels(slot.name).set(1 if slot.ready else 0)
+            self.replica_inflight.labels(slot.name).set(slot.inflight)
+            load = slot.client.load if slot.client is not None and slot.ready else None
+            self.replica_running.labels(slot.name).set(load.running if load else 0)
+            self.replica_waiting.labels(slot.name).set(load.waiting if load else 0)
+            self.replica_kv.labels(slot.name).set(load.kv_usage if load else 0)
+        return generate_latest(self.registry)

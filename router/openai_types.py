@@ -1,0 +1,240 @@
+"""OpenAI request bodies, decoded strictly with msgspec.
+
+Every field the official SDK can send is declared, so an unknown field is a
+client mistake and gets a 400 naming it (OpenAI does the same). Fields we do
+not implement are declared too, and ``unsupported()`` names the first one set
+to anything but its neutral value: never a silent ignore.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+import msgspec
+
+from replicas.protocol import SamplingParams
+from router.errors import BadRequest
+
+__all__ = [
+    "ChatRequest",
+    "CompletionRequest",
+    "decode_request",
+    "to_params",
+    "chat_messages",
+    "completion_prompt",
+]
+
+MAX_STOP = 4
+
+
+class StreamOptions(msgspec.Struct, forbid_unknown_fields=True):
+    include_usage: bool = False
+    continuous_usage_stats: bool = False
+
+
+class _Common(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    model: str
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    max_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    n: int | None = None
+    stop: str | list[str] | None = None
+    seed: int | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None
+    logprobs: Any = None
+    user: str | None = None
+    # vLLM extensions the router passes on
+    top_k: int | None = None
+    min_tokens: int | None = None
+    ignore_eos: bool | None = None
+    repetition_penalty: float | None = None
+    stop_token_ids: list[int] | None = None
+
+
+class ChatMessage(msgspec.Struct, kw_only=True):
+    role: str
+    content: str | list[dict[str, Any]] | None = None
+    name: str | None = None
+    tool_calls: Any = None
+    tool_call_id: str | None = None
+    refusal: Any = None
+
+
+class ChatRequest(_Common, kw_only=True):
+    messages: list[ChatMessage]
+    max_completion_tokens: int | None = None
+    top_logprobs: int | None = None
+    tools: Any = None
+    tool_choice: Any = None
+    parallel_tool_calls: Any = None
+    functions: Any = None
+    function_call: Any = None
+    response_format: Any = None
+    service_tier: Any = None
+    store: Any = None
+    metadata: Any = None
+    modalities: Any = None
+    audio: Any = None
+    prediction: Any = None
+    reasoning_effort: Any = None
+    web_search_options: Any = None
+
+
+class CompletionRequest(_Common, kw_only=True):
+    prompt: str | list[Any]
+    """Text, [text], token ids, or [token ids]; checked by ``completion_prompt``."""
+    best_of: int | None = None
+    echo: bool | None = None
+    suffix: str | None = None
+
+
+_UNSUPPORTED_NEUTRAL: dict[str, Any] = {
+    "n": (None, 1),
+    "best_of": (None, 1),
+    "echo": (None, False),
+    "suffix": (None, ""),
+    "logprobs": (None, False),
+    "top_logprobs": (None, 0),
+    "logit_bias": (None,),
+    "tools": (None,),
+    "tool_choice": (None, "none"),
+    "parallel_tool_calls": (None,),
+    "functions": (None,),
+    "function_call": (None, "none"),
+    "response_format": (None, {"type": "text"}),
+    "modalities": (None, ["text"]),
+    "audio": (None,),
+    "prediction": (None,),
+    "web_search_options": (None,),
+}
+_LOC = re.compile(r" - at `\$\.?([^`]*)`$")
+
+
+def _unsupported(req: _Common) -> str | None:
+    for name, neutral in _UNSUPPORTED_NEUTRAL.items():
+        value = getattr(req, name, None)
+        if value is not None and value not in neutral:
+            return name
+    return None
+
+
+def decode_request(body: bytes, kind: type[ChatRequest] | type[CompletionRequest]):
+    """Decode and check a request body; ``BadRequest`` names the faulty field."""
+    if not body:
+        raise BadRequest("The request body is empty; send a JSON object.")
+    try:
+        req = msgspec.json.decode(body, type=kind)
+    except msgspec.ValidationError as e:
+        text = str(e)
+        m = _LOC.search(text)
+        param = m.group(1) if m else None
+        reason = text[: m.start()] if m else text
+        unknown = re.match(r"Object contains unknown field `([^`]+)`", reason)
+        if unknown:
+            name = (param + "." if param else "") + unknown.group(1)
+            raise BadRequest(f"Unrecognized request argument supplied: {name}", param=name) from e
+        missing = re.match(r"Object missing required field `([^`]+)`", reason)
+        if missing:
+            name = (param + "." if param else "") + missing.group(1)
+            raise BadRequest(f"Missing required parameter: '{name}'.", param=name) from e
+        raise BadRequest(f"Invalid value for '{param}': {reason}.", param=param) from e
+    except msgspec.DecodeError as e:
+        raise BadRequest(f"The request body is not valid JSON: {e}", code="invalid_json") from e
+    bad = _unsupported(req)
+    if bad is not None:
+        raise BadRequest(f"'{bad}' is not supported by this server.", param=bad, code="unsupported_parameter")
+    return req
+
+
+def _check_range(name: str, value: float | int | None, lo: float, hi: float) -> None:
+    if value is not None and not (lo <= value <= hi):
+        raise BadRequest(f"'{name}' must be between {lo} and {hi}; got {value}.", param=name)
+
+
+def to_params(req: ChatRequest | CompletionRequest, default_max_tokens: int) -> SamplingParams:
+    """Sampling parameters for the replica; ``BadRequest`` on out-of-range values."""
+    max_tokens = req.max_tokens
+    if isinstance(req, ChatRequest) and req.max_completion_tokens is not None:
+        max_tokens = req.max_completion_tokens
+    if max_tokens is None:
+        max_tokens = default_max_tokens
+    if max_tokens < 1:
+        raise BadRequest(f"'max_tokens' must be at least 1; got {max_tokens}.", param="max_tokens")
+    _check_range("temperature", req.temperature, 0.0, 2.0)
+    _check_range("top_p", req.top_p, 0.0, 1.0)
+    _check_range("presence_penalty", req.presence_penalty, -2.0, 2.0)
+    _check_range("frequency_penalty", req.frequency_penalty, -2.0, 2.0)
+    if req.top_p is not None and req.top_p == 0.0:
+        raise BadRequest("'top_p' must be greater than 0.", param="top_p")
+    stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
+    if len(stop) > MAX_STOP:
+        raise BadRequest(f"'stop' takes at most {MAX_STOP} sequences.", param="stop")
+    if any(not s for s in stop):
+        raise BadRequest("'stop' sequences must not be empty.", param="stop")
+    return SamplingParams(
+        max_tokens=max_tokens,
+        temperature=1.0 if req.temperature is None else req.temperature,
+        top_p=1.0 if req.top_p is None else req.top_p,
+        top_k=-1 if req.top_k is None else req.top_k,
+        seed=req.seed,
+        stop=stop,
+        stop_token_ids=list(req.stop_token_ids or []),
+        ignore_eos=bool(req.ignore_eos),
+        presence_penalty=req.presence_penalty or 0.0,
+        frequency_penalty=req.frequency_penalty or 0.0,
+        repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
+        min_tokens=req.min_tokens or 0,
+    )
+
+
+_ROLES = ("system", "developer", "user", "assistant", "tool")
+
+
+def chat_messages(req: ChatRequest) -> list[dict[str, str]]:
+    """Messages as plain role/content strings for the model's chat template."""
+    if not req.messages:
+        raise BadRequest("'messages' must contain at least one message.", param="messages")
+    out = []
+    for i, m in enumerate(req.messages):
+        if m.role not in _ROLES:
+            raise BadRequest(
+                f"Invalid value for 'messages[{i}].role': {m.role!r}; expected one of {', '.join(_ROLES)}.",
+                param=f"messages[{i}].role",
+            )
+        if m.tool_calls is not None:
+            raise BadRequest("Tool calls are not supported by this server.", param=f"messages[{i}].tool_calls")
+        content = m.content
+        if isinstance(content, list):
+            parts = []
+            for j, part in enumerate(content):
+                if part.get("type") != "text" or not isinstance(part.get("text"), str):
+                    raise BadRequest(
+                        f"Only text content parts are supported (messages[{i}].content[{j}]).",
+                        param=f"messages[{i}].content[{j}]",
+                    )
+                parts.append(part["text"])
+            content = "".join(parts)
+        out.append({"role": m.role, "content": content or ""})
+    return out
+
+
+
+def completion_prompt(req: CompletionRequest) -> str | list[int]:
+    """The one prompt of a completions request, as text or token ids."""
+    prompt: Any = req.prompt
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+        prompt = prompt[0]
+    elif isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
+        raise BadRequest("Only one prompt per request is supported.", param="prompt")
+    if isinstance(prompt, str):
+        return prompt
+    if not prompt:
+        raise BadRequest("'prompt' must not be empty.", param="prompt")
+    if not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in prompt):
+        raise BadRequest("'prompt' must be a string or a list of token ids.", param="prompt")
+    return prompt

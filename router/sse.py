@@ -1,0 +1,76 @@
+"""OpenAI streaming chunks as SSE bytes, encoded once per event.
+
+Each stream gets a ``ChunkEncoder`` whose fixed JSON parts are built once; an
+event then costs one msgspec string encode and a few byte concatenations.
+Every event carries an ``id:`` (a running counter) so a client can resume
+with ``Last-Event-ID``.
+"""
+
+from __future__ import annotations
+
+import msgspec
+
+from replicas.protocol import FinishReason
+
+__all__ = ["ChunkEncoder", "Usage", "DONE"]
+
+DONE = b"data: [DONE]\n\n"
+_enc = msgspec.json.encode
+
+
+class Usage(msgspec.Struct):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+
+
+def _finish_json(finish: FinishReason) -> bytes:
+    reason = finish.openai
+    return b"null" if reason is None else _enc(reason)
+
+
+class ChunkEncoder:
+    """Builds ``chat.completion.chunk`` or ``text_completion`` SSE events."""
+
+    __slots__ = ("chat", "event_id", "_head", "_usage_head", "_role_sent")
+
+    def __init__(self, chat: bool, response_id: str, model: str, created: int) -> None:
+        self.chat = chat
+        self.event_id = 0
+        obj = b"chat.completion.chunk" if chat else b"text_completion"
+        common = (
+            b'{"id":' + _enc(response_id) + b',"object":"' + obj + b'","created":'
+            + str(created).encode() + b',"model":' + _enc(model)
+        )
+        self._head = common + b',"choices":[{"index":0,'
+        self._usage_head = common + b',"choices":[],"usage":'
+        self._role_sent = False
+
+    def _event(self, payload: bytes) -> bytes:
+        self.event_id += 1
+        return b"id: " + str(self.event_id).encode() + b"\ndata: " + payload + b"\n\n"
+
+    def delta(self, text: str, finish: FinishReason = FinishReason.NONE) -> bytes:
+        if self.chat:
+            if not self._role_sent:
+                self._role_sent = True
+                body = b'"delta":{"role":"assistant","content":' + _enc(text) + b"}"
+            elif text or finish == FinishReason.NONE:
+                body = b'"delta":{"content":' + _enc(text) + b"}"
+            else:
+                body = b'"delta":{}'
+            payload = self._head + body + b',"logprobs":null,"finish_reason":' + _finish_json(finish) + b"}]}"
+        else:
+            payload = (
+                self._head + b'"text":' + _enc(text) + b',"logprobs":null,"finish_reason":'
+                + _finish_json(finish) + b"}]}"
+            )
+        return self._event(payload)
+
+    def usage(self, prompt_tokens: int, completion_tokens: int) -> bytes:
+        u = Usage(prompt_tokens, completion_tokens, prompt_tokens + completion_tokens)
+        return self._event(self._usage_head + _enc(u) + b"}")
+
+    def error(self, error_json: bytes) -> bytes:
+        """An error event (OpenAI's error shape); the SDK raises it as APIError."""
+        return self._event(error_json)

@@ -1,0 +1,173 @@
+"""Exercise ``VllmEngine`` on the tiny model; print one ``RESULT {json}`` line.
+
+Run by ``test_vllm_engine.py`` in a subprocess (vLLM spawns processes, so the
+engine must start under the ``__main__`` guard). Also usable by hand:
+
+    python tests/vllm/run_vllm_engine.py /tmp/tinymodel
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+# Runnable as a plain script from any directory.
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+from replicas.engine import EngineError  # noqa: E402
+from replicas.protocol import FinishReason, SamplingParams  # noqa: E402
+from replicas.vllm_engine import VllmEngine, VllmEngineConfig  # noqa: E402
+
+MAX_TOKENS = 16
+
+
+class Collector:
+    """Sink that records every call per request."""
+
+    def __init__(self) -> None:
+        self.tokens: dict[int, list[int]] = {}
+        self.finish: dict[int, FinishReason] = {}
+        self.errors: dict[int, str] = {}
+        self.calls: dict[int, int] = {}
+        self.done: dict[int, asyncio.Event] = {}
+
+    def expect(self, rid: int) -> None:
+        self.tokens[rid] = []
+        self.calls[rid] = 0
+        self.done[rid] = asyncio.Event()
+
+    def __call__(self, rid: int, ids: list[int], finish: FinishReason, error: str) -> None:
+        assert rid not in self.finish, f"output for {rid} after its finish"
+        self.tokens[rid].extend(ids)
+        self.calls[rid] += 1
+        if finish != FinishReason.NONE:
+            self.finish[rid] = finish
+            self.errors[rid] = error
+            self.done[rid].set()
+
+
+async def main(model_dir: str) -> dict:
+    res: dict = {}
+    sink = Collector()
+    cfg = VllmEngineConfig(model=model_dir, tiny=True, seed=0, max_model_len=2048)
+    engine = VllmEngine(cfg, sink)
+    t0 = time.monotonic()
+    await engine.start()
+    res["start_s"] = round(time.monotonic() - t0, 2)
+    tok = engine.tokenizer
+    try:
+        # --- tokenizer
+        text = "naïve café 世界 🎉"
+        ids = tok.encode(text)
+        res["roundtrip"] = tok.decode(ids) == text
+        snow = tok.encode("世")
+        res["split_char"] = [len(snow), tok.decode(snow[:2])]
+        res["chat_len"] = len(tok.chat([{"role": "user", "content": "hi"}]))
+        res["eos"] = tok.eos_token_id
+
+        greedy = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
+        prompts = [tok.encode(p) for p in ("Hello, world", "The quick brown fox", "ünïcödé ✓")]
+
+        # --- concurrent greedy requests; rid 4 repeats rid 1's prompt
+        batch = {1: prompts[0], 2: prompts[1], 3: prompts[2], 4: prompts[0]}
+        t0 = time.monotonic()
+        for rid, p in batch.items():
+            sink.expect(rid)
+            engine.add(rid, p, greedy)
+        res["load_busy"] = list(msgspec_tuple(engine.load()))
+        await asyncio.wait_for(asyncio.gather(*(sink.done[r].wait() for r in batch)), 120)
+        res["batch_s"] = round(time.monotonic() - t0, 3)
+        res["batch_counts"] = {r: len(sink.tokens[r]) for r in batch}
+        res["batch_finish"] = {r: sink.finish[r].name for r in batch}
+        res["batch_errors"] = {r: sink.errors[r] for r in batch}
+        res["batch_calls"] = {r: sink.calls[r] for r in batch}
+        res["same_twice"] = sink.tokens[1] == sink.tokens[4]
+        res["tokens_1"] = sink.tokens[1]
+        res["text_1"] = tok.decode(sink.tokens[1])
+
+        # --- same request again, alone (different batch composition)
+        sink.expect(5)
+        engine.add(5, prompts[0], greedy)
+        await asyncio.wait_for(sink.done[5].wait(), 60)
+        res["same_alone"] = sink.tokens[5] == sink.tokens[1]
+
+        # --- failover resume: prompt + first 5 tokens, the rest must match
+        sink.expect(6)
+        resume = SamplingParams(max_tokens=MAX_TOKENS - 5, temperature=0.0, ignore_eos=True)
+        engine.add(6, prompts[0] + sink.tokens[1][:5], resume)
+        await asyncio.wait_for(sink.done[6].wait(), 60)
+        res["resume_tokens"] = sink.tokens[6]
+        res["resume_exact"] = sink.tokens[6] == sink.tokens[1][5:]
+        res["resume_finish"] = sink.finish[6].name
+
+        # --- abort a long request mid-stream
+        sink.expect(7)
+        engine.add(7, prompts[1], SamplingParams(max_tokens=1500, temperature=0.0, ignore_eos=True))
+        t0 = time.monotonic()
+        while len(sink.tokens[7]) < 8 and time.monotonic() - t0 < 60:
+            await asyncio.sleep(0.01)
+        res["abort_load_before"] = list(msgspec_tuple(engine.load()))
+        engine.abort(7)
+        at_abort = len(sink.tokens[7])
+        res["abort_load_after"] = list(msgspec_tuple(engine.load()))
+        await asyncio.sleep(1.0)
+        res["abort_no_more_output"] = len(sink.tokens[7]) == at_abort and 7 not in sink.finish
+        # a rid may be reused right after its abort
+        sink.expect(7)
+        engine.add(7, prompts[2], greedy)
+        await asyncio.wait_for(sink.done[7].wait(), 60)
+        res["reuse_after_abort"] = [len(sink.tokens[7]), sink.finish[7].name]
+        await asyncio.sleep(0.5)
+        # vLLM's own scheduler stats (not clamped by our in-flight count)
+        raw = engine._load
+        res["raw_sched_after"] = [raw.running, raw.waiting, raw.kv_usage, raw.steps]
+        res["load_idle"] = list(msgspec_tuple(engine.load()))
+
+        # --- errors
+        try:
+            engine.add(8, [1] * 5000, greedy)
+            res["too_long"] = "accepted"
+        except EngineError as e:
+            res["too_long"] = f"EngineError: {e}"
+        sink.expect(9)
+        engine.add(9, [1, 2, 99999], greedy)
+        await asyncio.wait_for(sink.done[9].wait(), 60)
+        res["bad_token"] = [sink.finish[9].name, sink.errors[9][:200]]
+
+        # --- stop token ids end a request with STOP
+        sink.expect(10)
+        stop_at = sink.tokens[1][3]
+        engine.add(10, prompts[0], SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0,
+                                                  stop_token_ids=[stop_at]))
+        await asyncio.wait_for(sink.done[10].wait(), 60)
+        res["stop_token"] = [sink.tokens[10], sink.finish[10].name,
+                             sink.tokens[1][: sink.tokens[1].index(stop_at) + 1]]
+
+        # --- throughput: 4 concurrent x 64 tokens
+        many = SamplingParams(max_tokens=64, temperature=0.0, ignore_eos=True)
+        t0 = time.monotonic()
+        for rid in range(20, 24):
+            sink.expect(rid)
+            engine.add(rid, prompts[rid % 3], many)
+        await asyncio.wait_for(asyncio.gather(*(sink.done[r].wait() for r in range(20, 24))), 300)
+        dt = time.monotonic() - t0
+        res["throughput"] = {"tokens": 256, "seconds": round(dt, 3), "tok_per_s": round(256 / dt, 1)}
+    finally:
+        t0 = time.monotonic()
+        await engine.close()
+        res["close_s"] = round(time.monotonic() - t0, 2)
+    return res
+
+
+def msgspec_tuple(load) -> tuple:
+    return (load.running, load.waiting, round(load.kv_usage, 4))
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    out = asyncio.run(main(sys.argv[1]))
+    print("RESULT " + json.dumps(out, ensure_ascii=False), flush=True)
