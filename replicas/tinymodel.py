@@ -73,7 +73,10 @@ _WEIGHT_SEED = 20240611
 
 
 def ensure_tiny_model(path: str | Path) -> Path:
-    """Create the tiny model in ``path`` unless it is already there; return it."""
+    """Create the tiny model in ``path`` unless it is already there; return it.
+
+    Raises ``FileExistsError`` if ``path`` holds some other model.
+    """
     path = Path(path)
     marker = path / _MARKER
     if marker.is_file():
@@ -82,8 +85,16 @@ def ensure_tiny_model(path: str | Path) -> Path:
                 return path
         except (OSError, ValueError):
             pass
+    config = path / "config.json"
+    if config.is_file():
+        try:
+            ours = json.loads(config.read_text()) == _CONFIG
+        except (OSError, ValueError):
+            ours = False
+        if not ours:
+            raise FileExistsError(f"{path} holds another model; not overwriting it")
     path.mkdir(parents=True, exist_ok=True)
-    _write_json(path / "config.json", _CONFIG)
+    _write_json(config, _CONFIG)
     _write_json(path / "generation_config.json", _GENERATION_CONFIG)
     _save_tokenizer(path)
     _save_weights(path / "model.safetensors")
@@ -197,7 +208,11 @@ def main(argv: list[str] | None = None) -> int:
     if len(args) != 1 or args[0].startswith("-"):
         print("usage: python -m replicas.tinymodel DIR", file=sys.stderr)
         return 2
-    print(ensure_tiny_model(args[0]))
+    try:
+        print(ensure_tiny_model(args[0]))
+    except (OSError, RuntimeError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
     return 0
 
 

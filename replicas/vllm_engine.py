@@ -144,6 +144,13 @@ class VllmEngine(Engine):
         self._tokens_generated = 0
         self.start_seconds = 0.0
 
+    @property
+    def dead(self) -> bool:
+        """vLLM's engine core has died (started and then failed); every
+        request fails from now on, so the replica should exit and be restarted."""
+        llm = self._llm
+        return llm is not None and bool(llm.errored)
+
     async def start(self) -> None:
         cfg = self.config
         t0 = time.monotonic()
@@ -158,7 +165,8 @@ class VllmEngine(Engine):
             from vllm.sampling_params import RequestOutputKind
             from vllm.v1.engine.async_llm import AsyncLLM
             from vllm.v1.engine.exceptions import EngineDeadError
-        except ImportError as e:
+        except (ImportError, RuntimeError) as e:
+            # RuntimeError: e.g. torchvision built for another torch.
             raise EngineError(f"vllm is not installed or does not import: {e}") from e
         self._vllm = (VllmSamplingParams, TokensPrompt, RequestOutputKind, EngineDeadError)
 

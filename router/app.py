@@ -10,7 +10,7 @@ import msgspec
 from litestar import Litestar, Request, Response, get, post
 from litestar.exceptions import HTTPException
 
-from router.auth import bearer
+from router.admin import admin_routes
 from router.completions import handle_completion, new_request_id
 from router.config import RouterConfig
 from router.errors import ApiError, error_body
@@ -30,15 +30,15 @@ def _svc(request: Request) -> RouterService:
 @post("/v1/chat/completions", status_code=200)
 async def chat_completions(request: Request) -> Response:
     svc = _svc(request)
-    tenant = svc.keys.tenant(bearer(request.headers.get("authorization")))
-    return await handle_completion(svc, await request.body(), tenant, True, new_request_id())
+    policy = svc.tenant(request.headers.get("authorization"))
+    return await handle_completion(svc, policy, await request.body(), True, new_request_id())
 
 
 @post("/v1/completions", status_code=200)
 async def completions(request: Request) -> Response:
     svc = _svc(request)
-    tenant = svc.keys.tenant(bearer(request.headers.get("authorization")))
-    return await handle_completion(svc, await request.body(), tenant, False, new_request_id())
+    policy = svc.tenant(request.headers.get("authorization"))
+    return await handle_completion(svc, policy, await request.body(), False, new_request_id())
 
 
 class _Model(msgspec.Struct):
@@ -56,8 +56,8 @@ class _ModelList(msgspec.Struct):
 @get("/v1/models")
 async def models(request: Request) -> Response:
     svc = _svc(request)
-    svc.keys.tenant(bearer(request.headers.get("authorization")))
-    data = [_Model(m, "model", 0, "fairstream") for m in svc.pool.models()]
+    policy = svc.tenant(request.headers.get("authorization"))
+    data = [_Model(m, "model", 0, "fairstream") for m in svc.pool.models() if policy.allows_model(m)]
     return Response(msgspec.json.encode(_ModelList("list", data)), media_type=_JSON)
 
 
@@ -70,8 +70,13 @@ async def health() -> Response:
 async def ready(request: Request) -> Response:
     svc = _svc(request)
     replicas = {s.name: s.state for s in svc.pool.slots}
-    ok = any(s.ready for s in svc.pool.slots)
-    body = msgspec.json.encode({"ready": ok, "replicas": replicas})
+    store_ok = svc.store_healthy or svc.config.state.on_outage == "open"
+    ok = any(s.ready for s in svc.pool.slots) and store_ok
+    body = msgspec.json.encode({
+        "ready": ok,
+        "replicas": replicas,
+        "state_store": {"backend": svc.store.name, "healthy": svc.store_healthy},
+    })
     return Response(body, media_type=_JSON, status_code=200 if ok else 503)
 
 
@@ -120,7 +125,7 @@ def create_app(config: RouterConfig, tenants_path: Path) -> Litestar:
             await service.close()
 
     app = Litestar(
-        route_handlers=[chat_completions, completions, models, health, ready, metrics],
+        route_handlers=[chat_completions, completions, models, health, ready, metrics, *admin_routes],
         lifespan=[lifespan],
         exception_handlers={ApiError: _api_error, HTTPException: _http_error, Exception: _internal_error},
         request_max_body_size=config.max_body_bytes,

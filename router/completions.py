@@ -1,10 +1,14 @@
 """``/v1/chat/completions`` and ``/v1/completions``: from request body to response.
 
-The first piece of a generation is awaited before headers are sent, so "no
-replica", "prompt too long" and friends get a proper HTTP status. After that
-the stream relays pieces as SSE events; a stream that cannot continue ends
-with an explicit error event and no ``[DONE]``. Closing the response early
-(client disconnect) closes the generation, which aborts it on its replica.
+Path of one request: decode (400 naming the field) -> tenant checks (model
+allowed, max_tokens) -> admission (429 with Retry-After, or a queued wait)
+-> generation on a replica. The first piece is awaited before headers are
+sent, so "no replica", "prompt too long" and a first-token timeout get a
+proper HTTP status. After that the stream relays pieces as SSE events; a
+stream that cannot continue ends with an explicit error event and no
+``[DONE]``. Closing the response early (client disconnect) closes the
+generation, which aborts it on its replica. The admission ticket (lease and
+token reservation) is settled in ``finally`` with the real usage.
 """
 
 from __future__ import annotations
@@ -20,8 +24,9 @@ from litestar import Response
 from litestar.response import Stream
 
 from replicas.protocol import FinishReason
-from router.errors import ApiError, BadRequest, NotFound, error_body
-from router.generation import Generation, Job, Piece, StreamLost
+from router.admission import Ticket
+from router.errors import ApiError, BadRequest, GatewayTimeout, NotFound, error_body
+from router.generation import Deadlines, Generation, Job, Piece, StreamLost, StreamTimeout
 from router.openai_types import (
     ChatRequest,
     CompletionRequest,
@@ -32,10 +37,14 @@ from router.openai_types import (
 )
 from router.service import RouterService
 from router.sse import DONE, ChunkEncoder, Usage
+from router.tenants import TenantPolicy
 
-__all__ = ["handle_completion"]
+__all__ = ["handle_completion", "new_request_id"]
 
 log = logging.getLogger("fairstream.router")
+
+# Tokens a chat template adds per message, for the admission estimate.
+_TEMPLATE_TOKENS_PER_MESSAGE = 8
 
 
 class _ChatMessage(msgspec.Struct):
@@ -66,69 +75,150 @@ class _Completion(msgspec.Struct):
     usage: Usage
 
 
-def _job(svc: RouterService, body: bytes, chat: bool) -> tuple[ChatRequest | CompletionRequest, Job]:
+def new_request_id() -> str:
+    return uuid.uuid4().hex[:24]
+
+
+def _job(svc: RouterService, policy: TenantPolicy, body: bytes, chat: bool):
+    """Decode and check the request; return it, its job and its prompt-token estimate."""
     req = decode_request(body, ChatRequest if chat else CompletionRequest)
-    if req.model not in svc.pool.models():
-        raise NotFound(f"The model '{req.model}' does not exist.", param="model", code="model_not_found")
-    params = to_params(req, svc.config.default_max_tokens)
+    if req.model not in svc.pool.models() or not policy.allows_model(req.model):
+        raise NotFound(
+            f"The model '{req.model}' does not exist or you do not have access to it.",
+            param="model", code="model_not_found",
+        )
+    cap = policy.limits.max_tokens
+    default = min(svc.config.default_max_tokens, cap) if cap else svc.config.default_max_tokens
+    params = to_params(req, default)
+    if cap and params.max_tokens > cap:
+        raise BadRequest(
+            f"'max_tokens' is {params.max_tokens}; this tenant may ask for at most {cap}.",
+            param="max_tokens", code="max_tokens_exceeded",
+        )
     if isinstance(req, ChatRequest):
-        return req, Job(req.model, params, messages=chat_messages(req))
+        messages = chat_messages(req)
+        # UTF-8 bytes bound the token count of byte-level BPE tokenizers.
+        estimate = sum(len(m["content"].encode()) + _TEMPLATE_TOKENS_PER_MESSAGE for m in messages)
+        return req, Job(req.model, params, messages=messages), estimate
     prompt = completion_prompt(req)
     if isinstance(prompt, list):
-        return req, Job(req.model, params, prompt_token_ids=prompt)
-    return req, Job(req.model, params, prompt=prompt)
+        return req, Job(req.model, params, prompt_token_ids=prompt), len(prompt)
+    return req, Job(req.model, params, prompt=prompt), len(prompt.encode()) + 1
 
 
-async def handle_completion(svc: RouterService, body: bytes, tenant: str, chat: bool, request_id: str) -> Response:
-    endpoint = "chat" if chat else "completions"
+class _Outcome:
+    """Counts one request exactly once, with its tokens and its duration."""
+
+    __slots__ = ("svc", "policy", "endpoint", "started", "done")
+
+    def __init__(self, svc: RouterService, policy: TenantPolicy, endpoint: str, started: float) -> None:
+        self.svc = svc
+        self.policy = policy
+        self.endpoint = endpoint
+        self.started = started
+        self.done = False
+
+    def record(self, outcome: str, gen: Generation | None = None) -> None:
+        if self.done:
+            return
+        self.done = True
+        m = self.svc.metrics
+        tenant = self.policy.name
+        m.requests.labels(tenant, self.endpoint, outcome).inc()
+        if gen is not None:
+            m.tokens.labels(tenant, "prompt").inc(gen.prompt_tokens)
+            m.tokens.labels(tenant, "completion").inc(gen.completion_tokens)
+            m.e2e.labels(tenant, self.policy.priority).observe(time.monotonic() - self.started)
+
+
+def _outcome_of(e: BaseException) -> str:
+    if isinstance(e, StreamTimeout):
+        return f"timeout_{e.which}"
+    if isinstance(e, ApiError):
+        if e.status == 429:
+            return "rate_limited"
+        return "client_error" if e.status < 500 else "unavailable"
+    if isinstance(e, StreamLost):
+        return "lost"
+    return "cancelled"
+
+
+async def handle_completion(
+    svc: RouterService, policy: TenantPolicy, body: bytes, chat: bool, request_id: str
+) -> Response:
     started = time.monotonic()
-    m = svc.metrics
-    priority = svc.priority(tenant)
+    outcome = _Outcome(svc, policy, "chat" if chat else "completions", started)
     try:
-        req, job = _job(svc, body, chat)
-    except ApiError:
-        m.requests.labels(tenant, endpoint, "client_error").inc()
+        req, job, prompt_estimate = _job(svc, policy, body, chat)
+        ticket = await svc.admission.admit(policy, prompt_estimate + job.params.max_tokens)
+    except BaseException as e:
+        if isinstance(e, ApiError):
+            e.headers.setdefault("x-request-id", request_id)
+        outcome.record(_outcome_of(e))
         raise
-    gen = Generation(svc.pool, job, m, svc.config.max_failovers)
+    lim = policy.limits
+    gen = Generation(
+        svc.pool, job, svc.metrics, svc.config.max_failovers,
+        Deadlines(lim.first_token, lim.stall, lim.total, start=started),
+    )
     pieces = gen.stream()
     try:
         first = await pieces.__anext__()
-    except ApiError as e:
+        if lim.max_prompt_tokens and gen.prompt_tokens > lim.max_prompt_tokens:
+            raise BadRequest(
+                f"The prompt has {gen.prompt_tokens} tokens; this tenant's limit is {lim.max_prompt_tokens}.",
+                param="messages" if chat else "prompt", code="prompt_too_long",
+            )
+    except BaseException as e:
         await pieces.aclose()
-        m.requests.labels(tenant, endpoint, "client_error" if e.status < 500 else "unavailable").inc()
-        raise
-    except BaseException:
-        await pieces.aclose()
-        m.requests.labels(tenant, endpoint, "cancelled").inc()
+        await svc.admission.finish(ticket, gen.prompt_tokens + gen.completion_tokens)
+        outcome.record(_outcome_of(e))
+        if isinstance(e, StreamTimeout):
+            svc.metrics.timeouts.labels(policy.name, e.which).inc()
+            raise GatewayTimeout(f"The request hit the tenant's {e}.", code=f"{e.which}_timeout") from e
+        if isinstance(e, ApiError):
+            e.headers.update(ticket.headers)
+            e.headers.setdefault("x-request-id", request_id)
         raise
     response_id = ("chatcmpl-" if chat else "cmpl-") + request_id
     created = int(time.time())
-    headers = {"x-request-id": request_id}
+    headers = {"x-request-id": request_id, **ticket.headers}
     if req.stream:
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
         enc = ChunkEncoder(chat, response_id, req.model, created)
-        relay = _relay(svc, gen, pieces, first, enc, include_usage, tenant, priority, endpoint, started)
+        relay = _relay(svc, gen, pieces, first, enc, include_usage, policy, ticket, outcome)
         headers.update({"cache-control": "no-cache", "x-accel-buffering": "no"})
         return Stream(relay, media_type="text/event-stream", headers=headers)
+    return await _collect(svc, gen, pieces, first, req.model, chat, response_id, created, headers,
+                          policy, ticket, outcome)
+
+
+async def _collect(svc, gen: Generation, pieces, first: Piece, model: str, chat: bool, response_id: str,
+                   created: int, headers: dict[str, str], policy: TenantPolicy, ticket: Ticket,
+                   outcome: _Outcome) -> Response:
+    m = svc.metrics
     text_parts: list[str] = []
+    result = "cancelled"
     try:
         async with aclosing(pieces):
             piece: Piece | None = first
-            ttft_seen = False
+            if gen.completion_tokens:
+                m.ttft.labels(policy.name, policy.priority).observe(time.monotonic() - outcome.started)
             while piece is not None:
                 text, n, finish = piece
-                if n and not ttft_seen:
-                    ttft_seen = True
-                    m.ttft.labels(tenant, priority).observe(time.monotonic() - started)
                 text_parts.append(text)
                 piece = None if finish != FinishReason.NONE else await pieces.__anext__()
+        result = "ok"
     except StreamLost as e:
-        m.requests.labels(tenant, endpoint, "lost").inc()
+        result = "lost"
         raise ApiError(f"The generation failed and could not be resumed: {e}", code="stream_lost") from e
-    except BaseException:
-        m.requests.labels(tenant, endpoint, "cancelled").inc()
-        raise
-    _account(svc, gen, tenant, priority, endpoint, started, "ok")
+    except StreamTimeout as e:
+        result = f"timeout_{e.which}"
+        m.timeouts.labels(policy.name, e.which).inc()
+        raise GatewayTimeout(f"The request hit the tenant's {e}.", code=f"{e.which}_timeout") from e
+    finally:
+        await svc.admission.finish(ticket, gen.prompt_tokens + gen.completion_tokens)
+        outcome.record(result, gen)
     text = "".join(text_parts)
     finish_reason = gen.finish.openai
     if chat:
@@ -137,17 +227,8 @@ async def handle_completion(svc: RouterService, body: bytes, tenant: str, chat: 
         choices = [_TextChoice(0, text, None, finish_reason)]
     usage = Usage(gen.prompt_tokens, gen.completion_tokens, gen.prompt_tokens + gen.completion_tokens)
     obj = "chat.completion" if chat else "text_completion"
-    body_out = msgspec.json.encode(_Completion(response_id, obj, created, req.model, choices, usage))
+    body_out = msgspec.json.encode(_Completion(response_id, obj, created, model, choices, usage))
     return Response(body_out, media_type="application/json", headers=headers)
-
-
-def _account(svc: RouterService, gen: Generation, tenant: str, priority: str, endpoint: str,
-             started: float, outcome: str) -> None:
-    m = svc.metrics
-    m.requests.labels(tenant, endpoint, outcome).inc()
-    m.tokens.labels(tenant, "prompt").inc(gen.prompt_tokens)
-    m.tokens.labels(tenant, "completion").inc(gen.completion_tokens)
-    m.e2e.labels(tenant, priority).observe(time.monotonic() - started)
 
 
 async def _relay(
@@ -157,15 +238,14 @@ async def _relay(
     first: Piece,
     enc: ChunkEncoder,
     include_usage: bool,
-    tenant: str,
-    priority: str,
-    endpoint: str,
-    started: float,
+    policy: TenantPolicy,
+    ticket: Ticket,
+    outcome: _Outcome,
 ) -> AsyncIterator[bytes]:
     m = svc.metrics
-    ttft = m.ttft.labels(tenant, priority)
-    itl = m.itl.labels(tenant, priority)
-    outcome = "cancelled"
+    ttft = m.ttft.labels(policy.name, policy.priority)
+    itl = m.itl.labels(policy.name, policy.priority)
+    result = "cancelled"
     last = None
     try:
         async with aclosing(pieces):  # type: ignore[type-var]
@@ -175,7 +255,7 @@ async def _relay(
                 if n:
                     now = time.monotonic()
                     if last is None:
-                        ttft.observe(now - started)
+                        ttft.observe(now - outcome.started)
                     else:
                         itl.observe((now - last) / n)
                     last = now
@@ -187,20 +267,16 @@ async def _relay(
             if include_usage:
                 yield enc.usage(gen.prompt_tokens, gen.completion_tokens)
             yield DONE
-            outcome = "ok"
+            result = "ok"
     except StreamLost as e:
-        outcome = "lost"
+        result = "lost"
         log.warning("stream lost after %d tokens: %s", gen.completion_tokens, e)
-        yield enc.error(
-            error_body(f"The stream was interrupted and could not be resumed: {e}", "server_error",
-                       None, "stream_lost")
-        )
+        yield enc.error(error_body(f"The stream was interrupted and could not be resumed: {e}",
+                                   "server_error", None, "stream_lost"))
+    except StreamTimeout as e:
+        result = f"timeout_{e.which}"
+        m.timeouts.labels(policy.name, e.which).inc()
+        yield enc.error(error_body(f"The stream hit the tenant's {e}.", "timeout", None, f"{e.which}_timeout"))
     finally:
-        if outcome == "cancelled":
-            m.requests.labels(tenant, endpoint, outcome).inc()
-        else:
-            _account(svc, gen, tenant, priority, endpoint, started, outcome)
-
-
-def new_request_id() -> str:
-    return uuid.uuid4().hex[:24]
+        await svc.admission.finish(ticket, gen.prompt_tokens + gen.completion_tokens)
+        outcome.record(result, gen)

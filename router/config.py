@@ -8,6 +8,7 @@ import msgspec
 
 from replicas.spec import ReplicaSpec
 from router.configfile import Located, load_yaml
+from router.state import StateConfig
 
 __all__ = ["RouterConfig", "load_router_config"]
 
@@ -37,6 +38,8 @@ class RouterConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     """A replica that does not answer a ping within this is restarted."""
     restart_backoff_max: float = 30.0
     """Longest wait between restarts of a failing replica."""
+    state: StateConfig = msgspec.field(default_factory=StateConfig)
+    """Where rate-limit buckets and leases live (memory, or Redis shared by routers)."""
 
     def validate(self, located: Located) -> list[str]:
         errors = []

@@ -14,6 +14,7 @@ __all__ = [
     "RateLimited",
     "ServiceUnavailable",
     "ReplicaUnavailable",
+    "GatewayTimeout",
     "error_body",
 ]
 
@@ -97,6 +98,15 @@ class ServiceUnavailable(ApiError):
     status = 503
     type = "server_error"
     code = "service_unavailable"
+    recoverable = True
+
+
+class GatewayTimeout(ApiError):
+    """A tenant time limit passed before the response started."""
+
+    status = 504
+    type = "timeout"
+    code = "timeout"
     recoverable = True
 
 

@@ -11,6 +11,7 @@ the spliced text equals the detokenization of all tokens.
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import AsyncIterator
 from contextlib import aclosing
@@ -21,11 +22,37 @@ from replicas.protocol import FinishReason, SamplingParams
 from router.errors import BadRequest, ReplicaUnavailable
 from router.metrics import Metrics
 
-__all__ = ["Job", "Generation", "StreamLost", "Piece"]
+__all__ = ["Job", "Generation", "StreamLost", "StreamTimeout", "Deadlines", "Piece"]
 
 
 class StreamLost(Exception):
     """The stream cannot continue: no replica could take it over."""
+
+
+class StreamTimeout(Exception):
+    """A tenant time limit passed (``which``: first_token, total)."""
+
+    def __init__(self, which: str, seconds: float) -> None:
+        super().__init__(f"{which.replace('_', ' ')} timeout of {seconds:g}s exceeded")
+        self.which = which
+        self.seconds = seconds
+
+
+class _Stalled(Exception):
+    """No token within the stall limit while the replica should be producing."""
+
+
+class Deadlines:
+    """Tenant time limits for one generation (0 = none), from its start."""
+
+    __slots__ = ("first_token", "stall", "total", "start")
+
+    def __init__(self, first_token: float = 0.0, stall: float = 0.0, total: float = 0.0,
+                 start: float | None = None) -> None:
+        self.first_token = first_token
+        self.stall = stall
+        self.total = total
+        self.start = time.monotonic() if start is None else start
 
 
 class Job:
@@ -53,8 +80,10 @@ Piece = tuple[str, int, FinishReason]  # text, new tokens, finish
 
 
 class Generation:
-    def __init__(self, pool: ReplicaPool, job: Job, metrics: Metrics, max_failovers: int) -> None:
+    def __init__(self, pool: ReplicaPool, job: Job, metrics: Metrics, max_failovers: int,
+                 deadlines: Deadlines | None = None) -> None:
         self.pool = pool
+        self.deadlines = deadlines or Deadlines()
         self.job = job
         self.metrics = metrics
         self.max_failovers = max_failovers
@@ -100,7 +129,7 @@ class Generation:
                         died_at = None
                         yield piece
                 return
-            except ReplicaDead as e:
+            except (ReplicaDead, _Stalled) as e:
                 died_at = time.monotonic()
                 exclude.add(handle.slot.name)
                 self.failovers += 1
@@ -127,8 +156,32 @@ class Generation:
                 )
             else:
                 col = client.generate(job.params, prompt=job.prompt, messages=job.messages)
+            dl = self.deadlines
+            loop = asyncio.get_running_loop()
+            mono_to_loop = loop.time() - time.monotonic()
+            total_at = dl.start + dl.total if dl.total else None
+            last_token = time.monotonic()
             while True:
-                ids, text, finish = await col.get()
+                if self.completion_ids:
+                    limit_at = last_token + dl.stall if dl.stall else None
+                    which = "stall"
+                else:
+                    limit_at = dl.start + dl.first_token if dl.first_token else None
+                    which = "first_token"
+                if total_at is not None and (limit_at is None or total_at <= limit_at):
+                    limit_at, which = total_at, "total"
+                if limit_at is None:
+                    ids, text, finish = await col.get()
+                else:
+                    try:
+                        async with asyncio.timeout_at(limit_at + mono_to_loop):
+                            ids, text, finish = await col.get()
+                    except TimeoutError:
+                        if which == "stall":
+                            raise _Stalled(f"replica {slot.name} produced no token for {dl.stall:g}s") from None
+                        raise StreamTimeout(which, getattr(dl, which)) from None
+                if ids:
+                    last_token = time.monotonic()
                 if self.prompt_token_ids is None and col.prompt_token_ids is not None:
                     self.prompt_token_ids = col.prompt_token_ids
                 if finish == FinishReason.ERROR:

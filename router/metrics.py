@@ -54,6 +54,26 @@ class Metrics:
             "fairstream_failover_latency_seconds", "From a replica's death to the stream's next token.",
             buckets=_LATENCY_BUCKETS, registry=r,
         )
+        self.rate_limited = Counter(
+            "fairstream_rate_limited", "Requests refused or delayed by a tenant limit.",
+            ["tenant", "limit"], registry=r,
+        )
+        self.timeouts = Counter(
+            "fairstream_timeouts", "Requests ended by a tenant time limit.", ["tenant", "timeout"], registry=r,
+        )
+        self.queued = Gauge(
+            "fairstream_queue_depth", "Requests waiting for admission.", ["tenant", "priority"], registry=r,
+        )
+        self.reloads = Counter("fairstream_config_reloads", "Tenant policy reloads by result.", ["result"], registry=r)
+        self.reload_ok = Gauge(
+            "fairstream_config_last_reload_successful", "1 if the last tenant policy reload succeeded.", registry=r
+        )
+        self.reload_ok.set(1)
+        self.store_up = Gauge("fairstream_state_store_up", "1 while the shared state store answers.", registry=r)
+        self.store_up.set(1)
+        self.store_errors = Counter(
+            "fairstream_state_store_errors", "State store operations that failed.", ["op"], registry=r
+        )
         self.streams_lost = Counter("fairstream_streams_lost", "Streams ended with an error because no replica could continue them.", registry=r)
 
     def expose(self, pool) -> bytes:

@@ -1,7 +1,8 @@
 """The router's long-lived state and its one owner: ``RouterService``.
 
 It owns the replica pool, the supervisor (and through it every replica
-process and connection), the key index and the metrics. The Litestar
+process and connection), the tenant policy registry (and its watcher), the
+state store, admission (and its lease keeper) and the metrics. The Litestar
 lifespan calls ``start()`` and ``close()``; nothing else starts background
 work.
 """
@@ -13,11 +14,13 @@ from pathlib import Path
 
 from replicas.pool import ReplicaPool, ReplicaSlot
 from replicas.supervisor import Supervisor, SupervisorSettings
-from router.auth import KeyIndex
+from router.admission import Admission
+from router.auth import bearer
 from router.config import RouterConfig
-from router.configfile import load_yaml
 from router.metrics import Metrics
-from router.tenants import TenantsFile
+from router.policy import PolicyRegistry
+from router.state import create_store
+from router.tenants import TenantPolicy
 
 __all__ = ["RouterService"]
 
@@ -27,10 +30,18 @@ log = logging.getLogger("fairstream.router")
 class RouterService:
     def __init__(self, config: RouterConfig, tenants_path: Path) -> None:
         self.config = config
-        self.tenants_path = tenants_path
-        self.tenants, _ = load_yaml(tenants_path, TenantsFile)
-        self.keys = KeyIndex(self.tenants)
         self.metrics = Metrics()
+        m = self.metrics
+        self.policy = PolicyRegistry(
+            tenants_path,
+            on_reload=lambda ok: (m.reloads.labels("success" if ok else "failure").inc(), m.reload_ok.set(1 if ok else 0)),
+        )
+        self.store = create_store(
+            config.state,
+            on_change=lambda up: m.store_up.set(1 if up else 0),
+            on_error=lambda op: m.store_errors.labels(op).inc(),
+        )
+        self.admission = Admission(self.store, m)
         self.pool = ReplicaPool(config.replicas)
         self.supervisor = Supervisor(
             self.pool,
@@ -42,14 +53,28 @@ class RouterService:
             on_event=self._on_replica_event,
         )
 
-    def priority(self, tenant: str) -> str:
-        return self.tenants.tenants[tenant].priority
+    def tenant(self, authorization: str | None) -> TenantPolicy:
+        """The caller's tenant policy (401/403 on a bad or admin key)."""
+        snap = self.policy.current
+        return snap.tenants[snap.keys.tenant(bearer(authorization))]
+
+    def check_admin(self, authorization: str | None) -> None:
+        self.policy.current.keys.admin(bearer(authorization))
+
+    @property
+    def store_healthy(self) -> bool:
+        return getattr(self.store, "healthy", True)
 
     async def start(self) -> None:
+        await self.policy.start()
+        await self.admission.start()
         await self.supervisor.start()
 
     async def close(self) -> None:
         await self.supervisor.close()
+        await self.admission.close()
+        await self.policy.close()
+        await self.store.close()
 
     def _on_replica_event(self, event: str, slot: ReplicaSlot) -> None:
         if event == "down":

@@ -1,8 +1,12 @@
-"""Tenant policy: who may call, and as which tenant.
+"""Tenant policy (configs/tenants.yaml): schema, defaults, effective policy.
 
-configs/tenants.yaml holds API keys only as SHA-256 hex digests (``fairstream
-hash-key KEY`` prints one), so the file can be shared with people who must
-not see the keys.
+The file has a ``defaults`` block and one entry per tenant; a tenant inherits
+every field it leaves out from ``defaults``, and ``defaults`` from the
+built-in values below (field by field, also inside ``limits`` and
+``timeouts``). API keys are stored only as SHA-256 hex digests
+(``fairstream hash-key KEY`` prints one). A limit or timeout of 0 means
+"none". docs/tenants.md is generated from the docstrings here and a test
+keeps it in sync.
 """
 
 from __future__ import annotations
@@ -14,50 +18,221 @@ import msgspec
 
 from router.configfile import Located
 
-__all__ = ["Tenant", "TenantsFile", "PRIORITIES"]
+__all__ = ["Limits", "Timeouts", "TenantSpec", "Defaults", "TenantsFile", "TenantPolicy", "ResolvedLimits"]
 
-PRIORITIES = ("high", "normal", "low")
 _SHA256 = re.compile(r"^[0-9a-f]{64}$")
+_NAME = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
 
 
-class Tenant(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
-    """One team sharing the cluster."""
+class Limits(msgspec.Struct, forbid_unknown_fields=True, kw_only=True, omit_defaults=True):
+    """Rate and size limits. 0 means unlimited; a missing field is inherited."""
+
+    requests_per_minute: int | None = None
+    """Requests admitted per minute (token bucket, refilled continuously)."""
+    tokens_per_minute: int | None = None
+    """Prompt + completion tokens per minute. Reserved at admission as
+    estimated prompt tokens + max_tokens, settled with the real usage at the end."""
+    max_concurrent: int | None = None
+    """Streams in flight at once (a lease held until the stream's last byte)."""
+    max_prompt_tokens: int | None = None
+    """Longest prompt accepted, in tokens (checked on the real token count)."""
+    max_tokens: int | None = None
+    """Largest ``max_tokens`` a request may ask for."""
+
+
+class Timeouts(msgspec.Struct, forbid_unknown_fields=True, kw_only=True, omit_defaults=True):
+    """Time limits in seconds. 0 means none; a missing field is inherited."""
+
+    queue_wait: float | None = None
+    """Longest wait for admission (over a limit with ``on_limit: queue``, or for a replica)."""
+    first_token: float | None = None
+    """Longest time from admission to the first token."""
+    stall: float | None = None
+    """Longest gap between two tokens of a running stream."""
+    total: float | None = None
+    """Longest time for a whole request."""
+
+
+class _PolicyFields(msgspec.Struct, forbid_unknown_fields=True, kw_only=True, omit_defaults=True):
+    priority: str | None = None
+    """Priority class, one of ``priority_classes`` (first is highest)."""
+    weight: float | None = None
+    """Fair-share weight inside the priority class (> 0)."""
+    models: list[str] | None = None
+    """Models the tenant may use; ``["*"]`` allows all."""
+    limits: Limits | None = None
+    """See Limits."""
+    timeouts: Timeouts | None = None
+    """See Timeouts."""
+    queue_depth: int | None = None
+    """Requests that may wait in the tenant's queue at once; more get 429."""
+    chunk_tokens: int | None = None
+    """Most tokens merged into one SSE event (a slow client gets up to this many per event)."""
+    on_limit: Literal["reject", "queue"] | None = None
+    """Over a rate or concurrency limit: ``reject`` answers 429 at once;
+    ``queue`` waits until the request fits, up to ``timeouts.queue_wait``."""
+    log_content: bool | None = None
+    """Log prompts and completions of this tenant (off by default)."""
+
+
+class Defaults(_PolicyFields, kw_only=True):
+    """Values for every field a tenant leaves out."""
+
+
+class TenantSpec(_PolicyFields, kw_only=True):
+    """One tenant: its keys plus any field of ``defaults`` it overrides."""
 
     keys: list[str]
-    """SHA-256 hex digests of the tenant's API keys (several, for rotation)."""
-    priority: Literal["high", "normal", "low"] = "normal"
-    """Priority class; used as a metrics label."""
+    """SHA-256 hex digests of the tenant's API keys (several allow rotation)."""
 
 
 class TenantsFile(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     """The whole tenants.yaml."""
 
     admin_keys: list[str] = []
-    """SHA-256 hex digests of keys that may call /admin endpoints."""
-    tenants: dict[str, Tenant]
+    """SHA-256 hex digests of keys that may call /admin endpoints (no inference)."""
+    priority_classes: list[str] = msgspec.field(default_factory=lambda: ["high", "normal", "low"])
+    """Priority classes, highest first."""
+    defaults: Defaults = msgspec.field(default_factory=Defaults)
+    """Fields every tenant inherits unless it sets them."""
+    tenants: dict[str, TenantSpec]
     """Tenants by name."""
 
     def validate(self, located: Located) -> list[str]:
         errors: list[str] = []
+        err = lambda at, reason: errors.append(located.error(at, reason))  # noqa: E731
+        if not self.priority_classes or len(set(self.priority_classes)) != len(self.priority_classes):
+            err(("priority_classes",), "must list distinct class names")
         owner: dict[str, tuple] = {}
-        for i, digest in enumerate(self.admin_keys):
-            at = ("admin_keys", i)
+
+        def check_key(digest: str, at: tuple) -> None:
             if not _SHA256.match(digest):
-                errors.append(located.error(at, "must be a SHA-256 hex digest (64 lowercase hex chars)"))
+                err(at, "must be a SHA-256 hex digest (64 lowercase hex chars); use `fairstream hash-key`")
             elif digest in owner:
-                errors.append(located.error(at, "duplicate key"))
-            owner[digest] = at
-        for name, tenant in self.tenants.items():
-            if not re.match(r"^[A-Za-z0-9_.-]{1,64}$", name):
-                errors.append(located.error(("tenants", name), "tenant names use letters, digits, _ . - (1-64)"))
-            if not tenant.keys:
-                errors.append(located.error(("tenants", name, "keys"), "a tenant needs at least one key"))
-            for i, digest in enumerate(tenant.keys):
-                at = ("tenants", name, "keys", i)
-                if not _SHA256.match(digest):
-                    errors.append(located.error(at, "must be a SHA-256 hex digest (64 lowercase hex chars)"))
-                elif digest in owner:
-                    other = ".".join(str(p) for p in owner[digest])
-                    errors.append(located.error(at, f"duplicate key (also at {other})"))
+                other = ".".join(str(p) for p in owner[digest])
+                err(at, f"duplicate key (also at {other})")
+            else:
                 owner[digest] = at
+
+        for i, digest in enumerate(self.admin_keys):
+            check_key(digest, ("admin_keys", i))
+        _check_fields(self.defaults, ("defaults",), self.priority_classes, err)
+        if not self.tenants:
+            err(("tenants",), "at least one tenant is needed")
+        for name, spec in self.tenants.items():
+            at = ("tenants", name)
+            if not _NAME.match(name):
+                err(at, "tenant names use letters, digits, _ . - (1-64 chars)")
+            if not spec.keys:
+                err(at + ("keys",), "a tenant needs at least one key")
+            for i, digest in enumerate(spec.keys):
+                check_key(digest, at + ("keys", i))
+            _check_fields(spec, at, self.priority_classes, err)
         return errors
+
+    def policies(self) -> dict[str, TenantPolicy]:
+        return {name: _resolve(name, spec, self.defaults) for name, spec in self.tenants.items()}
+
+
+def _check_fields(spec: _PolicyFields, at: tuple, classes: list[str], err) -> None:
+    if spec.priority is not None and spec.priority not in classes:
+        err(at + ("priority",), f"unknown priority class {spec.priority!r} (known: {', '.join(classes)})")
+    if spec.weight is not None and not spec.weight > 0:
+        err(at + ("weight",), "must be greater than 0")
+    if spec.queue_depth is not None and spec.queue_depth < 0:
+        err(at + ("queue_depth",), "must not be negative")
+    if spec.chunk_tokens is not None and spec.chunk_tokens < 1:
+        err(at + ("chunk_tokens",), "must be at least 1")
+    if spec.models is not None and not spec.models:
+        err(at + ("models",), 'must list at least one model (use ["*"] for all)')
+    for group in ("limits", "timeouts"):
+        value = getattr(spec, group)
+        if value is None:
+            continue
+        for field in value.__struct_fields__:
+            v = getattr(value, field)
+            if v is not None and v < 0:
+                err(at + (group, field), "must not be negative (0 means no limit)")
+
+
+class ResolvedLimits(msgspec.Struct, frozen=True, kw_only=True):
+    """A tenant's effective limits and timeouts (every field resolved)."""
+
+    requests_per_minute: int
+    tokens_per_minute: int
+    max_concurrent: int
+    max_prompt_tokens: int
+    max_tokens: int
+    queue_wait: float
+    first_token: float
+    stall: float
+    total: float
+
+
+class TenantPolicy(msgspec.Struct, frozen=True, kw_only=True):
+    """A tenant's effective policy (what /admin/tenants shows)."""
+
+    name: str
+    priority: str
+    weight: float
+    models: list[str]
+    queue_depth: int
+    chunk_tokens: int
+    on_limit: str
+    log_content: bool
+    limits: ResolvedLimits
+
+    def allows_model(self, model: str) -> bool:
+        return "*" in self.models or model in self.models
+
+
+BUILTIN = Defaults(
+    priority="normal",
+    weight=1.0,
+    models=["*"],
+    limits=Limits(
+        requests_per_minute=0, tokens_per_minute=0, max_concurrent=0, max_prompt_tokens=0, max_tokens=0
+    ),
+    timeouts=Timeouts(queue_wait=30.0, first_token=120.0, stall=60.0, total=900.0),
+    queue_depth=64,
+    chunk_tokens=16,
+    on_limit="reject",
+    log_content=False,
+)
+
+
+def _pick(field: str, *layers):
+    for layer in layers:
+        if layer is not None:
+            v = getattr(layer, field)
+            if v is not None:
+                return v
+    raise AssertionError(f"no value for {field}")
+
+
+def _resolve(name: str, spec: TenantSpec, defaults: Defaults) -> TenantPolicy:
+    layers = (spec, defaults, BUILTIN)
+    lim = tuple(x.limits for x in layers)
+    tmo = tuple(x.timeouts for x in layers)
+    priority = _pick("priority", *layers)
+    return TenantPolicy(
+        name=name,
+        priority=priority,
+        weight=float(_pick("weight", *layers)),
+        models=list(_pick("models", *layers)),
+        queue_depth=_pick("queue_depth", *layers),
+        chunk_tokens=_pick("chunk_tokens", *layers),
+        on_limit=_pick("on_limit", *layers),
+        log_content=_pick("log_content", *layers),
+        limits=ResolvedLimits(
+            requests_per_minute=_pick("requests_per_minute", *lim),
+            tokens_per_minute=_pick("tokens_per_minute", *lim),
+            max_concurrent=_pick("max_concurrent", *lim),
+            max_prompt_tokens=_pick("max_prompt_tokens", *lim),
+            max_tokens=_pick("max_tokens", *lim),
+            queue_wait=float(_pick("queue_wait", *tmo)),
+            first_token=float(_pick("first_token", *tmo)),
+            stall=float(_pick("stall", *tmo)),
+            total=float(_pick("total", *tmo)),
+        ),
+    )

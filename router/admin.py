@@ -1,0 +1,56 @@
+"""``/admin`` endpoints (admin key only): policy reload and tenant view."""
+
+from __future__ import annotations
+
+import msgspec
+from litestar import Request, Response, get, post
+
+from router.service import RouterService
+from router.state import StoreUnavailable
+
+__all__ = ["admin_routes"]
+
+_JSON = "application/json"
+
+
+def _svc(request: Request) -> RouterService:
+    svc: RouterService = request.app.state.service
+    svc.check_admin(request.headers.get("authorization"))
+    return svc
+
+
+@post("/admin/reload", status_code=200)
+async def reload_policy(request: Request) -> Response:
+    """Re-read tenants.yaml now. 200 with the new version, or 422 with the
+    errors (the old policy stays in force)."""
+    result = _svc(request).policy.reload()
+    return Response(msgspec.json.encode(result), media_type=_JSON, status_code=200 if result.ok else 422)
+
+
+@get("/admin/tenants")
+async def tenants(request: Request) -> Response:
+    """Effective policy and live usage per tenant (no key material)."""
+    svc = _svc(request)
+    snap = svc.policy.current
+    out = {}
+    for name, pol in snap.tenants.items():
+        lim = pol.limits
+        try:
+            usage = await svc.store.usage(name, rpm=lim.requests_per_minute, tpm=lim.tokens_per_minute)
+            live = msgspec.structs.asdict(usage)
+        except StoreUnavailable as e:
+            live = {"error": str(e)}
+        live["queued"] = svc.admission.queued(name)
+        policy = msgspec.to_builtins(pol)
+        policy["keys"] = len(snap.file.tenants[name].keys)
+        out[name] = {"policy": policy, "usage": live}
+    body = {
+        "version": snap.version,
+        "loaded_at": snap.loaded_at,
+        "last_reload_errors": svc.policy.last_errors,
+        "tenants": out,
+    }
+    return Response(msgspec.json.encode(body), media_type=_JSON)
+
+
+admin_routes = [reload_policy, tenants]

@@ -1,0 +1,184 @@
+"""Admission: a tenant's limits applied to one request, through the state store.
+
+``Admission.admit`` takes one request, its token estimate and the tenant's
+policy, and returns a ``Ticket`` (a concurrency lease and a token
+reservation) or raises ``RateLimited`` with a Retry-After computed from the
+bucket. With ``on_limit: queue`` it waits instead, up to the tenant's
+``queue_wait``, in a queue bounded by ``queue_depth``. ``finish`` settles the
+reservation with the real usage and releases the lease; the lease keeper
+renews every live lease so a crashed router's leases expire on their own.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+import uuid
+
+from policies.ratelimit import Decision
+from router.errors import RateLimited, ServiceUnavailable
+from router.metrics import Metrics
+from router.state import AdmitRequest, StateStore, StoreUnavailable
+from router.tenants import TenantPolicy
+
+__all__ = ["Admission", "Ticket", "ratelimit_headers", "fmt_duration"]
+
+log = logging.getLogger("fairstream.admission")
+
+LEASE_TTL = 30.0  # seconds; renewed every LEASE_TTL / 3 while the stream lives
+
+
+def fmt_duration(seconds: float) -> str:
+    """OpenAI's reset format: ``20ms``, ``1.5s``, ``6m0s``."""
+    if seconds < 1:
+        return f"{max(0, int(seconds * 1000))}ms"
+    if seconds < 60:
+        return f"{seconds:.3g}s"
+    m, s = divmod(int(round(seconds)), 60)
+    return f"{m}m{s}s"
+
+
+def ratelimit_headers(policy: TenantPolicy, d: Decision) -> dict[str, str]:
+    """``x-ratelimit-*`` headers for limits the tenant has."""
+    lim = policy.limits
+    h: dict[str, str] = {}
+    if lim.requests_per_minute:
+        h["x-ratelimit-limit-requests"] = str(lim.requests_per_minute)
+        h["x-ratelimit-remaining-requests"] = str(max(0, math.floor(d.remaining_requests)))
+        h["x-ratelimit-reset-requests"] = fmt_duration(d.reset_requests)
+    if lim.tokens_per_minute:
+        h["x-ratelimit-limit-tokens"] = str(lim.tokens_per_minute)
+        h["x-ratelimit-remaining-tokens"] = str(max(0, math.floor(d.remaining_tokens)))
+        h["x-ratelimit-reset-tokens"] = fmt_duration(d.reset_tokens)
+    return h
+
+
+class Ticket:
+    """An admitted request: its lease and its token reservation."""
+
+    __slots__ = ("tenant", "lease_id", "reserved", "tpm", "headers", "done")
+
+    def __init__(self, tenant: str, lease_id: str, reserved: int, tpm: int, headers: dict[str, str]) -> None:
+        self.tenant = tenant
+        self.lease_id = lease_id
+        self.reserved = reserved
+        self.tpm = tpm
+        self.headers = headers
+        self.done = False
+
+
+_REASONS = {
+    "requests": "requests per minute",
+    "tokens": "tokens per minute",
+    "concurrency": "concurrent streams",
+}
+
+
+class Admission:
+    def __init__(self, store: StateStore, metrics: Metrics) -> None:
+        self.store = store
+        self.metrics = metrics
+        self._leases: dict[str, Ticket] = {}
+        self._queued: dict[str, int] = {}
+        self._keeper: asyncio.Task[None] | None = None
+
+    def queued(self, tenant: str) -> int:
+        return self._queued.get(tenant, 0)
+
+    async def start(self) -> None:
+        self._keeper = asyncio.get_running_loop().create_task(self._keep_leases(), name="lease-keeper")
+
+    async def close(self) -> None:
+        if self._keeper is not None:
+            self._keeper.cancel()
+            try:
+                await self._keeper
+            except asyncio.CancelledError:
+                pass
+
+    async def admit(self, policy: TenantPolicy, cost_tokens: int) -> Ticket:
+        lim = policy.limits
+        req = AdmitRequest(
+            rpm=lim.requests_per_minute,
+            tpm=lim.tokens_per_minute,
+            max_concurrent=lim.max_concurrent,
+            cost_tokens=cost_tokens,
+            lease_id=uuid.uuid4().hex,
+            lease_ttl=LEASE_TTL,
+        )
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + lim.queue_wait if lim.queue_wait else math.inf
+        waiting = False
+        try:
+            while True:
+                decision = await self._admit_once(policy.name, req)
+                if decision.ok:
+                    ticket = Ticket(policy.name, req.lease_id, cost_tokens, lim.tokens_per_minute,
+                                    ratelimit_headers(policy, decision))
+                    self._leases[req.lease_id] = ticket
+                    return ticket
+                headers = ratelimit_headers(policy, decision)
+                what = _REASONS.get(decision.reason, decision.reason)
+                if decision.reason == "too_large":
+                    self.metrics.rate_limited.labels(policy.name, "tokens").inc()
+                    raise RateLimited(
+                        f"Request needs {cost_tokens} tokens, more than the tenant's limit of "
+                        f"{lim.tokens_per_minute} tokens per minute; lower max_tokens.",
+                        retry_after=60.0, code="tokens_exceed_limit", headers=headers,
+                    )
+                now = loop.time()
+                can_wait = policy.on_limit == "queue" and now + min(decision.retry_after, 0.05) < deadline
+                if can_wait and not waiting:
+                    if self._queued.get(policy.name, 0) >= policy.queue_depth:
+                        can_wait = False
+                    else:
+                        waiting = True
+                        self._queued[policy.name] = self._queued.get(policy.name, 0) + 1
+                if not can_wait:
+                    self.metrics.rate_limited.labels(policy.name, decision.reason).inc()
+                    retry = decision.retry_after
+                    raise RateLimited(
+                        f"Rate limit reached for tenant {policy.name!r} on {what}. "
+                        f"Please try again in {fmt_duration(retry)}.",
+                        retry_after=retry, headers=headers,
+                    )
+                await asyncio.sleep(max(0.01, min(decision.retry_after, deadline - now)))
+        finally:
+            if waiting:
+                self._queued[policy.name] -= 1
+
+    async def _admit_once(self, tenant: str, req: AdmitRequest) -> Decision:
+        try:
+            return await self.store.admit(tenant, req)
+        except StoreUnavailable as e:
+            raise ServiceUnavailable(
+                "Rate-limit state is unavailable and this router is configured to fail closed; retry shortly.",
+                code="state_store_unavailable", headers={"retry-after": "1"},
+            ) from e
+
+    async def finish(self, ticket: Ticket, used_tokens: int) -> None:
+        """Settle the reservation with the real usage and release the lease. Idempotent."""
+        if ticket.done:
+            return
+        ticket.done = True
+        self._leases.pop(ticket.lease_id, None)
+        try:
+            if ticket.tpm:
+                await self.store.settle(ticket.tenant, tpm=ticket.tpm, reserved=ticket.reserved,
+                                        used=used_tokens, lease_id=ticket.lease_id)
+            await self.store.release(ticket.tenant, ticket.lease_id)
+        except StoreUnavailable as e:
+            log.warning("could not settle lease of %s: %s (it expires by itself)", ticket.tenant, e)
+
+    async def _keep_leases(self) -> None:
+        while True:
+            await asyncio.sleep(LEASE_TTL / 3)
+            by_tenant: dict[str, list[str]] = {}
+            for lid, t in list(self._leases.items()):
+                by_tenant.setdefault(t.tenant, []).append(lid)
+            for tenant, ids in by_tenant.items():
+                try:
+                    await self.store.renew(tenant, ids, LEASE_TTL)
+                except StoreUnavailable as e:
+                    log.warning("lease renewal failed for %s: %s", tenant, e)

@@ -1,0 +1,123 @@
+"""The live tenant policy and its reloads.
+
+``PolicyRegistry`` holds one immutable ``PolicySnapshot`` (tenants, effective
+policies, key index). A reload validates the new file whole and swaps the
+reference: requests in flight keep the snapshot they started with, new
+requests see the new one at once. A bad file keeps the old snapshot and
+records why. Reloads come from file changes (watchfiles), SIGHUP and
+``POST /admin/reload``; the registry owns the watcher task.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import msgspec
+
+from router.auth import KeyIndex
+from router.configfile import ConfigError, load_yaml
+from router.tenants import TenantPolicy, TenantsFile
+
+__all__ = ["PolicySnapshot", "PolicyRegistry", "ReloadResult"]
+
+log = logging.getLogger("fairstream.policy")
+
+
+class PolicySnapshot:
+    __slots__ = ("file", "tenants", "keys", "loaded_at", "version")
+
+    def __init__(self, file: TenantsFile, version: int) -> None:
+        self.file = file
+        self.tenants: dict[str, TenantPolicy] = file.policies()
+        self.keys = KeyIndex(file)
+        self.loaded_at = time.time()
+        self.version = version
+
+
+class ReloadResult(msgspec.Struct):
+    ok: bool
+    version: int
+    errors: list[str] = []
+    changed: bool = True
+
+
+class PolicyRegistry:
+    def __init__(self, path: Path, on_reload: Callable[[bool], None] | None = None) -> None:
+        self.path = Path(path)
+        file, _ = load_yaml(self.path, TenantsFile)  # a bad file at start is fatal
+        self.current = PolicySnapshot(file, 1)
+        self.last_errors: list[str] = []
+        self._text = self.path.read_text("utf-8")
+        self._on_reload = on_reload or (lambda ok: None)
+        self._watch: asyncio.Task[None] | None = None
+        self._stop = asyncio.Event()
+
+    def reload(self) -> ReloadResult:
+        """Re-read the file; swap on success, keep the old policy on failure."""
+        try:
+            text = self.path.read_text("utf-8")
+        except OSError as e:
+            return self._failed([f"{self.path}:1: (file): cannot read: {e.strerror or e}"])
+        if text == self._text and not self.last_errors:
+            return ReloadResult(True, self.current.version, changed=False)
+        try:
+            file, _ = load_yaml(self.path, TenantsFile, text=text)
+        except ConfigError as e:
+            return self._failed(e.errors)
+        self.current = PolicySnapshot(file, self.current.version + 1)
+        self._text = text
+        self.last_errors = []
+        log.info("tenant policy reloaded from %s (version %d, %d tenants)",
+                 self.path, self.current.version, len(self.current.tenants))
+        self._on_reload(True)
+        return ReloadResult(True, self.current.version)
+
+    def _failed(self, errors: list[str]) -> ReloadResult:
+        self.last_errors = errors
+        for line in errors:
+            log.error("tenant policy reload failed, keeping version %d: %s", self.current.version, line)
+        self._on_reload(False)
+        return ReloadResult(False, self.current.version, errors)
+
+    async def start(self) -> None:
+        loop = asyncio.get_running_loop()
+        try:
+            loop.add_signal_handler(signal.SIGHUP, self.reload)
+        except (NotImplementedError, RuntimeError, ValueError):
+            log.warning("SIGHUP reload unavailable on this platform")
+        self._watch = loop.create_task(self._watch_file(), name="policy-watch")
+
+    async def close(self) -> None:
+        self._stop.set()
+        try:
+            asyncio.get_running_loop().remove_signal_handler(signal.SIGHUP)
+        except (NotImplementedError, RuntimeError, ValueError):
+            pass
+        if self._watch is not None:
+            self._watch.cancel()
+            try:
+                await self._watch
+            except asyncio.CancelledError:
+                pass
+
+    async def _watch_file(self) -> None:
+        from watchfiles import awatch
+
+        # Watch the directory: editors replace files by rename, and
+        # Kubernetes ConfigMaps swap a symlink.
+        target = self.path.resolve()
+        directory = self.path.parent
+        while not self._stop.is_set():
+            try:
+                async for changes in awatch(directory, stop_event=self._stop, debounce=200, step=50):
+                    names = {Path(p).name for _, p in changes}
+                    if self.path.name in names or target.name in names or any(n.startswith("..") for n in names):
+                        self.reload()
+            except (OSError, RuntimeError) as e:
+                log.warning("watching %s failed (%s); retrying", directory, e)
+                await asyncio.sleep(1.0)

@@ -1,0 +1,49 @@
+"""Shared state (rate-limit buckets, concurrency leases) behind one interface."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import msgspec
+
+from router.state.base import AdmitRequest, StateStore, StoreUnavailable, TenantUsage
+from router.state.memory import MemoryStore
+from router.state.resilient import ResilientStore
+
+__all__ = [
+    "StateConfig",
+    "StateStore",
+    "AdmitRequest",
+    "TenantUsage",
+    "StoreUnavailable",
+    "MemoryStore",
+    "ResilientStore",
+    "create_store",
+]
+
+
+class StateConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    """router.yaml ``state``: where limits and leases live."""
+
+    backend: Literal["memory", "redis"] = "memory"
+    """``memory`` (one router process) or ``redis`` (shared by several)."""
+    url: str = "redis://127.0.0.1:6379/0"
+    """Redis URL for the redis backend."""
+    prefix: str = "fs"
+    """Key prefix in Redis (several deployments can share one Redis)."""
+    on_outage: Literal["open", "closed"] = "open"
+    """Redis down: ``open`` keeps serving with per-process limits; ``closed`` answers 503."""
+    timeout: float = 0.5
+    """Seconds a Redis call may take before it counts as an outage."""
+
+
+def create_store(config: StateConfig, **hooks) -> StateStore:
+    if config.backend == "memory":
+        return MemoryStore()  # cannot fail: no outage hooks
+    from router.state.redis_store import RedisStore
+
+    return ResilientStore(
+        RedisStore(config.url, config.prefix, config.timeout),
+        fail_open=config.on_outage == "open",
+        **hooks,
+    )

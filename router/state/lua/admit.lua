@@ -1,0 +1,80 @@
+-- Atomic admission: requests bucket, tokens bucket and concurrency leases.
+-- Same arithmetic as policies/ratelimit.py (admit); time is the Redis
+-- server's, so every router process shares one clock.
+-- KEYS: 1 requests bucket (hash), 2 tokens bucket (hash), 3 leases (zset)
+-- ARGV: rpm, tpm, max_concurrent, cost_tokens, lease_id, lease_ttl
+local t = redis.call('TIME')
+local now = tonumber(t[1]) + tonumber(t[2]) / 1000000
+local rpm = tonumber(ARGV[1])
+local tpm = tonumber(ARGV[2])
+local maxc = tonumber(ARGV[3])
+local cost = tonumber(ARGV[4])
+local lease_id = ARGV[5]
+local ttl = tonumber(ARGV[6])
+local INF = 1e300
+
+local function level(key, per_min)
+  local v = redis.call('HMGET', key, 'tokens', 'ts')
+  if not v[1] then return per_min end
+  local lvl = tonumber(v[1]) + math.max(0, now - tonumber(v[2])) * per_min / 60
+  return math.min(per_min, lvl)
+end
+
+local function wait(available, c, per_min)
+  if c > per_min then return INF end
+  local short = c - available
+  if short <= 0 then return 0 end
+  return short * 60 / per_min
+end
+
+local function reset(available, per_min)
+  return math.max(0, (per_min - available) * 60 / per_min)
+end
+
+local function store(key, lvl, per_min)
+  redis.call('HSET', key, 'tokens', tostring(lvl), 'ts', tostring(now))
+  -- once full again the bucket equals a missing key; let Redis drop it
+  local ms = math.ceil(reset(lvl, per_min) * 1000) + 1000
+  redis.call('PEXPIRE', key, ms)
+end
+
+redis.call('ZREMRANGEBYSCORE', KEYS[3], '-inf', now)
+local leases = redis.call('ZCARD', KEYS[3])
+local req_level = INF
+local tok_level = INF
+if rpm > 0 then req_level = level(KEYS[1], rpm) end
+if tpm > 0 then tok_level = level(KEYS[2], tpm) end
+
+local reason = ''
+local worst = 0
+if rpm > 0 then
+  local w = wait(req_level, 1, rpm)
+  if w > worst then worst = w; reason = 'requests' end
+end
+if tpm > 0 then
+  local w = wait(tok_level, cost, tpm)
+  if w > worst then worst = w; reason = 'tokens' end
+end
+if maxc > 0 and leases >= maxc and worst < 1 then
+  worst = 1; reason = 'concurrency'
+end
+if worst >= INF then reason = 'too_large' end
+
+local rem_req = 0
+local rem_tok = 0
+local rst_req = 0
+local rst_tok = 0
+if reason ~= '' then
+  if rpm > 0 then rem_req = req_level; rst_req = reset(req_level, rpm) end
+  if tpm > 0 then rem_tok = tok_level; rst_tok = reset(tok_level, tpm) end
+  return {0, reason, tostring(worst), tostring(rem_req), tostring(rem_tok), tostring(rst_req), tostring(rst_tok)}
+end
+if rpm > 0 then
+  rem_req = req_level - 1; rst_req = reset(rem_req, rpm); store(KEYS[1], rem_req, rpm)
+end
+if tpm > 0 then
+  rem_tok = tok_level - cost; rst_tok = reset(rem_tok, tpm); store(KEYS[2], rem_tok, tpm)
+end
+redis.call('ZADD', KEYS[3], now + ttl, lease_id)
+redis.call('PEXPIRE', KEYS[3], math.ceil(ttl * 1000) + 1000)
+return {1, '', '0', tostring(rem_req), tostring(rem_tok), tostring(rst_req), tostring(rst_tok)}

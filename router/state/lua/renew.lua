@@ -1,0 +1,10 @@
+-- Extend live leases. KEYS: 1 leases zset; ARGV: ttl, lease ids...
+local t = redis.call('TIME')
+local now = tonumber(t[1]) + tonumber(t[2]) / 1000000
+local ttl = tonumber(ARGV[1])
+redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', now)
+for i = 2, #ARGV do
+  redis.call('ZADD', KEYS[1], 'XX', now + ttl, ARGV[i])
+end
+redis.call('PEXPIRE', KEYS[1], math.ceil(ttl * 1000) + 1000)
+return 1

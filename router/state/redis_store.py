@@ -1,0 +1,104 @@
+"""Redis state store (redis.asyncio): every operation is one Lua script.
+
+Scripts live beside this module (``lua/*.lua``) and run atomically on the
+Redis server with the server's clock, so limits stay exact across any number
+of router processes. Keys use a ``{tenant}`` hash tag so one tenant's keys
+share a Redis Cluster slot.
+"""
+
+from __future__ import annotations
+
+from importlib import resources
+
+import redis.asyncio as aioredis
+from redis.exceptions import RedisError
+
+from policies.ratelimit import Decision
+from router.state.base import AdmitRequest, StateStore, StoreUnavailable, TenantUsage
+
+__all__ = ["RedisStore"]
+
+
+def _script(name: str) -> str:
+    return resources.files("router.state").joinpath("lua", name).read_text("utf-8")
+
+
+class RedisStore(StateStore):
+    name = "redis"
+
+    def __init__(self, url: str, prefix: str = "fs", timeout: float = 1.0) -> None:
+        self._redis = aioredis.Redis.from_url(
+            url,
+            socket_timeout=timeout,
+            socket_connect_timeout=timeout,
+            health_check_interval=0,
+            retry_on_timeout=False,
+        )
+        self._prefix = prefix
+        r = self._redis
+        self._admit = r.register_script(_script("admit.lua"))
+        self._settle = r.register_script(_script("settle.lua"))
+        self._renew = r.register_script(_script("renew.lua"))
+        self._usage = r.register_script(_script("usage.lua"))
+
+    def _keys(self, tenant: str) -> list[str]:
+        base = f"{self._prefix}:{{{tenant}}}"
+        return [f"{base}:rq", f"{base}:tk", f"{base}:leases"]
+
+    async def admit(self, tenant: str, req: AdmitRequest) -> Decision:
+        try:
+            res = await self._admit(
+                keys=self._keys(tenant),
+                args=[req.rpm, req.tpm, req.max_concurrent, req.cost_tokens, req.lease_id, req.lease_ttl],
+            )
+        except RedisError as e:
+            raise StoreUnavailable(f"redis: {e}") from e
+        ok, reason, wait, rem_req, rem_tok, rst_req, rst_tok = res
+        retry = float(wait)
+        return Decision(
+            bool(int(ok)),
+            reason.decode() if isinstance(reason, bytes) else str(reason),
+            float("inf") if retry >= 1e299 else retry,
+            float(rem_req),
+            float(rem_tok),
+            float(rst_req),
+            float(rst_tok),
+        )
+
+    async def settle(self, tenant: str, *, tpm: int, reserved: int, used: int, lease_id: str = "") -> None:
+        if not tpm:
+            return
+        try:
+            await self._settle(keys=[self._keys(tenant)[1]], args=[tpm, reserved, used])
+        except RedisError as e:
+            raise StoreUnavailable(f"redis: {e}") from e
+
+    async def renew(self, tenant: str, lease_ids: list[str], ttl: float) -> None:
+        if not lease_ids:
+            return
+        try:
+            await self._renew(keys=[self._keys(tenant)[2]], args=[ttl, *lease_ids])
+        except RedisError as e:
+            raise StoreUnavailable(f"redis: {e}") from e
+
+    async def release(self, tenant: str, lease_id: str) -> None:
+        try:
+            await self._redis.zrem(self._keys(tenant)[2], lease_id)
+        except RedisError as e:
+            raise StoreUnavailable(f"redis: {e}") from e
+
+    async def usage(self, tenant: str, *, rpm: int, tpm: int) -> TenantUsage:
+        try:
+            req, tok, leases = await self._usage(keys=self._keys(tenant), args=[rpm, tpm])
+        except RedisError as e:
+            raise StoreUnavailable(f"redis: {e}") from e
+        return TenantUsage(float(req), float(tok), int(leases))
+
+    async def ping(self) -> None:
+        try:
+            await self._redis.ping()
+        except RedisError as e:
+            raise StoreUnavailable(f"redis: {e}") from e
+
+    async def close(self) -> None:
+        await self._redis.aclose()

@@ -1,0 +1,133 @@
+"""Keeps serving when Redis is down, by the configured outage mode.
+
+``fail-open``: operations fall back to an in-process ``MemoryStore`` (each
+router enforces the limits locally) until Redis answers again.
+``fail-closed``: operations raise ``StoreUnavailable``, which the router turns
+into 503. Either way the outage is logged once, counted in metrics, shown by
+``/ready``, and a background probe reconnects by itself.
+
+Leases and reservations remember which store took them, so a stream admitted
+during an outage is released and settled where it was counted.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable
+
+from policies.ratelimit import Decision
+from router.state.base import AdmitRequest, StateStore, StoreUnavailable, TenantUsage
+from router.state.memory import MemoryStore
+
+__all__ = ["ResilientStore"]
+
+log = logging.getLogger("fairstream.state")
+
+
+class ResilientStore(StateStore):
+    def __init__(
+        self,
+        primary: StateStore,
+        *,
+        fail_open: bool,
+        probe_interval: float = 1.0,
+        on_change: Callable[[bool], None] | None = None,
+        on_error: Callable[[str], None] | None = None,
+    ) -> None:
+        self.primary = primary
+        self.fallback = MemoryStore()
+        self.fail_open = fail_open
+        self.name = primary.name
+        self.healthy = True
+        self._probe_interval = probe_interval
+        self._on_change = on_change or (lambda up: None)
+        self._on_error = on_error or (lambda op: None)
+        self._probe: asyncio.Task[None] | None = None
+        self._lease_store: dict[str, StateStore] = {}
+
+    def _down(self, op: str, err: Exception) -> None:
+        self._on_error(op)
+        if self.healthy:
+            self.healthy = False
+            mode = "serving with local limits (fail-open)" if self.fail_open else "rejecting with 503 (fail-closed)"
+            log.error("state store %s unavailable (%s); %s until it returns", self.name, err, mode)
+            self._on_change(False)
+            if self._probe is None or self._probe.done():
+                self._probe = asyncio.get_running_loop().create_task(self._reconnect(), name="state-probe")
+
+    async def _reconnect(self) -> None:
+        while True:
+            await asyncio.sleep(self._probe_interval)
+            try:
+                await self.primary.ping()
+            except StoreUnavailable:
+                continue
+            self.healthy = True
+            log.warning("state store %s is back", self.name)
+            self._on_change(True)
+            return
+
+    def _current(self) -> StateStore:
+        if self.healthy:
+            return self.primary
+        if self.fail_open:
+            return self.fallback
+        raise StoreUnavailable(f"state store {self.name} is unavailable")
+
+    async def admit(self, tenant: str, req: AdmitRequest) -> Decision:
+        store = self._current()
+        try:
+            decision = await store.admit(tenant, req)
+        except StoreUnavailable as e:
+            self._down("admit", e)
+            store = self._current()
+            decision = await store.admit(tenant, req)
+        if decision.ok:
+            self._lease_store[req.lease_id] = store
+        return decision
+
+    async def settle(self, tenant: str, *, tpm: int, reserved: int, used: int, lease_id: str = "") -> None:
+        store = self._lease_store.get(lease_id, self.primary) if lease_id else self.primary
+        try:
+            await store.settle(tenant, tpm=tpm, reserved=reserved, used=used)
+        except StoreUnavailable as e:
+            self._down("settle", e)
+
+    async def renew(self, tenant: str, lease_ids: list[str], ttl: float) -> None:
+        by_store: dict[int, tuple[StateStore, list[str]]] = {}
+        for lid in lease_ids:
+            store = self._lease_store.get(lid, self.primary)
+            by_store.setdefault(id(store), (store, []))[1].append(lid)
+        for store, ids in by_store.values():
+            try:
+                await store.renew(tenant, ids, ttl)
+            except StoreUnavailable as e:
+                self._down("renew", e)
+
+    async def release(self, tenant: str, lease_id: str) -> None:
+        store = self._lease_store.pop(lease_id, self.primary)
+        try:
+            await store.release(tenant, lease_id)
+        except StoreUnavailable as e:
+            self._down("release", e)
+
+    async def usage(self, tenant: str, *, rpm: int, tpm: int) -> TenantUsage:
+        store = self.primary if self.healthy else self.fallback
+        try:
+            return await store.usage(tenant, rpm=rpm, tpm=tpm)
+        except StoreUnavailable as e:
+            self._down("usage", e)
+            return await self.fallback.usage(tenant, rpm=rpm, tpm=tpm)
+
+    async def ping(self) -> None:
+        await self.primary.ping()
+
+    async def close(self) -> None:
+        if self._probe is not None:
+            self._probe.cancel()
+            try:
+                await self._probe
+            except asyncio.CancelledError:
+                pass
+        await self.primary.close()
