@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import random
 
+from collections.abc import Callable
+
 from policies.balance import ReplicaLoad, choose
 from replicas.client import ReplicaClient
 from replicas.spec import ReplicaSpec
@@ -25,8 +27,9 @@ class ReplicaSlot:
     """One configured replica: its spec, its live client (when connected),
     its supervision counters and the router's own load accounting."""
 
-    def __init__(self, spec: ReplicaSpec) -> None:
+    def __init__(self, spec: ReplicaSpec, cap: Callable[[], int] | None = None) -> None:
         self.spec = spec
+        self.cap_fn = cap
         self.name = spec.name
         self.client: ReplicaClient | None = None
         self.pid: int | None = None
@@ -40,6 +43,15 @@ class ReplicaSlot:
     def ready(self) -> bool:
         c = self.client
         return self.state == "ready" and c is not None and c.closed is None
+
+    @property
+    def cap(self) -> int:
+        """The router's in-flight cap for this replica (adaptive batching)."""
+        return self.cap_fn() if self.cap_fn is not None else 1 << 30
+
+    @property
+    def has_room(self) -> bool:
+        return self.inflight < self.cap
 
     def snapshot(self) -> ReplicaLoad:
         rep = self.client.load if self.client is not None else None
@@ -55,12 +67,13 @@ class ReplicaSlot:
 class LoadHandle:
     """Counts one request against a slot from dispatch until release."""
 
-    __slots__ = ("slot", "tokens", "_open")
+    __slots__ = ("slot", "tokens", "_open", "_on_release")
 
-    def __init__(self, slot: ReplicaSlot, tokens: int) -> None:
+    def __init__(self, slot: ReplicaSlot, tokens: int, on_release: Callable[[ReplicaSlot], None] | None = None) -> None:
         self.slot = slot
         self.tokens = tokens
         self._open = True
+        self._on_release = on_release
         slot.inflight += 1
         slot.inflight_tokens += tokens
 
@@ -76,6 +89,8 @@ class LoadHandle:
             self.slot.inflight -= 1
             self.slot.inflight_tokens -= self.tokens
             self.slot.served += 1
+            if self._on_release is not None:
+                self._on_release(self.slot)
 
 
 class ReplicaPool:
@@ -85,6 +100,7 @@ class ReplicaPool:
             raise ValueError("replica names must be unique")
         self.slots = [ReplicaSlot(s) for s in specs]
         self._rng = rng or random.Random()
+        self.on_release: Callable[[ReplicaSlot], None] | None = None
 
     def models(self) -> list[str]:
         """Models served by ready replicas, or configured ones when none is ready."""
@@ -117,4 +133,16 @@ class ReplicaPool:
         if not slots:
             raise NoReplica(f"no ready replica serves model {model!r}")
         i = choose([s.snapshot() for s in slots], self._rng)
-        return LoadHandle(slots[i], tokens)
+        return LoadHandle(slots[i], tokens, self.on_release)
+
+    def try_choose(self, model: str, tokens: int) -> LoadHandle | None:
+        """Like ``choose`` but only among replicas under their in-flight cap;
+        None when all are full. ``NoReplica`` when none serves the model."""
+        slots = self.ready_slots(model)
+        if not slots:
+            raise NoReplica(f"no ready replica serves model {model!r}")
+        room = [s for s in slots if s.has_room]
+        if not room:
+            return None
+        i = choose([s.snapshot() for s in room], self._rng)
+        return LoadHandle(room[i], tokens, self.on_release)

@@ -40,7 +40,9 @@ async def tenants(request: Request) -> Response:
             live = msgspec.structs.asdict(usage)
         except StoreUnavailable as e:
             live = {"error": str(e)}
-        live["queued"] = svc.admission.queued(name)
+        live["waiting_for_limits"] = svc.admission.queued(name)
+        live["queued"] = svc.scheduler.queued(name)
+        live["virtual_counter"] = round(svc.scheduler.counters.get(name), 3)
         policy = msgspec.to_builtins(pol)
         policy["keys"] = len(snap.file.tenants[name].keys)
         out[name] = {"policy": policy, "usage": live}

@@ -160,6 +160,7 @@ async def handle_completion(
     gen = Generation(
         svc.pool, job, svc.metrics, svc.config.max_failovers,
         Deadlines(lim.first_token, lim.stall, lim.total, start=started),
+        scheduler=svc.scheduler, policy=policy, rank=svc.rank(policy),
     )
     pieces = gen.stream()
     try:

@@ -8,6 +8,8 @@ import msgspec
 
 from replicas.spec import ReplicaSpec
 from router.configfile import Located, load_yaml
+from policies.batching import AimdSettings
+from router.scheduler_settings import SchedulerSettings
 from router.state import StateConfig
 
 __all__ = ["RouterConfig", "load_router_config"]
@@ -40,6 +42,10 @@ class RouterConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     """Longest wait between restarts of a failing replica."""
     state: StateConfig = msgspec.field(default_factory=StateConfig)
     """Where rate-limit buckets and leases live (memory, or Redis shared by routers)."""
+    scheduler: SchedulerSettings = msgspec.field(default_factory=SchedulerSettings)
+    """Queue order: priority classes with aging and weighted fair share, or FIFO."""
+    batching: AimdSettings = msgspec.field(default_factory=AimdSettings)
+    """Adaptive per-replica in-flight caps."""
 
     def validate(self, located: Located) -> list[str]:
         errors = []

@@ -15,12 +15,17 @@ import asyncio
 import time
 from collections.abc import AsyncIterator
 from contextlib import aclosing
+from typing import TYPE_CHECKING
 
 from replicas.client import ReplicaDead
 from replicas.pool import LoadHandle, NoReplica, ReplicaPool
 from replicas.protocol import FinishReason, SamplingParams
 from router.errors import BadRequest, ReplicaUnavailable
 from router.metrics import Metrics
+
+if TYPE_CHECKING:
+    from router.scheduler import Scheduler
+    from router.tenants import TenantPolicy
 
 __all__ = ["Job", "Generation", "StreamLost", "StreamTimeout", "Deadlines", "Piece"]
 
@@ -81,8 +86,12 @@ Piece = tuple[str, int, FinishReason]  # text, new tokens, finish
 
 class Generation:
     def __init__(self, pool: ReplicaPool, job: Job, metrics: Metrics, max_failovers: int,
-                 deadlines: Deadlines | None = None) -> None:
+                 deadlines: Deadlines | None = None, scheduler: Scheduler | None = None,
+                 policy: TenantPolicy | None = None, rank: int = 0) -> None:
         self.pool = pool
+        self.scheduler = scheduler
+        self.policy = policy
+        self.rank = rank
         self.deadlines = deadlines or Deadlines()
         self.job = job
         self.metrics = metrics
@@ -113,9 +122,18 @@ class Generation:
         job = self.job
         exclude: set[str] = set()
         died_at: float | None = None
+        first = True
         while True:
             try:
-                handle = self.pool.choose(job.model, job.params.max_tokens - len(self.completion_ids), exclude)
+                remaining = job.params.max_tokens - len(self.completion_ids)
+                if first and self.scheduler is not None and self.policy is not None:
+                    # Wait for our turn in the tenant's queue (fair share, caps).
+                    handle = await self.scheduler.acquire(self.policy, self.rank, job.model, remaining)
+                else:
+                    # A failover continues at once, past the queues and caps:
+                    # its client is mid-stream.
+                    handle = self.pool.choose(job.model, remaining, exclude)
+                first = False
             except NoReplica as e:
                 if self.completion_ids or self.failovers:
                     self.metrics.streams_lost.inc()
@@ -160,7 +178,10 @@ class Generation:
             loop = asyncio.get_running_loop()
             mono_to_loop = loop.time() - time.monotonic()
             total_at = dl.start + dl.total if dl.total else None
-            last_token = time.monotonic()
+            last_token = dispatched = time.monotonic()
+            sched = self.scheduler
+            policy = self.policy
+            charged_prompt = self.prompt_token_ids is not None and self.completion_ids
             while True:
                 if self.completion_ids:
                     limit_at = last_token + dl.stall if dl.stall else None
@@ -181,9 +202,21 @@ class Generation:
                             raise _Stalled(f"replica {slot.name} produced no token for {dl.stall:g}s") from None
                         raise StreamTimeout(which, getattr(dl, which)) from None
                 if ids:
-                    last_token = time.monotonic()
+                    now = time.monotonic()
+                    if sched is not None:
+                        if self.completion_ids:
+                            sched.observe(slot, itl=(now - last_token) / len(ids))
+                        else:
+                            sched.observe(slot, ttft=now - dispatched)
+                    last_token = now
                 if self.prompt_token_ids is None and col.prompt_token_ids is not None:
                     self.prompt_token_ids = col.prompt_token_ids
+                if sched is not None and policy is not None:
+                    if not charged_prompt and self.prompt_token_ids is not None:
+                        charged_prompt = True
+                        sched.charge(policy, len(self.prompt_token_ids), len(ids))
+                    elif ids:
+                        sched.charge(policy, 0, len(ids))
                 if finish == FinishReason.ERROR:
                     if not self.completion_ids and not ids:
                         raise BadRequest(col.error or "the replica rejected the request")

@@ -64,6 +64,13 @@ class Metrics:
         self.queued = Gauge(
             "fairstream_queue_depth", "Requests waiting for admission.", ["tenant", "priority"], registry=r,
         )
+        self.queue_wait = Histogram(
+            "fairstream_queue_wait_seconds", "Time a request waited in its tenant's queue for a replica.",
+            ["tenant", "priority"], buckets=_LATENCY_BUCKETS, registry=r,
+        )
+        self.replica_cap = Gauge(
+            "fairstream_replica_inflight_cap", "Adaptive in-flight cap of the replica.", ["replica"], registry=r
+        )
         self.reloads = Counter("fairstream_config_reloads", "Tenant policy reloads by result.", ["result"], registry=r)
         self.reload_ok = Gauge(
             "fairstream_config_last_reload_successful", "1 if the last tenant policy reload succeeded.", registry=r

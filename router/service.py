@@ -19,6 +19,7 @@ from router.auth import bearer
 from router.config import RouterConfig
 from router.metrics import Metrics
 from router.policy import PolicyRegistry
+from router.scheduler import Scheduler
 from router.state import create_store
 from router.tenants import TenantPolicy
 
@@ -43,6 +44,7 @@ class RouterService:
         )
         self.admission = Admission(self.store, m)
         self.pool = ReplicaPool(config.replicas)
+        self.scheduler = Scheduler(self.pool, m, config.scheduler, config.batching)
         self.supervisor = Supervisor(
             self.pool,
             SupervisorSettings(
@@ -57,6 +59,10 @@ class RouterService:
         """The caller's tenant policy (401/403 on a bad or admin key)."""
         snap = self.policy.current
         return snap.tenants[snap.keys.tenant(bearer(authorization))]
+
+    def rank(self, policy: TenantPolicy) -> int:
+        """Index of the tenant's priority class (0 = highest)."""
+        return self.policy.current.file.priority_classes.index(policy.priority)
 
     def check_admin(self, authorization: str | None) -> None:
         self.policy.current.keys.admin(bearer(authorization))

@@ -1,0 +1,225 @@
+"""The scheduling loop: per-tenant queues in front of the replicas' in-flight caps.
+
+A request that has passed admission asks ``Scheduler.acquire`` for a replica.
+If nothing is queued and a replica is under its cap, it is dispatched at
+once. Otherwise it waits in its tenant's bounded FIFO queue; every time
+capacity frees up (a stream ends, a cap grows) ``_dispatch`` hands it out:
+``policies.fairshare.pick`` chooses the tenant (priority with aging, then
+VTC), ``policies.balance`` the replica. It keeps going while any queued
+request fits on any replica (work conserving).
+
+The decisions are pure; this module only applies them. It owns no task: it
+runs inside the callbacks of the requests that wait and the streams that end.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections import deque
+from collections.abc import Callable
+from policies.batching import AimdLimiter, AimdSettings
+from policies.fairshare import Head, VirtualCounters, pick
+from replicas.pool import LoadHandle, NoReplica, ReplicaPool, ReplicaSlot
+from router.errors import RateLimited, ReplicaUnavailable, ServiceUnavailable
+from router.metrics import Metrics
+from router.scheduler_settings import SchedulerSettings
+from router.tenants import TenantPolicy
+
+__all__ = ["Scheduler", "SchedulerSettings"]
+
+log = logging.getLogger("fairstream.scheduler")
+
+
+class _Waiter:
+    __slots__ = ("policy", "rank", "model", "tokens", "enqueued", "future")
+
+    def __init__(self, policy: TenantPolicy, rank: int, model: str, tokens: int, now: float) -> None:
+        self.policy = policy
+        self.rank = rank
+        self.model = model
+        self.tokens = tokens
+        self.enqueued = now
+        self.future: asyncio.Future[LoadHandle] = asyncio.get_running_loop().create_future()
+
+
+class Scheduler:
+    def __init__(
+        self,
+        pool: ReplicaPool,
+        metrics: Metrics,
+        settings: SchedulerSettings,
+        batching: AimdSettings,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.pool = pool
+        self.metrics = metrics
+        self.settings = settings
+        self.clock = clock
+        self.counters = VirtualCounters()
+        self._queues: dict[str, deque[_Waiter]] = {}
+        self._queued = 0
+        self._dispatch_pending = False
+        self._limiters: dict[str, AimdLimiter] = {}
+        now = clock()
+        for slot in pool.slots:
+            lim = AimdLimiter(batching, now)
+            self._limiters[slot.name] = lim
+            slot.cap_fn = lambda lim=lim: lim.cap
+        pool.on_release = self._on_release
+        # dispatch-rate estimate for Retry-After (EWMA of dispatches per second)
+        self._rate = 0.0
+        self._rate_ts = now
+
+    # -- what requests call ------------------------------------------------
+
+    def queued(self, tenant: str | None = None) -> int:
+        if tenant is None:
+            return self._queued
+        q = self._queues.get(tenant)
+        return len(q) if q else 0
+
+    def limiter(self, slot: ReplicaSlot) -> AimdLimiter:
+        return self._limiters[slot.name]
+
+    async def acquire(self, policy: TenantPolicy, rank: int, model: str, tokens: int) -> LoadHandle:
+        """A load handle on a replica for this request, when the scheduler
+        says it is its turn. 429 when the tenant's queue is full, 503 when the
+        queue wait passes the tenant's limit; cancellation leaves the queue."""
+        if not self._queued:
+            try:
+                handle = self.pool.try_choose(model, tokens)
+            except NoReplica as e:
+                raise ReplicaUnavailable(str(e)) from e
+            if handle is not None:
+                self._dispatched(policy, 0.0)
+                return handle
+        elif not self.pool.ready_slots(model):
+            raise ReplicaUnavailable(f"no ready replica serves model {model!r}")
+        q = self._queues.get(policy.name)
+        if q is None:
+            q = self._queues[policy.name] = deque()
+        if len(q) >= policy.queue_depth:
+            self.metrics.rate_limited.labels(policy.name, "queue").inc()
+            raise RateLimited(
+                f"Too many queued requests for tenant {policy.name!r} "
+                f"(queue depth {policy.queue_depth}); retry later.",
+                retry_after=self._retry_after(len(q)), code="queue_full",
+            )
+        now = self.clock()
+        w = _Waiter(policy, rank, model, tokens, now)
+        if not q:
+            backlogged = [t for t, other in self._queues.items() if other]
+            self.counters.activate(policy.name, backlogged)
+        q.append(w)
+        self._queued += 1
+        self.metrics.queued.labels(policy.name, policy.priority).inc()
+        self._dispatch()
+        wait = policy.limits.queue_wait
+        try:
+            if wait:
+                async with asyncio.timeout(wait):
+                    return await asyncio.shield(w.future)
+            return await asyncio.shield(w.future)
+        except TimeoutError:
+            self._leave(w)
+            self.metrics.rate_limited.labels(policy.name, "queue_wait").inc()
+            raise ServiceUnavailable(
+                f"The cluster is over capacity: the request waited {wait:g}s, the limit for "
+                f"tenant {policy.name!r}; retry later.",
+                code="queue_timeout", headers={"retry-after": str(int(self._retry_after(self._queued)) + 1)},
+            ) from None
+        except asyncio.CancelledError:
+            self._leave(w)
+            raise
+
+    def charge(self, policy: TenantPolicy, prompt: int, completion: int) -> None:
+        """Served tokens advance the tenant's virtual counter."""
+        self.counters.charge(policy.name, prompt, completion, policy.weight)
+
+    def observe(self, slot: ReplicaSlot, *, itl: float | None = None, ttft: float | None = None) -> None:
+        """A latency sample from a stream on ``slot`` for its in-flight cap."""
+        lim = self._limiters.get(slot.name)
+        if lim is None:
+            return
+        if itl is not None:
+            lim.observe_itl(itl)
+        if ttft is not None:
+            lim.observe_ttft(ttft)
+        lim.note_inflight(slot.inflight)
+        if lim.tick(self.clock()):
+            self.metrics.replica_cap.labels(slot.name).set(lim.cap)
+            if self._queued:
+                self._schedule_dispatch()
+
+    # -- internals ---------------------------------------------------------
+
+    def _leave(self, w: _Waiter) -> None:
+        """Remove a waiter that gave up; give back a handle it got meanwhile."""
+        q = self._queues.get(w.policy.name)
+        if q is not None:
+            try:
+                q.remove(w)
+            except ValueError:
+                pass
+            else:
+                self._queued -= 1
+                self.metrics.queued.labels(w.policy.name, w.policy.priority).dec()
+        if w.future.done() and not w.future.cancelled():
+            w.future.result().release()
+        else:
+            w.future.cancel()
+
+    def _on_release(self, slot: ReplicaSlot) -> None:
+        if self._queued:
+            self._schedule_dispatch()
+
+    def _schedule_dispatch(self) -> None:
+        if not self._dispatch_pending:
+            self._dispatch_pending = True
+            asyncio.get_running_loop().call_soon(self._dispatch)
+
+    def _dispatch(self) -> None:
+        self._dispatch_pending = False
+        full: set[str] = set()  # models with no room left in this pass
+        fifo = self.settings.policy == "fifo"
+        while self._queued:
+            now = self.clock()
+            heads: list[Head] = []
+            waiters: list[_Waiter] = []
+            for tenant, q in self._queues.items():
+                if q and q[0].model not in full:
+                    w = q[0]
+                    heads.append(Head(tenant, 0 if fifo else w.rank, w.enqueued))
+                    waiters.append(w)
+            if not heads:
+                return
+            i = pick(heads, self.counters if not fifo else _NO_COUNTERS, now, 0 if fifo else self.settings.aging)
+            w = waiters[i]
+            try:
+                handle = self.pool.try_choose(w.model, w.tokens)
+            except NoReplica:
+                handle = None
+            if handle is None:
+                full.add(w.model)
+                continue
+            self._queues[w.policy.name].popleft()
+            self._queued -= 1
+            self.metrics.queued.labels(w.policy.name, w.policy.priority).dec()
+            self._dispatched(w.policy, now - w.enqueued)
+            w.future.set_result(handle)
+
+    def _dispatched(self, policy: TenantPolicy, waited: float) -> None:
+        self.metrics.queue_wait.labels(policy.name, policy.priority).observe(waited)
+        now = self.clock()
+        dt = max(1e-3, now - self._rate_ts)
+        self._rate = 0.8 * self._rate + 0.2 * (1.0 / dt)
+        self._rate_ts = now
+
+    def _retry_after(self, ahead: int) -> float:
+        rate = self._rate if self._rate > 0 else 1.0
+        return max(1.0, ahead / rate)
+
+
+_NO_COUNTERS = VirtualCounters()
