@@ -34,6 +34,8 @@ if [[ ! -x "$py" ]]; then
     echo "error: $py is not an executable python" >&2
     exit 2
 fi
+# absolute, because the import check runs from /
+py="$(cd "$(dirname "$py")" && pwd)/$(basename "$py")"
 
 check_import() {
     # Run outside the repo so a local 'vllm' directory cannot shadow the package.

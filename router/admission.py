@@ -97,10 +97,12 @@ class Admission:
             except asyncio.CancelledError:
                 pass
 
-    async def admit(self, policy: TenantPolicy, cost_tokens: int) -> Ticket:
+    async def admit(self, policy: TenantPolicy, cost_tokens: int, *, count_request: bool = True) -> Ticket:
+        """``count_request=False`` for the continuation of a resumed stream:
+        it holds a lease and reserves tokens, but is not a new request."""
         lim = policy.limits
         req = AdmitRequest(
-            rpm=lim.requests_per_minute,
+            rpm=lim.requests_per_minute if count_request else 0,
             tpm=lim.tokens_per_minute,
             max_concurrent=lim.max_concurrent,
             cost_tokens=cost_tokens,

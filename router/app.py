@@ -14,6 +14,7 @@ from router.admin import admin_routes
 from router.completions import handle_completion, new_request_id
 from router.config import RouterConfig
 from router.errors import ApiError, error_body
+from router.resume_http import handle_resume, parse_last_event_id
 from router.service import RouterService
 
 __all__ = ["create_app"]
@@ -27,18 +28,33 @@ def _svc(request: Request) -> RouterService:
     return request.app.state.service
 
 
-@post("/v1/chat/completions", status_code=200)
-async def chat_completions(request: Request) -> Response:
+async def _complete(request: Request, chat: bool) -> Response:
     svc = _svc(request)
     policy = svc.tenant(request.headers.get("authorization"))
-    return await handle_completion(svc, policy, await request.body(), True, new_request_id())
+    resume_id = request.headers.get("x-resume-request-id")
+    if resume_id:
+        last = parse_last_event_id(request.headers.get("last-event-id"))
+        return await handle_resume(svc, policy, resume_id, last)
+    return await handle_completion(svc, policy, await request.body(), chat, new_request_id())
+
+
+@post("/v1/chat/completions", status_code=200)
+async def chat_completions(request: Request) -> Response:
+    return await _complete(request, True)
 
 
 @post("/v1/completions", status_code=200)
 async def completions(request: Request) -> Response:
+    return await _complete(request, False)
+
+
+@get("/v1/streams/{request_id:str}")
+async def resume_stream(request: Request, request_id: str) -> Response:
+    """Resume a stream: events after Last-Event-ID, then the rest of it."""
     svc = _svc(request)
     policy = svc.tenant(request.headers.get("authorization"))
-    return await handle_completion(svc, policy, await request.body(), False, new_request_id())
+    raw = request.headers.get("last-event-id") or request.query_params.get("last_event_id")
+    return await handle_resume(svc, policy, request_id, parse_last_event_id(raw))
 
 
 class _Model(msgspec.Struct):
@@ -125,7 +141,7 @@ def create_app(config: RouterConfig, tenants_path: Path) -> Litestar:
             await service.close()
 
     app = Litestar(
-        route_handlers=[chat_completions, completions, models, health, ready, metrics, *admin_routes],
+        route_handlers=[chat_completions, completions, resume_stream, models, health, ready, metrics, *admin_routes],
         lifespan=[lifespan],
         exception_handlers={ApiError: _api_error, HTTPException: _http_error, Exception: _internal_error},
         request_max_body_size=config.max_body_bytes,

@@ -16,7 +16,6 @@ from __future__ import annotations
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator
 from contextlib import aclosing
 
 import msgspec
@@ -25,7 +24,7 @@ from litestar.response import Stream
 
 from replicas.protocol import FinishReason
 from router.admission import Ticket
-from router.errors import ApiError, BadRequest, GatewayTimeout, NotFound, error_body
+from router.errors import ApiError, BadRequest, GatewayTimeout, NotFound
 from router.generation import Deadlines, Generation, Job, Piece, StreamLost, StreamTimeout
 from router.openai_types import (
     ChatRequest,
@@ -36,7 +35,9 @@ from router.openai_types import (
     to_params,
 )
 from router.service import RouterService
-from router.sse import DONE, ChunkEncoder, Usage
+from router.relay import Outcome, relay_stream
+from router.resume import ResumeMeta
+from router.sse import ChunkEncoder, Usage
 from router.tenants import TenantPolicy
 
 __all__ = ["handle_completion", "new_request_id"]
@@ -106,31 +107,6 @@ def _job(svc: RouterService, policy: TenantPolicy, body: bytes, chat: bool):
     return req, Job(req.model, params, prompt=prompt), len(prompt.encode()) + 1
 
 
-class _Outcome:
-    """Counts one request exactly once, with its tokens and its duration."""
-
-    __slots__ = ("svc", "policy", "endpoint", "started", "done")
-
-    def __init__(self, svc: RouterService, policy: TenantPolicy, endpoint: str, started: float) -> None:
-        self.svc = svc
-        self.policy = policy
-        self.endpoint = endpoint
-        self.started = started
-        self.done = False
-
-    def record(self, outcome: str, gen: Generation | None = None) -> None:
-        if self.done:
-            return
-        self.done = True
-        m = self.svc.metrics
-        tenant = self.policy.name
-        m.requests.labels(tenant, self.endpoint, outcome).inc()
-        if gen is not None:
-            m.tokens.labels(tenant, "prompt").inc(gen.prompt_tokens)
-            m.tokens.labels(tenant, "completion").inc(gen.completion_tokens)
-            m.e2e.labels(tenant, self.policy.priority).observe(time.monotonic() - self.started)
-
-
 def _outcome_of(e: BaseException) -> str:
     if isinstance(e, StreamTimeout):
         return f"timeout_{e.which}"
@@ -147,7 +123,7 @@ async def handle_completion(
     svc: RouterService, policy: TenantPolicy, body: bytes, chat: bool, request_id: str
 ) -> Response:
     started = time.monotonic()
-    outcome = _Outcome(svc, policy, "chat" if chat else "completions", started)
+    outcome = Outcome(svc, policy, "chat" if chat else "completions", started)
     try:
         req, job, prompt_estimate = _job(svc, policy, body, chat)
         ticket = await svc.admission.admit(policy, prompt_estimate + job.params.max_tokens)
@@ -187,7 +163,12 @@ async def handle_completion(
     if req.stream:
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
         enc = ChunkEncoder(chat, response_id, req.model, created)
-        relay = _relay(svc, gen, pieces, first, enc, include_usage, policy, ticket, outcome)
+        sid = request_id
+        await svc.resume.open(sid, ResumeMeta(
+            policy.name, chat, req.model, response_id, created, include_usage, job.params,
+            gen.prompt_token_ids or [],
+        ))
+        relay = relay_stream(svc, gen, pieces, first, enc, include_usage, policy, ticket, outcome, sid)
         headers.update({"cache-control": "no-cache", "x-accel-buffering": "no"})
         return Stream(relay, media_type="text/event-stream", headers=headers)
     return await _collect(svc, gen, pieces, first, req.model, chat, response_id, created, headers,
@@ -196,7 +177,7 @@ async def handle_completion(
 
 async def _collect(svc, gen: Generation, pieces, first: Piece, model: str, chat: bool, response_id: str,
                    created: int, headers: dict[str, str], policy: TenantPolicy, ticket: Ticket,
-                   outcome: _Outcome) -> Response:
+                   outcome: Outcome) -> Response:
     m = svc.metrics
     text_parts: list[str] = []
     result = "cancelled"
@@ -230,54 +211,3 @@ async def _collect(svc, gen: Generation, pieces, first: Piece, model: str, chat:
     obj = "chat.completion" if chat else "text_completion"
     body_out = msgspec.json.encode(_Completion(response_id, obj, created, model, choices, usage))
     return Response(body_out, media_type="application/json", headers=headers)
-
-
-async def _relay(
-    svc: RouterService,
-    gen: Generation,
-    pieces: AsyncIterator[Piece],
-    first: Piece,
-    enc: ChunkEncoder,
-    include_usage: bool,
-    policy: TenantPolicy,
-    ticket: Ticket,
-    outcome: _Outcome,
-) -> AsyncIterator[bytes]:
-    m = svc.metrics
-    ttft = m.ttft.labels(policy.name, policy.priority)
-    itl = m.itl.labels(policy.name, policy.priority)
-    result = "cancelled"
-    last = None
-    try:
-        async with aclosing(pieces):  # type: ignore[type-var]
-            piece: Piece | None = first
-            while piece is not None:
-                text, n, finish = piece
-                if n:
-                    now = time.monotonic()
-                    if last is None:
-                        ttft.observe(now - outcome.started)
-                    else:
-                        itl.observe((now - last) / n)
-                    last = now
-                if text or finish != FinishReason.NONE:
-                    yield enc.delta(text, finish)
-                if finish != FinishReason.NONE:
-                    break
-                piece = await pieces.__anext__()
-            if include_usage:
-                yield enc.usage(gen.prompt_tokens, gen.completion_tokens)
-            yield DONE
-            result = "ok"
-    except StreamLost as e:
-        result = "lost"
-        log.warning("stream lost after %d tokens: %s", gen.completion_tokens, e)
-        yield enc.error(error_body(f"The stream was interrupted and could not be resumed: {e}",
-                                   "server_error", None, "stream_lost"))
-    except StreamTimeout as e:
-        result = f"timeout_{e.which}"
-        m.timeouts.labels(policy.name, e.which).inc()
-        yield enc.error(error_body(f"The stream hit the tenant's {e}.", "timeout", None, f"{e.which}_timeout"))
-    finally:
-        await svc.admission.finish(ticket, gen.prompt_tokens + gen.completion_tokens)
-        outcome.record(result, gen)

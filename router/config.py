@@ -44,6 +44,8 @@ class RouterConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     """Where rate-limit buckets and leases live (memory, or Redis shared by routers)."""
     scheduler: SchedulerSettings = msgspec.field(default_factory=SchedulerSettings)
     """Queue order: priority classes with aging and weighted fair share, or FIFO."""
+    resume_retention: float = 300.0
+    """Seconds a stream's events stay resumable (Last-Event-ID) after its last event."""
     batching: AimdSettings = msgspec.field(default_factory=AimdSettings)
     """Adaptive per-replica in-flight caps."""
 

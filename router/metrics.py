@@ -81,6 +81,9 @@ class Metrics:
         self.store_errors = Counter(
             "fairstream_state_store_errors", "State store operations that failed.", ["op"], registry=r
         )
+        self.resumes = Counter(
+            "fairstream_stream_resumes", "Streams resumed by clients with Last-Event-ID.", ["tenant"], registry=r
+        )
         self.streams_lost = Counter("fairstream_streams_lost", "Streams ended with an error because no replica could continue them.", registry=r)
 
     def expose(self, pool) -> bytes:

@@ -9,8 +9,11 @@ work.
 
 from __future__ import annotations
 
+import asyncio
 import logging
+from collections.abc import Coroutine
 from pathlib import Path
+from typing import Any
 
 from replicas.pool import ReplicaPool, ReplicaSlot
 from replicas.supervisor import Supervisor, SupervisorSettings
@@ -19,6 +22,7 @@ from router.auth import bearer
 from router.config import RouterConfig
 from router.metrics import Metrics
 from router.policy import PolicyRegistry
+from router.resume import ResumeWriter
 from router.scheduler import Scheduler
 from router.state import create_store
 from router.tenants import TenantPolicy
@@ -43,6 +47,8 @@ class RouterService:
             on_error=lambda op: m.store_errors.labels(op).inc(),
         )
         self.admission = Admission(self.store, m)
+        self.resume = ResumeWriter(self.store, config.resume_retention)
+        self._tasks: set[asyncio.Task[None]] = set()
         self.pool = ReplicaPool(config.replicas)
         self.scheduler = Scheduler(self.pool, m, config.scheduler, config.batching)
         self.supervisor = Supervisor(
@@ -71,12 +77,27 @@ class RouterService:
     def store_healthy(self) -> bool:
         return getattr(self.store, "healthy", True)
 
+    def background(self, coro: Coroutine[Any, Any, None]) -> None:
+        """Run cleanup work that must finish even if its caller was cancelled."""
+        task = asyncio.get_running_loop().create_task(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._task_done)
+
+    def _task_done(self, task: asyncio.Task[None]) -> None:
+        self._tasks.discard(task)
+        if not task.cancelled() and task.exception() is not None:
+            log.error("background task failed", exc_info=task.exception())
+
     async def start(self) -> None:
+        await self.resume.start()
         await self.policy.start()
         await self.admission.start()
         await self.supervisor.start()
 
     async def close(self) -> None:
+        if self._tasks:
+            await asyncio.wait(list(self._tasks), timeout=5)
+        await self.resume.close()
         await self.supervisor.close()
         await self.admission.close()
         await self.policy.close()

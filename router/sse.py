@@ -34,9 +34,10 @@ class ChunkEncoder:
 
     __slots__ = ("chat", "event_id", "_head", "_usage_head", "_role_sent")
 
-    def __init__(self, chat: bool, response_id: str, model: str, created: int) -> None:
+    def __init__(self, chat: bool, response_id: str, model: str, created: int, *,
+                 event_id: int = 0, role_sent: bool = False) -> None:
         self.chat = chat
-        self.event_id = 0
+        self.event_id = event_id
         obj = b"chat.completion.chunk" if chat else b"text_completion"
         common = (
             b'{"id":' + _enc(response_id) + b',"object":"' + obj + b'","created":'
@@ -44,7 +45,7 @@ class ChunkEncoder:
         )
         self._head = common + b',"choices":[{"index":0,'
         self._usage_head = common + b',"choices":[],"usage":'
-        self._role_sent = False
+        self._role_sent = role_sent
 
     def _event(self, payload: bytes) -> bytes:
         self.event_id += 1

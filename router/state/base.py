@@ -13,7 +13,7 @@ import msgspec
 
 from policies.ratelimit import Decision
 
-__all__ = ["StateStore", "AdmitRequest", "TenantUsage", "StoreUnavailable"]
+__all__ = ["StateStore", "AdmitRequest", "TenantUsage", "StoreUnavailable", "StreamSnapshot"]
 
 
 class StoreUnavailable(ConnectionError):
@@ -39,6 +39,25 @@ class TenantUsage(msgspec.Struct, frozen=True):
     active_streams: int
 
 
+class StreamSnapshot(msgspec.Struct):
+    """A stream's resume buffer as stored: what a resuming client needs.
+
+    ``meta`` is opaque to the store (the router's encoded ``ResumeMeta``);
+    ``token_ids`` are the completion tokens delivered so far, ``text_len``
+    the characters of text they produced, ``events`` the SSE events after
+    the requested one, ``total_events`` how many exist, ``owner`` the router
+    generating it (empty when none holds a live claim).
+    """
+
+    meta: bytes
+    token_ids: list[int]
+    text_len: int
+    events: list[bytes]
+    total_events: int
+    finished: bool
+    owner: str
+
+
 class StateStore(abc.ABC):
     name: str
 
@@ -62,6 +81,33 @@ class StateStore(abc.ABC):
     @abc.abstractmethod
     async def usage(self, tenant: str, *, rpm: int, tpm: int) -> TenantUsage:
         """Current levels and live leases."""
+
+    # -- stream resume buffers ----------------------------------------------
+
+    @abc.abstractmethod
+    async def stream_open(self, sid: str, meta: bytes, owner: str, ttl: float) -> None:
+        """Create the resume buffer of stream ``sid``, claimed by ``owner``."""
+
+    @abc.abstractmethod
+    async def stream_append(
+        self, sid: str, events: list[bytes], token_ids: list[int], text_len: int, finished: bool,
+        owner: str, ttl: float,
+    ) -> None:
+        """Append events and delivered tokens; set the text length; renew the
+        owner's claim and the buffer's retention."""
+
+    @abc.abstractmethod
+    async def stream_read(self, sid: str, after: int) -> StreamSnapshot | None:
+        """The buffer with the events numbered after ``after`` (events are
+        numbered from 1); None when it does not exist or has expired."""
+
+    @abc.abstractmethod
+    async def stream_claim(self, sid: str, owner: str, claim_ttl: float) -> bool:
+        """Take over generating ``sid`` if no live owner holds it."""
+
+    @abc.abstractmethod
+    async def stream_release(self, sid: str, owner: str) -> None:
+        """Drop ``owner``'s claim (the buffer itself stays for its retention)."""
 
     async def ping(self) -> None:
         """Raise ``StoreUnavailable`` if the store cannot be reached."""

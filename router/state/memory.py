@@ -10,7 +10,7 @@ from collections.abc import Callable
 
 from policies import ratelimit
 from policies.ratelimit import Bucket, Decision
-from router.state.base import AdmitRequest, StateStore, TenantUsage
+from router.state.base import AdmitRequest, StateStore, StreamSnapshot, TenantUsage
 
 __all__ = ["MemoryStore"]
 
@@ -24,12 +24,30 @@ class _Tenant:
         self.leases: dict[str, float] = {}
 
 
+class _Stream:
+    __slots__ = ("meta", "token_ids", "text_len", "events", "finished", "owner", "owner_until", "expires")
+
+    def __init__(self, meta: bytes, owner: str, owner_until: float, expires: float) -> None:
+        self.meta = meta
+        self.token_ids: list[int] = []
+        self.text_len = 0
+        self.events: list[bytes] = []
+        self.finished = False
+        self.owner = owner
+        self.owner_until = owner_until
+        self.expires = expires
+
+
+CLAIM_TTL = 10.0  # an owner that stops appending loses its claim after this
+
+
 class MemoryStore(StateStore):
     name = "memory"
 
     def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
         self._clock = clock
         self._tenants: dict[str, _Tenant] = {}
+        self._streams: dict[str, _Stream] = {}
 
     def _t(self, tenant: str) -> _Tenant:
         t = self._tenants.get(tenant)
@@ -78,3 +96,62 @@ class MemoryStore(StateStore):
             tokens_available=ratelimit.level(t.tokens, tpm, now) if tpm else 0.0,
             active_streams=len(t.leases),
         )
+
+    # -- stream resume buffers ----------------------------------------------
+
+    def _stream(self, sid: str, now: float) -> _Stream | None:
+        st = self._streams.get(sid)
+        if st is not None and st.expires <= now:
+            del self._streams[sid]
+            return None
+        return st
+
+    def _expire(self, now: float) -> None:
+        if len(self._streams) > 64:
+            for sid in [k for k, v in self._streams.items() if v.expires <= now]:
+                del self._streams[sid]
+
+    async def stream_open(self, sid: str, meta: bytes, owner: str, ttl: float) -> None:
+        now = self._clock()
+        self._expire(now)
+        self._streams[sid] = _Stream(meta, owner, now + CLAIM_TTL, now + ttl)
+
+    async def stream_append(self, sid, events, token_ids, text_len, finished, owner, ttl) -> None:
+        now = self._clock()
+        st = self._stream(sid, now)
+        if st is None:
+            return
+        st.events.extend(events)
+        st.token_ids.extend(token_ids)
+        st.text_len = text_len
+        st.finished = st.finished or finished
+        st.expires = now + ttl
+        if st.owner == owner:
+            st.owner_until = now + CLAIM_TTL
+
+    async def stream_read(self, sid: str, after: int) -> StreamSnapshot | None:
+        now = self._clock()
+        st = self._stream(sid, now)
+        if st is None:
+            return None
+        owner = st.owner if st.owner and st.owner_until > now else ""
+        return StreamSnapshot(
+            st.meta, list(st.token_ids), st.text_len, st.events[max(0, after):], len(st.events),
+            st.finished, owner,
+        )
+
+    async def stream_claim(self, sid: str, owner: str, claim_ttl: float) -> bool:
+        now = self._clock()
+        st = self._stream(sid, now)
+        if st is None or st.finished:
+            return False
+        if st.owner and st.owner != owner and st.owner_until > now:
+            return False
+        st.owner = owner
+        st.owner_until = now + claim_ttl
+        return True
+
+    async def stream_release(self, sid: str, owner: str) -> None:
+        st = self._streams.get(sid)
+        if st is not None and st.owner == owner:
+            st.owner = ""

@@ -8,13 +8,16 @@ share a Redis Cluster slot.
 
 from __future__ import annotations
 
+import array
+import sys
 from importlib import resources
 
 import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 
 from policies.ratelimit import Decision
-from router.state.base import AdmitRequest, StateStore, StoreUnavailable, TenantUsage
+from router.state.base import AdmitRequest, StateStore, StoreUnavailable, StreamSnapshot, TenantUsage
+from router.state.memory import CLAIM_TTL
 
 __all__ = ["RedisStore"]
 
@@ -40,6 +43,11 @@ class RedisStore(StateStore):
         self._settle = r.register_script(_script("settle.lua"))
         self._renew = r.register_script(_script("renew.lua"))
         self._usage = r.register_script(_script("usage.lua"))
+        self._s_open = r.register_script(_script("stream_open.lua"))
+        self._s_append = r.register_script(_script("stream_append.lua"))
+        self._s_read = r.register_script(_script("stream_read.lua"))
+        self._s_claim = r.register_script(_script("stream_claim.lua"))
+        self._s_release = r.register_script(_script("stream_release.lua"))
 
     def _keys(self, tenant: str) -> list[str]:
         base = f"{self._prefix}:{{{tenant}}}"
@@ -94,6 +102,52 @@ class RedisStore(StateStore):
             raise StoreUnavailable(f"redis: {e}") from e
         return TenantUsage(float(req), float(tok), int(leases))
 
+    # -- stream resume buffers ----------------------------------------------
+
+    def _skeys(self, sid: str) -> list[str]:
+        base = f"{self._prefix}:stream:{{{sid}}}"
+        return [f"{base}:h", f"{base}:ev", f"{base}:tok"]
+
+    async def stream_open(self, sid: str, meta: bytes, owner: str, ttl: float) -> None:
+        try:
+            await self._s_open(keys=self._skeys(sid), args=[meta, owner, ttl, CLAIM_TTL])
+        except RedisError as e:
+            raise StoreUnavailable(f"redis: {e}") from e
+
+    async def stream_append(self, sid, events, token_ids, text_len, finished, owner, ttl) -> None:
+        try:
+            await self._s_append(
+                keys=self._skeys(sid),
+                args=[owner, ttl, CLAIM_TTL, text_len, 1 if finished else 0, _pack(token_ids), *events],
+            )
+        except RedisError as e:
+            raise StoreUnavailable(f"redis: {e}") from e
+
+    async def stream_read(self, sid: str, after: int) -> StreamSnapshot | None:
+        try:
+            res = await self._s_read(keys=self._skeys(sid), args=[max(0, after)])
+        except RedisError as e:
+            raise StoreUnavailable(f"redis: {e}") from e
+        if not res:
+            return None
+        meta, toks, text_len, events, total, finished, owner = res
+        return StreamSnapshot(
+            bytes(meta), _unpack(toks or b""), int(text_len), [bytes(e) for e in events], int(total),
+            finished in (b"1", "1", 1), owner.decode() if isinstance(owner, bytes) else str(owner or ""),
+        )
+
+    async def stream_claim(self, sid: str, owner: str, claim_ttl: float) -> bool:
+        try:
+            return bool(await self._s_claim(keys=self._skeys(sid)[:1], args=[owner, claim_ttl]))
+        except RedisError as e:
+            raise StoreUnavailable(f"redis: {e}") from e
+
+    async def stream_release(self, sid: str, owner: str) -> None:
+        try:
+            await self._s_release(keys=self._skeys(sid)[:1], args=[owner])
+        except RedisError as e:
+            raise StoreUnavailable(f"redis: {e}") from e
+
     async def ping(self) -> None:
         try:
             await self._redis.ping()
@@ -102,3 +156,18 @@ class RedisStore(StateStore):
 
     async def close(self) -> None:
         await self._redis.aclose()
+
+
+def _pack(ids: list[int]) -> bytes:
+    a = array.array("I", ids)
+    if sys.byteorder != "little":
+        a.byteswap()
+    return a.tobytes()
+
+
+def _unpack(data: bytes) -> list[int]:
+    a = array.array("I")
+    a.frombytes(data)
+    if sys.byteorder != "little":
+        a.byteswap()
+    return a.tolist()

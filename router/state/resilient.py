@@ -120,6 +120,34 @@ class ResilientStore(StateStore):
             self._down("usage", e)
             return await self.fallback.usage(tenant, rpm=rpm, tpm=tpm)
 
+    # Resume buffers: on an outage they live in the local fallback (fail-open)
+    # so streams keep going; resuming on another router needs Redis back.
+
+    async def _stream_op(self, op: str, call):
+        store = self._current()
+        try:
+            return await call(store)
+        except StoreUnavailable as e:
+            self._down(op, e)
+            return await call(self._current())
+
+    async def stream_open(self, sid, meta, owner, ttl) -> None:
+        await self._stream_op("stream_open", lambda s: s.stream_open(sid, meta, owner, ttl))
+
+    async def stream_append(self, sid, events, token_ids, text_len, finished, owner, ttl) -> None:
+        await self._stream_op(
+            "stream_append", lambda s: s.stream_append(sid, events, token_ids, text_len, finished, owner, ttl)
+        )
+
+    async def stream_read(self, sid, after):
+        return await self._stream_op("stream_read", lambda s: s.stream_read(sid, after))
+
+    async def stream_claim(self, sid, owner, claim_ttl) -> bool:
+        return await self._stream_op("stream_claim", lambda s: s.stream_claim(sid, owner, claim_ttl))
+
+    async def stream_release(self, sid, owner) -> None:
+        await self._stream_op("stream_release", lambda s: s.stream_release(sid, owner))
+
     async def ping(self) -> None:
         await self.primary.ping()
 

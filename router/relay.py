@@ -1,0 +1,136 @@
+"""Relaying a generation to the client as SSE events.
+
+Each piece becomes one event (the replica client's single-slot collector
+merges tokens while the client is slow, up to the tenant's ``chunk_tokens``
+per event). Every event is handed to the resume writer before it is sent,
+so a client that misses it can get it back with ``Last-Event-ID``. The
+stream ends with ``[DONE]``, or with an explicit error event (stream lost,
+timeout) and no ``[DONE]``. On client disconnect the generation is closed,
+which aborts it on its replica at once; the resume buffer keeps what was
+delivered so the client can continue later.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import AsyncIterator
+from contextlib import aclosing
+
+from replicas.protocol import FinishReason
+from router.admission import Ticket
+from router.errors import error_body
+from router.generation import Generation, Piece, StreamLost, StreamTimeout
+from router.sse import DONE, ChunkEncoder
+from router.tenants import TenantPolicy
+
+__all__ = ["Outcome", "relay_stream"]
+
+log = logging.getLogger("fairstream.relay")
+
+
+class Outcome:
+    """Counts one request exactly once, with its tokens and its duration."""
+
+    __slots__ = ("svc", "policy", "endpoint", "started", "done")
+
+    def __init__(self, svc, policy: TenantPolicy, endpoint: str, started: float) -> None:
+        self.svc = svc
+        self.policy = policy
+        self.endpoint = endpoint
+        self.started = started
+        self.done = False
+
+    def record(self, outcome: str, gen: Generation | None = None) -> None:
+        if self.done:
+            return
+        self.done = True
+        m = self.svc.metrics
+        tenant = self.policy.name
+        m.requests.labels(tenant, self.endpoint, outcome).inc()
+        if gen is not None:
+            m.tokens.labels(tenant, "prompt").inc(gen.prompt_tokens)
+            m.tokens.labels(tenant, "completion").inc(gen.completion_tokens)
+            m.e2e.labels(tenant, self.policy.priority).observe(time.monotonic() - self.started)
+
+
+async def relay_stream(
+    svc,
+    gen: Generation,
+    pieces: AsyncIterator[Piece],
+    first: Piece | None,
+    enc: ChunkEncoder,
+    include_usage: bool,
+    policy: TenantPolicy,
+    ticket: Ticket | None,
+    outcome: Outcome,
+    sid: str,
+) -> AsyncIterator[bytes]:
+    """SSE bytes of ``gen`` starting with ``first`` (None: pull it first)."""
+    m = svc.metrics
+    writer = svc.resume
+    ttft = m.ttft.labels(policy.name, policy.priority)
+    itl = m.itl.labels(policy.name, policy.priority)
+    result = "cancelled"
+    last = None
+    sent_ids = len(gen.completion_ids) - (first[1] if first is not None else 0)
+    final: bytes | None = None
+    try:
+        async with aclosing(pieces):  # type: ignore[type-var]
+            piece: Piece | None = first if first is not None else await pieces.__anext__()
+            while piece is not None:
+                text, n, finish = piece
+                if n:
+                    now = time.monotonic()
+                    if last is None:
+                        ttft.observe(now - outcome.started)
+                    else:
+                        itl.observe((now - last) / n)
+                    last = now
+                if text or finish != FinishReason.NONE:
+                    event = enc.delta(text, finish)
+                    ids = gen.completion_ids
+                    writer.append(sid, event, ids[sent_ids:], gen.text_len)
+                    sent_ids = len(ids)
+                    yield event
+                if finish != FinishReason.NONE:
+                    break
+                piece = await pieces.__anext__()
+            if include_usage:
+                event = enc.usage(gen.prompt_tokens, gen.completion_tokens)
+                writer.append(sid, event, [], gen.text_len)
+                yield event
+            final = DONE
+            result = "ok"
+            yield DONE
+    except StreamLost as e:
+        result = "lost"
+        log.warning("stream %s lost after %d tokens: %s", sid, gen.completion_tokens, e)
+        final = enc.error(error_body(f"The stream was interrupted and could not be resumed: {e}",
+                                     "server_error", None, "stream_lost"))
+        yield final
+    except StreamTimeout as e:
+        result = f"timeout_{e.which}"
+        m.timeouts.labels(policy.name, e.which).inc()
+        final = enc.error(error_body(f"The stream hit the tenant's {e}.", "timeout", None, f"{e.which}_timeout"))
+        yield final
+    finally:
+        ids = gen.completion_ids
+        if len(ids) > sent_ids:
+            writer.append(sid, None, ids[sent_ids:], gen.text_len)
+        outcome.record(result, gen)
+        # On disconnect this code runs inside a cancelled scope where every
+        # await is cancelled again, so the store work runs as a task the
+        # service owns (and awaits on shutdown).
+        svc.background(_settle(svc, writer, sid, result, final, gen, ticket))
+
+
+async def _settle(svc, writer, sid: str, result: str, final: bytes | None, gen: Generation,
+                  ticket: Ticket | None) -> None:
+    if result == "cancelled":
+        # The client left: keep what was delivered so a resume can continue it.
+        await writer.detach(sid, gen.text_len)
+    else:
+        await writer.finish(sid, final, gen.text_len)
+    if ticket is not None:
+        await svc.admission.finish(ticket, gen.prompt_tokens + gen.completion_tokens)

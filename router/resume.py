@@ -1,0 +1,173 @@
+"""Client resume: every streamed event is kept in the state store for a while.
+
+A stream's buffer holds its SSE events (numbered as their ``id:``), the
+completion token ids delivered and the characters of text they made, and
+a ``ResumeMeta`` with what is needed to continue generating (prompt token
+ids, sampling parameters, the response's id and model). With Redis the
+buffer is shared, so a client can resume on any router process.
+
+A client that reconnects with ``Last-Event-ID`` gets the events after it
+from the buffer and then:
+
+* if the stream finished, nothing more (``[DONE]`` is an event too);
+* if a live router still generates it, the tail of the buffer as it grows;
+* otherwise (the client's disconnect aborted it, or its router died) a
+  continuation: the router claims the stream and resumes generation from the
+  delivered tokens exactly as a failover does. The generation is never
+  restarted from scratch.
+
+``ResumeWriter`` batches appends: the relay hands it each event before the
+event is sent, and one task flushes all streams' pending events every few
+milliseconds (one store round trip per stream per flush).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import socket
+import uuid
+
+import msgspec
+
+from replicas.protocol import SamplingParams
+from router.state import StateStore, StoreUnavailable
+
+__all__ = ["ResumeMeta", "ResumeWriter", "router_identity"]
+
+log = logging.getLogger("fairstream.resume")
+
+FLUSH_INTERVAL = 0.005
+
+
+def router_identity() -> str:
+    return f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
+
+
+class ResumeMeta(msgspec.Struct, array_like=True, omit_defaults=True):
+    """What a router needs to continue someone else's stream."""
+
+    tenant: str
+    chat: bool
+    model: str
+    response_id: str
+    created: int
+    include_usage: bool
+    params: SamplingParams
+    prompt_token_ids: list[int]
+
+
+_meta_encoder = msgspec.msgpack.Encoder()
+_meta_decoder = msgspec.msgpack.Decoder(ResumeMeta)
+
+
+def encode_meta(meta: ResumeMeta) -> bytes:
+    return _meta_encoder.encode(meta)
+
+
+def decode_meta(data: bytes) -> ResumeMeta:
+    return _meta_decoder.decode(data)
+
+
+class _Pending:
+    __slots__ = ("events", "token_ids", "text_len", "finished", "done")
+
+    def __init__(self) -> None:
+        self.events: list[bytes] = []
+        self.token_ids: list[int] = []
+        self.text_len = 0
+        self.finished = False
+        self.done: asyncio.Future[None] | None = None
+
+
+class ResumeWriter:
+    """Owns the flush task; ``close()`` flushes what is pending and stops it."""
+
+    def __init__(self, store: StateStore, retention: float) -> None:
+        self.store = store
+        self.retention = retention
+        self.owner = router_identity()
+        self._pending: dict[str, _Pending] = {}
+        self._wake = asyncio.Event()
+        self._lock = asyncio.Lock()  # keeps each stream's appends in order
+        self._task: asyncio.Task[None] | None = None
+
+    async def start(self) -> None:
+        self._task = asyncio.get_running_loop().create_task(self._run(), name="resume-writer")
+
+    async def close(self) -> None:
+        if self._task is not None:
+            await self._flush()
+            self._task.cancel()
+            try:
+                await self._task
+            except asyncio.CancelledError:
+                pass
+
+    async def open(self, sid: str, meta: ResumeMeta) -> None:
+        try:
+            await self.store.stream_open(sid, encode_meta(meta), self.owner, self.retention)
+        except StoreUnavailable as e:
+            log.warning("resume buffer for %s not created: %s", sid, e)
+
+    async def claim(self, sid: str) -> bool:
+        from router.state.memory import CLAIM_TTL
+
+        return await self.store.stream_claim(sid, self.owner, CLAIM_TTL)
+
+    def append(self, sid: str, event: bytes | None, token_ids: list[int], text_len: int) -> None:
+        """Queue an event (and the tokens it carries) for the next flush."""
+        p = self._pending.get(sid)
+        if p is None:
+            p = self._pending[sid] = _Pending()
+            self._wake.set()
+        if event is not None:
+            p.events.append(event)
+        if token_ids:
+            p.token_ids.extend(token_ids)
+        p.text_len = text_len
+
+    async def finish(self, sid: str, final: bytes | None, text_len: int) -> None:
+        """Append the last event, mark the stream finished, drop the claim."""
+        self.append(sid, final, [], text_len)
+        self._pending[sid].finished = True
+        self._wake.set()
+        await self._flush_one(sid)
+        try:
+            await self.store.stream_release(sid, self.owner)
+        except StoreUnavailable:
+            pass
+
+    async def detach(self, sid: str, text_len: int) -> None:
+        """The client went away mid-stream: flush and drop the claim so a
+        resuming client (on any router) can continue the stream."""
+        self.append(sid, None, [], text_len)
+        await self._flush_one(sid)
+        try:
+            await self.store.stream_release(sid, self.owner)
+        except StoreUnavailable:
+            pass
+
+    async def _run(self) -> None:
+        while True:
+            await self._wake.wait()
+            self._wake.clear()
+            await asyncio.sleep(FLUSH_INTERVAL)
+            await self._flush()
+
+    async def _flush(self) -> None:
+        for sid in list(self._pending):
+            await self._flush_one(sid)
+
+    async def _flush_one(self, sid: str) -> None:
+        async with self._lock:
+            p = self._pending.pop(sid, None)
+            if p is None:
+                return
+            try:
+                await self.store.stream_append(
+                    sid, p.events, p.token_ids, p.text_len, p.finished, self.owner, self.retention
+                )
+            except StoreUnavailable as e:
+                log.warning("resume buffer append for %s failed: %s", sid, e)
