@@ -16,6 +16,7 @@ from router.config import RouterConfig
 from router.errors import ApiError, error_body
 from router.resume_http import handle_resume, parse_last_event_id
 from router.service import RouterService
+from router.websocket import chat_socket
 
 __all__ = ["create_app"]
 
@@ -141,7 +142,7 @@ def create_app(config: RouterConfig, tenants_path: Path) -> Litestar:
             await service.close()
 
     app = Litestar(
-        route_handlers=[chat_completions, completions, resume_stream, models, health, ready, metrics, *admin_routes],
+        route_handlers=[chat_completions, completions, resume_stream, chat_socket, models, health, ready, metrics, *admin_routes],
         lifespan=[lifespan],
         exception_handlers={ApiError: _api_error, HTTPException: _http_error, Exception: _internal_error},
         request_max_body_size=config.max_body_bytes,

@@ -40,7 +40,7 @@ from router.resume import ResumeMeta
 from router.sse import ChunkEncoder, Usage
 from router.tenants import TenantPolicy
 
-__all__ = ["handle_completion", "new_request_id"]
+__all__ = ["handle_completion", "start_generation", "Started", "new_request_id"]
 
 log = logging.getLogger("fairstream.router")
 
@@ -119,11 +119,32 @@ def _outcome_of(e: BaseException) -> str:
     return "cancelled"
 
 
-async def handle_completion(
-    svc: RouterService, policy: TenantPolicy, body: bytes, chat: bool, request_id: str
-) -> Response:
+class Started:
+    """A request past admission with its first piece in hand."""
+
+    __slots__ = ("req", "job", "ticket", "gen", "pieces", "first", "outcome", "created")
+
+    def __init__(self, req, job, ticket, gen, pieces, first, outcome) -> None:
+        self.req = req
+        self.job = job
+        self.ticket = ticket
+        self.gen = gen
+        self.pieces = pieces
+        self.first = first
+        self.outcome = outcome
+        self.created = int(time.time())
+
+
+async def start_generation(
+    svc: RouterService, policy: TenantPolicy, body: bytes, chat: bool, request_id: str, endpoint: str
+) -> Started:
+    """Decode, admit, queue and dispatch; return once the first piece arrived.
+
+    Every failure up to here is an ``ApiError`` with its HTTP status, and
+    leaves nothing behind (lease released, replica request aborted).
+    """
     started = time.monotonic()
-    outcome = Outcome(svc, policy, "chat" if chat else "completions", started)
+    outcome = Outcome(svc, policy, endpoint, started)
     try:
         req, job, prompt_estimate = _job(svc, policy, body, chat)
         ticket = await svc.admission.admit(policy, prompt_estimate + job.params.max_tokens)
@@ -152,27 +173,36 @@ async def handle_completion(
         outcome.record(_outcome_of(e))
         if isinstance(e, StreamTimeout):
             svc.metrics.timeouts.labels(policy.name, e.which).inc()
-            raise GatewayTimeout(f"The request hit the tenant's {e}.", code=f"{e.which}_timeout") from e
+            raise GatewayTimeout(f"The request hit the tenant's {e}.", code=f"{e.which}_timeout",
+                                 headers={"x-request-id": request_id}) from e
         if isinstance(e, ApiError):
             e.headers.update(ticket.headers)
             e.headers.setdefault("x-request-id", request_id)
         raise
+    return Started(req, job, ticket, gen, pieces, first, outcome)
+
+
+async def handle_completion(
+    svc: RouterService, policy: TenantPolicy, body: bytes, chat: bool, request_id: str
+) -> Response:
+    st = await start_generation(svc, policy, body, chat, request_id, "chat" if chat else "completions")
+    req, gen = st.req, st.gen
     response_id = ("chatcmpl-" if chat else "cmpl-") + request_id
-    created = int(time.time())
-    headers = {"x-request-id": request_id, **ticket.headers}
+    headers = {"x-request-id": request_id, **st.ticket.headers}
     if req.stream:
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
-        enc = ChunkEncoder(chat, response_id, req.model, created)
+        enc = ChunkEncoder(chat, response_id, req.model, st.created)
         sid = request_id
         await svc.resume.open(sid, ResumeMeta(
-            policy.name, chat, req.model, response_id, created, include_usage, job.params,
+            policy.name, chat, req.model, response_id, st.created, include_usage, st.job.params,
             gen.prompt_token_ids or [],
         ))
-        relay = relay_stream(svc, gen, pieces, first, enc, include_usage, policy, ticket, outcome, sid)
+        relay = relay_stream(svc, gen, st.pieces, st.first, enc, include_usage, policy, st.ticket,
+                             st.outcome, sid)
         headers.update({"cache-control": "no-cache", "x-accel-buffering": "no"})
         return Stream(relay, media_type="text/event-stream", headers=headers)
-    return await _collect(svc, gen, pieces, first, req.model, chat, response_id, created, headers,
-                          policy, ticket, outcome)
+    return await _collect(svc, gen, st.pieces, st.first, req.model, chat, response_id, st.created, headers,
+                          policy, st.ticket, st.outcome)
 
 
 async def _collect(svc, gen: Generation, pieces, first: Piece, model: str, chat: bool, response_id: str,

@@ -21,7 +21,7 @@ from replicas.protocol import FinishReason
 from router.admission import Ticket
 from router.errors import error_body
 from router.generation import Generation, Piece, StreamLost, StreamTimeout
-from router.sse import DONE, ChunkEncoder
+from router.sse import ChunkEncoder
 from router.tenants import TenantPolicy
 
 __all__ = ["Outcome", "relay_stream"]
@@ -64,11 +64,12 @@ async def relay_stream(
     policy: TenantPolicy,
     ticket: Ticket | None,
     outcome: Outcome,
-    sid: str,
+    sid: str | None,
 ) -> AsyncIterator[bytes]:
-    """SSE bytes of ``gen`` starting with ``first`` (None: pull it first)."""
+    """Event bytes of ``gen`` starting with ``first`` (None: pull it first).
+    ``sid`` names the resume buffer (None: not resumable, e.g. WebSocket)."""
     m = svc.metrics
-    writer = svc.resume
+    writer = svc.resume if sid is not None else _NoBuffer()
     ttft = m.ttft.labels(policy.name, policy.priority)
     itl = m.itl.labels(policy.name, policy.priority)
     result = "cancelled"
@@ -100,9 +101,9 @@ async def relay_stream(
                 event = enc.usage(gen.prompt_tokens, gen.completion_tokens)
                 writer.append(sid, event, [], gen.text_len)
                 yield event
-            final = DONE
+            final = enc.done()
             result = "ok"
-            yield DONE
+            yield final
     except StreamLost as e:
         result = "lost"
         log.warning("stream %s lost after %d tokens: %s", sid, gen.completion_tokens, e)
@@ -122,7 +123,7 @@ async def relay_stream(
         # On disconnect this code runs inside a cancelled scope where every
         # await is cancelled again, so the store work runs as a task the
         # service owns (and awaits on shutdown).
-        svc.background(_settle(svc, writer, sid, result, final, gen, ticket))
+        svc.background(_settle(svc, writer, sid or "", result, final, gen, ticket))
 
 
 async def _settle(svc, writer, sid: str, result: str, final: bytes | None, gen: Generation,
@@ -134,3 +135,16 @@ async def _settle(svc, writer, sid: str, result: str, final: bytes | None, gen: 
         await writer.finish(sid, final, gen.text_len)
     if ticket is not None:
         await svc.admission.finish(ticket, gen.prompt_tokens + gen.completion_tokens)
+
+
+class _NoBuffer:
+    """Stand-in resume writer for streams that are not resumable."""
+
+    def append(self, sid, event, token_ids, text_len) -> None:
+        pass
+
+    async def detach(self, sid, text_len) -> None:
+        pass
+
+    async def finish(self, sid, final, text_len) -> None:
+        pass

@@ -24,6 +24,10 @@ class Usage(msgspec.Struct):
     total_tokens: int
 
 
+def _sse_frame(n: bytes, payload: bytes) -> bytes:
+    return b"id: " + n + b"\ndata: " + payload + b"\n\n"
+
+
 def _finish_json(finish: FinishReason) -> bytes:
     reason = finish.openai
     return b"null" if reason is None else _enc(reason)
@@ -32,12 +36,24 @@ def _finish_json(finish: FinishReason) -> bytes:
 class ChunkEncoder:
     """Builds ``chat.completion.chunk`` or ``text_completion`` SSE events."""
 
-    __slots__ = ("chat", "event_id", "_head", "_usage_head", "_role_sent")
+    __slots__ = ("chat", "event_id", "_head", "_usage_head", "_role_sent", "_frame", "_done", "_error_frame")
 
     def __init__(self, chat: bool, response_id: str, model: str, created: int, *,
-                 event_id: int = 0, role_sent: bool = False) -> None:
+                 event_id: int = 0, role_sent: bool = False, channel: str | None = None) -> None:
+        """``channel`` set: frames are WebSocket JSON messages
+        ``{"id": channel, "event": N, "chunk": {...}}`` instead of SSE."""
         self.chat = chat
         self.event_id = event_id
+        if channel is None:
+            self._frame = self._error_frame = _sse_frame
+            self._done = DONE
+        else:
+            prefix = b'{"id":' + _enc(channel) + b',"event":'
+            self._frame = lambda n, payload: prefix + n + b',"chunk":' + payload + b"}"
+            # error_json is {"error": {...}}: splice its member in, not nested
+            self._error_frame = lambda n, error_json: prefix + n + b"," + error_json[1:]
+            self._done = b'{"id":' + _enc(channel) + b',"done":true}'
+
         obj = b"chat.completion.chunk" if chat else b"text_completion"
         common = (
             b'{"id":' + _enc(response_id) + b',"object":"' + obj + b'","created":'
@@ -49,7 +65,11 @@ class ChunkEncoder:
 
     def _event(self, payload: bytes) -> bytes:
         self.event_id += 1
-        return b"id: " + str(self.event_id).encode() + b"\ndata: " + payload + b"\n\n"
+        return self._frame(str(self.event_id).encode(), payload)
+
+    def done(self) -> bytes:
+        """The end-of-stream marker (``data: [DONE]`` for SSE)."""
+        return self._done
 
     def delta(self, text: str, finish: FinishReason = FinishReason.NONE) -> bytes:
         if self.chat:
@@ -74,4 +94,5 @@ class ChunkEncoder:
 
     def error(self, error_json: bytes) -> bytes:
         """An error event (OpenAI's error shape); the SDK raises it as APIError."""
-        return self._event(error_json)
+        self.event_id += 1
+        return self._error_frame(str(self.event_id).encode(), error_json)

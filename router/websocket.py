@@ -1,0 +1,143 @@
+"""``/v1/ws``: chat completions over one WebSocket, several at a time.
+
+Auth: an ``Authorization: Bearer KEY`` header on the upgrade, or (browsers
+cannot set headers) a first message ``{"type": "auth", "api_key": KEY}``.
+Then, any number of times:
+
+* ``{"type": "chat.completions.create", "id": ID, "body": {...}}`` starts a
+  chat completion (the body is the HTTP request body; ``stream`` is implied).
+  The server answers with ``{"id": ID, "event": N, "chunk": {...}}`` messages
+  (the same ``chat.completion.chunk`` objects as SSE), then
+  ``{"id": ID, "done": true}``; or ``{"id": ID, "error": {...}}`` in OpenAI's
+  error shape (a rejected request); a stream that fails midway (lost, timed
+  out) ends with ``{"id": ID, "event": N, "error": {...}}``.
+* ``{"type": "abort", "id": ID}`` stops that generation at once (aborted on
+  its replica); the server confirms with ``{"id": ID, "aborted": true}``.
+
+Same auth, limits, queues and failover as HTTP. Closing the socket aborts
+everything still running on it. Each generation is a task owned by the
+connection handler.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+import msgspec
+from litestar import WebSocket, websocket
+from litestar.exceptions import WebSocketDisconnect
+
+from router.completions import new_request_id, start_generation
+from router.errors import ApiError, BadRequest, error_body
+from router.relay import relay_stream
+from router.service import RouterService
+from router.sse import ChunkEncoder
+from router.tenants import TenantPolicy
+
+__all__ = ["chat_socket"]
+
+log = logging.getLogger("fairstream.websocket")
+
+MAX_PARALLEL = 64  # generations one socket may run at once
+
+
+class _Msg(msgspec.Struct, forbid_unknown_fields=True):
+    type: str
+    id: str = ""
+    body: msgspec.Raw = msgspec.field(default_factory=lambda: msgspec.Raw(b""))
+    api_key: str = ""
+
+
+_decode = msgspec.json.Decoder(_Msg).decode
+
+
+def _err(cid: str, e: ApiError) -> bytes:
+    return b'{"id":' + msgspec.json.encode(cid) + b',"error":' + e.body()[len(b'{"error":'):-1] + b"}"
+
+
+class _Conn:
+    def __init__(self, svc: RouterService, sock: WebSocket) -> None:
+        self.svc = svc
+        self.sock = sock
+        self.policy: TenantPolicy | None = None
+        self.running: dict[str, asyncio.Task[None]] = {}
+        self._send_lock = asyncio.Lock()
+
+    async def send(self, data: bytes) -> None:
+        async with self._send_lock:
+            await self.sock.send_data(data.decode("utf-8"), mode="text")
+
+    async def run_one(self, cid: str, body: bytes) -> None:
+        svc, policy = self.svc, self.policy
+        assert policy is not None
+        request_id = new_request_id()
+        try:
+            st = await start_generation(svc, policy, body, True, request_id, "websocket")
+        except ApiError as e:
+            await self.send(_err(cid, e))
+            return
+        req, gen = st.req, st.gen
+        include_usage = bool(req.stream_options and req.stream_options.include_usage)
+        enc = ChunkEncoder(True, "chatcmpl-" + request_id, req.model, st.created, channel=cid)
+        async for frame in relay_stream(svc, gen, st.pieces, st.first, enc, include_usage, policy,
+                                        st.ticket, st.outcome, None):
+            await self.send(frame)
+
+
+@websocket("/v1/ws")
+async def chat_socket(socket: WebSocket) -> None:
+    svc: RouterService = socket.app.state.service
+    await socket.accept()
+    conn = _Conn(svc, socket)
+    auth = socket.headers.get("authorization")
+    try:
+        if auth:
+            conn.policy = svc.tenant(auth)
+        while True:
+            raw = await socket.receive_data(mode="text")
+            try:
+                msg = _decode(raw)
+            except msgspec.DecodeError as e:
+                await conn.send(_err("", BadRequest(f"Bad message: {e}", code="invalid_json")))
+                continue
+            if conn.policy is None:
+                if msg.type != "auth":
+                    await conn.send(_err(msg.id, BadRequest("Authenticate first: send "
+                                                            '{"type": "auth", "api_key": KEY}.',
+                                                            code="missing_api_key")))
+                    continue
+                conn.policy = svc.tenant(f"Bearer {msg.api_key}")
+                await conn.send(b'{"type":"auth","ok":true}')
+                continue
+            if msg.type == "chat.completions.create":
+                if not msg.id or msg.id in conn.running:
+                    await conn.send(_err(msg.id, BadRequest("Each request needs an 'id' not in use on this socket.",
+                                                            param="id")))
+                    continue
+                if len(conn.running) >= MAX_PARALLEL:
+                    await conn.send(_err(msg.id, BadRequest(f"At most {MAX_PARALLEL} requests at once per socket.")))
+                    continue
+                if not bytes(msg.body):
+                    await conn.send(_err(msg.id, BadRequest("Missing 'body'.", param="body")))
+                    continue
+                task = asyncio.get_running_loop().create_task(conn.run_one(msg.id, bytes(msg.body)))
+                conn.running[msg.id] = task
+                task.add_done_callback(lambda t, cid=msg.id: conn.running.pop(cid, None))
+            elif msg.type == "abort":
+                task = conn.running.pop(msg.id, None)
+                if task is not None:
+                    task.cancel()
+                    await conn.send(b'{"id":' + msgspec.json.encode(msg.id) + b',"aborted":true}')
+            else:
+                await conn.send(_err(msg.id, BadRequest(f"Unknown message type {msg.type!r}.", param="type")))
+    except ApiError as e:  # bad key: say why, then close
+        await conn.send(error_body(e.message, e.type, e.param, e.code))
+        await socket.close(code=4401 if e.status == 401 else 4403, reason=e.message[:120])
+    except WebSocketDisconnect:
+        pass
+    finally:
+        for task in list(conn.running.values()):
+            task.cancel()
+        if conn.running:
+            await asyncio.wait(list(conn.running.values()), timeout=5)
