@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import logging
 import sys
 from pathlib import Path
 
@@ -16,6 +15,7 @@ def _serve(args: argparse.Namespace) -> int:
     from router.app import create_app
     from router.config import load_router_config
     from router.configfile import ConfigError
+    from router.logs import setup_logging
 
     try:
         config, tenants = load_router_config(args.config)
@@ -25,7 +25,7 @@ def _serve(args: argparse.Namespace) -> int:
     except ConfigError as e:
         print("\n".join(e.errors), file=sys.stderr)
         return 1
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    setup_logging(args.log_level, json=args.log_format == "json")
     uvicorn.run(
         app,
         host=args.host or config.host,
@@ -80,6 +80,8 @@ def main(argv: list[str] | None = None) -> None:
     s.add_argument("--tenants", help="tenant policy file (default: from router.yaml)")
     s.add_argument("--host")
     s.add_argument("--port", type=int)
+    s.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    s.add_argument("--log-format", default="json", choices=["json", "text"])
     s.set_defaults(func=_serve)
 
     from replicas.cli import add_arguments, run

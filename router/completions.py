@@ -35,6 +35,7 @@ from router.openai_types import (
     to_params,
 )
 from router.service import RouterService
+from router.logs import request_id_var
 from router.relay import Outcome, relay_stream
 from router.resume import ResumeMeta
 from router.sse import ChunkEncoder, Usage
@@ -144,7 +145,8 @@ async def start_generation(
     leaves nothing behind (lease released, replica request aborted).
     """
     started = time.monotonic()
-    outcome = Outcome(svc, policy, endpoint, started)
+    request_id_var.set(request_id)
+    outcome = Outcome(svc, policy, endpoint, started, request_id)
     try:
         req, job, prompt_estimate = _job(svc, policy, body, chat)
         ticket = await svc.admission.admit(policy, prompt_estimate + job.params.max_tokens)

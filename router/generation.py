@@ -100,6 +100,7 @@ class Generation:
         self.completion_ids: list[int] = []
         self.text_len = 0
         self.failovers = 0
+        self.text_parts: list[str] | None = [] if policy is not None and policy.log_content else None
         self.finish = FinishReason.NONE
         self.replica: str | None = None
 
@@ -228,6 +229,8 @@ class Generation:
                         self.metrics.failover_latency.observe(time.monotonic() - died_at)
                         died_at = None
                 self.text_len += len(text)
+                if self.text_parts is not None and text:
+                    self.text_parts.append(text)
                 if finish != FinishReason.NONE:
                     self.finish = finish
                     client.release(col)

@@ -27,31 +27,55 @@ from router.tenants import TenantPolicy
 __all__ = ["Outcome", "relay_stream"]
 
 log = logging.getLogger("fairstream.relay")
+request_log = logging.getLogger("fairstream.request")
 
 
 class Outcome:
     """Counts one request exactly once, with its tokens and its duration."""
 
-    __slots__ = ("svc", "policy", "endpoint", "started", "done")
+    __slots__ = ("svc", "policy", "endpoint", "started", "done", "request_id")
 
-    def __init__(self, svc, policy: TenantPolicy, endpoint: str, started: float) -> None:
+    def __init__(self, svc, policy: TenantPolicy, endpoint: str, started: float, request_id: str = "") -> None:
         self.svc = svc
         self.policy = policy
         self.endpoint = endpoint
         self.started = started
         self.done = False
+        self.request_id = request_id
 
     def record(self, outcome: str, gen: Generation | None = None) -> None:
+        """Count the request in metrics and log its summary line (once)."""
         if self.done:
             return
         self.done = True
         m = self.svc.metrics
         tenant = self.policy.name
         m.requests.labels(tenant, self.endpoint, outcome).inc()
+        elapsed = time.monotonic() - self.started
+        extra: dict[str, object] = {
+            "request_id": self.request_id,
+            "tenant": tenant,
+            "priority": self.policy.priority,
+            "endpoint": self.endpoint,
+            "outcome": outcome,
+            "duration_s": round(elapsed, 4),
+        }
         if gen is not None:
             m.tokens.labels(tenant, "prompt").inc(gen.prompt_tokens)
             m.tokens.labels(tenant, "completion").inc(gen.completion_tokens)
-            m.e2e.labels(tenant, self.policy.priority).observe(time.monotonic() - self.started)
+            m.e2e.labels(tenant, self.policy.priority).observe(elapsed)
+            extra.update(
+                prompt_tokens=gen.prompt_tokens,
+                completion_tokens=gen.completion_tokens,
+                replica=gen.replica,
+                failovers=gen.failovers,
+            )
+            if self.policy.log_content:
+                job = gen.job
+                extra["prompt"] = job.messages if job.messages is not None else (
+                    job.prompt if job.prompt is not None else job.prompt_token_ids)
+                extra["completion"] = "".join(gen.text_parts or ())
+        request_log.info("request %s", outcome, extra=extra)
 
 
 async def relay_stream(

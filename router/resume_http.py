@@ -129,7 +129,7 @@ async def _continue(svc: RouterService, policy: TenantPolicy, sid: str, meta, sn
     gen.text_len = snap.text_len
     enc = ChunkEncoder(meta.chat, meta.response_id, meta.model, meta.created, event_id=cursor,
                        role_sent=bool(snap.token_ids))
-    outcome = Outcome(svc, policy, "resume", started)
+    outcome = Outcome(svc, policy, "resume", started, sid)
     remaining = meta.params.max_tokens - len(snap.token_ids)
     ticket = await svc.admission.admit(policy, max(1, remaining), count_request=False)
     log.info("resuming stream %s at %d tokens on this router", sid, len(snap.token_ids))
