@@ -22,14 +22,15 @@ from collections.abc import Callable
 from replicas.client import ReplicaClient, ReplicaRefused, connect
 from replicas.pool import ReplicaPool, ReplicaSlot
 
-__all__ = ["Supervisor", "SupervisorSettings"]
+__all__ = ["Supervisor", "SupervisorSettings", "die_with_parent"]
 
 log = logging.getLogger("fairstream.supervisor")
 
 _PR_SET_PDEATHSIG = 1
 
 
-def _die_with_parent() -> None:  # runs in the child between fork and exec
+def die_with_parent() -> None:
+    """preexec_fn: the child gets SIGTERM when its parent dies (Linux)."""
     try:
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
     except OSError:
@@ -198,7 +199,7 @@ class Supervisor:
             "--exit-with-parent",
         ]
         proc = await asyncio.create_subprocess_exec(
-            *cmd, env=env, stdout=sys.stderr, preexec_fn=_die_with_parent
+            *cmd, env=env, stdout=sys.stderr, preexec_fn=die_with_parent
         )
         self._procs[spec.name] = proc
         slot.pid = proc.pid

@@ -21,15 +21,29 @@ def _serve(args: argparse.Namespace) -> int:
         config, tenants = load_router_config(args.config)
         if args.tenants:
             tenants = Path(args.tenants)
-        app = create_app(config, tenants)
+        if args.workers > 1:
+            from router.configfile import load_yaml
+            from router.tenants import TenantsFile
+
+            load_yaml(tenants, TenantsFile)  # fail now, not in every worker
+            app = None
+        else:
+            app = create_app(config, tenants)
     except ConfigError as e:
         print("\n".join(e.errors), file=sys.stderr)
         return 1
     setup_logging(args.log_level, json=args.log_format == "json")
+    host = args.host or config.host
+    port = args.port or config.port
+    if args.workers > 1:
+        from router.workers import serve_workers
+
+        log_args = ["--log-level", args.log_level, "--log-format", args.log_format]
+        return serve_workers(config, tenants, host, port, args.workers, log_args)
     uvicorn.run(
         app,
-        host=args.host or config.host,
-        port=args.port or config.port,
+        host=host,
+        port=port,
         loop="uvloop",
         http="httptools",
         lifespan="on",
@@ -80,6 +94,7 @@ def main(argv: list[str] | None = None) -> None:
     s.add_argument("--tenants", help="tenant policy file (default: from router.yaml)")
     s.add_argument("--host")
     s.add_argument("--port", type=int)
+    s.add_argument("--workers", type=int, default=1, help="router processes sharing the port (needs Redis)")
     s.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     s.add_argument("--log-format", default="json", choices=["json", "text"])
     s.set_defaults(func=_serve)

@@ -2,9 +2,18 @@
 
 Tenant and priority labels are bounded by tenants.yaml; replica labels by
 router.yaml. Nothing is labelled by request, key or model input.
+
+With several worker processes (``fairstream serve --workers N``) the
+``PROMETHEUS_MULTIPROC_DIR`` environment variable is set before any worker
+starts: every process writes its values to files there and any worker's
+``/metrics`` aggregates all of them (counters and histograms summed; each
+gauge with the mode named at its definition, e.g. ``livesum`` for in-flight
+counts, ``livemax`` for replica reports).
 """
 
 from __future__ import annotations
+
+import os
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
@@ -18,7 +27,9 @@ class Metrics:
     """All metric families of one router, in their own registry."""
 
     def __init__(self) -> None:
-        r = self.registry = CollectorRegistry()
+        self.multiprocess = bool(os.environ.get("PROMETHEUS_MULTIPROC_DIR"))
+        # In multiprocess mode values live in files; /metrics collects them all.
+        r = self.registry = None if self.multiprocess else CollectorRegistry()
         self.requests = Counter(
             "fairstream_requests", "Requests by tenant, endpoint and outcome.",
             ["tenant", "endpoint", "outcome"], registry=r,
@@ -40,14 +51,14 @@ class Metrics:
             "fairstream_tokens", "Tokens by tenant and direction (prompt, completion).",
             ["tenant", "direction"], registry=r,
         )
-        self.replica_up = Gauge("fairstream_replica_up", "1 when the replica is connected and ready.", ["replica"], registry=r)
+        self.replica_up = Gauge("fairstream_replica_up", "1 when the replica is connected and ready.", ["replica"], registry=r, multiprocess_mode="livemax")
         self.replica_restarts = Counter("fairstream_replica_restarts", "Replica restarts by the supervisor.", ["replica"], registry=r)
         self.replica_inflight = Gauge(
-            "fairstream_replica_inflight_requests", "Requests the router has on the replica.", ["replica"], registry=r
+            "fairstream_replica_inflight_requests", "Requests the router has on the replica.", ["replica"], registry=r, multiprocess_mode="livesum"
         )
-        self.replica_running = Gauge("fairstream_replica_running_requests", "Running requests the replica reports.", ["replica"], registry=r)
-        self.replica_waiting = Gauge("fairstream_replica_waiting_requests", "Waiting requests the replica reports.", ["replica"], registry=r)
-        self.replica_kv = Gauge("fairstream_replica_kv_cache_usage_ratio", "KV-cache use the replica reports (0-1).", ["replica"], registry=r)
+        self.replica_running = Gauge("fairstream_replica_running_requests", "Running requests the replica reports.", ["replica"], registry=r, multiprocess_mode="livemax")
+        self.replica_waiting = Gauge("fairstream_replica_waiting_requests", "Waiting requests the replica reports.", ["replica"], registry=r, multiprocess_mode="livemax")
+        self.replica_kv = Gauge("fairstream_replica_kv_cache_usage_ratio", "KV-cache use the replica reports (0-1).", ["replica"], registry=r, multiprocess_mode="livemax")
         self.failovers = Counter("fairstream_failovers", "Streams moved to another replica mid-generation.", ["replica"], registry=r)
         self.resumed_tokens = Counter("fairstream_resumed_tokens", "Completion tokens carried over to a new replica on failover.", registry=r)
         self.failover_latency = Histogram(
@@ -62,21 +73,21 @@ class Metrics:
             "fairstream_timeouts", "Requests ended by a tenant time limit.", ["tenant", "timeout"], registry=r,
         )
         self.queued = Gauge(
-            "fairstream_queue_depth", "Requests waiting for admission.", ["tenant", "priority"], registry=r,
+            "fairstream_queue_depth", "Requests waiting for admission.", ["tenant", "priority"], registry=r, multiprocess_mode="livesum",
         )
         self.queue_wait = Histogram(
             "fairstream_queue_wait_seconds", "Time a request waited in its tenant's queue for a replica.",
             ["tenant", "priority"], buckets=_LATENCY_BUCKETS, registry=r,
         )
         self.replica_cap = Gauge(
-            "fairstream_replica_inflight_cap", "Adaptive in-flight cap of the replica.", ["replica"], registry=r
+            "fairstream_replica_inflight_cap", "Adaptive in-flight cap of the replica.", ["replica"], registry=r, multiprocess_mode="livesum"
         )
         self.reloads = Counter("fairstream_config_reloads", "Tenant policy reloads by result.", ["result"], registry=r)
         self.reload_ok = Gauge(
-            "fairstream_config_last_reload_successful", "1 if the last tenant policy reload succeeded.", registry=r
+            "fairstream_config_last_reload_successful", "1 if the last tenant policy reload succeeded.", registry=r, multiprocess_mode="livemin"
         )
         self.reload_ok.set(1)
-        self.store_up = Gauge("fairstream_state_store_up", "1 while the shared state store answers.", registry=r)
+        self.store_up = Gauge("fairstream_state_store_up", "1 while the shared state store answers.", registry=r, multiprocess_mode="livemin")
         self.store_up.set(1)
         self.store_errors = Counter(
             "fairstream_state_store_errors", "State store operations that failed.", ["op"], registry=r
@@ -94,4 +105,10 @@ class Metrics:
             self.replica_running.labels(slot.name).set(load.running if load else 0)
             self.replica_waiting.labels(slot.name).set(load.waiting if load else 0)
             self.replica_kv.labels(slot.name).set(load.kv_usage if load else 0)
+        if self.multiprocess:
+            from prometheus_client import multiprocess
+
+            registry = CollectorRegistry()
+            multiprocess.MultiProcessCollector(registry)
+            return generate_latest(registry)
         return generate_latest(self.registry)

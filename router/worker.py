@@ -1,0 +1,63 @@
+"""One worker process of ``fairstream serve --workers N`` (started by router.workers)."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import socket
+import threading
+from pathlib import Path
+
+import msgspec
+
+from router.config import RouterConfig
+
+__all__ = ["main"]
+
+
+def _exit_with_parent() -> None:
+    parent = os.getppid()
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            threading.Event().wait(0.5)
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    threading.Thread(target=watch, daemon=True, name="parent-watch").start()
+
+
+def main() -> None:
+    import uvicorn
+
+    from router.app import create_app
+    from router.logs import setup_logging
+
+    p = argparse.ArgumentParser(prog="fairstream-worker")
+    p.add_argument("--config-json", required=True)
+    p.add_argument("--tenants", required=True)
+    p.add_argument("--host", required=True)
+    p.add_argument("--port", type=int, required=True)
+    p.add_argument("--log-level", default="info")
+    p.add_argument("--log-format", default="json")
+    args = p.parse_args()
+    setup_logging(args.log_level, json=args.log_format == "json")
+    config = msgspec.json.decode(Path(args.config_json).read_bytes(), type=RouterConfig)
+    app = create_app(config, Path(args.tenants))
+    family = socket.AF_INET6 if ":" in args.host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+    sock.bind((args.host, args.port))
+    sock.listen(2048)
+    sock.set_inheritable(True)
+    _exit_with_parent()
+    server = uvicorn.Server(uvicorn.Config(
+        app, loop="uvloop", http="httptools", lifespan="on", log_level="warning", access_log=False,
+        timeout_graceful_shutdown=5,
+    ))
+    server.run(sockets=[sock])
+
+
+if __name__ == "__main__":
+    main()

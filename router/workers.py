@@ -1,0 +1,136 @@
+"""``fairstream serve --workers N``: several router processes on one port.
+
+The parent process owns the replicas: its supervisor starts the local ones,
+health-checks and restarts them, exactly as a single router does. It then
+starts N worker processes; each is a complete router (HTTP, auth, limits,
+queues, failover, resume) that reaches every replica as a remote one (local
+replicas through their Unix sockets) and binds the same port with
+SO_REUSEPORT, so the kernel spreads connections over the workers. Workers
+share rate limits, leases, resume buffers and fair-share counters through
+Redis, which is why ``state.backend: redis`` is required. Metrics run in
+prometheus-client's multiprocess mode: any worker's /metrics shows the
+sum over all of them.
+
+The parent restarts a worker that dies and stops everything on SIGTERM or
+SIGINT; workers and replicas also exit when the parent dies.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import shutil
+import signal
+import sys
+import tempfile
+from pathlib import Path
+
+import msgspec
+
+from replicas.pool import ReplicaPool
+from replicas.supervisor import Supervisor, SupervisorSettings, die_with_parent
+from router.config import RouterConfig
+
+__all__ = ["serve_workers", "worker_config"]
+
+log = logging.getLogger("fairstream.workers")
+
+
+def worker_config(config: RouterConfig, run_dir: str) -> RouterConfig:
+    """The config a worker runs: local replicas become Unix-socket addresses
+    of the processes the parent supervises."""
+    replicas = []
+    for spec in config.replicas:
+        if spec.local:
+            spec = msgspec.structs.replace(spec, address=f"unix:{run_dir}/{spec.name}.sock")
+        replicas.append(spec)
+    return msgspec.structs.replace(config, replicas=replicas)
+
+
+def serve_workers(config: RouterConfig, tenants: Path, host: str, port: int, workers: int,
+                  log_args: list[str]) -> int:
+    if config.state.backend != "redis":
+        print(
+            "fairstream serve: --workers needs `state: {backend: redis}` in router.yaml, so that the "
+            "workers share rate limits, leases and resume buffers.",
+            file=sys.stderr,
+        )
+        return 1
+    metrics_dir = tempfile.mkdtemp(prefix="fairstream-metrics-")
+    os.environ["PROMETHEUS_MULTIPROC_DIR"] = metrics_dir
+    run_dir = tempfile.mkdtemp(prefix="fairstream-")
+    try:
+        import uvloop
+
+        return uvloop.run(_parent(config, tenants, host, port, workers, run_dir, log_args))
+    finally:
+        shutil.rmtree(metrics_dir, ignore_errors=True)
+        shutil.rmtree(run_dir, ignore_errors=True)
+
+
+async def _parent(config: RouterConfig, tenants: Path, host: str, port: int, n: int, run_dir: str,
+                  log_args: list[str]) -> int:
+    local = [s for s in config.replicas if s.local]
+    pool = ReplicaPool(local)
+    supervisor = Supervisor(
+        pool,
+        SupervisorSettings(
+            health_interval=config.health_interval,
+            health_timeout=config.health_timeout,
+            backoff_max=config.restart_backoff_max,
+            run_dir=run_dir,
+        ),
+    )
+    await supervisor.start()
+    if local and not await supervisor.wait_ready(config.ready_timeout, minimum=1):
+        log.error("no local replica became ready within %.0fs", config.ready_timeout)
+    cfg_path = Path(run_dir) / "worker.json"
+    cfg_path.write_bytes(msgspec.json.encode(worker_config(config, run_dir)))
+    cmd = [
+        sys.executable, "-m", "router.worker", "--config-json", str(cfg_path), "--tenants", str(tenants),
+        "--host", host, "--port", str(port), *log_args,
+    ]
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    procs: dict[int, asyncio.subprocess.Process] = {}
+
+    async def spawn(i: int) -> None:
+        procs[i] = await asyncio.create_subprocess_exec(*cmd, preexec_fn=die_with_parent)
+        log.info("worker %d started (pid %d)", i, procs[i].pid)
+
+    def forward_hup() -> None:
+        for p in procs.values():
+            if p.returncode is None:
+                p.send_signal(signal.SIGHUP)
+
+    loop.add_signal_handler(signal.SIGHUP, forward_hup)
+    for i in range(n):
+        await spawn(i)
+    try:
+        while not stop.is_set():
+            for i, p in list(procs.items()):
+                if p.returncode is not None:
+                    from prometheus_client import multiprocess
+
+                    multiprocess.mark_process_dead(p.pid)
+                    log.warning("worker %d (pid %d) exited with %s; restarting", i, p.pid, p.returncode)
+                    await spawn(i)
+            try:
+                await asyncio.wait_for(stop.wait(), 0.5)
+            except asyncio.TimeoutError:
+                pass
+    finally:
+        for p in procs.values():
+            if p.returncode is None:
+                p.terminate()
+        for p in procs.values():
+            try:
+                await asyncio.wait_for(p.wait(), 10)
+            except asyncio.TimeoutError:
+                p.kill()
+                await p.wait()
+        await supervisor.close()
+    return 0
