@@ -45,56 +45,77 @@ class ReplicaRefused(ConnectionError):
 
 
 class Collector:
-    """Single-slot mailbox for one request's deltas."""
+    """Single-slot mailbox for one request's deltas.
 
-    __slots__ = ("rid", "token_ids", "text", "finish", "error", "prompt_token_ids", "dead", "_event")
+    Deltas that arrive while the consumer is busy wait here and are merged
+    by the next ``get`` (up to ``limit`` tokens per call), so a slow client
+    gets bigger events instead of a growing queue of small ones.
+    """
+
+    __slots__ = ("rid", "finish", "error", "prompt_token_ids", "dead", "_pending", "_event")
 
     def __init__(self, rid: int) -> None:
         self.rid = rid
-        self.token_ids: list[int] = []
-        self.text = ""
         self.finish = FinishReason.NONE
         self.error = ""
         self.prompt_token_ids: list[int] | None = None
         self.dead: BaseException | None = None
+        self._pending: list[Delta] = []
         self._event = asyncio.Event()
 
     def put(self, delta: Delta) -> None:
-        if delta.token_ids:
-            if self.token_ids:
-                self.token_ids.extend(delta.token_ids)
-            else:
-                self.token_ids = delta.token_ids
-        if delta.text:
-            self.text += delta.text
         if delta.prompt_token_ids is not None:
             self.prompt_token_ids = delta.prompt_token_ids
         if delta.finish:
             self.finish = FinishReason(delta.finish)
             self.error = delta.error
+        self._pending.append(delta)
         self._event.set()
 
     def fail(self, exc: BaseException) -> None:
         self.dead = exc
         self._event.set()
 
-    async def get(self) -> tuple[list[int], str, FinishReason]:
-        """Wait for output; return (token ids, text, finish) merged since the last call.
+    async def get(self, limit: int = 0) -> tuple[list[int], str, FinishReason]:
+        """Wait for output; return (token ids, text, finish) merged since the
+        last call, at most ``limit`` tokens (0: no limit; a single delta larger
+        than ``limit`` is returned whole).
 
         Raises ``ReplicaDead`` if the connection died first (output that
         arrived before the death is returned first).
         """
         if not self._event.is_set():
             await self._event.wait()
-        self._event.clear()
-        ids, text, finish = self.token_ids, self.text, self.finish
-        if not ids and not text and finish == FinishReason.NONE and self.dead is not None:
-            raise self.dead
-        self.token_ids = []
-        self.text = ""
-        if self.dead is not None and finish == FinishReason.NONE:
-            self._event.set()  # report the death on the next call
-        return ids, text, finish
+        pending = self._pending
+        if not pending:
+            self._event.clear()
+            if self.dead is not None and self.finish == FinishReason.NONE:
+                raise self.dead
+            return [], "", self.finish
+        if len(pending) == 1:
+            d = pending[0]
+            self._pending = []
+            self._event.clear()
+            if self.dead is not None and not d.finish:
+                self._event.set()  # report the death on the next call
+            return d.token_ids, d.text, FinishReason(d.finish)
+        ids: list[int] = []
+        texts: list[str] = []
+        finish = FinishReason.NONE
+        taken = 0
+        for d in pending:
+            if limit and ids and len(ids) + len(d.token_ids) > limit:
+                break
+            ids.extend(d.token_ids)
+            texts.append(d.text)
+            taken += 1
+            if d.finish:
+                finish = FinishReason(d.finish)
+        rest = pending[taken:]
+        self._pending = rest
+        if not rest and (self.dead is None or finish):
+            self._event.clear()
+        return ids, "".join(texts), finish
 
 
 class ReplicaClient:

@@ -183,6 +183,7 @@ class Generation:
             sched = self.scheduler
             policy = self.policy
             charged_prompt = self.prompt_token_ids is not None and self.completion_ids
+            chunk = policy.chunk_tokens if policy is not None else 0
             while True:
                 if self.completion_ids:
                     limit_at = last_token + dl.stall if dl.stall else None
@@ -193,11 +194,11 @@ class Generation:
                 if total_at is not None and (limit_at is None or total_at <= limit_at):
                     limit_at, which = total_at, "total"
                 if limit_at is None:
-                    ids, text, finish = await col.get()
+                    ids, text, finish = await col.get(chunk)
                 else:
                     try:
                         async with asyncio.timeout_at(limit_at + mono_to_loop):
-                            ids, text, finish = await col.get()
+                            ids, text, finish = await col.get(chunk)
                     except TimeoutError:
                         if which == "stall":
                             raise _Stalled(f"replica {slot.name} produced no token for {dl.stall:g}s") from None
