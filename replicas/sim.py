@@ -25,7 +25,7 @@ import asyncio
 import bisect
 import random
 from collections import deque
-from importlib import resources
+from pathlib import Path
 
 import msgspec
 
@@ -141,7 +141,7 @@ _CHAIN: _Chain | None = None
 def _chain() -> _Chain:
     global _CHAIN
     if _CHAIN is None:
-        _CHAIN = _Chain(resources.files("replicas").joinpath("corpus.txt").read_text("utf-8"))
+        _CHAIN = _Chain((Path(__file__).parent / "corpus.txt").read_text("utf-8"))
     return _CHAIN
 
 

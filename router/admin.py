@@ -55,4 +55,28 @@ async def tenants(request: Request) -> Response:
     return Response(msgspec.json.encode(body), media_type=_JSON)
 
 
-admin_routes = [reload_policy, tenants]
+@get("/admin/replicas")
+async def replicas(request: Request) -> Response:
+    """Each replica's state, process id (local ones), restarts, load and cap."""
+    svc = _svc(request)
+    out = []
+    for slot in svc.pool.slots:
+        client = slot.client
+        load = client.load if client is not None and slot.ready else None
+        out.append({
+            "name": slot.name,
+            "state": slot.state,
+            "ready": slot.ready,
+            "local": slot.spec.local,
+            "pid": (client.ready.pid if client is not None and slot.ready else slot.pid),
+            "restarts": slot.restarts,
+            "inflight": slot.inflight,
+            "cap": slot.cap,
+            "served": slot.served,
+            "model": client.model if client is not None else None,
+            "load": msgspec.to_builtins(load) if load is not None else None,
+        })
+    return Response(msgspec.json.encode({"replicas": out}), media_type=_JSON)
+
+
+admin_routes = [reload_policy, tenants, replicas]

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import array
 import sys
-from importlib import resources
+from pathlib import Path
 
 import redis.asyncio as aioredis
 from redis.exceptions import RedisError
@@ -23,7 +23,7 @@ __all__ = ["RedisStore"]
 
 
 def _script(name: str) -> str:
-    return resources.files("router.state").joinpath("lua", name).read_text("utf-8")
+    return (Path(__file__).parent / "lua" / name).read_text("utf-8")
 
 
 class RedisStore(StateStore):

@@ -1,0 +1,282 @@
+"""Chaos runner: load a live router and kill or freeze its replicas on a schedule.
+
+    python ops/chaos.py --base-url http://127.0.0.1:8080 --admin-key fs-demo-admin \\
+        --api-key fs-demo-gold --streams 16 --duration 30 --kill-every 3
+
+It first computes a reference completion for each of a few prompts (greedy,
+``ignore_eos``, a fixed ``max_tokens``), then keeps ``--streams`` streams
+running for ``--duration`` seconds while, every ``--kill-every`` seconds, it
+picks a ready replica (from ``GET /admin/replicas``) and sends it SIGKILL, or
+SIGSTOP followed by SIGCONT after ``--freeze`` seconds (``--mode``). Every
+stream's text is compared with its reference. The report counts streams
+started, completed and errored, token mismatches, failovers and lost streams
+(from /metrics), the p99 failover latency, and replica restarts.
+
+Loopback only: replicas are signalled by pid, so the runner must run on the
+router's host, and it refuses a non-loopback URL. Bounded in time and count.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import ipaddress
+import json
+import os
+import random
+import signal
+import sys
+import time
+from dataclasses import dataclass, field
+from urllib.parse import urlparse
+
+import httpx
+
+__all__ = ["ChaosConfig", "ChaosReport", "run_chaos", "main"]
+
+PROMPTS = ["Le caf", "The cluster", "東京の", "Streams should", "Über den", "A good router"]
+
+
+@dataclass
+class ChaosConfig:
+    base_url: str
+    api_key: str
+    admin_key: str
+    model: str = "fairstream-sim"
+    streams: int = 8
+    duration: float = 20.0
+    max_tokens: int = 200
+    kill_every: float = 3.0
+    freeze: float = 2.0
+    mode: str = "kill"  # kill | freeze | mixed
+    seed: int = 0
+    max_requests: int = 10_000
+
+
+@dataclass
+class ChaosReport:
+    started: int = 0
+    completed: int = 0
+    errored: int = 0
+    mismatches: int = 0
+    errors: dict[str, int] = field(default_factory=dict)
+    actions: list[str] = field(default_factory=list)
+    failovers: float = 0.0
+    streams_lost: float = 0.0
+    failover_p99: float | None = None
+    restarts: int = 0
+    duration: float = 0.0
+
+    def table(self) -> str:
+        rows = [
+            ("streams started", self.started),
+            ("streams completed", self.completed),
+            ("streams errored", self.errored),
+            ("token mismatches", self.mismatches),
+            ("failovers (router)", int(self.failovers)),
+            ("streams lost (router)", int(self.streams_lost)),
+            ("failover latency p99", "n/a" if self.failover_p99 is None else f"{self.failover_p99 * 1000:.0f} ms"),
+            ("replica restarts", self.restarts),
+            ("chaos actions", len(self.actions)),
+            ("duration", f"{self.duration:.1f} s"),
+        ]
+        w = max(len(k) for k, _ in rows)
+        lines = [f"| {'metric'.ljust(w)} | value |", f"| {'-' * w} | ----- |"]
+        lines += [f"| {k.ljust(w)} | {v} |" for k, v in rows]
+        if self.errors:
+            lines.append("errors: " + ", ".join(f"{k}={v}" for k, v in sorted(self.errors.items())))
+        return "\n".join(lines)
+
+
+def _check_loopback(url: str) -> None:
+    host = urlparse(url).hostname or ""
+    if host == "localhost":
+        return
+    try:
+        if ipaddress.ip_address(host).is_loopback:
+            return
+    except ValueError:
+        pass
+    raise SystemExit(f"chaos: refusing non-loopback target {url!r}; run it on the router's host")
+
+
+def _body(cfg: ChaosConfig, prompt: str, stream: bool) -> dict:
+    return {
+        "model": cfg.model, "prompt": prompt, "max_tokens": cfg.max_tokens, "temperature": 0,
+        "ignore_eos": True, "stream": stream,
+    }
+
+
+async def _reference(client: httpx.AsyncClient, cfg: ChaosConfig) -> dict[str, str]:
+    refs = {}
+    for p in PROMPTS:
+        r = await client.post("/v1/completions", json=_body(cfg, p, False))
+        r.raise_for_status()
+        refs[p] = r.json()["choices"][0]["text"]
+    return refs
+
+
+async def _one_stream(client: httpx.AsyncClient, cfg: ChaosConfig, prompt: str, ref: str, rep: ChaosReport) -> None:
+    rep.started += 1
+    parts: list[str] = []
+    done = False
+    try:
+        async with client.stream("POST", "/v1/completions", json=_body(cfg, prompt, True)) as r:
+            if r.status_code != 200:
+                await r.aread()
+                raise RuntimeError(f"http_{r.status_code}")
+            async for line in r.aiter_lines():
+                if line.startswith("data: [DONE]"):
+                    done = True
+                elif line.startswith("data: "):
+                    d = json.loads(line[6:])
+                    if "error" in d:
+                        raise RuntimeError(d["error"].get("code") or "stream_error")
+                    if d.get("choices"):
+                        parts.append(d["choices"][0]["text"])
+        if not done:
+            raise RuntimeError("truncated")
+    except (httpx.HTTPError, RuntimeError) as e:
+        kind = str(e) if isinstance(e, RuntimeError) else type(e).__name__
+        rep.errored += 1
+        rep.errors[kind] = rep.errors.get(kind, 0) + 1
+        return
+    rep.completed += 1
+    if "".join(parts) != ref:
+        rep.mismatches += 1
+
+
+async def _metrics(client: httpx.AsyncClient) -> dict[str, float]:
+    text = (await client.get("/metrics")).text
+    out: dict[str, float] = {}
+    for line in text.splitlines():
+        if line.startswith("#") or not line:
+            continue
+        name_labels, _, value = line.rpartition(" ")
+        name = name_labels.split("{", 1)[0]
+        if name in ("fairstream_failovers_total", "fairstream_streams_lost_total",
+                    "fairstream_failover_latency_seconds_count"):
+            out[name] = out.get(name, 0.0) + float(value)
+        elif name == "fairstream_failover_latency_seconds_bucket":
+            le = name_labels.split('le="', 1)[1].split('"', 1)[0]
+            out["bucket:" + le] = out.get("bucket:" + le, 0.0) + float(value)
+    return out
+
+
+def _p99(before: dict[str, float], after: dict[str, float]) -> float | None:
+    buckets = sorted(
+        ((float("inf") if k[7:] == "+Inf" else float(k[7:])), after[k] - before.get(k, 0.0))
+        for k in after if k.startswith("bucket:")
+    )
+    if not buckets or buckets[-1][1] <= 0:
+        return None
+    total = buckets[-1][1]
+    for le, count in buckets:
+        if count >= 0.99 * total:
+            return le
+    return None
+
+
+async def _chaos(admin: httpx.AsyncClient, cfg: ChaosConfig, rep: ChaosReport, stop: asyncio.Event) -> None:
+    rng = random.Random(cfg.seed)
+    while not stop.is_set():
+        try:
+            await asyncio.wait_for(stop.wait(), cfg.kill_every)
+            return
+        except asyncio.TimeoutError:
+            pass
+        reps = (await admin.get("/admin/replicas")).json()["replicas"]
+        ready = [r for r in reps if r["ready"] and r["local"] and r["pid"]]
+        if len(ready) < 2:
+            continue  # keep one replica serving
+        victim = rng.choice(ready)
+        mode = cfg.mode if cfg.mode != "mixed" else rng.choice(["kill", "freeze"])
+        if mode == "kill":
+            os.kill(victim["pid"], signal.SIGKILL)
+            rep.actions.append(f"kill {victim['name']} pid {victim['pid']}")
+        else:
+            os.kill(victim["pid"], signal.SIGSTOP)
+            rep.actions.append(f"freeze {victim['name']} pid {victim['pid']} for {cfg.freeze}s")
+            await asyncio.sleep(cfg.freeze)
+            try:
+                os.kill(victim["pid"], signal.SIGCONT)
+            except ProcessLookupError:
+                pass  # the supervisor killed it for not answering pings
+
+
+async def run_chaos(cfg: ChaosConfig, progress=None) -> ChaosReport:
+    _check_loopback(cfg.base_url)
+    rep = ChaosReport()
+    headers = {"Authorization": f"Bearer {cfg.api_key}"}
+    limits = httpx.Limits(max_connections=cfg.streams + 4, max_keepalive_connections=cfg.streams + 4)
+    async with httpx.AsyncClient(base_url=cfg.base_url, headers=headers, timeout=120, limits=limits) as client, \
+            httpx.AsyncClient(base_url=cfg.base_url, headers={"Authorization": f"Bearer {cfg.admin_key}"},
+                              timeout=10) as admin:
+        refs = await _reference(client, cfg)
+        before = await _metrics(client)
+        restarts0 = sum(r["restarts"] for r in (await admin.get("/admin/replicas")).json()["replicas"])
+        stop = asyncio.Event()
+        t0 = time.monotonic()
+        chaos = asyncio.create_task(_chaos(admin, cfg, rep, stop))
+
+        async def worker(i: int) -> None:
+            rng = random.Random(cfg.seed * 1000 + i)
+            while time.monotonic() - t0 < cfg.duration and rep.started < cfg.max_requests:
+                p = rng.choice(PROMPTS)
+                await _one_stream(client, cfg, p, refs[p], rep)
+                if progress:
+                    progress(rep)
+
+        await asyncio.gather(*(worker(i) for i in range(cfg.streams)))
+        stop.set()
+        await chaos
+        rep.duration = time.monotonic() - t0
+        # let the supervisor bring replicas back before reading the counters
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            reps = (await admin.get("/admin/replicas")).json()["replicas"]
+            if all(r["ready"] for r in reps):
+                break
+            await asyncio.sleep(0.2)
+        rep.restarts = sum(r["restarts"] for r in reps) - restarts0
+        after = await _metrics(client)
+        rep.failovers = after.get("fairstream_failovers_total", 0) - before.get("fairstream_failovers_total", 0)
+        rep.streams_lost = after.get("fairstream_streams_lost_total", 0) - before.get(
+            "fairstream_streams_lost_total", 0)
+        rep.failover_p99 = _p99(before, after)
+    return rep
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--base-url", default="http://127.0.0.1:8080")
+    p.add_argument("--api-key", default="fs-demo-gold")
+    p.add_argument("--admin-key", default="fs-demo-admin")
+    p.add_argument("--model", default="fairstream-sim")
+    p.add_argument("--streams", type=int, default=8)
+    p.add_argument("--duration", type=float, default=20.0)
+    p.add_argument("--max-tokens", type=int, default=200)
+    p.add_argument("--kill-every", type=float, default=3.0)
+    p.add_argument("--freeze", type=float, default=2.0)
+    p.add_argument("--mode", choices=["kill", "freeze", "mixed"], default="mixed")
+    p.add_argument("--seed", type=int, default=0)
+    a = p.parse_args(argv)
+    cfg = ChaosConfig(a.base_url, a.api_key, a.admin_key, a.model, a.streams, a.duration, a.max_tokens,
+                      a.kill_every, a.freeze, a.mode, a.seed)
+
+    def progress(rep: ChaosReport) -> None:
+        sys.stderr.write(f"\rstarted {rep.started} completed {rep.completed} errored {rep.errored} "
+                         f"mismatches {rep.mismatches} actions {len(rep.actions)}   ")
+        sys.stderr.flush()
+
+    rep = asyncio.run(run_chaos(cfg, progress))
+    sys.stderr.write("\n")
+    for a_ in rep.actions:
+        print("-", a_)
+    print(rep.table())
+    ok = rep.errored == 0 and rep.mismatches == 0 and rep.streams_lost == 0
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
