@@ -1,0 +1,239 @@
+"""Tenant policy and limits through real routers: reload under load, limit
+headers, exact limits across two routers on one Redis, Redis outages."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+
+import httpx
+import pytest
+import yaml
+
+from router.auth import hash_key
+from tests.helpers import ADMIN, GOLD, MODEL, RouterProcess, aiter_sse, apoll, poll
+from tests.redis_server import RedisServer, require_redis_server
+
+KEY_A, KEY_B = "tenant-a-key", "tenant-b-key"
+
+
+def tenants_yaml(path, *, rpm=0, tpm=0, conc=0, on_limit="reject", extra: str = "") -> None:
+    doc = {
+        "admin_keys": [hash_key(ADMIN)],
+        "defaults": {"timeouts": {"queue_wait": 5}},
+        "tenants": {
+            "a": {"keys": [hash_key(KEY_A)], "on_limit": on_limit,
+                  "limits": {"requests_per_minute": rpm, "tokens_per_minute": tpm, "max_concurrent": conc}},
+            "b": {"keys": [hash_key(KEY_B)], "priority": "low"},
+        },
+    }
+    path.write_text(yaml.safe_dump(doc, sort_keys=False) + extra)
+
+
+def body(max_tokens=16, stream=False, prompt="Le caf"):
+    return {"model": MODEL, "prompt": prompt, "max_tokens": max_tokens, "stream": stream, "ignore_eos": True}
+
+
+def auth(key):
+    return {"Authorization": f"Bearer {key}"}
+
+
+def test_ratelimit_headers_and_429_with_retry_after(tmp_path):
+    t = tmp_path / "tenants.yaml"
+    tenants_yaml(t, rpm=3, tpm=100000)
+    with RouterProcess(tmp_path / "r", tenants=t) as router:
+        url = router.base_url + "/v1/completions"
+        seen = []
+        for _ in range(3):
+            r = httpx.post(url, headers=auth(KEY_A), json=body(), timeout=20)
+            assert r.status_code == 200, r.text
+            seen.append(int(r.headers["x-ratelimit-remaining-requests"]))
+            assert r.headers["x-ratelimit-limit-requests"] == "3"
+            assert r.headers["x-ratelimit-limit-tokens"] == "100000"
+            assert "x-ratelimit-reset-tokens" in r.headers
+        assert seen == [2, 1, 0]
+        r = httpx.post(url, headers=auth(KEY_A), json=body(), timeout=20)
+        assert r.status_code == 429
+        err = r.json()["error"]
+        assert err["type"] == "rate_limit_error" and "requests per minute" in err["message"]
+        # one request refills in 60/3 = 20 s
+        assert 15 <= int(r.headers["retry-after"]) <= 21
+        assert r.headers["x-ratelimit-remaining-requests"] == "0"
+        # tenant b has no limits and is not affected
+        assert httpx.post(url, headers=auth(KEY_B), json=body(), timeout=20).status_code == 200
+
+
+def test_tokens_are_reserved_then_settled_with_real_usage(tmp_path):
+    t = tmp_path / "tenants.yaml"
+    tenants_yaml(t, tpm=1000)
+    with RouterProcess(tmp_path / "r", tenants=t) as router:
+        url = router.base_url + "/v1/completions"
+        # reserved: 6 prompt bytes + 1 + 300 max_tokens; used: 6 + the few tokens before "coin"
+        first = {**body(300), "temperature": 0, "stop": ["coin"]}
+        r = httpx.post(url, headers=auth(KEY_A), json=first, timeout=20)
+        assert r.status_code == 200
+        used = r.json()["usage"]["total_tokens"]
+        assert used < 20 and int(r.headers["x-ratelimit-remaining-tokens"]) <= 1000 - 307
+        r = httpx.post(url, headers=auth(KEY_A), json=body(10), timeout=20)
+        assert r.status_code == 200
+        remaining = int(r.headers["x-ratelimit-remaining-tokens"])
+        # the first request was settled to its real use; the second reserves 6 + 1 + 10
+        assert 1000 - used - 17 <= remaining <= 1000 - 17, remaining
+        # a request that can never fit is refused as too large
+        r = httpx.post(url, headers=auth(KEY_A), json=body(2000), timeout=20)
+        assert r.status_code == 429 and r.json()["error"]["code"] == "tokens_exceed_limit"
+
+
+def test_admin_endpoints_need_the_admin_key(tmp_path):
+    with RouterProcess(tmp_path / "r") as router:
+        for method, path in (("POST", "/admin/reload"), ("GET", "/admin/tenants"), ("GET", "/admin/replicas")):
+            assert httpx.request(method, router.base_url + path, timeout=5).status_code == 401
+            r = httpx.request(method, router.base_url + path, headers=auth(GOLD), timeout=5)
+            assert r.status_code == 403 and r.json()["error"]["code"] == "forbidden"
+            assert httpx.request(method, router.base_url + path, headers=auth(ADMIN), timeout=5).status_code == 200
+        view = httpx.get(router.base_url + "/admin/tenants", headers=auth(ADMIN), timeout=5).json()
+        assert set(view["tenants"]) == {"gold", "silver", "free"}
+        text = str(view)
+        assert "3fbbe354" not in text  # no key material, not even digests
+        assert view["tenants"]["gold"]["policy"]["weight"] == 3.0
+
+
+async def test_bad_reload_while_20_streams_run_keeps_old_policy(tmp_path):
+    t = tmp_path / "tenants.yaml"
+    tenants_yaml(t)
+    router = RouterProcess(tmp_path / "r", tenants=t, sim={"step_base_ms": 10}).start()
+    try:
+        async with httpx.AsyncClient(base_url=router.base_url, timeout=60) as client:
+            async def stream():
+                text, done = [], False
+                async with client.stream("POST", "/v1/completions", headers=auth(KEY_A),
+                                         json=body(120, stream=True)) as r:
+                    assert r.status_code == 200
+                    async for ev in aiter_sse(r):
+                        if ev.data == "[DONE]":
+                            done = True
+                        else:
+                            d = ev.json()
+                            assert "error" not in d, d
+                            text.append(d["choices"][0]["text"])
+                return done, "".join(text)
+
+            tasks = [asyncio.create_task(stream()) for _ in range(20)]
+            await asyncio.sleep(0.3)
+            # an admin saves a broken file: a typo'd key on line 5 of the new text
+            good = t.read_text()
+            broken = good.replace("  timeouts:", "  timeoutz:", 1)
+            line = next(i for i, l in enumerate(broken.splitlines(), 1) if "timeoutz" in l)
+            t.write_text(broken)
+            r = await client.post("/admin/reload", headers=auth(ADMIN))
+            assert r.status_code == 422
+            errors = r.json()["errors"]
+            assert errors and f"{t}:{line}: defaults.timeoutz: unknown key" in errors[0]
+            results = await asyncio.gather(*tasks)
+            assert all(done for done, _ in results)
+            assert all(len(text) > 0 for _, text in results)
+            # the old policy still serves; the failure is visible in metrics and the admin view
+            r = await client.post("/v1/completions", headers=auth(KEY_A), json=body(4))
+            assert r.status_code == 200
+            m = await router.ametrics(client)
+            assert m.value("fairstream_config_last_reload_successful") == 0
+            assert m.value("fairstream_config_reloads_total", result="failure") >= 1
+            view = (await client.get("/admin/tenants", headers=auth(ADMIN))).json()
+            assert view["version"] == 1 and view["last_reload_errors"]
+    finally:
+        router.stop()
+
+
+async def test_reload_by_file_watch_and_sighup_applies_lowered_limit_at_once(tmp_path):
+    t = tmp_path / "tenants.yaml"
+    tenants_yaml(t)
+    router = RouterProcess(tmp_path / "r", tenants=t, sim={"step_base_ms": 10}).start()
+    try:
+        async with httpx.AsyncClient(base_url=router.base_url, timeout=60) as client:
+            # a long stream in flight across the reload
+            async def long_stream():
+                async with client.stream("POST", "/v1/completions", headers=auth(KEY_A),
+                                         json=body(150, stream=True)) as r:
+                    return [ev.data async for ev in aiter_sse(r)][-1]
+
+            inflight = asyncio.create_task(long_stream())
+            await asyncio.sleep(0.2)
+            tenants_yaml(t, conc=1)  # watchfiles picks this up
+            await apoll(lambda: _version(router) == 2, 10, what="file-watch reload")
+            assert (await client.post("/v1/completions", headers=auth(KEY_A), json=body(2))).status_code == 429
+            assert await inflight == "[DONE]"  # the running stream was not dropped
+            # SIGHUP reloads too (no file event needed: rewrite identical content first)
+            tenants_yaml(t, conc=0)
+            os.kill(router.pid, signal.SIGHUP)
+            await apoll(lambda: _version(router) >= 3, 10, what="SIGHUP reload")
+            assert (await client.post("/v1/completions", headers=auth(KEY_A), json=body(2))).status_code == 200
+    finally:
+        router.stop()
+
+
+def _version(router) -> int:
+    return httpx.get(router.base_url + "/admin/tenants", headers=auth(ADMIN), timeout=5).json()["version"]
+
+
+@pytest.fixture
+def redis_server():
+    require_redis_server()
+    with RedisServer() as server:
+        yield server
+
+
+async def test_two_routers_on_one_redis_admit_exactly_the_limit(tmp_path, redis_server):
+    t = tmp_path / "tenants.yaml"
+    tenants_yaml(t, rpm=10)
+    settings = {"state": {"backend": "redis", "url": redis_server.url}}
+    r1 = RouterProcess(tmp_path / "r1", tenants=t, settings=settings).start()
+    r2 = RouterProcess(tmp_path / "r2", tenants=t, settings=settings).start()
+    try:
+        async with httpx.AsyncClient(timeout=30) as client:
+            async def one(base):
+                r = await client.post(base + "/v1/completions", headers=auth(KEY_A), json=body(2))
+                return r.status_code
+
+            codes = await asyncio.gather(*[one(r.base_url) for _ in range(20) for r in (r1, r2)])
+        assert codes.count(200) == 10, codes
+        assert codes.count(429) == 30
+    finally:
+        r1.stop()
+        r2.stop()
+
+
+@pytest.mark.parametrize("mode", ["open", "closed"])
+async def test_redis_killed_mid_run(tmp_path, redis_server, mode):
+    t = tmp_path / "tenants.yaml"
+    tenants_yaml(t, rpm=1000)
+    settings = {"state": {"backend": "redis", "url": redis_server.url, "on_outage": mode, "timeout": 0.3}}
+    router = RouterProcess(tmp_path / "r", tenants=t, settings=settings).start()
+    try:
+        async with httpx.AsyncClient(base_url=router.base_url, timeout=30) as client:
+            assert (await client.post("/v1/completions", headers=auth(KEY_A), json=body(2))).status_code == 200
+            redis_server.kill()
+            r = await client.post("/v1/completions", headers=auth(KEY_A), json=body(2))
+            ready = await client.get("/ready")
+            m = await router.ametrics(client)
+            assert m.value("fairstream_state_store_up") == 0
+            assert m.value("fairstream_state_store_errors_total", op="admit") >= 1
+            if mode == "open":
+                assert r.status_code == 200, r.text
+                assert ready.status_code == 200 and ready.json()["state_store"]["healthy"] is False
+            else:
+                assert r.status_code == 503 and r.json()["error"]["code"] == "state_store_unavailable"
+                assert ready.status_code == 503
+            # logged once per outage, not per request
+            for _ in range(3):
+                await client.post("/v1/completions", headers=auth(KEY_A), json=body(2))
+            assert router.log().count("state store redis unavailable") == 1
+            redis_server.restart()
+            await apoll(lambda: _store_up(router), 15, what="state store reconnect")
+            assert (await client.post("/v1/completions", headers=auth(KEY_A), json=body(2))).status_code == 200
+    finally:
+        router.stop()
+
+
+def _store_up(router) -> bool:
+    return router.metrics().value("fairstream_state_store_up") == 1
