@@ -144,9 +144,9 @@ def settle(tokens: Bucket | None, *, tpm: int, reserved: int, used: int, now: fl
     Gives back ``reserved - used`` (capped at capacity: a refund never
     creates more than a full bucket) or takes ``used - reserved`` extra.
     """
-    if not tpm or tokens is None:
+    if not tpm:
         return tokens
-    current = level(tokens, tpm, now)
+    current = level(tokens, tpm, now)  # a missing bucket is a full one
     return Bucket(min(float(tpm), current + (reserved - used)), now)
 
 

@@ -34,6 +34,7 @@ class Located:
         self.path = path
         self.lines: dict[tuple[Any, ...], int] = {}
         self.key_lines: dict[tuple[Any, ...], int] = {}
+        self.duplicates: list[str] = []
         if root is not None:
             self._walk(root, ())
 
@@ -42,7 +43,14 @@ class Located:
         if isinstance(node, yaml.MappingNode):
             for k, v in node.value:
                 key = k.value
-                self.key_lines[at + (key,)] = k.start_mark.line + 1
+                line = k.start_mark.line + 1
+                first = self.key_lines.get(at + (key,))
+                if first is not None:
+                    # YAML would silently keep the last one (and drop, say, a tenant's keys)
+                    dotted = ".".join(str(p) for p in at + (key,))
+                    self.duplicates.append(f"{self.path}:{line}: {dotted}: defined twice (first at line {first})")
+                    continue
+                self.key_lines[at + (key,)] = line
                 self._walk(v, at + (key,))
         elif isinstance(node, yaml.SequenceNode):
             for i, v in enumerate(node.value):
@@ -62,6 +70,7 @@ class Located:
         return f"{self.path}:{self.line(at)}: {key}: {reason}"
 
 
+_ANY = object()  # a dict entry msgspec reports as `[...]`
 _PATH_RE = re.compile(r" - at `\$(.*)`$")
 _PART_RE = re.compile(r"\.([^.\[]+)|\[(\d+|\.\.\.)\]")
 _UNKNOWN_RE = re.compile(r"Object contains unknown field `([^`]+)`")
@@ -76,7 +85,9 @@ def _parse_error(err: str) -> tuple[tuple[Any, ...], str]:
         for name, idx in _PART_RE.findall(m.group(1)):
             if name:
                 at += (name,)
-            elif idx != "...":
+            elif idx == "...":
+                at += (_ANY,)
+            else:
                 at += (int(idx),)
     u = _UNKNOWN_RE.match(reason)
     if u:
@@ -85,6 +96,38 @@ def _parse_error(err: str) -> tuple[tuple[Any, ...], str]:
     if mm:
         return at, f"missing required key `{mm.group(1)}`"
     return at, reason
+
+
+def _name_dict_entry(data: Any, type_: type, at: tuple[Any, ...], err: str) -> tuple[Any, ...]:
+    """msgspec names a failing dict entry ``[...]``: find which key it is by
+    validating the document with that dict cut down to one entry at a time."""
+    i = at.index(_ANY)
+    prefix = at[:i]
+    container: Any = data
+    try:
+        for p in prefix:
+            container = container[p]
+    except (KeyError, IndexError, TypeError):
+        return prefix + tuple(p for p in at[i + 1 :] if p is not _ANY)
+    rest = tuple(p for p in at[i + 1 :] if p is not _ANY)
+    if isinstance(container, dict):
+        for key, value in container.items():
+            trial = _replace_at(data, prefix, {key: value})
+            try:
+                msgspec.convert(trial, type_, strict=True)
+            except msgspec.ValidationError as e:
+                if str(e) == err:
+                    return prefix + (key,) + rest
+    return prefix + rest
+
+
+def _replace_at(data: Any, path: tuple[Any, ...], value: Any) -> Any:
+    if not path:
+        return value
+    head, tail = path[0], path[1:]
+    copy = dict(data) if isinstance(data, dict) else list(data)
+    copy[head] = _replace_at(data[head], tail, value)
+    return copy
 
 
 def load_yaml(path: str | Path, type_: type[T], text: str | None = None) -> tuple[T, Located]:
@@ -108,12 +151,16 @@ def load_yaml(path: str | Path, type_: type[T], text: str | None = None) -> tupl
     except yaml.YAMLError as e:
         raise ConfigError([f"{name}:1: (syntax): {e}"]) from e
     located = Located(name, root)
+    if located.duplicates:
+        raise ConfigError(located.duplicates)
     if data is None:
         data = {}
     try:
         value = msgspec.convert(data, type_, strict=True)
     except msgspec.ValidationError as e:
         at, reason = _parse_error(str(e))
+        if _ANY in at:
+            at = _name_dict_entry(data, type_, at, str(e))
         raise ConfigError([located.error(at, reason)]) from e
     check = getattr(value, "validate", None)
     if check is not None:

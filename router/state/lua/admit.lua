@@ -76,5 +76,7 @@ if tpm > 0 then
   rem_tok = tok_level - cost; rst_tok = reset(rem_tok, tpm); store(KEYS[2], rem_tok, tpm)
 end
 redis.call('ZADD', KEYS[3], now + ttl, lease_id)
-redis.call('PEXPIRE', KEYS[3], math.ceil(ttl * 1000) + 1000)
+-- the set lives as long as its longest lease
+local last = redis.call('ZRANGE', KEYS[3], -1, -1, 'WITHSCORES')
+redis.call('PEXPIRE', KEYS[3], math.ceil((tonumber(last[2]) - now) * 1000) + 1000)
 return {1, '', '0', tostring(rem_req), tostring(rem_tok), tostring(rst_req), tostring(rst_tok)}

@@ -6,5 +6,8 @@ redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', now)
 for i = 2, #ARGV do
   redis.call('ZADD', KEYS[1], 'XX', now + ttl, ARGV[i])
 end
-redis.call('PEXPIRE', KEYS[1], math.ceil(ttl * 1000) + 1000)
+local last = redis.call('ZRANGE', KEYS[1], -1, -1, 'WITHSCORES')
+if last[2] then
+  redis.call('PEXPIRE', KEYS[1], math.ceil((tonumber(last[2]) - now) * 1000) + 1000)
+end
 return 1

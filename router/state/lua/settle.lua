@@ -5,8 +5,10 @@ local now = tonumber(t[1]) + tonumber(t[2]) / 1000000
 local tpm = tonumber(ARGV[1])
 local delta = tonumber(ARGV[2]) - tonumber(ARGV[3])
 local v = redis.call('HMGET', KEYS[1], 'tokens', 'ts')
-if not v[1] then return 0 end
-local lvl = math.min(tpm, tonumber(v[1]) + math.max(0, now - tonumber(v[2])) * tpm / 60)
+local lvl = tpm  -- no key: a full bucket (admit.lua lets full buckets expire)
+if v[1] then
+  lvl = math.min(tpm, tonumber(v[1]) + math.max(0, now - tonumber(v[2])) * tpm / 60)
+end
 lvl = math.min(tpm, lvl + delta)
 redis.call('HSET', KEYS[1], 'tokens', tostring(lvl), 'ts', tostring(now))
 redis.call('PEXPIRE', KEYS[1], math.ceil(math.max(0, (tpm - lvl) * 60 / tpm) * 1000) + 1000)

@@ -1,0 +1,184 @@
+"""ResilientStore over a real Redis that dies mid-run and comes back.
+
+Each test owns its redis-server (it gets killed). Fail-open keeps admitting
+with per-process limits and reports ``healthy`` False; fail-closed raises
+``StoreUnavailable``; once Redis answers again on the same port the
+background probe flips ``healthy`` back within a few seconds.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from collections.abc import AsyncIterator, Iterator
+
+import pytest
+
+from router.state import AdmitRequest, ResilientStore, StoreUnavailable
+from tests.helpers import apoll
+from tests.redis_server import RedisServer, require_redis_server
+
+pytestmark = pytest.mark.redis
+
+PROBE = 0.1  # probe interval in these tests (seconds)
+
+
+def req(*, rpm: int = 0, max_concurrent: int = 0, lease: str = "") -> AdmitRequest:
+    return AdmitRequest(rpm=rpm, tpm=0, max_concurrent=max_concurrent, cost_tokens=0,
+                        lease_id=lease or uuid.uuid4().hex, lease_ttl=30.0)
+
+
+@pytest.fixture
+def own_redis() -> Iterator[RedisServer]:
+    with RedisServer(require_redis_server()) as server:
+        yield server
+
+
+class Harness:
+    def __init__(self, server: RedisServer, fail_open: bool) -> None:
+        from router.state.redis_store import RedisStore
+
+        self.server = server
+        self.changes: list[bool] = []
+        self.errors: list[str] = []
+        self.store = ResilientStore(
+            RedisStore(server.url, prefix="fs-test", timeout=0.5),
+            fail_open=fail_open,
+            probe_interval=PROBE,
+            on_change=self.changes.append,
+            on_error=self.errors.append,
+        )
+
+    async def wait_healthy(self, timeout: float = 5.0) -> float:
+        start = time.monotonic()
+        await apoll(lambda: self.store.healthy, timeout, what="the probe to report Redis healthy again")
+        return time.monotonic() - start
+
+
+async def _harness(server: RedisServer, fail_open: bool) -> AsyncIterator[Harness]:
+    h = Harness(server, fail_open)
+    try:
+        yield h
+    finally:
+        await h.store.close()
+        probe = h.store._probe
+        assert probe is None or probe.done(), "close() must end the probe task"
+
+
+@pytest.fixture(params=[True, False], ids=["fail_open", "fail_closed"])
+async def harness(request, own_redis: RedisServer) -> AsyncIterator[Harness]:
+    async for h in _harness(own_redis, request.param):
+        yield h
+
+
+@pytest.fixture
+async def open_harness(own_redis: RedisServer) -> AsyncIterator[Harness]:
+    async for h in _harness(own_redis, True):
+        yield h
+
+
+@pytest.fixture
+async def closed_harness(own_redis: RedisServer) -> AsyncIterator[Harness]:
+    async for h in _harness(own_redis, False):
+        yield h
+
+
+async def test_fail_open_admits_with_local_limits_then_recovers(open_harness: Harness) -> None:
+    h, store = open_harness, open_harness.store
+    t = f"open-{uuid.uuid4().hex[:8]}"
+    on_redis = uuid.uuid4().hex
+    assert (await store.admit(t, req(rpm=3, lease=on_redis))).ok
+    assert store.healthy and h.changes == []
+    assert (await store.primary.usage(t, rpm=3, tpm=0)).active_streams == 1
+
+    h.server.kill()
+    # The outage is noticed on the next call, which is served locally.
+    local = [uuid.uuid4().hex for _ in range(3)]
+    for lid in local:
+        d = await store.admit(t, req(rpm=3, lease=lid))
+        assert d.ok, d
+    assert store.healthy is False
+    assert h.changes == [False]
+    assert "admit" in h.errors
+    # Local limits still hold: a fresh bucket of 3, then refused.
+    d = await store.admit(t, req(rpm=3))
+    assert (d.ok, d.reason) == (False, "requests")
+    assert (await store.usage(t, rpm=3, tpm=0)).active_streams == 3  # the fallback's view
+    # Releasing the lease Redis holds cannot reach it: no exception.
+    await store.release(t, on_redis)
+    await store.settle(t, tpm=100, reserved=10, used=5, lease_id=on_redis)
+
+    h.server.restart()
+    took = await h.wait_healthy(5.0)
+    assert took < 5.0
+    assert h.changes == [False, True]
+
+    # Back on Redis (empty after the restart): admissions count there again.
+    assert (await store.admit(t, req(rpm=3))).ok
+    assert (await store.primary.usage(t, rpm=3, tpm=0)).active_streams == 1
+    # Leases taken during the outage are released where they were counted.
+    await store.release(t, local[0])
+    assert (await store.fallback.usage(t, rpm=0, tpm=0)).active_streams == 2
+    assert (await store.primary.usage(t, rpm=0, tpm=0)).active_streams == 1
+
+
+async def test_fail_closed_raises_then_recovers(closed_harness: Harness) -> None:
+    h, store = closed_harness, closed_harness.store
+    t = f"closed-{uuid.uuid4().hex[:8]}"
+    assert (await store.admit(t, req(max_concurrent=5))).ok
+
+    h.server.kill()
+    with pytest.raises(StoreUnavailable):
+        await store.admit(t, req(max_concurrent=5))
+    assert store.healthy is False
+    assert h.changes == [False]
+    # While down it refuses at once, without waiting on Redis.
+    start = time.monotonic()
+    for _ in range(3):
+        with pytest.raises(StoreUnavailable):
+            await store.admit(t, req(max_concurrent=5))
+    assert time.monotonic() - start < 0.5
+    # Nothing was admitted locally.
+    assert (await store.fallback.usage(t, rpm=0, tpm=0)).active_streams == 0
+
+    h.server.restart()
+    await h.wait_healthy(5.0)
+    assert h.changes == [False, True]
+    assert (await store.admit(t, req(max_concurrent=5))).ok
+    assert (await store.primary.usage(t, rpm=0, tpm=0)).active_streams == 1
+
+
+async def test_outage_during_concurrent_admissions(harness: Harness) -> None:
+    """Redis dies while a burst is in flight: every call ends (admitted, refused
+    or StoreUnavailable in fail-closed), none hangs, and the probe recovers."""
+    h, store = harness, harness.store
+    t = f"burst-{uuid.uuid4().hex[:8]}"
+
+    async def one() -> str:
+        try:
+            d = await store.admit(t, req(rpm=1000))
+        except StoreUnavailable:
+            return "unavailable"
+        return "ok" if d.ok else d.reason
+
+    first = asyncio.gather(*(one() for _ in range(30)))
+    await asyncio.sleep(0)  # let the burst send its commands, then pull the plug
+    h.server.kill()
+    results = list(await asyncio.wait_for(first, 10.0))
+    results += await asyncio.wait_for(asyncio.gather(*(one() for _ in range(30))), 10.0)
+    assert store.healthy is False
+    assert h.changes == [False]  # one transition, however many calls failed
+    if store.fail_open:
+        assert set(results) == {"ok"}, results
+    else:
+        assert set(results) <= {"ok", "unavailable"} and "ok" not in results[30:], results
+    h.server.restart()
+    await h.wait_healthy(5.0)
+    # Every pooled connection died with the old server; the next burst must
+    # still go to Redis and not trip the store back into an outage.
+    results = await asyncio.wait_for(asyncio.gather(*(one() for _ in range(30))), 10.0)
+    assert set(results) == {"ok"}, results
+    assert store.healthy is True and h.changes == [False, True]
+    u = await store.primary.usage(t, rpm=1000, tpm=0)
+    assert 1000 - 30 - 1 < u.requests_available <= 1000 - 30 + 1, u  # counted in Redis, not locally
