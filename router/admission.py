@@ -110,12 +110,16 @@ class Admission:
             lease_ttl=LEASE_TTL,
         )
         loop = asyncio.get_running_loop()
-        deadline = loop.time() + lim.queue_wait if lim.queue_wait else math.inf
+        started = loop.time()
+        deadline = started + lim.queue_wait if lim.queue_wait else math.inf
         waiting = False
         try:
             while True:
                 decision = await self._admit_once(policy.name, req)
                 if decision.ok:
+                    if waiting:
+                        self.metrics.admission_wait.labels(policy.name, policy.priority).observe(
+                            loop.time() - started)
                     ticket = Ticket(policy.name, req.lease_id, cost_tokens, lim.tokens_per_minute,
                                     ratelimit_headers(policy, decision))
                     self._leases[req.lease_id] = ticket
@@ -137,6 +141,7 @@ class Admission:
                     else:
                         waiting = True
                         self._queued[policy.name] = self._queued.get(policy.name, 0) + 1
+                        self.metrics.admission_waiting.labels(policy.name).inc()
                 if not can_wait:
                     self.metrics.rate_limited.labels(policy.name, decision.reason).inc()
                     retry = decision.retry_after
@@ -149,6 +154,7 @@ class Admission:
         finally:
             if waiting:
                 self._queued[policy.name] -= 1
+                self.metrics.admission_waiting.labels(policy.name).dec()
 
     async def _admit_once(self, tenant: str, req: AdmitRequest) -> Decision:
         try:

@@ -50,6 +50,10 @@ def _serve(args: argparse.Namespace) -> int:
         log_level="warning",
         access_log=False,
         timeout_graceful_shutdown=5,
+        # Longer than clients' idle gaps, so a reused connection is not closed
+        # under a request that is already on its way.
+        timeout_keep_alive=30,
+        backlog=4096,
     )
     return 0
 

@@ -66,7 +66,7 @@ class Metrics:
             buckets=_LATENCY_BUCKETS, registry=r,
         )
         self.rate_limited = Counter(
-            "fairstream_rate_limited", "Requests refused or delayed by a tenant limit.",
+            "fairstream_rate_limited", "Requests refused by a tenant limit or a full queue.",
             ["tenant", "limit"], registry=r,
         )
         self.timeouts = Counter(
@@ -81,6 +81,18 @@ class Metrics:
         )
         self.replica_cap = Gauge(
             "fairstream_replica_inflight_cap", "Adaptive in-flight cap of the replica.", ["replica"], registry=r, multiprocess_mode="livesum"
+        )
+        self.admission_waiting = Gauge(
+            "fairstream_admission_waiting", "Requests waiting for a tenant limit (on_limit: queue).",
+            ["tenant"], registry=r, multiprocess_mode="livesum",
+        )
+        self.admission_wait = Histogram(
+            "fairstream_admission_wait_seconds", "Time a request waited for a tenant limit before admission.",
+            ["tenant", "priority"], buckets=_LATENCY_BUCKETS, registry=r,
+        )
+        self.loop_lag = Gauge(
+            "fairstream_event_loop_lag_seconds", "How late the router's event loop ran a 100 ms timer.",
+            registry=r, multiprocess_mode="livemax",
         )
         self.reloads = Counter("fairstream_config_reloads", "Tenant policy reloads by result.", ["result"], registry=r)
         self.reload_ok = Gauge(

@@ -67,6 +67,7 @@ class Scheduler:
             lim = AimdLimiter(batching, now)
             self._limiters[slot.name] = lim
             slot.cap_fn = lambda lim=lim: lim.cap
+            metrics.replica_cap.labels(slot.name).set(lim.cap)
         pool.on_release = self._on_release
         # dispatch-rate estimate for Retry-After (EWMA of dispatches per second)
         self._rate = 0.0

@@ -49,6 +49,7 @@ class RouterService:
         self.admission = Admission(self.store, m)
         self.resume = ResumeWriter(self.store, config.resume_retention)
         self._tasks: set[asyncio.Task[None]] = set()
+        self._lag_task: asyncio.Task[None] | None = None
         self.pool = ReplicaPool(config.replicas)
         self.scheduler = Scheduler(self.pool, m, config.scheduler, config.batching)
         self.supervisor = Supervisor(
@@ -88,13 +89,24 @@ class RouterService:
         if not task.cancelled() and task.exception() is not None:
             log.error("background task failed", exc_info=task.exception())
 
+    async def _watch_loop_lag(self) -> None:
+        loop = asyncio.get_running_loop()
+        gauge = self.metrics.loop_lag
+        while True:
+            t = loop.time()
+            await asyncio.sleep(0.1)
+            gauge.set(max(0.0, loop.time() - t - 0.1))
+
     async def start(self) -> None:
+        self._lag_task = asyncio.get_running_loop().create_task(self._watch_loop_lag(), name="loop-lag")
         await self.resume.start()
         await self.policy.start()
         await self.admission.start()
         await self.supervisor.start()
 
     async def close(self) -> None:
+        if self._lag_task is not None:
+            self._lag_task.cancel()
         if self._tasks:
             await asyncio.wait(list(self._tasks), timeout=5)
         await self.resume.close()

@@ -1,0 +1,1 @@
+"""Operations tooling: load generator, chaos runner, benchmarks, Grafana dashboard, Prometheus rules."""
