@@ -17,6 +17,25 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     where = p.add_mutually_exclusive_group()
     where.add_argument("--socket", help="listen on this Unix socket path")
     where.add_argument("--listen", help="listen on HOST:PORT (remote replicas)")
+    where.add_argument(
+        "--openai",
+        metavar="HOST:PORT",
+        help="serve an OpenAI-compatible HTTP API (like `vllm serve`) on HOST:PORT instead of "
+        "the replica protocol; the secret, if set, is the API key (see docs/upstreams.md)",
+    )
+    p.add_argument(
+        "--no-token-ids",
+        action="store_true",
+        help="with --openai: ignore return_token_ids, like an upstream that cannot return "
+        "token ids (a test and demo switch)",
+    )
+    p.add_argument(
+        "--stream-interval",
+        type=int,
+        default=1,
+        metavar="N",
+        help="with --openai: tokens per streamed chunk after the first (vLLM's --stream-interval)",
+    )
     p.add_argument("--config-json", default="{}", help="engine settings as a JSON object")
     p.add_argument(
         "--secret-env",
@@ -33,17 +52,33 @@ def run(args: argparse.Namespace) -> None:
     config = json.loads(args.config_json)
     secret = os.environ.get(args.secret_env, "")
     host = port = None
-    if args.listen:
-        host, _, p = args.listen.rpartition(":")
+    if args.listen or args.openai:
+        host, _, p = (args.listen or args.openai).rpartition(":")
         port = int(p)
     elif not args.socket:
-        sys.exit("fairstream replica: give --socket PATH or --listen HOST:PORT")
+        sys.exit("fairstream replica: give --socket PATH, --listen HOST:PORT or --openai HOST:PORT")
     try:
         import uvloop
 
         runner = uvloop.run
     except ImportError:  # pragma: no cover
         runner = asyncio.run
+    if args.openai:
+        from replicas.openai_server import serve_openai
+
+        runner(
+            serve_openai(
+                args.engine,
+                config,
+                host.strip("[]") or "127.0.0.1",
+                port or 0,
+                token_ids=not args.no_token_ids,
+                stream_interval=args.stream_interval,
+                api_key=secret,
+                exit_with_parent=args.exit_with_parent,
+            )
+        )
+        return
     runner(
         serve(
             args.engine,

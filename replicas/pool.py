@@ -46,8 +46,11 @@ class ReplicaSlot:
 
     @property
     def cap(self) -> int:
-        """The router's in-flight cap for this replica (adaptive batching)."""
-        return self.cap_fn() if self.cap_fn is not None else 1 << 30
+        """The router's in-flight cap for this replica (adaptive batching),
+        never above the spec's ``max_concurrency``."""
+        cap = self.cap_fn() if self.cap_fn is not None else 1 << 30
+        limit = self.spec.max_concurrency
+        return cap if limit is None else min(cap, limit)
 
     @property
     def has_room(self) -> bool:

@@ -29,7 +29,40 @@ class ReplicaSpec(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     """Seconds a local replica may take to become ready before it is restarted."""
     env: dict[str, str] = {}
     """Extra environment for the local replica process."""
+    url: str | None = None
+    """Base URL of an OpenAI-compatible server (``vllm serve``, another
+    router, a hosted API) to use as this replica, e.g.
+    ``http://10.0.0.7:8000/v1``; see docs/upstreams.md. Excludes ``address``;
+    ``config`` may then hold only ``model``."""
+    api_key_env: str | None = None
+    """Environment variable holding the API key sent to the ``url`` upstream
+    (``Authorization: Bearer``)."""
+    upstream_model: str | None = None
+    """Model name sent to the ``url`` upstream; default: the first model its
+    ``/models`` lists. Clients use ``config.model`` if set, else this name."""
+    token_ids: Literal["auto", "yes", "no"] = "auto"
+    """Whether the ``url`` upstream returns token ids (vLLM's
+    ``return_token_ids``), which token-exact failover needs: ``auto`` detects
+    it from the first response; ``yes`` counts an answer without them as a
+    failure of the upstream (the request moves to another replica); ``no``
+    never asks (its streams can then move only before their first token)."""
+    max_concurrency: int | None = None
+    """Most requests the router runs on this replica at once (caps the
+    adaptive in-flight limit; for a ``url`` upstream also its connection pool)."""
+
+    def __post_init__(self) -> None:
+        if self.url is not None:
+            if self.address is not None:
+                raise ValueError("set either `url` or `address`, not both")
+            if not self.url.startswith(("http://", "https://")):
+                raise ValueError("`url` must start with http:// or https://")
+            extra = set(self.config) - {"model"}
+            if extra:
+                raise ValueError(f"a `url` replica's config may only set `model` (got {sorted(extra)})")
+        if self.max_concurrency is not None and self.max_concurrency < 1:
+            raise ValueError("`max_concurrency` must be at least 1")
 
     @property
     def local(self) -> bool:
-        return self.address is None
+        """True for a replica process the router starts itself."""
+        return self.address is None and self.url is None

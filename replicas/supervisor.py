@@ -1,8 +1,9 @@
 """Starts, watches and restarts replicas; owns their processes and connections.
 
-One task per slot runs the slot's life cycle: start the process (local) or
-connect (remote), wait for readiness, health-check with pings, and on death
-restart with exponential backoff. ``close()`` ends every task and process.
+One task per slot runs the slot's life cycle: start the process (local),
+connect (remote) or open an HTTP client (``url`` upstream), wait for
+readiness, health-check with pings, and on death restart with exponential
+backoff. ``close()`` ends every task and process.
 Local replicas also die with the router: the child gets PR_SET_PDEATHSIG and
 watches its parent pid.
 """
@@ -134,7 +135,12 @@ class Supervisor:
         slot.state = "starting"
         proc = None
         try:
-            if slot.spec.local:
+            if slot.spec.url is not None:
+                # An OpenAI-compatible server (docs/upstreams.md); pings are GET /models.
+                from replicas.upstream import open_upstream
+
+                client = await open_upstream(slot.name, slot.spec, timeout=10)
+            elif slot.spec.local:
                 proc, address = await self._spawn(slot)
                 client = await self._connect_when_up(slot, address, proc)
             else:
@@ -198,8 +204,10 @@ class Supervisor:
             json.dumps(spec.config),
             "--exit-with-parent",
         ]
+        # Its own process group, so that stopping it also stops what the
+        # engine spawned (vLLM's EngineCore and workers), even after a SIGKILL.
         proc = await asyncio.create_subprocess_exec(
-            *cmd, env=env, stdout=sys.stderr, preexec_fn=die_with_parent
+            *cmd, env=env, stdout=sys.stderr, preexec_fn=die_with_parent, start_new_session=True
         )
         self._procs[spec.name] = proc
         slot.pid = proc.pid
@@ -228,13 +236,21 @@ class Supervisor:
         return ""
 
     async def _stop_process(self, proc: asyncio.subprocess.Process) -> None:
-        if proc.returncode is not None:
-            return
-        try:
-            proc.terminate()
-            await asyncio.wait_for(proc.wait(), 10)
-        except asyncio.TimeoutError:
-            proc.kill()
-            await proc.wait()
-        except ProcessLookupError:
-            pass
+        """SIGTERM the replica's process group, SIGKILL it after 10 s, then
+        sweep whatever of the group is left (an engine's children outlive a
+        replica that was killed)."""
+        if proc.returncode is None:
+            _signal_group(proc.pid, signal.SIGTERM)
+            try:
+                await asyncio.wait_for(proc.wait(), 10)
+            except asyncio.TimeoutError:
+                _signal_group(proc.pid, signal.SIGKILL)
+                await proc.wait()
+        _signal_group(proc.pid, signal.SIGKILL)
+
+
+def _signal_group(pgid: int, sig: int) -> None:
+    try:
+        os.killpg(pgid, sig)
+    except (ProcessLookupError, PermissionError):
+        pass

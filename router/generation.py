@@ -149,6 +149,14 @@ class Generation:
                         yield piece
                 return
             except (ReplicaDead, _Stalled) as e:
+                if self.text_len and (self.prompt_token_ids is None or not self.completion_ids):
+                    # Text went out without token ids (an upstream that returns
+                    # none): no replica can continue it exactly, and starting
+                    # over would repeat it.
+                    self.metrics.streams_lost.inc()
+                    raise StreamLost(
+                        f"replica {handle.slot.name} failed and its output has no token ids to resume from: {e}"
+                    ) from e
                 died_at = time.monotonic()
                 exclude.add(handle.slot.name)
                 self.failovers += 1
@@ -220,7 +228,7 @@ class Generation:
                     elif ids:
                         sched.charge(policy, 0, len(ids))
                 if finish == FinishReason.ERROR:
-                    if not self.completion_ids and not ids:
+                    if not self.completion_ids and not ids and not self.text_len and not text:
                         raise BadRequest(col.error or "the replica rejected the request")
                     raise StreamLost(f"replica {slot.name} failed the request: {col.error}")
                 if ids:

@@ -1,0 +1,524 @@
+"""An OpenAI-compatible HTTP server in front of one engine (``--openai HOST:PORT``).
+
+It lets fairstream (or anything else) treat a ``sim`` replica like a
+``vllm serve``: for tests, demos and benchmarks of OpenAI upstreams
+(docs/upstreams.md). It speaks the subset of vLLM's server that fairstream's
+``UpstreamClient`` uses, with vLLM's field names and shapes:
+
+* ``GET /v1/models``; ``GET /health``; ``GET /metrics`` with vLLM's
+  ``vllm:num_requests_running``, ``vllm:num_requests_waiting``,
+  ``vllm:kv_cache_usage_perc`` gauges and ``vllm:generation_tokens_total``;
+* ``POST /v1/completions`` (text or token-id prompt) and
+  ``POST /v1/chat/completions``, streamed (SSE) or not, with ``max_tokens``,
+  ``temperature``, ``top_p``, ``top_k``, ``seed``, ``stop``,
+  ``stop_token_ids``, ``ignore_eos``, ``min_tokens`` and vLLM's
+  ``return_token_ids`` (``prompt_token_ids`` in the first chunk, ``token_ids``
+  per chunk);
+* ``POST /tokenize`` and ``POST /detokenize``.
+
+Text is produced exactly as by the replica protocol server (same engine, same
+``OutputProcessor``), except that the first completion tokens are decoded in
+the context of the prompt, as vLLM does. ``token_ids=False`` (the
+``--no-token-ids`` switch) makes it ignore ``return_token_ids``, to stand in
+for upstreams that cannot return token ids. When a secret is set, ``/v1/*``
+needs ``Authorization: Bearer <secret>`` (like ``vllm serve --api-key``).
+
+One engine request per HTTP request; the engine's output goes through a
+single-slot ``Collector`` per request, so a slow client gets merged chunks and
+never makes the server buffer without bound. A client that disconnects has
+its request aborted at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import itertools
+import logging
+import os
+import signal
+import time
+import uuid
+from typing import Any
+
+import msgspec
+from aiohttp import web
+
+from replicas.client import Collector
+from replicas.engine import EngineError
+from replicas.output import OutputProcessor
+from replicas.prepare import prepare
+from replicas.protocol import Delta, FinishReason, SamplingParams
+from replicas.server import create_engine
+
+__all__ = ["OpenAIServer", "serve_openai"]
+
+log = logging.getLogger("fairstream.openai_server")
+
+_enc = msgspec.json.encode
+_DONE = b"data: [DONE]\n\n"
+_SSE_HEADERS = {"content-type": "text/event-stream", "cache-control": "no-cache"}
+
+
+# -- request bodies (unknown fields are ignored, as vLLM does) ----------------
+
+
+class _StreamOptions(msgspec.Struct):
+    include_usage: bool | None = False
+    continuous_usage_stats: bool | None = False
+
+
+class _Sampling(msgspec.Struct, kw_only=True):
+    model: str | None = None
+    max_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool | None = False
+    min_tokens: int | None = 0
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    repetition_penalty: float | None = None
+    stream: bool | None = False
+    stream_options: _StreamOptions | None = None
+    return_token_ids: bool | None = False
+    n: int | None = 1
+    logprobs: Any = None
+
+
+class _CompletionRequest(_Sampling, kw_only=True):
+    prompt: Any
+    max_tokens: int | None = 16
+    echo: bool | None = False
+
+
+class _ChatRequest(_Sampling, kw_only=True):
+    messages: list[dict[str, Any]]
+    max_completion_tokens: int | None = None
+
+
+class _DetokenizeRequest(msgspec.Struct):
+    tokens: list[int]
+    model: str | None = None
+
+
+class _TokenizeRequest(msgspec.Struct):
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[dict[str, Any]] | None = None
+
+
+class _BadRequest(Exception):
+    def __init__(self, message: str, status: int = 400, param: str | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+        self.param = param
+
+
+def _error_json(message: str, status: int, param: str | None = None) -> bytes:
+    kind = "BadRequestError" if status < 500 else "InternalServerError"
+    if status == 401:
+        kind = "AuthenticationError"
+    elif status == 404:
+        kind = "NotFoundError"
+    return _enc({"error": {"message": message, "type": kind, "param": param, "code": status}})
+
+
+def _error(message: str, status: int = 400, param: str | None = None) -> web.Response:
+    return web.Response(body=_error_json(message, status, param), status=status, content_type="application/json")
+
+
+def _message_text(content: Any) -> str:
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        parts = []
+        for p in content:
+            if not isinstance(p, dict) or p.get("type") != "text":
+                raise _BadRequest("only text content parts are supported", param="messages")
+            parts.append(str(p.get("text", "")))
+        return "".join(parts)
+    raise _BadRequest("message content must be a string or a list of text parts", param="messages")
+
+
+def _chat_messages(messages: list[dict[str, Any]]) -> list[dict[str, str]]:
+    if not messages:
+        raise _BadRequest("messages must not be empty", param="messages")
+    return [{"role": str(m.get("role", "user")), "content": _message_text(m.get("content"))} for m in messages]
+
+
+def _token_prompt(prompt: Any) -> list[int] | str:
+    """A completion request's one prompt, as token ids or text."""
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+        prompt = prompt[0]  # a batch of one
+    if isinstance(prompt, str):
+        return prompt
+    if isinstance(prompt, list) and all(type(t) is int for t in prompt):
+        if any(t < 0 for t in prompt):
+            raise _BadRequest("token ids must not be negative", param="prompt")
+        return prompt
+    raise _BadRequest("prompt must be a string or a list of token ids (one prompt per request)", param="prompt")
+
+
+class _Request:
+    __slots__ = ("col", "proc", "sent", "ids", "text")
+
+    def __init__(self, col: Collector, proc: OutputProcessor) -> None:
+        self.col = col
+        self.proc = proc
+        self.sent = False  # the first token went out
+        self.ids: list[int] = []  # held back by stream_interval
+        self.text = ""
+
+
+class OpenAIServer:
+    """Owns the engine, the aiohttp app and every in-flight request."""
+
+    def __init__(
+        self,
+        engine_name: str,
+        engine_config: dict[str, Any],
+        *,
+        token_ids: bool = True,
+        api_key: str = "",
+        stream_interval: int = 1,
+    ) -> None:
+        self.engine = create_engine(engine_name, engine_config, self._on_output)
+        self.token_ids = token_ids
+        self.api_key = api_key
+        self.stream_interval = max(1, stream_interval)  # tokens per chunk after the first, as vLLM's
+        self._requests: dict[int, _Request] = {}
+        self._ids = itertools.count(1)
+        self._runner: web.AppRunner | None = None
+        self._created = int(time.time())
+        app = web.Application(client_max_size=64 * 1024 * 1024)
+        app.add_routes([
+            web.get("/v1/models", self._models),
+            web.post("/v1/completions", self._completions),
+            web.post("/v1/chat/completions", self._chat),
+            web.post("/tokenize", self._tokenize),
+            web.post("/detokenize", self._detokenize),
+            web.get("/health", self._health),
+            web.get("/metrics", self._metrics),
+        ])
+        self.app = app
+
+    async def start(self, host: str, port: int) -> int:
+        """Start the engine and listen; return the bound port."""
+        await self.engine.start()
+        self._runner = web.AppRunner(self.app, handler_cancellation=True, access_log=None)
+        await self._runner.setup()
+        site = web.TCPSite(self._runner, host, port, backlog=1024)
+        await site.start()
+        server = site._server  # noqa: SLF001 - the only way to learn an ephemeral port
+        return server.sockets[0].getsockname()[1] if server is not None and server.sockets else port
+
+    async def close(self) -> None:
+        if self._runner is not None:
+            await self._runner.cleanup()
+            self._runner = None
+        for rid in list(self._requests):
+            self.engine.abort(rid)
+        self._requests.clear()
+        await self.engine.close()
+
+    # -- engine output -----------------------------------------------------
+
+    def _on_output(self, rid: int, new_ids: list[int], finish: FinishReason, error: str) -> None:
+        req = self._requests.get(rid)
+        if req is None:
+            return
+        text, finish_out = req.proc.process(new_ids, finish)
+        if finish_out != FinishReason.NONE:
+            del self._requests[rid]
+            if finish == FinishReason.NONE:  # a stop string ended it early
+                self.engine.abort(rid)
+        elif self.stream_interval > 1:
+            if req.sent:
+                req.ids += new_ids
+                req.text += text
+                if len(req.ids) < self.stream_interval:
+                    return
+                new_ids, text = req.ids, req.text
+                req.ids, req.text = [], ""
+            req.sent = True
+        if req.ids:  # the finish flushes what stream_interval held
+            new_ids, text = req.ids + new_ids, req.text + text
+        req.col.put(Delta(rid, new_ids, text, finish_out, None, error))
+
+    # -- endpoints ---------------------------------------------------------
+
+    def _authorized(self, request: web.Request) -> bool:
+        if not self.api_key:
+            return True
+        got = request.headers.get("authorization", "")
+        return hmac.compare_digest(got.encode(), f"Bearer {self.api_key}".encode())
+
+    async def _models(self, request: web.Request) -> web.Response:
+        if not self._authorized(request):
+            return _error("invalid API key", 401)
+        eng = self.engine
+        card = {"id": eng.model, "object": "model", "created": self._created, "owned_by": "fairstream",
+                "root": eng.model, "parent": None, "max_model_len": eng.max_model_len}
+        return web.Response(body=_enc({"object": "list", "data": [card]}), content_type="application/json")
+
+    async def _health(self, request: web.Request) -> web.Response:
+        return web.Response(status=200)
+
+    async def _metrics(self, request: web.Request) -> web.Response:
+        load = self.engine.load()
+        labels = f'{{engine="0",model_name="{self.engine.model}"}}'
+        lines = []
+        for name, kind, value, doc in (
+            ("vllm:num_requests_running", "gauge", load.running, "Number of requests in model execution batches."),
+            ("vllm:num_requests_waiting", "gauge", load.waiting, "Number of requests waiting to be processed."),
+            ("vllm:kv_cache_usage_perc", "gauge", load.kv_usage, "KV-cache usage. 1 means 100 percent usage."),
+            ("vllm:generation_tokens_total", "counter", load.tokens_generated, "Number of generation tokens processed."),
+        ):
+            lines += [f"# HELP {name} {doc}", f"# TYPE {name} {kind}", f"{name}{labels} {float(value)}"]
+        return web.Response(text="\n".join(lines) + "\n", content_type="text/plain")
+
+    async def _tokenize(self, request: web.Request) -> web.Response:
+        try:
+            req = msgspec.json.decode(await request.read(), type=_TokenizeRequest)
+            tok = self.engine.tokenizer
+            if req.messages is not None:
+                ids = tok.chat(_chat_messages(req.messages))
+            else:
+                ids = tok.encode(req.prompt or "")
+        except (msgspec.DecodeError, _BadRequest) as e:
+            return _error(str(e))
+        body = {"count": len(ids), "max_model_len": self.engine.max_model_len, "tokens": ids}
+        return web.Response(body=_enc(body), content_type="application/json")
+
+    async def _detokenize(self, request: web.Request) -> web.Response:
+        try:
+            req = msgspec.json.decode(await request.read(), type=_DetokenizeRequest)
+        except msgspec.DecodeError as e:
+            return _error(str(e))
+        text = self.engine.tokenizer.decode(req.tokens)
+        return web.Response(body=_enc({"prompt": text}), content_type="application/json")
+
+    async def _completions(self, request: web.Request) -> web.StreamResponse:
+        return await self._generate(request, chat=False)
+
+    async def _chat(self, request: web.Request) -> web.StreamResponse:
+        return await self._generate(request, chat=True)
+
+    async def _generate(self, request: web.Request, chat: bool) -> web.StreamResponse:
+        if not self._authorized(request):
+            return _error("invalid API key", 401)
+        eng = self.engine
+        try:
+            body = await request.read()
+            req: _Sampling
+            if chat:
+                req = msgspec.json.decode(body, type=_ChatRequest)
+                prompt_ids = eng.tokenizer.chat(_chat_messages(req.messages))
+                max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+            else:
+                req = msgspec.json.decode(body, type=_CompletionRequest)
+                prompt = _token_prompt(req.prompt)
+                prompt_ids = eng.tokenizer.encode(prompt) if isinstance(prompt, str) else prompt
+                max_tokens = req.max_tokens
+                if req.echo:
+                    raise _BadRequest("echo is not supported", param="echo")
+            if req.model is not None and req.model != eng.model:
+                raise _BadRequest(f"The model `{req.model}` does not exist.", 404, "model")
+            if (req.n or 1) != 1:
+                raise _BadRequest("only n=1 is supported", param="n")
+            if req.logprobs not in (None, False):
+                raise _BadRequest("logprobs are not supported", param="logprobs")
+            if not prompt_ids:
+                raise _BadRequest("The prompt cannot be empty", param="messages" if chat else "prompt")
+            if max_tokens is None:
+                max_tokens = max(1, eng.max_model_len - len(prompt_ids))
+            if max_tokens < 1:
+                raise _BadRequest("max_tokens must be at least 1", param="max_tokens")
+            stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
+            params = SamplingParams(
+                max_tokens=max_tokens,
+                temperature=1.0 if req.temperature is None else req.temperature,
+                top_p=1.0 if req.top_p is None else req.top_p,
+                top_k=-1 if req.top_k is None else req.top_k,
+                seed=req.seed,
+                stop=stop,
+                stop_token_ids=list(req.stop_token_ids or []),
+                ignore_eos=bool(req.ignore_eos),
+                presence_penalty=req.presence_penalty or 0.0,
+                frequency_penalty=req.frequency_penalty or 0.0,
+                repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
+                min_tokens=req.min_tokens or 0,
+            )
+            ids, params, proc = prepare(eng, prompt_ids, params, prime=True)
+        except _BadRequest as e:
+            return _error(str(e), e.status, e.param)
+        except (msgspec.DecodeError, EngineError, ValueError) as e:
+            return _error(str(e))
+        rid = next(self._ids)
+        col = Collector(rid)
+        self._requests[rid] = _Request(col, proc)
+        try:
+            eng.add(rid, ids, params)
+        except EngineError as e:
+            del self._requests[rid]
+            return _error(str(e))
+        enc = _Encoder(chat, eng.model, prompt_ids, self.token_ids and bool(req.return_token_ids))
+        try:
+            if req.stream:
+                opts = req.stream_options
+                return await self._stream(request, col, enc, bool(opts and opts.include_usage))
+            return await self._collect(col, enc)
+        finally:
+            if self._requests.pop(rid, None) is not None:
+                eng.abort(rid)
+
+    async def _stream(self, request: web.Request, col: Collector, enc: _Encoder, usage: bool) -> web.StreamResponse:
+        resp = web.StreamResponse(headers=_SSE_HEADERS)
+        resp.enable_chunked_encoding()
+        await resp.prepare(request)
+        try:
+            while True:
+                ids, text, finish = await col.get()
+                if finish == FinishReason.ERROR:
+                    out = enc.chunk(ids, text, FinishReason.NONE) if ids or text else b""
+                    error = _error_json(col.error or "generation failed", 500)
+                    await resp.write(out + b"data: " + error + b"\n\n" + _DONE)
+                    break
+                out = enc.chunk(ids, text, finish)
+                if finish != FinishReason.NONE:
+                    if usage:
+                        out += enc.usage()
+                    await resp.write(out + _DONE)
+                    break
+                await resp.write(out)
+            await resp.write_eof()
+        except ConnectionResetError:
+            pass  # the client left; the caller aborts the request
+        return resp
+
+    async def _collect(self, col: Collector, enc: _Encoder) -> web.Response:
+        parts: list[str] = []
+        all_ids: list[int] = []
+        while True:
+            ids, text, finish = await col.get()
+            parts.append(text)
+            all_ids.extend(ids)
+            enc.completion_tokens += len(ids)
+            if finish == FinishReason.ERROR:
+                return _error(col.error or "generation failed", 500)
+            if finish != FinishReason.NONE:
+                break
+        return web.Response(body=enc.full("".join(parts), all_ids, finish), content_type="application/json")
+
+
+class _Encoder:
+    """The JSON bodies of one response (vLLM's shapes), fixed parts built once."""
+
+    __slots__ = ("chat", "model", "prompt_ids", "token_ids", "completion_tokens", "_head", "_first", "_id", "_created")
+
+    def __init__(self, chat: bool, model: str, prompt_ids: list[int], token_ids: bool) -> None:
+        self.chat = chat
+        self.model = model
+        self.prompt_ids = prompt_ids
+        self.token_ids = token_ids
+        self.completion_tokens = 0
+        self._first = True
+        self._id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
+        self._created = int(time.time())
+        obj = b"chat.completion.chunk" if chat else b"text_completion"
+        self._head = (
+            b'data: {"id":"' + self._id.encode() + b'","object":"' + obj + b'","created":'
+            + str(self._created).encode() + b',"model":' + _enc(model) + b',"choices":[{"index":0,'
+        )
+
+    def chunk(self, ids: list[int], text: str, finish: FinishReason) -> bytes:
+        """SSE event(s) for new output (chat: a role chunk first)."""
+        self.completion_tokens += len(ids)
+        fin = b"null" if finish == FinishReason.NONE else _enc(finish.openai)
+        tail = b',"token_ids":' + _enc(ids) if self.token_ids else b""
+        out = b""
+        if self.chat:
+            if self._first:
+                self._first = False
+                extra = b',"prompt_token_ids":' + _enc(self.prompt_ids) if self.token_ids else b""
+                out = (self._head + b'"delta":{"role":"assistant","content":""},"logprobs":null,'
+                       b'"finish_reason":null}]' + extra + b"}\n\n")
+            return out + (self._head + b'"delta":{"content":' + _enc(text) + b'},"logprobs":null,"finish_reason":'
+                          + fin + tail + b"}]}\n\n")
+        if self._first:
+            self._first = False
+            if self.token_ids:
+                tail += b',"prompt_token_ids":' + _enc(self.prompt_ids)
+        return self._head + b'"text":' + _enc(text) + b',"logprobs":null,"finish_reason":' + fin + tail + b"}]}\n\n"
+
+    def _usage(self) -> dict[str, int]:
+        p, c = len(self.prompt_ids), self.completion_tokens
+        return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c}
+
+    def usage(self) -> bytes:
+        obj = "chat.completion.chunk" if self.chat else "text_completion"
+        return b"data: " + _enc({"id": self._id, "object": obj, "created": self._created, "model": self.model,
+                                 "choices": [], "usage": self._usage()}) + b"\n\n"
+
+    def full(self, text: str, ids: list[int], finish: FinishReason) -> bytes:
+        """A non-streamed response."""
+        choice: dict[str, Any] = {"index": 0, "logprobs": None, "finish_reason": finish.openai, "stop_reason": None}
+        body: dict[str, Any] = {"id": self._id, "created": self._created, "model": self.model}
+        if self.chat:
+            body["object"] = "chat.completion"
+            choice["message"] = {"role": "assistant", "content": text}
+            if self.token_ids:
+                body["prompt_token_ids"] = self.prompt_ids
+        else:
+            body["object"] = "text_completion"
+            choice["text"] = text
+            if self.token_ids:
+                choice["prompt_token_ids"] = self.prompt_ids
+        if self.token_ids:
+            choice["token_ids"] = ids
+        body["choices"] = [choice]
+        body["usage"] = self._usage()
+        return _enc(body)
+
+
+async def serve_openai(
+    engine: str,
+    config: dict[str, Any],
+    host: str,
+    port: int,
+    *,
+    token_ids: bool = True,
+    api_key: str = "",
+    stream_interval: int = 1,
+    exit_with_parent: bool = False,
+) -> None:
+    """Run an OpenAI-compatible server until SIGTERM/SIGINT (or, with
+    ``exit_with_parent``, until the process that started it exits)."""
+    server = OpenAIServer(engine, config, token_ids=token_ids, api_key=api_key, stream_interval=stream_interval)
+    bound = await server.start(host, port)
+    where = f"http://{host}:{bound}/v1"
+    log.info("OpenAI server for %s (%s) on %s%s", server.engine.model, engine, where,
+             "" if token_ids else " (no token ids)")
+    print(f"fairstream replica ready on {where}", flush=True)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    parent = os.getppid()
+
+    async def watch_parent() -> None:
+        while os.getppid() == parent:
+            await asyncio.sleep(0.5)
+        stop.set()
+
+    watcher = asyncio.create_task(watch_parent()) if exit_with_parent else None
+    await stop.wait()
+    if watcher is not None:
+        watcher.cancel()
+    await server.close()

@@ -1,0 +1,81 @@
+"""Turning one request into engine input: limits, resumed prefixes, output processing.
+
+Pure and synchronous. ``replicas.openai_server`` uses it; it applies the same
+rules as ``ReplicaServer._generate`` (context length, ``max_tokens`` left after
+a resumed prefix, an ``OutputProcessor`` that knows the prefix), so both front
+ends of an engine reject and continue requests alike.
+"""
+
+from __future__ import annotations
+
+import msgspec
+
+from replicas.engine import Engine, EngineError, Tokenizer
+from replicas.output import OutputProcessor
+from replicas.protocol import SamplingParams
+
+__all__ = ["prepare", "context_error"]
+
+# Prompt tokens an output processor sees as context when it is primed with the
+# prompt: enough to hold the start of one unfinished UTF-8 character.
+_PRIME_TOKENS = 8
+_REPLACEMENT = "\ufffd"
+
+
+def context_error(engine: Engine, prompt_len: int, max_tokens: int) -> EngineError:
+    """vLLM's wording for a request over the context length."""
+    return EngineError(
+        f"This model's maximum context length is {engine.max_model_len} tokens. However, you "
+        f"requested {prompt_len + max_tokens} tokens ({prompt_len} in the prompt, {max_tokens} "
+        "in the completion). Please reduce the length of the prompt or max_tokens."
+    )
+
+
+def prepare(
+    engine: Engine,
+    prompt_ids: list[int],
+    params: SamplingParams,
+    prefix_token_ids: list[int] = (),  # type: ignore[assignment]
+    prefix_text_len: int = 0,
+    *,
+    prime: bool = False,
+) -> tuple[list[int], SamplingParams, OutputProcessor]:
+    """Engine input for a request: (token ids, params, output processor).
+
+    ``prefix_token_ids``/``prefix_text_len`` continue a resumed stream (the
+    fairstream replica protocol). ``prime`` makes the processor decode the
+    first completion tokens in the context of the prompt's last tokens, as
+    vLLM's detokenizer does: a prompt that ends inside a multi-byte character
+    gets that character completed by the first new token. Raises
+    ``EngineError`` (or ``ValueError`` for a bad prefix) when the request
+    cannot run.
+    """
+    if len(prompt_ids) + params.max_tokens > engine.max_model_len:
+        raise context_error(engine, len(prompt_ids), params.max_tokens)
+    remaining = params.max_tokens - len(prefix_token_ids)
+    if remaining <= 0:
+        raise EngineError("max_tokens already reached by the resumed prefix")
+    if prefix_token_ids:
+        proc = OutputProcessor(engine.tokenizer, params.stop, prefix_token_ids, prefix_text_len)
+        params = msgspec.structs.replace(
+            params,
+            max_tokens=remaining,
+            min_tokens=max(0, params.min_tokens - len(prefix_token_ids)),
+        )
+    elif prime and prompt_ids:
+        tail = prompt_ids[-_PRIME_TOKENS:]
+        proc = OutputProcessor(engine.tokenizer, params.stop, tail, _complete_text_len(engine.tokenizer, tail))
+    else:
+        proc = OutputProcessor(engine.tokenizer, params.stop)
+    return prompt_ids + list(prefix_token_ids), params, proc
+
+
+def _complete_text_len(tok: Tokenizer, ids: list[int]) -> int:
+    """Characters of ``ids``' text up to its last complete character (what
+    ``OutputProcessor`` treats as already emitted when primed with ``ids``)."""
+    read = len(ids)
+    text = tok.decode(ids)
+    while read > 0 and text.endswith(_REPLACEMENT):
+        read -= 1
+        text = tok.decode(ids[:read])
+    return len(text)

@@ -1,0 +1,538 @@
+"""An OpenAI-compatible server (``vllm serve``, ...) used as a replica.
+
+``UpstreamClient`` has ``ReplicaClient``'s interface (``generate`` returns the
+same single-slot ``Collector``; ``abort``, ``release``, ``ping``, ``load``,
+``close``), so the pool, the supervisor and the router's failover treat an
+upstream like any other replica. It speaks HTTP through one aiohttp session
+(connection pool, keep-alive) per upstream; each request is one task that
+POSTs a streaming request and feeds the parsed SSE chunks to its collector.
+
+Token ids (docs/upstreams.md). With ``return_token_ids`` (vLLM >= 0.10) the
+upstream returns the prompt's token ids in its first chunk and the new token
+ids in every chunk, and accepts token-id prompts on ``/v1/completions``; a
+stream it served can then move to any replica token-exact, and it can take
+over streams from others. An upstream that returns no token ids gets requests
+as text or messages only: it may be replaced before its first output (the
+collector fails with ``ReplicaDead``), but a failure after output ends the
+request with ``FinishReason.ERROR``, never with a restart that would repeat
+text.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import os
+import re
+from typing import Any
+
+import aiohttp
+import msgspec
+
+from replicas.client import Collector, ReplicaDead, ReplicaRefused
+from replicas.protocol import PROTOCOL_VERSION, Delta, FinishReason, LoadReport, Pong, Ready, SamplingParams
+from replicas.spec import ReplicaSpec
+
+__all__ = ["UpstreamClient", "open_upstream", "METRICS_INTERVAL"]
+
+log = logging.getLogger("fairstream.upstream")
+
+METRICS_INTERVAL = 1.0
+_JSON = {"content-type": "application/json"}
+_FINISH = {"stop": FinishReason.STOP, "length": FinishReason.LENGTH}
+_METRIC_RE = re.compile(
+    rb"^(vllm:num_requests_running|vllm:num_requests_waiting|vllm:kv_cache_usage_perc|vllm:generation_tokens_total)"
+    rb"(?:\{[^}]*\})?\s+(\S+)",
+    re.M,
+)
+
+
+class _ChatDelta(msgspec.Struct):
+    content: str | None = None
+
+
+class _Choice(msgspec.Struct):
+    index: int = 0
+    text: str | None = None
+    delta: _ChatDelta | None = None
+    finish_reason: str | None = None
+    token_ids: list[int] | None = None
+    prompt_token_ids: list[int] | None = None
+
+
+class _Chunk(msgspec.Struct):
+    choices: list[_Choice] | None = None
+    prompt_token_ids: list[int] | None = None  # chat: on the first chunk
+    error: Any = None
+    object: str | None = None  # older vLLM: {"object": "error", "message": ...}
+    message: str | None = None
+
+
+class _Model(msgspec.Struct):
+    id: str
+    max_model_len: int | None = None
+
+
+class _Models(msgspec.Struct):
+    data: list[_Model]
+
+
+_chunk_decoder = msgspec.json.Decoder(_Chunk)
+
+
+class _Failed(Exception):
+    """The upstream failed the request (5xx, error event, cut stream)."""
+
+
+class _Stream:
+    """What one request's task knows: whether output reached the router, and
+    whether the router could resume it (token ids known)."""
+
+    __slots__ = ("col", "delivered", "resumable", "done", "prompt_ids", "splice")
+
+    def __init__(self, col: Collector, prompt_ids: list[int] | None, splice: _Splice | None) -> None:
+        self.col = col
+        self.delivered = False
+        self.resumable = False
+        self.done = False
+        self.prompt_ids = prompt_ids  # goes out with the first delta
+        self.splice = splice
+
+
+class _Splice:
+    """Stop strings across a resume point: text the previous replica held
+    back (it might start a stop string) is emitted here, checked together
+    with the upstream's new text; the upstream only checks its own text."""
+
+    __slots__ = ("stops", "hold", "pending")
+
+    def __init__(self, stops: list[str], carry: str) -> None:
+        self.stops = [s for s in stops if s]
+        self.hold = max((len(s) for s in self.stops), default=1) - 1
+        self.pending = carry
+
+    def feed(self, text: str, final: bool) -> tuple[str, bool]:
+        """(text to emit now, whether a stop string matched)."""
+        p = self.pending + text
+        hits = [i for i in (p.find(s) for s in self.stops) if i >= 0]
+        if hits:
+            self.pending = ""
+            return p[: min(hits)], True
+        if final or not self.hold:
+            self.pending = ""
+            return p, False
+        self.pending = p[-self.hold :]
+        return p[: -self.hold], False
+
+
+def _root(url: str) -> str:
+    """Server root of a ``.../v1`` base URL (where vLLM serves /metrics, /detokenize)."""
+    url = url.rstrip("/")
+    return url[:-3] if url.endswith("/v1") else url
+
+
+def _error_text(body: bytes | str | Any, limit: int = 500) -> str:
+    """The message of an OpenAI- or vLLM-style error body."""
+    obj = body
+    if isinstance(body, (bytes, str)):
+        try:
+            obj = msgspec.json.decode(body)
+        except msgspec.DecodeError:
+            return (body.decode(errors="replace") if isinstance(body, bytes) else body)[:limit]
+    if isinstance(obj, dict):
+        err = obj.get("error", obj)
+        if isinstance(err, dict):
+            return str(err.get("message") or err)[:limit]
+        return str(err)[:limit]
+    return str(obj)[:limit]
+
+
+def parse_vllm_metrics(text: bytes) -> LoadReport | None:
+    """Scheduler load from a vLLM ``/metrics`` page (summed over engines;
+    KV use is the fullest engine's); None when the page is not vLLM's."""
+    found: dict[bytes, list[float]] = {}
+    for name, value in _METRIC_RE.findall(text):
+        try:
+            found.setdefault(name, []).append(float(value))
+        except ValueError:
+            continue
+    if b"vllm:num_requests_running" not in found:
+        return None
+    return LoadReport(
+        running=int(sum(found[b"vllm:num_requests_running"])),
+        waiting=int(sum(found.get(b"vllm:num_requests_waiting", [0.0]))),
+        kv_usage=max(found.get(b"vllm:kv_cache_usage_perc", [0.0])),
+        tokens_generated=int(sum(found.get(b"vllm:generation_tokens_total", [0.0]))),
+    )
+
+
+class UpstreamClient:
+    """One OpenAI-compatible upstream, duck-typed as a ``ReplicaClient``."""
+
+    def __init__(self, name: str, spec: ReplicaSpec, session: aiohttp.ClientSession, model: str,
+                 upstream_model: str, max_model_len: int) -> None:
+        self.name = name
+        self.url = (spec.url or "").rstrip("/")
+        self.model = model
+        self.upstream_model = upstream_model
+        self.ready = Ready(PROTOCOL_VERSION, model, "openai", max_model_len, 0)
+        self.closed: BaseException | None = None
+        # Whether the upstream returns token ids (None: not known yet).
+        self.token_ids: bool | None = {"yes": True, "no": False}.get(spec.token_ids)
+        self._require_ids = spec.token_ids == "yes"
+        self._session = session
+        self._streams: dict[int, tuple[Collector, asyncio.Task[None]]] = {}
+        self._tasks: set[asyncio.Task[None]] = set()  # every request task, also those draining after the finish
+        self._ids = itertools.count(1)
+        self._pings = itertools.count(1)
+        self._vllm_load: LoadReport | None = None
+        self._poller = asyncio.get_running_loop().create_task(self._poll_metrics(), name=f"upstream-metrics-{name}")
+
+    @property
+    def active(self) -> int:
+        return len(self._streams)
+
+    @property
+    def load(self) -> LoadReport:
+        """vLLM's scheduler stats (polled every METRICS_INTERVAL s) when the
+        upstream serves them, else just the streams the router has on it."""
+        return self._vllm_load or LoadReport(len(self._streams), 0, 0.0)
+
+    def generate(
+        self,
+        params: SamplingParams,
+        *,
+        prompt: str | None = None,
+        messages: list[dict[str, str]] | None = None,
+        prompt_token_ids: list[int] | None = None,
+        prefix_token_ids: list[int] | None = None,
+        prefix_text_len: int = 0,
+    ) -> Collector:
+        if self.closed is not None:
+            raise ReplicaDead(f"upstream {self.name} is disconnected")
+        prefix = prefix_token_ids or []
+        if prefix and self.token_ids is False:
+            raise ReplicaDead(f"upstream {self.name} returns no token ids, so it cannot continue a resumed stream")
+        col = Collector(next(self._ids))
+        task = asyncio.get_running_loop().create_task(
+            self._run(col, params, prompt, messages, prompt_token_ids, prefix, prefix_text_len),
+            name=f"upstream-{self.name}-{col.rid}",
+        )
+        self._streams[col.rid] = (col, task)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+        return col
+
+    def abort(self, col: Collector) -> None:
+        """Stop the request: closing its connection makes vLLM abort it."""
+        entry = self._streams.pop(col.rid, None)
+        if entry is not None:
+            entry[1].cancel()
+
+    def release(self, col: Collector) -> None:
+        """Forget a finished request."""
+        self._streams.pop(col.rid, None)
+
+    async def ping(self, timeout: float) -> Pong:
+        """GET {url}/models; ``ReplicaDead`` if it fails, TimeoutError if slow."""
+        try:
+            async with asyncio.timeout(timeout):
+                async with self._session.get(self.url + "/models") as r:
+                    body = await r.read()
+                    if r.status != 200:
+                        raise _Failed(f"GET /models: HTTP {r.status}: {_error_text(body)}")
+        except TimeoutError:
+            raise
+        except (aiohttp.ClientError, OSError, _Failed) as e:
+            self.closed = ReplicaDead(f"upstream {self.name} failed its health check: {e}")
+            raise self.closed from e
+        return Pong(next(self._pings), self.load)
+
+    async def close(self) -> None:
+        if self.closed is None:
+            self.closed = ReplicaDead(f"upstream {self.name} closed by the router")
+        streams = list(self._streams.values())
+        self._streams.clear()
+        for col, _ in streams:
+            col.fail(self.closed)
+        tasks = [self._poller, *self._tasks]
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        await self._session.close()
+
+    # -- one request -------------------------------------------------------
+
+    def _body(self, params: SamplingParams, prefix: list[int], ask_ids: bool) -> dict[str, Any]:
+        body: dict[str, Any] = {
+            "model": self.upstream_model,
+            "stream": True,
+            "max_tokens": params.max_tokens - len(prefix),
+            "temperature": params.temperature,
+        }
+        if params.top_p != 1.0:
+            body["top_p"] = params.top_p
+        if params.top_k > 0:
+            body["top_k"] = params.top_k
+        if params.seed is not None:
+            body["seed"] = params.seed
+        if params.stop:
+            body["stop"] = params.stop
+        if params.stop_token_ids:
+            body["stop_token_ids"] = params.stop_token_ids
+        if params.ignore_eos:
+            body["ignore_eos"] = True
+        if params.min_tokens > len(prefix):
+            body["min_tokens"] = params.min_tokens - len(prefix)
+        if params.presence_penalty:
+            body["presence_penalty"] = params.presence_penalty
+        if params.frequency_penalty:
+            body["frequency_penalty"] = params.frequency_penalty
+        if params.repetition_penalty != 1.0:
+            body["repetition_penalty"] = params.repetition_penalty
+        if ask_ids:
+            body["return_token_ids"] = True
+        return body
+
+    async def _run(self, col: Collector, params: SamplingParams, prompt: str | None,
+                   messages: list[dict[str, str]] | None, prompt_ids: list[int] | None,
+                   prefix: list[int], prefix_text_len: int) -> None:
+        st = _Stream(col, prompt_ids, None)
+        try:
+            if params.max_tokens - len(prefix) <= 0:
+                self._finish(st, Delta(col.rid, [], "", FinishReason.ERROR, None,
+                                       "max_tokens already reached by the resumed prefix"))
+                return
+            if prefix and params.stop:
+                st.splice = _Splice(params.stop, await self._held_back(prefix, prefix_text_len))
+            if prompt_ids is not None:
+                path, payload = "/completions", {"prompt": prompt_ids + prefix}
+            elif messages is not None:
+                path, payload = "/chat/completions", {"messages": messages}
+            else:
+                path, payload = "/completions", {"prompt": prompt or ""}
+            for attempt in range(2):
+                ask_ids = self.token_ids is not False
+                body = self._body(params, prefix, ask_ids) | payload
+                async with self._session.post(self.url + path, data=msgspec.json.encode(body), headers=_JSON) as resp:
+                    if resp.status == 200:
+                        await self._read(resp, st, bool(prefix))
+                        return
+                    msg = _error_text(await resp.read())
+                    if (resp.status == 400 and ask_ids and self.token_ids is None and attempt == 0
+                            and "return_token_ids" in msg):
+                        self._set_token_ids(False)  # an API that rejects the field: ask without it
+                        continue
+                    if 400 <= resp.status < 500 and resp.status not in (401, 403, 408, 429):
+                        self._finish(st, Delta(col.rid, [], "", FinishReason.ERROR, None, msg))
+                        return
+                    raise _Failed(f"HTTP {resp.status}: {msg}")
+        except asyncio.CancelledError:
+            raise
+        except (aiohttp.ClientError, OSError, _Failed, msgspec.DecodeError, ValueError) as e:
+            if not st.done:
+                self._lost(st, f"upstream {self.name} failed: {e or type(e).__name__}")
+        except Exception as e:  # noqa: BLE001 - a bug here must not leave the stream hanging
+            log.exception("upstream %s: request %d failed", self.name, col.rid)
+            if not st.done:
+                self._lost(st, f"upstream {self.name} failed: {e!r}")
+        finally:
+            if not st.done:
+                self._streams.pop(col.rid, None)
+
+    async def _read(self, resp: aiohttp.ClientResponse, st: _Stream, resumed: bool) -> None:
+        """Parse the SSE stream into deltas, one per network read."""
+        col = st.col
+        buf = b""
+        first = True
+        async for data in resp.content.iter_any():
+            buf += data
+            if b"\r" in buf:
+                buf = buf.replace(b"\r\n", b"\n")
+            *events, buf = buf.split(b"\n\n")
+            ids: list[int] = []
+            text = ""
+            finish = FinishReason.NONE
+            ended = False
+            for event in events:
+                for line in event.split(b"\n"):
+                    if not line.startswith(b"data:"):
+                        continue
+                    payload = line[5:].strip()
+                    if payload == b"[DONE]":
+                        ended = True
+                        break
+                    chunk = _chunk_decoder.decode(payload)
+                    if chunk.error is not None or chunk.object == "error":
+                        raise _Failed(_error_text(chunk.error if chunk.error is not None else chunk.message))
+                    if not chunk.choices:
+                        continue  # usage chunk
+                    if first:
+                        first = False
+                        self._first_chunk(st, chunk, resumed)
+                    for ch in chunk.choices:
+                        if ch.index != 0:
+                            continue
+                        t = ch.text if ch.text is not None else (ch.delta.content if ch.delta else None)
+                        if t:
+                            text += t
+                            if ch.token_ids is None and st.resumable:
+                                st.resumable = False  # text we cannot map to tokens: no resume
+                        if ch.token_ids:
+                            ids.extend(ch.token_ids)
+                        reason = ch.finish_reason
+                        if reason is not None:
+                            if reason in ("abort", "error"):
+                                raise _Failed(f"the upstream ended the request ({reason})")
+                            finish = _FINISH.get(reason, FinishReason.STOP)  # tool_calls, ...
+                if ended:
+                    break
+            if st.done:
+                if ended:
+                    return
+                continue  # draining after the finish, so the connection can be reused
+            stopped = False
+            if st.splice is not None:
+                text, stopped = st.splice.feed(text, finish != FinishReason.NONE)
+                if stopped:
+                    finish = FinishReason.STOP
+            if ids or text or finish != FinishReason.NONE:
+                delta = Delta(col.rid, ids, text, finish)
+                if st.prompt_ids is not None:
+                    delta.prompt_token_ids, st.prompt_ids = st.prompt_ids, None
+                if finish != FinishReason.NONE:
+                    self._finish(st, delta)
+                    if stopped:
+                        resp.close()  # our stop string, not the upstream's: abort it
+                        return
+                else:
+                    col.put(delta)
+                    st.delivered = True
+            if ended:
+                break
+        if not st.done:
+            raise _Failed("the stream ended before the request finished")
+
+    def _first_chunk(self, st: _Stream, chunk: _Chunk, resumed: bool) -> None:
+        choice = chunk.choices[0] if chunk.choices else None
+        upstream_prompt = chunk.prompt_token_ids or (choice.prompt_token_ids if choice else None)
+        if upstream_prompt is None:
+            if self._require_ids:
+                log.error("upstream %s returned no token ids but its spec says token_ids: yes", self.name)
+                raise _Failed("returned no token ids (token_ids: yes)")
+            self._set_token_ids(False)
+            if resumed:
+                raise _Failed("returns no token ids, so it cannot continue a resumed stream")
+            st.prompt_ids = None
+            return
+        self._set_token_ids(True)
+        st.resumable = True
+        if st.prompt_ids is None:
+            st.prompt_ids = upstream_prompt
+
+    def _set_token_ids(self, value: bool) -> None:
+        if self.token_ids is None:
+            self.token_ids = value
+            log.info("upstream %s %s token ids%s", self.name, "returns" if value else "does not return",
+                     "" if value else ": its streams move to other replicas only before their first token")
+
+    def _finish(self, st: _Stream, delta: Delta) -> None:
+        st.done = True
+        self._streams.pop(st.col.rid, None)
+        st.col.put(delta)
+
+    def _lost(self, st: _Stream, reason: str) -> None:
+        if not st.delivered or st.resumable:
+            self._streams.pop(st.col.rid, None)
+            st.col.fail(ReplicaDead(reason))
+        else:
+            self._finish(st, Delta(st.col.rid, [], "", FinishReason.ERROR, None,
+                                   f"{reason}; this upstream returns no token ids, so the stream cannot "
+                                   "continue on another replica"))
+
+    async def _held_back(self, prefix: list[int], prefix_text_len: int) -> str:
+        """Text of ``prefix`` past what the client has (held back by the
+        previous replica), via the upstream's /detokenize (vLLM's)."""
+        url = _root(self.url) + "/detokenize"
+        body = msgspec.json.encode({"model": self.upstream_model, "tokens": prefix})
+        async with self._session.post(url, data=body, headers=_JSON) as r:
+            raw = await r.read()
+            if r.status != 200:
+                raise _Failed(f"cannot resume a stream with stop strings: POST /detokenize: HTTP {r.status}")
+        obj = msgspec.json.decode(raw)
+        text = obj.get("prompt") if isinstance(obj, dict) else None
+        if not isinstance(text, str):
+            raise _Failed("cannot resume a stream with stop strings: /detokenize gave no text")
+        text = text.rstrip("\ufffd")
+        if prefix_text_len > len(text):
+            raise _Failed(f"prefix_text_len {prefix_text_len} exceeds the prefix text ({len(text)} chars)")
+        return text[prefix_text_len:]
+
+    # -- load ----------------------------------------------------------------
+
+    async def _poll_metrics(self) -> None:
+        url = _root(self.url) + "/metrics"
+        while True:
+            try:
+                async with asyncio.timeout(max(1.0, METRICS_INTERVAL)):
+                    async with self._session.get(url) as r:
+                        status, page = r.status, await r.read()
+                if status == 200:
+                    report = parse_vllm_metrics(page)
+                    if report is None and self._vllm_load is None:
+                        log.info("upstream %s serves no vllm:* gauges; its load is the router's count", self.name)
+                        return
+                    self._vllm_load = report
+                elif status == 404:
+                    log.info("upstream %s has no /metrics; its load is the router's count", self.name)
+                    return
+            except (aiohttp.ClientError, OSError, TimeoutError):
+                pass  # the health check decides whether the upstream is down
+            await asyncio.sleep(METRICS_INTERVAL)
+
+
+def _session(spec: ReplicaSpec) -> aiohttp.ClientSession:
+    headers = {}
+    if spec.api_key_env:
+        key = os.environ.get(spec.api_key_env, "")
+        if key:
+            headers["authorization"] = f"Bearer {key}"
+    # Streams can last minutes: no total timeout; the router's stall and total
+    # deadlines and the health check bound them.
+    limit = 0 if spec.max_concurrency is None else spec.max_concurrency + 2  # + health, metrics
+    connector = aiohttp.TCPConnector(limit=limit, keepalive_timeout=30)
+    return aiohttp.ClientSession(
+        connector=connector, headers=headers,
+        timeout=aiohttp.ClientTimeout(total=None, sock_connect=10), auto_decompress=False,
+    )
+
+
+async def open_upstream(name: str, spec: ReplicaSpec, *, timeout: float = 10.0) -> UpstreamClient:
+    """Connect to ``spec.url``: list its models, pick the one to serve."""
+    session = _session(spec)
+    url = (spec.url or "").rstrip("/")
+    try:
+        async with asyncio.timeout(timeout):
+            async with session.get(url + "/models") as r:
+                raw = await r.read()
+                if r.status in (401, 403):
+                    raise ReplicaRefused(f"upstream {name} refused the API key: HTTP {r.status}: {_error_text(raw)}")
+                if r.status != 200:
+                    raise ReplicaDead(f"upstream {name}: GET /models: HTTP {r.status}: {_error_text(raw)}")
+        models = msgspec.json.decode(raw, type=_Models).data
+        if spec.upstream_model is not None:
+            found = [m for m in models if m.id == spec.upstream_model]
+            if models and not found:
+                raise ReplicaRefused(f"upstream {name} does not serve {spec.upstream_model!r} "
+                                     f"(it lists {[m.id for m in models]})")
+            card = found[0] if found else _Model(spec.upstream_model)
+        elif models:
+            card = models[0]
+        else:
+            raise ReplicaDead(f"upstream {name} lists no models")
+        model = str(spec.config.get("model") or card.id)
+        return UpstreamClient(name, spec, session, model, card.id, card.max_model_len or 0)
+    except BaseException:
+        await session.close()
+        raise

@@ -1,0 +1,396 @@
+"""OpenAI-compatible upstreams as replicas (docs/upstreams.md).
+
+A sim replica serving the OpenAI API (``python -m replicas --engine sim
+--openai HOST:PORT``) stands in for ``vllm serve``: same field names,
+``return_token_ids``, vLLM's /metrics gauges. The router reaches it by
+``url``; a local sim replica with the same seed (and the same byte tokenizer)
+is there to take over, so a resumed stream must equal the uninterrupted
+reference exactly.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import httpx
+import openai
+import pytest
+import yaml
+
+from replicas.openai_server import OpenAIServer
+from replicas.output import OutputProcessor
+from replicas.protocol import FinishReason, SamplingParams
+from replicas.sim import ByteTokenizer, SimConfig, SimEngine
+from replicas.spec import ReplicaSpec
+from replicas.upstream import open_upstream, parse_vllm_metrics
+from tests.helpers import GOLD, MODEL, MetricsSnapshot, RouterProcess, free_port, poll
+
+PROMPT = "Once upon a time"
+CHAT = [{"role": "user", "content": "Tell me about the cluster."}]
+UPSTREAM = "up-0"
+KEY_ENV = "FS_TEST_UPSTREAM_KEY"
+TOK = ByteTokenizer()
+
+
+# -- helpers -------------------------------------------------------------------
+
+
+class SimOpenAI:
+    """A ``python -m replicas --engine sim --openai`` process."""
+
+    def __init__(self, workdir: Path, sim: dict[str, Any] | None = None, *, token_ids: bool = True,
+                 api_key: str = "") -> None:
+        self.config = {"model": MODEL, "seed": 0, **(sim or {})}
+        self.token_ids = token_ids
+        self.api_key = api_key
+        self.log_path = Path(workdir) / f"sim-openai-{id(self)}.log"
+        self.port = 0
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}/v1"
+
+    def start(self, port: int | None = None) -> SimOpenAI:
+        for attempt in range(3):
+            self.port = port or free_port()
+            env = dict(os.environ, FAIRSTREAM_REPLICA_SECRET=self.api_key, PYTHONUNBUFFERED="1")
+            cmd = [sys.executable, "-m", "replicas", "--engine", "sim", "--openai", f"127.0.0.1:{self.port}",
+                   "--config-json", json.dumps(self.config)]
+            if not self.token_ids:
+                cmd.append("--no-token-ids")
+            with open(self.log_path, "ab") as log:
+                self.proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT,
+                                             stdin=subprocess.DEVNULL)
+            try:
+                poll(self._healthy, 20, what=f"sim OpenAI server on {self.port}")
+                return self
+            except AssertionError:
+                if port is None and self.proc.poll() is not None and attempt < 2:
+                    continue  # lost the race for the free port
+                self.stop()
+                raise
+        raise AssertionError("unreachable")
+
+    def _healthy(self) -> bool:
+        assert self.proc is not None
+        if self.proc.poll() is not None:
+            if "address already in use" in self.log_path.read_text(errors="replace"):
+                raise AssertionError("address in use")
+            raise AssertionError(f"sim OpenAI server exited:\n{self.log_path.read_text()[-2000:]}")
+        try:
+            return httpx.get(f"http://127.0.0.1:{self.port}/health", timeout=1).status_code == 200
+        except httpx.HTTPError:
+            return False
+
+    def metrics(self) -> MetricsSnapshot:
+        return MetricsSnapshot(httpx.get(f"http://127.0.0.1:{self.port}/metrics", timeout=5).text)
+
+    def running(self) -> float:
+        return self.metrics().value("vllm:num_requests_running")
+
+    def kill(self) -> None:
+        assert self.proc is not None
+        self.proc.send_signal(signal.SIGKILL)
+        self.proc.wait(10)
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(5)
+
+
+def upstream_router(workdir: Path, url: str, *, local: int = 1, sim: dict[str, Any] | None = None,
+                    **spec: Any) -> RouterProcess:
+    """A router whose first replica is the upstream at ``url``, then ``local`` sim replicas.
+
+    With equal loads the balancer picks the first ready replica, so a request
+    sent while nothing else runs goes to the upstream."""
+    r = RouterProcess(workdir, replicas=local, sim=sim)
+    r.config["replicas"].insert(0, {"name": UPSTREAM, "url": url, "config": {"model": MODEL}, **spec})
+    r.replica_names.insert(0, UPSTREAM)
+    r.config_path.write_text(yaml.safe_dump(r.config, sort_keys=False))
+    return r
+
+
+async def reference(prompt_ids: list[int], max_tokens: int, stop: list[str] | None = None) -> str:
+    """The uninterrupted greedy text of a sim with seed 0, computed in-process."""
+    done = asyncio.Event()
+    pieces: list[str] = []
+    proc = OutputProcessor(TOK, stop or [])
+
+    def sink(rid: int, ids: list[int], finish: FinishReason, error: str) -> None:
+        if done.is_set():
+            return
+        text, fin = proc.process(ids, finish)
+        pieces.append(text)
+        if fin != FinishReason.NONE:
+            done.set()
+
+    engine = SimEngine(SimConfig(model=MODEL, seed=0, step_base_ms=0, step_per_seq_ms=0), sink)
+    await engine.start()
+    engine.add(1, prompt_ids, SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True, stop=stop or []))
+    await done.wait()
+    await engine.close()
+    return "".join(pieces)
+
+
+def greedy(max_tokens: int) -> dict[str, Any]:
+    return {"max_tokens": max_tokens, "temperature": 0, "extra_body": {"ignore_eos": True}}
+
+
+async def consume(aclient: openai.AsyncOpenAI, kind: str, max_tokens: int, got: list[str]) -> tuple[str, str | None]:
+    """Stream one greedy request, appending text pieces to ``got`` as they arrive."""
+    finish = None
+    if kind == "chat":
+        stream = await aclient.chat.completions.create(model=MODEL, messages=CHAT, stream=True, **greedy(max_tokens))
+    else:
+        stream = await aclient.completions.create(model=MODEL, prompt=PROMPT, stream=True, **greedy(max_tokens))
+    async with stream:
+        async for chunk in stream:
+            for c in chunk.choices:
+                piece = c.delta.content if kind == "chat" else c.text
+                if piece:
+                    got.append(piece)
+                if c.finish_reason is not None:
+                    finish = c.finish_reason
+    return "".join(got), finish
+
+
+def prompt_ids(kind: str) -> list[int]:
+    return TOK.chat(CHAT) if kind == "chat" else TOK.encode(PROMPT)
+
+
+@pytest.fixture
+async def aclient_for():
+    made: list[openai.AsyncOpenAI] = []
+
+    def make(router: RouterProcess) -> openai.AsyncOpenAI:
+        c = openai.AsyncOpenAI(base_url=router.base_url + "/v1", api_key=GOLD, max_retries=0, timeout=60)
+        made.append(c)
+        return c
+
+    yield make
+    for c in made:
+        await c.close()
+
+
+@pytest.fixture
+def cleanup():
+    """Stops what a test started, routers first (their leak check), then servers."""
+    things: list[Any] = []
+    yield things.append
+    errors = []
+    for t in reversed(things):
+        try:
+            t.stop()
+        except AssertionError as e:
+            errors.append(str(e))
+    assert not errors, "\n".join(errors)
+
+
+# -- streaming through an upstream ---------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def only_upstream(tmp_path_factory):
+    """A router with one replica: an upstream that needs an API key."""
+    work = tmp_path_factory.mktemp("only_upstream")
+    server = SimOpenAI(work, {"step_base_ms": 1}, api_key="upstream-secret").start()
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv(KEY_ENV, "upstream-secret")
+        router = upstream_router(work / "router", server.url, local=0, api_key_env=KEY_ENV)
+        try:
+            router.start()
+            yield router, server
+        finally:
+            router.stop()
+            server.stop()
+
+
+def test_streams_through_upstream_with_token_ids(only_upstream):
+    router, server = only_upstream
+    assert httpx.get(server.url + "/models").status_code == 401  # the key is needed, and the router has it
+    with openai.OpenAI(base_url=router.base_url + "/v1", api_key=GOLD, max_retries=0, timeout=30) as client:
+        assert [m.id for m in client.models.list().data] == [MODEL]
+        pieces, usage, finish = [], None, None
+        with client.completions.create(model=MODEL, prompt=PROMPT, stream=True,
+                                       stream_options={"include_usage": True}, **greedy(64)) as stream:
+            for chunk in stream:
+                for c in chunk.choices:
+                    pieces.append(c.text)
+                    finish = c.finish_reason or finish
+                usage = chunk.usage or usage
+        assert "".join(pieces) == asyncio.run(reference(prompt_ids("completion"), 64))
+        assert finish == "length"
+        assert len(pieces) > 3  # streamed, not one blob
+        # Token ids came back: the router knows the prompt and completion tokens.
+        assert usage is not None and usage.prompt_tokens == len(PROMPT.encode()) > 0
+        assert usage.completion_tokens == 64
+
+        chat = client.chat.completions.create(model=MODEL, messages=CHAT, **greedy(48))
+        assert chat.choices[0].message.content == asyncio.run(reference(prompt_ids("chat"), 48))
+        assert chat.usage.prompt_tokens == len(prompt_ids("chat"))
+        assert chat.usage.completion_tokens == 48
+
+        # Stop strings go upstream.
+        ref = asyncio.run(reference(prompt_ids("completion"), 200, stop=["quietly"]))
+        out = client.completions.create(model=MODEL, prompt=PROMPT, stop=["quietly"], **greedy(200))
+        assert out.choices[0].text == ref and out.choices[0].finish_reason == "stop"
+
+    assert router.metrics().value("fairstream_replica_up", replica=UPSTREAM) == 1
+
+
+def test_upstream_metrics_parse():
+    page = (b'# HELP vllm:num_requests_running x\nvllm:num_requests_running{engine="0",model_name="m"} 3.0\n'
+            b'vllm:num_requests_running{engine="1",model_name="m"} 2.0\n'
+            b'vllm:num_requests_waiting{engine="0",model_name="m"} 4.0\n'
+            b'vllm:kv_cache_usage_perc{engine="0",model_name="m"} 0.25\n'
+            b'vllm:kv_cache_usage_perc{engine="1",model_name="m"} 0.5\n')
+    load = parse_vllm_metrics(page)
+    assert (load.running, load.waiting, load.kv_usage) == (5, 4, 0.5)
+    assert parse_vllm_metrics(b"# some other server\nhttp_requests_total 3\n") is None
+
+
+async def test_resume_onto_upstream_is_text_exact():
+    """A stream another replica started continues on the upstream text-exact,
+    whatever was held back there: split UTF-8 characters, stop-string prefixes."""
+    server = OpenAIServer("sim", {"model": MODEL, "seed": 0, "step_base_ms": 0, "step_per_seq_ms": 0})
+    port = await server.start("127.0.0.1", 0)
+    client = await open_upstream(UPSTREAM, ReplicaSpec(name=UPSTREAM, url=f"http://127.0.0.1:{port}/v1"))
+    try:
+        ids = TOK.encode(PROMPT)
+        full_col = client.generate(SamplingParams(max_tokens=120, temperature=0, ignore_eos=True), prompt=PROMPT)
+        full = await _drain(full_col)
+        assert client.token_ids is True
+        for stop in (["quietly"], ["Así"], []):
+            params = SamplingParams(max_tokens=120, temperature=0, ignore_eos=True, stop=stop)
+            ref = await reference(ids, 120, stop)
+            for cut in range(1, 120, 7):
+                proc = OutputProcessor(TOK, stop)  # what the first replica delivered
+                delivered, fin = "", FinishReason.NONE
+                for t in full[0][:cut]:
+                    text, fin = proc.process([t], FinishReason.NONE)
+                    delivered += text
+                    if fin != FinishReason.NONE:
+                        break
+                if fin != FinishReason.NONE:
+                    break
+                col = client.generate(params, prompt_token_ids=ids, prefix_token_ids=full[0][:cut],
+                                      prefix_text_len=len(delivered))
+                _, text, _ = await _drain(col)
+                assert delivered + text == ref, (stop, cut)
+    finally:
+        await client.close()
+        await server.close()
+
+
+async def _drain(col) -> tuple[list[int], str, FinishReason]:
+    ids: list[int] = []
+    text = ""
+    while True:
+        i, t, f = await col.get()
+        ids += i
+        text += t
+        if f != FinishReason.NONE:
+            return ids, text, f
+
+
+# -- failover ------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("kind", ["completion", "chat"])
+async def test_upstream_killed_mid_stream_continues_token_exact(kind, tmp_path, cleanup, aclient_for):
+    server = SimOpenAI(tmp_path, {"step_base_ms": 15})
+    server.start()
+    cleanup(server)
+    router = upstream_router(tmp_path / "router", server.url, sim={"step_base_ms": 1})
+    cleanup(router)
+    router.start()
+    aclient = aclient_for(router)
+    max_tokens = 400
+    expected = await reference(prompt_ids(kind), max_tokens)
+    got: list[str] = []
+    task = asyncio.create_task(consume(aclient, kind, max_tokens, got))
+    try:
+        await asyncio.to_thread(poll, lambda: len("".join(got)) >= 40 or task.done(), 20, what="40 characters")
+        assert not task.done(), task.result()
+        assert server.running() == 1  # it is the upstream that streams
+        # The router polls the upstream's gauges into its view of the replica.
+        await asyncio.to_thread(poll, lambda: router.running(UPSTREAM) == 1, 5, what="upstream load in the router")
+        server.kill()
+        text, finish = await asyncio.wait_for(task, 30)
+    finally:
+        task.cancel()
+    assert text == expected
+    assert finish == "length"
+    m = router.metrics()
+    assert m.value("fairstream_failovers_total", replica=UPSTREAM) == 1
+    assert m.value("fairstream_resumed_tokens_total") >= 40
+
+    # Down, then back on the same address: the supervisor reconnects.
+    await asyncio.to_thread(poll, lambda: router.metrics().value("fairstream_replica_up", replica=UPSTREAM) == 0, 10,
+                            what="upstream marked down")
+    server.start(port=server.port)
+    await asyncio.to_thread(router.wait_ready, 20)
+
+
+async def test_upstream_without_token_ids_retries_before_first_token(tmp_path, cleanup, aclient_for):
+    # A slow prefill: the first token comes seconds after the request arrives.
+    server = SimOpenAI(tmp_path, {"step_base_ms": 5, "step_per_prefill_token_ms": 300}, token_ids=False)
+    server.start()
+    cleanup(server)
+    router = upstream_router(tmp_path / "router", server.url, sim={"step_base_ms": 1})
+    cleanup(router)
+    router.start()
+    aclient = aclient_for(router)
+    expected = await reference(prompt_ids("completion"), 100)
+    got: list[str] = []
+    task = asyncio.create_task(consume(aclient, "completion", 100, got))
+    try:
+        await asyncio.to_thread(poll, lambda: server.running() == 1, 10, what="the request on the upstream")
+        assert not got
+        server.kill()
+        text, finish = await asyncio.wait_for(task, 30)
+    finally:
+        task.cancel()
+    assert (text, finish) == (expected, "length")
+    assert router.metrics().value("fairstream_failovers_total", replica=UPSTREAM) == 1
+
+
+async def test_upstream_without_token_ids_fails_explicitly_after_first_token(tmp_path, cleanup, aclient_for):
+    server = SimOpenAI(tmp_path, {"step_base_ms": 15}, token_ids=False)
+    server.start()
+    cleanup(server)
+    router = upstream_router(tmp_path / "router", server.url, sim={"step_base_ms": 1})
+    cleanup(router)
+    router.start()
+    aclient = aclient_for(router)
+    expected = await reference(prompt_ids("completion"), 400)
+    got: list[str] = []
+    task = asyncio.create_task(consume(aclient, "completion", 400, got))
+    await asyncio.to_thread(poll, lambda: len("".join(got)) >= 20 or task.done(), 20, what="20 characters")
+    assert not task.done(), task.result()
+    server.kill()
+    # Never a truncated stream that looks complete, never repeated text: an error event.
+    with pytest.raises(openai.APIError) as info:
+        await asyncio.wait_for(task, 30)
+    assert not isinstance(info.value, openai.APIConnectionError), (
+        "the router cut the connection instead of sending an error event: router/generation.py must treat "
+        "text delivered without token ids as not resumable (docs/upstreams.md, 'What the router does')"
+    )
+    assert "could not be resumed" in str(info.value)
+    partial = "".join(got)
+    assert expected.startswith(partial) and len(partial) < len(expected)
+    assert router.metrics().value("fairstream_requests_total", outcome="lost") == 1
