@@ -34,8 +34,8 @@ async def _complete(request: Request, chat: bool) -> Response:
     policy = svc.tenant(request.headers.get("authorization"))
     resume_id = request.headers.get("x-resume-request-id")
     if resume_id:
-        last = parse_last_event_id(request.headers.get("last-event-id"))
-        return await handle_resume(svc, policy, resume_id, last)
+        pos = parse_last_event_id(request.headers.get("last-event-id"))
+        return await handle_resume(svc, policy, resume_id, pos)
     return await handle_completion(svc, policy, await request.body(), chat, new_request_id())
 
 

@@ -89,9 +89,14 @@ async def relay_stream(
     ticket: Ticket | None,
     outcome: Outcome,
     sid: str | None,
+    skip_chars: int = 0,
 ) -> AsyncIterator[bytes]:
     """Event bytes of ``gen`` starting with ``first`` (None: pull it first).
-    ``sid`` names the resume buffer (None: not resumable, e.g. WebSocket)."""
+
+    ``sid`` names the resume buffer (None: not resumable, e.g. WebSocket);
+    SSE event ids then carry the stream position. ``skip_chars`` drops that
+    much text first: a resume regenerating text the client already has.
+    """
     m = svc.metrics
     writer = svc.resume if sid is not None else _NoBuffer()
     ttft = m.ttft.labels(policy.name, policy.priority)
@@ -112,9 +117,14 @@ async def relay_stream(
                     else:
                         itl.observe((now - last) / n)
                     last = now
+                if skip_chars and text:
+                    cut = min(skip_chars, len(text))
+                    text = text[cut:]
+                    skip_chars -= cut
                 if text or finish != FinishReason.NONE:
-                    event = enc.delta(text, finish)
                     ids = gen.completion_ids
+                    pos = b"-%d-%d" % (len(ids), gen.text_len) if sid is not None else b""
+                    event = enc.delta(text, finish, pos)
                     writer.append(sid, event, ids[sent_ids:], gen.text_len)
                     sent_ids = len(ids)
                     yield event
@@ -122,7 +132,8 @@ async def relay_stream(
                     break
                 piece = await pieces.__anext__()
             if include_usage:
-                event = enc.usage(gen.prompt_tokens, gen.completion_tokens)
+                pos = b"-%d-%d" % (gen.completion_tokens, gen.text_len) if sid is not None else b""
+                event = enc.usage(gen.prompt_tokens, gen.completion_tokens, pos)
                 writer.append(sid, event, [], gen.text_len)
                 yield event
             final = enc.done()

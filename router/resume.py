@@ -128,6 +128,15 @@ class ResumeWriter:
             p.token_ids.extend(token_ids)
         p.text_len = text_len
 
+    def pad(self, sid: str, n: int) -> None:
+        """Append ``n`` empty placeholder events (events lost with a router),
+        so the buffer's numbering stays that of the client's event ids."""
+        p = self._pending.get(sid)
+        if p is None:
+            p = self._pending[sid] = _Pending()
+            self._wake.set()
+        p.events.extend([b""] * n)
+
     async def finish(self, sid: str, final: bytes | None, text_len: int) -> None:
         """Append the last event, mark the stream finished, drop the claim."""
         self.append(sid, final, [], text_len)

@@ -3,11 +3,22 @@
 Two ways in, same behaviour:
 
 * ``GET /v1/streams/{request_id}`` with ``Last-Event-ID`` (what an
-  EventSource reconnect sends) or ``?last_event_id=N``;
+  EventSource reconnect sends) or ``?last_event_id=...``;
 * re-sending the original POST with ``Last-Event-ID`` and
   ``X-Resume-Request-Id: {request_id}`` headers (the body is not used again).
 
 Only the tenant that started a stream can resume it (others get 404).
+
+Event ids are ``N-T-C`` (event number, completion tokens, text characters;
+see router/sse.py). Usually event N is in the buffer and the replay starts
+after it. The buffer is written a few milliseconds behind the stream, so a
+router that dies can take the last events with it while its client already
+has them: then the client is ahead of the buffer (N > events stored). The
+resuming router continues generating from the tokens the buffer has and
+drops the ``C - stored characters`` of text the client already holds before
+sending anything. That regeneration is exact for greedy requests (the
+replicas are deterministic); a sampled request in that position ends with
+an explicit ``resume_gap`` error event rather than a text that may diverge.
 """
 
 from __future__ import annotations
@@ -17,106 +28,142 @@ import logging
 import time
 from collections.abc import AsyncIterator
 
+import msgspec
 from litestar import Response
 from litestar.response import Stream
 
-from router.errors import ApiError, BadRequest, NotFound
+from router.errors import ApiError, BadRequest, NotFound, error_body
 from router.generation import Deadlines, Generation, Job
 from router.relay import Outcome, relay_stream
-from router.resume import decode_meta
+from router.resume import ResumeMeta, decode_meta
 from router.service import RouterService
 from router.sse import ChunkEncoder
-from router.state import StoreUnavailable
+from router.state import StoreUnavailable, StreamSnapshot
 from router.tenants import TenantPolicy
 
-__all__ = ["handle_resume", "parse_last_event_id"]
+__all__ = ["handle_resume", "parse_last_event_id", "Position"]
 
 log = logging.getLogger("fairstream.resume")
 
 TAIL_POLL = 0.02
+CATCH_UP = 2.0  # seconds to wait for a live owner's buffer to reach the client
 
 
-def parse_last_event_id(value: str | None) -> int:
+class Position(msgspec.Struct, frozen=True):
+    """Where a client is in a stream: its last event and, if known, the
+    completion tokens and characters it has."""
+
+    event: int
+    tokens: int | None = None
+    chars: int | None = None
+
+
+def parse_last_event_id(value: str | None) -> Position:
     if value is None or value == "":
-        return 0
+        return Position(0)
+    parts = value.split("-")
     try:
-        n = int(value)
+        nums = [int(p) for p in parts]
     except ValueError:
-        raise BadRequest(f"Last-Event-ID must be an event number; got {value!r}.", param="Last-Event-ID") from None
-    if n < 0:
-        raise BadRequest("Last-Event-ID must not be negative.", param="Last-Event-ID")
-    return n
+        nums = []
+    if len(nums) not in (1, 3) or any(n < 0 for n in nums):
+        raise BadRequest(f"Last-Event-ID must be an event id this router sent (N or N-T-C); got {value!r}.",
+                         param="Last-Event-ID")
+    return Position(*nums)
 
 
-async def handle_resume(svc: RouterService, policy: TenantPolicy, sid: str, last_id: int) -> Response:
+_NOT_FOUND = "No resumable stream {!r} (unknown, or past its retention window)."
+
+
+async def handle_resume(svc: RouterService, policy: TenantPolicy, sid: str, pos: Position) -> Response:
     try:
-        snap = await svc.store.stream_read(sid, last_id)
+        snap = await svc.store.stream_read(sid, pos.event)
     except StoreUnavailable as e:
         raise NotFound(f"Stream {sid} cannot be resumed now: the state store is unavailable.",
                        code="stream_not_found") from e
     if snap is None:
-        raise NotFound(f"No resumable stream {sid!r} (unknown, or past its retention window).",
-                       code="stream_not_found")
+        raise NotFound(_NOT_FOUND.format(sid), code="stream_not_found")
     meta = decode_meta(snap.meta)
     if meta.tenant != policy.name:
-        raise NotFound(f"No resumable stream {sid!r} (unknown, or past its retention window).",
-                       code="stream_not_found")
-    if last_id > snap.total_events:
-        raise BadRequest(f"Last-Event-ID {last_id} is past the stream's last event ({snap.total_events}).",
+        raise NotFound(_NOT_FOUND.format(sid), code="stream_not_found")
+    if pos.event > snap.total_events and (pos.tokens is None or pos.chars is None):
+        raise BadRequest(f"Last-Event-ID {pos.event} is past the stream's last stored event "
+                         f"({snap.total_events}); send the full id (N-T-C) this router sent.",
                          param="Last-Event-ID")
     svc.metrics.resumes.labels(policy.name).inc()
     headers = {"x-request-id": sid, "cache-control": "no-cache", "x-accel-buffering": "no"}
-    return Stream(_resume(svc, policy, sid, meta, snap), media_type="text/event-stream", headers=headers)
+    return Stream(_resume(svc, policy, sid, meta, snap, pos), media_type="text/event-stream", headers=headers)
 
 
-async def _resume(svc: RouterService, policy: TenantPolicy, sid: str, meta, snap) -> AsyncIterator[bytes]:
-    for event in snap.events:
-        yield event
-    cursor = snap.total_events
-    finished = snap.finished
-    owner = snap.owner
-    # Someone is still generating it: follow the buffer until it ends or its
-    # owner goes away (then take over).
-    while not finished:
-        if owner and owner != svc.resume.owner:
-            await asyncio.sleep(TAIL_POLL)
-            nxt = await svc.store.stream_read(sid, cursor)
-            if nxt is None:
-                return
-            for event in nxt.events:
+async def _resume(svc: RouterService, policy: TenantPolicy, sid: str, meta: ResumeMeta,
+                  snap: StreamSnapshot, pos: Position) -> AsyncIterator[bytes]:
+    me = svc.resume.owner
+    cursor = pos.event  # events the client has
+    loop = asyncio.get_running_loop()
+    catch_up_until = loop.time() + CATCH_UP
+    while True:
+        for event in snap.events:  # the stored events after ``cursor``
+            cursor += 1
+            if event:  # empty: a placeholder for events lost with a router
                 yield event
-            cursor = nxt.total_events
-            finished = nxt.finished
-            owner = nxt.owner
-            snap = nxt
-            continue
-        if not await svc.resume.claim(sid):
-            owner = "?"  # lost the race to another router: follow it
-            nxt = await svc.store.stream_read(sid, cursor)
-            if nxt is None:
+        have = snap.total_events
+        if snap.finished and have <= cursor:
+            return
+        behind = have < cursor  # the client has events the buffer lacks
+        if snap.owner and snap.owner != me and (not behind or loop.time() < catch_up_until):
+            await asyncio.sleep(TAIL_POLL)  # a live router generates it: follow its buffer
+        elif await svc.resume.claim(sid):
+            fresh = await svc.store.stream_read(sid, cursor)
+            if fresh is None:
                 return
-            owner = nxt.owner or "?"
-            continue
-        # Ours now: continue the generation from the delivered tokens.
-        fresh = await svc.store.stream_read(sid, cursor)
-        if fresh is None:
-            return
-        for event in fresh.events:
-            yield event
-        cursor = fresh.total_events
-        if fresh.finished:
-            return
-        try:
-            async for chunk in _continue(svc, policy, sid, meta, fresh, cursor):
+            if fresh.total_events > have or fresh.finished:
+                await svc.store.stream_release(sid, me)  # appended meanwhile: replay first
+                snap = fresh
+                continue
+            async for chunk in _take_over(svc, policy, sid, meta, fresh, pos, cursor):
                 yield chunk
-        except ApiError as e:
+            return
+        nxt = await svc.store.stream_read(sid, cursor)
+        if nxt is None:
+            return
+        snap = nxt
+
+
+async def _take_over(svc: RouterService, policy: TenantPolicy, sid: str, meta: ResumeMeta,
+                     snap: StreamSnapshot, pos: Position, cursor: int) -> AsyncIterator[bytes]:
+    enc_error = ChunkEncoder(meta.chat, meta.response_id, meta.model, meta.created, event_id=cursor)
+    skip_chars = 0
+    tokens, text_len = list(snap.token_ids), snap.text_len
+    if cursor > snap.total_events:
+        # The client is ahead of the buffer: regenerate what it has, silently.
+        assert pos.tokens is not None and pos.chars is not None
+        if meta.params.temperature > 0:
             await svc.store.stream_release(sid, svc.resume.owner)
-            yield ChunkEncoder(meta.chat, meta.response_id, meta.model, meta.created,
-                               event_id=cursor).error(e.body())
-        return
+            yield enc_error.error(error_body(
+                "Events of this stream were lost with the router that produced them, and a sampled "
+                "(temperature > 0) generation cannot be regenerated exactly; retry the request.",
+                "server_error", None, "resume_gap"))
+            return
+        skip_chars = pos.chars - text_len
+        if skip_chars < 0 or pos.tokens < len(tokens):
+            await svc.store.stream_release(sid, svc.resume.owner)
+            yield enc_error.error(error_body("Last-Event-ID does not match this stream.", "invalid_request_error",
+                                             "Last-Event-ID", "resume_mismatch"))
+            return
+        # keep the buffer's numbering aligned with the client's event ids
+        svc.resume.pad(sid, cursor - snap.total_events)
+        log.warning("stream %s: client is %d events ahead of the buffer (lost with their router); "
+                    "regenerating %d characters it already has", sid, cursor - snap.total_events, skip_chars)
+    try:
+        async for chunk in _continue(svc, policy, sid, meta, tokens, text_len, cursor, skip_chars):
+            yield chunk
+    except ApiError as e:
+        await svc.store.stream_release(sid, svc.resume.owner)
+        yield enc_error.error(e.body())
 
 
-async def _continue(svc: RouterService, policy: TenantPolicy, sid: str, meta, snap, cursor: int):
+async def _continue(svc: RouterService, policy: TenantPolicy, sid: str, meta: ResumeMeta, tokens: list[int],
+                    text_len: int, cursor: int, skip_chars: int) -> AsyncIterator[bytes]:
     started = time.monotonic()
     lim = policy.limits
     job = Job(meta.model, meta.params, prompt_token_ids=meta.prompt_token_ids)
@@ -125,14 +172,14 @@ async def _continue(svc: RouterService, policy: TenantPolicy, sid: str, meta, sn
         Deadlines(lim.first_token, lim.stall, lim.total, start=started),
         scheduler=svc.scheduler, policy=policy, rank=svc.rank(policy),
     )
-    gen.completion_ids = list(snap.token_ids)
-    gen.text_len = snap.text_len
+    gen.completion_ids = tokens
+    gen.text_len = text_len
     enc = ChunkEncoder(meta.chat, meta.response_id, meta.model, meta.created, event_id=cursor,
-                       role_sent=bool(snap.token_ids))
+                       role_sent=bool(tokens) or skip_chars > 0)
     outcome = Outcome(svc, policy, "resume", started, sid)
-    remaining = meta.params.max_tokens - len(snap.token_ids)
+    remaining = meta.params.max_tokens - len(tokens)
     ticket = await svc.admission.admit(policy, max(1, remaining), count_request=False)
-    log.info("resuming stream %s at %d tokens on this router", sid, len(snap.token_ids))
+    log.info("resuming stream %s at %d tokens on this router", sid, len(tokens))
     async for chunk in relay_stream(svc, gen, gen.stream(), None, enc, meta.include_usage, policy,
-                                    ticket, outcome, sid):
+                                    ticket, outcome, sid, skip_chars=skip_chars):
         yield chunk

@@ -2,8 +2,13 @@
 
 Each stream gets a ``ChunkEncoder`` whose fixed JSON parts are built once; an
 event then costs one msgspec string encode and a few byte concatenations.
-Every event carries an ``id:`` (a running counter) so a client can resume
-with ``Last-Event-ID``.
+
+Every SSE event carries an ``id:`` so a client can resume with
+``Last-Event-ID``. The id is ``N-T-C``: the event number, and the completion
+tokens and text characters the client has once it has this event. The
+number finds the event in the resume buffer; the position lets a router
+continue the stream exactly even when the buffer lost the last events with
+the router that produced them (see router/resume_http.py).
 """
 
 from __future__ import annotations
@@ -63,15 +68,16 @@ class ChunkEncoder:
         self._usage_head = common + b',"choices":[],"usage":'
         self._role_sent = role_sent
 
-    def _event(self, payload: bytes) -> bytes:
+    def _event(self, payload: bytes, pos: bytes) -> bytes:
         self.event_id += 1
-        return self._frame(str(self.event_id).encode(), payload)
+        return self._frame(str(self.event_id).encode() + pos, payload)
 
     def done(self) -> bytes:
         """The end-of-stream marker (``data: [DONE]`` for SSE)."""
         return self._done
 
-    def delta(self, text: str, finish: FinishReason = FinishReason.NONE) -> bytes:
+    def delta(self, text: str, finish: FinishReason = FinishReason.NONE, pos: bytes = b"") -> bytes:
+        """One chunk; ``pos`` (``b"-T-C"``) is appended to the SSE event id."""
         if self.chat:
             if not self._role_sent:
                 self._role_sent = True
@@ -86,13 +92,13 @@ class ChunkEncoder:
                 self._head + b'"text":' + _enc(text) + b',"logprobs":null,"finish_reason":'
                 + _finish_json(finish) + b"}]}"
             )
-        return self._event(payload)
+        return self._event(payload, pos)
 
-    def usage(self, prompt_tokens: int, completion_tokens: int) -> bytes:
+    def usage(self, prompt_tokens: int, completion_tokens: int, pos: bytes = b"") -> bytes:
         u = Usage(prompt_tokens, completion_tokens, prompt_tokens + completion_tokens)
-        return self._event(self._usage_head + _enc(u) + b"}")
+        return self._event(self._usage_head + _enc(u) + b"}", pos)
 
-    def error(self, error_json: bytes) -> bytes:
+    def error(self, error_json: bytes, pos: bytes = b"") -> bytes:
         """An error event (OpenAI's error shape); the SDK raises it as APIError."""
         self.event_id += 1
-        return self._error_frame(str(self.event_id).encode(), error_json)
+        return self._error_frame(str(self.event_id).encode() + pos, error_json)

@@ -6,7 +6,7 @@ from typing import Literal
 
 import msgspec
 
-from router.state.base import AdmitRequest, StateStore, StoreUnavailable, TenantUsage
+from router.state.base import AdmitRequest, StateStore, StoreUnavailable, StreamSnapshot, TenantUsage
 from router.state.memory import MemoryStore
 from router.state.resilient import ResilientStore
 
@@ -16,6 +16,7 @@ __all__ = [
     "AdmitRequest",
     "TenantUsage",
     "StoreUnavailable",
+    "StreamSnapshot",
     "MemoryStore",
     "ResilientStore",
     "create_store",

@@ -12,7 +12,7 @@ import pytest
 import yaml
 
 from router.auth import hash_key
-from tests.helpers import ADMIN, GOLD, MODEL, RouterProcess, aiter_sse, apoll, poll
+from tests.helpers import ADMIN, GOLD, MODEL, RouterProcess, aiter_sse, apoll
 from tests.redis_server import RedisServer, require_redis_server
 
 KEY_A, KEY_B = "tenant-a-key", "tenant-b-key"

@@ -10,7 +10,6 @@ import re
 import runpy
 import shutil
 import subprocess
-from pathlib import Path
 from typing import Any
 
 import httpx

@@ -1,0 +1,172 @@
+"""Beyond one machine: two router processes on one Redis in front of four kinds
+of replica, with a replica killed mid-stream and a router killed mid-stream.
+
+Each router has two local sim replicas it supervises, the same remote sim
+replica over TCP (shared secret) and the same OpenAI-compatible upstream (a
+sim serving the OpenAI API with token ids). Every sim shares one seed, so any
+replica continues a greedy stream exactly. Clients of the killed router
+resume on the other one with Last-Event-ID (the resume buffer is in Redis).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import subprocess
+import sys
+
+import httpx
+import pytest
+import yaml
+
+from router.auth import hash_key
+from tests.helpers import ADMIN, FREE, GOLD, MODEL, SILVER, RouterProcess, aiter_sse, free_port, poll
+from tests.redis_server import RedisServer, require_redis_server
+from tests.sim_openai import SimOpenAI
+
+SECRET = "scale-out-secret"
+SIM = {"model": MODEL, "seed": 0, "step_base_ms": 12}
+LIMITED = "limited-tenant-key"
+
+
+@pytest.fixture
+def redis_server():
+    require_redis_server()
+    with RedisServer() as server:
+        yield server
+
+
+@pytest.fixture
+def remote_replica(tmp_path):
+    port = free_port()
+    log = open(tmp_path / "remote.log", "wb")
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "replicas", "--engine", "sim", "--listen", f"127.0.0.1:{port}",
+         "--secret-env", "FS_SCALE_SECRET", "--config-json", json.dumps(SIM)],
+        env=dict(os.environ, FS_SCALE_SECRET=SECRET), stdout=log, stderr=subprocess.STDOUT,
+    )
+    poll(lambda: b"ready on" in (tmp_path / "remote.log").read_bytes(), 15, what="remote replica")
+    yield port
+    proc.terminate()
+    proc.wait(10)
+    log.close()
+
+
+@pytest.fixture
+def upstream(tmp_path):
+    server = SimOpenAI(tmp_path, {"step_base_ms": 12}).start()
+    yield server
+    server.stop()
+
+
+def _tenants(path) -> None:
+    demo = yaml.safe_load(open("configs/tenants.yaml"))
+    demo["tenants"]["limited"] = {
+        "keys": [hash_key(LIMITED)], "on_limit": "reject", "limits": {"requests_per_minute": 12},
+    }
+    path.write_text(yaml.safe_dump(demo, sort_keys=False))
+
+
+def _router(tmp_path, name: str, redis_url: str, remote_port: int, upstream_url: str, tenants) -> RouterProcess:
+    replicas = [
+        {"name": f"{name}-sim-0", "engine": "sim", "config": SIM},
+        {"name": f"{name}-sim-1", "engine": "sim", "config": SIM},
+        {"name": "remote", "address": f"127.0.0.1:{remote_port}", "secret_env": "FS_SCALE_SECRET"},
+        {"name": "upstream", "url": upstream_url},
+    ]
+    r = RouterProcess(tmp_path / name, replicas=0, tenants=tenants, settings={
+        "replicas": replicas, "state": {"backend": "redis", "url": redis_url},
+        "health_interval": 0.3, "health_timeout": 2.0, "max_failovers": 6,
+    })
+    r.replica_names = [x["name"] for x in replicas]
+    return r
+
+
+def _body(n: int) -> dict:
+    return {"model": MODEL, "prompt": ["Le caf", "The cluster", "東京の", "Über den"][n % 4], "max_tokens": 160,
+            "temperature": 0, "ignore_eos": True, "stream": True}
+
+
+async def _stream_with_resume(client: httpx.AsyncClient, routers: list[RouterProcess], key: str, n: int,
+                              cut: asyncio.Event) -> str:
+    """Stream from routers[n % 2]; on a broken connection resume on the other router."""
+    first = routers[n % 2]
+    headers = {"Authorization": f"Bearer {key}"}
+    parts: list[str] = []
+    last = rid = None
+    try:
+        async with client.stream("POST", first.base_url + "/v1/completions", json=_body(n), headers=headers) as r:
+            assert r.status_code == 200, await r.aread()
+            rid = r.headers["x-request-id"]
+            async for ev in aiter_sse(r):
+                if ev.data == "[DONE]":
+                    return "".join(parts)
+                d = ev.json()
+                assert "error" not in d, d
+                parts.append(d["choices"][0]["text"])
+                last = ev.id
+    except (httpx.RemoteProtocolError, httpx.ReadError):
+        pass
+    assert cut.is_set(), "only the killed router may break a stream"
+    other = routers[(n + 1) % 2]
+    async with client.stream("GET", f"{other.base_url}/v1/streams/{rid}",
+                             headers={**headers, "Last-Event-ID": last or "0"}) as r:
+        assert r.status_code == 200, await r.aread()
+        async for ev in aiter_sse(r):
+            if ev.data == "[DONE]":
+                return "".join(parts)
+            d = ev.json()
+            assert "error" not in d, d
+            parts.append(d["choices"][0]["text"])
+    raise AssertionError("resumed stream ended without [DONE]")
+
+
+async def test_two_routers_one_redis_four_replica_kinds(tmp_path, redis_server, remote_replica, upstream,
+                                                        monkeypatch):
+    monkeypatch.setenv("FS_SCALE_SECRET", SECRET)
+    tenants = tmp_path / "tenants.yaml"
+    _tenants(tenants)
+    a = _router(tmp_path, "a", redis_server.url, remote_replica, upstream.url, tenants).start()
+    b = _router(tmp_path, "b", redis_server.url, remote_replica, upstream.url, tenants).start()
+    try:
+        async with httpx.AsyncClient(timeout=60, limits=httpx.Limits(max_connections=100)) as client:
+            refs = {}
+            for n in range(4):
+                r = await client.post(b.base_url + "/v1/completions", json={**_body(n), "stream": False},
+                                      headers={"Authorization": f"Bearer {GOLD}"})
+                refs[n] = r.json()["choices"][0]["text"]
+            cut = asyncio.Event()
+            keys = [GOLD, SILVER, FREE]
+            # free is limited to 4 concurrent streams: give it 2 per router
+            jobs = [(keys[i % 3], n) for n in range(12) for i in range(3) if not (i == 2 and n >= 4)]
+            tasks = [asyncio.create_task(_stream_with_resume(client, [a, b], key, n, cut)) for key, n in jobs]
+            await asyncio.sleep(0.6)
+            a.kill_replica("a-sim-0")  # a replica dies mid-stream
+            await asyncio.sleep(0.5)
+            cut.set()
+            os.kill(a.pid, signal.SIGKILL)  # a whole router dies mid-stream
+            texts = await asyncio.gather(*tasks)
+            for (key, n), text in zip(jobs, texts):
+                assert text == refs[n % 4], (key, n)
+            mb = await b.ametrics(client)
+            assert mb.value("fairstream_stream_resumes_total", default=0, tenant="gold") >= 1
+            assert mb.value("fairstream_streams_lost_total") == 0
+
+            # limits stay exact across routers: 12 requests/min for `limited`, however they are spread
+            async def one(base):
+                r = await client.post(base + "/v1/completions", headers={"Authorization": f"Bearer {LIMITED}"},
+                                      json={"model": MODEL, "prompt": "x", "max_tokens": 2})
+                return r.status_code
+
+            c = _router(tmp_path, "c", redis_server.url, remote_replica, upstream.url, tenants).start()
+            try:
+                codes = await asyncio.gather(*[one(r.base_url) for _ in range(15) for r in (b, c)])
+            finally:
+                c.stop()
+            assert codes.count(200) == 12 and codes.count(429) == 18, codes
+    finally:
+        a.stop(check=False)  # killed: its local replicas exit by themselves (checked below)
+        assert not a.wait_replicas_gone(10), "replicas of the killed router outlived it"
+        b.stop()
