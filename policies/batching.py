@@ -44,6 +44,14 @@ class AimdSettings(msgspec.Struct, forbid_unknown_fields=True, kw_only=True, fro
     backoff: float = 0.85
     """The cap is multiplied by this after a bad window."""
 
+    def __post_init__(self) -> None:
+        if not 1 <= self.min_inflight <= self.initial <= self.max_inflight:
+            raise ValueError("need 1 <= min_inflight <= initial <= max_inflight")
+        if not 0 < self.backoff < 1:
+            raise ValueError("backoff must be between 0 and 1")
+        if self.increase < 1 or self.window <= 0:
+            raise ValueError("increase must be >= 1 and window > 0")
+
 
 def _p90(xs: list[float]) -> float:
     xs = sorted(xs)

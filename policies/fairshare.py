@@ -10,12 +10,13 @@ bound: two continuously backlogged tenants' served service (in weighted
 tokens) differs by at most ``2 * U`` where ``U = max(w_in * L_in + w_out *
 L_out)``, the largest charge one request can add (``vtc_bound``).
 
-Priority and aging. Classes are strict (rank 0 first) but a request's
-effective rank drops by one for every ``aging`` seconds it has waited, so a
-request of rank ``r`` waits at most ``r * aging`` seconds before it competes
-in the top class; from then on it is behind at most the requests that
-entered the top class before it or have a smaller counter (FIFO by
-enqueue time breaks ties). That is the starvation bound stated in the README.
+Priority and aging. Classes are strict (rank 0 first) but a class's
+effective rank drops by one for every ``aging`` seconds its oldest queued
+request has waited, so a class of rank ``r`` competes with the top class
+after at most ``r * aging`` seconds; there its tenants are ordered by their
+counters, which a newly backlogged tenant is lifted to. That is the
+starvation bound stated in the README. Aging lifts whole classes, so inside
+a class the weights always decide.
 
 Pure: no clock of its own, no I/O; ``now`` is passed in.
 """
@@ -49,18 +50,21 @@ def effective_rank(head: Head, now: float, aging: float) -> int:
 class VirtualCounters:
     """Per-tenant virtual token counters (mutable, but no I/O and no clock)."""
 
-    __slots__ = ("values",)
+    __slots__ = ("values", "last")
 
     def __init__(self) -> None:
         self.values: dict[str, float] = {}
+        self.last: float | None = None  # counter of the tenant served last
 
     def get(self, tenant: str) -> float:
         return self.values.get(tenant, 0.0)
 
     def activate(self, tenant: str, backlogged: Iterable[str]) -> None:
-        """``tenant`` became backlogged: lift it to the minimum of the others."""
+        """``tenant`` became backlogged: lift it to the minimum of the others,
+        or, when nobody else waits, to the counter of the tenant served last
+        (the paper's rule for an empty queue), so idle time is never banked."""
         others = [self.values.get(t, 0.0) for t in backlogged if t != tenant]
-        floor = min(others) if others else None
+        floor = min(others) if others else self.last
         cur = self.values.get(tenant)
         if cur is None:
             self.values[tenant] = floor if floor is not None else self._min_all()
@@ -69,6 +73,10 @@ class VirtualCounters:
 
     def _min_all(self) -> float:
         return min(self.values.values(), default=0.0)
+
+    def served(self, tenant: str) -> None:
+        """A request of ``tenant`` was dispatched."""
+        self.last = self.values.get(tenant, 0.0)
 
     def charge(self, tenant: str, prompt: int, completion: int, weight: float) -> None:
         self.values[tenant] = self.values.get(tenant, 0.0) + (W_IN * prompt + W_OUT * completion) / weight
@@ -81,12 +89,23 @@ class VirtualCounters:
 
 
 def pick(heads: Sequence[Head], counters: VirtualCounters, now: float, aging: float) -> int:
-    """Index of the head to serve next: lowest effective rank, then lowest
-    counter, then earliest enqueued."""
+    """Index of the head to serve next: lowest effective class rank, then
+    lowest counter, then earliest enqueued.
+
+    Aging lifts a whole class, by the wait of its oldest head, not single
+    requests: heads of one class always share a rank, so inside a class the
+    counters (the weights) decide and aging never turns it into FIFO.
+    """
+    oldest: dict[int, float] = {}
+    for h in heads:
+        t = oldest.get(h.rank)
+        if t is None or h.enqueued < t:
+            oldest[h.rank] = h.enqueued
     best = -1
     best_key: tuple[int, float, float] | None = None
     for i, h in enumerate(heads):
-        key = (effective_rank(h, now, aging), counters.get(h.tenant), h.enqueued)
+        rank = h.rank if aging <= 0 else max(0, h.rank - int((now - oldest[h.rank]) / aging))
+        key = (rank, counters.get(h.tenant), h.enqueued)
         if best_key is None or key < best_key:
             best, best_key = i, key
     return best

@@ -195,7 +195,9 @@ class ReplicaClient:
         self._pings[seq] = fut
         try:
             self._writer.write(encode_frame(Ping(seq)))
-            return await asyncio.wait_for(fut, timeout)
+            # not wait_for: on 3.11 it can swallow a cancel that races the pong
+            async with asyncio.timeout(timeout):
+                return await fut
         finally:
             self._pings.pop(seq, None)
 

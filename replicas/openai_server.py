@@ -31,12 +31,9 @@ its request aborted at once.
 
 from __future__ import annotations
 
-import asyncio
 import hmac
 import itertools
 import logging
-import os
-import signal
 import time
 import uuid
 from typing import Any
@@ -49,7 +46,7 @@ from replicas.engine import EngineError
 from replicas.output import OutputProcessor
 from replicas.prepare import prepare
 from replicas.protocol import Delta, FinishReason, SamplingParams
-from replicas.server import create_engine
+from replicas.server import create_engine, wait_for_stop
 
 __all__ = ["OpenAIServer", "serve_openai"]
 
@@ -341,20 +338,7 @@ class OpenAIServer:
             if max_tokens < 1:
                 raise _BadRequest("max_tokens must be at least 1", param="max_tokens")
             stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
-            params = SamplingParams(
-                max_tokens=max_tokens,
-                temperature=1.0 if req.temperature is None else req.temperature,
-                top_p=1.0 if req.top_p is None else req.top_p,
-                top_k=-1 if req.top_k is None else req.top_k,
-                seed=req.seed,
-                stop=stop,
-                stop_token_ids=list(req.stop_token_ids or []),
-                ignore_eos=bool(req.ignore_eos),
-                presence_penalty=req.presence_penalty or 0.0,
-                frequency_penalty=req.frequency_penalty or 0.0,
-                repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
-                min_tokens=req.min_tokens or 0,
-            )
+            params = SamplingParams.from_openai(req, max_tokens, stop)
             ids, params, proc = prepare(eng, prompt_ids, params, prime=True)
         except _BadRequest as e:
             return _error(str(e), e.status, e.param)
@@ -506,19 +490,5 @@ async def serve_openai(
     log.info("OpenAI server for %s (%s) on %s%s", server.engine.model, engine, where,
              "" if token_ids else " (no token ids)")
     print(f"fairstream replica ready on {where}", flush=True)
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
-    parent = os.getppid()
-
-    async def watch_parent() -> None:
-        while os.getppid() == parent:
-            await asyncio.sleep(0.5)
-        stop.set()
-
-    watcher = asyncio.create_task(watch_parent()) if exit_with_parent else None
-    await stop.wait()
-    if watcher is not None:
-        watcher.cancel()
+    await wait_for_stop(exit_with_parent)
     await server.close()

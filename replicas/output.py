@@ -100,10 +100,13 @@ class OutputProcessor:
                 self._pending += full[len(prefix_text) :]
                 self._prefix_offset = max(0, len(ids) - _CONTEXT)
                 self._read_offset = len(ids)
-            elif finish != FinishReason.NONE and full.endswith(_REPLACEMENT):
-                # The sequence ends inside a character: emit what decode gives.
-                self._pending += full[len(prefix_text) :]
-                self._read_offset = len(ids)
+        if finish != FinishReason.NONE and self._read_offset < len(ids):
+            # The sequence ends inside a character: emit what decode gives.
+            tok = self._tok
+            prefix_text = tok.decode(ids[self._prefix_offset : self._read_offset])
+            full = tok.decode(ids[self._prefix_offset :])
+            self._pending += full[len(prefix_text) :]
+            self._read_offset = len(ids)
         pending = self._pending
         if self._stop and pending:
             hit = _find_stop(pending, self._stop)
@@ -126,9 +129,15 @@ class OutputProcessor:
 
 
 def _find_stop(text: str, stops: list[str]) -> int:
-    best = -1
+    """Start of the stop string that completes first in ``text`` (as it would
+    token by token), the longest on a tie; -1 if none. Completion order, not
+    start order, makes the cut independent of how the text was chunked."""
+    best_end = best_start = -1
     for s in stops:
         i = text.find(s)
-        if i >= 0 and (best < 0 or i < best):
-            best = i
-    return best
+        if i < 0:
+            continue
+        end = i + len(s)
+        if best_end < 0 or end < best_end or (end == best_end and i < best_start):
+            best_end, best_start = end, i
+    return best_start

@@ -84,6 +84,25 @@ class SamplingParams(msgspec.Struct, array_like=True, omit_defaults=True, gc=Fal
     repetition_penalty: float = 1.0
     min_tokens: int = 0
 
+    @classmethod
+    def from_openai(cls, req, max_tokens: int, stop: list[str]) -> SamplingParams:
+        """From an OpenAI-style request object (fields as in the API, None when
+        unset); ``max_tokens`` and ``stop`` already resolved by the caller."""
+        return cls(
+            max_tokens=max_tokens,
+            temperature=1.0 if req.temperature is None else req.temperature,
+            top_p=1.0 if req.top_p is None else req.top_p,
+            top_k=-1 if req.top_k is None else req.top_k,
+            seed=req.seed,
+            stop=stop,
+            stop_token_ids=list(req.stop_token_ids or []),
+            ignore_eos=bool(req.ignore_eos),
+            presence_penalty=req.presence_penalty or 0.0,
+            frequency_penalty=req.frequency_penalty or 0.0,
+            repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
+            min_tokens=req.min_tokens or 0,
+        )
+
 
 class Hello(msgspec.Struct, tag=1, array_like=True, gc=False):
     """First frame from the router; ``secret`` must match the replica's."""

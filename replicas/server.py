@@ -37,7 +37,7 @@ from replicas.protocol import (
     router_decoder,
 )
 
-__all__ = ["ReplicaServer", "create_engine"]
+__all__ = ["ReplicaServer", "create_engine", "serve", "wait_for_stop"]
 
 log = logging.getLogger("fairstream.replica")
 
@@ -278,6 +278,13 @@ async def serve(
     where = socket_path or f"{host}:{port}"
     log.info("replica serving %s (%s) on %s", server.engine.model, engine, where)
     print(f"fairstream replica ready on {where}", flush=True)
+    await wait_for_stop(exit_with_parent)
+    await server.close()
+
+
+async def wait_for_stop(exit_with_parent: bool) -> None:
+    """Return on SIGTERM/SIGINT or, with ``exit_with_parent``, when the
+    process that started this one exits (even by SIGKILL)."""
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -285,7 +292,6 @@ async def serve(
     parent = os.getppid()
 
     async def watch_parent() -> None:
-        # Exit when the supervising router goes away, even by SIGKILL.
         while os.getppid() == parent:
             await asyncio.sleep(0.5)
         stop.set()
@@ -294,4 +300,3 @@ async def serve(
     await stop.wait()
     if watcher is not None:
         watcher.cancel()
-    await server.close()

@@ -15,6 +15,7 @@ import ctypes
 import json
 import logging
 import os
+import shutil
 import signal
 import sys
 import tempfile
@@ -69,6 +70,7 @@ class Supervisor:
         self._on_event = on_event or (lambda event, slot: None)
         self._tasks: list[asyncio.Task[None]] = []
         self._procs: dict[str, asyncio.subprocess.Process] = {}
+        self._own_run_dir = self.settings.run_dir is None
         self._run_dir = self.settings.run_dir or tempfile.mkdtemp(prefix="fairstream-")
         self._closing = False
 
@@ -102,6 +104,8 @@ class Supervisor:
         self._tasks.clear()
         await asyncio.gather(*(self._stop_process(p) for p in list(self._procs.values())))
         self._procs.clear()
+        if self._own_run_dir:
+            shutil.rmtree(self._run_dir, ignore_errors=True)
 
     # -- life cycle --------------------------------------------------------
 
@@ -164,7 +168,7 @@ class Supervisor:
         s = self.settings
         exited = asyncio.ensure_future(proc.wait()) if proc is not None else None
         try:
-            while client.closed is None:
+            while client.closed is None and not self._closing:
                 if exited is not None and exited.done():
                     raise RuntimeError(f"process exited with code {proc.returncode}")
                 try:

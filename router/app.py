@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import asyncio
 import logging
+from collections.abc import Coroutine
 from contextlib import asynccontextmanager
+from typing import Any
 from pathlib import Path
 
 import msgspec
@@ -36,7 +39,37 @@ async def _complete(request: Request, chat: bool) -> Response:
     if resume_id:
         pos = parse_last_event_id(request.headers.get("last-event-id"))
         return await handle_resume(svc, policy, resume_id, pos)
-    return await handle_completion(svc, policy, await request.body(), chat, new_request_id())
+    body = await request.body()
+    return await _until_disconnect(request, handle_completion(svc, policy, body, chat, new_request_id()))
+
+
+async def _until_disconnect(request: Request, work: Coroutine[Any, Any, Response]) -> Response:
+    """Run ``work`` (queueing, waiting for the first token, a whole
+    non-streamed completion) but give up the moment the client disconnects:
+    cancelling it leaves the queue or aborts the request on its replica."""
+    task = asyncio.ensure_future(work)
+    gone = asyncio.ensure_future(_disconnected(request))
+    try:
+        await asyncio.wait((task, gone), return_when=asyncio.FIRST_COMPLETED)
+    except asyncio.CancelledError:
+        task.cancel()
+        raise
+    finally:
+        gone.cancel()
+    if task.done():
+        return task.result()
+    task.cancel()
+    try:
+        await task
+    except (asyncio.CancelledError, ApiError):
+        pass
+    # Nobody reads this; 499 is what proxies log for a client that went away.
+    return Response(b"", status_code=499)
+
+
+async def _disconnected(request: Request) -> None:
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
 
 
 @post("/v1/chat/completions", status_code=200)

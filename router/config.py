@@ -7,7 +7,7 @@ from pathlib import Path
 import msgspec
 
 from replicas.spec import ReplicaSpec
-from router.configfile import Located, load_yaml
+from router.configfile import Located, load_yaml, parse_validation_error
 from policies.batching import AimdSettings
 from router.scheduler_settings import SchedulerSettings
 from router.state import StateConfig
@@ -60,12 +60,28 @@ class RouterConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
             if r.name in seen:
                 errors.append(located.error(("replicas", i, "name"), f"duplicate replica name {r.name!r}"))
             seen.add(r.name)
+            if r.local:
+                errors.extend(_check_engine_config(r, ("replicas", i, "config"), located))
         for key in ("default_max_tokens", "max_body_bytes"):
             if getattr(self, key) < 1:
                 errors.append(located.error((key,), "must be at least 1"))
         if self.max_failovers < 0:
             errors.append(located.error(("max_failovers",), "must not be negative"))
         return errors
+
+
+def _check_engine_config(spec: ReplicaSpec, at: tuple, located: Located) -> list[str]:
+    """A local replica's engine settings, checked now rather than at every restart."""
+    if spec.engine == "sim":
+        from replicas.sim import SimConfig as schema
+    else:
+        from replicas.vllm_engine import VllmEngineConfig as schema
+    try:
+        msgspec.convert(spec.config, schema, strict=True)
+    except msgspec.ValidationError as e:
+        where, reason = parse_validation_error(str(e))
+        return [located.error(at + where, reason)]
+    return []
 
 
 def load_router_config(path: str | Path) -> tuple[RouterConfig, Path]:

@@ -14,7 +14,7 @@ from typing import Any, TypeVar
 import msgspec
 import yaml
 
-__all__ = ["ConfigError", "load_yaml", "Located"]
+__all__ = ["ConfigError", "load_yaml", "Located", "parse_validation_error"]
 
 T = TypeVar("T")
 
@@ -128,6 +128,12 @@ def _replace_at(data: Any, path: tuple[Any, ...], value: Any) -> Any:
     copy = dict(data) if isinstance(data, dict) else list(data)
     copy[head] = _replace_at(data[head], tail, value)
     return copy
+
+
+def parse_validation_error(err: str) -> tuple[tuple[Any, ...], str]:
+    """(path, reason) of a msgspec validation message, for ``Located.error``."""
+    at, reason = _parse_error(err)
+    return tuple(p for p in at if p is not _ANY), reason
 
 
 def load_yaml(path: str | Path, type_: type[T], text: str | None = None) -> tuple[T, Located]:

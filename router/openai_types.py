@@ -134,6 +134,8 @@ def decode_request(body: bytes, kind: type[ChatRequest] | type[CompletionRequest
         m = _LOC.search(text)
         param = m.group(1) if m else None
         reason = text[: m.start()] if m else text
+        if not param and reason.startswith("Expected `object`"):
+            raise BadRequest("The request body must be a JSON object.", code="invalid_json") from e
         unknown = re.match(r"Object contains unknown field `([^`]+)`", reason)
         if unknown:
             name = (param + "." if param else "") + unknown.group(1)
@@ -176,20 +178,7 @@ def to_params(req: ChatRequest | CompletionRequest, default_max_tokens: int) -> 
         raise BadRequest(f"'stop' takes at most {MAX_STOP} sequences.", param="stop")
     if any(not s for s in stop):
         raise BadRequest("'stop' sequences must not be empty.", param="stop")
-    return SamplingParams(
-        max_tokens=max_tokens,
-        temperature=1.0 if req.temperature is None else req.temperature,
-        top_p=1.0 if req.top_p is None else req.top_p,
-        top_k=-1 if req.top_k is None else req.top_k,
-        seed=req.seed,
-        stop=stop,
-        stop_token_ids=list(req.stop_token_ids or []),
-        ignore_eos=bool(req.ignore_eos),
-        presence_penalty=req.presence_penalty or 0.0,
-        frequency_penalty=req.frequency_penalty or 0.0,
-        repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
-        min_tokens=req.min_tokens or 0,
-    )
+    return SamplingParams.from_openai(req, max_tokens, stop)
 
 
 _ROLES = ("system", "developer", "user", "assistant", "tool")

@@ -94,6 +94,8 @@ class Scheduler:
             except NoReplica as e:
                 raise ReplicaUnavailable(str(e)) from e
             if handle is not None:
+                # nobody waits: lift a returning tenant to the last served counter
+                self.counters.activate(policy.name, ())
                 self._dispatched(policy, 0.0)
                 return handle
         elif not self.pool.ready_slots(model):
@@ -212,6 +214,7 @@ class Scheduler:
             w.future.set_result(handle)
 
     def _dispatched(self, policy: TenantPolicy, waited: float) -> None:
+        self.counters.served(policy.name)
         self.metrics.queue_wait.labels(policy.name, policy.priority).observe(waited)
         now = self.clock()
         dt = max(1e-3, now - self._rate_ts)

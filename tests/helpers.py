@@ -219,6 +219,12 @@ class SseEvent:
     def json(self) -> Any:
         return msgspec.json.decode(self.data)
 
+    @property
+    def number(self) -> int | None:
+        """The event's sequence number: the ``id`` up to its first ``-``
+        (the router may append the stream position, ``N-T-C``)."""
+        return None if self.id is None else int(self.id.split("-", 1)[0])
+
 
 def _events(lines: Iterator[str]) -> Iterator[SseEvent]:
     event_id: str | None = None
@@ -241,7 +247,11 @@ def parse_sse(text: str) -> list[SseEvent]:
 
 
 async def aiter_sse(response: httpx.Response) -> AsyncIterator[SseEvent]:
-    """Events of a streamed httpx response, as they arrive."""
+    """Events of a streamed httpx response, as they arrive.
+
+    Leaving an ``async for`` over this early closes the HTTP connection as
+    soon as the generator is collected (a client disconnect); to pause a
+    stream, keep the iterator and call ``__anext__``."""
     event_id: str | None = None
     data: list[str] = []
     async for line in response.aiter_lines():

@@ -156,6 +156,20 @@ async def main(model_dir: str) -> dict:
         await asyncio.wait_for(asyncio.gather(*(sink.done[r].wait() for r in range(20, 24))), 300)
         dt = time.monotonic() - t0
         res["throughput"] = {"tokens": 256, "seconds": round(dt, 3), "tok_per_s": round(256 / dt, 1)}
+        long = sink.tokens[21]  # prompts[0], 64 tokens
+        res["long_counts"] = [len(sink.tokens[r]) for r in range(20, 24)]
+        res["long_same_twice"] = sink.tokens[20] == sink.tokens[23]
+        res["long_prefix_matches_16"] = long[:MAX_TOKENS] == sink.tokens[1]
+
+        # --- resume the 64-token run at several points, concurrently
+        splits = (1, 17, 40, 63)
+        for k in splits:
+            rid = 100 + k
+            sink.expect(rid)
+            engine.add(rid, prompts[0] + long[:k],
+                       SamplingParams(max_tokens=64 - k, temperature=0.0, ignore_eos=True))
+        await asyncio.wait_for(asyncio.gather(*(sink.done[100 + k].wait() for k in splits)), 120)
+        res["resume_splits"] = {k: sink.tokens[100 + k] == long[k:] for k in splits}
     finally:
         t0 = time.monotonic()
         await engine.close()

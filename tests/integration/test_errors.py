@@ -1,0 +1,325 @@
+"""Bad requests get OpenAI-shaped errors with the right status and the field named;
+health, readiness and metrics endpoints; failures stay isolated from healthy streams."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import httpx
+import openai
+import pytest
+
+from tests.helpers import ADMIN, GOLD, MODEL, RouterProcess, aiter_sse
+
+MAX_BODY = 64 * 1024
+SHARED_ROUTER = {"settings": {"max_body_bytes": MAX_BODY}}
+AUTH = {"authorization": f"Bearer {GOLD}"}
+CHAT = "/v1/chat/completions"
+COMPLETIONS = "/v1/completions"
+CONTEXT_MESSAGE = "maximum context length is 4096 tokens"  # SimConfig.max_model_len default
+
+
+def chat_body(**kw: Any) -> dict[str, Any]:
+    return {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4, **kw}
+
+
+def post(router: RouterProcess, path: str, *, headers: dict[str, str] | None = AUTH, **kw: Any) -> httpx.Response:
+    return httpx.post(router.base_url + path, headers=headers, timeout=30, **kw)
+
+
+def error_of(r: httpx.Response, status: int) -> dict[str, Any]:
+    """The ``error`` object of an OpenAI-shaped error response with ``status``."""
+    assert r.status_code == status, (r.status_code, r.text)
+    assert r.headers["content-type"].startswith("application/json")
+    body = r.json()
+    assert set(body) == {"error"}, body
+    err = body["error"]
+    assert set(err) >= {"message", "type", "param", "code"}, err
+    assert isinstance(err["message"], str) and err["message"]
+    return err
+
+
+@pytest.fixture(scope="module")
+def client(shared_router: RouterProcess):
+    with openai.OpenAI(base_url=shared_router.base_url + "/v1", api_key=GOLD, max_retries=0, timeout=30) as c:
+        yield c
+
+
+# -- request validation ---------------------------------------------------------
+
+
+@pytest.mark.parametrize("path", [CHAT, COMPLETIONS])
+def test_bad_json(shared_router: RouterProcess, path: str) -> None:
+    err = error_of(post(shared_router, path, content=b'{"model": "x",'), 400)
+    assert err["type"] == "invalid_request_error"
+    assert err["code"] == "invalid_json"
+
+
+def test_empty_body(shared_router: RouterProcess) -> None:
+    err = error_of(post(shared_router, CHAT, content=b""), 400)
+    assert err["type"] == "invalid_request_error"
+
+
+def test_json_that_is_not_an_object(shared_router: RouterProcess) -> None:
+    err = error_of(post(shared_router, CHAT, content=b"[1, 2]"), 400)
+    assert "None" not in err["message"]
+    assert "object" in err["message"]
+
+
+@pytest.mark.parametrize(
+    ("body", "param"),
+    [
+        (chat_body(bogus=1), "bogus"),
+        (chat_body(stream_options={"include_usage": True, "bogus": 1}), "stream_options.bogus"),
+    ],
+)
+def test_unknown_field_is_named(shared_router: RouterProcess, body: dict, param: str) -> None:
+    err = error_of(post(shared_router, CHAT, json=body), 400)
+    assert err["param"] == param
+    assert param in err["message"]
+
+
+def test_n_above_one_is_rejected(shared_router: RouterProcess) -> None:
+    err = error_of(post(shared_router, CHAT, json=chat_body(n=2)), 400)
+    assert err["param"] == "n"
+    # n=1 is the neutral value: accepted
+    assert post(shared_router, CHAT, json=chat_body(n=1)).status_code == 200
+
+
+@pytest.mark.parametrize(
+    ("path", "body", "param"),
+    [
+        (CHAT, chat_body(max_tokens="ten"), "max_tokens"),
+        (CHAT, chat_body(messages="hi"), "messages"),
+        (CHAT, chat_body(messages=[{"role": "user", "content": 5}]), "messages[0].content"),
+        (CHAT, chat_body(stream="yes"), "stream"),
+        (COMPLETIONS, {"model": MODEL, "prompt": "x", "temperature": "hot"}, "temperature"),
+        (COMPLETIONS, {"model": MODEL, "prompt": "x", "stop": 3}, "stop"),
+        (COMPLETIONS, {"model": 7, "prompt": "x"}, "model"),
+    ],
+)
+def test_wrong_type_names_the_field(shared_router: RouterProcess, path: str, body: dict, param: str) -> None:
+    err = error_of(post(shared_router, path, json=body), 400)
+    assert err["param"] == param
+    assert param in err["message"]
+
+
+@pytest.mark.parametrize(
+    ("body", "param"),
+    [
+        ({"model": MODEL, "prompt": "x", "temperature": 5}, "temperature"),
+        ({"model": MODEL, "prompt": "x", "max_tokens": 0}, "max_tokens"),
+        ({"model": MODEL}, "prompt"),
+        ({"model": MODEL, "prompt": []}, "prompt"),
+    ],
+)
+def test_bad_value_names_the_field(shared_router: RouterProcess, body: dict, param: str) -> None:
+    err = error_of(post(shared_router, COMPLETIONS, json=body), 400)
+    assert err["param"] == param
+
+
+def test_unknown_model_is_404(shared_router: RouterProcess) -> None:
+    err = error_of(post(shared_router, CHAT, json=chat_body(model="gpt-nope")), 404)
+    assert err["code"] == "model_not_found"
+    assert err["param"] == "model"
+    assert "gpt-nope" in err["message"]
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_prompt_longer_than_the_context_is_400(shared_router: RouterProcess, stream: bool) -> None:
+    body = {"model": MODEL, "prompt": "x" * 5000, "max_tokens": 16, "stream": stream}
+    err = error_of(post(shared_router, COMPLETIONS, json=body), 400)
+    assert CONTEXT_MESSAGE in err["message"]
+    assert err["type"] == "invalid_request_error"
+
+
+def test_prompt_plus_max_tokens_over_the_context_is_400(shared_router: RouterProcess) -> None:
+    body = {"model": MODEL, "prompt": "x" * 4000, "max_tokens": 200}
+    err = error_of(post(shared_router, COMPLETIONS, json=body), 400)
+    assert CONTEXT_MESSAGE in err["message"]
+    assert "4200" in err["message"]
+
+
+def test_body_over_the_limit_is_413(shared_router: RouterProcess) -> None:
+    body = {"model": MODEL, "prompt": "x" * (MAX_BODY + 10)}
+    err = error_of(post(shared_router, COMPLETIONS, json=body), 413)
+    assert err["type"] == "invalid_request_error"
+
+
+def test_chunked_body_over_the_limit_is_413(shared_router: RouterProcess) -> None:
+    """Without a Content-Length the limit must hold while the body streams in."""
+
+    def chunks():
+        yield b'{"model": "fairstream-sim", "prompt": "'
+        for _ in range(MAX_BODY // 4096 + 2):
+            yield b"x" * 4096
+        yield b'"}'
+
+    error_of(post(shared_router, COMPLETIONS, content=chunks()), 413)
+
+
+def test_body_just_under_the_limit_is_accepted(shared_router: RouterProcess) -> None:
+    # A long but legal body: 413 must not trigger early. 3000 prompt tokens fit the context.
+    body = {"model": MODEL, "prompt": "x" * 3000, "max_tokens": 2, "user": "u" * (MAX_BODY - 3200)}
+    r = post(shared_router, COMPLETIONS, json=body)
+    assert r.status_code == 200, r.text
+
+
+# -- authentication -------------------------------------------------------------
+
+
+@pytest.mark.parametrize("path", [CHAT, COMPLETIONS])
+def test_missing_key_is_401(shared_router: RouterProcess, path: str) -> None:
+    err = error_of(post(shared_router, path, headers=None, json=chat_body()), 401)
+    assert err["type"] == "invalid_request_error"
+
+
+@pytest.mark.parametrize("header", ["Bearer sk-not-a-key-1234", "Bearer", "Basic Zm9vOmJhcg==", GOLD])
+def test_bad_key_is_401(shared_router: RouterProcess, header: str) -> None:
+    err = error_of(post(shared_router, CHAT, headers={"authorization": header}, json=chat_body()), 401)
+    assert "sk-not-a-key-1234" not in err["message"], "the key must not be echoed back"
+
+
+def test_models_needs_a_key(shared_router: RouterProcess) -> None:
+    error_of(httpx.get(shared_router.base_url + "/v1/models", timeout=10), 401)
+
+
+def test_admin_key_cannot_call_inference(shared_router: RouterProcess) -> None:
+    error_of(post(shared_router, CHAT, headers={"authorization": f"Bearer {ADMIN}"}, json=chat_body()), 403)
+
+
+def test_unknown_path_and_method(shared_router: RouterProcess) -> None:
+    error_of(httpx.get(shared_router.base_url + "/v1/nothing", headers=AUTH, timeout=10), 404)
+    error_of(httpx.get(shared_router.base_url + COMPLETIONS, headers=AUTH, timeout=10), 405)
+
+
+# -- the same through the SDK ----------------------------------------------------
+
+
+def test_sdk_authentication_error(shared_router: RouterProcess) -> None:
+    with openai.OpenAI(base_url=shared_router.base_url + "/v1", api_key="sk-wrong", max_retries=0) as c:
+        with pytest.raises(openai.AuthenticationError) as e:
+            c.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "x"}])
+    assert e.value.status_code == 401
+
+
+def test_sdk_permission_denied_for_admin_key(shared_router: RouterProcess) -> None:
+    with openai.OpenAI(base_url=shared_router.base_url + "/v1", api_key=ADMIN, max_retries=0) as c:
+        with pytest.raises(openai.PermissionDeniedError):
+            c.completions.create(model=MODEL, prompt="x")
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_sdk_bad_request_error(client: openai.OpenAI, stream: bool) -> None:
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "x"}], n=2, stream=stream)
+    assert e.value.param == "n"
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(model=MODEL, prompt="x" * 5000, stream=stream)
+    assert CONTEXT_MESSAGE in e.value.message
+
+
+def test_sdk_not_found_error(client: openai.OpenAI) -> None:
+    with pytest.raises(openai.NotFoundError) as e:
+        client.chat.completions.create(model="no-such-model", messages=[{"role": "user", "content": "x"}])
+    assert e.value.code == "model_not_found"
+
+
+def test_sdk_unknown_argument(client: openai.OpenAI) -> None:
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(model=MODEL, prompt="x", extra_body={"frobnicate": True})
+    assert e.value.param == "frobnicate"
+
+
+# -- health, readiness, metrics -----------------------------------------------------
+
+
+def test_health(shared_router: RouterProcess) -> None:
+    r = httpx.get(shared_router.base_url + "/health", timeout=5)
+    assert r.status_code == 200
+    assert r.json()["status"] == "ok"
+
+
+def test_ready_lists_the_replicas(shared_router: RouterProcess) -> None:
+    r = httpx.get(shared_router.base_url + "/ready", timeout=5)
+    assert r.status_code == 200
+    body = r.json()
+    assert body["ready"] is True
+    assert body["replicas"] == {"sim-0": "ready", "sim-1": "ready"}
+
+
+def test_metrics_after_traffic(shared_router: RouterProcess, client: openai.OpenAI) -> None:
+    before = shared_router.metrics()
+    ok0 = before.value("fairstream_requests_total", 0.0, tenant="gold", outcome="ok")
+    bad0 = before.value("fairstream_requests_total", 0.0, tenant="gold", outcome="client_error")
+    with client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "x"}], max_tokens=40, stream=True,
+        extra_body={"ignore_eos": True},
+    ) as s:
+        for _ in s:
+            pass
+    with pytest.raises(openai.BadRequestError):
+        client.completions.create(model=MODEL, prompt="x", n=3)
+    after = shared_router.metrics()
+    assert "text/plain" in httpx.get(shared_router.base_url + "/metrics").headers["content-type"]
+    assert after.value("fairstream_requests_total", tenant="gold", outcome="ok") == ok0 + 1
+    assert after.value("fairstream_requests_total", tenant="gold", outcome="client_error") == bad0 + 1
+    assert after.value("fairstream_time_to_first_token_seconds_count", tenant="gold") >= 1
+    # 40 tokens need at least 3 events (at most chunk_tokens per event): >= 2 gaps
+    assert after.value("fairstream_inter_token_latency_seconds_count", tenant="gold") >= 2
+    assert after.value("fairstream_tokens_total", tenant="gold", direction="completion") >= 40
+    for name in ("sim-0", "sim-1"):
+        assert after.value("fairstream_replica_up", replica=name) == 1
+        assert after.value("fairstream_replica_running_requests", replica=name) >= 0
+        assert after.value("fairstream_replica_inflight_requests", replica=name) >= 0
+
+
+# -- isolation -------------------------------------------------------------------
+
+
+async def test_failed_requests_do_not_break_a_concurrent_stream(shared_router: RouterProcess) -> None:
+    base = shared_router.base_url
+    body = {"model": MODEL, "prompt": "Le caf", "max_tokens": 200, "temperature": 0, "ignore_eos": True}
+    async with httpx.AsyncClient(base_url=base, headers=AUTH, timeout=30) as http:
+        reference = (await http.post(COMPLETIONS, json=body)).json()["choices"][0]["text"]
+
+        async def healthy_stream() -> tuple[str, str | None]:
+            text, finish = [], None
+            async with http.stream("POST", COMPLETIONS, json={**body, "stream": True}) as r:
+                assert r.status_code == 200
+                async for ev in aiter_sse(r):
+                    if ev.data == "[DONE]":
+                        break
+                    choice = ev.json()["choices"][0]
+                    text.append(choice["text"])
+                    finish = choice["finish_reason"] or finish
+            return "".join(text), finish
+
+        async def abandoned_stream() -> None:
+            async with http.stream("POST", COMPLETIONS, json={**body, "stream": True}) as r:
+                async for _ in r.aiter_lines():
+                    break  # leave after the first line: the client disconnects
+
+        async def failures() -> list[int]:
+            statuses = []
+            for _ in range(3):
+                for kw in (
+                    {"content": b"{not json"},
+                    {"json": {**body, "model": "missing"}},
+                    {"json": {**body, "prompt": "x" * 5000}},
+                    {"json": {**body, "prompt": "x" * (MAX_BODY + 1)}},
+                    {"json": {**body, "n": 2}},
+                    {"json": body, "headers": {"authorization": "Bearer nope"}},
+                ):
+                    statuses.append((await http.post(COMPLETIONS, **kw)).status_code)
+                await abandoned_stream()
+            return statuses
+
+        stream_task = asyncio.create_task(healthy_stream())
+        statuses = await failures()
+        text, finish = await asyncio.wait_for(stream_task, 30)
+    assert sorted(set(statuses)) == [400, 401, 404, 413]
+    assert finish == "length"
+    assert text == reference
+    assert (await shared_router.ametrics()).value("fairstream_streams_lost_total") == 0

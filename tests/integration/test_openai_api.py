@@ -1,0 +1,225 @@
+"""The OpenAI API as the official SDK sees it, against a real router and sim replicas."""
+
+from __future__ import annotations
+
+import asyncio
+
+import httpx
+import openai
+import pytest
+
+from tests.helpers import GOLD, MODEL, RouterProcess, parse_sse
+
+IGNORE_EOS = {"ignore_eos": True}
+REPLACEMENT = "\ufffd"
+
+
+@pytest.fixture(scope="module")
+def client(shared_router: RouterProcess):
+    with openai.OpenAI(base_url=shared_router.base_url + "/v1", api_key=GOLD, max_retries=0, timeout=30) as c:
+        yield c
+
+
+@pytest.fixture
+async def aclient(shared_router: RouterProcess):
+    async with openai.AsyncOpenAI(
+        base_url=shared_router.base_url + "/v1", api_key=GOLD, max_retries=0, timeout=30
+    ) as c:
+        yield c
+
+
+def _chat(content: str) -> list[dict[str, str]]:
+    return [{"role": "user", "content": content}]
+
+
+def stream_chat(client: openai.OpenAI, content: str, **kw) -> tuple[list[str], str | None, list]:
+    """(content pieces, finish reason, chunks) of one streamed chat completion."""
+    pieces: list[str] = []
+    finish = None
+    chunks = []
+    with client.chat.completions.create(model=MODEL, messages=_chat(content), stream=True, **kw) as stream:
+        for chunk in stream:
+            chunks.append(chunk)
+            for choice in chunk.choices:
+                if choice.delta.content:
+                    pieces.append(choice.delta.content)
+                if choice.finish_reason is not None:
+                    assert finish is None, "two chunks carry a finish_reason"
+                    finish = choice.finish_reason
+    return pieces, finish, chunks
+
+
+def stream_completion(client: openai.OpenAI, prompt: str, **kw) -> tuple[list[str], str | None, list]:
+    pieces: list[str] = []
+    finish = None
+    chunks = []
+    with client.completions.create(model=MODEL, prompt=prompt, stream=True, **kw) as stream:
+        for chunk in stream:
+            chunks.append(chunk)
+            for choice in chunk.choices:
+                if choice.text:
+                    pieces.append(choice.text)
+                if choice.finish_reason is not None:
+                    assert finish is None, "two chunks carry a finish_reason"
+                    finish = choice.finish_reason
+    return pieces, finish, chunks
+
+
+def test_models_lists_the_sim_model(client: openai.OpenAI) -> None:
+    ids = [m.id for m in client.models.list()]
+    assert MODEL in ids
+
+
+def test_chat_stream_arrives_in_several_chunks(client: openai.OpenAI) -> None:
+    # The router may merge up to the tenant's chunk_tokens (16 for gold) per
+    # event when the client lags: 64 tokens are at least 4 events.
+    pieces, finish, chunks = stream_chat(client, "Hello", max_tokens=64, extra_body=IGNORE_EOS)
+    assert len(pieces) >= 4, pieces
+    assert "".join(pieces).strip()
+    assert finish == "length"
+    assert all(c.object == "chat.completion.chunk" and c.model == MODEL for c in chunks)
+    assert len({c.id for c in chunks}) == 1
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert all(c.usage is None for c in chunks), "usage without stream_options.include_usage"
+
+
+def test_chat_non_stream(client: openai.OpenAI) -> None:
+    r = client.chat.completions.create(model=MODEL, messages=_chat("Hello"), max_tokens=24, extra_body=IGNORE_EOS)
+    assert r.object == "chat.completion"
+    choice = r.choices[0]
+    assert choice.message.role == "assistant"
+    assert choice.message.content and choice.message.content.strip()
+    assert choice.finish_reason == "length"
+    assert r.usage.completion_tokens == 24
+    assert r.usage.prompt_tokens > 0
+    assert r.usage.total_tokens == r.usage.prompt_tokens + 24
+
+
+def test_completions_stream(client: openai.OpenAI) -> None:
+    pieces, finish, chunks = stream_completion(client, "The ", max_tokens=64, extra_body=IGNORE_EOS)
+    assert len(pieces) >= 4
+    assert "".join(pieces).strip()
+    assert finish == "length"
+    assert all(c.object == "text_completion" for c in chunks)
+
+
+def test_completions_non_stream(client: openai.OpenAI) -> None:
+    r = client.completions.create(model=MODEL, prompt="The ", max_tokens=24, extra_body=IGNORE_EOS)
+    assert r.object == "text_completion"
+    assert r.choices[0].text.strip()
+    assert r.choices[0].finish_reason == "length"
+    assert r.usage.completion_tokens == 24
+    assert r.usage.prompt_tokens == len("The ".encode())  # the sim's tokens are bytes
+
+
+@pytest.mark.parametrize("endpoint", ["chat", "completions"])
+def test_include_usage_adds_a_final_usage_chunk(client: openai.OpenAI, endpoint: str) -> None:
+    kw = dict(max_tokens=17, stream_options={"include_usage": True}, extra_body=IGNORE_EOS)
+    if endpoint == "chat":
+        _, finish, chunks = stream_chat(client, "Hi", **kw)
+    else:
+        _, finish, chunks = stream_completion(client, "Hi", **kw)
+    assert finish == "length"
+    last = chunks[-1]
+    assert last.choices == []
+    assert last.usage is not None
+    assert last.usage.completion_tokens == 17
+    assert last.usage.prompt_tokens > 0
+    assert last.usage.total_tokens == last.usage.prompt_tokens + 17
+    assert all(c.usage is None for c in chunks[:-1])
+
+
+def test_greedy_is_deterministic(client: openai.OpenAI) -> None:
+    texts = [
+        client.chat.completions.create(
+            model=MODEL, messages=_chat("Tell me"), max_tokens=48, temperature=0, extra_body=IGNORE_EOS
+        ).choices[0].message.content
+        for _ in range(3)  # the two replicas and the same one again
+    ]
+    assert texts[0] and texts[0] == texts[1] == texts[2]
+    pieces, _, _ = stream_chat(client, "Tell me", max_tokens=48, temperature=0, extra_body=IGNORE_EOS)
+    assert "".join(pieces) == texts[0]
+
+
+def test_seeded_sampling_is_reproducible(client: openai.OpenAI) -> None:
+    def run(seed: int) -> str:
+        return client.completions.create(
+            model=MODEL, prompt="The ", max_tokens=48, temperature=1.0, seed=seed, extra_body=IGNORE_EOS
+        ).choices[0].text
+
+    a = run(7)
+    assert a == run(7)
+
+
+@pytest.mark.parametrize("prompt", ["東京の", "Le caf", "Über"])
+def test_multibyte_text_is_never_garbled_mid_stream(client: openai.OpenAI, prompt: str) -> None:
+    kw = dict(max_tokens=60, temperature=0, extra_body=IGNORE_EOS)
+    reference = client.completions.create(model=MODEL, prompt=prompt, **kw).choices[0].text
+    assert any(ord(ch) > 127 for ch in reference), f"prompt {prompt!r} should steer to multi-byte text: {reference!r}"
+    assert REPLACEMENT not in reference
+    pieces, finish, _ = stream_completion(client, prompt, **kw)
+    assert finish == "length"
+    assert all(REPLACEMENT not in p for p in pieces), pieces
+    assert "".join(pieces) == reference
+    # Token boundaries split characters (bytes are tokens), so some events
+    # must have waited for a character's last byte: fewer pieces than tokens.
+    assert len(pieces) < 60
+
+
+def test_multibyte_chat_stream_equals_non_stream(client: openai.OpenAI) -> None:
+    kw = dict(max_tokens=160, temperature=0, extra_body=IGNORE_EOS)
+    ref = client.chat.completions.create(model=MODEL, messages=_chat("東京の"), **kw).choices[0].message.content
+    pieces, _, _ = stream_chat(client, "東京の", **kw)
+    assert "".join(pieces) == ref
+    assert REPLACEMENT not in ref
+
+
+def test_stop_string_cuts_the_stream_before_it(client: openai.OpenAI) -> None:
+    kw = dict(max_tokens=80, temperature=0, extra_body=IGNORE_EOS)
+    reference = client.completions.create(model=MODEL, prompt="Le caf", **kw).choices[0].text
+    stop = reference[20:24]
+    expected = reference[: reference.index(stop)]
+    pieces, finish, _ = stream_completion(client, "Le caf", stop=[stop], **kw)
+    assert finish == "stop"
+    assert "".join(pieces) == expected
+    r = client.completions.create(model=MODEL, prompt="Le caf", stop=stop, **kw)
+    assert (r.choices[0].text, r.choices[0].finish_reason) == (expected, "stop")
+
+
+def test_sse_wire_format(shared_router: RouterProcess) -> None:
+    """Every event has an ``id:``, ids count up from 1 without gaps, the last is [DONE]."""
+    body = {"model": MODEL, "prompt": "The ", "max_tokens": 20, "stream": True, "ignore_eos": True}
+    r = httpx.post(
+        shared_router.base_url + "/v1/completions", json=body, headers={"authorization": f"Bearer {GOLD}"}, timeout=30
+    )
+    assert r.status_code == 200
+    assert r.headers["content-type"].startswith("text/event-stream")
+    assert r.headers.get("x-request-id")
+    events = parse_sse(r.text)
+    assert events[-1].data == "[DONE]"
+    ids = [e.number for e in events[:-1]]
+    assert ids == list(range(1, len(ids) + 1))
+
+
+async def test_twenty_concurrent_async_streams(aclient: openai.AsyncOpenAI) -> None:
+    async def one(i: int) -> tuple[str, str | None, int | None]:
+        text, finish, usage = [], None, None
+        stream = await aclient.chat.completions.create(
+            model=MODEL, messages=_chat(f"stream {i}"), max_tokens=48, stream=True,
+            stream_options={"include_usage": True}, extra_body=IGNORE_EOS,
+        )
+        async with stream:
+            async for chunk in stream:
+                if chunk.usage is not None:
+                    usage = chunk.usage.completion_tokens
+                for c in chunk.choices:
+                    text.append(c.delta.content or "")
+                    finish = c.finish_reason or finish
+        return "".join(text), finish, usage
+
+    results = await asyncio.wait_for(asyncio.gather(*(one(i) for i in range(20))), 60)
+    assert len(results) == 20
+    for text, finish, usage in results:
+        assert text
+        assert finish == "length"
+        assert usage == 48

@@ -1,0 +1,235 @@
+"""Replica life cycle under a real router: client disconnects, replica crashes
+(idle and mid-stream, with token-exact failover), router crashes."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+from dataclasses import dataclass, field
+from typing import Any
+
+import httpx
+import pytest
+
+from tests.helpers import GOLD, MODEL, RouterProcess, aiter_sse, apoll, poll, proc_stat
+
+AUTH = {"authorization": f"Bearer {GOLD}"}
+SLOW = {"step_base_ms": 20}
+
+
+@dataclass
+class StreamResult:
+    text: list[str] = field(default_factory=list)
+    ids: list[int] = field(default_factory=list)
+    finish: str | None = None
+    usage: dict[str, int] | None = None
+    errors: list[Any] = field(default_factory=list)
+    done: bool = False
+    events: int = 0
+
+
+def _body(kind: str, prompt: str, max_tokens: int, **kw: Any) -> tuple[str, dict[str, Any]]:
+    body: dict[str, Any] = {"model": MODEL, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True, **kw}
+    if kind == "chat":
+        return "/v1/chat/completions", {**body, "messages": [{"role": "user", "content": prompt}]}
+    return "/v1/completions", {**body, "prompt": prompt}
+
+
+def _text_of(kind: str, choice: dict[str, Any], *, stream: bool) -> str:
+    if kind == "chat":
+        return (choice["delta"] if stream else choice["message"]).get("content") or ""
+    return choice["text"]
+
+
+async def run_stream(http: httpx.AsyncClient, kind: str, prompt: str, max_tokens: int, out: StreamResult) -> None:
+    """Stream one request into ``out`` (visible to the caller while it runs)."""
+    path, body = _body(kind, prompt, max_tokens, stream=True, stream_options={"include_usage": True})
+    async with http.stream("POST", path, json=body) as r:
+        assert r.status_code == 200, await r.aread()
+        async for ev in aiter_sse(r):
+            out.events += 1
+            if ev.data == "[DONE]":
+                out.done = True
+                break
+            out.ids.append(ev.number if ev.number is not None else -1)
+            chunk = ev.json()
+            if "error" in chunk:
+                out.errors.append(chunk["error"])
+                continue
+            if chunk.get("usage"):
+                out.usage = chunk["usage"]
+            for choice in chunk["choices"]:
+                out.text.append(_text_of(kind, choice, stream=True))
+                out.finish = choice["finish_reason"] or out.finish
+
+
+async def reference(http: httpx.AsyncClient, kind: str, prompt: str, max_tokens: int) -> str:
+    path, body = _body(kind, prompt, max_tokens)
+    r = await http.post(path, json=body)
+    assert r.status_code == 200, r.text
+    return _text_of(kind, r.json()["choices"][0], stream=False)
+
+
+# -- (a) client disconnect ---------------------------------------------------------
+
+
+async def test_client_disconnect_aborts_the_stream_on_its_replica(make_router) -> None:
+    router: RouterProcess = make_router(replicas=1, sim=SLOW)
+    path, body = _body("completions", "The ", 1000, stream=True)  # 20 s at 20 ms/step
+    async with httpx.AsyncClient(base_url=router.base_url, headers=AUTH, timeout=30) as http:
+        async with http.stream("POST", path, json=body) as r:
+            assert r.status_code == 200
+            # Pull events by hand: leaving an ``async for`` over the stream
+            # early would close the connection already.
+            events = aiter_sse(r)
+            for _ in range(5):
+                await events.__anext__()
+            await apoll(
+                lambda: _running_and_inflight(router, http, lambda run, inf: run >= 1 and inf >= 1),
+                3, what="the stream to show as running on sim-0",
+            )
+            await events.aclose()
+        # leaving the block closes the connection mid-stream
+        await apoll(
+            lambda: _running_and_inflight(router, http, lambda run, inf: run == 0 and inf == 0),
+            # "at once": the load report interval (0.2 s) plus slack for a loaded CI machine
+            2.5, what="sim-0 running and router inflight to drop to 0 after the disconnect",
+        )
+        m = await router.ametrics(http)
+        assert m.value("fairstream_requests_total", tenant="gold", outcome="cancelled") == 1
+        assert m.value("fairstream_requests_total", 0.0, tenant="gold", outcome="ok") == 0
+
+
+async def _running_and_inflight(router: RouterProcess, http: httpx.AsyncClient, ok) -> bool:
+    m = await router.ametrics(http)
+    return ok(
+        m.value("fairstream_replica_running_requests", replica="sim-0"),
+        m.value("fairstream_replica_inflight_requests", replica="sim-0"),
+    )
+
+
+async def test_client_disconnect_aborts_a_non_streamed_request(make_router) -> None:
+    router: RouterProcess = make_router(replicas=1, sim=SLOW)
+    path, body = _body("completions", "The ", 300)  # 6 s: still running at the deadline below
+    async with httpx.AsyncClient(base_url=router.base_url, headers=AUTH) as http:
+        with pytest.raises(httpx.ReadTimeout):
+            await http.post(path, json=body, timeout=httpx.Timeout(30, read=0.6))
+        await apoll(
+            lambda: _running_and_inflight(router, http, lambda run, inf: inf == 0 and run == 0),
+            2.0, what="the abandoned non-streamed request to be aborted",
+        )
+
+
+# -- (b) replica crash while idle -----------------------------------------------------
+
+
+def test_killed_idle_replica_is_restarted(router: RouterProcess) -> None:
+    old = router.replica_pids()
+    assert set(old) == {"sim-0", "sim-1"}
+    router.kill_replica("sim-0", signal.SIGKILL)
+    ready_statuses: list[int] = []
+
+    def restarted() -> int | None:
+        # sim-1 keeps serving, so /ready must stay 200 through the restart
+        ready_statuses.append(httpx.get(router.base_url + "/ready", timeout=5).status_code)
+        pid = router.replica_pids().get("sim-0")
+        return pid if pid not in (None, old["sim-0"]) else None
+
+    new_pid = poll(restarted, 15, what="a new sim-0 process")
+    assert set(ready_statuses) == {200}, ready_statuses
+    body = router.wait_ready(15, all_replicas=True)
+    assert body["replicas"] == {"sim-0": "ready", "sim-1": "ready"}
+    assert router.replica_pids()["sim-1"] == old["sim-1"], "the healthy replica must not be restarted"
+    # the dead process was reaped, not left as a zombie
+    poll(lambda: proc_stat(old["sim-0"]) is None, 5, what="the killed replica to be reaped")
+    m = router.metrics()
+    assert m.value("fairstream_replica_restarts_total", replica="sim-0") >= 1
+    assert m.value("fairstream_replica_restarts_total", 0.0, replica="sim-1") == 0
+    assert m.value("fairstream_replica_up", replica="sim-0") == 1
+    # new requests succeed, on both replicas
+    with httpx.Client(base_url=router.base_url, headers=AUTH, timeout=30) as http:
+        for i in range(6):
+            r = http.post("/v1/completions", json={"model": MODEL, "prompt": f"x{i}", "max_tokens": 4})
+            assert r.status_code == 200, r.text
+    m = router.metrics()
+    assert m.value("fairstream_requests_total", tenant="gold", outcome="ok") == 6
+
+
+# -- (c) replica crash mid-stream --------------------------------------------------------
+
+
+async def test_replica_killed_mid_stream_fails_over_token_exact(make_router) -> None:
+    router: RouterProcess = make_router(replicas=2, sim={"step_base_ms": 10})
+    max_tokens = 200
+    jobs = [("chat", "東京の"), ("chat", "Tell me"), ("completions", "Le caf"), ("completions", "Über")]
+    async with httpx.AsyncClient(base_url=router.base_url, headers=AUTH, timeout=60) as http:
+        refs = await asyncio.gather(*(reference(http, k, p, max_tokens) for k, p in jobs))
+        results = [StreamResult() for _ in jobs]
+        tasks = [asyncio.create_task(run_stream(http, k, p, max_tokens, out)) for (k, p), out in zip(jobs, results)]
+        try:
+            await apoll(
+                lambda: all(len("".join(r.text)) >= 40 for r in results) or any(t.done() for t in tasks),
+                20, what="every stream to be well under way",
+            )
+            assert not any(t.done() for t in tasks), "a stream ended before the replica was killed"
+            m = await router.ametrics(http)
+            inflight = {n: m.value("fairstream_replica_inflight_requests", replica=n) for n in ("sim-0", "sim-1")}
+            victim = max(inflight, key=inflight.get)
+            assert inflight[victim] >= 1
+            router.kill_replica(victim, signal.SIGKILL)
+            await asyncio.wait_for(asyncio.gather(*tasks), 30)
+        finally:
+            for t in tasks:
+                t.cancel()
+        m = await router.ametrics(http)
+    for (kind, prompt), ref, res in zip(jobs, refs, results):
+        assert res.errors == [], (kind, prompt, res.errors)
+        assert res.done, "stream ended without [DONE]"
+        assert res.finish == "length"
+        assert "".join(res.text) == ref, (kind, prompt)
+        assert res.usage is not None and res.usage["completion_tokens"] == max_tokens
+        assert res.ids == list(range(1, len(res.ids) + 1)), "event ids must continue without a gap"
+    assert m.value("fairstream_failovers_total", replica=victim) >= inflight[victim]
+    assert m.value("fairstream_streams_lost_total") == 0
+    assert m.value("fairstream_resumed_tokens_total") > 0
+
+
+async def test_stream_lost_without_a_spare_replica_ends_with_an_error_event(make_router) -> None:
+    """One replica, killed mid-stream: nothing can resume the stream, so it ends
+    with an explicit error event (no [DONE]), never a silent truncation."""
+    router: RouterProcess = make_router(replicas=1, sim=SLOW)
+    async with httpx.AsyncClient(base_url=router.base_url, headers=AUTH, timeout=30) as http:
+        res = StreamResult()
+        task = asyncio.create_task(run_stream(http, "completions", "The ", 1000, res))
+        await apoll(lambda: len("".join(res.text)) >= 5 or task.done(), 10, what="the stream to start")
+        router.kill_replica("sim-0", signal.SIGKILL)
+        await asyncio.wait_for(task, 10)
+        m = await router.ametrics(http)
+    assert not res.done, "a lost stream must not end with [DONE]"
+    assert res.finish is None
+    assert len(res.errors) == 1 and res.errors[0]["code"] == "stream_lost", res.errors
+    assert m.value("fairstream_streams_lost_total") == 1
+    assert m.value("fairstream_requests_total", tenant="gold", outcome="lost") == 1
+    router.wait_ready(15)  # and the replica comes back
+
+
+# -- (d) router crash -------------------------------------------------------------------
+
+
+def test_replicas_exit_when_the_router_is_killed(router: RouterProcess) -> None:
+    pids = router.replica_pids()
+    assert len(pids) == 2
+    assert router.proc is not None
+    os.kill(router.pid, signal.SIGKILL)
+    router.proc.wait(5)
+    left = router.wait_replicas_gone(5.0)
+    assert left == [], f"orphaned replicas after the router was SIGKILLed: {left}"
+
+
+# -- shutdown -----------------------------------------------------------------------------
+
+
+def test_router_removes_its_run_dir_on_exit(router: RouterProcess) -> None:
+    router.stop()
+    assert router.leftovers == []

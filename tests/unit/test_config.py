@@ -1,0 +1,141 @@
+"""router.yaml (and tenants.yaml) errors name ``file:line: key: reason``.
+
+One bad file per failure mode lives in tests/data/bad_configs/. Its first
+line says what the error must be::
+
+    # expect: LINE: KEY: REASON-REGEX
+
+Files named ``tenants_*.yaml`` are tenant policy files, the others router
+configs. Every file is checked twice: by ``load_yaml`` and by
+``fairstream check-config`` (which must exit 1 and print the same line).
+"""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from router.config import RouterConfig
+from router.configfile import ConfigError, load_yaml
+from router.tenants import TenantsFile
+from tests.helpers import ROOT
+
+BAD = Path(__file__).resolve().parents[1] / "data" / "bad_configs"
+FILES = sorted(BAD.glob("*.yaml"))
+_EXPECT = re.compile(r"^# expect: (\d+): (.+?): (.+)$")
+
+LOAD_BUGS: dict = {}
+CLI_BUGS: dict = {}
+
+
+def expectation(path: Path) -> tuple[int, str, str]:
+    m = _EXPECT.match(path.read_text("utf-8").splitlines()[0])
+    assert m, f"{path.name}: first line must be '# expect: LINE: KEY: REASON-REGEX'"
+    return int(m.group(1)), m.group(2), m.group(3)
+
+
+def kind_of(path: Path) -> type:
+    return TenantsFile if path.name.startswith("tenants_") else RouterConfig
+
+
+def _params(bugs: dict[str, pytest.MarkDecorator]):
+    return [pytest.param(p, id=p.stem, marks=[bugs[p.name]] if p.name in bugs else []) for p in FILES]
+
+
+def check_error_line(path: Path, line: str) -> None:
+    """``line`` is the located error the file's header expects."""
+    want_line, want_key, want_reason = expectation(path)
+    m = re.fullmatch(rf"{re.escape(str(path))}:(\d+): (.+?): (.+)", line)
+    assert m, f"not `{path}:LINE: KEY: reason`: {line!r}"
+    assert (int(m.group(1)), m.group(2)) == (want_line, want_key), line
+    assert re.search(want_reason, m.group(3)), line
+
+
+def test_there_is_a_file_per_failure_mode() -> None:
+    names = {p.stem for p in FILES}
+    for mode in ("unknown_top_key", "wrong_type_port", "missing_replicas", "tenants_duplicate_digest",
+                 "tenants_bad_digest", "syntax_error"):
+        assert mode in names
+
+
+@pytest.mark.parametrize("path", _params(LOAD_BUGS))
+def test_load_names_file_line_key_and_reason(path: Path) -> None:
+    with pytest.raises(ConfigError) as info:
+        load_yaml(path, kind_of(path))
+    errors = info.value.errors
+    assert len(errors) == 1, errors  # one failure mode per file
+    check_error_line(path, errors[0])
+    assert str(info.value) == errors[0]
+
+
+@pytest.fixture(scope="module")
+def check_config_output() -> tuple[int, dict[str, list[str]]]:
+    """One ``fairstream check-config`` run over every bad file: its exit code
+    and its stderr lines grouped by the file they start with."""
+    proc = _cli("check-config", *map(str, FILES))
+    by_file: dict[str, list[str]] = {p.name: [] for p in FILES}
+    current: str | None = None
+    for line in proc.stderr.splitlines():
+        for p in FILES:
+            if line.startswith(f"{p}:"):
+                current = p.name
+                break
+        if current is not None and line.strip():
+            by_file[current].append(line)
+    return proc.returncode, by_file
+
+
+def _cli(*args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-c", "from router.cli import main; main()", *args],
+        capture_output=True, text=True, timeout=timeout, cwd=ROOT,
+    )
+
+
+@pytest.mark.parametrize("path", _params(CLI_BUGS))
+def test_check_config_exits_1_and_prints_the_error(path: Path, check_config_output) -> None:
+    code, by_file = check_config_output
+    assert code == 1
+    lines = by_file[path.name]
+    assert len(lines) == 1, lines or f"no error printed for {path.name}"
+    check_error_line(path, lines[0])
+
+
+def test_check_config_accepts_the_shipped_configs() -> None:
+    files = sorted(str(p.relative_to(ROOT)) for p in (ROOT / "configs").glob("*.yaml"))
+    assert "configs/router.yaml" in files and "configs/tenants.yaml" in files
+    proc = _cli("check-config", *files)
+    assert proc.returncode == 0, proc.stderr
+    for f in files:
+        assert re.search(rf"^{re.escape(f)}: ok\b", proc.stdout, re.M), proc.stdout
+    assert "configs/router.yaml: ok (router config)" in proc.stdout
+    assert "configs/tenants.yaml: ok (tenants config)" in proc.stdout
+
+
+def test_check_config_reports_every_bad_file_in_one_run() -> None:
+    paths = [BAD / "unknown_top_key.yaml", ROOT / "configs" / "router.yaml", BAD / "tenants_bad_digest.yaml"]
+    proc = _cli("check-config", *map(str, paths))
+    assert proc.returncode == 1
+    assert f"{paths[1]}: ok" in proc.stdout
+    errors = proc.stderr.splitlines()
+    assert len(errors) == 2, proc.stderr
+    check_error_line(paths[0], errors[0])
+    check_error_line(paths[2], errors[1])
+
+
+def test_serve_refuses_a_bad_config_with_the_same_message() -> None:
+    path = BAD / "unknown_top_key.yaml"
+    proc = _cli("serve", "--config", str(path), "--port", "1", timeout=60)
+    assert proc.returncode == 1
+    assert proc.stderr.strip().splitlines()[-1].startswith(f"{path}:4: max_body_size: unknown key")
+
+
+def test_unreadable_file_is_reported_not_raised(tmp_path: Path) -> None:
+    missing = tmp_path / "nope.yaml"
+    with pytest.raises(ConfigError) as info:
+        load_yaml(missing, RouterConfig)
+    assert info.value.errors[0].startswith(f"{missing}:1: (file): cannot read")

@@ -1,0 +1,222 @@
+"""Properties of ``replicas.output.OutputProcessor`` with the sim's byte tokenizer.
+
+The text contract: whatever the chunking of tokens into ``process`` calls, and
+wherever a stream is resumed on another replica (a new processor given the
+delivered tokens and the number of characters the client has), the client
+receives ``decode(all tokens)``, cut exactly before the first stop string.
+"""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import assume, example, given
+from hypothesis import strategies as st
+
+from replicas.output import OutputProcessor
+from replicas.protocol import FinishReason
+from replicas.sim import ByteTokenizer
+
+TOK = ByteTokenizer()
+NONE, STOP, LENGTH = FinishReason.NONE, FinishReason.STOP, FinishReason.LENGTH
+
+# A small alphabet of 1- to 4-byte characters makes stop strings hit often.
+SMALL = st.sampled_from(list("ab é日😀\n"))
+small_text = st.text(SMALL, min_size=1, max_size=24)
+any_text = st.text(min_size=1, max_size=40)  # all of Unicode except surrogates
+stops = st.lists(st.text(SMALL, min_size=1, max_size=4), min_size=0, max_size=4)
+
+
+# Chunk boundaries, drawn independently of the text and folded into it by ``points``.
+boundaries = st.sets(st.integers(1, 1000), max_size=12)
+
+
+def points(raw: set[int], n: int) -> list[int]:
+    """Sorted chunk boundaries inside ``range(1, n)``."""
+    return sorted({p % n for p in raw} - {0}) if n > 1 else []
+
+
+def split(ids: list[int], points: list[int]) -> list[list[int]]:
+    bounds = [0, *points, len(ids)]
+    return [ids[a:b] for a, b in zip(bounds, bounds[1:])]
+
+
+def feed(proc: OutputProcessor, parts: list[list[int]], final: FinishReason,
+         separate_finish: bool = False) -> tuple[str, FinishReason]:
+    """Feed ``parts``; the last carries ``final`` (or, with ``separate_finish``,
+    an extra empty call does, as an engine may send finish without tokens)."""
+    out: list[str] = []
+    finish = NONE
+    for i, part in enumerate(parts):
+        last = i == len(parts) - 1 and not separate_finish
+        text, finish = proc.process(part, final if last else NONE)
+        out.append(text)
+        if finish != NONE:
+            return "".join(out), finish
+    if separate_finish:
+        text, finish = proc.process([], final)
+        out.append(text)
+    return "".join(out), finish
+
+
+def run_with_resume(ids: list[int], cut: list[int], k: int, stop: list[str]) -> tuple[str, FinishReason]:
+    """Tokens ``ids[:k]`` on one processor, the rest on a resumed one (a
+    failover after ``k`` tokens), chunked at ``cut``."""
+    cut = sorted(set(cut) | {k})
+    parts = split(ids, cut)
+    n_first = cut.index(k) + 1
+    e1, finish = feed(OutputProcessor(TOK, stop), parts[:n_first], NONE)
+    if finish != NONE:
+        return e1, finish
+    resumed = OutputProcessor(TOK, stop, prefix_token_ids=ids[:k], prefix_text_len=len(e1))
+    assert resumed.num_tokens == k
+    e2, finish = feed(resumed, parts[n_first:], LENGTH)
+    return e1 + e2, finish
+
+
+def expected_with_stops(text: str, stop: list[str]) -> tuple[str, FinishReason]:
+    hits = [text.find(s) for s in stop if s in text]
+    return (text[: min(hits)], STOP) if hits else (text, LENGTH)
+
+
+def nested(stop: list[str]) -> bool:
+    """True if one stop string occurs inside another other than as its prefix
+    (then which one "comes first" depends on when the text is checked)."""
+    return any(a != b and a in b[1:] for a in stop for b in stop)
+
+
+# -- plain detokenization --------------------------------------------------------------
+
+
+@given(any_text, boundaries, st.booleans())
+def test_concatenated_text_equals_decode_of_all_tokens(text: str, raw: set[int], separate_finish: bool) -> None:
+    ids = TOK.encode(text)
+    parts = split(ids, points(raw, len(ids)))
+    out, finish = feed(OutputProcessor(TOK, []), parts, LENGTH, separate_finish)
+    assert out == TOK.decode(ids) == text
+    assert finish == LENGTH
+
+
+@given(any_text, boundaries)
+def test_no_partial_character_is_ever_emitted(text: str, raw: set[int]) -> None:
+    ids = TOK.encode(text)
+    proc = OutputProcessor(TOK, [])
+    for part in split(ids, points(raw, len(ids))):
+        piece, _ = proc.process(part, NONE)
+        assert "\ufffd" not in piece
+
+
+@given(st.binary(min_size=1, max_size=40), boundaries)
+def test_arbitrary_bytes_decode_the_same_in_any_chunking(data: bytes, raw: set[int]) -> None:
+    """Invalid UTF-8 too (a model can emit any byte): replacement characters
+    come out exactly where a one-shot decode puts them."""
+    ids = list(data)
+    parts = split(ids, points(raw, len(ids)))
+    out, _ = feed(OutputProcessor(TOK, []), parts, LENGTH)
+    assert out == TOK.decode(ids)
+
+
+def test_finish_without_new_tokens_flushes_held_back_bytes() -> None:
+    ids = TOK.encode("ab日")[:-1]  # ends inside 日
+    proc = OutputProcessor(TOK, [])
+    first, _ = proc.process(ids, NONE)
+    rest, finish = proc.process([], LENGTH)
+    assert first + rest == TOK.decode(ids) == "ab\ufffd"
+    assert finish == LENGTH
+
+
+def test_special_tokens_are_not_text() -> None:
+    from replicas.sim import BOS, EOS
+
+    out, _ = feed(OutputProcessor(TOK, []), [[BOS], TOK.encode("hi"), [EOS]], STOP)
+    assert out == "hi"
+
+
+# -- resume on another replica ------------------------------------------------------------
+
+
+@given(any_text, st.integers(1, 1000), boundaries)
+def test_resume_at_any_point_gives_identical_text(text: str, k: int, raw: set[int]) -> None:
+    ids = TOK.encode(text)
+    assume(len(ids) >= 2)
+    k = 1 + k % (len(ids) - 1)
+    out, finish = run_with_resume(ids, points(raw, len(ids)), k, [])
+    assert out == text
+    assert finish == LENGTH
+
+
+@example(text="日本", k=1)  # resume inside the first character
+@example(text="a😀b", k=3)
+@given(small_text, st.integers(1, 200))
+def test_resume_inside_a_character_token_by_token(text: str, k: int) -> None:
+    ids = TOK.encode(text)
+    assume(len(ids) >= 2)
+    k = 1 + k % (len(ids) - 1)
+    out, _ = run_with_resume(ids, list(range(1, len(ids))), k, [])
+    assert out == text
+
+
+def test_resume_rejects_a_prefix_text_len_beyond_the_prefix() -> None:
+    ids = TOK.encode("abc")
+    with pytest.raises(ValueError):
+        OutputProcessor(TOK, [], prefix_token_ids=ids, prefix_text_len=4)
+
+
+@given(small_text, stops, st.integers(1, 1000), boundaries)
+def test_resume_never_changes_the_output(text: str, stop: list[str], k: int, raw: set[int]) -> None:
+    """For the same chunking, splitting the stream across two processors
+    (a failover) gives exactly the output of one processor, stop strings included."""
+    ids = TOK.encode(text)
+    assume(len(ids) >= 2)
+    k = 1 + k % (len(ids) - 1)
+    cut = sorted(set(points(raw, len(ids))) | {k})
+    whole = feed(OutputProcessor(TOK, stop), split(ids, cut), LENGTH)
+    assert run_with_resume(ids, cut, k, stop) == whole
+
+
+# -- stop strings ----------------------------------------------------------------------------
+
+
+@example(text="ab日😀", stop=["日😀"], raw={3, 4, 7})  # stop string split inside characters
+@example(text="aab", stop=["ab", "aa"], raw=set())  # overlapping stops: the earlier start wins
+@given(small_text, stops, boundaries)
+def test_stop_strings_cut_exactly_before_the_first_occurrence(text: str, stop: list[str], raw: set[int]) -> None:
+    assume(not nested(stop))
+    ids = TOK.encode(text)
+    out, finish = feed(OutputProcessor(TOK, stop), split(ids, points(raw, len(ids))), LENGTH)
+    assert (out, finish) == expected_with_stops(text, stop)
+
+
+@given(small_text, stops, st.integers(1, 1000), boundaries)
+def test_stop_strings_with_a_resume_anywhere(text: str, stop: list[str], k: int, raw: set[int]) -> None:
+    assume(not nested(stop))
+    ids = TOK.encode(text)
+    assume(len(ids) >= 2)
+    k = 1 + k % (len(ids) - 1)
+    out, finish = run_with_resume(ids, points(raw, len(ids)), k, stop)
+    assert (out, finish) == expected_with_stops(text, stop)
+
+
+@given(small_text, stops, boundaries)
+def test_emitted_text_never_contains_a_stop_string(text: str, stop: list[str], raw: set[int]) -> None:
+    ids = TOK.encode(text)
+    proc = OutputProcessor(TOK, stop)
+    emitted = ""
+    for part in split(ids, points(raw, len(ids))):
+        piece, finish = proc.process(part, NONE)
+        emitted += piece
+        assert not any(s in emitted for s in stop)
+        if finish != NONE:
+            assert finish == STOP
+            assert proc.process(TOK.encode("more"), NONE) == ("", NONE), "no text after a stop"
+            break
+
+
+def test_nested_stop_strings_do_not_depend_on_chunking() -> None:
+    stop = ["abcd", "c"]
+    ids = TOK.encode("abcd")
+    one_chunk = feed(OutputProcessor(TOK, stop), [ids], LENGTH)
+    per_token = feed(OutputProcessor(TOK, stop), [[t] for t in ids], LENGTH)
+    # the stop string that completes first wins ("c" at 3 before "abcd" at 4), as
+    # it would token by token, so the cut does not depend on the chunking
+    assert one_chunk == ("ab", STOP)
+    assert per_token == one_chunk

@@ -1,0 +1,76 @@
+"""Supervisor life cycle against an in-process sim replica (no child processes)."""
+
+from __future__ import annotations
+
+import asyncio
+import shutil
+import tempfile
+
+import pytest
+
+from replicas.pool import ReplicaPool
+from replicas.server import ReplicaServer
+from replicas.spec import ReplicaSpec
+from replicas.supervisor import Supervisor, SupervisorSettings
+from tests.helpers import MODEL, apoll
+
+
+@pytest.fixture
+async def replica_address():
+    run_dir = tempfile.mkdtemp(prefix="fst-")  # short: Unix socket paths are limited
+    path = f"{run_dir}/r.sock"
+    server = ReplicaServer("sim", {"model": MODEL, "step_base_ms": 1})
+    await server.start(socket_path=path)
+    try:
+        yield "unix:" + path
+    finally:
+        await server.close()
+        shutil.rmtree(run_dir, ignore_errors=True)
+
+
+async def _force_stop(sup: Supervisor) -> None:
+    for t in sup._tasks:
+        while not t.done():
+            t.cancel()
+            await asyncio.wait({t}, timeout=0.5)
+
+
+async def test_attaches_to_a_remote_replica_and_closes(replica_address: str) -> None:
+    pool = ReplicaPool([ReplicaSpec(name="r0", address=replica_address)])
+    sup = Supervisor(pool, SupervisorSettings(health_interval=0.01))
+    await sup.start()
+    try:
+        await apoll(lambda: pool.slots[0].ready, 5, what="replica ready")
+        assert pool.models() == [MODEL]
+        await asyncio.wait_for(sup.close(), 5)
+        assert all(t.done() for t in sup._tasks) or not sup._tasks
+    finally:
+        await _force_stop(sup)
+
+
+async def test_close_is_not_lost_when_a_pong_races_it(replica_address: str) -> None:
+    """Deterministic replay of a shutdown hang seen with real routers under load:
+    ``close()`` is called in the loop iteration where a pong completes a ping."""
+    pool = ReplicaPool([ReplicaSpec(name="r0", address=replica_address)])
+    sup = Supervisor(pool, SupervisorSettings(health_interval=0.01))
+    await sup.start()
+    closer: list[asyncio.Future[None]] = []
+
+    class RacingPings(dict):
+        def get(self, seq, default=None):
+            fut = super().get(seq, default)
+            if fut is not None and not closer:
+                closer.append(asyncio.ensure_future(sup.close()))
+            return fut
+
+    try:
+        await apoll(lambda: pool.slots[0].ready, 5, what="replica ready")
+        client = pool.slots[0].client
+        client._pings = RacingPings(client._pings)
+        await apoll(lambda: closer, 5, what="a pong")
+        done, _ = await asyncio.wait({closer[0]}, timeout=1.5)  # it takes milliseconds
+        assert done, "Supervisor.close() did not return: the health loop survived its cancellation"
+    finally:
+        await _force_stop(sup)
+        if closer:
+            await asyncio.wait({closer[0]}, timeout=3)
