@@ -26,6 +26,7 @@ from router.tenants import TenantPolicy, TenantsFile
 __all__ = ["PolicySnapshot", "PolicyRegistry", "ReloadResult"]
 
 log = logging.getLogger("fairstream.policy")
+logging.getLogger("watchfiles").setLevel(logging.WARNING)  # it logs every change at INFO
 
 
 class PolicySnapshot:
@@ -112,12 +113,19 @@ class PolicyRegistry:
         # Kubernetes ConfigMaps swap a symlink.
         target = self.path.resolve()
         directory = self.path.parent
+        wanted = {self.path.name, target.name}
+
+        def relevant(change, path: str) -> bool:
+            # only our file (or a ConfigMap's ..data swap), never e.g. a log
+            # file written next to it
+            name = Path(path).name
+            return name in wanted or name.startswith("..")
+
         while not self._stop.is_set():
             try:
-                async for changes in awatch(directory, stop_event=self._stop, debounce=200, step=50):
-                    names = {Path(p).name for _, p in changes}
-                    if self.path.name in names or target.name in names or any(n.startswith("..") for n in names):
-                        self.reload()
+                async for _changes in awatch(directory, stop_event=self._stop, debounce=200, step=50,
+                                             watch_filter=relevant):
+                    self.reload()
             except (OSError, RuntimeError) as e:
                 log.warning("watching %s failed (%s); retrying", directory, e)
                 await asyncio.sleep(1.0)

@@ -78,12 +78,14 @@ async def test_disconnect_aborts_on_the_vllm_replica(vllm_router):
             # 4000 tokens take seconds even on the tiny model: still generating
             # after the first events (the router may run ahead of this reader).
             n = 0
+            seen = []
             async for ev in aiter_sse(r):
                 n += 1
+                seen.append(ev.data)
                 if n == 2:
                     break
             busy = [name for name in vllm_router.replica_names if vllm_router.inflight(name) > 0]
-            assert busy
+            assert busy, seen
         await apoll(lambda: all(vllm_router.inflight(n) == 0 for n in vllm_router.replica_names), 5,
                     what="router in-flight drops")
         await apoll(lambda: all(vllm_router.running(n) == 0 for n in vllm_router.replica_names), 5,
