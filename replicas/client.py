@@ -76,6 +76,11 @@ class Collector:
         self.dead = exc
         self._event.set()
 
+    @property
+    def ready(self) -> bool:
+        """``get`` would return without waiting."""
+        return self._event.is_set()
+
     async def get(self, limit: int = 0) -> tuple[list[int], str, FinishReason]:
         """Wait for output; return (token ids, text, finish) merged since the
         last call, at most ``limit`` tokens (0: no limit; a single delta larger

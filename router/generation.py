@@ -201,7 +201,8 @@ class Generation:
                     which = "first_token"
                 if total_at is not None and (limit_at is None or total_at <= limit_at):
                     limit_at, which = total_at, "total"
-                if limit_at is None:
+                if limit_at is None or col.ready:
+                    # output already waiting: no timer to arm (the common case under load)
                     ids, text, finish = await col.get(chunk)
                 else:
                     try:
