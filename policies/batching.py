@@ -17,6 +17,8 @@ climbs to use it. Pure: ``now`` is passed in.
 
 from __future__ import annotations
 
+import math
+
 import msgspec
 
 __all__ = ["AimdSettings", "AimdLimiter"]
@@ -45,8 +47,10 @@ class AimdSettings(msgspec.Struct, forbid_unknown_fields=True, kw_only=True, fro
     """The cap is multiplied by this after a bad window."""
 
     def __post_init__(self) -> None:
-        if not 1 <= self.min_inflight <= self.initial <= self.max_inflight:
-            raise ValueError("need 1 <= min_inflight <= initial <= max_inflight")
+        if not 1 <= self.min_inflight <= self.max_inflight:
+            raise ValueError("need 1 <= min_inflight <= max_inflight")
+        if self.enabled and not self.min_inflight <= self.initial <= self.max_inflight:
+            raise ValueError("initial must lie between min_inflight and max_inflight")
         if not 0 < self.backoff < 1:
             raise ValueError("backoff must be between 0 and 1")
         if self.increase < 1 or self.window <= 0:
@@ -54,8 +58,9 @@ class AimdSettings(msgspec.Struct, forbid_unknown_fields=True, kw_only=True, fro
 
 
 def _p90(xs: list[float]) -> float:
+    """Nearest-rank 90th percentile."""
     xs = sorted(xs)
-    return xs[min(len(xs) - 1, int(0.9 * len(xs)))]
+    return xs[max(0, math.ceil(0.9 * len(xs)) - 1)]
 
 
 class AimdLimiter:

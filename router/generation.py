@@ -129,7 +129,8 @@ class Generation:
                 remaining = job.params.max_tokens - len(self.completion_ids)
                 if first and self.scheduler is not None and self.policy is not None:
                     # Wait for our turn in the tenant's queue (fair share, caps).
-                    handle = await self.scheduler.acquire(self.policy, self.rank, job.model, remaining)
+                    waited = time.monotonic() - self.deadlines.start  # e.g. for a rate limit
+                    handle = await self.scheduler.acquire(self.policy, self.rank, job.model, remaining, waited)
                 else:
                     # A failover continues at once, past the queues and caps:
                     # its client is mid-stream.

@@ -84,10 +84,13 @@ class Scheduler:
     def limiter(self, slot: ReplicaSlot) -> AimdLimiter:
         return self._limiters[slot.name]
 
-    async def acquire(self, policy: TenantPolicy, rank: int, model: str, tokens: int) -> LoadHandle:
+    async def acquire(self, policy: TenantPolicy, rank: int, model: str, tokens: int,
+                      waited: float = 0.0) -> LoadHandle:
         """A load handle on a replica for this request, when the scheduler
         says it is its turn. 429 when the tenant's queue is full, 503 when the
-        queue wait passes the tenant's limit; cancellation leaves the queue."""
+        queue wait passes the tenant's limit (``waited``: seconds the request
+        already waited for admission, which count against the same limit);
+        cancellation leaves the queue."""
         if not self._queued:
             try:
                 handle = self.pool.try_choose(model, tokens)
@@ -120,6 +123,8 @@ class Scheduler:
         self.metrics.queued.labels(policy.name, policy.priority).inc()
         self._dispatch()
         wait = policy.limits.queue_wait
+        if wait:
+            wait = max(0.001, wait - waited)
         try:
             if wait:
                 async with asyncio.timeout(wait):
@@ -129,7 +134,7 @@ class Scheduler:
             self._leave(w)
             self.metrics.rate_limited.labels(policy.name, "queue_wait").inc()
             raise ServiceUnavailable(
-                f"The cluster is over capacity: the request waited {wait:g}s, the limit for "
+                f"The cluster is over capacity: the request waited {wait + waited:g}s, the limit for "
                 f"tenant {policy.name!r}; retry later.",
                 code="queue_timeout", headers={"retry-after": str(int(self._retry_after(self._queued)) + 1)},
             ) from None
