@@ -1,0 +1,53 @@
+"""Structured JSON logs: a summary line per request, keyed by the response's
+x-request-id; prompts and completions only for tenants with log_content."""
+
+from __future__ import annotations
+
+import json
+
+import httpx
+import yaml
+
+from router.auth import hash_key
+from tests.helpers import DEMO_TENANTS, GOLD, MODEL, RouterProcess, poll
+
+CHATTY = "chatty-tenant-key"
+SECRET_PROMPT = "my very private prompt 4711"
+
+
+def _request_lines(router: RouterProcess) -> list[dict]:
+    out = []
+    for line in router.log().splitlines():
+        if line.startswith("{"):
+            rec = json.loads(line)
+            if rec.get("logger") == "fairstream.request":
+                out.append(rec)
+    return out
+
+
+def test_request_log_lines(tmp_path):
+    tenants = yaml.safe_load(DEMO_TENANTS.read_text())
+    tenants["tenants"]["chatty"] = {"keys": [hash_key(CHATTY)], "log_content": True}
+    (tmp_path / "tenants.yaml").write_text(yaml.safe_dump(tenants))
+    with RouterProcess(tmp_path / "r", tenants=tmp_path / "tenants.yaml") as router:
+        url = router.base_url + "/v1/completions"
+        body = {"model": MODEL, "prompt": SECRET_PROMPT, "max_tokens": 8}
+        quiet = httpx.post(url, headers={"Authorization": f"Bearer {GOLD}"}, json=body, timeout=20)
+        loud = httpx.post(url, headers={"Authorization": f"Bearer {CHATTY}"}, json=body, timeout=20)
+        bad = httpx.post(url, headers={"Authorization": f"Bearer {GOLD}"}, json={**body, "n": 3}, timeout=20)
+        assert quiet.status_code == loud.status_code == 200 and bad.status_code == 400
+        rid = quiet.headers["x-request-id"]
+        assert bad.headers["x-request-id"]
+
+        lines = poll(lambda: len(_request_lines(router)) >= 3 and _request_lines(router), 10, what="log lines")
+        by_id = {rec["request_id"]: rec for rec in lines}
+        rec = by_id[rid]
+        assert rec["tenant"] == "gold" and rec["outcome"] == "ok" and rec["level"] == "info"
+        assert rec["completion_tokens"] == 8 and rec["prompt_tokens"] > 0 and rec["replica"].startswith("sim-")
+        assert "prompt" not in rec and "completion" not in rec
+        assert by_id[bad.headers["x-request-id"]]["outcome"] == "client_error"
+        chatty = by_id[loud.headers["x-request-id"]]
+        assert chatty["prompt"] == SECRET_PROMPT
+        assert chatty["completion"] == loud.json()["choices"][0]["text"]
+        # the private prompt appears only in the chatty tenant's line
+        assert router.log().count(SECRET_PROMPT) == 1

@@ -1,0 +1,117 @@
+"""`fairstream serve --workers N`: several router processes on one port, one Redis."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import subprocess
+import sys
+
+import httpx
+import pytest
+import yaml
+
+from router.auth import hash_key
+from tests.helpers import DEMO_TENANTS, MODEL, MetricsSnapshot, alive, descendants, free_port, poll
+from tests.redis_server import RedisServer, require_redis_server
+
+KEY = "workers-test-key"
+
+
+@pytest.fixture
+def redis_server():
+    require_redis_server()
+    with RedisServer() as server:
+        yield server
+
+
+def _start(tmp_path, redis_url: str, workers: int):
+    tenants = yaml.safe_load(DEMO_TENANTS.read_text())
+    tenants["tenants"]["limited"] = {"keys": [hash_key(KEY)], "on_limit": "reject",
+                                     "limits": {"requests_per_minute": 10}}
+    (tmp_path / "tenants.yaml").write_text(yaml.safe_dump(tenants))
+    port = free_port()
+    (tmp_path / "router.yaml").write_text(yaml.safe_dump({
+        "host": "127.0.0.1", "port": port, "tenants": str(tmp_path / "tenants.yaml"),
+        "state": {"backend": "redis", "url": redis_url},
+        "replicas": [{"name": f"sim-{i}", "engine": "sim", "config": {"model": MODEL}} for i in range(2)],
+    }))
+    log = open(tmp_path / "router.log", "wb")
+    proc = subprocess.Popen(
+        [sys.executable, "-c", "from router.cli import main; main()", "serve", "--config",
+         str(tmp_path / "router.yaml"), "--workers", str(workers)],
+        stdout=log, stderr=subprocess.STDOUT, env=dict(os.environ, PYTHONUNBUFFERED="1"),
+    )
+    base = f"http://127.0.0.1:{port}"
+
+    def ready():
+        try:
+            return httpx.get(base + "/ready", timeout=2).status_code == 200
+        except httpx.HTTPError:
+            return False
+
+    poll(ready, 30, what="workers ready")
+    return proc, base
+
+
+def test_workers_need_redis(tmp_path):
+    (tmp_path / "router.yaml").write_text(yaml.safe_dump({
+        "tenants": str(DEMO_TENANTS), "replicas": [{"name": "sim-0"}]}))
+    res = subprocess.run([sys.executable, "-c", "from router.cli import main; main()", "serve", "--config",
+                          str(tmp_path / "router.yaml"), "--workers", "2"], capture_output=True, text=True,
+                         timeout=30)
+    assert res.returncode == 1 and "state: {backend: redis}" in res.stderr
+
+
+async def test_two_workers_share_limits_and_metrics(tmp_path, redis_server):
+    proc, base = _start(tmp_path, redis_server.url, 2)
+    try:
+        workers = [p for p in descendants(proc.pid) if "router.worker" in open(f"/proc/{p}/cmdline").read()]
+        assert len(workers) == 2
+        # many fresh connections: the kernel spreads them over both workers
+        async def one(i: int) -> int:
+            async with httpx.AsyncClient(timeout=30) as c:
+                r = await c.post(base + "/v1/completions", headers={"Authorization": f"Bearer {KEY}"},
+                                 json={"model": MODEL, "prompt": "x", "max_tokens": 2})
+                return r.status_code
+
+        codes = await asyncio.gather(*[one(i) for i in range(40)])
+        assert codes.count(200) == 10 and codes.count(429) == 30, codes
+        # every worker's /metrics shows the sum over all workers
+        seen = set()
+        for _ in range(12):
+            with httpx.Client(timeout=5) as c:  # a fresh connection each time
+                m = MetricsSnapshot(c.get(base + "/metrics").text)
+            seen.add(m.value("fairstream_requests_total", tenant="limited", outcome="ok"))
+            assert m.value("fairstream_rate_limited_total", tenant="limited", limit="requests") == 30
+        assert seen == {10.0}
+    finally:
+        kids = descendants(proc.pid)
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(30)
+        poll(lambda: not any(alive(p) for p in kids), 15, what="workers and replicas exit")
+
+
+async def test_a_dead_worker_is_restarted(tmp_path, redis_server):
+    proc, base = _start(tmp_path, redis_server.url, 2)
+    try:
+        def workers():
+            out = []
+            for p in descendants(proc.pid):
+                try:
+                    if "router.worker" in open(f"/proc/{p}/cmdline").read():
+                        out.append(p)
+                except FileNotFoundError:
+                    pass
+            return out
+
+        first = workers()
+        os.kill(first[0], signal.SIGKILL)
+        poll(lambda: len(workers()) == 2 and first[0] not in workers(), 20, what="worker restarted")
+        poll(lambda: httpx.get(base + "/ready", timeout=2).status_code == 200, 20, what="ready again")
+    finally:
+        kids = descendants(proc.pid)
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(30)
+        poll(lambda: not any(alive(p) for p in kids), 15, what="workers and replicas exit")
