@@ -164,20 +164,33 @@ class Supervisor:
                 self._procs.pop(slot.name, None)
 
     async def _watch(self, slot: ReplicaSlot, client: ReplicaClient, proc) -> None:
-        """Return when the replica is dead, disconnected or stops answering pings."""
+        """Return when the replica is dead, disconnected or stops answering pings.
+
+        A local replica's exit is noticed at once, not at the next ping: its
+        engine's children may hold the connection open after it died (forked
+        with its sockets), so no EOF would tell the router.
+        """
         s = self.settings
         exited = asyncio.ensure_future(proc.wait()) if proc is not None else None
         try:
             while client.closed is None and not self._closing:
-                if exited is not None and exited.done():
+                ping = asyncio.ensure_future(client.ping(s.health_timeout))
+                done, _ = await asyncio.wait({ping, exited} - {None}, return_when=asyncio.FIRST_COMPLETED)
+                if exited is not None and exited in done:
+                    ping.cancel()
                     raise RuntimeError(f"process exited with code {proc.returncode}")
                 try:
-                    await client.ping(s.health_timeout)
-                except asyncio.TimeoutError:
+                    ping.result()
+                except (asyncio.TimeoutError, TimeoutError):
                     raise RuntimeError(f"no pong within {s.health_timeout}s (stalled)") from None
                 except ConnectionError:
                     break
-                await asyncio.sleep(s.health_interval)
+                if exited is not None:
+                    done, _ = await asyncio.wait({exited}, timeout=s.health_interval)
+                    if done:
+                        raise RuntimeError(f"process exited with code {proc.returncode}")
+                else:
+                    await asyncio.sleep(s.health_interval)
             raise RuntimeError(str(client.closed))
         finally:
             if exited is not None:
