@@ -33,15 +33,18 @@ request_log = logging.getLogger("fairstream.request")
 class Outcome:
     """Counts one request exactly once, with its tokens and its duration."""
 
-    __slots__ = ("svc", "policy", "endpoint", "started", "done", "request_id")
+    __slots__ = ("svc", "policy", "endpoint", "started", "done", "request_id", "counted")
 
-    def __init__(self, svc, policy: TenantPolicy, endpoint: str, started: float, request_id: str = "") -> None:
+    def __init__(self, svc, policy: TenantPolicy, endpoint: str, started: float, request_id: str = "",
+                 counted: tuple[int, int] = (0, 0)) -> None:
         self.svc = svc
         self.policy = policy
         self.endpoint = endpoint
         self.started = started
         self.done = False
         self.request_id = request_id
+        # (prompt, completion) tokens an earlier request of this stream already counted
+        self.counted = counted
 
     def record(self, outcome: str, gen: Generation | None = None) -> None:
         """Count the request in metrics and log its summary line (once)."""
@@ -61,8 +64,8 @@ class Outcome:
             "duration_s": round(elapsed, 4),
         }
         if gen is not None:
-            m.tokens.labels(tenant, "prompt").inc(gen.prompt_tokens)
-            m.tokens.labels(tenant, "completion").inc(gen.completion_tokens)
+            m.tokens.labels(tenant, "prompt").inc(max(0, gen.prompt_tokens - self.counted[0]))
+            m.tokens.labels(tenant, "completion").inc(max(0, gen.completion_tokens - self.counted[1]))
             m.e2e.labels(tenant, self.policy.priority).observe(elapsed)
             extra.update(
                 prompt_tokens=gen.prompt_tokens,
@@ -158,18 +161,20 @@ async def relay_stream(
         # On disconnect this code runs inside a cancelled scope where every
         # await is cancelled again, so the store work runs as a task the
         # service owns (and awaits on shutdown).
-        svc.background(_settle(svc, writer, sid or "", result, final, gen, ticket))
+        # tokens an earlier request of this stream was already charged for
+        used = gen.prompt_tokens + gen.completion_tokens - sum(outcome.counted)
+        svc.background(_settle(svc, writer, sid or "", result, final, gen, ticket, used))
 
 
 async def _settle(svc, writer, sid: str, result: str, final: bytes | None, gen: Generation,
-                  ticket: Ticket | None) -> None:
+                  ticket: Ticket | None, used: int) -> None:
     if result == "cancelled":
         # The client left: keep what was delivered so a resume can continue it.
         await writer.detach(sid, gen.text_len)
     else:
         await writer.finish(sid, final, gen.text_len)
     if ticket is not None:
-        await svc.admission.finish(ticket, gen.prompt_tokens + gen.completion_tokens)
+        await svc.admission.finish(ticket, max(0, used))
 
 
 class _NoBuffer:

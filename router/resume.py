@@ -92,6 +92,9 @@ class ResumeWriter:
         self._wake = asyncio.Event()
         self._lock = asyncio.Lock()  # keeps each stream's appends in order
         self._task: asyncio.Task[None] | None = None
+        # streams this router is generating now (its own or taken over): a
+        # resume that reaches this router follows their buffer, never claims them
+        self.live: set[str] = set()
 
     async def start(self) -> None:
         self._task = asyncio.get_running_loop().create_task(self._run(), name="resume-writer")
@@ -106,6 +109,7 @@ class ResumeWriter:
                 pass
 
     async def open(self, sid: str, meta: ResumeMeta) -> None:
+        self.live.add(sid)
         try:
             await self.store.stream_open(sid, encode_meta(meta), self.owner, self.retention)
         except StoreUnavailable as e:
@@ -114,7 +118,18 @@ class ResumeWriter:
     async def claim(self, sid: str) -> bool:
         from router.state.memory import CLAIM_TTL
 
-        return await self.store.stream_claim(sid, self.owner, CLAIM_TTL)
+        if not await self.store.stream_claim(sid, self.owner, CLAIM_TTL):
+            return False
+        self.live.add(sid)
+        return True
+
+    async def release(self, sid: str) -> None:
+        """Drop this router's claim on ``sid`` (it no longer generates it)."""
+        self.live.discard(sid)
+        try:
+            await self.store.stream_release(sid, self.owner)
+        except StoreUnavailable:
+            pass
 
     def append(self, sid: str, event: bytes | None, token_ids: list[int], text_len: int) -> None:
         """Queue an event (and the tokens it carries) for the next flush."""
@@ -143,20 +158,14 @@ class ResumeWriter:
         self._pending[sid].finished = True
         self._wake.set()
         await self._flush_one(sid)
-        try:
-            await self.store.stream_release(sid, self.owner)
-        except StoreUnavailable:
-            pass
+        await self.release(sid)
 
     async def detach(self, sid: str, text_len: int) -> None:
         """The client went away mid-stream: flush and drop the claim so a
         resuming client (on any router) can continue the stream."""
         self.append(sid, None, [], text_len)
         await self._flush_one(sid)
-        try:
-            await self.store.stream_release(sid, self.owner)
-        except StoreUnavailable:
-            pass
+        await self.release(sid)
 
     async def _run(self) -> None:
         while True:

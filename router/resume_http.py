@@ -110,19 +110,22 @@ async def _resume(svc: RouterService, policy: TenantPolicy, sid: str, meta: Resu
         if snap.finished and have <= cursor:
             return
         behind = have < cursor  # the client has events the buffer lacks
-        if snap.owner and snap.owner != me and (not behind or loop.time() < catch_up_until):
-            await asyncio.sleep(TAIL_POLL)  # a live router generates it: follow its buffer
+        live = snap.owner and (snap.owner != me or sid in svc.resume.live)
+        if live and (not behind or loop.time() < catch_up_until):
+            await asyncio.sleep(TAIL_POLL)  # a live router (maybe this one) generates it: follow its buffer
         elif await svc.resume.claim(sid):
             fresh = await svc.store.stream_read(sid, cursor)
             if fresh is None:
                 return
             if fresh.total_events > have or fresh.finished:
-                await svc.store.stream_release(sid, me)  # appended meanwhile: replay first
+                await svc.resume.release(sid)  # appended meanwhile: replay first
                 snap = fresh
                 continue
             async for chunk in _take_over(svc, policy, sid, meta, fresh, pos, cursor):
                 yield chunk
             return
+        else:
+            await asyncio.sleep(TAIL_POLL)
         nxt = await svc.store.stream_read(sid, cursor)
         if nxt is None:
             return
@@ -138,7 +141,7 @@ async def _take_over(svc: RouterService, policy: TenantPolicy, sid: str, meta: R
         # The client is ahead of the buffer: regenerate what it has, silently.
         assert pos.tokens is not None and pos.chars is not None
         if meta.params.temperature > 0:
-            await svc.store.stream_release(sid, svc.resume.owner)
+            await svc.resume.release(sid)
             yield enc_error.error(error_body(
                 "Events of this stream were lost with the router that produced them, and a sampled "
                 "(temperature > 0) generation cannot be regenerated exactly; retry the request.",
@@ -146,7 +149,7 @@ async def _take_over(svc: RouterService, policy: TenantPolicy, sid: str, meta: R
             return
         skip_chars = pos.chars - text_len
         if skip_chars < 0 or pos.tokens < len(tokens):
-            await svc.store.stream_release(sid, svc.resume.owner)
+            await svc.resume.release(sid)
             yield enc_error.error(error_body("Last-Event-ID does not match this stream.", "invalid_request_error",
                                              "Last-Event-ID", "resume_mismatch"))
             return
@@ -158,7 +161,7 @@ async def _take_over(svc: RouterService, policy: TenantPolicy, sid: str, meta: R
         async for chunk in _continue(svc, policy, sid, meta, tokens, text_len, cursor, skip_chars):
             yield chunk
     except ApiError as e:
-        await svc.store.stream_release(sid, svc.resume.owner)
+        await svc.resume.release(sid)
         yield enc_error.error(e.body())
 
 
@@ -176,7 +179,7 @@ async def _continue(svc: RouterService, policy: TenantPolicy, sid: str, meta: Re
     gen.text_len = text_len
     enc = ChunkEncoder(meta.chat, meta.response_id, meta.model, meta.created, event_id=cursor,
                        role_sent=bool(tokens) or skip_chars > 0)
-    outcome = Outcome(svc, policy, "resume", started, sid)
+    outcome = Outcome(svc, policy, "resume", started, sid, counted=(len(meta.prompt_token_ids), len(tokens)))
     remaining = meta.params.max_tokens - len(tokens)
     ticket = await svc.admission.admit(policy, max(1, remaining), count_request=False)
     log.info("resuming stream %s at %d tokens on this router", sid, len(tokens))

@@ -1,0 +1,358 @@
+"""Client resume with ``Last-Event-ID`` against a real router and a sim replica.
+
+Event ids are ``N-T-C``: event number, completion tokens and text characters
+the client has once it holds the event. A client that lost its connection
+asks ``GET /v1/streams/{x-request-id}`` (or re-sends the POST with
+``Last-Event-ID`` and ``X-Resume-Request-Id``) and gets the events it missed,
+then the rest of the stream, text-exact.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+import yaml
+
+from router.auth import hash_key
+from tests.helpers import (
+    ADMIN,
+    MODEL,
+    RouterProcess,
+    SseEvent,
+    aiter_sse,
+    apoll,
+    parse_sse,
+)
+
+KEY_A, KEY_B = "resume-tenant-a", "resume-tenant-b"
+REPLICA = "sim-0"
+
+
+def auth(key: str = KEY_A) -> dict[str, str]:
+    return {"Authorization": f"Bearer {key}"}
+
+
+@pytest.fixture(scope="module")
+def router(tmp_path_factory) -> RouterProcess:
+    d: Path = tmp_path_factory.mktemp("resume")
+    tenants = d / "tenants.yaml"
+    tenants.write_text(yaml.safe_dump({
+        "admin_keys": [hash_key(ADMIN)],
+        "tenants": {"a": {"keys": [hash_key(KEY_A)]}, "b": {"keys": [hash_key(KEY_B)]}},
+    }, sort_keys=False))
+    # one replica (its running count is the whole story), 10 ms per token
+    r = RouterProcess(d / "r", replicas=1, tenants=tenants, sim={"step_base_ms": 10})
+    r.start()
+    yield r
+    r.stop()
+
+
+@pytest.fixture
+async def http(router: RouterProcess):
+    async with httpx.AsyncClient(base_url=router.base_url, headers=auth(), timeout=30) as c:
+        yield c
+
+
+def request(chat: bool, prompt: str, max_tokens: int, *, stream: bool) -> tuple[str, dict[str, Any]]:
+    body: dict[str, Any] = {"model": MODEL, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True}
+    if stream:
+        body.update(stream=True, stream_options={"include_usage": True})
+    if chat:
+        return "/v1/chat/completions", {**body, "messages": [{"role": "user", "content": prompt}]}
+    return "/v1/completions", {**body, "prompt": prompt}
+
+
+async def reference(http: httpx.AsyncClient, chat: bool, prompt: str, max_tokens: int) -> tuple[str, int]:
+    """(text, prompt tokens) of the non-streamed greedy completion."""
+    path, body = request(chat, prompt, max_tokens, stream=False)
+    r = await http.post(path, json=body)
+    assert r.status_code == 200, r.text
+    d = r.json()
+    choice = d["choices"][0]
+    assert d["usage"]["completion_tokens"] == max_tokens
+    return (choice["message"]["content"] if chat else choice["text"]), d["usage"]["prompt_tokens"]
+
+
+def piece(ev: SseEvent, chat: bool) -> str:
+    d = ev.json()
+    assert "error" not in d, d
+    if not d["choices"]:
+        return ""
+    c = d["choices"][0]
+    return (c["delta"].get("content") or "") if chat else c["text"]
+
+
+async def start_and_drop(http: httpx.AsyncClient, chat: bool, prompt: str, max_tokens: int,
+                         n: int, on_open=None) -> tuple[str, list[SseEvent]]:
+    """Start a stream, read ``n`` events, close the connection mid-stream.
+    Returns (x-request-id, events read)."""
+    path, body = request(chat, prompt, max_tokens, stream=True)
+    events: list[SseEvent] = []
+    async with http.stream("POST", path, json=body) as r:
+        assert r.status_code == 200, await r.aread()
+        rid = r.headers["x-request-id"]
+        it = aiter_sse(r)
+        for _ in range(n):
+            events.append(await it.__anext__())
+        if on_open is not None:
+            await on_open()
+        await it.aclose()
+    assert events[-1].data != "[DONE]", "the stream ended before the client dropped it"
+    return rid, events
+
+
+async def read_all(resp: httpx.Response) -> list[SseEvent]:
+    assert resp.status_code == 200, await resp.aread()
+    assert resp.headers["content-type"].startswith("text/event-stream")
+    return [ev async for ev in aiter_sse(resp)]
+
+
+def check_whole_stream(events: list[SseEvent], chat: bool, ref: str, prompt_tokens: int, max_tokens: int) -> None:
+    """What the client holds after the first connection plus the resume."""
+    assert events[-1].data == "[DONE]", "the resumed stream must end with [DONE]"
+    body = events[:-1]
+    assert all(ev.data != "[DONE]" for ev in body)
+    # numbering continues across the reconnect: 1, 2, 3, ... without a gap or a repeat
+    assert [ev.number for ev in body] == list(range(1, len(body) + 1)), [ev.id for ev in body]
+    # every id carries the position: tokens and characters the client has with it
+    text = ""
+    last_tokens = 0
+    for ev in body:
+        text += piece(ev, chat)
+        _, tokens, chars = (int(x) for x in ev.id.split("-"))
+        assert chars == len(text), (ev.id, len(text))
+        assert tokens >= last_tokens
+        last_tokens = tokens
+    assert last_tokens == max_tokens
+    assert text == ref
+    usage = [ev.json()["usage"] for ev in body if ev.json().get("usage")]
+    assert usage == [{"prompt_tokens": prompt_tokens, "completion_tokens": max_tokens,
+                      "total_tokens": prompt_tokens + max_tokens}], usage
+    finishes = [c["finish_reason"] for ev in body for c in ev.json()["choices"] if c["finish_reason"]]
+    assert finishes == ["length"]
+    if chat:
+        roles = [c["delta"]["role"] for ev in body for c in ev.json()["choices"] if "role" in c["delta"]]
+        assert roles == ["assistant"], "the role is sent once, not again after the resume"
+
+
+async def metrics(router: RouterProcess, http: httpx.AsyncClient):
+    return await router.ametrics(http)
+
+
+def counter(m, name: str, **labels: str) -> float:
+    return m.value(name, 0.0, **labels)
+
+
+async def engine_load(router: RouterProcess, http: httpx.AsyncClient) -> tuple[float, float]:
+    m = await router.ametrics(http)
+    return (m.value("fairstream_replica_inflight_requests", replica=REPLICA),
+            m.value("fairstream_replica_running_requests", replica=REPLICA)
+            + m.value("fairstream_replica_waiting_requests", replica=REPLICA))
+
+
+# -- resume after a dropped connection ---------------------------------------------------------
+
+
+async def test_get_resume_after_disconnect_is_text_exact(router: RouterProcess, http: httpx.AsyncClient) -> None:
+    prompt, max_tokens = "東京の", 150  # multi-byte text: event ids count characters
+    ref_task = asyncio.create_task(reference(http, False, prompt, max_tokens))  # batched alongside
+    rid, events = await start_and_drop(http, False, prompt, max_tokens, 20)
+    async with http.stream("GET", f"/v1/streams/{rid}", headers={"Last-Event-ID": events[-1].id}) as r:
+        assert r.headers["x-request-id"] == rid
+        rest = await read_all(r)
+    ref, prompt_tokens = await ref_task
+    assert rest[0].number == events[-1].number + 1, "the resume starts right after Last-Event-ID"
+    check_whole_stream(events + rest, False, ref, prompt_tokens, max_tokens)
+
+
+async def test_post_resume_with_headers_is_text_exact(router: RouterProcess, http: httpx.AsyncClient) -> None:
+    prompt, max_tokens = "Tell me about Zürich", 150
+    ref_task = asyncio.create_task(reference(http, True, prompt, max_tokens))  # batched alongside
+    rid, events = await start_and_drop(http, True, prompt, max_tokens, 20)
+    path, body = request(True, prompt, max_tokens, stream=True)
+    headers = {"Last-Event-ID": events[-1].id, "X-Resume-Request-Id": rid}
+    async with http.stream("POST", path, json=body, headers=headers) as r:
+        rest = await read_all(r)
+    ref, prompt_tokens = await ref_task
+    assert rest[0].number == events[-1].number + 1
+    check_whole_stream(events + rest, True, ref, prompt_tokens, max_tokens)
+
+
+async def test_disconnect_aborts_generation_and_a_later_resume_continues_exactly(
+        router: RouterProcess, http: httpx.AsyncClient) -> None:
+    # 300 tokens at >= 10 ms a step: >= 3 s of generation, so it is still
+    # running (unless aborted) when the checks below run
+    prompt, max_tokens = "Über", 300
+
+    async def running() -> None:
+        await apoll(lambda: _load_is(router, http, lambda inf, eng: inf == 1 and eng == 1), 3,
+                    what="the stream to run on the replica")
+
+    before = await metrics(router, http)
+    rid, events = await start_and_drop(http, True, prompt, max_tokens, 20, on_open=running)
+    # the disconnect aborted the generation on the replica at once
+    await apoll(lambda: _load_is(router, http, lambda inf, eng: inf == 0 and eng == 0), 2.5,
+                what="router in-flight and replica running to drop to 0 after the disconnect")
+    m = await metrics(router, http)
+    assert counter(m, "fairstream_requests_total", tenant="a", endpoint="chat", outcome="cancelled") == \
+        counter(before, "fairstream_requests_total", tenant="a", endpoint="chat", outcome="cancelled") + 1
+    # later: the resume continues from the delivered tokens, text-exact
+    async with http.stream("GET", f"/v1/streams/{rid}", headers={"Last-Event-ID": events[-1].id}) as r:
+        rest = await read_all(r)
+    ref, prompt_tokens = await reference(http, True, prompt, max_tokens)
+    check_whole_stream(events + rest, True, ref, prompt_tokens, max_tokens)
+    m = await metrics(router, http)
+    assert counter(m, "fairstream_stream_resumes_total", tenant="a") == \
+        counter(before, "fairstream_stream_resumes_total", tenant="a") + 1
+    assert counter(m, "fairstream_requests_total", tenant="a", endpoint="resume", outcome="ok") == \
+        counter(before, "fairstream_requests_total", tenant="a", endpoint="resume", outcome="ok") + 1
+
+
+async def _load_is(router: RouterProcess, http: httpx.AsyncClient, ok) -> bool:
+    return ok(*await engine_load(router, http))
+
+
+# -- a finished stream ---------------------------------------------------------------------------
+
+
+async def test_resuming_a_finished_stream_replays_without_generating(
+        router: RouterProcess, http: httpx.AsyncClient) -> None:
+    path, body = request(False, "Le caf", 60, stream=True)
+    r = await http.post(path, json=body)
+    assert r.status_code == 200
+    rid = r.headers["x-request-id"]
+    whole = parse_sse(r.text)
+    assert whole[-1].data == "[DONE]" and len(whole) > 8
+    before = await metrics(router, http)
+
+    # Last-Event-ID as sent (N-T-C), as a bare number, or as a query parameter
+    for headers, query in (({"Last-Event-ID": whole[4].id}, ""), ({"Last-Event-ID": str(whole[4].number)}, ""),
+                           ({}, f"?last_event_id={whole[4].id}")):
+        resumed = await http.get(f"/v1/streams/{rid}{query}", headers=headers)
+        assert resumed.status_code == 200, resumed.text
+        assert parse_sse(resumed.text) == whole[5:], "the missed tail, byte for byte, then [DONE]"
+    # from the start, and from the last event before [DONE]
+    assert parse_sse((await http.get(f"/v1/streams/{rid}")).text) == whole
+    assert parse_sse((await http.get(f"/v1/streams/{rid}", headers={"Last-Event-ID": whole[-2].id})).text) \
+        == whole[-1:]
+
+    after = await metrics(router, http)
+    # nothing was generated again: no completion tokens, no resume request, nothing on the replica
+    for name, labels in (("fairstream_tokens_total", {"tenant": "a", "direction": "completion"}),
+                         ("fairstream_requests_total", {"tenant": "a", "endpoint": "resume"})):
+        assert counter(after, name, **labels) == counter(before, name, **labels), name
+    assert counter(after, "fairstream_stream_resumes_total", tenant="a") == \
+        counter(before, "fairstream_stream_resumes_total", tenant="a") + 5
+    await apoll(lambda: _load_is(router, http, lambda inf, eng: inf == 0 and eng == 0), 2.5,
+                what="the replica to be idle (its load reports lag by up to 0.2 s)")
+
+
+# -- who may resume what -----------------------------------------------------------------------
+
+
+def assert_openai_error(r: httpx.Response, status: int, code: str | None = None,
+                        param: str | None = None) -> dict[str, Any]:
+    assert r.status_code == status, r.text
+    body = r.json()
+    assert set(body) == {"error"} and set(body["error"]) == {"message", "type", "param", "code"}, body
+    err = body["error"]
+    assert err["type"] == "invalid_request_error" and err["message"]
+    if code is not None:
+        assert err["code"] == code, err
+    if param is not None:
+        assert err["param"] == param, err
+    return err
+
+
+async def test_other_tenants_unknown_ids_and_bad_event_ids_are_refused(
+        router: RouterProcess, http: httpx.AsyncClient) -> None:
+    path, body = request(False, "Le caf", 20, stream=True)
+    r = await http.post(path, json=body)
+    assert r.status_code == 200
+    rid = r.headers["x-request-id"]
+    events = parse_sse(r.text)
+    assert (await http.get(f"/v1/streams/{rid}", headers={"Last-Event-ID": events[2].id})).status_code == 200
+
+    # another tenant cannot tell the stream exists: the same 404 as an unknown id
+    other = await http.get(f"/v1/streams/{rid}", headers={**auth(KEY_B), "Last-Event-ID": events[2].id})
+    unknown = await http.get("/v1/streams/0123456789abcdef01234567", headers={"Last-Event-ID": "1"})
+    e1 = assert_openai_error(other, 404, "stream_not_found")
+    e2 = assert_openai_error(unknown, 404, "stream_not_found")
+    assert e1["message"].replace(rid, "X") == e2["message"].replace("0123456789abcdef01234567", "X")
+    # the POST variant too
+    post = await http.post(path, json=body, headers={**auth(KEY_B), "Last-Event-ID": events[2].id,
+                                                     "X-Resume-Request-Id": rid})
+    assert_openai_error(post, 404, "stream_not_found")
+    # no key at all
+    assert (await http.get(f"/v1/streams/{rid}", headers={"Authorization": ""})).status_code == 401
+
+    for bad in ("abc", "1-2", "-1", "1-2-3-4", "1--2", "x-1-1"):
+        r = await http.get(f"/v1/streams/{rid}", headers={"Last-Event-ID": bad})
+        assert_openai_error(r, 400, param="Last-Event-ID")
+        r = await http.post(path, json=body, headers={"Last-Event-ID": bad, "X-Resume-Request-Id": rid})
+        assert_openai_error(r, 400, param="Last-Event-ID")
+    # a bare event number past the end cannot be placed
+    r = await http.get(f"/v1/streams/{rid}", headers={"Last-Event-ID": str(len(events) + 5)})
+    assert_openai_error(r, 400, param="Last-Event-ID")
+
+
+# -- bugs ------------------------------------------------------------------------------------------
+
+
+async def test_resume_while_the_original_stream_is_live_on_this_router_tails_it(
+        router: RouterProcess, http: httpx.AsyncClient) -> None:
+    # e.g. a browser tab that reconnects before the router noticed the old
+    # connection is gone, or two tabs on one stream
+    prompt, max_tokens = "Le caf", 200  # >= 2 s: the original is still generating throughout
+    ref, prompt_tokens = await reference(http, False, prompt, max_tokens)
+    before = await metrics(router, http)
+    path, body = request(False, prompt, max_tokens, stream=True)
+    async with (httpx.AsyncClient(base_url=router.base_url, headers=auth(), timeout=30) as second,
+                http.stream("POST", path, json=body) as r):
+        rid = r.headers["x-request-id"]
+        it = aiter_sse(r)
+        first = [await it.__anext__() for _ in range(20)]
+
+        async def rest_of_original() -> list[SseEvent]:
+            return [ev async for ev in it]
+
+        # keep reading the original connection: the resume follows its progress
+        original_task = asyncio.create_task(rest_of_original())
+        try:
+            async with second.stream("GET", f"/v1/streams/{rid}", headers={"Last-Event-ID": first[-1].id}) as r2:
+                resumed = first + await read_all(r2)
+            original = first + await asyncio.wait_for(original_task, 20)
+        finally:
+            original_task.cancel()
+    check_whole_stream(original, False, ref, prompt_tokens, max_tokens)
+    check_whole_stream(resumed, False, ref, prompt_tokens, max_tokens)
+    after = await metrics(router, http)
+    # one generation only: the resume followed the live buffer
+    assert counter(after, "fairstream_requests_total", tenant="a", endpoint="resume") == \
+        counter(before, "fairstream_requests_total", tenant="a", endpoint="resume")
+    assert counter(after, "fairstream_tokens_total", tenant="a", direction="completion") - \
+        counter(before, "fairstream_tokens_total", tenant="a", direction="completion") == max_tokens
+    # and the buffer still holds one consistent stream
+    late = await http.get(f"/v1/streams/{rid}", headers={"Last-Event-ID": first[-1].id})
+    check_whole_stream(first + parse_sse(late.text), False, ref, prompt_tokens, max_tokens)
+
+
+async def test_a_resumed_stream_counts_each_completion_token_once(
+        router: RouterProcess, http: httpx.AsyncClient) -> None:
+    prompt, max_tokens = "Le caf", 120
+    before = await metrics(router, http)
+    rid, events = await start_and_drop(http, False, prompt, max_tokens, 20)
+    await apoll(lambda: _load_is(router, http, lambda inf, eng: inf == 0), 2.5, what="the abort")
+    async with http.stream("GET", f"/v1/streams/{rid}", headers={"Last-Event-ID": events[-1].id}) as r:
+        rest = await read_all(r)
+    assert rest[-1].data == "[DONE]"
+    after = await metrics(router, http)
+    delta = {d: counter(after, "fairstream_tokens_total", tenant="a", direction=d)
+             - counter(before, "fairstream_tokens_total", tenant="a", direction=d)
+             for d in ("prompt", "completion")}
+    usage = next(ev.json()["usage"] for ev in rest if ev.data != "[DONE]" and ev.json().get("usage"))
+    assert delta == {"prompt": usage["prompt_tokens"], "completion": max_tokens}, delta

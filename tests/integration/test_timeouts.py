@@ -1,0 +1,299 @@
+"""Tenant time limits through a real router with sim replicas.
+
+* time to first token: an HTTP 504 before any header (OpenAI error shape,
+  ``first_token_timeout``), and the request is aborted on its replica;
+* total: mid-stream, an SSE error event (``total_timeout``) and no ``[DONE]``
+  (the openai SDK raises ``APIError``), the request aborted on its replica and
+  the tenant's concurrency lease released;
+* stall: a replica that stops producing (SIGSTOP) is treated as failed and the
+  stream continues on the other replica, text-exact, long before the
+  supervisor's health check would act.
+
+(The queue-wait limit is covered by tests/integration/test_scheduling.py.)
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import time
+from pathlib import Path
+from typing import Any, Self
+
+import httpx
+import openai
+import pytest
+import yaml
+
+from router.auth import hash_key
+from tests.helpers import ADMIN, MODEL, RouterProcess, aiter_sse, apoll
+
+KEY = "timeouts-tenant-key"
+OTHER = "timeouts-other-key"
+LONG = {"queue_wait": 30, "first_token": 30, "stall": 30, "total": 120}
+
+
+def write_tenants(path: Path, timeouts: dict[str, float], limits: dict[str, int] | None = None) -> Path:
+    """One tenant ``t`` (KEY) with ``timeouts`` over generous defaults, and an
+    unlimited tenant ``other`` (OTHER)."""
+    doc: dict[str, Any] = {
+        "admin_keys": [hash_key(ADMIN)],
+        "defaults": {"timeouts": LONG, "on_limit": "reject"},
+        "tenants": {
+            "t": {"keys": [hash_key(KEY)], "timeouts": {**LONG, **timeouts}, "limits": limits or {}},
+            "other": {"keys": [hash_key(OTHER)]},
+        },
+    }
+    path.write_text(yaml.safe_dump(doc, sort_keys=False))
+    return path
+
+
+def auth(key: str = KEY) -> dict[str, str]:
+    return {"Authorization": f"Bearer {key}"}
+
+
+def completion(max_tokens: int, *, stream: bool, prompt: str = "Le caf", **kw: Any) -> dict[str, Any]:
+    return {"model": MODEL, "prompt": prompt, "max_tokens": max_tokens, "stream": stream,
+            "temperature": 0, "ignore_eos": True, **kw}
+
+
+def assert_openai_error(body: dict[str, Any], code: str) -> dict[str, Any]:
+    assert set(body) == {"error"}, body
+    err = body["error"]
+    assert set(err) == {"message", "type", "param", "code"}, err
+    assert isinstance(err["message"], str) and err["message"], err
+    assert err["code"] == code, err
+    return err
+
+
+async def load_of(router: RouterProcess, http: httpx.AsyncClient, replica: str) -> tuple[float, float]:
+    """(router in-flight, replica running + waiting) for ``replica``."""
+    m = await router.ametrics(http)
+    return (m.value("fairstream_replica_inflight_requests", replica=replica),
+            m.value("fairstream_replica_running_requests", replica=replica)
+            + m.value("fairstream_replica_waiting_requests", replica=replica))
+
+
+class LoadWatch:
+    """Samples a replica's load in the background; remembers the largest seen."""
+
+    def __init__(self, router: RouterProcess, http: httpx.AsyncClient, replica: str = "sim-0") -> None:
+        self.router, self.http, self.replica = router, http, replica
+        self.max_inflight = self.max_engine = 0.0
+        self._task: asyncio.Task[None] | None = None
+
+    async def __aenter__(self) -> Self:
+        async def run() -> None:
+            while True:
+                inflight, engine = await load_of(self.router, self.http, self.replica)
+                self.max_inflight = max(self.max_inflight, inflight)
+                self.max_engine = max(self.max_engine, engine)
+                await asyncio.sleep(0.03)
+
+        self._task = asyncio.create_task(run())
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        assert self._task is not None
+        self._task.cancel()
+        try:
+            await self._task
+        except asyncio.CancelledError:
+            pass
+
+
+async def wait_idle(router: RouterProcess, http: httpx.AsyncClient, replica: str = "sim-0",
+                    timeout: float = 3.0) -> None:
+    """The router has nothing in flight on ``replica`` and the replica reports
+    nothing running or waiting (its load reports come every 0.2 s)."""
+    await apoll(lambda: _idle(router, http, replica), timeout,
+                what=f"{replica}: router in-flight and replica running/waiting to drop to 0")
+
+
+async def _idle(router: RouterProcess, http: httpx.AsyncClient, replica: str) -> bool:
+    return await load_of(router, http, replica) == (0, 0)
+
+
+# -- time to first token -----------------------------------------------------------------
+
+
+@pytest.mark.parametrize("stream", [True, False], ids=["stream", "non-stream"])
+async def test_first_token_timeout_is_504_before_headers_and_aborts_the_request(tmp_path, stream) -> None:
+    # One engine step takes 3 s, so the first token comes after >= 3 s; the
+    # tenant allows 1 s. Left running, the request would keep the replica busy
+    # for 40 steps (2 minutes), so "running drops to 0" means it was aborted.
+    tenants = write_tenants(tmp_path / "tenants.yaml", {"first_token": 1.0})
+    with RouterProcess(tmp_path / "r", replicas=1, tenants=tenants, sim={"step_base_ms": 3000}) as router:
+        async with httpx.AsyncClient(base_url=router.base_url, timeout=20) as http:
+            async with (LoadWatch(router, http) as watch,
+                        http.stream("POST", "/v1/completions", headers=auth(),
+                                    json=completion(40, stream=stream)) as r):
+                body = await r.aread()
+                status, headers = r.status_code, r.headers
+            assert status == 504, body
+            assert headers["content-type"].startswith("application/json"), headers
+            assert "x-request-id" in headers
+            err = assert_openai_error(json.loads(body), "first_token_timeout")
+            assert err["type"] == "timeout"
+            # the request did reach the replica ...
+            assert watch.max_inflight >= 1 and watch.max_engine >= 1, (watch.max_inflight, watch.max_engine)
+            # ... and was aborted there when the limit passed
+            await wait_idle(router, http)
+            m = await router.ametrics(http)
+            assert m.value("fairstream_timeouts_total", tenant="t", timeout="first_token") == 1
+            assert m.value("fairstream_requests_total", tenant="t", outcome="timeout_first_token") == 1
+            assert m.value("fairstream_tokens_total", 0.0, tenant="t", direction="completion") == 0
+
+
+# -- total -------------------------------------------------------------------------------
+
+
+TOTAL = 1.5
+
+
+@pytest.fixture
+def total_router(tmp_path):
+    # 400 tokens at >= 20 ms per step: at least 8 s of generation against a 1.5 s limit
+    tenants = write_tenants(tmp_path / "tenants.yaml", {"total": TOTAL}, {"max_concurrent": 1})
+    with RouterProcess(tmp_path / "r", replicas=1, tenants=tenants, sim={"step_base_ms": 20}) as router:
+        yield router
+
+
+async def test_total_timeout_mid_stream_is_an_error_event_without_done(total_router: RouterProcess) -> None:
+    router = total_router
+    async with httpx.AsyncClient(base_url=router.base_url, timeout=20) as http:
+        events = []
+        async with http.stream("POST", "/v1/completions", headers=auth(),
+                               json=completion(400, stream=True)) as r:
+            assert r.status_code == 200, await r.aread()
+            rid = r.headers["x-request-id"]
+            async for ev in aiter_sse(r):
+                events.append(ev)
+                if len(events) == 3:
+                    # the lease is held while the stream runs: max_concurrent 1
+                    second = await http.post("/v1/completions", headers=auth(), json=completion(4, stream=False))
+                    assert second.status_code == 429, second.text
+                    err = assert_openai_error(second.json(), "rate_limit_exceeded")
+                    assert "concurrent streams" in err["message"]
+        assert len(events) >= 3
+        assert all(ev.data != "[DONE]" for ev in events), "a timed-out stream must not end with [DONE]"
+        *chunks, last = events
+        assert chunks and all("choices" in ev.json() for ev in chunks)
+        text = "".join(ev.json()["choices"][0]["text"] for ev in chunks)
+        assert text, "the stream was under way before the limit"
+        err = assert_openai_error(last.json(), "total_timeout")
+        assert err["type"] == "timeout"
+        # the error event continues the stream's numbering
+        assert [ev.number for ev in events] == list(range(1, len(events) + 1))
+        # aborted on the replica at once (400 tokens would take >= 8 s)
+        await wait_idle(router, http)
+        m = await router.ametrics(http)
+        assert m.value("fairstream_timeouts_total", tenant="t", timeout="total") == 1
+        assert m.value("fairstream_requests_total", tenant="t", outcome="timeout_total") == 1
+        completion_tokens = m.value("fairstream_tokens_total", tenant="t", direction="completion")
+        assert 0 < completion_tokens < 400
+        # the lease was released: a new request right away is admitted
+        r = await http.post("/v1/completions", headers=auth(), json=completion(4, stream=False))
+        assert r.status_code == 200, r.text
+        # and the resume buffer ends with the same error event: a resume does not restart it
+        r = await http.get(f"/v1/streams/{rid}", headers={**auth(), "Last-Event-ID": events[-2].id})
+        assert r.status_code == 200, r.text
+        assert r.text.strip() == f"id: {last.id}\ndata: {last.data}"
+
+
+async def test_total_timeout_raises_api_error_in_the_openai_sdk(total_router: RouterProcess) -> None:
+    router = total_router
+    texts: list[str] = []
+    async with openai.AsyncOpenAI(base_url=router.base_url + "/v1", api_key=KEY, max_retries=0,
+                                  timeout=20) as client:
+        stream = await client.completions.create(model=MODEL, prompt="Le caf", max_tokens=400, stream=True,
+                                                 temperature=0, extra_body={"ignore_eos": True})
+        with pytest.raises(openai.APIError) as info:
+            async for chunk in stream:
+                texts.extend(c.text for c in chunk.choices)
+        assert not isinstance(info.value, openai.APIStatusError), "the error comes after the headers"
+        assert info.value.code == "total_timeout"
+        assert info.value.type == "timeout"
+        assert "total timeout" in info.value.message
+        assert "".join(texts)
+        # a new request right after the error is admitted (the lease of max_concurrent 1 is free)
+        again = await client.completions.create(model=MODEL, prompt="x", max_tokens=4)
+        assert again.usage is not None and again.usage.completion_tokens == 4
+    async with httpx.AsyncClient(timeout=10) as http:
+        await wait_idle(router, http)
+
+
+# -- stall -------------------------------------------------------------------------------
+
+
+async def test_stalled_replica_fails_over_text_exact(tmp_path) -> None:
+    # stall 1 s: well above a loaded machine's token gaps at 10 ms a step
+    tenants = write_tenants(tmp_path / "tenants.yaml", {"stall": 1.0})
+    # health_timeout 30: the supervisor's ping does not kill the frozen
+    # replica first; only the stall limit can move the stream.
+    router = RouterProcess(tmp_path / "r", replicas=2, tenants=tenants, sim={"step_base_ms": 10},
+                           settings={"health_timeout": 30}).start()
+    stopped: list[int] = []
+    try:
+        max_tokens = 200
+        body = completion(max_tokens, stream=False, prompt="東京の")
+        async with httpx.AsyncClient(base_url=router.base_url, headers=auth(), timeout=30) as http:
+            ref = await http.post("/v1/completions", json=body)
+            assert ref.status_code == 200, ref.text
+            reference = ref.json()["choices"][0]["text"]
+            parts: list[str] = []
+            finish = None
+            done = False
+            errors = []
+            ids = []
+            async with http.stream("POST", "/v1/completions", json={**body, "stream": True}) as r:
+                assert r.status_code == 200
+                events = aiter_sse(r)
+                while len("".join(parts)) < 20:
+                    ev = await events.__anext__()
+                    parts.append(ev.json()["choices"][0]["text"])
+                    ids.append(ev.number)
+                m = await router.ametrics(http)
+                inflight = {n: m.value("fairstream_replica_inflight_requests", replica=n)
+                            for n in router.replica_names}
+                victim = max(inflight, key=inflight.get)
+                assert inflight[victim] == 1, inflight
+                pid = router.replica_pids()[victim]
+                os.kill(pid, signal.SIGSTOP)
+                stopped.append(pid)
+                frozen_at = time.monotonic()
+                async for ev in events:
+                    if ev.data == "[DONE]":
+                        done = True
+                        break
+                    ids.append(ev.number)
+                    d = ev.json()
+                    if "error" in d:
+                        errors.append(d["error"])
+                        continue
+                    parts.append(d["choices"][0]["text"])
+                    finish = d["choices"][0]["finish_reason"] or finish
+            finished_in = time.monotonic() - frozen_at
+            assert errors == [], (errors, router.log()[-3000:])
+            assert done, "the stream must end with [DONE]"
+            assert finish == "length"
+            assert "".join(parts) == reference
+            assert ids == list(range(1, len(ids) + 1)), "event ids continue across the failover"
+            m = await router.ametrics(http)
+            assert m.value("fairstream_failovers_total", replica=victim) >= 1
+            assert m.value("fairstream_failovers_total") >= 1
+            assert m.value("fairstream_streams_lost_total") == 0
+            # the stall limit moved it, not the supervisor (health_timeout 30 s):
+            # the frozen replica was neither restarted nor replaced
+            assert finished_in < 10, finished_in
+            assert m.value("fairstream_replica_restarts_total", 0.0, replica=victim) == 0
+            assert router.replica_pids()[victim] == pid
+    finally:
+        for pid in stopped:
+            try:
+                os.kill(pid, signal.SIGCONT)
+            except ProcessLookupError:
+                pass
+        router.stop()

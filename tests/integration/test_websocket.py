@@ -1,0 +1,338 @@
+"""``/v1/ws`` against a real router and a sim replica (message protocol in
+router/websocket.py): auth, several concurrent chat completions per socket,
+abort, protocol errors without closing, close aborts everything, tenant limits."""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import json
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+import yaml
+from websockets.asyncio.client import ClientConnection, connect
+from websockets.exceptions import ConnectionClosed
+
+from router.auth import hash_key
+from tests.helpers import ADMIN, MODEL, RouterProcess, apoll
+
+KEY_A, KEY_LIM = "ws-tenant-a", "ws-tenant-limited"
+REPLICA = "sim-0"
+
+
+@pytest.fixture(scope="module")
+def router(tmp_path_factory) -> RouterProcess:
+    d: Path = tmp_path_factory.mktemp("ws")
+    tenants = d / "tenants.yaml"
+    tenants.write_text(yaml.safe_dump({
+        "admin_keys": [hash_key(ADMIN)],
+        "tenants": {
+            "a": {"keys": [hash_key(KEY_A)]},
+            "lim": {"keys": [hash_key(KEY_LIM)], "on_limit": "reject", "limits": {"max_concurrent": 1}},
+        },
+    }, sort_keys=False))
+    # one replica (its running count is the whole story), 10 ms per token
+    r = RouterProcess(d / "r", replicas=1, tenants=tenants, sim={"step_base_ms": 10})
+    r.start()
+    yield r
+    r.stop()
+
+
+@pytest.fixture
+async def http(router: RouterProcess):
+    async with httpx.AsyncClient(base_url=router.base_url, headers={"Authorization": f"Bearer {KEY_A}"},
+                                 timeout=30) as c:
+        yield c
+
+
+def ws_url(router: RouterProcess) -> str:
+    return router.base_url.replace("http://", "ws://") + "/v1/ws"
+
+
+def open_ws(router: RouterProcess, key: str | None = KEY_A):
+    headers = {"Authorization": f"Bearer {key}"} if key is not None else None
+    return connect(ws_url(router), additional_headers=headers, proxy=None, open_timeout=10, close_timeout=5)
+
+
+def chat_body(prompt: str, max_tokens: int, **kw: Any) -> dict[str, Any]:
+    return {"model": MODEL, "messages": [{"role": "user", "content": prompt}], "max_tokens": max_tokens,
+            "temperature": 0, "ignore_eos": True, **kw}
+
+
+async def create(ws: ClientConnection, cid: str, body: dict[str, Any]) -> None:
+    await ws.send(json.dumps({"type": "chat.completions.create", "id": cid, "body": body}))
+
+
+async def recv(ws: ClientConnection, timeout: float = 10) -> dict[str, Any]:
+    return json.loads(await asyncio.wait_for(ws.recv(), timeout))
+
+
+async def reference(http: httpx.AsyncClient, prompt: str, max_tokens: int) -> str:
+    r = await http.post("/v1/chat/completions", json=chat_body(prompt, max_tokens))
+    assert r.status_code == 200, r.text
+    return r.json()["choices"][0]["message"]["content"]
+
+
+class Collector:
+    """Reads a socket's messages in order, sorting them by request id."""
+
+    def __init__(self, ws: ClientConnection) -> None:
+        self.ws = ws
+        self.log: list[dict[str, Any]] = []  # every message, in arrival order
+
+    def of(self, cid: str) -> list[dict[str, Any]]:
+        return [m for m in self.log if m.get("id") == cid]
+
+    def text(self, cid: str) -> str:
+        return "".join(c["delta"].get("content") or "" for m in self.of(cid) if "chunk" in m
+                       for c in m["chunk"]["choices"])
+
+    def finished(self, cid: str) -> bool:
+        return any(m.get("done") or "error" in m or m.get("aborted") for m in self.of(cid))
+
+    async def until(self, cond, timeout: float = 20, what: str = "messages") -> None:
+        async def run() -> None:
+            while not cond():
+                self.log.append(await recv(self.ws, timeout))
+
+        try:
+            await asyncio.wait_for(run(), timeout)
+        except TimeoutError:
+            raise AssertionError(f"timed out after {timeout}s waiting for {what}; got {self.log[-5:]}") from None
+
+
+def check_completed(col: Collector, cid: str, ref: str) -> None:
+    msgs = col.of(cid)
+    assert msgs[-1] == {"id": cid, "done": True}, msgs[-1]
+    chunks = msgs[:-1]
+    assert all(set(m) == {"id", "event", "chunk"} for m in chunks), [m for m in chunks if "chunk" not in m]
+    assert [m["event"] for m in chunks] == list(range(1, len(chunks) + 1))
+    assert all(m["chunk"]["object"] == "chat.completion.chunk" and m["chunk"]["model"] == MODEL for m in chunks)
+    assert len({m["chunk"]["id"] for m in chunks}) == 1
+    assert col.text(cid) == ref
+    finishes = [c["finish_reason"] for m in chunks for c in m["chunk"]["choices"] if c["finish_reason"]]
+    assert finishes == ["length"]
+
+
+async def load(router: RouterProcess, http: httpx.AsyncClient) -> tuple[float, float]:
+    """(router in-flight, replica running + waiting) on the one replica."""
+    m = await router.ametrics(http)
+    return (m.value("fairstream_replica_inflight_requests", replica=REPLICA),
+            m.value("fairstream_replica_running_requests", replica=REPLICA)
+            + m.value("fairstream_replica_waiting_requests", replica=REPLICA))
+
+
+async def wait_load(router: RouterProcess, http: httpx.AsyncClient, ok, timeout: float, what: str) -> None:
+    async def check() -> bool:
+        return ok(*await load(router, http))
+
+    await apoll(check, timeout, what=what)
+
+
+def requests_total(m, outcome: str) -> float:
+    return m.value("fairstream_requests_total", 0.0, endpoint="websocket", outcome=outcome)
+
+
+def assert_error(msg: dict[str, Any], cid: str | None, *, type_: str = "invalid_request_error",
+                 code: str | None = None, param: str | None = None) -> dict[str, Any]:
+    if cid is not None:
+        assert msg.get("id") == cid, msg
+    assert "error" in msg, msg
+    err = msg["error"]
+    assert set(err) == {"message", "type", "param", "code"}, err
+    assert err["type"] == type_ and err["message"], err
+    if code is not None:
+        assert err["code"] == code, err
+    if param is not None:
+        assert err["param"] == param, err
+    return err
+
+
+# -- auth ------------------------------------------------------------------------------------------
+
+
+async def test_auth_by_header(router: RouterProcess, http: httpx.AsyncClient) -> None:
+    ref = await reference(http, "hello", 12)
+    async with open_ws(router) as ws:
+        col = Collector(ws)
+        await create(ws, "r1", chat_body("hello", 12))
+        await col.until(lambda: col.finished("r1"), what="r1 to finish")
+        check_completed(col, "r1", ref)
+
+
+async def test_auth_by_first_message(router: RouterProcess, http: httpx.AsyncClient) -> None:
+    ref = await reference(http, "hello", 12)
+    async with open_ws(router, key=None) as ws:
+        # nothing runs before the socket is authenticated
+        await create(ws, "early", chat_body("hello", 12))
+        assert_error(await recv(ws), "early", code="missing_api_key")
+        await ws.send(json.dumps({"type": "auth", "api_key": KEY_A}))
+        assert await recv(ws) == {"type": "auth", "ok": True}
+        col = Collector(ws)
+        await create(ws, "r1", chat_body("hello", 12))
+        await col.until(lambda: col.finished("r1"), what="r1 to finish")
+        check_completed(col, "r1", ref)
+
+
+@pytest.mark.parametrize("key, code, close_code", [("not-a-key", "invalid_api_key", 4401),
+                                                   (ADMIN, "forbidden", 4403)], ids=["bad-key", "admin-key"])
+@pytest.mark.parametrize("how", ["header", "message"])
+async def test_bad_or_admin_key_gets_an_error_and_a_close_code(router: RouterProcess, key: str, code: str,
+                                                               close_code: int, how: str) -> None:
+    async with open_ws(router, key=key if how == "header" else None) as ws:
+        if how == "message":
+            await ws.send(json.dumps({"type": "auth", "api_key": key}))
+        msg = await recv(ws)
+        assert set(msg) == {"error"}, msg
+        assert_error(msg, None, code=code)
+        assert key not in msg["error"]["message"], "the key must not be echoed"
+        with pytest.raises(ConnectionClosed) as info:
+            await recv(ws)
+        assert info.value.rcvd is not None and info.value.rcvd.code == close_code, info.value
+
+
+# -- several requests on one socket -------------------------------------------------------------------
+
+
+async def test_two_requests_run_concurrently_and_match_http(router: RouterProcess, http: httpx.AsyncClient) -> None:
+    jobs = {"a": ("東京の", 120), "b": ("Tell me about Zürich", 100)}
+    ref_tasks = {cid: asyncio.create_task(reference(http, p, n)) for cid, (p, n) in jobs.items()}
+    async with open_ws(router) as ws:
+        col = Collector(ws)
+        await create(ws, "a", chat_body(*jobs["a"], stream_options={"include_usage": True}))
+        await create(ws, "b", chat_body(*jobs["b"]))
+        await col.until(lambda: col.finished("a") and col.finished("b"), what="both requests to finish")
+    refs = {cid: await t for cid, t in ref_tasks.items()}
+    usage = [m["chunk"]["usage"] for m in col.of("a") if "chunk" in m and m["chunk"].get("usage")]
+    assert len(usage) == 1 and usage[0]["completion_tokens"] == 120, usage
+    for cid in jobs:
+        check_completed(col, cid, refs[cid])
+    # interleaved: each one's chunks arrive while the other is still streaming
+    order = [m["id"] for m in col.log]
+    first = {cid: order.index(cid) for cid in jobs}
+    last = {cid: len(order) - 1 - order[::-1].index(cid) for cid in jobs}
+    assert first["b"] < last["a"] and first["a"] < last["b"], order
+    switches = sum(1 for x, y in itertools.pairwise(order) if x != y)
+    assert switches >= 4, f"the two streams were not interleaved: {order}"
+
+
+async def test_abort_stops_one_generation_and_the_other_completes(router: RouterProcess,
+                                                                  http: httpx.AsyncClient) -> None:
+    ref_b = await reference(http, "Le caf", 250)
+    before = await router.ametrics(http)
+    async with open_ws(router) as ws:
+        col = Collector(ws)
+        await create(ws, "long", chat_body("The ", 2000))  # >= 20 s unless aborted
+        await create(ws, "b", chat_body("Le caf", 250))
+        await col.until(lambda: len(col.of("long")) >= 5 and len(col.of("b")) >= 5, what="both to stream")
+        await wait_load(router, http, lambda inf, eng: inf == 2, 3, "two requests in flight")
+        await ws.send(json.dumps({"type": "abort", "id": "long"}))
+        await col.until(lambda: any(m.get("aborted") for m in col.of("long")), what="the abort confirmation")
+        assert col.of("long")[-1] == {"id": "long", "aborted": True}
+        seen_long = len(col.of("long"))
+        # aborted at once: the router has only b in flight
+        await wait_load(router, http, lambda inf, eng: inf <= 1, 1.0, "the aborted request to leave the replica")
+        await col.until(lambda: col.finished("b"), what="b to finish")
+        check_completed(col, "b", ref_b)
+        assert len(col.of("long")) == seen_long, "nothing of the aborted request after its confirmation"
+        # nothing left on the replica (the aborted one had ~15 s to go)
+        await wait_load(router, http, lambda inf, eng: inf == 0 and eng == 0, 2.5,
+                        "router in-flight and replica running to drop to 0")
+        after = await router.ametrics(http)
+        assert requests_total(after, "cancelled") == requests_total(before, "cancelled") + 1
+        assert requests_total(after, "ok") == requests_total(before, "ok") + 1
+        # the socket still works
+        await create(ws, "c", chat_body("Le caf", 8))
+        await col.until(lambda: col.finished("c"), what="c to finish")
+        assert col.of("c")[-1] == {"id": "c", "done": True}
+
+
+# -- protocol errors keep the socket open ---------------------------------------------------------------
+
+
+async def test_protocol_errors_are_messages_not_closes(router: RouterProcess, http: httpx.AsyncClient) -> None:
+    ref = await reference(http, "hello", 10)
+    async with open_ws(router) as ws:
+        await create(ws, "n2", chat_body("hello", 10, n=2))
+        err = assert_error(await recv(ws), "n2", param="n")
+        assert "n" in err["message"]
+        await ws.send(json.dumps({"type": "chat.completions.frobnicate", "id": "x"}))
+        assert_error(await recv(ws), "x", param="type")
+        await ws.send("{not json")
+        assert_error(await recv(ws), "", code="invalid_json")
+        await ws.send(json.dumps({"type": "chat.completions.create", "body": chat_body("hello", 10)}))
+        assert_error(await recv(ws), "", param="id")
+        await ws.send(json.dumps({"type": "chat.completions.create", "id": "nobody"}))
+        assert_error(await recv(ws), "nobody", param="body")
+        await create(ws, "bad-field", {**chat_body("hello", 10), "frobnicate": 1})
+        assert_error(await recv(ws), "bad-field", param="frobnicate")
+        # after all that, the socket serves a request
+        col = Collector(ws)
+        await create(ws, "ok", chat_body("hello", 10))
+        await col.until(lambda: col.finished("ok"), what="ok to finish")
+        check_completed(col, "ok", ref)
+
+
+async def test_an_id_in_use_is_refused(router: RouterProcess) -> None:
+    async with open_ws(router) as ws:
+        col = Collector(ws)
+        await create(ws, "dup", chat_body("hello", 150))
+        await col.until(lambda: len(col.of("dup")) >= 2, what="dup to stream")
+        await create(ws, "dup", chat_body("hello", 5))
+        await col.until(lambda: any("error" in m for m in col.of("dup")), what="the error for the reused id")
+        assert_error(next(m for m in col.of("dup") if "error" in m), "dup", param="id")
+        await col.until(lambda: col.finished("dup") and col.of("dup")[-1].get("done"), what="dup to finish")
+
+
+async def test_closing_the_socket_aborts_everything_running(router: RouterProcess, http: httpx.AsyncClient) -> None:
+    before = await router.ametrics(http)
+    async with open_ws(router) as ws:
+        col = Collector(ws)
+        await create(ws, "x", chat_body("The ", 2000))  # >= 20 s each unless aborted
+        await create(ws, "y", chat_body("Über", 2000))
+        await col.until(lambda: len(col.of("x")) >= 3 and len(col.of("y")) >= 3, what="both to stream")
+        await wait_load(router, http, lambda inf, eng: inf == 2 and eng == 2, 3, "both running on the replica")
+        # Close while still reading (a client that stops reading gets its
+        # close handshake stuck behind the frames it did not read).
+        drain = asyncio.create_task(col.until(lambda: False, timeout=30))
+        closing = asyncio.create_task(ws.close())
+        try:
+            await wait_load(router, http, lambda inf, eng: inf == 0 and eng == 0, 2.5,
+                            "router in-flight and replica running to drop to 0 after the close")
+            await asyncio.wait_for(closing, 5)
+        finally:
+            drain.cancel()
+        with pytest.raises((ConnectionClosed, asyncio.CancelledError)):
+            await drain
+    after = await router.ametrics(http)
+    assert requests_total(after, "cancelled") == requests_total(before, "cancelled") + 2
+
+
+# -- limits ----------------------------------------------------------------------------------------------
+
+
+async def test_concurrency_limit_applies_per_request_on_the_socket(router: RouterProcess,
+                                                                    http: httpx.AsyncClient) -> None:
+    ref_task = asyncio.create_task(reference(http, "Le caf", 200))  # tenant a: not limited
+    async with open_ws(router, key=KEY_LIM) as ws:
+        col = Collector(ws)
+        await create(ws, "first", chat_body("Le caf", 200))  # >= 2 s: holds the slot during the checks
+        await col.until(lambda: len(col.of("first")) >= 2, what="first to stream")
+        await create(ws, "second", chat_body("Le caf", 10))
+        await col.until(lambda: col.finished("second"), what="the refusal of the second request")
+        assert len(col.of("second")) == 1
+        err = assert_error(col.of("second")[0], "second", type_="rate_limit_error", code="rate_limit_exceeded")
+        assert "concurrent streams" in err["message"]
+        # one limit across transports: the socket's stream holds the tenant's only slot for HTTP too
+        r = await http.post("/v1/chat/completions", json=chat_body("Le caf", 4),
+                            headers={"Authorization": f"Bearer {KEY_LIM}"})
+        assert r.status_code == 429 and r.json()["error"]["code"] == "rate_limit_exceeded", r.text
+        await col.until(lambda: col.finished("first"), what="first to finish")
+        check_completed(col, "first", await ref_task)
+        # the lease went with the first request: the next one is admitted
+        await create(ws, "third", chat_body("Le caf", 10))
+        await col.until(lambda: col.finished("third"), what="third to finish")
+        assert col.of("third")[-1] == {"id": "third", "done": True}, col.of("third")
