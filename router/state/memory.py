@@ -16,12 +16,16 @@ __all__ = ["MemoryStore"]
 
 
 class _Tenant:
-    __slots__ = ("requests", "tokens", "leases")
+    __slots__ = ("requests", "tokens", "leases", "next_prune")
 
     def __init__(self) -> None:
         self.requests: Bucket | None = None
         self.tokens: Bucket | None = None
         self.leases: dict[str, float] = {}
+        self.next_prune = 0.0
+
+
+SWEEP_INTERVAL = 1.0  # expired leases and buffers are swept at most this often (O(n) each)
 
 
 class _Stream:
@@ -48,6 +52,7 @@ class MemoryStore(StateStore):
         self._clock = clock
         self._tenants: dict[str, _Tenant] = {}
         self._streams: dict[str, _Stream] = {}
+        self._next_sweep = 0.0
 
     def _t(self, tenant: str) -> _Tenant:
         t = self._tenants.get(tenant)
@@ -58,7 +63,11 @@ class MemoryStore(StateStore):
     async def admit(self, tenant: str, req: AdmitRequest) -> Decision:
         now = self._clock()
         t = self._t(tenant)
-        t.leases = ratelimit.prune_leases(t.leases, now)
+        if now >= t.next_prune:
+            # Amortized: a lease that expired less than SWEEP_INTERVAL ago
+            # may still count; leases are released explicitly at stream end.
+            t.leases = ratelimit.prune_leases(t.leases, now)
+            t.next_prune = now + SWEEP_INTERVAL
         decision, t.requests, t.tokens = ratelimit.admit(
             t.requests,
             t.tokens,
@@ -107,7 +116,8 @@ class MemoryStore(StateStore):
         return st
 
     def _expire(self, now: float) -> None:
-        if len(self._streams) > 64:
+        if len(self._streams) > 64 and now >= self._next_sweep:
+            self._next_sweep = now + SWEEP_INTERVAL
             for sid in [k for k, v in self._streams.items() if v.expires <= now]:
                 del self._streams[sid]
 

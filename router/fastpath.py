@@ -1,0 +1,132 @@
+"""Raw ASGI hot path for the two completion endpoints.
+
+Streaming completions skip Litestar's routing, its ``Stream`` response (an
+anyio task group plus a disconnect-listener task per stream and per-event
+``send`` wrappers) and its header objects: the body is read from
+``receive``, the request goes through the same ``handle_completion`` as the
+Litestar route, and each SSE event goes to the server's ``send`` directly.
+One ``receive()`` waiter per request watches for the client's disconnect
+from the moment the body is read: it cancels the request task, so a client
+that leaves while queued, while waiting for its first token or mid-stream is
+dropped at once (the generation's ``finally`` aborts it on its replica).
+Resume requests, other routes and the lifespan go to Litestar.
+
+Measured with ``python -m ops.bench`` (docs/perf.md): about 15% less router
+CPU per token and 23% less per request than the Litestar route.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+from litestar import Litestar
+from litestar.response import Stream
+
+from router.completions import handle_completion, new_request_id
+from router.errors import ApiError, error_body
+from router.service import RouterService
+
+__all__ = ["FastPath"]
+
+log = logging.getLogger("fairstream.router")
+
+_PATHS = {"/v1/chat/completions": True, "/v1/completions": False}
+_JSON = (b"content-type", b"application/json")
+
+
+class FastPath:
+    """ASGI app: completions handled here, everything else by ``app``."""
+
+    def __init__(self, app: Litestar) -> None:
+        self.app = app
+        self.svc: RouterService = app.state.service
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] == "http" and scope["method"] == "POST":
+            chat = _PATHS.get(scope["path"])
+            if chat is not None:
+                auth = None
+                for k, v in scope["headers"]:
+                    if k == b"authorization":
+                        auth = v.decode("latin-1")
+                    elif k == b"x-resume-request-id":
+                        return await self.app(scope, receive, send)
+                return await self._completion(receive, send, chat, auth, scope["path"])
+        return await self.app(scope, receive, send)
+
+    async def _completion(self, receive, send, chat: bool, auth: str | None, path: str) -> None:
+        svc = self.svc
+        body = b""
+        limit = svc.config.max_body_bytes
+        while True:
+            msg = await receive()
+            if msg["type"] == "http.disconnect":
+                return
+            body += msg.get("body", b"")
+            if len(body) > limit:
+                await _error(send, 413, error_body("The request body is too large.", "invalid_request_error"))
+                return
+            if not msg.get("more_body", False):
+                break
+        task = asyncio.current_task()
+        assert task is not None
+        gone = False
+
+        async def listen() -> None:
+            nonlocal gone
+            while (await receive())["type"] != "http.disconnect":
+                pass
+            gone = True
+            task.cancel()
+
+        listener = asyncio.get_running_loop().create_task(listen())
+        it = None
+        try:
+            try:
+                policy = svc.tenant(auth)
+                resp = await handle_completion(svc, policy, body, chat, new_request_id())
+            except ApiError as e:
+                await _error(send, e.status, e.body(), e.headers)
+                return
+            except asyncio.CancelledError:
+                raise
+            except Exception as e:  # noqa: BLE001 - answer 500 and keep serving
+                log.exception("unhandled error on %s", path, exc_info=e)
+                await _error(send, 500, error_body("Internal server error.", "server_error"))
+                return
+            headers = [(k.encode("latin-1"), v.encode("latin-1")) for k, v in resp.headers.items()]
+            if not isinstance(resp, Stream):
+                out = resp.content if isinstance(resp.content, bytes) else bytes(resp.content)
+                headers += [_JSON, (b"content-length", str(len(out)).encode())]
+                await send({"type": "http.response.start", "status": resp.status_code or 200, "headers": headers})
+                await send({"type": "http.response.body", "body": out, "more_body": False})
+                return
+            headers.append((b"content-type", b"text/event-stream; charset=utf-8"))
+            it = resp.iterator
+            await send({"type": "http.response.start", "status": 200, "headers": headers})
+            async for event in it:
+                await send({"type": "http.response.body", "body": event, "more_body": True})
+            await send({"type": "http.response.body", "body": b"", "more_body": False})
+        except asyncio.CancelledError:
+            if not gone:
+                raise
+            task.uncancel()  # the client left: a normal end for this request
+        except OSError:
+            pass  # the connection broke while writing
+        finally:
+            listener.cancel()
+            aclose = getattr(it, "aclose", None)
+            if aclose is not None:
+                try:
+                    await aclose()
+                except (asyncio.CancelledError, Exception):  # noqa: BLE001
+                    pass
+
+
+async def _error(send, status: int, body: bytes, headers: dict[str, str] | None = None) -> None:
+    hs = [_JSON, (b"content-length", str(len(body)).encode())]
+    for k, v in (headers or {}).items():
+        hs.append((k.encode("latin-1"), str(v).encode("latin-1")))
+    await send({"type": "http.response.start", "status": status, "headers": hs})
+    await send({"type": "http.response.body", "body": body, "more_body": False})
