@@ -11,7 +11,7 @@ from collections.abc import Sequence
 
 import msgspec
 
-__all__ = ["ReplicaLoad", "score", "choose"]
+__all__ = ["ReplicaLoad", "score", "choose", "AFFINITY_SLACK"]
 
 
 class ReplicaLoad(msgspec.Struct, frozen=True, gc=False):
@@ -36,12 +36,22 @@ def score(load: ReplicaLoad) -> float:
     )
 
 
-def choose(loads: Sequence[ReplicaLoad], rng: random.Random) -> int:
+AFFINITY_SLACK = 2.0  # how much more loaded (in score units) a preferred replica may be
+
+
+def choose(loads: Sequence[ReplicaLoad], rng: random.Random, prefer: int | None = None) -> int:
     """Index of the chosen replica among ``loads`` (which must not be empty):
-    the less loaded of two picked at random."""
+    the less loaded of two picked at random. ``prefer`` (prefix affinity: the
+    replica that served the same prompt prefix, whose KV cache may still hold
+    it) wins while its score is within ``AFFINITY_SLACK`` of that pick."""
     n = len(loads)
     if n == 1:
         return 0
+    if prefer is not None:
+        other = choose(loads, rng)
+        if score(loads[prefer]) <= score(loads[other]) + AFFINITY_SLACK:
+            return prefer
+        return other
     a = rng.randrange(n)
     b = rng.randrange(n - 1)
     if b >= a:

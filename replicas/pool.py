@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import random
 
+from collections import OrderedDict
 from collections.abc import Callable
 
 from policies.balance import ReplicaLoad, choose
@@ -17,6 +18,9 @@ from replicas.client import ReplicaClient
 from replicas.spec import ReplicaSpec
 
 __all__ = ["ReplicaSlot", "ReplicaPool", "LoadHandle", "NoReplica"]
+
+
+AFFINITY_ENTRIES = 4096  # prompt prefixes remembered for affinity
 
 
 class NoReplica(RuntimeError):
@@ -104,6 +108,7 @@ class ReplicaPool:
         self.slots = [ReplicaSlot(s) for s in specs]
         self._rng = rng or random.Random()
         self.on_release: Callable[[ReplicaSlot], None] | None = None
+        self._affinity: OrderedDict[int, str] = OrderedDict()  # prefix hash -> replica (LRU)
 
     def models(self) -> list[str]:
         """Models served by ready replicas, or configured ones when none is ready."""
@@ -138,14 +143,29 @@ class ReplicaPool:
         i = choose([s.snapshot() for s in slots], self._rng)
         return LoadHandle(slots[i], tokens, self.on_release)
 
-    def try_choose(self, model: str, tokens: int) -> LoadHandle | None:
+    def try_choose(self, model: str, tokens: int, affinity: int | None = None) -> LoadHandle | None:
         """Like ``choose`` but only among replicas under their in-flight cap;
-        None when all are full. ``NoReplica`` when none serves the model."""
+        None when all are full. ``NoReplica`` when none serves the model.
+
+        ``affinity`` is a hash of the prompt's prefix: the replica that last
+        served that prefix is preferred while its load allows."""
         slots = self.ready_slots(model)
         if not slots:
             raise NoReplica(f"no ready replica serves model {model!r}")
         room = [s for s in slots if s.has_room]
         if not room:
             return None
-        i = choose([s.snapshot() for s in room], self._rng)
+        prefer = None
+        if affinity is not None:
+            name = self._affinity.get(affinity)
+            for j, s in enumerate(room):
+                if s.name == name:
+                    prefer = j
+                    break
+        i = choose([s.snapshot() for s in room], self._rng, prefer)
+        if affinity is not None:
+            self._affinity[affinity] = room[i].name
+            self._affinity.move_to_end(affinity)
+            if len(self._affinity) > AFFINITY_ENTRIES:
+                self._affinity.popitem(last=False)
         return LoadHandle(room[i], tokens, self.on_release)

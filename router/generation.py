@@ -60,10 +60,25 @@ class Deadlines:
         self.start = time.monotonic() if start is None else start
 
 
+AFFINITY_PREFIX = 512  # characters (or tokens) of the prompt that key prefix affinity
+
+
 class Job:
     """What was asked: the model, the prompt in one of three forms, the params."""
 
     __slots__ = ("model", "params", "prompt", "messages", "prompt_token_ids")
+
+    def affinity_key(self) -> int | None:
+        """Hash of the prompt's first AFFINITY_PREFIX characters (or token
+        ids): requests sharing it prefer the replica that served it last,
+        whose prefix cache may still hold it. None for short prompts."""
+        if self.messages is not None:
+            text = "\x00".join(f"{m.get('role')}:{m.get('content')}" for m in self.messages)
+            return hash(text[:AFFINITY_PREFIX]) if len(text) >= AFFINITY_PREFIX else None
+        if self.prompt is not None:
+            return hash(self.prompt[:AFFINITY_PREFIX]) if len(self.prompt) >= AFFINITY_PREFIX else None
+        ids = self.prompt_token_ids or []
+        return hash(tuple(ids[:AFFINITY_PREFIX])) if len(ids) >= AFFINITY_PREFIX else None
 
     def __init__(
         self,
@@ -130,7 +145,8 @@ class Generation:
                 if first and self.scheduler is not None and self.policy is not None:
                     # Wait for our turn in the tenant's queue (fair share, caps).
                     waited = time.monotonic() - self.deadlines.start  # e.g. for a rate limit
-                    handle = await self.scheduler.acquire(self.policy, self.rank, job.model, remaining, waited)
+                    handle = await self.scheduler.acquire(self.policy, self.rank, job.model, remaining, waited,
+                                                          job.affinity_key())
                 else:
                     # A failover continues at once, past the queues and caps:
                     # its client is mid-stream.

@@ -33,9 +33,11 @@ log = logging.getLogger("fairstream.scheduler")
 
 
 class _Waiter:
-    __slots__ = ("policy", "rank", "model", "tokens", "enqueued", "future")
+    __slots__ = ("policy", "rank", "model", "tokens", "enqueued", "future", "affinity")
 
-    def __init__(self, policy: TenantPolicy, rank: int, model: str, tokens: int, now: float) -> None:
+    def __init__(self, policy: TenantPolicy, rank: int, model: str, tokens: int, now: float,
+                 affinity: int | None = None) -> None:
+        self.affinity = affinity
         self.policy = policy
         self.rank = rank
         self.model = model
@@ -85,7 +87,7 @@ class Scheduler:
         return self._limiters[slot.name]
 
     async def acquire(self, policy: TenantPolicy, rank: int, model: str, tokens: int,
-                      waited: float = 0.0) -> LoadHandle:
+                      waited: float = 0.0, affinity: int | None = None) -> LoadHandle:
         """A load handle on a replica for this request, when the scheduler
         says it is its turn. 429 when the tenant's queue is full, 503 when the
         queue wait passes the tenant's limit (``waited``: seconds the request
@@ -93,7 +95,7 @@ class Scheduler:
         cancellation leaves the queue."""
         if not self._queued:
             try:
-                handle = self.pool.try_choose(model, tokens)
+                handle = self.pool.try_choose(model, tokens, affinity)
             except NoReplica as e:
                 raise ReplicaUnavailable(str(e)) from e
             if handle is not None:
@@ -114,7 +116,7 @@ class Scheduler:
                 retry_after=self._retry_after(len(q)), code="queue_full",
             )
         now = self.clock()
-        w = _Waiter(policy, rank, model, tokens, now)
+        w = _Waiter(policy, rank, model, tokens, now, affinity)
         if not q:
             backlogged = [t for t, other in self._queues.items() if other]
             self.counters.activate(policy.name, backlogged)
@@ -206,7 +208,7 @@ class Scheduler:
             i = pick(heads, self.counters if not fifo else _NO_COUNTERS, now, 0 if fifo else self.settings.aging)
             w = waiters[i]
             try:
-                handle = self.pool.try_choose(w.model, w.tokens)
+                handle = self.pool.try_choose(w.model, w.tokens, w.affinity)
             except NoReplica:
                 handle = None
             if handle is None:

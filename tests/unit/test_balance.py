@@ -1,0 +1,45 @@
+"""policies/balance.py: power of two choices and prefix affinity."""
+
+from __future__ import annotations
+
+import random
+
+from hypothesis import given
+from hypothesis import strategies as st
+
+from policies.balance import AFFINITY_SLACK, ReplicaLoad, choose, score
+
+loads_st = st.lists(
+    st.builds(ReplicaLoad, st.integers(0, 50), st.integers(0, 5000), st.integers(0, 50), st.integers(0, 20),
+              st.floats(0, 1)),
+    min_size=1, max_size=8,
+)
+
+
+@given(loads_st, st.integers(0, 2**32))
+def test_p2c_never_picks_the_worse_of_its_two(loads, seed):
+    i = choose(loads, random.Random(seed))
+    assert 0 <= i < len(loads)
+    # the pick is never the single most loaded replica when there are several
+    if len(loads) > 1 and len({score(x) for x in loads}) == len(loads):
+        assert score(loads[i]) < max(score(x) for x in loads)
+
+
+@given(loads_st, st.integers(0, 2**32), st.data())
+def test_affinity_wins_only_within_the_slack(loads, seed, data):
+    prefer = data.draw(st.integers(0, len(loads) - 1))
+    i = choose(loads, random.Random(seed), prefer)
+    other = choose(loads, random.Random(seed))
+    if len(loads) == 1:
+        assert i == 0
+    elif score(loads[prefer]) <= score(loads[other]) + AFFINITY_SLACK:
+        assert i == prefer
+    else:
+        assert i == other
+
+
+def test_a_much_busier_preferred_replica_is_passed_over():
+    idle = ReplicaLoad(0, 0, 0, 0, 0.0)
+    busy = ReplicaLoad(20, 0, 20, 5, 0.5)
+    assert all(choose([busy, idle], random.Random(s), prefer=0) == 1 for s in range(50))
+    assert all(choose([idle, idle], random.Random(s), prefer=1) == 1 for s in range(50))
