@@ -16,6 +16,7 @@ import argparse
 import json
 import os
 import resource
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -229,6 +230,7 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         if mocks is not None:
             mocks.stop()
+        shutil.rmtree(env.cfg_dir, ignore_errors=True)
     elapsed = time.monotonic() - t_start
     load_end = loadavg()
 
