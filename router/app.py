@@ -2,11 +2,8 @@
 
 from __future__ import annotations
 
-import asyncio
 import logging
-from collections.abc import Coroutine
 from contextlib import asynccontextmanager
-from typing import Any
 from pathlib import Path
 
 import msgspec
@@ -17,6 +14,7 @@ from router.admin import admin_routes
 from router.completions import handle_completion, new_request_id
 from router.config import RouterConfig
 from router.errors import ApiError, error_body
+from router.fastpath import FastPath
 from router.resume_http import handle_resume, parse_last_event_id
 from router.service import RouterService
 from router.websocket import chat_socket
@@ -33,43 +31,17 @@ def _svc(request: Request) -> RouterService:
 
 
 async def _complete(request: Request, chat: bool) -> Response:
+    """The Litestar side of the completion endpoints: resumed streams
+    (``X-Resume-Request-Id``). Fresh requests never get here: the raw ASGI
+    fast path in front (router/fastpath.py) serves them."""
     svc = _svc(request)
     policy = svc.tenant(request.headers.get("authorization"))
     resume_id = request.headers.get("x-resume-request-id")
-    if resume_id:
-        pos = parse_last_event_id(request.headers.get("last-event-id"))
-        return await handle_resume(svc, policy, resume_id, pos)
-    body = await request.body()
-    return await _until_disconnect(request, handle_completion(svc, policy, body, chat, new_request_id()))
-
-
-async def _until_disconnect(request: Request, work: Coroutine[Any, Any, Response]) -> Response:
-    """Run ``work`` (queueing, waiting for the first token, a whole
-    non-streamed completion) but give up the moment the client disconnects:
-    cancelling it leaves the queue or aborts the request on its replica."""
-    task = asyncio.ensure_future(work)
-    gone = asyncio.ensure_future(_disconnected(request))
-    try:
-        await asyncio.wait((task, gone), return_when=asyncio.FIRST_COMPLETED)
-    except asyncio.CancelledError:
-        task.cancel()
-        raise
-    finally:
-        gone.cancel()
-    if task.done():
-        return task.result()
-    task.cancel()
-    try:
-        await task
-    except (asyncio.CancelledError, ApiError):
-        pass
-    # Nobody reads this; 499 is what proxies log for a client that went away.
-    return Response(b"", status_code=499)
-
-
-async def _disconnected(request: Request) -> None:
-    while (await request.receive())["type"] != "http.disconnect":
-        pass
+    if not resume_id:
+        # only when this app is served without FastPath in front
+        return await handle_completion(svc, policy, await request.body(), chat, new_request_id())
+    pos = parse_last_event_id(request.headers.get("last-event-id"))
+    return await handle_resume(svc, policy, resume_id, pos)
 
 
 @post("/v1/chat/completions", status_code=200)
@@ -163,7 +135,8 @@ def _internal_error(request: Request, exc: Exception) -> Response:
     return Response(error_body("Internal server error.", "server_error"), status_code=500, media_type=_JSON)
 
 
-def create_app(config: RouterConfig, tenants_path: Path) -> Litestar:
+def create_app(config: RouterConfig, tenants_path: Path) -> FastPath:
+    """The router as one ASGI app: the completion fast path in front of Litestar."""
     service = RouterService(config, tenants_path)
 
     @asynccontextmanager
@@ -183,4 +156,4 @@ def create_app(config: RouterConfig, tenants_path: Path) -> Litestar:
         debug=False,
     )
     app.state.service = service
-    return app
+    return FastPath(app)

@@ -40,10 +40,8 @@ def _serve(args: argparse.Namespace) -> int:
 
         log_args = ["--log-level", args.log_level, "--log-format", args.log_format]
         return serve_workers(config, tenants, host, port, args.workers, log_args)
-    from router.fastpath import FastPath
-
     uvicorn.run(
-        FastPath(app),
+        app,
         host=host,
         port=port,
         loop="uvloop",

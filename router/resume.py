@@ -33,6 +33,7 @@ import msgspec
 
 from replicas.protocol import SamplingParams
 from router.state import StateStore, StoreUnavailable
+from router.state.base import CLAIM_TTL
 
 __all__ = ["ResumeMeta", "ResumeWriter", "router_identity"]
 
@@ -116,8 +117,6 @@ class ResumeWriter:
             log.warning("resume buffer for %s not created: %s", sid, e)
 
     async def claim(self, sid: str) -> bool:
-        from router.state.memory import CLAIM_TTL
-
         if not await self.store.stream_claim(sid, self.owner, CLAIM_TTL):
             return False
         self.live.add(sid)

@@ -52,10 +52,8 @@ def main() -> None:
     sock.listen(2048)
     sock.set_inheritable(True)
     _exit_with_parent()
-    from router.fastpath import FastPath
-
     server = uvicorn.Server(uvicorn.Config(
-        FastPath(app), loop="uvloop", http="httptools", lifespan="on", log_level="warning", access_log=False,
+        app, loop="uvloop", http="httptools", lifespan="on", log_level="warning", access_log=False,
         timeout_graceful_shutdown=5, timeout_keep_alive=30,
     ))
     server.run(sockets=[sock])

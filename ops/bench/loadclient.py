@@ -29,9 +29,10 @@ import asyncio
 import resource
 import time
 from array import array
-from typing import Any
 
 import msgspec
+
+from ops.loadgen.sse import decode_chunk
 
 __all__ = ["Job", "WorkerResult", "run_job"]
 
@@ -67,27 +68,6 @@ class WorkerResult(msgspec.Struct, kw_only=True):
     cpu_s: float = 0.0  # the worker's own user+system CPU for the job
 
 
-class _Delta(msgspec.Struct):
-    content: str | None = None
-
-
-class _Choice(msgspec.Struct):
-    delta: _Delta | None = None
-    text: str | None = None
-    finish_reason: str | None = None
-
-
-class _Usage(msgspec.Struct):
-    completion_tokens: int = 0
-
-
-class _Chunk(msgspec.Struct):
-    choices: list[_Choice] | None = None
-    usage: _Usage | None = None
-    error: Any = None
-
-
-_decode_chunk = msgspec.json.Decoder(_Chunk).decode
 
 
 class _Stats:
@@ -272,18 +252,16 @@ async def _http_request(conn: _Conn, job: Job, key: str, st: _Stats, open_stream
                     if payload == b"[DONE]":
                         done = True
                         continue
-                    chunk = _decode_chunk(payload)
+                    chunk = decode_chunk(payload)  # the load generator's chunk decoder
                     if chunk.error is not None:
                         stream_error = True
                         continue
                     if chunk.usage is not None and chunk.usage.completion_tokens:
                         usage = chunk.usage.completion_tokens
-                    if chunk.choices:
-                        for ch in chunk.choices:
-                            t = ch.text if ch.text is not None else (ch.delta.content if ch.delta else None)
-                            if t:
-                                k += len(t) // token_chars if token_chars else len(t.encode())
-                                st.events += 1
+                    t = chunk.text()
+                    if t:
+                        k += len(t) // token_chars if token_chars else len(t.encode())
+                        st.events += 1
             if k:
                 counted += k
                 if first_at is None:

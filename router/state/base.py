@@ -16,6 +16,9 @@ from policies.ratelimit import Decision
 __all__ = ["StateStore", "AdmitRequest", "TenantUsage", "StoreUnavailable", "StreamSnapshot"]
 
 
+CLAIM_TTL = 10.0  # a stream's generating router loses its claim if it stops appending this long
+
+
 class StoreUnavailable(ConnectionError):
     """The backing store cannot be reached."""
 

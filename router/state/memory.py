@@ -10,7 +10,7 @@ from collections.abc import Callable
 
 from policies import ratelimit
 from policies.ratelimit import Bucket, Decision
-from router.state.base import AdmitRequest, StateStore, StreamSnapshot, TenantUsage
+from router.state.base import CLAIM_TTL, AdmitRequest, StateStore, StreamSnapshot, TenantUsage
 
 __all__ = ["MemoryStore"]
 
@@ -40,9 +40,6 @@ class _Stream:
         self.owner = owner
         self.owner_until = owner_until
         self.expires = expires
-
-
-CLAIM_TTL = 10.0  # an owner that stops appending loses its claim after this
 
 
 class MemoryStore(StateStore):

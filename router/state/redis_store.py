@@ -16,8 +16,7 @@ import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 
 from policies.ratelimit import Decision
-from router.state.base import AdmitRequest, StateStore, StoreUnavailable, StreamSnapshot, TenantUsage
-from router.state.memory import CLAIM_TTL
+from router.state.base import CLAIM_TTL, AdmitRequest, StateStore, StoreUnavailable, StreamSnapshot, TenantUsage
 
 __all__ = ["RedisStore"]
 
