@@ -227,9 +227,9 @@ def test_one_window_follows_the_aimd_rule(s: AimdSettings, itls, ttfts, inflight
 
 
 def _p90_upper(xs: list[float]) -> float:
-    """The limiter's p90: the sample at index floor(0.9 n) of the sorted list."""
+    """The limiter's p90: nearest rank, the sample at index ceil(0.9 n) - 1 of the sorted list."""
     xs = sorted(xs)
-    return xs[min(len(xs) - 1, int(0.9 * len(xs)))]
+    return xs[max(0, math.ceil(0.9 * len(xs)) - 1)]
 
 
 @settings(max_examples=50)
