@@ -28,10 +28,12 @@ SETTINGS = {"health_interval": 0.5, "health_timeout": 8.0, "max_failovers": 4, "
 @pytest.fixture(scope="module")
 def vllm_router(tmp_path_factory, tiny_model):
     workdir = tmp_path_factory.mktemp("vllm_router")
-    config = {"model": tiny_model, "served_name": MODEL, "seed": 0, "max_model_len": 4096, "kv_cache_gib": 0.5}
+    config = {"model": tiny_model, "served_name": MODEL, "seed": 0, "max_model_len": 32768, "kv_cache_gib": 0.5}
     replicas = [
         {"name": f"vllm-{i}", "engine": "vllm", "config": config, "start_timeout": 300,
-         "env": {"VLLM_CPU_KVCACHE_SPACE": "1", "OMP_NUM_THREADS": "1"}}
+         # nobind: vLLM's "auto" binding pins every replica's worker to the
+         # same core, which starves the router and the test on a 2-core box
+         "env": {"VLLM_CPU_KVCACHE_SPACE": "1", "OMP_NUM_THREADS": "1", "VLLM_CPU_OMP_THREADS_BIND": "nobind"}}
         for i in range(2)
     ]
     tenants = yaml.safe_load(DEMO_TENANTS.read_text())
@@ -71,25 +73,45 @@ def test_openai_sdk_streams_chat_and_completions(vllm_router):
 
 
 async def test_disconnect_aborts_on_the_vllm_replica(vllm_router):
+    # about 75 s on the tiny model here if nothing aborts it: far longer than
+    # any stall of a loaded machine between the client leaving and the checks
+    max_tokens = 30000
+    before = await vllm_router.ametrics()
+    cancelled0 = before.value("fairstream_requests_total", 0.0, tenant="gold", outcome="cancelled")
+    completion0 = before.value("fairstream_tokens_total", 0.0, tenant="gold", direction="completion")
+    names = vllm_router.replica_names
+
+    async def replicas(metric):
+        m = await vllm_router.ametrics()
+        return {n: m.value(metric, replica=n) for n in names}
+
     async with httpx.AsyncClient(base_url=vllm_router.base_url, timeout=60) as client:
         async with client.stream("POST", "/v1/completions", headers={"Authorization": f"Bearer {GOLD}"},
-                                 json={**_greedy(4000), "stream": True}) as r:
+                                 json={**_greedy(max_tokens), "stream": True}) as r:
             assert r.status_code == 200, await r.aread()
-            # 4000 tokens take seconds even on the tiny model: still generating
-            # after the first events (the router may run ahead of this reader).
-            n = 0
-            seen = []
-            async for ev in aiter_sse(r):
-                n += 1
-                seen.append(ev.data)
-                if n == 2:
-                    break
-            busy = [name for name in vllm_router.replica_names if vllm_router.inflight(name) > 0]
-            assert busy, seen
-        await apoll(lambda: all(vllm_router.inflight(n) == 0 for n in vllm_router.replica_names), 5,
+            events = aiter_sse(r)
+            for _ in range(2):
+                await events.__anext__()
+            # the engine reports the stream running (polled: load reports are periodic)
+            await apoll(lambda: _any_positive(replicas("fairstream_replica_running_requests")), 30,
+                        what="the stream running on a vLLM replica")
+            await events.aclose()
+        await apoll(lambda: _all_zero(replicas("fairstream_replica_inflight_requests")), 30,
                     what="router in-flight drops")
-        await apoll(lambda: all(vllm_router.running(n) == 0 for n in vllm_router.replica_names), 5,
+        await apoll(lambda: _all_zero(replicas("fairstream_replica_running_requests")), 30,
                     what="vLLM running count drops")
+    # the request ended by the disconnect, not by running to max_tokens
+    after = await vllm_router.ametrics()
+    assert after.value("fairstream_requests_total", tenant="gold", outcome="cancelled") == cancelled0 + 1
+    assert 2 <= after.value("fairstream_tokens_total", tenant="gold", direction="completion") - completion0 < max_tokens
+
+
+async def _any_positive(values):
+    return any(v > 0 for v in (await values).values())
+
+
+async def _all_zero(values):
+    return all(v == 0 for v in (await values).values())
 
 
 @pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGSTOP])
