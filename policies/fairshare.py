@@ -18,16 +18,21 @@ counters, which a newly backlogged tenant is lifted to. That is the
 starvation bound stated in the README. Aging lifts whole classes, so inside
 a class the weights always decide.
 
+``pick`` states the order over a list of heads (the reference); the
+scheduler keeps its heads in a ``HeadIndex``, which gives the same answer in
+O(C log T) for C classes and T backlogged tenants instead of O(T).
+
 Pure: no clock of its own, no I/O; ``now`` is passed in.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+import heapq
+from collections.abc import Callable, Iterable, Sequence
 
 import msgspec
 
-__all__ = ["Head", "VirtualCounters", "pick", "effective_rank", "vtc_bound", "W_IN", "W_OUT"]
+__all__ = ["Head", "HeadIndex", "VirtualCounters", "pick", "effective_rank", "vtc_bound", "W_IN", "W_OUT"]
 
 W_IN = 1.0  # weight of a prompt token in the counter (the paper's w_p)
 W_OUT = 2.0  # weight of a completion token (the paper's w_q)
@@ -64,7 +69,12 @@ class VirtualCounters:
         or, when nobody else waits, to the counter of the tenant served last
         (the paper's rule for an empty queue), so idle time is never banked."""
         others = [self.values.get(t, 0.0) for t in backlogged if t != tenant]
-        floor = min(others) if others else self.last
+        self.lift(tenant, min(others) if others else None)
+
+    def lift(self, tenant: str, others_min: float | None) -> None:
+        """``activate`` given the smallest counter of the other backlogged
+        tenants (None: nobody else waits)."""
+        floor = others_min if others_min is not None else self.last
         cur = self.values.get(tenant)
         if cur is None:
             self.values[tenant] = floor if floor is not None else self._min_all()
@@ -115,3 +125,125 @@ def vtc_bound(max_prompt: int, max_completion: int) -> float:
     """The paper's bound on the service gap between two backlogged tenants of
     equal weight, in weighted tokens: ``2 * (w_in * L_in + w_out * L_out)``."""
     return 2.0 * (W_IN * max_prompt + W_OUT * max_completion)
+
+
+class HeadIndex:
+    """The tenants' queue heads, indexed so that ``pick`` is O(C log T).
+
+    Answers like ``pick`` over the same heads (lowest effective class rank,
+    then lowest counter, then earliest enqueued; aging by a class's oldest
+    head). Per class it keeps two heaps: ``(counter, enqueued, seq, tenant)``
+    and ``(enqueued, seq, tenant)`` for the class's oldest head. Entries are
+    dropped lazily: a tenant's head is current only while its ``seq`` is.
+    Counters only grow (``charge``, ``activate``), so an entry's counter is a
+    lower bound of the tenant's current one; an entry whose counter is stale
+    is re-keyed when it reaches the top, and the first current top is the
+    true minimum. Pure: ``now`` and the counters are passed in.
+    """
+
+    __slots__ = ("aging", "_by_counter", "_by_age", "_live", "_seq")
+
+    def __init__(self, aging: float) -> None:
+        self.aging = aging
+        self._by_counter: dict[int, list[tuple[float, float, int, str]]] = {}
+        self._by_age: dict[int, list[tuple[float, int, str]]] = {}
+        self._live: dict[str, tuple[int, int]] = {}  # tenant -> (seq, class rank)
+        self._seq = 0
+
+    def __len__(self) -> int:
+        return len(self._live)
+
+    def __contains__(self, tenant: str) -> bool:
+        return tenant in self._live
+
+    def set(self, tenant: str, rank: int, enqueued: float, counter: float) -> None:
+        """``tenant``'s queue head is now this request (replacing any other)."""
+        self._seq += 1
+        seq = self._seq
+        self._live[tenant] = (seq, rank)
+        by_counter = self._by_counter.get(rank)
+        if by_counter is None:
+            by_counter = self._by_counter[rank] = []
+            self._by_age[rank] = []
+        heapq.heappush(by_counter, (counter, enqueued, seq, tenant))
+        heapq.heappush(self._by_age[rank], (enqueued, seq, tenant))
+        if len(by_counter) > 4 * len(self._live) + 64:
+            self._compact()
+
+    def remove(self, tenant: str) -> None:
+        """``tenant`` has no queued request any more."""
+        self._live.pop(tenant, None)
+
+    def pick(self, counters: VirtualCounters, now: float,
+             skip: Callable[[str], bool] | None = None) -> str | None:
+        """The tenant whose head goes next (None: no head left); heads of
+        tenants for which ``skip`` is true are passed over (and kept)."""
+        held: list[tuple[list, tuple]] = []
+        try:
+            ranks: list[tuple[int, int]] = []
+            for rank, heap in self._by_age.items():
+                top = self._top(heap, 1, skip, held)
+                if top is None:
+                    continue
+                eff = rank
+                if self.aging > 0:
+                    eff = max(0, rank - int((now - top[0]) / self.aging))
+                ranks.append((eff, rank))
+            if not ranks:
+                return None
+            first = min(eff for eff, _ in ranks)
+            best: tuple[float, float, int, str] | None = None
+            for eff, rank in ranks:
+                if eff == first:
+                    top = self._top_counter(self._by_counter[rank], counters, skip, held)
+                    if top is not None and (best is None or top[:2] < best[:2]):
+                        best = top
+            return best[3] if best is not None else None
+        finally:
+            for heap, item in held:
+                heapq.heappush(heap, item)
+
+    def min_counter(self, counters: VirtualCounters) -> float | None:
+        """The smallest counter among the tenants with a head (None: none)."""
+        low: float | None = None
+        for heap in self._by_counter.values():
+            top = self._top_counter(heap, counters, None, [])
+            if top is not None and (low is None or top[0] < low):
+                low = top[0]
+        return low
+
+    def _current(self, seq: int, tenant: str) -> bool:
+        live = self._live.get(tenant)
+        return live is not None and live[0] == seq
+
+    def _top(self, heap: list, at: int, skip, held: list) -> tuple | None:
+        """The first current entry of ``heap`` (its seq at index ``at``)."""
+        while heap:
+            item = heap[0]
+            if not self._current(item[at], item[-1]):
+                heapq.heappop(heap)
+            elif skip is not None and skip(item[-1]):
+                held.append((heap, heapq.heappop(heap)))
+            else:
+                return item
+        return None
+
+    def _top_counter(self, heap: list, counters: VirtualCounters, skip, held: list) -> tuple | None:
+        values = counters.values
+        while True:
+            item = self._top(heap, 2, skip, held)
+            if item is None:
+                return None
+            cur = values.get(item[3], 0.0)
+            if cur == item[0]:
+                return item
+            heapq.heapreplace(heap, (cur, item[1], item[2], item[3]))
+
+    def _compact(self) -> None:
+        """Drop stale entries (bounds the heaps at a few times the heads)."""
+        for rank, heap in self._by_counter.items():
+            heap[:] = [e for e in heap if self._current(e[2], e[3])]
+            heapq.heapify(heap)
+            ages = self._by_age[rank]
+            ages[:] = [e for e in ages if self._current(e[1], e[2])]
+            heapq.heapify(ages)

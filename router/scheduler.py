@@ -5,8 +5,10 @@ If nothing is queued and a replica is under its cap, it is dispatched at
 once. Otherwise it waits in its tenant's bounded FIFO queue; every time
 capacity frees up (a stream ends, a cap grows) ``_dispatch`` hands it out:
 ``policies.fairshare.pick`` chooses the tenant (priority with aging, then
-VTC), ``policies.balance`` the replica. It keeps going while any queued
-request fits on any replica (work conserving).
+VTC; the tenants' queue heads live in a ``HeadIndex``, so a decision is
+O(classes x log tenants)), ``policies.balance`` the replica. It keeps going
+while any queued request fits on any replica (work conserving) and stops as
+soon as no queued model has room.
 
 The decisions are pure; this module only applies them. It owns no task: it
 runs inside the callbacks of the requests that wait and the streams that end.
@@ -20,7 +22,7 @@ import time
 from collections import deque
 from collections.abc import Callable
 from policies.batching import AimdLimiter, AimdSettings
-from policies.fairshare import Head, VirtualCounters, pick
+from policies.fairshare import HeadIndex, VirtualCounters
 from replicas.pool import LoadHandle, NoReplica, ReplicaPool, ReplicaSlot
 from router.errors import RateLimited, ReplicaUnavailable, ServiceUnavailable
 from router.metrics import Metrics
@@ -62,6 +64,9 @@ class Scheduler:
         self.counters = VirtualCounters()
         self._queues: dict[str, deque[_Waiter]] = {}
         self._queued = 0
+        self._by_model: dict[str, int] = {}  # queued requests per model
+        self._fifo = settings.policy == "fifo"
+        self._heads = HeadIndex(0.0 if self._fifo else settings.aging)
         self._dispatch_pending = False
         self._limiters: dict[str, AimdLimiter] = {}
         now = clock()
@@ -118,9 +123,11 @@ class Scheduler:
         now = self.clock()
         w = _Waiter(policy, rank, model, tokens, now, affinity)
         if not q:
-            backlogged = [t for t, other in self._queues.items() if other]
-            self.counters.activate(policy.name, backlogged)
+            self._activate(policy.name)
         q.append(w)
+        if len(q) == 1:
+            self._head_changed(policy.name, q)
+        self._by_model[model] = self._by_model.get(model, 0) + 1
         self._queued += 1
         self.metrics.queued.labels(policy.name, policy.priority).inc()
         self._dispatch()
@@ -169,11 +176,15 @@ class Scheduler:
         """Remove a waiter that gave up; give back a handle it got meanwhile."""
         q = self._queues.get(w.policy.name)
         if q is not None:
+            was_head = bool(q) and q[0] is w
             try:
                 q.remove(w)
             except ValueError:
                 pass
             else:
+                if was_head:
+                    self._head_changed(w.policy.name, q)
+                self._by_model[w.model] -= 1
                 self._queued -= 1
                 self.metrics.queued.labels(w.policy.name, w.policy.priority).dec()
         if w.future.done() and not w.future.cancelled():
@@ -190,31 +201,46 @@ class Scheduler:
             self._dispatch_pending = True
             asyncio.get_running_loop().call_soon(self._dispatch)
 
+    def _activate(self, tenant: str) -> None:
+        """``tenant`` becomes backlogged: VTC's lift to the smallest counter
+        of the tenants already waiting."""
+        # (fifo orders by arrival alone; its heads carry no counters)
+        self.counters.lift(tenant, None if self._fifo else self._heads.min_counter(self.counters))
+
+    def _head_changed(self, tenant: str, q: deque[_Waiter]) -> None:
+        if q:
+            h = q[0]
+            counter = 0.0 if self._fifo else self.counters.get(tenant)
+            self._heads.set(tenant, 0 if self._fifo else h.rank, h.enqueued, counter)
+        else:
+            self._heads.remove(tenant)
+
     def _dispatch(self) -> None:
         self._dispatch_pending = False
         full: set[str] = set()  # models with no room left in this pass
-        fifo = self.settings.policy == "fifo"
+        queues = self._queues
+        counters = _NO_COUNTERS if self._fifo else self.counters
+        skip = None
         while self._queued:
             now = self.clock()
-            heads: list[Head] = []
-            waiters: list[_Waiter] = []
-            for tenant, q in self._queues.items():
-                if q and q[0].model not in full:
-                    w = q[0]
-                    heads.append(Head(tenant, 0 if fifo else w.rank, w.enqueued))
-                    waiters.append(w)
-            if not heads:
+            tenant = self._heads.pick(counters, now, skip)
+            if tenant is None:
                 return
-            i = pick(heads, self.counters if not fifo else _NO_COUNTERS, now, 0 if fifo else self.settings.aging)
-            w = waiters[i]
+            q = queues[tenant]
+            w = q[0]
             try:
                 handle = self.pool.try_choose(w.model, w.tokens, w.affinity)
             except NoReplica:
                 handle = None
             if handle is None:
                 full.add(w.model)
+                if all(m in full for m, n in self._by_model.items() if n):
+                    return  # nothing queued fits anywhere
+                skip = lambda t: queues[t][0].model in full  # noqa: E731
                 continue
-            self._queues[w.policy.name].popleft()
+            q.popleft()
+            self._head_changed(tenant, q)
+            self._by_model[w.model] -= 1
             self._queued -= 1
             self.metrics.queued.labels(w.policy.name, w.policy.priority).dec()
             self._dispatched(w.policy, now - w.enqueued)

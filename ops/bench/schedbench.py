@@ -8,8 +8,9 @@ in-flight handle is released and ``Scheduler._dispatch`` is timed as it
 hands the freed slot to the next waiter (fair-share pick over the tenants'
 heads, replica choice, future resolution, metrics) and finds nothing else
 fits; a new waiter is queued right after, so the queue stays at
-``--waiters``. ``policies.fairshare.pick`` is also timed alone over one head
-per tenant.
+``--waiters``. The choice alone is timed too: the scheduler's
+``HeadIndex.pick`` over its queued heads, and the reference
+``policies.fairshare.pick`` (a scan) over one head per tenant.
 
 ``python -m ops.bench.schedbench --waiters 1000 --tenants 4,100,1000`` prints
 one JSON object (microseconds).
@@ -124,6 +125,11 @@ async def _measure(waiters: int, tenants: int, decisions: int, cap: int) -> dict
         t0 = time.perf_counter_ns()
         pick(heads, sched.counters, now, 10.0)
         pick_times.append((time.perf_counter_ns() - t0) / 1000)
+    index_times = []
+    for _ in range(2000):
+        t0 = time.perf_counter_ns()
+        sched._heads.pick(sched.counters, now)
+        index_times.append((time.perf_counter_ns() - t0) / 1000)
 
     for t in list(tasks):
         t.cancel()
@@ -138,6 +144,8 @@ async def _measure(waiters: int, tenants: int, decisions: int, cap: int) -> dict
                         "max": max(times)},
         "pick_us": {"p50": statistics.median(pick_times), "p99": _pct(pick_times, 0.99),
                     "mean": statistics.fmean(pick_times)},
+        "index_pick_us": {"p50": statistics.median(index_times), "p99": _pct(index_times, 0.99),
+                          "mean": statistics.fmean(index_times)},
     }
 
 

@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from policies.fairshare import W_IN, W_OUT, Head, VirtualCounters, effective_rank, pick, vtc_bound
+from policies.fairshare import W_IN, W_OUT, Head, HeadIndex, VirtualCounters, effective_rank, pick, vtc_bound
 
 # -- the simulation ------------------------------------------------------------
 
@@ -548,3 +548,91 @@ def test_the_simulated_server_is_never_idle_while_work_is_queued(data, workload,
 def test_vtc_bound_is_twice_the_largest_request_charge() -> None:
     assert vtc_bound(10, 20) == 2 * (W_IN * 10 + W_OUT * 20)
     assert math.isclose(vtc_bound(0, 0), 0.0)
+
+
+# -- HeadIndex: the scheduler's O(log T) form of pick -------------------------
+
+
+_OPS = st.lists(
+    st.one_of(
+        st.tuples(st.just("enqueue"), st.integers(0, 11), st.integers(0, 3)),  # tenant, class rank
+        st.tuples(st.just("serve"), st.integers(0, 2000)),  # charged weighted tokens
+        st.tuples(st.just("charge"), st.integers(0, 11), st.integers(1, 2000)),  # a running stream's tokens
+        st.tuples(st.just("leave"), st.integers(0, 11)),
+        st.tuples(st.just("wait"), st.floats(0, 7)),
+        st.tuples(st.just("full"), st.integers(0, 11)),  # pick while this tenant's model is full
+    ),
+    min_size=40,
+    max_size=200,
+)
+
+
+@given(_OPS, st.sampled_from([0.0, 2.5, 10.0]))
+@settings(max_examples=300, deadline=None)
+def test_head_index_picks_what_pick_picks(ops, aging) -> None:
+    """Any sequence of arrivals, services, departures and waits: the index
+    chooses a head with the same (effective rank, counter, enqueued) as the
+    reference ``pick`` over the same heads, skipped heads included."""
+    counters = VirtualCounters()
+    index = HeadIndex(aging)
+    queues: dict[str, deque[Head]] = {}
+    now = 0.0
+
+    def head_changed(t: str) -> None:
+        q = queues[t]
+        if q:
+            index.set(t, q[0].rank, q[0].enqueued, counters.get(t))
+        else:
+            index.remove(t)
+
+    def reference(skipped: str | None) -> tuple | None:
+        heads = [q[0] for t, q in queues.items() if q and t != skipped]
+        if not heads:
+            return None
+        h = heads[pick(heads, counters, now, aging)]
+        return _key(h, heads)
+
+    def _key(h: Head, heads: list[Head]) -> tuple:
+        oldest = min(x.enqueued for x in heads if x.rank == h.rank)
+        eff = h.rank if aging <= 0 else max(0, h.rank - int((now - oldest) / aging))
+        return eff, counters.get(h.tenant), h.enqueued
+
+    for op in ops:
+        kind = op[0]
+        if kind == "enqueue":
+            t = f"t{op[1]}"
+            q = queues.setdefault(t, deque())
+            if not q:
+                low = index.min_counter(counters)
+                others = [counters.get(o) for o, oq in queues.items() if oq and o != t]
+                assert low == (min(others) if others else None)
+                counters.lift(t, low)
+            q.append(Head(t, op[2], now))
+            if len(q) == 1:
+                head_changed(t)
+        elif kind == "wait":
+            now += op[1]
+        elif kind == "charge":  # counters grow while heads wait: the index must re-key
+            counters.charge(f"t{op[1]}", 0, op[2], weight=1.0)
+        elif kind == "leave":
+            t = f"t{op[1]}"
+            if queues.get(t):
+                queues[t].pop()
+                if not queues[t]:
+                    head_changed(t)
+        else:
+            skipped = f"t{op[1]}" if kind == "full" else None
+            want = reference(skipped)
+            got = index.pick(counters, now, (lambda t: t == skipped) if skipped else None)
+            if want is None:
+                assert got is None
+                continue
+            heads = [q[0] for t, q in queues.items() if q and t != skipped]
+            assert got is not None and got != skipped
+            assert _key(queues[got][0], heads) == want
+            if kind == "serve":
+                h = queues[got].popleft()
+                counters.served(got)
+                counters.charge(got, 0, op[1], weight=1 + int(h.tenant[1:]) % 3)
+                head_changed(got)
+    assert len(index) == sum(1 for q in queues.values() if q)
