@@ -25,7 +25,7 @@ from replicas.protocol import FinishReason, SamplingParams
 from replicas.sim import ByteTokenizer, SimConfig, SimEngine
 from replicas.spec import ReplicaSpec
 from replicas.upstream import open_upstream, parse_vllm_metrics
-from tests.helpers import GOLD, MODEL, RouterProcess, poll
+from tests.helpers import GOLD, MODEL, RouterProcess, aiter_sse, poll
 from tests.sim_openai import SimOpenAI
 
 PROMPT = "Once upon a time"
@@ -177,6 +177,37 @@ def test_streams_through_upstream_with_token_ids(only_upstream):
         assert out.choices[0].text == ref and out.choices[0].finish_reason == "stop"
 
     assert router.metrics().value("fairstream_replica_up", replica=UPSTREAM) == 1
+
+
+async def test_a_slow_client_gets_at_most_chunk_tokens_per_event(tmp_path, cleanup):
+    """A fast upstream sends many tokens per network read; while the client
+    lags they are merged, but never past the tenant's ``chunk_tokens`` (16
+    for the demo tenants) per SSE event, as with protocol replicas."""
+    server = SimOpenAI(tmp_path, {"step_base_ms": 0, "step_per_seq_ms": 0})
+    cleanup(server)
+    server.start()
+    router = upstream_router(tmp_path / "router", server.url, local=0)
+    cleanup(router)
+    router.start()
+    async with httpx.AsyncClient(base_url=router.base_url, headers={"Authorization": f"Bearer {GOLD}"},
+                                 timeout=30) as http:
+        async with http.stream("POST", "/v1/completions", json={
+            "model": MODEL, "prompt": PROMPT, "stream": True, "max_tokens": 600, "temperature": 0, "ignore_eos": True,
+        }) as r:
+            assert r.status_code == 200
+            await asyncio.sleep(1.0)  # the whole completion is ready upstream before we read
+            sizes, before, text = [], 0, []
+            async for ev in aiter_sse(r):
+                if ev.data == "[DONE]":
+                    break
+                tokens = int(ev.id.split("-")[1])  # N-T-C: T = completion tokens so far
+                sizes.append(tokens - before)
+                before = tokens
+                text.append(ev.json()["choices"][0]["text"])
+    assert before == 600
+    assert "".join(text) == await reference(prompt_ids("completion"), 600)
+    assert max(sizes) <= 16, sizes
+    assert max(sizes) > 1, "the lagging client should have got merged events"
 
 
 def test_upstream_metrics_parse():
