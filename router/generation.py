@@ -190,6 +190,7 @@ class Generation:
         job = self.job
         self.replica = slot.name
         col = None
+        dog = None
         try:
             if self.prompt_token_ids is not None:
                 col = client.generate(
@@ -200,43 +201,21 @@ class Generation:
                 )
             else:
                 col = client.generate(job.params, prompt=job.prompt, messages=job.messages)
-            dl = self.deadlines
-            loop = asyncio.get_running_loop()
-            mono_to_loop = loop.time() - time.monotonic()
-            total_at = dl.start + dl.total if dl.total else None
-            last_token = dispatched = time.monotonic()
+            dog = _Watchdog(self.deadlines, col, self.completion_ids, slot.name)
+            dispatched = dog.last_token
             sched = self.scheduler
             policy = self.policy
             charged_prompt = self.prompt_token_ids is not None and self.completion_ids
             chunk = policy.chunk_tokens if policy is not None else 0
             while True:
-                if self.completion_ids:
-                    limit_at = last_token + dl.stall if dl.stall else None
-                    which = "stall"
-                else:
-                    limit_at = dl.start + dl.first_token if dl.first_token else None
-                    which = "first_token"
-                if total_at is not None and (limit_at is None or total_at <= limit_at):
-                    limit_at, which = total_at, "total"
-                if limit_at is None or col.ready:
-                    # output already waiting: no timer to arm (the common case under load)
-                    ids, text, finish = await col.get(chunk)
-                else:
-                    try:
-                        async with asyncio.timeout_at(limit_at + mono_to_loop):
-                            ids, text, finish = await col.get(chunk)
-                    except TimeoutError:
-                        if which == "stall":
-                            raise _Stalled(f"replica {slot.name} produced no token for {dl.stall:g}s") from None
-                        raise StreamTimeout(which, getattr(dl, which)) from None
+                ids, text, finish = await col.get(chunk)
                 if ids:
                     now = time.monotonic()
                     if sched is not None:
                         if self.completion_ids:
-                            sched.observe(slot, itl=(now - last_token) / len(ids))
+                            sched.observe(slot, itl=(now - dog.last_token) / len(ids))
                         else:
                             sched.observe(slot, ttft=now - dispatched)
-                    last_token = now
                 if self.prompt_token_ids is None and col.prompt_token_ids is not None:
                     self.prompt_token_ids = col.prompt_token_ids
                 if sched is not None and policy is not None:
@@ -251,6 +230,7 @@ class Generation:
                     raise StreamLost(f"replica {slot.name} failed the request: {col.error}")
                 if ids:
                     self.completion_ids.extend(ids)
+                    dog.token(now)
                     handle.produced(len(ids))
                     if died_at is not None:
                         self.metrics.failover_latency.observe(time.monotonic() - died_at)
@@ -266,7 +246,86 @@ class Generation:
                 if finish != FinishReason.NONE:
                     return
         finally:
+            if dog is not None:
+                dog.cancel()
             if col is not None:
                 client.abort(col)
             handle.release()
+
+
+class _Watchdog:
+    """The first-token, stall and total limits of one run on a replica, as one
+    lazily re-armed timer (not a timer per awaited token).
+
+    A token only moves ``last_token``. When the timer fires before the limit
+    that now applies, it re-arms for that limit; when the limit has passed
+    and no output is waiting, it fails the collector with ``_Stalled`` or
+    ``StreamTimeout``, which the pending ``get`` raises. While output waits
+    unread (the client reads slowly) it looks again every ``_RECHECK`` s:
+    the limits measure the replica, not the client.
+    """
+
+    __slots__ = ("dl", "col", "delivered", "replica", "last_token", "_handle", "_which", "_loop", "_offset")
+
+    _RECHECK = 0.05
+
+    def __init__(self, dl: Deadlines, col, delivered: list[int], replica: str) -> None:
+        self.dl = dl
+        self.col = col
+        self.delivered = delivered  # the generation's completion ids (all replicas)
+        self.replica = replica
+        self.last_token = time.monotonic()
+        self._loop = asyncio.get_running_loop()
+        self._offset = self._loop.time() - self.last_token
+        self._handle: asyncio.TimerHandle | None = None
+        self._which = ""
+        self._arm()
+
+    def token(self, now: float) -> None:
+        """Tokens were delivered at ``now``. Only the first one can bring a
+        limit forward (first token -> stall); later ones move it back, which
+        the timer learns when it fires."""
+        self.last_token = now
+        if self._handle is None or self._which == "first_token":
+            self.cancel()
+            self._arm()
+
+    def _limit(self) -> tuple[float | None, str]:
+        dl = self.dl
+        if self.delivered:
+            at, which = (self.last_token + dl.stall if dl.stall else None), "stall"
+        else:
+            at, which = (dl.start + dl.first_token if dl.first_token else None), "first_token"
+        if dl.total:
+            total_at = dl.start + dl.total
+            if at is None or total_at <= at:
+                at, which = total_at, "total"
+        return at, which
+
+    def _arm(self, at: float | None = None) -> None:
+        if at is None:
+            at, self._which = self._limit()
+        if at is not None:
+            self._handle = self._loop.call_at(at + self._offset, self._fire)
+
+    def _fire(self) -> None:
+        self._handle = None
+        at, which = self._limit()
+        self._which = which
+        if at is None:
+            return
+        now = time.monotonic()
+        if now < at:
+            self._arm(at)
+        elif self.col.ready:
+            self._arm(now + self._RECHECK)
+        elif which == "stall":
+            self.col.fail(_Stalled(f"replica {self.replica} produced no token for {self.dl.stall:g}s"))
+        else:
+            self.col.fail(StreamTimeout(which, getattr(self.dl, which)))
+
+    def cancel(self) -> None:
+        if self._handle is not None:
+            self._handle.cancel()
+            self._handle = None
 
