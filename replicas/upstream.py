@@ -3,9 +3,12 @@
 ``UpstreamClient`` has ``ReplicaClient``'s interface (``generate`` returns the
 same single-slot ``Collector``; ``abort``, ``release``, ``ping``, ``load``,
 ``close``), so the pool, the supervisor and the router's failover treat an
-upstream like any other replica. It speaks HTTP through one aiohttp session
-(connection pool, keep-alive) per upstream; each request is one task that
-POSTs a streaming request and feeds the parsed SSE chunks to its collector.
+upstream like any other replica. Each request is one task that POSTs a
+streaming request through ``replicas.http11`` (keep-alive pool, httptools
+parsing) and then only waits: the response body is parsed into deltas for
+its collector inside the connection's ``data_received``, with no task
+wake-up per chunk. Health checks, ``/metrics`` and ``/detokenize`` go through
+one aiohttp session per upstream.
 
 Token ids (docs/upstreams.md). With ``return_token_ids`` (vLLM >= 0.10) the
 upstream returns the prompt's token ids in its first chunk and the new token
@@ -31,6 +34,7 @@ import aiohttp
 import msgspec
 
 from replicas.client import Collector, ReplicaDead, ReplicaRefused
+from replicas.http11 import HttpError, HttpPool, Response
 from replicas.protocol import PROTOCOL_VERSION, Delta, FinishReason, LoadReport, Pong, Ready, SamplingParams
 from replicas.spec import ReplicaSpec
 
@@ -170,8 +174,8 @@ def parse_vllm_metrics(text: bytes) -> LoadReport | None:
 class UpstreamClient:
     """One OpenAI-compatible upstream, duck-typed as a ``ReplicaClient``."""
 
-    def __init__(self, name: str, spec: ReplicaSpec, session: aiohttp.ClientSession, model: str,
-                 upstream_model: str, max_model_len: int) -> None:
+    def __init__(self, name: str, spec: ReplicaSpec, session: aiohttp.ClientSession, http: HttpPool,
+                 model: str, upstream_model: str, max_model_len: int) -> None:
         self.name = name
         self.url = (spec.url or "").rstrip("/")
         self.model = model
@@ -182,6 +186,7 @@ class UpstreamClient:
         self.token_ids: bool | None = {"yes": True, "no": False}.get(spec.token_ids)
         self._require_ids = spec.token_ids == "yes"
         self._session = session
+        self._http = http
         self._streams: dict[int, tuple[Collector, asyncio.Task[None]]] = {}
         self._tasks: set[asyncio.Task[None]] = set()  # every request task, also those draining after the finish
         self._ids = itertools.count(1)
@@ -260,6 +265,7 @@ class UpstreamClient:
         for t in tasks:
             t.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
+        await self._http.close()
         await self._session.close()
 
     # -- one request -------------------------------------------------------
@@ -315,22 +321,28 @@ class UpstreamClient:
             for attempt in range(2):
                 ask_ids = self.token_ids is not False
                 body = self._body(params, prefix, ask_ids) | payload
-                async with self._session.post(self.url + path, data=msgspec.json.encode(body), headers=_JSON) as resp:
+                resp = await self._http.request("POST", path, msgspec.json.encode(body))
+                try:
                     if resp.status == 200:
-                        await self._read(resp, st, bool(prefix))
+                        reader = _SseReader(self, st, bool(prefix), resp)
+                        resp.stream_to(reader.feed)
+                        await resp.finished()
+                        reader.end()
                         return
                     msg = _error_text(await resp.read())
-                    if (resp.status == 400 and ask_ids and self.token_ids is None and attempt == 0
-                            and "return_token_ids" in msg):
-                        self._set_token_ids(False)  # an API that rejects the field: ask without it
-                        continue
-                    if 400 <= resp.status < 500 and resp.status not in (401, 403, 408, 429):
-                        self._finish(st, Delta(col.rid, [], "", FinishReason.ERROR, None, msg))
-                        return
-                    raise _Failed(f"HTTP {resp.status}: {msg}")
+                finally:
+                    resp.close()
+                if (resp.status == 400 and ask_ids and self.token_ids is None and attempt == 0
+                        and "return_token_ids" in msg):
+                    self._set_token_ids(False)  # an API that rejects the field: ask without it
+                    continue
+                if 400 <= resp.status < 500 and resp.status not in (401, 403, 408, 429):
+                    self._finish(st, Delta(col.rid, [], "", FinishReason.ERROR, None, msg))
+                    return
+                raise _Failed(f"HTTP {resp.status}: {msg}")
         except asyncio.CancelledError:
             raise
-        except (aiohttp.ClientError, OSError, _Failed, msgspec.DecodeError, ValueError) as e:
+        except (HttpError, aiohttp.ClientError, OSError, _Failed, msgspec.DecodeError, ValueError) as e:
             if not st.done:
                 self._lost(st, f"upstream {self.name} failed: {e or type(e).__name__}")
         except Exception as e:  # noqa: BLE001 - a bug here must not leave the stream hanging
@@ -340,82 +352,6 @@ class UpstreamClient:
         finally:
             if not st.done:
                 self._streams.pop(col.rid, None)
-
-    async def _read(self, resp: aiohttp.ClientResponse, st: _Stream, resumed: bool) -> None:
-        """Parse the SSE stream into deltas, one per upstream event: the
-        collector merges them up to the tenant's ``chunk_tokens`` per client
-        event, as for protocol replicas (one delta per network read made
-        events as big as a read: ~60 tokens with a fast upstream)."""
-        col = st.col
-        buf = b""
-        first = True
-        none = FinishReason.NONE
-        async for data in resp.content.iter_any():
-            buf += data
-            if b"\r" in buf:
-                buf = buf.replace(b"\r\n", b"\n")
-            *events, buf = buf.split(b"\n\n")
-            pieces: list[tuple[list[int], str, FinishReason]] = []
-            ended = False
-            for event in events:
-                for line in event.split(b"\n"):
-                    if not line.startswith(b"data:"):
-                        continue
-                    payload = line[5:].strip()
-                    if payload == b"[DONE]":
-                        ended = True
-                        break
-                    chunk = _chunk_decoder.decode(payload)
-                    if chunk.error is not None or chunk.object == "error":
-                        raise _Failed(_error_text(chunk.error if chunk.error is not None else chunk.message))
-                    if not chunk.choices:
-                        continue  # usage chunk
-                    if first:
-                        first = False
-                        self._first_chunk(st, chunk, resumed)
-                    for ch in chunk.choices:
-                        if ch.index != 0:
-                            continue
-                        t = ch.text if ch.text is not None else (ch.delta.content if ch.delta else None)
-                        if t and ch.token_ids is None and st.resumable:
-                            st.resumable = False  # text we cannot map to tokens: no resume
-                        finish = none
-                        reason = ch.finish_reason
-                        if reason is not None:
-                            if reason in ("abort", "error"):
-                                raise _Failed(f"the upstream ended the request ({reason})")
-                            finish = _FINISH.get(reason, FinishReason.STOP)  # tool_calls, ...
-                        if t or ch.token_ids or finish != none:
-                            pieces.append((ch.token_ids or [], t or "", finish))
-                if ended:
-                    break
-            if st.done:
-                if ended:
-                    return
-                continue  # draining after the finish, so the connection can be reused
-            for ids, text, finish in pieces:
-                stopped = False
-                if st.splice is not None:
-                    text, stopped = st.splice.feed(text, finish != none)
-                    if stopped:
-                        finish = FinishReason.STOP
-                if not (ids or text or finish != none):
-                    continue
-                delta = Delta(col.rid, ids, text, finish)
-                if st.prompt_ids is not None:
-                    delta.prompt_token_ids, st.prompt_ids = st.prompt_ids, None
-                if finish != none:
-                    self._finish(st, delta)
-                    if stopped:
-                        resp.close()  # our stop string, not the upstream's: abort it
-                        return
-                    break  # the rest of this read is drained below
-                col.put(delta)
-                st.delivered = True
-            if ended:
-                break
-        if not st.done:
-            raise _Failed("the stream ended before the request finished")
 
     def _first_chunk(self, st: _Stream, chunk: _Chunk, resumed: bool) -> None:
         choice = chunk.choices[0] if chunk.choices else None
@@ -495,18 +431,106 @@ class UpstreamClient:
             await asyncio.sleep(METRICS_INTERVAL)
 
 
+class _SseReader:
+    """One response's SSE body into deltas as it arrives: ``feed`` runs in
+    the connection's ``data_received``, one delta per upstream event (the
+    collector merges them up to the tenant's ``chunk_tokens`` per client
+    event, as for protocol replicas)."""
+
+    __slots__ = ("client", "st", "resumed", "response", "buf", "first", "ended")
+
+    def __init__(self, client: UpstreamClient, st: _Stream, resumed: bool, response: Response) -> None:
+        self.client = client
+        self.st = st
+        self.resumed = resumed
+        self.response = response
+        self.buf = b""
+        self.first = True
+        self.ended = False
+
+    def feed(self, data: bytes) -> None:
+        if self.ended:
+            return
+        buf = self.buf + data
+        if b"\r" in buf:
+            buf = buf.replace(b"\r\n", b"\n")
+        *events, self.buf = buf.split(b"\n\n")
+        if not events:
+            return
+        st = self.st
+        none = FinishReason.NONE
+        pieces: list[tuple[list[int], str, FinishReason]] = []
+        for event in events:
+            for line in event.split(b"\n"):
+                if not line.startswith(b"data:"):
+                    continue
+                payload = line[5:].strip()
+                if payload == b"[DONE]":
+                    self.ended = True
+                    break
+                chunk = _chunk_decoder.decode(payload)
+                if chunk.error is not None or chunk.object == "error":
+                    raise _Failed(_error_text(chunk.error if chunk.error is not None else chunk.message))
+                if not chunk.choices:
+                    continue  # usage chunk
+                if self.first:
+                    self.first = False
+                    self.client._first_chunk(st, chunk, self.resumed)
+                for ch in chunk.choices:
+                    if ch.index != 0:
+                        continue
+                    t = ch.text if ch.text is not None else (ch.delta.content if ch.delta else None)
+                    if t and ch.token_ids is None and st.resumable:
+                        st.resumable = False  # text we cannot map to tokens: no resume
+                    finish = none
+                    reason = ch.finish_reason
+                    if reason is not None:
+                        if reason in ("abort", "error"):
+                            raise _Failed(f"the upstream ended the request ({reason})")
+                        finish = _FINISH.get(reason, FinishReason.STOP)  # tool_calls, ...
+                    if t or ch.token_ids or finish != none:
+                        pieces.append((ch.token_ids or [], t or "", finish))
+            if self.ended:
+                break
+        if st.done:
+            return  # draining after the finish, so the connection can be reused
+        col = st.col
+        for ids, text, finish in pieces:
+            stopped = False
+            if st.splice is not None:
+                text, stopped = st.splice.feed(text, finish != none)
+                if stopped:
+                    finish = FinishReason.STOP
+            if not (ids or text or finish != none):
+                continue
+            delta = Delta(col.rid, ids, text, finish)
+            if st.prompt_ids is not None:
+                delta.prompt_token_ids, st.prompt_ids = st.prompt_ids, None
+            if finish != none:
+                self.client._finish(st, delta)
+                if stopped:
+                    self.ended = True
+                    self.response.close()  # our stop string, not the upstream's: abort it
+                return
+            col.put(delta)
+            st.delivered = True
+
+    def end(self) -> None:
+        """The body is over."""
+        if not self.st.done:
+            raise _Failed("the stream ended before the request finished")
+
+
+def _auth(spec: ReplicaSpec) -> dict[str, str]:
+    key = os.environ.get(spec.api_key_env, "") if spec.api_key_env else ""
+    return {"authorization": f"Bearer {key}"} if key else {}
+
+
 def _session(spec: ReplicaSpec) -> aiohttp.ClientSession:
-    headers = {}
-    if spec.api_key_env:
-        key = os.environ.get(spec.api_key_env, "")
-        if key:
-            headers["authorization"] = f"Bearer {key}"
-    # Streams can last minutes: no total timeout; the router's stall and total
-    # deadlines and the health check bound them.
-    limit = 0 if spec.max_concurrency is None else spec.max_concurrency + 2  # + health, metrics
-    connector = aiohttp.TCPConnector(limit=limit, keepalive_timeout=30)
+    """The aiohttp session for control calls (generation streams use ``HttpPool``)."""
+    connector = aiohttp.TCPConnector(limit=4, keepalive_timeout=30)
     return aiohttp.ClientSession(
-        connector=connector, headers=headers,
+        connector=connector, headers=_auth(spec),
         timeout=aiohttp.ClientTimeout(total=None, sock_connect=10), auto_decompress=False,
     )
 
@@ -535,7 +559,8 @@ async def open_upstream(name: str, spec: ReplicaSpec, *, timeout: float = 10.0) 
         else:
             raise ReplicaDead(f"upstream {name} lists no models")
         model = str(spec.config.get("model") or card.id)
-        return UpstreamClient(name, spec, session, model, card.id, card.max_model_len or 0)
+        http = HttpPool(url, _auth(spec), limit=spec.max_concurrency or 0)
+        return UpstreamClient(name, spec, session, http, model, card.id, card.max_model_len or 0)
     except BaseException:
         await session.close()
         raise

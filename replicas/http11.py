@@ -1,0 +1,294 @@
+"""A small HTTP/1.1 client for streamed responses, at protocol level.
+
+The hot path of an OpenAI-compatible upstream: each piece of a response body
+goes from the socket (``data_received``) through httptools' parser (the C
+parser uvicorn uses; it undoes the chunked framing) to a sink the caller
+set, synchronously. There is no stream reader and no task wake-up per piece,
+so a relayed token costs one callback here instead of aiohttp's
+``StreamReader`` plus a task switch (docs/perf.md). Connections are kept
+alive and reused, one pool per upstream, at most ``limit`` at once.
+Control calls (health checks, ``/metrics``, ``/detokenize``) stay on aiohttp.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import ssl
+import time
+from collections.abc import Callable
+from urllib.parse import urlsplit
+
+import httptools
+
+__all__ = ["HttpError", "HttpPool", "Response"]
+
+KEEPALIVE = 30.0  # seconds an idle connection is kept for reuse
+
+
+class HttpError(Exception):
+    """The connection failed, or closed before the response was complete."""
+
+
+class Response:
+    """One response: status and headers once ``HttpPool.request`` returns,
+    then the body, given to a sink as it arrives (or kept for ``read``)."""
+
+    __slots__ = ("status", "headers", "_sink", "_kept", "_done", "_conn", "_release")
+
+    def __init__(self, conn: _Conn) -> None:
+        self.status = 0
+        self.headers: dict[bytes, bytes] = {}
+        self._sink: Callable[[bytes], None] | None = None
+        self._kept: list[bytes] = []
+        self._done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._conn: _Conn | None = conn
+        self._release: Callable[[], None] | None = None
+
+    def stream_to(self, sink: Callable[[bytes], None]) -> None:
+        """Hand every body piece to ``sink`` (from ``data_received``). An
+        exception from ``sink`` ends the response: ``finished`` raises it."""
+        self._sink = sink
+        kept, self._kept = self._kept, []
+        for piece in kept:
+            self._body(piece)
+
+    async def finished(self) -> None:
+        """Wait for the end of the body (``HttpError`` if the connection broke)."""
+        await asyncio.shield(self._done)
+
+    async def read(self) -> bytes:
+        """The whole body (for error responses)."""
+        await self.finished()
+        return b"".join(self._kept)
+
+    def close(self, exc: BaseException | None = None) -> None:
+        """Stop reading: an unfinished response closes its connection (which
+        makes vLLM abort the request); a finished one has already let it go.
+        ``exc``: what ``finished`` raises, if it has not ended yet."""
+        conn, self._conn = self._conn, None
+        if conn is not None:
+            conn.abandon()
+        self._end(exc)
+
+    # -- from the connection and the pool ------------------------------------
+
+    def _body(self, piece: bytes) -> None:
+        if self._done.done():
+            return
+        if self._sink is None:
+            self._kept.append(piece)
+            return
+        try:
+            self._sink(piece)
+        except Exception as e:  # noqa: BLE001 - the caller's parser failed: end this response with it
+            self.close(e)
+
+    def _hold(self, release: Callable[[], None]) -> None:
+        """Call ``release`` when the response ends (now, if it has)."""
+        if self._done.done():
+            release()
+        else:
+            self._release = release
+
+    def _end(self, exc: BaseException | None) -> None:
+        self._conn = None
+        release, self._release = self._release, None
+        if release is not None:
+            release()
+        if not self._done.done():
+            if exc is None:
+                self._done.set_result(None)
+            else:
+                self._done.set_exception(exc)
+                self._done.exception()  # marked retrieved: a closed response may never be awaited
+
+
+class _Conn(asyncio.Protocol):
+    """One keep-alive connection; serves one response at a time."""
+
+    def __init__(self, pool: HttpPool) -> None:
+        self.pool = pool
+        self.transport: asyncio.Transport | None = None
+        self.parser = httptools.HttpResponseParser(self)
+        self.response: Response | None = None
+        self.head: asyncio.Future[Response] | None = None
+        self.keep_alive = False
+        self.closed = False
+        self.got_bytes = False
+        self.idle_since = 0.0
+
+    # asyncio.Protocol
+    def connection_made(self, transport) -> None:  # type: ignore[override]
+        self.transport = transport
+
+    def data_received(self, data: bytes) -> None:
+        self.got_bytes = True
+        try:
+            self.parser.feed_data(data)
+        except httptools.HttpParserError as e:
+            self._fail(HttpError(f"bad HTTP response: {e}"))
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.closed = True
+        self.pool._forget(self)
+        self._fail(HttpError(f"connection closed{': ' + str(exc) if exc else ''}"))
+
+    # httptools callbacks
+    def on_header(self, name: bytes, value: bytes) -> None:
+        if self.response is not None:
+            self.response.headers[name.lower()] = value
+
+    def on_headers_complete(self) -> None:
+        r = self.response
+        if r is None:
+            return
+        r.status = self.parser.get_status_code()
+        self.keep_alive = self.parser.should_keep_alive()
+        if self.head is not None and not self.head.done():
+            self.head.set_result(r)
+
+    def on_body(self, body: bytes) -> None:
+        if self.response is not None:
+            self.response._body(body)
+
+    def on_message_complete(self) -> None:
+        r, self.response = self.response, None
+        self.parser = httptools.HttpResponseParser(self)
+        if self.keep_alive and not self.closed:
+            self.pool._idle_again(self)
+        else:
+            self.close()
+        if r is not None:
+            r._end(None)
+
+    # ours
+    def send(self, request: bytes, response: Response) -> asyncio.Future[Response]:
+        self.response = response
+        self.got_bytes = False
+        self.head = asyncio.get_running_loop().create_future()
+        assert self.transport is not None
+        self.transport.write(request)
+        return self.head
+
+    def abandon(self) -> None:
+        """The response's reader left before its end: drop the connection."""
+        if self.response is not None:
+            self.response = None
+            self.close()
+
+    def close(self) -> None:
+        if not self.closed:
+            self.closed = True
+            self.pool._forget(self)
+            if self.transport is not None:
+                self.transport.close()
+
+    def _fail(self, exc: HttpError) -> None:
+        head, self.head = self.head, None
+        if head is not None and not head.done():
+            head.set_exception(exc)
+        r, self.response = self.response, None
+        self.close()
+        if r is not None:
+            r._end(exc)
+
+
+class HttpPool:
+    """Keep-alive connections to one server (``base_url``: scheme, host, port, path prefix)."""
+
+    def __init__(self, base_url: str, headers: dict[str, str] | None = None, *, limit: int = 0,
+                 connect_timeout: float = 10.0) -> None:
+        u = urlsplit(base_url)
+        if u.scheme not in ("http", "https") or not u.hostname:
+            raise ValueError(f"not an http(s) URL: {base_url!r}")
+        self.host = u.hostname
+        self.port = u.port or (443 if u.scheme == "https" else 80)
+        self.prefix = u.path.rstrip("/")
+        self._ssl = ssl.create_default_context() if u.scheme == "https" else None
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        if u.port:
+            host += f":{u.port}"
+        lines = [f"Host: {host}", "Accept: text/event-stream", "Content-Type: application/json"]
+        lines += [f"{k}: {v}" for k, v in (headers or {}).items()]
+        self._headers = ("\r\n".join(lines) + "\r\n").encode("latin-1")
+        self.connect_timeout = connect_timeout
+        self._idle: list[_Conn] = []
+        self._all: set[_Conn] = set()
+        self._slots = asyncio.Semaphore(limit) if limit else None
+
+    async def request(self, method: str, path: str, body: bytes) -> Response:
+        """Send the request; return once the response's status and headers are in."""
+        slots = self._slots
+        if slots is not None:
+            await slots.acquire()
+        request = b"%s %s HTTP/1.1\r\n%sContent-Length: %d\r\n\r\n%s" % (
+            method.encode(), (self.prefix + path).encode(), self._headers, len(body), body)
+        try:
+            for attempt in range(2):
+                conn = self._take_idle()
+                reused = conn is not None
+                if conn is None:
+                    conn = await self._connect()
+                response = Response(conn)
+                try:
+                    await conn.send(request, response)
+                except HttpError:
+                    # A kept-alive connection the server closed meanwhile: the
+                    # request never reached it (no byte came back); once more
+                    # on a new one.
+                    if reused and not conn.got_bytes and attempt == 0:
+                        continue
+                    raise
+                except BaseException:
+                    response.close()
+                    raise
+                if slots is not None:
+                    response._hold(slots.release)
+                return response
+            raise AssertionError("unreachable")
+        except BaseException:
+            if slots is not None:
+                slots.release()
+            raise
+
+    async def close(self) -> None:
+        for conn in list(self._all):
+            conn.close()
+        self._idle.clear()
+
+    # -- connections -----------------------------------------------------------
+
+    def _take_idle(self) -> _Conn | None:
+        now = time.monotonic()
+        while self._idle:
+            conn = self._idle.pop()
+            if not conn.closed and now - conn.idle_since < KEEPALIVE:
+                return conn
+            conn.close()
+        return None
+
+    async def _connect(self) -> _Conn:
+        loop = asyncio.get_running_loop()
+        try:
+            async with asyncio.timeout(self.connect_timeout):
+                _, conn = await loop.create_connection(
+                    lambda: _Conn(self), self.host, self.port, ssl=self._ssl,
+                    server_hostname=self.host if self._ssl is not None else None,
+                )
+        except TimeoutError:
+            raise HttpError(f"connect to {self.host}:{self.port} timed out") from None
+        except OSError as e:
+            raise HttpError(f"connect to {self.host}:{self.port} failed: {e}") from e
+        self._all.add(conn)
+        return conn
+
+    def _idle_again(self, conn: _Conn) -> None:
+        conn.idle_since = time.monotonic()
+        self._idle.append(conn)
+
+    def _forget(self, conn: _Conn) -> None:
+        self._all.discard(conn)
+        try:
+            self._idle.remove(conn)
+        except ValueError:
+            pass

@@ -1,0 +1,196 @@
+"""replicas.http11 against a real HTTP/1.1 server on loopback (asyncio streams)."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from replicas.http11 import HttpError, HttpPool
+
+
+class Server:
+    """Answers each request by ``script(path, writer, reader)``; counts connections."""
+
+    def __init__(self, script) -> None:
+        self.script = script
+        self.connections = 0
+        self.open = 0
+        self.closed = asyncio.Event()
+        self.requests: list[bytes] = []
+
+    async def __aenter__(self) -> Server:
+        self.server = await asyncio.start_server(self._serve, "127.0.0.1", 0)
+        self.url = f"http://127.0.0.1:{self.server.sockets[0].getsockname()[1]}/v1"
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        self.server.close()
+        await self.server.wait_closed()
+
+    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self.connections += 1
+        self.open += 1
+        try:
+            while True:
+                head = await reader.readuntil(b"\r\n\r\n")
+                length = int(next(h.split(b":")[1] for h in head.split(b"\r\n") if h.lower().startswith(b"content-length")))
+                body = await reader.readexactly(length)
+                self.requests.append(head + body)
+                path = head.split(b" ")[1].decode()
+                if await self.script(path, writer, reader) == "close":
+                    break
+        except (asyncio.IncompleteReadError, ConnectionError):
+            pass
+        finally:
+            self.open -= 1
+            self.closed.set()
+            writer.close()
+
+
+def chunked(*pieces: bytes) -> bytes:
+    return b"".join(b"%x\r\n%s\r\n" % (len(p), p) for p in pieces) + b"0\r\n\r\n"
+
+
+HEAD = b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nTransfer-Encoding: chunked\r\n\r\n"
+
+
+async def test_streams_the_body_to_the_sink_and_reuses_the_connection() -> None:
+    async def script(path, w, r):
+        w.write(HEAD)
+        await w.drain()
+        for p in (b"data: 1\n\n", b"data: 2\n\n"):
+            w.write(b"%x\r\n%s\r\n" % (len(p), p))
+            await w.drain()
+            await asyncio.sleep(0.01)
+        w.write(b"0\r\n\r\n")
+
+    async with Server(script) as srv:
+        pool = HttpPool(srv.url, {"authorization": "Bearer k"})
+        for _ in range(3):
+            r = await pool.request("POST", "/completions", b'{"a":1}')
+            got: list[bytes] = []
+            r.stream_to(got.append)
+            await r.finished()
+            assert r.status == 200 and b"".join(got) == b"data: 1\n\ndata: 2\n\n"
+            assert len(got) == 2  # piece by piece, as they came
+        assert srv.connections == 1  # kept alive
+        assert srv.requests[0].startswith(b"POST /v1/completions HTTP/1.1\r\n")
+        assert b"authorization: Bearer k\r\n" in srv.requests[0] and srv.requests[0].endswith(b'{"a":1}')
+        await pool.close()
+
+
+async def test_error_bodies_are_read_whole() -> None:
+    async def script(path, w, r):
+        body = b'{"error": {"message": "bad"}}'
+        w.write(b"HTTP/1.1 400 Bad Request\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body))
+
+    async with Server(script) as srv:
+        pool = HttpPool(srv.url)
+        r = await pool.request("POST", "/completions", b"{}")
+        assert r.status == 400 and await r.read() == b'{"error": {"message": "bad"}}'
+        await pool.close()
+
+
+async def test_a_kept_alive_connection_the_server_closed_is_replaced() -> None:
+    async def script(path, w, r):
+        w.write(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok")
+        await w.drain()
+        return "close"  # without telling the client (no Connection: close)
+
+    async with Server(script) as srv:
+        pool = HttpPool(srv.url)
+        for _ in range(3):
+            r = await pool.request("POST", "/x", b"{}")
+            assert await r.read() == b"ok"
+            await asyncio.sleep(0.05)  # the server's close reaches the idle connection
+        assert srv.connections == 3
+        await pool.close()
+
+
+async def test_a_sink_error_ends_the_response_with_it_and_drops_the_connection() -> None:
+    async def script(path, w, r):
+        w.write(HEAD + b"5\r\nhello\r\n")
+        await w.drain()
+        assert await r.read() == b""  # until the client closes
+        return "close"
+
+    async with Server(script) as srv:
+        pool = HttpPool(srv.url)
+        r = await pool.request("POST", "/x", b"{}")
+
+        def sink(piece: bytes) -> None:
+            raise ValueError(f"cannot parse {piece!r}")
+
+        r.stream_to(sink)
+        with pytest.raises(ValueError, match="hello"):
+            await r.finished()
+        await asyncio.wait_for(srv.closed.wait(), 2)  # the server saw the connection go
+        await pool.close()
+
+
+async def test_close_mid_body_closes_the_connection() -> None:
+    async def script(path, w, r):
+        w.write(HEAD + b"5\r\nhello\r\n")
+        await w.drain()
+        assert await r.read() == b""  # until the client closes
+        return "close"
+
+    async with Server(script) as srv:
+        pool = HttpPool(srv.url)
+        r = await pool.request("POST", "/x", b"{}")
+        r.stream_to(lambda piece: None)
+        r.close()
+        await r.finished()  # closed by us: a normal end
+        await asyncio.wait_for(srv.closed.wait(), 2)
+        assert srv.open == 0
+        await pool.close()
+
+
+async def test_a_connection_cut_mid_body_is_an_http_error() -> None:
+    async def script(path, w, r):
+        w.write(HEAD + b"5\r\nhello\r\n")
+        await w.drain()
+        return "close"
+
+    async with Server(script) as srv:
+        pool = HttpPool(srv.url)
+        r = await pool.request("POST", "/x", b"{}")
+        r.stream_to(lambda piece: None)
+        with pytest.raises(HttpError, match="closed"):
+            await r.finished()
+        await pool.close()
+
+
+async def test_limit_bounds_concurrent_requests() -> None:
+    release = asyncio.Event()
+
+    async def script(path, w, r):
+        w.write(HEAD)
+        await w.drain()
+        await release.wait()
+        w.write(chunked(b"x"))
+
+    async with Server(script) as srv:
+        pool = HttpPool(srv.url, limit=2)
+        first = [await pool.request("POST", "/x", b"{}") for _ in range(2)]
+        third = asyncio.ensure_future(pool.request("POST", "/x", b"{}"))
+        await asyncio.sleep(0.1)
+        assert not third.done() and srv.connections == 2
+        release.set()
+        for r in first:
+            await r.read()
+        r3 = await asyncio.wait_for(third, 2)
+        assert await r3.read() == b"x"
+        await pool.close()
+
+
+async def test_connection_refused_is_an_http_error() -> None:
+    srv = await asyncio.start_server(lambda r, w: None, "127.0.0.1", 0)
+    port = srv.sockets[0].getsockname()[1]
+    srv.close()
+    await srv.wait_closed()
+    pool = HttpPool(f"http://127.0.0.1:{port}")
+    with pytest.raises(HttpError, match="connect"):
+        await pool.request("POST", "/x", b"{}")
+    await pool.close()
