@@ -52,7 +52,7 @@ class Collector:
     gets bigger events instead of a growing queue of small ones.
     """
 
-    __slots__ = ("rid", "finish", "error", "prompt_token_ids", "dead", "_pending", "_event")
+    __slots__ = ("rid", "finish", "error", "prompt_token_ids", "dead", "_pending", "_ready", "_waiter")
 
     def __init__(self, rid: int) -> None:
         self.rid = rid
@@ -61,7 +61,10 @@ class Collector:
         self.prompt_token_ids: list[int] | None = None
         self.dead: BaseException | None = None
         self._pending: list[Delta] = []
-        self._event = asyncio.Event()
+        # "get would not wait"; a future only while the consumer waits (an
+        # asyncio.Event would hold a waiter deque per stream, all the time)
+        self._ready = False
+        self._waiter: asyncio.Future[None] | None = None
 
     def put(self, delta: Delta) -> None:
         if delta.prompt_token_ids is not None:
@@ -70,16 +73,22 @@ class Collector:
             self.finish = FinishReason(delta.finish)
             self.error = delta.error
         self._pending.append(delta)
-        self._event.set()
+        self._wake()
 
     def fail(self, exc: BaseException) -> None:
         self.dead = exc
-        self._event.set()
+        self._wake()
+
+    def _wake(self) -> None:
+        self._ready = True
+        w = self._waiter
+        if w is not None and not w.done():
+            w.set_result(None)
 
     @property
     def ready(self) -> bool:
         """``get`` would return without waiting."""
-        return self._event.is_set()
+        return self._ready
 
     async def get(self, limit: int = 0) -> tuple[list[int], str, FinishReason]:
         """Wait for output; return (token ids, text, finish) merged since the
@@ -89,20 +98,23 @@ class Collector:
         Raises ``ReplicaDead`` if the connection died first (output that
         arrived before the death is returned first).
         """
-        if not self._event.is_set():
-            await self._event.wait()
+        if not self._ready:
+            self._waiter = asyncio.get_running_loop().create_future()
+            try:
+                await self._waiter
+            finally:
+                self._waiter = None
         pending = self._pending
         if not pending:
-            self._event.clear()
+            self._ready = False
             if self.dead is not None and self.finish == FinishReason.NONE:
                 raise self.dead
             return [], "", self.finish
         if len(pending) == 1:
             d = pending[0]
             self._pending = []
-            self._event.clear()
-            if self.dead is not None and not d.finish:
-                self._event.set()  # report the death on the next call
+            # still ready if a death waits to be reported on the next call
+            self._ready = self.dead is not None and not d.finish
             return d.token_ids, d.text, FinishReason(d.finish)
         ids: list[int] = []
         texts: list[str] = []
@@ -119,7 +131,7 @@ class Collector:
         rest = pending[taken:]
         self._pending = rest
         if not rest and (self.dead is None or finish):
-            self._event.clear()
+            self._ready = False
         return ids, "".join(texts), finish
 
 

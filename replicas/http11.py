@@ -56,6 +56,11 @@ class Response:
         """Wait for the end of the body (``HttpError`` if the connection broke)."""
         await asyncio.shield(self._done)
 
+    def when_finished(self, callback: Callable[[BaseException | None], None]) -> None:
+        """Call ``callback(exc)`` when the response ends: ``exc`` None when it
+        completed or was closed by us, else what broke it."""
+        self._done.add_done_callback(lambda f: callback(f.exception()))
+
     async def read(self) -> bytes:
         """The whole body (for error responses)."""
         await self.finished()

@@ -90,18 +90,21 @@ class _Failed(Exception):
 
 
 class _Stream:
-    """What one request's task knows: whether output reached the router, and
-    whether the router could resume it (token ids known)."""
+    """One request: its collector, the task that starts it and then its
+    response; whether output reached the router, and whether the router
+    could resume it (token ids known)."""
 
-    __slots__ = ("col", "delivered", "resumable", "done", "prompt_ids", "splice")
+    __slots__ = ("col", "delivered", "resumable", "done", "prompt_ids", "splice", "task", "resp")
 
-    def __init__(self, col: Collector, prompt_ids: list[int] | None, splice: _Splice | None) -> None:
+    def __init__(self, col: Collector, prompt_ids: list[int] | None) -> None:
         self.col = col
         self.delivered = False
         self.resumable = False
         self.done = False
         self.prompt_ids = prompt_ids  # goes out with the first delta
-        self.splice = splice
+        self.splice: _Splice | None = None
+        self.task: asyncio.Task[None] | None = None
+        self.resp: Response | None = None
 
 
 class _Splice:
@@ -187,8 +190,8 @@ class UpstreamClient:
         self._require_ids = spec.token_ids == "yes"
         self._session = session
         self._http = http
-        self._streams: dict[int, tuple[Collector, asyncio.Task[None]]] = {}
-        self._tasks: set[asyncio.Task[None]] = set()  # every request task, also those draining after the finish
+        self._streams: dict[int, _Stream] = {}
+        self._tasks: set[asyncio.Task[None]] = set()  # requests still being sent (until their response head)
         self._ids = itertools.count(1)
         self._pings = itertools.count(1)
         self._vllm_load: LoadReport | None = None
@@ -220,20 +223,24 @@ class UpstreamClient:
         if prefix and self.token_ids is False:
             raise ReplicaDead(f"upstream {self.name} returns no token ids, so it cannot continue a resumed stream")
         col = Collector(next(self._ids))
-        task = asyncio.get_running_loop().create_task(
-            self._run(col, params, prompt, messages, prompt_token_ids, prefix, prefix_text_len),
+        st = _Stream(col, prompt_token_ids)
+        task = st.task = asyncio.get_running_loop().create_task(
+            self._run(st, params, prompt, messages, prefix, prefix_text_len),
             name=f"upstream-{self.name}-{col.rid}",
         )
-        self._streams[col.rid] = (col, task)
+        self._streams[col.rid] = st
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
         return col
 
     def abort(self, col: Collector) -> None:
         """Stop the request: closing its connection makes vLLM abort it."""
-        entry = self._streams.pop(col.rid, None)
-        if entry is not None:
-            entry[1].cancel()
+        st = self._streams.pop(col.rid, None)
+        if st is not None:
+            if st.task is not None:
+                st.task.cancel()
+            if st.resp is not None:
+                st.resp.close()
 
     def release(self, col: Collector) -> None:
         """Forget a finished request."""
@@ -259,8 +266,8 @@ class UpstreamClient:
             self.closed = ReplicaDead(f"upstream {self.name} closed by the router")
         streams = list(self._streams.values())
         self._streams.clear()
-        for col, _ in streams:
-            col.fail(self.closed)
+        for st in streams:
+            st.col.fail(self.closed)
         tasks = [self._poller, *self._tasks]
         for t in tasks:
             t.cancel()
@@ -301,10 +308,13 @@ class UpstreamClient:
             body["return_token_ids"] = True
         return body
 
-    async def _run(self, col: Collector, params: SamplingParams, prompt: str | None,
-                   messages: list[dict[str, str]] | None, prompt_ids: list[int] | None,
-                   prefix: list[int], prefix_text_len: int) -> None:
-        st = _Stream(col, prompt_ids, None)
+    async def _run(self, st: _Stream, params: SamplingParams, prompt: str | None,
+                   messages: list[dict[str, str]] | None, prefix: list[int], prefix_text_len: int) -> None:
+        """Send the request; once its response streams, this task ends and the
+        body is parsed in ``data_received`` (``_SseReader``) until ``_ended``."""
+        col = st.col
+        prompt_ids = st.prompt_ids
+        streaming = False
         try:
             if params.max_tokens - len(prefix) <= 0:
                 self._finish(st, Delta(col.rid, [], "", FinishReason.ERROR, None,
@@ -322,13 +332,14 @@ class UpstreamClient:
                 ask_ids = self.token_ids is not False
                 body = self._body(params, prefix, ask_ids) | payload
                 resp = await self._http.request("POST", path, msgspec.json.encode(body))
+                if resp.status == 200:
+                    reader = _SseReader(self, st, bool(prefix), resp)
+                    st.resp = resp
+                    streaming = True
+                    resp.stream_to(reader.feed)
+                    resp.when_finished(lambda exc: self._ended(st, reader, exc))
+                    return
                 try:
-                    if resp.status == 200:
-                        reader = _SseReader(self, st, bool(prefix), resp)
-                        resp.stream_to(reader.feed)
-                        await resp.finished()
-                        reader.end()
-                        return
                     msg = _error_text(await resp.read())
                 finally:
                     resp.close()
@@ -350,8 +361,24 @@ class UpstreamClient:
             if not st.done:
                 self._lost(st, f"upstream {self.name} failed: {e!r}")
         finally:
-            if not st.done:
+            st.task = None
+            if not st.done and not streaming:
                 self._streams.pop(col.rid, None)
+
+    def _ended(self, st: _Stream, reader: _SseReader, exc: BaseException | None) -> None:
+        """The response of a streaming request ended (``exc``: how it broke)."""
+        st.resp = None
+        if st.done or self._streams.get(st.col.rid) is not st:
+            return  # finished, aborted or released: nothing to report
+        try:
+            if exc is not None:
+                raise exc
+            reader.end()
+        except (HttpError, OSError, _Failed, msgspec.DecodeError, ValueError) as e:
+            self._lost(st, f"upstream {self.name} failed: {e or type(e).__name__}")
+        except Exception as e:  # noqa: BLE001 - a bug here must not leave the stream hanging
+            log.exception("upstream %s: request %d failed", self.name, st.col.rid)
+            self._lost(st, f"upstream {self.name} failed: {e!r}")
 
     def _first_chunk(self, st: _Stream, chunk: _Chunk, resumed: bool) -> None:
         choice = chunk.choices[0] if chunk.choices else None

@@ -210,6 +210,30 @@ async def test_a_slow_client_gets_at_most_chunk_tokens_per_event(tmp_path, clean
     assert max(sizes) > 1, "the lagging client should have got merged events"
 
 
+async def test_client_disconnect_aborts_the_request_on_the_upstream(tmp_path, cleanup):
+    """The client leaves mid-stream: the router closes the upstream
+    connection, which is how an OpenAI server (vLLM) learns to abort."""
+    server = SimOpenAI(tmp_path, {"step_base_ms": 20})
+    cleanup(server)
+    server.start()
+    router = upstream_router(tmp_path / "router", server.url, local=0)
+    cleanup(router)
+    router.start()
+    async with httpx.AsyncClient(base_url=router.base_url, headers={"Authorization": f"Bearer {GOLD}"},
+                                 timeout=30) as http:
+        for _ in range(2):  # twice: the second request may reuse a kept-alive connection
+            async with http.stream("POST", "/v1/completions", json={
+                "model": MODEL, "prompt": PROMPT, "stream": True, "max_tokens": 1000, "ignore_eos": True,
+            }) as r:
+                events = aiter_sse(r)
+                for _ in range(3):
+                    await events.__anext__()
+                assert server.running() == 1  # 1000 tokens x 20 ms: far from done
+                await events.aclose()
+            await asyncio.to_thread(poll, lambda: server.running() == 0, 5, what="the upstream aborts")
+    assert router.metrics().value("fairstream_requests_total", tenant="gold", outcome="cancelled") == 2
+
+
 def test_upstream_metrics_parse():
     page = (b'# HELP vllm:num_requests_running x\nvllm:num_requests_running{engine="0",model_name="m"} 3.0\n'
             b'vllm:num_requests_running{engine="1",model_name="m"} 2.0\n'
