@@ -20,9 +20,23 @@ from urllib.parse import urlsplit
 
 import httptools
 
-__all__ = ["HttpError", "HttpPool", "Response"]
+__all__ = ["HttpError", "HttpPool", "Response", "sse_data"]
 
 KEEPALIVE = 30.0  # seconds an idle connection is kept for reuse
+
+
+def sse_data(buf: bytes) -> tuple[list[bytes], bytes]:
+    """The ``data:`` payloads (stripped, one per data line) of the complete
+    server-sent events in ``buf``, and the incomplete rest to keep."""
+    if b"\r" in buf:
+        buf = buf.replace(b"\r\n", b"\n")
+    *events, rest = buf.split(b"\n\n")
+    out = []
+    for event in events:
+        for line in event.split(b"\n"):
+            if line.startswith(b"data:"):
+                out.append(line[5:].strip())
+    return out, rest
 
 
 class HttpError(Exception):

@@ -34,7 +34,7 @@ import aiohttp
 import msgspec
 
 from replicas.client import Collector, ReplicaDead, ReplicaRefused
-from replicas.http11 import HttpError, HttpPool, Response
+from replicas.http11 import HttpError, HttpPool, Response, sse_data
 from replicas.protocol import PROTOCOL_VERSION, Delta, FinishReason, LoadReport, Pong, Ready, SamplingParams
 from replicas.spec import ReplicaSpec
 
@@ -478,47 +478,38 @@ class _SseReader:
     def feed(self, data: bytes) -> None:
         if self.ended:
             return
-        buf = self.buf + data
-        if b"\r" in buf:
-            buf = buf.replace(b"\r\n", b"\n")
-        *events, self.buf = buf.split(b"\n\n")
-        if not events:
+        payloads, self.buf = sse_data(self.buf + data)
+        if not payloads:
             return
         st = self.st
         none = FinishReason.NONE
         pieces: list[tuple[list[int], str, FinishReason]] = []
-        for event in events:
-            for line in event.split(b"\n"):
-                if not line.startswith(b"data:"):
-                    continue
-                payload = line[5:].strip()
-                if payload == b"[DONE]":
-                    self.ended = True
-                    break
-                chunk = _chunk_decoder.decode(payload)
-                if chunk.error is not None or chunk.object == "error":
-                    raise _Failed(_error_text(chunk.error if chunk.error is not None else chunk.message))
-                if not chunk.choices:
-                    continue  # usage chunk
-                if self.first:
-                    self.first = False
-                    self.client._first_chunk(st, chunk, self.resumed)
-                for ch in chunk.choices:
-                    if ch.index != 0:
-                        continue
-                    t = ch.text if ch.text is not None else (ch.delta.content if ch.delta else None)
-                    if t and ch.token_ids is None and st.resumable:
-                        st.resumable = False  # text we cannot map to tokens: no resume
-                    finish = none
-                    reason = ch.finish_reason
-                    if reason is not None:
-                        if reason in ("abort", "error"):
-                            raise _Failed(f"the upstream ended the request ({reason})")
-                        finish = _FINISH.get(reason, FinishReason.STOP)  # tool_calls, ...
-                    if t or ch.token_ids or finish != none:
-                        pieces.append((ch.token_ids or [], t or "", finish))
-            if self.ended:
+        for payload in payloads:
+            if payload == b"[DONE]":
+                self.ended = True
                 break
+            chunk = _chunk_decoder.decode(payload)
+            if chunk.error is not None or chunk.object == "error":
+                raise _Failed(_error_text(chunk.error if chunk.error is not None else chunk.message))
+            if not chunk.choices:
+                continue  # usage chunk
+            if self.first:
+                self.first = False
+                self.client._first_chunk(st, chunk, self.resumed)
+            for ch in chunk.choices:
+                if ch.index != 0:
+                    continue
+                t = ch.text if ch.text is not None else (ch.delta.content if ch.delta else None)
+                if t and ch.token_ids is None and st.resumable:
+                    st.resumable = False  # text we cannot map to tokens: no resume
+                finish = none
+                reason = ch.finish_reason
+                if reason is not None:
+                    if reason in ("abort", "error"):
+                        raise _Failed(f"the upstream ended the request ({reason})")
+                    finish = _FINISH.get(reason, FinishReason.STOP)  # tool_calls, ...
+                if t or ch.token_ids or finish != none:
+                    pieces.append((ch.token_ids or [], t or "", finish))
         if st.done:
             return  # draining after the finish, so the connection can be reused
         col = st.col

@@ -33,6 +33,7 @@ from array import array
 import msgspec
 
 from ops.loadgen.sse import decode_chunk
+from replicas.http11 import sse_data
 
 __all__ = ["Job", "WorkerResult", "run_job"]
 
@@ -240,28 +241,22 @@ async def _http_request(conn: _Conn, job: Job, key: str, st: _Stats, open_stream
                 if body.done:
                     break
                 continue
-            if b"\r" in sse:
-                sse = sse.replace(b"\r\n", b"\n")
-            *events, sse = sse.split(b"\n\n")
+            payloads, sse = sse_data(sse)
             k = 0
-            for ev in events:
-                for line in ev.split(b"\n"):
-                    if not line.startswith(b"data:"):
-                        continue
-                    payload = line[5:].strip()
-                    if payload == b"[DONE]":
-                        done = True
-                        continue
-                    chunk = decode_chunk(payload)  # the load generator's chunk decoder
-                    if chunk.error is not None:
-                        stream_error = True
-                        continue
-                    if chunk.usage is not None and chunk.usage.completion_tokens:
-                        usage = chunk.usage.completion_tokens
-                    t = chunk.text()
-                    if t:
-                        k += len(t) // token_chars if token_chars else len(t.encode())
-                        st.events += 1
+            for payload in payloads:
+                if payload == b"[DONE]":
+                    done = True
+                    continue
+                chunk = decode_chunk(payload)  # the load generator's chunk decoder
+                if chunk.error is not None:
+                    stream_error = True
+                    continue
+                if chunk.usage is not None and chunk.usage.completion_tokens:
+                    usage = chunk.usage.completion_tokens
+                t = chunk.text()
+                if t:
+                    k += len(t) // token_chars if token_chars else len(t.encode())
+                    st.events += 1
             if k:
                 counted += k
                 if first_at is None:

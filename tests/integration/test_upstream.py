@@ -179,16 +179,22 @@ def test_streams_through_upstream_with_token_ids(only_upstream):
     assert router.metrics().value("fairstream_replica_up", replica=UPSTREAM) == 1
 
 
-async def test_a_slow_client_gets_at_most_chunk_tokens_per_event(tmp_path, cleanup):
-    """A fast upstream sends many tokens per network read; while the client
-    lags they are merged, but never past the tenant's ``chunk_tokens`` (16
-    for the demo tenants) per SSE event, as with protocol replicas."""
-    server = SimOpenAI(tmp_path, {"step_base_ms": 0, "step_per_seq_ms": 0})
+def only_this_upstream(tmp_path: Path, cleanup, sim: dict[str, Any]) -> tuple[SimOpenAI, RouterProcess]:
+    """A sim OpenAI server and a router whose only replica it is (both started)."""
+    server = SimOpenAI(tmp_path, sim)
     cleanup(server)
     server.start()
     router = upstream_router(tmp_path / "router", server.url, local=0)
     cleanup(router)
     router.start()
+    return server, router
+
+
+async def test_a_slow_client_gets_at_most_chunk_tokens_per_event(tmp_path, cleanup):
+    """A fast upstream sends many tokens per network read; while the client
+    lags they are merged, but never past the tenant's ``chunk_tokens`` (16
+    for the demo tenants) per SSE event, as with protocol replicas."""
+    _, router = only_this_upstream(tmp_path, cleanup, {"step_base_ms": 0, "step_per_seq_ms": 0})
     async with httpx.AsyncClient(base_url=router.base_url, headers={"Authorization": f"Bearer {GOLD}"},
                                  timeout=30) as http:
         async with http.stream("POST", "/v1/completions", json={
@@ -213,12 +219,7 @@ async def test_a_slow_client_gets_at_most_chunk_tokens_per_event(tmp_path, clean
 async def test_client_disconnect_aborts_the_request_on_the_upstream(tmp_path, cleanup):
     """The client leaves mid-stream: the router closes the upstream
     connection, which is how an OpenAI server (vLLM) learns to abort."""
-    server = SimOpenAI(tmp_path, {"step_base_ms": 20})
-    cleanup(server)
-    server.start()
-    router = upstream_router(tmp_path / "router", server.url, local=0)
-    cleanup(router)
-    router.start()
+    server, router = only_this_upstream(tmp_path, cleanup, {"step_base_ms": 20})
     async with httpx.AsyncClient(base_url=router.base_url, headers={"Authorization": f"Bearer {GOLD}"},
                                  timeout=30) as http:
         for _ in range(2):  # twice: the second request may reuse a kept-alive connection

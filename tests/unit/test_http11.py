@@ -55,6 +55,14 @@ def chunked(*pieces: bytes) -> bytes:
 HEAD = b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nTransfer-Encoding: chunked\r\n\r\n"
 
 
+async def hello_then_wait(path, w, r):
+    """One body chunk, then nothing until the client closes the connection."""
+    w.write(HEAD + b"5\r\nhello\r\n")
+    await w.drain()
+    assert await r.read() == b""
+    return "close"
+
+
 async def test_streams_the_body_to_the_sink_and_reuses_the_connection() -> None:
     async def script(path, w, r):
         w.write(HEAD)
@@ -109,13 +117,7 @@ async def test_a_kept_alive_connection_the_server_closed_is_replaced() -> None:
 
 
 async def test_a_sink_error_ends_the_response_with_it_and_drops_the_connection() -> None:
-    async def script(path, w, r):
-        w.write(HEAD + b"5\r\nhello\r\n")
-        await w.drain()
-        assert await r.read() == b""  # until the client closes
-        return "close"
-
-    async with Server(script) as srv:
+    async with Server(hello_then_wait) as srv:
         pool = HttpPool(srv.url)
         r = await pool.request("POST", "/x", b"{}")
 
@@ -130,13 +132,7 @@ async def test_a_sink_error_ends_the_response_with_it_and_drops_the_connection()
 
 
 async def test_close_mid_body_closes_the_connection() -> None:
-    async def script(path, w, r):
-        w.write(HEAD + b"5\r\nhello\r\n")
-        await w.drain()
-        assert await r.read() == b""  # until the client closes
-        return "close"
-
-    async with Server(script) as srv:
+    async with Server(hello_then_wait) as srv:
         pool = HttpPool(srv.url)
         r = await pool.request("POST", "/x", b"{}")
         r.stream_to(lambda piece: None)
