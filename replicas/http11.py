@@ -125,6 +125,8 @@ class Response:
 class _Conn(asyncio.Protocol):
     """One keep-alive connection; serves one response at a time."""
 
+    __slots__ = ("pool", "transport", "parser", "response", "head", "keep_alive", "closed", "got_bytes", "idle_since")
+
     def __init__(self, pool: HttpPool) -> None:
         self.pool = pool
         self.transport: asyncio.Transport | None = None

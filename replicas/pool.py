@@ -111,10 +111,18 @@ class ReplicaPool:
         self._affinity: OrderedDict[int, str] = OrderedDict()  # prefix hash -> replica (LRU)
 
     def models(self) -> list[str]:
-        """Models served by ready replicas, or configured ones when none is ready."""
+        """Models served by ready replicas; when none is ready, the models the
+        replicas served last or are configured to serve (a request for them
+        then gets a 503 to retry, not a 404)."""
         seen = {s.client.model for s in self.slots if s.ready and s.client is not None}
         if not seen:
-            seen = {str(s.spec.config.get("model", "")) for s in self.slots} - {""}
+            for s in self.slots:
+                if s.client is not None:
+                    seen.add(s.client.model)
+                else:
+                    cfg = s.spec.config
+                    seen.add(str(cfg.get("served_name") or cfg.get("model") or ""))
+            seen.discard("")
         return sorted(seen)
 
     def ready_slots(self, model: str | None = None, exclude: set[str] | None = None) -> list[ReplicaSlot]:

@@ -100,6 +100,9 @@ Piece = tuple[str, int, FinishReason]  # text, new tokens, finish
 
 
 class Generation:
+    __slots__ = ("pool", "scheduler", "policy", "rank", "deadlines", "job", "metrics", "max_failovers",
+                 "prompt_token_ids", "completion_ids", "text_len", "failovers", "text_parts", "finish", "replica")
+
     def __init__(self, pool: ReplicaPool, job: Job, metrics: Metrics, max_failovers: int,
                  deadlines: Deadlines | None = None, scheduler: Scheduler | None = None,
                  policy: TenantPolicy | None = None, rank: int = 0) -> None:

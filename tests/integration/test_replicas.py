@@ -214,6 +214,26 @@ async def test_stream_lost_without_a_spare_replica_ends_with_an_error_event(make
     router.wait_ready(15)  # and the replica comes back
 
 
+async def test_replica_lost_before_the_first_token_without_a_spare_is_a_503(make_router) -> None:
+    """One replica, killed during a long prefill: nothing was sent, so the
+    client gets a 503 in OpenAI's error shape (retryable), not a 500."""
+    router: RouterProcess = make_router(replicas=1, sim={"step_base_ms": 5, "step_per_prefill_token_ms": 50})
+    async with httpx.AsyncClient(base_url=router.base_url, headers=AUTH, timeout=30) as http:
+        async def request() -> httpx.Response:
+            return await http.post("/v1/completions", json={
+                "model": MODEL, "prompt": "x" * 400, "max_tokens": 8, "stream": True})
+
+        task = asyncio.create_task(request())
+        await apoll(lambda: router.inflight("sim-0") == 1, 10, what="the request on the replica")
+        router.kill_replica("sim-0", signal.SIGKILL)
+        r = await asyncio.wait_for(task, 10)
+    assert r.status_code == 503, r.text
+    err = r.json()["error"]
+    assert err["code"] == "no_replica_available" and "before its first token" in err["message"], err
+    assert r.headers["retry-after"] and r.headers["x-request-id"]
+    router.wait_ready(15)
+
+
 # -- (d) router crash -------------------------------------------------------------------
 
 

@@ -43,3 +43,18 @@ def test_a_much_busier_preferred_replica_is_passed_over():
     busy = ReplicaLoad(20, 0, 20, 5, 0.5)
     assert all(choose([busy, idle], random.Random(s), prefer=0) == 1 for s in range(50))
     assert all(choose([idle, idle], random.Random(s), prefer=1) == 1 for s in range(50))
+
+
+def test_models_while_no_replica_is_ready_are_the_names_clients_use() -> None:
+    """With every replica down, a request for a served model must get a 503
+    (retry), not a 404: the pool still knows the name clients ask for, which
+    for vLLM is ``served_name``, not the weights' path."""
+    from replicas.pool import ReplicaPool
+    from replicas.spec import ReplicaSpec
+
+    pool = ReplicaPool([
+        ReplicaSpec(name="vllm-0", engine="vllm", config={"model": "/models/tiny", "served_name": "tiny-llama"}),
+        ReplicaSpec(name="sim-0", config={"model": "sim-model"}),
+    ])
+    assert not pool.ready_slots()
+    assert pool.models() == ["sim-model", "tiny-llama"]
