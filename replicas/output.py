@@ -27,6 +27,7 @@ __all__ = ["OutputProcessor"]
 
 # How many tokens before the undecoded ones to re-decode for context; enough
 # for byte-level and sentencepiece tokenizers (vLLM uses 5).
+_STUCK = 8  # undecodable tokens before _unstick cuts the window
 _CONTEXT = 6
 _REPLACEMENT = "\ufffd"
 
@@ -77,6 +78,11 @@ class OutputProcessor:
             self._prefix_offset = 0
 
     @property
+    def held_tokens(self) -> int:
+        """Tokens whose text is not decided yet (the end of an unfinished character)."""
+        return len(self._ids) - self._read_offset
+
+    @property
     def num_tokens(self) -> int:
         """Completion tokens seen, prefix included."""
         return len(self._ids)
@@ -100,6 +106,8 @@ class OutputProcessor:
                 self._pending += full[len(prefix_text) :]
                 self._prefix_offset = max(0, len(ids) - _CONTEXT)
                 self._read_offset = len(ids)
+            elif len(ids) - self._read_offset > _STUCK:
+                self._unstick(ids, prefix_text, full)
         if finish != FinishReason.NONE and self._read_offset < len(ids):
             # The sequence ends inside a character: emit what decode gives.
             tok = self._tok
@@ -126,6 +134,23 @@ class OutputProcessor:
             return "", finish
         self._pending = ""
         return pending, finish
+
+
+    def _unstick(self, ids: list[int], prefix_text: str, full: str) -> None:
+        """A run of bytes that is not UTF-8 keeps the text ending in U+FFFD,
+        so the window would grow with every token (and each step decode all
+        of it: quadratic in a long garbage run). A character is at most 4
+        bytes, so the text of all but the last 4 tokens can no longer change:
+        emit it, at a cut that does not split a character (its text is where
+        the whole window's text starts)."""
+        tok = self._tok
+        for cut in range(len(ids) - 4, max(self._read_offset, len(ids) - 8), -1):
+            left = tok.decode(ids[self._prefix_offset : cut])
+            if len(left) > len(prefix_text) and full.startswith(left):
+                self._pending += left[len(prefix_text) :]
+                self._read_offset = cut
+                self._prefix_offset = max(0, cut - _CONTEXT)
+                return
 
 
 def _find_stop(text: str, stops: list[str]) -> int:

@@ -115,6 +115,26 @@ def test_arbitrary_bytes_decode_the_same_in_any_chunking(data: bytes, raw: set[i
     assert out == TOK.decode(ids)
 
 
+_BAD_BYTES = st.binary(min_size=1, max_size=400).map(lambda b: bytes(0x80 | (x & 0x7F) if x % 3 else x for x in b))
+
+
+@given(_BAD_BYTES, boundaries)
+def test_long_runs_of_bad_bytes_decode_the_same_and_stay_bounded(data: bytes, raw: set[int]) -> None:
+    """A model emitting long runs of bytes that are not UTF-8 (mostly
+    continuation and lead bytes): the text is still exactly a one-shot decode,
+    and the processor never holds more than a few tokens undecoded (it used to
+    hold the whole run and decode all of it on every step: quadratic)."""
+    ids = list(data)
+    proc = OutputProcessor(TOK, [])
+    out = []
+    for part in split(ids, points(raw, len(ids))):
+        piece, _ = proc.process(part, NONE)
+        out.append(piece)
+        assert proc.held_tokens <= 8 + len(part)
+    piece, _ = proc.process([], LENGTH)
+    assert "".join(out) + piece == TOK.decode(ids)
+
+
 def test_finish_without_new_tokens_flushes_held_back_bytes() -> None:
     ids = TOK.encode("ab日")[:-1]  # ends inside 日
     proc = OutputProcessor(TOK, [])
