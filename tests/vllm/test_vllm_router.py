@@ -34,9 +34,8 @@ def vllm_router(tmp_path_factory, tiny_model):
     config = {"model": tiny_model, "served_name": MODEL, "seed": 0, "max_model_len": 32768, "kv_cache_gib": 0.5}
     replicas = [
         {"name": f"vllm-{i}", "engine": "vllm", "config": config, "start_timeout": 300,
-         # vLLM's "auto" thread binding: both workers on core 0, core 1 left
-         # to the engine front ends, the router and the test (with "nobind" a
-         # CI run starved a front end past the 8 s health timeout)
+         # vLLM's default ("auto") thread binding: both workers on core 0,
+         # core 1 left to the engine front ends, the router and the test
          "env": {"VLLM_CPU_KVCACHE_SPACE": "1", "OMP_NUM_THREADS": "1"}}
         for i in range(2)
     ]
