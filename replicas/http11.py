@@ -63,8 +63,15 @@ class Response:
         exception from ``sink`` ends the response: ``finished`` raises it."""
         self._sink = sink
         kept, self._kept = self._kept, []
-        for piece in kept:
-            self._body(piece)
+        for piece in kept:  # what came with the head (maybe the whole body, already ended)
+            try:
+                sink(piece)
+            except Exception as e:  # noqa: BLE001 - as in _body
+                self.close(e)
+                if self._done.exception() is None:  # it had ended before the sink failed
+                    self._done = asyncio.get_running_loop().create_future()
+                    self._done.set_exception(e)
+                return
 
     async def finished(self) -> None:
         """Wait for the end of the body (``HttpError`` if the connection broke)."""

@@ -11,6 +11,7 @@ reference exactly.
 from __future__ import annotations
 
 import asyncio
+import json
 from pathlib import Path
 from typing import Any
 
@@ -190,30 +191,69 @@ def only_this_upstream(tmp_path: Path, cleanup, sim: dict[str, Any]) -> tuple[Si
     return server, router
 
 
-async def test_a_slow_client_gets_at_most_chunk_tokens_per_event(tmp_path, cleanup):
-    """A fast upstream sends many tokens per network read; while the client
-    lags they are merged, but never past the tenant's ``chunk_tokens`` (16
-    for the demo tenants) per SSE event, as with protocol replicas."""
-    _, router = only_this_upstream(tmp_path, cleanup, {"step_base_ms": 0, "step_per_seq_ms": 0})
-    async with httpx.AsyncClient(base_url=router.base_url, headers={"Authorization": f"Bearer {GOLD}"},
-                                 timeout=30) as http:
-        async with http.stream("POST", "/v1/completions", json={
-            "model": MODEL, "prompt": PROMPT, "stream": True, "max_tokens": 600, "temperature": 0, "ignore_eos": True,
-        }) as r:
-            assert r.status_code == 200
-            await asyncio.sleep(1.0)  # the whole completion is ready upstream before we read
-            sizes, before, text = [], 0, []
-            async for ev in aiter_sse(r):
-                if ev.data == "[DONE]":
-                    break
-                tokens = int(ev.id.split("-")[1])  # N-T-C: T = completion tokens so far
-                sizes.append(tokens - before)
-                before = tokens
-                text.append(ev.json()["choices"][0]["text"])
-    assert before == 600
-    assert "".join(text) == await reference(prompt_ids("completion"), 600)
+async def test_many_upstream_events_in_one_read_are_cut_at_chunk_tokens(tmp_path, cleanup):
+    """600 upstream events of one token each arrive in one network read: the
+    router relays them in events of at most the tenant's ``chunk_tokens`` (16
+    for the demo tenants), not as one 600-token event. (One upstream chunk is
+    never split: its text has no per-token boundaries; see docs/upstreams.md.)"""
+    n = 600
+    first = {"choices": [{"index": 0, "text": "a", "token_ids": [97], "prompt_token_ids": [1, 2, 3],
+                          "finish_reason": None}]}
+    more = {"choices": [{"index": 0, "text": "a", "token_ids": [97], "finish_reason": None}]}
+    last = {"choices": [{"index": 0, "text": "a", "token_ids": [97], "finish_reason": "length"}]}
+    events = [first] + [more] * (n - 2) + [last]
+    sse = b"".join(b"data: %s\n\n" % json.dumps(e).encode() for e in events) + b"data: [DONE]\n\n"
+    models = json.dumps({"data": [{"id": MODEL}]}).encode()
+
+    async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            while True:
+                head = await reader.readuntil(b"\r\n\r\n")
+                length = 0
+                for line in head.split(b"\r\n"):
+                    if line.lower().startswith(b"content-length:"):
+                        length = int(line.split(b":")[1])
+                await reader.readexactly(length)
+                path = head.split(b" ")[1]
+                if path.endswith(b"/models"):
+                    writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\n"
+                                 b"Content-Length: %d\r\n\r\n%s" % (len(models), models))
+                elif path.endswith(b"/completions"):  # the whole stream in one write
+                    writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\n"
+                                 b"Transfer-Encoding: chunked\r\n\r\n%x\r\n%s\r\n0\r\n\r\n" % (len(sse), sse))
+                else:
+                    writer.write(b"HTTP/1.1 404 Not Found\r\nContent-Length: 0\r\n\r\n")
+                await writer.drain()
+        except (asyncio.IncompleteReadError, ConnectionError):
+            pass
+        finally:
+            writer.close()
+
+    server = await asyncio.start_server(serve, "127.0.0.1", 0)
+    try:
+        url = f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}/v1"
+        router = upstream_router(tmp_path / "router", url, local=0)
+        cleanup(router)
+        await asyncio.to_thread(router.start)  # its readiness check needs this loop's server
+        async with httpx.AsyncClient(base_url=router.base_url, headers={"Authorization": f"Bearer {GOLD}"},
+                                     timeout=30) as http:
+            async with http.stream("POST", "/v1/completions", json={
+                "model": MODEL, "prompt": PROMPT, "stream": True, "max_tokens": n,
+            }) as r:
+                assert r.status_code == 200, await r.aread()
+                sizes, before, text = [], 0, []
+                async for ev in aiter_sse(r):
+                    if ev.data == "[DONE]":
+                        break
+                    tokens = int(ev.id.split("-")[1])  # N-T-C: T = completion tokens so far
+                    sizes.append(tokens - before)
+                    before = tokens
+                    text.append(ev.json()["choices"][0]["text"])
+    finally:
+        server.close()
+    assert before == n and "".join(text) == "a" * n
     assert max(sizes) <= 16, sizes
-    assert max(sizes) > 1, "the lagging client should have got merged events"
+    assert len(sizes) >= n // 16
 
 
 async def test_client_disconnect_aborts_the_request_on_the_upstream(tmp_path, cleanup):

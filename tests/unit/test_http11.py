@@ -190,3 +190,20 @@ async def test_connection_refused_is_an_http_error() -> None:
     with pytest.raises(HttpError, match="connect"):
         await pool.request("POST", "/x", b"{}")
     await pool.close()
+
+
+async def test_a_body_that_came_with_the_head_reaches_the_sink() -> None:
+    """The whole response in one network read: the body arrived (and ended)
+    before the caller set its sink; the sink still gets all of it."""
+    async def script(path, w, r):
+        w.write(HEAD + chunked(b"data: 1\n\n", b"data: 2\n\n"))
+
+    async with Server(script) as srv:
+        pool = HttpPool(srv.url)
+        r = await pool.request("POST", "/x", b"{}")
+        await asyncio.sleep(0.05)  # let it all arrive before the sink is set
+        got: list[bytes] = []
+        r.stream_to(got.append)
+        await r.finished()
+        assert b"".join(got) == b"data: 1\n\ndata: 2\n\n"
+        await pool.close()
