@@ -51,8 +51,7 @@ _CONFIG = {
     "num_hidden_layers": 2,
     "intermediate_size": 256,
     "hidden_act": "silu",
-    # long enough that a stream outlasts any scheduling hiccup of a loaded
-    # CI box (tests abort 30k-token generations mid-way)
+    # room for long test streams (the vLLM tests set max_model_len 8192)
     "max_position_embeddings": 32768,
     "rms_norm_eps": 1e-5,
     "rope_theta": 10000.0,
