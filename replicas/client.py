@@ -52,7 +52,7 @@ class Collector:
     gets bigger events instead of a growing queue of small ones.
     """
 
-    __slots__ = ("rid", "finish", "error", "prompt_token_ids", "dead", "_pending", "_ready", "_waiter")
+    __slots__ = ("rid", "finish", "error", "prompt_token_ids", "dead", "sink", "_pending", "_ready", "_waiter")
 
     def __init__(self, rid: int) -> None:
         self.rid = rid
@@ -65,6 +65,10 @@ class Collector:
         # asyncio.Event would hold a waiter deque per stream, all the time)
         self._ready = False
         self._waiter: asyncio.Future[None] | None = None
+        # set: deltas and the failure go to sink.on_delta(self, delta) /
+        # sink.on_fail(self, exc) at once, nothing waits here (the router's
+        # Generation); None: ``get`` pulls them
+        self.sink = None
 
     def put(self, delta: Delta) -> None:
         if delta.prompt_token_ids is not None:
@@ -72,11 +76,17 @@ class Collector:
         if delta.finish:
             self.finish = FinishReason(delta.finish)
             self.error = delta.error
+        if self.sink is not None:
+            self.sink.on_delta(self, delta)
+            return
         self._pending.append(delta)
         self._wake()
 
     def fail(self, exc: BaseException) -> None:
         self.dead = exc
+        if self.sink is not None:
+            self.sink.on_fail(self, exc)
+            return
         self._wake()
 
     def _wake(self) -> None:
@@ -240,9 +250,9 @@ class ReplicaClient:
                         for d in msg.items:
                             col = streams.get(d.rid)
                             if col is not None:
-                                col.put(d)
                                 if d.finish:
                                     del streams[d.rid]
+                                col.put(d)
                     elif type(msg) is LoadReport:
                         self.load = msg
                     elif type(msg) is Pong:
@@ -257,9 +267,10 @@ class ReplicaClient:
             reason = ReplicaDead(f"replica {self.name} connection failed: {e}")
         finally:
             self.closed = reason
-            for col in streams.values():
-                col.fail(reason)
+            cols = list(streams.values())
             streams.clear()
+            for col in cols:  # a failover may start on another replica from here
+                col.fail(reason)
             for fut in self._pings.values():
                 if not fut.done():
                     fut.set_exception(reason)

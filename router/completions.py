@@ -36,12 +36,13 @@ from router.openai_types import (
 )
 from router.service import RouterService
 from router.logs import request_id_var
-from router.relay import Outcome, relay_stream
+from router.push import PushRelay
+from router.relay import EventStream, Outcome, relay_stream
 from router.resume import ResumeMeta
 from router.sse import ChunkEncoder, Usage
 from router.tenants import TenantPolicy
 
-__all__ = ["handle_completion", "start_generation", "Started", "new_request_id"]
+__all__ = ["handle_completion", "start_generation", "open_stream", "respond_whole", "Started", "new_request_id"]
 
 log = logging.getLogger("fairstream.router")
 
@@ -121,28 +122,40 @@ def _outcome_of(e: BaseException) -> str:
 
 
 class Started:
-    """A request past admission with its first piece in hand."""
+    """A request past admission with its first piece in hand: in ``first``
+    (pulled from ``pieces``), or waiting in ``relay`` (pushed)."""
 
-    __slots__ = ("req", "job", "ticket", "gen", "pieces", "first", "outcome", "created")
+    __slots__ = ("req", "job", "ticket", "gen", "pieces", "first", "relay", "outcome", "created")
 
-    def __init__(self, req, job, ticket, gen, pieces, first, outcome) -> None:
+    def __init__(self, req, job, ticket, gen, pieces, first, relay, outcome) -> None:
         self.req = req
         self.job = job
         self.ticket = ticket
         self.gen = gen
         self.pieces = pieces
         self.first = first
+        self.relay = relay
         self.outcome = outcome
         self.created = int(time.time())
 
+    async def close(self) -> None:
+        """Stop the generation (abort on its replica)."""
+        if self.pieces is not None:
+            await self.pieces.aclose()
+        else:
+            self.gen.close()
+
 
 async def start_generation(
-    svc: RouterService, policy: TenantPolicy, body: bytes, chat: bool, request_id: str, endpoint: str
+    svc: RouterService, policy: TenantPolicy, body: bytes, chat: bool, request_id: str, endpoint: str,
+    push: bool = False,
 ) -> Started:
     """Decode, admit, queue and dispatch; return once the first piece arrived.
 
-    Every failure up to here is an ``ApiError`` with its HTTP status, and
-    leaves nothing behind (lease released, replica request aborted).
+    ``push``: a streamed request's output goes to a ``PushRelay`` (the
+    caller runs it); otherwise it is pulled from ``Started.pieces``. Every
+    failure up to here is an ``ApiError`` with its HTTP status, and leaves
+    nothing behind (lease released, replica request aborted).
     """
     started = time.monotonic()
     request_id_var.set(request_id)
@@ -161,16 +174,25 @@ async def start_generation(
         Deadlines(lim.first_token, lim.stall, lim.total, start=started),
         scheduler=svc.scheduler, policy=policy, rank=svc.rank(policy),
     )
-    pieces = gen.stream()
+    relay = PushRelay(gen.chunk_tokens) if push and req.stream else None
+    pieces = gen.stream() if relay is None else None
+    first = None
     try:
-        first = await pieces.__anext__()
+        if pieces is not None:
+            first = await pieces.__anext__()
+        else:
+            await gen.start(relay)
+            await relay.first()
         if lim.max_prompt_tokens and gen.prompt_tokens > lim.max_prompt_tokens:
             raise BadRequest(
                 f"The prompt has {gen.prompt_tokens} tokens; this tenant's limit is {lim.max_prompt_tokens}.",
                 param="messages" if chat else "prompt", code="prompt_too_long",
             )
     except BaseException as e:
-        await pieces.aclose()
+        if pieces is not None:
+            await pieces.aclose()
+        else:
+            gen.close()
         await svc.admission.finish(ticket, gen.prompt_tokens + gen.completion_tokens)
         outcome.record(_outcome_of(e))
         if isinstance(e, StreamTimeout):
@@ -188,29 +210,49 @@ async def start_generation(
             e.headers.update(ticket.headers)
             e.headers.setdefault("x-request-id", request_id)
         raise
-    return Started(req, job, ticket, gen, pieces, first, outcome)
+    return Started(req, job, ticket, gen, pieces, first, relay, outcome)
+
+
+async def open_stream(svc: RouterService, policy: TenantPolicy, st: Started, chat: bool,
+                      request_id: str) -> tuple[EventStream, dict[str, str]]:
+    """A started streamed request's resume buffer, its ``EventStream`` and
+    its response headers (the caller then relays it)."""
+    req, gen = st.req, st.gen
+    response_id = ("chatcmpl-" if chat else "cmpl-") + request_id
+    include_usage = bool(req.stream_options and req.stream_options.include_usage)
+    enc = ChunkEncoder(chat, response_id, req.model, st.created)
+    try:
+        await svc.resume.open(request_id, ResumeMeta(
+            policy.name, chat, req.model, response_id, st.created, include_usage, st.job.params,
+            gen.prompt_token_ids or [],
+        ))
+    except BaseException:
+        await st.close()
+        await svc.admission.finish(st.ticket, gen.prompt_tokens + gen.completion_tokens)
+        st.outcome.record("unavailable", gen)
+        raise
+    es = EventStream(svc, gen, enc, include_usage, policy, st.ticket, st.outcome, request_id)
+    headers = {"x-request-id": request_id, **st.ticket.headers, "cache-control": "no-cache",
+               "x-accel-buffering": "no"}
+    return es, headers
 
 
 async def handle_completion(
     svc: RouterService, policy: TenantPolicy, body: bytes, chat: bool, request_id: str
 ) -> Response:
     st = await start_generation(svc, policy, body, chat, request_id, "chat" if chat else "completions")
-    req, gen = st.req, st.gen
+    if st.req.stream:
+        es, headers = await open_stream(svc, policy, st, chat, request_id)
+        return Stream(relay_stream(es, st.pieces, st.first), media_type="text/event-stream", headers=headers)
+    return await respond_whole(svc, policy, st, chat, request_id)
+
+
+async def respond_whole(svc: RouterService, policy: TenantPolicy, st: Started, chat: bool,
+                        request_id: str) -> Response:
+    """The response of a started request that did not ask to stream."""
     response_id = ("chatcmpl-" if chat else "cmpl-") + request_id
     headers = {"x-request-id": request_id, **st.ticket.headers}
-    if req.stream:
-        include_usage = bool(req.stream_options and req.stream_options.include_usage)
-        enc = ChunkEncoder(chat, response_id, req.model, st.created)
-        sid = request_id
-        await svc.resume.open(sid, ResumeMeta(
-            policy.name, chat, req.model, response_id, st.created, include_usage, st.job.params,
-            gen.prompt_token_ids or [],
-        ))
-        relay = relay_stream(svc, gen, st.pieces, st.first, enc, include_usage, policy, st.ticket,
-                             st.outcome, sid)
-        headers.update({"cache-control": "no-cache", "x-accel-buffering": "no"})
-        return Stream(relay, media_type="text/event-stream", headers=headers)
-    return await _collect(svc, gen, st.pieces, st.first, req.model, chat, response_id, st.created, headers,
+    return await _collect(svc, st.gen, st.pieces, st.first, st.req.model, chat, response_id, st.created, headers,
                           policy, st.ticket, st.outcome)
 
 

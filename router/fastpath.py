@@ -3,8 +3,9 @@
 Streaming completions skip Litestar's routing, its ``Stream`` response (an
 anyio task group plus a disconnect-listener task per stream and per-event
 ``send`` wrappers) and its header objects: the body is read from
-``receive``, the request goes through the same ``handle_completion`` as the
-Litestar route, and each SSE event goes to the server's ``send`` directly.
+``receive``, the request goes through the same steps as the Litestar route
+(``start_generation``, ``open_stream``), and a streamed request's events are
+pushed to the client as the replica produces them (``router.push``).
 One ``receive()`` waiter per request watches for the client's disconnect
 from the moment the body is read: it cancels the request task, so a client
 that leaves while queued, while waiting for its first token or mid-stream is
@@ -21,10 +22,10 @@ import asyncio
 import logging
 
 from litestar import Litestar
-from litestar.response import Stream
 
-from router.completions import handle_completion, new_request_id
+from router.completions import new_request_id, open_stream, respond_whole, start_generation
 from router.errors import ApiError, error_body
+from router.push import wire_for
 from router.service import RouterService
 
 __all__ = ["FastPath"]
@@ -81,11 +82,17 @@ class FastPath:
             task.cancel()
 
         listener = asyncio.get_running_loop().create_task(listen())
-        it = None
+        st = es = None
         try:
             try:
                 policy = svc.tenant(auth)
-                resp = await handle_completion(svc, policy, body, chat, new_request_id())
+                request_id = new_request_id()
+                st = await start_generation(svc, policy, body, chat, request_id, "chat" if chat else "completions",
+                                            push=True)
+                if st.relay is not None:
+                    es, sse_headers = await open_stream(svc, policy, st, chat, request_id)
+                else:
+                    resp = await respond_whole(svc, policy, st, chat, request_id)
             except ApiError as e:
                 await _error(send, e.status, e.body(), e.headers)
                 return
@@ -95,18 +102,17 @@ class FastPath:
                 log.exception("unhandled error on %s", path, exc_info=e)
                 await _error(send, 500, error_body("Internal server error.", "server_error"))
                 return
-            headers = [(k.encode("latin-1"), v.encode("latin-1")) for k, v in resp.headers.items()]
-            if not isinstance(resp, Stream):
+            if es is None:
+                headers = [(k.encode("latin-1"), v.encode("latin-1")) for k, v in resp.headers.items()]
                 out = resp.content if isinstance(resp.content, bytes) else bytes(resp.content)
                 headers += [_JSON, (b"content-length", str(len(out)).encode())]
                 await send({"type": "http.response.start", "status": resp.status_code or 200, "headers": headers})
                 await send({"type": "http.response.body", "body": out, "more_body": False})
                 return
+            headers = [(k.encode("latin-1"), v.encode("latin-1")) for k, v in sse_headers.items()]
             headers.append((b"content-type", b"text/event-stream; charset=utf-8"))
-            it = resp.iterator
             await send({"type": "http.response.start", "status": 200, "headers": headers})
-            async for event in it:
-                await send({"type": "http.response.body", "body": event, "more_body": True})
+            await st.relay.run(es, wire_for(send))
             await send({"type": "http.response.body", "body": b"", "more_body": False})
         except asyncio.CancelledError:
             if not gone:
@@ -116,12 +122,9 @@ class FastPath:
             pass  # the connection broke while writing
         finally:
             listener.cancel()
-            aclose = getattr(it, "aclose", None)
-            if aclose is not None:
-                try:
-                    await aclose()
-                except (asyncio.CancelledError, Exception):  # noqa: BLE001
-                    pass
+            if es is not None:
+                st.gen.close()  # aborts on the replica unless it finished
+                es.settle()
 
 
 async def _error(send, status: int, body: bytes, headers: dict[str, str] | None = None) -> None:

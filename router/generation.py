@@ -12,14 +12,14 @@ the spliced text equals the detokenization of all tokens.
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from collections.abc import AsyncIterator
-from contextlib import aclosing
 from typing import TYPE_CHECKING
 
 from replicas.client import ReplicaDead
 from replicas.pool import LoadHandle, NoReplica, ReplicaPool
-from replicas.protocol import FinishReason, SamplingParams
+from replicas.protocol import Delta, FinishReason, SamplingParams
 from router.errors import BadRequest, ReplicaUnavailable
 from router.metrics import Metrics
 
@@ -27,7 +27,9 @@ if TYPE_CHECKING:
     from router.scheduler import Scheduler
     from router.tenants import TenantPolicy
 
-__all__ = ["Job", "Generation", "StreamLost", "StreamTimeout", "Deadlines", "Piece"]
+log = logging.getLogger("fairstream.generation")
+
+__all__ = ["Job", "Generation", "StreamLost", "StreamTimeout", "Deadlines", "Piece", "PieceQueue", "merge_pieces"]
 
 
 class StreamLost(Exception):
@@ -99,9 +101,96 @@ class Job:
 Piece = tuple[str, int, FinishReason]  # text, new tokens, finish
 
 
+def merge_pieces(pending: list[Piece], limit: int) -> tuple[Piece, int]:
+    """The first pieces of ``pending`` merged into one, at most ``limit``
+    tokens (0: no limit; a single piece larger than ``limit`` is taken
+    whole), and how many pieces that took. A finish ends the merge."""
+    if len(pending) == 1:
+        return pending[0], 1
+    texts: list[str] = []
+    n = 0
+    taken = 0
+    finish = FinishReason.NONE
+    for text, k, fin in pending:
+        if limit and n and n + k > limit:
+            break
+        texts.append(text)
+        n += k
+        taken += 1
+        if fin != FinishReason.NONE:
+            finish = fin
+            break
+    return ("".join(texts), n, finish), taken
+
+
+class PieceQueue:
+    """A generation's output for a consumer that pulls: pieces that arrive
+    while the consumer is busy wait here and are merged by the next ``get``
+    (up to ``limit`` tokens), so a slow consumer gets bigger pieces, not a
+    growing queue of small ones. A failure is raised after the output that
+    came before it."""
+
+    __slots__ = ("limit", "_pending", "_exc", "_waiter")
+
+    def __init__(self, limit: int = 0) -> None:
+        self.limit = limit
+        self._pending: list[Piece] = []
+        self._exc: BaseException | None = None
+        self._waiter: asyncio.Future[None] | None = None
+
+    def piece(self, text: str, n: int, finish: FinishReason) -> None:
+        self._pending.append((text, n, finish))
+        self._wake()
+
+    def fail(self, exc: BaseException) -> None:
+        self._exc = exc
+        self._wake()
+
+    def _wake(self) -> None:
+        w = self._waiter
+        if w is not None and not w.done():
+            w.set_result(None)
+
+    async def _sleep(self) -> None:
+        """Until the next ``piece`` or ``fail``."""
+        self._waiter = asyncio.get_running_loop().create_future()
+        try:
+            await self._waiter
+        finally:
+            self._waiter = None
+
+    async def get(self) -> Piece:
+        while not self._pending and self._exc is None:
+            await self._sleep()
+        pending = self._pending
+        if not pending:
+            assert self._exc is not None
+            raise self._exc
+        piece, taken = merge_pieces(pending, self.limit)
+        del pending[:taken]
+        return piece
+
+
 class Generation:
+    """One generation, driven by its replica's output (push).
+
+    ``start`` waits for the tenant's turn and dispatches; from then on the
+    replica connection's reader calls ``on_delta`` for each delta (no task
+    wakes up per token), which does the token accounting and hands the
+    piece to the consumer's ``sink`` (``piece(text, n, finish)``, the last
+    one with a finish, or ``fail(exc)``). Replica death and stalls fail over
+    inside ``on_fail`` (``pool.choose`` is synchronous), so a failover costs
+    no task switch either. ``close`` stops it (abort on the replica).
+
+    Failures the sink gets: ``BadRequest`` (the replica rejected the prompt),
+    ``StreamLost`` (no replica can continue), ``StreamTimeout``; ``start``
+    raises ``ReplicaUnavailable`` when no replica can take it at all.
+    """
+
     __slots__ = ("pool", "scheduler", "policy", "rank", "deadlines", "job", "metrics", "max_failovers",
-                 "prompt_token_ids", "completion_ids", "text_len", "failovers", "text_parts", "finish", "replica")
+                 "prompt_token_ids", "completion_ids", "text_len", "failovers", "text_parts", "finish", "replica",
+                 "sink", "ended", "_base", "_col", "_client", "_handle", "_dog", "_died_at", "_exclude", "_dispatched",
+                 "_charged_prompt")
 
     def __init__(self, pool: ReplicaPool, job: Job, metrics: Metrics, max_failovers: int,
                  deadlines: Deadlines | None = None, scheduler: Scheduler | None = None,
@@ -121,6 +210,17 @@ class Generation:
         self.text_parts: list[str] | None = [] if policy is not None and policy.log_content else None
         self.finish = FinishReason.NONE
         self.replica: str | None = None
+        self.sink = None
+        self.ended = False
+        self._base: tuple[int, int] | None = None  # (tokens, characters) delivered before ``start``
+        self._col = None
+        self._client = None
+        self._handle: LoadHandle | None = None
+        self._dog: _Watchdog | None = None
+        self._died_at: float | None = None
+        self._exclude: set[str] = set()
+        self._dispatched = 0.0
+        self._charged_prompt = False
 
     @property
     def prompt_tokens(self) -> int:
@@ -130,70 +230,66 @@ class Generation:
     def completion_tokens(self) -> int:
         return len(self.completion_ids)
 
+    @property
+    def base(self) -> tuple[int, int]:
+        """(tokens, characters) the generation had when it started (a
+        resume's), or has now if it has not started yet."""
+        return self._base if self._base is not None else (len(self.completion_ids), self.text_len)
+
+    @property
+    def chunk_tokens(self) -> int:
+        return self.policy.chunk_tokens if self.policy is not None else 0
+
     async def stream(self) -> AsyncIterator[Piece]:
-        """Yield pieces until the generation finishes.
+        """``start`` and pull: yield pieces until the generation finishes
+        (the failures as exceptions). Closing the iterator early aborts the
+        request on its replica."""
+        q = PieceQueue(self.chunk_tokens)
+        try:
+            await self.start(q)
+            while True:
+                piece = await q.get()
+                yield piece
+                if piece[2] != FinishReason.NONE:
+                    return
+        finally:
+            self.close()
 
-        Before any token: ``ReplicaUnavailable`` (no replica) or ``BadRequest``
-        (the replica rejected the prompt). After tokens were delivered:
-        ``StreamLost`` when no replica can continue. Closing the iterator early
-        aborts the request on its replica.
-        """
+    async def start(self, sink) -> None:
+        """Wait for the tenant's turn in its queue (fair share, caps), then
+        dispatch; output goes to ``sink``."""
+        self.sink = sink
+        self._base = (len(self.completion_ids), self.text_len)
         job = self.job
-        exclude: set[str] = set()
-        died_at: float | None = None
-        first = True
-        while True:
-            try:
-                remaining = job.params.max_tokens - len(self.completion_ids)
-                if first and self.scheduler is not None and self.policy is not None:
-                    # Wait for our turn in the tenant's queue (fair share, caps).
-                    waited = time.monotonic() - self.deadlines.start  # e.g. for a rate limit
-                    handle = await self.scheduler.acquire(self.policy, self.rank, job.model, remaining, waited,
-                                                          job.affinity_key())
-                else:
-                    # A failover continues at once, past the queues and caps:
-                    # its client is mid-stream.
-                    handle = self.pool.choose(job.model, remaining, exclude)
-                first = False
-            except NoReplica as e:
-                if self.completion_ids or self.failovers:
-                    self.metrics.streams_lost.inc()
-                    raise StreamLost(str(e)) from e
-                raise ReplicaUnavailable(str(e)) from e
-            try:
-                # aclosing: an early close of this stream must abort on the
-                # replica now, not when the inner generator is collected.
-                async with aclosing(self._run_on(handle, died_at)) as pieces:
-                    async for piece in pieces:
-                        died_at = None
-                        yield piece
-                return
-            except (ReplicaDead, _Stalled) as e:
-                if self.text_len and (self.prompt_token_ids is None or not self.completion_ids):
-                    # Text went out without token ids (an upstream that returns
-                    # none): no replica can continue it exactly, and starting
-                    # over would repeat it.
-                    self.metrics.streams_lost.inc()
-                    raise StreamLost(
-                        f"replica {handle.slot.name} failed and its output has no token ids to resume from: {e}"
-                    ) from e
-                died_at = time.monotonic()
-                exclude.add(handle.slot.name)
-                self.failovers += 1
-                self.metrics.failovers.labels(handle.slot.name).inc()
-                if self.failovers > self.max_failovers:
-                    self.metrics.streams_lost.inc()
-                    raise StreamLost(f"gave up after {self.max_failovers} failovers: {e}") from e
-                self.metrics.resumed_tokens.inc(len(self.completion_ids))
+        remaining = job.params.max_tokens - len(self.completion_ids)
+        try:
+            if self.scheduler is not None and self.policy is not None:
+                waited = time.monotonic() - self.deadlines.start  # e.g. for a rate limit
+                handle = await self.scheduler.acquire(self.policy, self.rank, job.model, remaining, waited,
+                                                      job.affinity_key())
+            else:
+                handle = self.pool.choose(job.model, remaining, self._exclude)
+        except NoReplica as e:
+            if self.completion_ids:
+                self.metrics.streams_lost.inc()
+                raise StreamLost(str(e)) from e
+            raise ReplicaUnavailable(str(e)) from e
+        if self.ended:  # closed while it waited
+            handle.release()
+            return
+        self._attach(handle)
 
-    async def _run_on(self, handle: LoadHandle, died_at: float | None) -> AsyncIterator[Piece]:
+    def close(self) -> None:
+        """Stop: abort on the replica if it is still running there."""
+        self.ended = True
+        self._detach(finished=False)
+
+    def _attach(self, handle: LoadHandle) -> None:
         slot = handle.slot
         client = slot.client
         assert client is not None
         job = self.job
         self.replica = slot.name
-        col = None
-        dog = None
         try:
             if self.prompt_token_ids is not None:
                 col = client.generate(
@@ -204,73 +300,159 @@ class Generation:
                 )
             else:
                 col = client.generate(job.params, prompt=job.prompt, messages=job.messages)
-            dog = _Watchdog(self.deadlines, col, self.completion_ids, slot.name)
-            dispatched = dog.last_token
-            sched = self.scheduler
-            policy = self.policy
-            charged_prompt = self.prompt_token_ids is not None and self.completion_ids
-            chunk = policy.chunk_tokens if policy is not None else 0
-            while True:
-                ids, text, finish = await col.get(chunk)
-                if ids:
-                    now = time.monotonic()
-                    if sched is not None:
-                        if self.completion_ids:
-                            sched.observe(slot, itl=(now - dog.last_token) / len(ids))
-                        else:
-                            sched.observe(slot, ttft=now - dispatched)
-                if self.prompt_token_ids is None and col.prompt_token_ids is not None:
-                    self.prompt_token_ids = col.prompt_token_ids
-                if sched is not None and policy is not None:
-                    if not charged_prompt and self.prompt_token_ids is not None:
-                        charged_prompt = True
-                        sched.charge(policy, len(self.prompt_token_ids), len(ids))
-                    elif ids:
-                        sched.charge(policy, 0, len(ids))
-                if finish == FinishReason.ERROR:
-                    if not self.completion_ids and not ids and not self.text_len and not text:
-                        raise BadRequest(col.error or "the replica rejected the request")
-                    raise StreamLost(f"replica {slot.name} failed the request: {col.error}")
-                if ids:
-                    self.completion_ids.extend(ids)
-                    dog.token(now)
-                    handle.produced(len(ids))
-                    if died_at is not None:
-                        self.metrics.failover_latency.observe(time.monotonic() - died_at)
-                        died_at = None
-                self.text_len += len(text)
-                if self.text_parts is not None and text:
-                    self.text_parts.append(text)
-                if finish != FinishReason.NONE:
-                    self.finish = finish
-                    client.release(col)
-                    col = None
-                yield text, len(ids), finish
-                if finish != FinishReason.NONE:
-                    return
-        finally:
-            if dog is not None:
-                dog.cancel()
-            if col is not None:
-                client.abort(col)
+        except ReplicaDead as e:
             handle.release()
+            self._failover(slot.name, e)
+            return
+        col.sink = self
+        self._col = col
+        self._client = client
+        self._handle = handle
+        self._dog = _Watchdog(self.deadlines, col, self.completion_ids, slot.name)
+        self._dispatched = self._dog.last_token
+        self._charged_prompt = self.prompt_token_ids is not None and bool(self.completion_ids)
+
+    def _detach(self, finished: bool) -> None:
+        col = self._col
+        if col is None:
+            return
+        self._col = None
+        col.sink = None
+        if self._dog is not None:
+            self._dog.cancel()
+            self._dog = None
+        client = self._client
+        if finished:
+            client.release(col)
+        else:
+            client.abort(col)
+        self._client = None
+        handle = self._handle
+        self._handle = None
+        if handle is not None:
+            handle.release()
+
+    def _end(self, exc: BaseException) -> None:
+        self.ended = True
+        self.sink.fail(exc)
+
+    def on_delta(self, col, d: Delta) -> None:
+        """One delta from the replica (called by its connection's reader)."""
+        if col is not self._col:
+            return
+        try:
+            self._delta(col, d)
+        except Exception as e:  # noqa: BLE001 - a bug here must end this stream only, not the connection
+            log.exception("stream on %s failed handling its output", self.replica)
+            self._detach(finished=False)
+            if not self.ended:
+                self._end(StreamLost(f"internal error relaying the stream: {e!r}"))
+
+    def _delta(self, col, d: Delta) -> None:
+        ids = d.token_ids
+        n = len(ids)
+        text = d.text
+        finish = FinishReason(d.finish)
+        sched = self.scheduler
+        handle = self._handle
+        assert handle is not None and self._dog is not None
+        now = 0.0
+        if n:
+            now = time.monotonic()
+            if sched is not None:
+                if self.completion_ids:
+                    sched.observe(handle.slot, itl=(now - self._dog.last_token) / n)
+                else:
+                    sched.observe(handle.slot, ttft=now - self._dispatched)
+        if self.prompt_token_ids is None and col.prompt_token_ids is not None:
+            self.prompt_token_ids = col.prompt_token_ids
+        policy = self.policy
+        if sched is not None and policy is not None:
+            if not self._charged_prompt and self.prompt_token_ids is not None:
+                self._charged_prompt = True
+                sched.charge(policy, len(self.prompt_token_ids), n)
+            elif n:
+                sched.charge(policy, 0, n)
+        if finish == FinishReason.ERROR:
+            name = handle.slot.name
+            self._detach(finished=True)
+            if not self.completion_ids and not n and not self.text_len and not text:
+                self._end(BadRequest(col.error or "the replica rejected the request"))
+            else:
+                self._end(StreamLost(f"replica {name} failed the request: {col.error}"))
+            return
+        if n:
+            self.completion_ids.extend(ids)
+            self._dog.token(now)
+            handle.produced(n)
+            if self._died_at is not None:
+                self.metrics.failover_latency.observe(time.monotonic() - self._died_at)
+                self._died_at = None
+        self.text_len += len(text)
+        if self.text_parts is not None and text:
+            self.text_parts.append(text)
+        if finish != FinishReason.NONE:
+            self.finish = finish
+            self.ended = True
+            self._detach(finished=True)
+        self.sink.piece(text, n, finish)
+
+    def on_fail(self, col, exc: BaseException) -> None:
+        """The replica died (``ReplicaDead``), stalled or a limit passed."""
+        if col is not self._col:
+            return
+        name = self.replica or ""
+        self._detach(finished=False)
+        if isinstance(exc, (ReplicaDead, _Stalled)):
+            self._failover(name, exc)
+        else:
+            self._end(exc)
+
+    def _failover(self, name: str, e: BaseException) -> None:
+        """Continue on another replica with prompt + delivered tokens."""
+        if self.ended:
+            return
+        m = self.metrics
+        if self.text_len and (self.prompt_token_ids is None or not self.completion_ids):
+            # Text went out without token ids (an upstream that returns
+            # none): no replica can continue it exactly, and starting
+            # over would repeat it.
+            m.streams_lost.inc()
+            self._end(StreamLost(f"replica {name} failed and its output has no token ids to resume from: {e}"))
+            return
+        self._died_at = time.monotonic()
+        self._exclude.add(name)
+        self.failovers += 1
+        m.failovers.labels(name).inc()
+        if self.failovers > self.max_failovers:
+            m.streams_lost.inc()
+            self._end(StreamLost(f"gave up after {self.max_failovers} failovers: {e}"))
+            return
+        m.resumed_tokens.inc(len(self.completion_ids))
+        try:
+            # A failover continues at once, past the queues and caps: its
+            # client is mid-stream.
+            handle = self.pool.choose(self.job.model, self.job.params.max_tokens - len(self.completion_ids),
+                                      self._exclude)
+        except NoReplica as e2:
+            m.streams_lost.inc()
+            self._end(StreamLost(str(e2)))
+            return
+        self._attach(handle)
 
 
 class _Watchdog:
     """The first-token, stall and total limits of one run on a replica, as one
-    lazily re-armed timer (not a timer per awaited token).
+    lazily re-armed timer (not a timer per token).
 
     A token only moves ``last_token``. When the timer fires before the limit
     that now applies, it re-arms for that limit; when the limit has passed
-    and no output is waiting, it fails the collector with ``_Stalled`` or
-    ``StreamTimeout``, which the pending ``get`` raises. While output waits
-    unread (the client reads slowly) it looks again every ``_RECHECK`` s:
-    the limits measure the replica, not the client.
+    it fails the collector with ``_Stalled`` or ``StreamTimeout`` (which
+    reaches ``Generation.on_fail``). Output is handed on as it arrives, so
+    the limits measure the replica, never a slow client.
     """
 
     __slots__ = ("dl", "col", "delivered", "replica", "last_token", "_handle", "_which", "_loop", "_offset")
-
-    _RECHECK = 0.05
 
     def __init__(self, dl: Deadlines, col, delivered: list[int], replica: str) -> None:
         self.dl = dl
@@ -320,8 +502,6 @@ class _Watchdog:
         now = time.monotonic()
         if now < at:
             self._arm(at)
-        elif self.col.ready:
-            self._arm(now + self._RECHECK)
         elif which == "stall":
             self.col.fail(_Stalled(f"replica {self.replica} produced no token for {self.dl.stall:g}s"))
         else:

@@ -1,8 +1,7 @@
 """Relaying a generation to the client as SSE events.
 
-Each piece becomes one event (the replica client's single-slot collector
-merges tokens while the client is slow, up to the tenant's ``chunk_tokens``
-per event). Every event is handed to the resume writer before it is sent,
+Each piece becomes one event (pieces that wait for a slow client are merged,
+up to the tenant's ``chunk_tokens`` per event). Every event is handed to the resume writer before it is sent,
 so a client that misses it can get it back with ``Last-Event-ID``. The
 stream ends with ``[DONE]``, or with an explicit error event (stream lost,
 timeout) and no ``[DONE]``. On client disconnect the generation is closed,
@@ -19,12 +18,12 @@ from contextlib import aclosing
 
 from replicas.protocol import FinishReason
 from router.admission import Ticket
-from router.errors import error_body
+from router.errors import ApiError, error_body
 from router.generation import Generation, Piece, StreamLost, StreamTimeout
 from router.sse import ChunkEncoder
 from router.tenants import TenantPolicy
 
-__all__ = ["Outcome", "relay_stream"]
+__all__ = ["Outcome", "EventStream", "relay_stream"]
 
 log = logging.getLogger("fairstream.relay")
 request_log = logging.getLogger("fairstream.request")
@@ -81,98 +80,142 @@ class Outcome:
         request_log.info("request %s", outcome, extra=extra)
 
 
-async def relay_stream(
-    svc,
-    gen: Generation,
-    pieces: AsyncIterator[Piece],
-    first: Piece | None,
-    enc: ChunkEncoder,
-    include_usage: bool,
-    policy: TenantPolicy,
-    ticket: Ticket | None,
-    outcome: Outcome,
-    sid: str | None,
-    skip_chars: int = 0,
-) -> AsyncIterator[bytes]:
-    """Event bytes of ``gen`` starting with ``first`` (None: pull it first).
+class EventStream:
+    """The per-event work of one relayed stream, shared by the pull relay
+    (``relay_stream``) and the push relay (``router.push``): TTFT and
+    inter-token metrics, text a resume skips, the event's encoding (once)
+    and its copy in the resume buffer; then the stream's tail, its error
+    event, and the settlement (outcome, resume buffer, admission ticket).
 
     ``sid`` names the resume buffer (None: not resumable, e.g. WebSocket);
     SSE event ids then carry the stream position. ``skip_chars`` drops that
     much text first: a resume regenerating text the client already has.
+    The stream's position (``tokens``, ``chars``: what the client has) is
+    its own, not the generation's, which may be ahead of what was sent.
     """
-    m = svc.metrics
-    writer = svc.resume if sid is not None else _NoBuffer()
-    ttft = m.ttft.labels(policy.name, policy.priority)
-    itl = m.itl.labels(policy.name, policy.priority)
-    result = "cancelled"
-    last = None
-    sent_ids = len(gen.completion_ids) - (first[1] if first is not None else 0)
-    final: bytes | None = None
+
+    __slots__ = ("svc", "gen", "enc", "include_usage", "policy", "ticket", "outcome", "sid", "writer", "ttft",
+                 "itl", "last", "tokens", "chars", "sent_ids", "skip_chars", "result", "final")
+
+    def __init__(self, svc, gen: Generation, enc: ChunkEncoder, include_usage: bool, policy: TenantPolicy,
+                 ticket: Ticket | None, outcome: Outcome, sid: str | None, *, skip_chars: int = 0) -> None:
+        self.svc = svc
+        self.gen = gen
+        self.enc = enc
+        self.include_usage = include_usage
+        self.policy = policy
+        self.ticket = ticket
+        self.outcome = outcome
+        self.sid = sid
+        self.writer = svc.resume if sid is not None else _NoBuffer()
+        m = svc.metrics
+        self.ttft = m.ttft.labels(policy.name, policy.priority)
+        self.itl = m.itl.labels(policy.name, policy.priority)
+        self.last: float | None = None
+        self.tokens, self.chars = gen.base  # where the generation started
+        self.sent_ids = self.tokens  # token ids handed to the resume buffer
+        self.skip_chars = skip_chars
+        self.result = "cancelled"
+        self.final: bytes | None = None
+
+    def event(self, text: str, n: int, finish: FinishReason) -> bytes | None:
+        """The event for one piece (None: nothing to send)."""
+        if n:
+            now = time.monotonic()
+            if self.last is None:
+                self.ttft.observe(now - self.outcome.started)
+            else:
+                self.itl.observe((now - self.last) / n)
+            self.last = now
+            self.tokens += n
+        self.chars += len(text)
+        if self.skip_chars and text:
+            cut = min(self.skip_chars, len(text))
+            text = text[cut:]
+            self.skip_chars -= cut
+        if not text and finish == FinishReason.NONE:
+            return None
+        sid = self.sid
+        pos = b"-%d-%d" % (self.tokens, self.chars) if sid is not None else b""
+        event = self.enc.delta(text, finish, pos)
+        self.writer.append(sid, event, self.gen.completion_ids[self.sent_ids:self.tokens], self.chars)
+        self.sent_ids = self.tokens
+        return event
+
+    def tail(self) -> list[bytes]:
+        """After the last piece: the usage event (if asked) and ``[DONE]``."""
+        out = []
+        gen = self.gen
+        if self.include_usage:
+            pos = b"-%d-%d" % (self.tokens, self.chars) if self.sid is not None else b""
+            event = self.enc.usage(gen.prompt_tokens, gen.completion_tokens, pos)
+            self.writer.append(self.sid, event, [], self.chars)
+            out.append(event)
+        self.final = self.enc.done()
+        self.result = "ok"
+        out.append(self.final)
+        return out
+
+    def failed(self, e: BaseException) -> bytes:
+        """The error event that ends a stream that cannot go on."""
+        if isinstance(e, StreamTimeout):
+            self.result = f"timeout_{e.which}"
+            self.svc.metrics.timeouts.labels(self.policy.name, e.which).inc()
+            body = error_body(f"The stream hit the tenant's {e}.", "timeout", None, f"{e.which}_timeout")
+        elif isinstance(e, ApiError):
+            self.result = "client_error" if e.status < 500 else "unavailable"
+            body = e.body()
+        else:
+            self.result = "lost"
+            log.warning("stream %s lost after %d tokens: %s", self.sid, self.gen.completion_tokens, e)
+            body = error_body(f"The stream was interrupted and could not be resumed: {e}",
+                              "server_error", None, "stream_lost")
+        self.final = self.enc.error(body)
+        return self.final
+
+    def settle(self) -> None:
+        """Count the request once and settle its buffer and ticket (in the
+        background: on disconnect this runs where every await is cancelled)."""
+        gen = self.gen
+        if self.tokens > self.sent_ids:
+            self.writer.append(self.sid, None, gen.completion_ids[self.sent_ids:self.tokens], self.chars)
+            self.sent_ids = self.tokens
+        outcome = self.outcome
+        outcome.record(self.result, gen)
+        # tokens an earlier request of this stream was already charged for
+        used = gen.prompt_tokens + gen.completion_tokens - sum(outcome.counted)
+        self.svc.background(_settle(self.svc, self.writer, self.sid or "", self.result, self.final, self.chars,
+                                    self.ticket, used))
+
+
+async def relay_stream(es: EventStream, pieces: AsyncIterator[Piece], first: Piece | None) -> AsyncIterator[bytes]:
+    """Event bytes of ``es.gen``'s pieces, starting with ``first`` (None:
+    pull it first). The stream ends with ``[DONE]`` or an error event."""
     try:
         async with aclosing(pieces):  # type: ignore[type-var]
             piece: Piece | None = first if first is not None else await pieces.__anext__()
             while piece is not None:
-                text, n, finish = piece
-                if n:
-                    now = time.monotonic()
-                    if last is None:
-                        ttft.observe(now - outcome.started)
-                    else:
-                        itl.observe((now - last) / n)
-                    last = now
-                if skip_chars and text:
-                    cut = min(skip_chars, len(text))
-                    text = text[cut:]
-                    skip_chars -= cut
-                if text or finish != FinishReason.NONE:
-                    ids = gen.completion_ids
-                    pos = b"-%d-%d" % (len(ids), gen.text_len) if sid is not None else b""
-                    event = enc.delta(text, finish, pos)
-                    writer.append(sid, event, ids[sent_ids:], gen.text_len)
-                    sent_ids = len(ids)
+                event = es.event(*piece)
+                if event is not None:
                     yield event
-                if finish != FinishReason.NONE:
+                if piece[2] != FinishReason.NONE:
                     break
                 piece = await pieces.__anext__()
-            if include_usage:
-                pos = b"-%d-%d" % (gen.completion_tokens, gen.text_len) if sid is not None else b""
-                event = enc.usage(gen.prompt_tokens, gen.completion_tokens, pos)
-                writer.append(sid, event, [], gen.text_len)
+            for event in es.tail():
                 yield event
-            final = enc.done()
-            result = "ok"
-            yield final
-    except StreamLost as e:
-        result = "lost"
-        log.warning("stream %s lost after %d tokens: %s", sid, gen.completion_tokens, e)
-        final = enc.error(error_body(f"The stream was interrupted and could not be resumed: {e}",
-                                     "server_error", None, "stream_lost"))
-        yield final
-    except StreamTimeout as e:
-        result = f"timeout_{e.which}"
-        m.timeouts.labels(policy.name, e.which).inc()
-        final = enc.error(error_body(f"The stream hit the tenant's {e}.", "timeout", None, f"{e.which}_timeout"))
-        yield final
+    except (StreamLost, StreamTimeout) as e:
+        yield es.failed(e)
     finally:
-        ids = gen.completion_ids
-        if len(ids) > sent_ids:
-            writer.append(sid, None, ids[sent_ids:], gen.text_len)
-        outcome.record(result, gen)
-        # On disconnect this code runs inside a cancelled scope where every
-        # await is cancelled again, so the store work runs as a task the
-        # service owns (and awaits on shutdown).
-        # tokens an earlier request of this stream was already charged for
-        used = gen.prompt_tokens + gen.completion_tokens - sum(outcome.counted)
-        svc.background(_settle(svc, writer, sid or "", result, final, gen, ticket, used))
+        es.settle()
 
 
-async def _settle(svc, writer, sid: str, result: str, final: bytes | None, gen: Generation,
+async def _settle(svc, writer, sid: str, result: str, final: bytes | None, chars: int,
                   ticket: Ticket | None, used: int) -> None:
     if result == "cancelled":
         # The client left: keep what was delivered so a resume can continue it.
-        await writer.detach(sid, gen.text_len)
+        await writer.detach(sid, chars)
     else:
-        await writer.finish(sid, final, gen.text_len)
+        await writer.finish(sid, final, chars)
     if ticket is not None:
         await svc.admission.finish(ticket, max(0, used))
 

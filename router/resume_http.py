@@ -34,7 +34,7 @@ from litestar.response import Stream
 
 from router.errors import ApiError, BadRequest, NotFound, error_body
 from router.generation import Deadlines, Generation, Job
-from router.relay import Outcome, relay_stream
+from router.relay import EventStream, Outcome, relay_stream
 from router.resume import ResumeMeta, decode_meta
 from router.service import RouterService
 from router.sse import ChunkEncoder
@@ -183,6 +183,6 @@ async def _continue(svc: RouterService, policy: TenantPolicy, sid: str, meta: Re
     remaining = meta.params.max_tokens - len(tokens)
     ticket = await svc.admission.admit(policy, max(1, remaining), count_request=False)
     log.info("resuming stream %s at %d tokens on this router", sid, len(tokens))
-    async for chunk in relay_stream(svc, gen, gen.stream(), None, enc, meta.include_usage, policy,
-                                    ticket, outcome, sid, skip_chars=skip_chars):
+    es = EventStream(svc, gen, enc, meta.include_usage, policy, ticket, outcome, sid, skip_chars=skip_chars)
+    async for chunk in relay_stream(es, gen.stream(), None):
         yield chunk

@@ -30,7 +30,7 @@ from litestar.exceptions import WebSocketDisconnect
 
 from router.completions import new_request_id, start_generation
 from router.errors import ApiError, BadRequest, error_body
-from router.relay import relay_stream
+from router.relay import EventStream, relay_stream
 from router.service import RouterService
 from router.sse import ChunkEncoder
 from router.tenants import TenantPolicy
@@ -80,8 +80,8 @@ class _Conn:
         req, gen = st.req, st.gen
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
         enc = ChunkEncoder(True, "chatcmpl-" + request_id, req.model, st.created, channel=cid)
-        async for frame in relay_stream(svc, gen, st.pieces, st.first, enc, include_usage, policy,
-                                        st.ticket, st.outcome, None):
+        es = EventStream(svc, gen, enc, include_usage, policy, st.ticket, st.outcome, None)
+        async for frame in relay_stream(es, st.pieces, st.first):
             await self.send(frame)
 
 

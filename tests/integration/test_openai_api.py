@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import asyncio
+import json
+import socket
 
 import httpx
 import openai
 import pytest
+import yaml
 
-from tests.helpers import GOLD, MODEL, RouterProcess, parse_sse
+from tests.helpers import DEMO_TENANTS, GOLD, MODEL, RouterProcess, parse_sse, poll
 
 IGNORE_EOS = {"ignore_eos": True}
 REPLACEMENT = "\ufffd"
@@ -223,3 +226,62 @@ async def test_twenty_concurrent_async_streams(aclient: openai.AsyncOpenAI) -> N
         assert text
         assert finish == "length"
         assert usage == 48
+
+
+def _dechunk(body: bytes) -> bytes:
+    out = b""
+    while body:
+        size_line, _, rest = body.partition(b"\r\n")
+        size = int(size_line, 16)
+        if size == 0:
+            break
+        out += rest[:size]
+        body = rest[size + 2:]
+    return out
+
+
+def test_a_client_that_stops_reading_gets_every_token_in_merged_events(tmp_path) -> None:
+    # Events are pushed to the client's socket as the replica produces them.
+    # A client that stops reading fills the socket buffers, the router's
+    # transport pauses, and the rest of the stream waits in the router,
+    # merged into events of at most chunk_tokens (16 for gold): nothing is
+    # lost, the text is exactly a fast client's, the positions add up.
+    # (40,000 tokens, ~7.6 MB of events: loopback socket buffers grow to 4 MB
+    # before the router's transport pauses.)
+    tenants = yaml.safe_load(DEMO_TENANTS.read_text())
+    tenants["tenants"]["gold"]["limits"]["max_tokens"] = 40000
+    (tmp_path / "tenants.yaml").write_text(yaml.safe_dump(tenants))
+    kw = {"max_tokens": 40000, "temperature": 0}
+    body = json.dumps({"model": MODEL, "prompt": "Slow", "stream": True, "ignore_eos": True, **kw}).encode()
+    request = (b"POST /v1/completions HTTP/1.1\r\nhost: x\r\nconnection: close\r\n"
+               b"content-type: application/json\r\nauthorization: Bearer " + GOLD.encode()
+               + b"\r\ncontent-length: %d\r\n\r\n" % len(body) + body)
+    sim = {"step_base_ms": 0.2, "max_model_len": 65536}
+    with RouterProcess(tmp_path / "r", replicas=1, sim=sim, tenants=tmp_path / "tenants.yaml") as router:
+        with openai.OpenAI(base_url=router.base_url + "/v1", api_key=GOLD, max_retries=0, timeout=60) as c:
+            ref = "".join(stream_completion(c, "Slow", extra_body=IGNORE_EOS, **kw)[0])
+        sock = socket.socket()
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        sock.connect(("127.0.0.1", router.port))
+        try:
+            sock.sendall(request)
+            raw = sock.recv(1024)  # the head and the first events: it runs
+            assert raw.startswith(b"HTTP/1.1 200"), raw[:200]
+            # the generation ends on its replica while the client reads nothing
+            poll(lambda: router.inflight("sim-0") == 0, 60, what="the generation to end on its replica")
+            sock.settimeout(30)
+            while chunk := sock.recv(65536):
+                raw += chunk
+        finally:
+            sock.close()
+    head, _, chunked = raw.partition(b"\r\n\r\n")
+    events = parse_sse(_dechunk(chunked).decode())
+    assert events[-1].data == "[DONE]"
+    chunks = [e.json() for e in events[:-1]]
+    assert "".join(ch["choices"][0]["text"] for ch in chunks) == ref
+    positions = [int(e.id.split("-")[1]) for e in events[:-1]]
+    steps = [b - a for a, b in zip([0, *positions], positions)]
+    assert positions[-1] == 40000 and all(0 <= s <= 16 for s in steps), max(steps)
+    # a character is at most 4 byte tokens (the sim's tokenizer): more tokens
+    # in one event were merged while they waited
+    assert max(steps) > 4, f"{len(events)} events for 40,000 tokens: the waiting pieces were not merged"

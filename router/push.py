@@ -1,0 +1,149 @@
+"""The push relay: a generation's SSE events written to the client as they arrive.
+
+``PushRelay`` is a ``Generation`` sink. Once the response head is out, each
+piece the replica connection's reader hands it becomes its event (metrics,
+encoding, resume buffer: ``router.relay.EventStream``) and goes to the
+client's transport in the same callback: no task wakes up per token, no
+async generator chain, no ASGI message per event. Pieces wait, and are
+merged up to the tenant's ``chunk_tokens`` per event, only while the head is
+not out yet, while the client's transport is paused (a slow reader: the
+request task drains it), or with an ASGI server whose transport the relay
+cannot reach (then the request task sends every event, one ``send`` each).
+
+The transport is reached through uvicorn's httptools protocol
+(``send.__self__`` is its ``RequestResponseCycle``: ``transport``, ``flow``,
+``disconnected``, ``chunked_encoding``); the relay writes the same chunked
+framing uvicorn's ``send`` writes, and ends the body with uvicorn's own
+``send``. Any other server gets ``AsgiWire``.
+"""
+
+from __future__ import annotations
+
+from replicas.protocol import FinishReason
+from router.generation import PieceQueue, merge_pieces
+from router.relay import EventStream
+
+try:
+    from uvicorn.protocols.http.httptools_impl import RequestResponseCycle as _HttptoolsCycle
+except ImportError:  # pragma: no cover - uvicorn without httptools
+    _HttptoolsCycle = None
+
+__all__ = ["PushRelay", "wire_for", "TransportWire", "AsgiWire"]
+
+
+class TransportWire:
+    """Chunked body writes straight to uvicorn's transport (httptools)."""
+
+    __slots__ = ("cycle", "transport", "flow")
+
+    def __init__(self, cycle) -> None:
+        self.cycle = cycle
+        self.transport = cycle.transport
+        self.flow = cycle.flow
+
+    @property
+    def writable(self) -> bool:
+        """A write now would not outrun the client (transport not paused)."""
+        return not self.flow.write_paused and not self.cycle.disconnected
+
+    def write(self, data: bytes) -> None:
+        self.transport.write(b"%x\r\n%s\r\n" % (len(data), data))
+
+    async def send(self, data: bytes) -> None:
+        cycle = self.cycle
+        if self.flow.write_paused and not cycle.disconnected:
+            await self.flow.drain()
+        if not cycle.disconnected:
+            self.write(data)
+
+
+class AsgiWire:
+    """Any ASGI server: every event is one ``http.response.body`` message."""
+
+    __slots__ = ("_send",)
+
+    writable = False
+
+    def __init__(self, send) -> None:
+        self._send = send
+
+    def write(self, data: bytes) -> None:  # pragma: no cover - never writable
+        raise RuntimeError("AsgiWire cannot write synchronously")
+
+    async def send(self, data: bytes) -> None:
+        await self._send({"type": "http.response.body", "body": data, "more_body": True})
+
+
+def wire_for(send) -> TransportWire | AsgiWire:
+    """The fastest wire ``send`` allows; call after the response head was sent."""
+    cycle = getattr(send, "__self__", None)
+    if (_HttptoolsCycle is not None and type(cycle) is _HttptoolsCycle and cycle.chunked_encoding
+            and cycle.response_started and not cycle.response_complete):
+        return TransportWire(cycle)
+    return AsgiWire(send)
+
+
+class PushRelay(PieceQueue):
+    """Sink of one streamed generation; ``run`` writes what waits and returns
+    when the stream has ended (``[DONE]`` or an error event written)."""
+
+    __slots__ = ("events", "wire", "finished")
+
+    def __init__(self, limit: int = 0) -> None:
+        super().__init__(limit)
+        self.events: EventStream | None = None
+        self.wire: TransportWire | AsgiWire | None = None
+        self.finished = False
+
+    def piece(self, text: str, n: int, finish: FinishReason) -> None:
+        wire = self.wire
+        if wire is not None and wire.writable and not self._pending:
+            data = self._encode(text, n, finish)
+            if data:
+                wire.write(data)
+            if self.finished:
+                self._wake()
+            return
+        self._pending.append((text, n, finish))
+        self._wake()
+
+    async def first(self) -> None:
+        """Wait for the first piece; raise the failure if that came first."""
+        await self._until_ready()
+        if not self._pending:
+            assert self._exc is not None
+            raise self._exc
+
+    def _encode(self, text: str, n: int, finish: FinishReason) -> bytes | None:
+        events = self.events
+        assert events is not None
+        data = events.event(text, n, finish)
+        if finish != FinishReason.NONE:
+            self.finished = True
+            data = (data or b"") + b"".join(events.tail())
+        return data
+
+    async def run(self, events: EventStream, wire: TransportWire | AsgiWire) -> None:
+        """Relay until the end of the stream (the response head is out)."""
+        self.events = events
+        self.wire = wire  # from here on, pieces may be written as they arrive
+        pending = self._pending
+        while True:
+            if pending:
+                piece, taken = merge_pieces(pending, self.limit)
+                del pending[:taken]
+                data = self._encode(*piece)
+                if data:
+                    await wire.send(data)
+                continue
+            if self.finished:
+                return
+            if self._exc is not None:
+                self.finished = True
+                await wire.send(events.failed(self._exc))
+                return
+            await self._until_ready()
+
+    async def _until_ready(self) -> None:
+        while not self._pending and self._exc is None and not self.finished:
+            await self._sleep()
