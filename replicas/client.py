@@ -52,7 +52,8 @@ class Collector:
     gets bigger events instead of a growing queue of small ones.
     """
 
-    __slots__ = ("rid", "finish", "error", "prompt_token_ids", "dead", "sink", "_pending", "_ready", "_waiter")
+    __slots__ = ("rid", "finish", "error", "prompt_token_ids", "dead", "sink", "limit", "_pending", "_ready",
+                 "_waiter")
 
     def __init__(self, rid: int) -> None:
         self.rid = rid
@@ -69,6 +70,8 @@ class Collector:
         # sink.on_fail(self, exc) at once, nothing waits here (the router's
         # Generation); None: ``get`` pulls them
         self.sink = None
+        # most tokens a producer should merge into one delta (0: any)
+        self.limit = 0
 
     def put(self, delta: Delta) -> None:
         if delta.prompt_token_ids is not None:

@@ -460,9 +460,9 @@ class UpstreamClient:
 
 class _SseReader:
     """One response's SSE body into deltas as it arrives: ``feed`` runs in
-    the connection's ``data_received``, one delta per upstream event (the
-    collector merges them up to the tenant's ``chunk_tokens`` per client
-    event, as for protocol replicas)."""
+    the connection's ``data_received``; the events of one read become one
+    delta, or several of at most the collector's ``limit`` tokens (the
+    tenant's ``chunk_tokens``)."""
 
     __slots__ = ("client", "st", "resumed", "response", "buf", "first", "ended")
 
@@ -513,6 +513,11 @@ class _SseReader:
         if st.done:
             return  # draining after the finish, so the connection can be reused
         col = st.col
+        limit = col.limit
+        # the events of one read go out as few deltas as the consumer's
+        # chunk limit allows: less work per token when the upstream is fast
+        acc_ids: list[int] = []
+        acc_text: list[str] = []
         for ids, text, finish in pieces:
             stopped = False
             if st.splice is not None:
@@ -521,17 +526,33 @@ class _SseReader:
                     finish = FinishReason.STOP
             if not (ids or text or finish != none):
                 continue
+            if finish == none:
+                if acc_text and limit and len(acc_ids) + len(ids) > limit:
+                    self._put(st, acc_ids, acc_text)
+                    acc_ids, acc_text = [], []
+                acc_ids += ids
+                acc_text.append(text)
+                continue
+            if acc_text:
+                self._put(st, acc_ids, acc_text)
             delta = Delta(col.rid, ids, text, finish)
             if st.prompt_ids is not None:
                 delta.prompt_token_ids, st.prompt_ids = st.prompt_ids, None
-            if finish != none:
-                self.client._finish(st, delta)
-                if stopped:
-                    self.ended = True
-                    self.response.close()  # our stop string, not the upstream's: abort it
-                return
-            col.put(delta)
-            st.delivered = True
+            self.client._finish(st, delta)
+            if stopped:
+                self.ended = True
+                self.response.close()  # our stop string, not the upstream's: abort it
+            return
+        if acc_text:
+            self._put(st, acc_ids, acc_text)
+
+    @staticmethod
+    def _put(st: _Stream, ids: list[int], texts: list[str]) -> None:
+        delta = Delta(st.col.rid, ids, texts[0] if len(texts) == 1 else "".join(texts), FinishReason.NONE)
+        if st.prompt_ids is not None:
+            delta.prompt_token_ids, st.prompt_ids = st.prompt_ids, None
+        st.col.put(delta)
+        st.delivered = True
 
     def end(self) -> None:
         """The body is over."""

@@ -109,9 +109,11 @@ class FastPath:
                 await send({"type": "http.response.start", "status": resp.status_code or 200, "headers": headers})
                 await send({"type": "http.response.body", "body": out, "more_body": False})
                 return
-            headers = [(k.encode("latin-1"), v.encode("latin-1")) for k, v in sse_headers.items()]
-            headers.append((b"content-type", b"text/event-stream; charset=utf-8"))
-            await send({"type": "http.response.start", "status": 200, "headers": headers})
+            await _start_sse(send, sse_headers)
+            # this frame lives as long as the stream: keep only what it needs
+            body = msg = sse_headers = policy = None
+            st.ticket.headers = {}
+            st.req = None
             await st.relay.run(es, wire_for(send))
             await send({"type": "http.response.body", "body": b"", "more_body": False})
         except asyncio.CancelledError:
@@ -125,6 +127,12 @@ class FastPath:
             if es is not None:
                 st.gen.close()  # aborts on the replica unless it finished
                 es.settle()
+
+
+async def _start_sse(send, sse_headers: dict[str, str]) -> None:
+    headers = [(k.encode("latin-1"), v.encode("latin-1")) for k, v in sse_headers.items()]
+    headers.append((b"content-type", b"text/event-stream; charset=utf-8"))
+    await send({"type": "http.response.start", "status": 200, "headers": headers})
 
 
 async def _error(send, status: int, body: bytes, headers: dict[str, str] | None = None) -> None:

@@ -218,7 +218,7 @@ class Generation:
         self._handle: LoadHandle | None = None
         self._dog: _Watchdog | None = None
         self._died_at: float | None = None
-        self._exclude: set[str] = set()
+        self._exclude: set[str] | None = None  # replicas that failed this generation
         self._dispatched = 0.0
         self._charged_prompt = False
 
@@ -305,6 +305,7 @@ class Generation:
             self._failover(slot.name, e)
             return
         col.sink = self
+        col.limit = self.chunk_tokens
         self._col = col
         self._client = client
         self._handle = handle
@@ -421,6 +422,8 @@ class Generation:
             self._end(StreamLost(f"replica {name} failed and its output has no token ids to resume from: {e}"))
             return
         self._died_at = time.monotonic()
+        if self._exclude is None:
+            self._exclude = set()
         self._exclude.add(name)
         self.failovers += 1
         m.failovers.labels(name).inc()

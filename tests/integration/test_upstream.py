@@ -192,9 +192,9 @@ def only_this_upstream(tmp_path: Path, cleanup, sim: dict[str, Any]) -> tuple[Si
 
 
 async def test_many_upstream_events_in_one_read_are_cut_at_chunk_tokens(tmp_path, cleanup):
-    """600 upstream events of one token each arrive in one network read: the
+    """599 upstream events of one token each arrive in one network read: the
     router relays them in events of at most the tenant's ``chunk_tokens`` (16
-    for the demo tenants), not as one 600-token event. (One upstream chunk is
+    for the demo tenants), not as one 600-token event nor as 600 events. (One upstream chunk is
     never split: its text has no per-token boundaries; see docs/upstreams.md.)"""
     n = 600
     first = {"choices": [{"index": 0, "text": "a", "token_ids": [97], "prompt_token_ids": [1, 2, 3],
@@ -202,7 +202,8 @@ async def test_many_upstream_events_in_one_read_are_cut_at_chunk_tokens(tmp_path
     more = {"choices": [{"index": 0, "text": "a", "token_ids": [97], "finish_reason": None}]}
     last = {"choices": [{"index": 0, "text": "a", "token_ids": [97], "finish_reason": "length"}]}
     events = [first] + [more] * (n - 2) + [last]
-    sse = b"".join(b"data: %s\n\n" % json.dumps(e).encode() for e in events) + b"data: [DONE]\n\n"
+    sse = [b"data: %s\n\n" % json.dumps(e).encode() for e in events]
+    head_sse, rest_sse = sse[0], b"".join(sse[1:]) + b"data: [DONE]\n\n"
     models = json.dumps({"data": [{"id": MODEL}]}).encode()
 
     async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
@@ -218,9 +219,13 @@ async def test_many_upstream_events_in_one_read_are_cut_at_chunk_tokens(tmp_path
                 if path.endswith(b"/models"):
                     writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\n"
                                  b"Content-Length: %d\r\n\r\n%s" % (len(models), models))
-                elif path.endswith(b"/completions"):  # the whole stream in one write
+                elif path.endswith(b"/completions"):
+                    # the first event, then (once the client has its head) the rest in one write
                     writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\n"
-                                 b"Transfer-Encoding: chunked\r\n\r\n%x\r\n%s\r\n0\r\n\r\n" % (len(sse), sse))
+                                 b"Transfer-Encoding: chunked\r\n\r\n%x\r\n%s\r\n" % (len(head_sse), head_sse))
+                    await writer.drain()
+                    await asyncio.sleep(0.5)
+                    writer.write(b"%x\r\n%s\r\n0\r\n\r\n" % (len(rest_sse), rest_sse))
                 else:
                     writer.write(b"HTTP/1.1 404 Not Found\r\nContent-Length: 0\r\n\r\n")
                 await writer.drain()
@@ -254,6 +259,9 @@ async def test_many_upstream_events_in_one_read_are_cut_at_chunk_tokens(tmp_path
     assert before == n and "".join(text) == "a" * n
     assert max(sizes) <= 16, sizes
     assert len(sizes) >= n // 16
+    # and merged up to that limit (not one event per upstream event): the
+    # events of one read become as few deltas as the limit allows
+    assert len(sizes) <= n // 8, f"{len(sizes)} events: the events of one read were not merged"
 
 
 async def test_client_disconnect_aborts_the_request_on_the_upstream(tmp_path, cleanup):
