@@ -78,6 +78,11 @@ class AimdLimiter:
     def cap(self) -> int:
         return max(self.s.min_inflight, int(self.limit))
 
+    @property
+    def adaptive(self) -> bool:
+        """Whether samples move the cap (``enabled``); else it stays fixed."""
+        return self.s.enabled
+
     def observe_itl(self, seconds: float) -> None:
         if len(self._itl) < 4096:
             self._itl.append(seconds)

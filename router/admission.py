@@ -14,10 +14,10 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
-import uuid
 
 from policies.ratelimit import Decision
 from router.errors import RateLimited, ServiceUnavailable
+from router.ids import new_id
 from router.metrics import Metrics
 from router.state import AdmitRequest, StateStore, StoreUnavailable
 from router.tenants import TenantPolicy
@@ -106,7 +106,7 @@ class Admission:
             tpm=lim.tokens_per_minute,
             max_concurrent=lim.max_concurrent,
             cost_tokens=cost_tokens,
-            lease_id=uuid.uuid4().hex,
+            lease_id=new_id(),
             lease_ttl=LEASE_TTL,
         )
         loop = asyncio.get_running_loop()

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import logging
 import time
-import uuid
 from contextlib import aclosing
 
 import msgspec
@@ -26,6 +25,7 @@ from replicas.protocol import FinishReason
 from router.admission import Ticket
 from router.errors import ApiError, BadRequest, GatewayTimeout, NotFound, ReplicaUnavailable
 from router.generation import Deadlines, Generation, Job, Piece, StreamLost, StreamTimeout
+from router.ids import new_id
 from router.openai_types import (
     ChatRequest,
     CompletionRequest,
@@ -79,7 +79,7 @@ class _Completion(msgspec.Struct):
 
 
 def new_request_id() -> str:
-    return uuid.uuid4().hex[:24]
+    return new_id()
 
 
 def _job(svc: RouterService, policy: TenantPolicy, body: bytes, chat: bool):

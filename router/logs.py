@@ -49,6 +49,13 @@ class JsonFormatter(logging.Formatter):
 
 
 def setup_logging(level: str = "info", json: bool = True) -> None:
+    # No record needs its caller's file and line, thread or process (the
+    # logging module's documented switches): without them a record costs
+    # no stack walk and no process lookup (one per request line).
+    logging._srcfile = None  # type: ignore[attr-defined]
+    logging.logThreads = False
+    logging.logProcesses = False
+    logging.logMultiprocessing = False
     root = logging.getLogger()
     for h in list(root.handlers):
         root.removeHandler(h)

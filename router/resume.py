@@ -18,7 +18,9 @@ from the buffer and then:
 
 ``ResumeWriter`` batches appends: the relay hands it each event before the
 event is sent, and one task flushes all streams' pending events every few
-milliseconds (one store round trip per stream per flush).
+milliseconds (one store round trip per stream per flush). An in-process
+store (memory) takes each event at once instead (``append_now``): there is
+no round trip to save.
 """
 
 from __future__ import annotations
@@ -96,6 +98,7 @@ class ResumeWriter:
         # streams this router is generating now (its own or taken over): a
         # resume that reaches this router follows their buffer, never claims them
         self.live: set[str] = set()
+        self._now = getattr(store, "append_now", None)  # in-process store: no batching
 
     async def start(self) -> None:
         self._task = asyncio.get_running_loop().create_task(self._run(), name="resume-writer")
@@ -132,6 +135,10 @@ class ResumeWriter:
 
     def append(self, sid: str, event: bytes | None, token_ids: list[int], text_len: int) -> None:
         """Queue an event (and the tokens it carries) for the next flush."""
+        if self._now is not None:
+            self._now(sid, () if event is None else (event,), token_ids, text_len, False, self.owner,
+                      self.retention)
+            return
         p = self._pending.get(sid)
         if p is None:
             p = self._pending[sid] = _Pending()
@@ -145,6 +152,9 @@ class ResumeWriter:
     def pad(self, sid: str, n: int) -> None:
         """Append ``n`` empty placeholder events (events lost with a router),
         so the buffer's numbering stays that of the client's event ids."""
+        if self._now is not None:
+            self._now(sid, [b""] * n, (), None, False, self.owner, self.retention)
+            return
         p = self._pending.get(sid)
         if p is None:
             p = self._pending[sid] = _Pending()
@@ -153,10 +163,13 @@ class ResumeWriter:
 
     async def finish(self, sid: str, final: bytes | None, text_len: int) -> None:
         """Append the last event, mark the stream finished, drop the claim."""
-        self.append(sid, final, [], text_len)
-        self._pending[sid].finished = True
-        self._wake.set()
-        await self._flush_one(sid)
+        if self._now is not None:
+            self._now(sid, () if final is None else (final,), (), text_len, True, self.owner, self.retention)
+        else:
+            self.append(sid, final, [], text_len)
+            self._pending[sid].finished = True
+            self._wake.set()
+            await self._flush_one(sid)
         await self.release(sid)
 
     async def detach(self, sid: str, text_len: int) -> None:

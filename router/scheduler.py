@@ -158,7 +158,7 @@ class Scheduler:
     def observe(self, slot: ReplicaSlot, *, itl: float | None = None, ttft: float | None = None) -> None:
         """A latency sample from a stream on ``slot`` for its in-flight cap."""
         lim = self._limiters.get(slot.name)
-        if lim is None:
+        if lim is None or not lim.adaptive:  # a fixed cap learns nothing from samples
             return
         if itl is not None:
             lim.observe_itl(itl)

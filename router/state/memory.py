@@ -124,13 +124,21 @@ class MemoryStore(StateStore):
         self._streams[sid] = _Stream(meta, owner, now + CLAIM_TTL, now + ttl)
 
     async def stream_append(self, sid, events, token_ids, text_len, finished, owner, ttl) -> None:
+        self.append_now(sid, events, token_ids, text_len, finished, owner, ttl)
+
+    def append_now(self, sid, events, token_ids, text_len, finished, owner, ttl) -> None:
+        """``stream_append`` without an await: this store is in-process, so
+        the resume writer appends each event at once instead of batching
+        (``text_len`` None: unchanged)."""
         now = self._clock()
         st = self._stream(sid, now)
         if st is None:
             return
         st.events.extend(events)
-        st.token_ids.extend(token_ids)
-        st.text_len = text_len
+        if token_ids:
+            st.token_ids.extend(token_ids)
+        if text_len is not None:
+            st.text_len = text_len
         st.finished = st.finished or finished
         st.expires = now + ttl
         if st.owner == owner:

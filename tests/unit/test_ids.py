@@ -1,0 +1,30 @@
+"""Ids key shared state (resume buffers, leases): unique within a process and
+across processes, a forked worker included."""
+
+from __future__ import annotations
+
+import os
+
+from router.ids import new_id
+
+
+def test_ids_are_unique_and_24_hex_characters() -> None:
+    ids = [new_id() for _ in range(10_000)]
+    assert len(set(ids)) == len(ids)
+    assert all(len(i) == 24 and int(i, 16) >= 0 for i in ids)
+
+
+def test_a_forked_child_draws_its_own_prefix() -> None:
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: report its first id and leave at once
+        try:
+            os.write(w, new_id().encode())
+        finally:
+            os._exit(0)
+    os.close(w)
+    child = os.read(r, 64).decode()
+    os.close(r)
+    os.waitpid(pid, 0)
+    mine = new_id()
+    assert child and child[:12] != mine[:12], (child, mine)
