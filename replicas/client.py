@@ -273,7 +273,10 @@ class ReplicaClient:
             cols = list(streams.values())
             streams.clear()
             for col in cols:  # a failover may start on another replica from here
-                col.fail(reason)
+                try:
+                    col.fail(reason)
+                except Exception:  # noqa: BLE001 - the others must still learn of it
+                    log.exception("replica %s: a stream failed handling the disconnect", self.name)
             for fut in self._pings.values():
                 if not fut.done():
                     fut.set_exception(reason)

@@ -13,6 +13,7 @@ token reservation) is settled in ``finally`` with the real usage.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from contextlib import aclosing
@@ -80,6 +81,10 @@ class _Completion(msgspec.Struct):
 
 def new_request_id() -> str:
     return new_id()
+
+
+def _response_id(chat: bool, request_id: str) -> str:
+    return ("chatcmpl-" if chat else "cmpl-") + request_id
 
 
 def _job(svc: RouterService, policy: TenantPolicy, body: bytes, chat: bool):
@@ -218,7 +223,7 @@ async def open_stream(svc: RouterService, policy: TenantPolicy, st: Started, cha
     """A started streamed request's resume buffer, its ``EventStream`` and
     its response headers (the caller then relays it)."""
     req, gen = st.req, st.gen
-    response_id = ("chatcmpl-" if chat else "cmpl-") + request_id
+    response_id = _response_id(chat, request_id)
     include_usage = bool(req.stream_options and req.stream_options.include_usage)
     enc = ChunkEncoder(chat, response_id, req.model, st.created)
     try:
@@ -226,10 +231,11 @@ async def open_stream(svc: RouterService, policy: TenantPolicy, st: Started, cha
             policy.name, chat, req.model, response_id, st.created, include_usage, st.job.params,
             gen.prompt_token_ids or [],
         ))
-    except BaseException:
+    except BaseException as e:
         await st.close()
         await svc.admission.finish(st.ticket, gen.prompt_tokens + gen.completion_tokens)
-        st.outcome.record("unavailable", gen)
+        await svc.resume.release(request_id)
+        st.outcome.record("cancelled" if isinstance(e, asyncio.CancelledError) else "unavailable", gen)
         raise
     es = EventStream(svc, gen, enc, include_usage, policy, st.ticket, st.outcome, request_id)
     headers = {"x-request-id": request_id, **st.ticket.headers, "cache-control": "no-cache",
@@ -250,7 +256,7 @@ async def handle_completion(
 async def respond_whole(svc: RouterService, policy: TenantPolicy, st: Started, chat: bool,
                         request_id: str) -> Response:
     """The response of a started request that did not ask to stream."""
-    response_id = ("chatcmpl-" if chat else "cmpl-") + request_id
+    response_id = _response_id(chat, request_id)
     headers = {"x-request-id": request_id, **st.ticket.headers}
     return await _collect(svc, st.gen, st.pieces, st.first, st.req.model, chat, response_id, st.created, headers,
                           policy, st.ticket, st.outcome)

@@ -103,9 +103,8 @@ class FastPath:
                 await _error(send, 500, error_body("Internal server error.", "server_error"))
                 return
             if es is None:
-                headers = [(k.encode("latin-1"), v.encode("latin-1")) for k, v in resp.headers.items()]
                 out = resp.content if isinstance(resp.content, bytes) else bytes(resp.content)
-                headers += [_JSON, (b"content-length", str(len(out)).encode())]
+                headers = [_JSON, (b"content-length", str(len(out)).encode()), *_header_list(resp.headers)]
                 await send({"type": "http.response.start", "status": resp.status_code or 200, "headers": headers})
                 await send({"type": "http.response.body", "body": out, "more_body": False})
                 return
@@ -129,15 +128,16 @@ class FastPath:
                 es.settle()
 
 
+def _header_list(headers: dict[str, str]) -> list[tuple[bytes, bytes]]:
+    return [(k.encode("latin-1"), str(v).encode("latin-1")) for k, v in headers.items()]
+
+
 async def _start_sse(send, sse_headers: dict[str, str]) -> None:
-    headers = [(k.encode("latin-1"), v.encode("latin-1")) for k, v in sse_headers.items()]
-    headers.append((b"content-type", b"text/event-stream; charset=utf-8"))
+    headers = [(b"content-type", b"text/event-stream; charset=utf-8"), *_header_list(sse_headers)]
     await send({"type": "http.response.start", "status": 200, "headers": headers})
 
 
 async def _error(send, status: int, body: bytes, headers: dict[str, str] | None = None) -> None:
-    hs = [_JSON, (b"content-length", str(len(body)).encode())]
-    for k, v in (headers or {}).items():
-        hs.append((k.encode("latin-1"), str(v).encode("latin-1")))
+    hs = [_JSON, (b"content-length", str(len(body)).encode()), *_header_list(headers or {})]
     await send({"type": "http.response.start", "status": status, "headers": hs})
     await send({"type": "http.response.body", "body": body, "more_body": False})

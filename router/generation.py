@@ -162,12 +162,15 @@ class PieceQueue:
     async def get(self) -> Piece:
         while not self._pending and self._exc is None:
             await self._sleep()
-        pending = self._pending
-        if not pending:
+        if not self._pending:
             assert self._exc is not None
             raise self._exc
-        piece, taken = merge_pieces(pending, self.limit)
-        del pending[:taken]
+        return self._take()
+
+    def _take(self) -> Piece:
+        """The next piece, merged from those waiting (some must wait)."""
+        piece, taken = merge_pieces(self._pending, self.limit)
+        del self._pending[:taken]
         return piece
 
 
@@ -394,14 +397,24 @@ class Generation:
             self.text_parts.append(text)
         if finish != FinishReason.NONE:
             self.finish = finish
-            self.ended = True
             self._detach(finished=True)
         self.sink.piece(text, n, finish)
+        if finish != FinishReason.NONE:
+            self.ended = True  # only now: if the sink failed on it, the guard tells it so
 
     def on_fail(self, col, exc: BaseException) -> None:
         """The replica died (``ReplicaDead``), stalled or a limit passed."""
         if col is not self._col:
             return
+        try:
+            self._failed(exc)
+        except Exception as e:  # noqa: BLE001 - called from a replica reader's cleanup: end this stream only
+            log.exception("stream on %s failed handling its replica's failure", self.replica)
+            self._detach(finished=False)
+            if not self.ended:
+                self._end(StreamLost(f"internal error relaying the stream: {e!r}"))
+
+    def _failed(self, exc: BaseException) -> None:
         name = self.replica or ""
         self._detach(finished=False)
         if isinstance(exc, (ReplicaDead, _Stalled)):

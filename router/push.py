@@ -7,7 +7,8 @@ client's transport in the same callback: no task wakes up per token, no
 async generator chain, no ASGI message per event. Pieces wait, and are
 merged up to the tenant's ``chunk_tokens`` per event, only while the head is
 not out yet, while the client's transport is paused (a slow reader: the
-request task drains it), or with an ASGI server whose transport the relay
+request task drains it; pieces that arrive meanwhile queue behind, so events
+never overtake each other), or with an ASGI server whose transport the relay
 cannot reach (then the request task sends every event, one ``send`` each).
 
 The transport is reached through uvicorn's httptools protocol
@@ -20,7 +21,7 @@ framing uvicorn's ``send`` writes, and ends the body with uvicorn's own
 from __future__ import annotations
 
 from replicas.protocol import FinishReason
-from router.generation import PieceQueue, merge_pieces
+from router.generation import PieceQueue
 from router.relay import EventStream
 
 try:
@@ -46,15 +47,18 @@ class TransportWire:
         """A write now would not outrun the client (transport not paused)."""
         return not self.flow.write_paused and not self.cycle.disconnected
 
+    @property
+    def gone(self) -> bool:
+        """The client disconnected."""
+        return self.cycle.disconnected
+
     def write(self, data: bytes) -> None:
         self.transport.write(b"%x\r\n%s\r\n" % (len(data), data))
 
-    async def send(self, data: bytes) -> None:
-        cycle = self.cycle
-        if self.flow.write_paused and not cycle.disconnected:
+    async def drain(self) -> None:
+        """Until the transport takes writes again (or the client is gone)."""
+        if self.flow.write_paused and not self.cycle.disconnected:
             await self.flow.drain()
-        if not cycle.disconnected:
-            self.write(data)
 
 
 class AsgiWire:
@@ -63,12 +67,10 @@ class AsgiWire:
     __slots__ = ("_send",)
 
     writable = False
+    gone = False
 
     def __init__(self, send) -> None:
         self._send = send
-
-    def write(self, data: bytes) -> None:  # pragma: no cover - never writable
-        raise RuntimeError("AsgiWire cannot write synchronously")
 
     async def send(self, data: bytes) -> None:
         await self._send({"type": "http.response.body", "body": data, "more_body": True})
@@ -119,28 +121,43 @@ class PushRelay(PieceQueue):
         assert events is not None
         data = events.event(text, n, finish)
         if finish != FinishReason.NONE:
-            self.finished = True
             data = (data or b"") + b"".join(events.tail())
+            self.finished = True
         return data
 
     async def run(self, events: EventStream, wire: TransportWire | AsgiWire) -> None:
-        """Relay until the end of the stream (the response head is out)."""
+        """Relay until the end of the stream (the response head is out) or
+        the client's disconnect."""
         self.events = events
         self.wire = wire  # from here on, pieces may be written as they arrive
-        pending = self._pending
         while True:
-            if pending:
-                piece, taken = merge_pieces(pending, self.limit)
-                del pending[:taken]
-                data = self._encode(*piece)
+            if self._pending:
+                if isinstance(wire, AsgiWire):
+                    # piece() never writes to this wire: nothing can overtake
+                    data = self._encode(*self._take())
+                    if data:
+                        await wire.send(data)
+                    continue
+                if not wire.writable:
+                    if wire.gone:
+                        return
+                    await wire.drain()  # pieces keep queueing behind what waits
+                    continue
+                data = self._encode(*self._take())  # and written with no await between
                 if data:
-                    await wire.send(data)
+                    wire.write(data)
                 continue
             if self.finished:
                 return
             if self._exc is not None:
+                data = events.failed(self._exc)
                 self.finished = True
-                await wire.send(events.failed(self._exc))
+                if isinstance(wire, AsgiWire):
+                    await wire.send(data)
+                else:
+                    await wire.drain()
+                    if not wire.gone:
+                        wire.write(data)
                 return
             await self._until_ready()
 

@@ -135,20 +135,21 @@ class EventStream:
             self.skip_chars -= cut
         if not text and finish == FinishReason.NONE:
             return None
-        sid = self.sid
-        pos = b"-%d-%d" % (self.tokens, self.chars) if sid is not None else b""
-        event = self.enc.delta(text, finish, pos)
-        self.writer.append(sid, event, self.gen.completion_ids[self.sent_ids:self.tokens], self.chars)
+        event = self.enc.delta(text, finish, self._pos())
+        self.writer.append(self.sid, event, self.gen.completion_ids[self.sent_ids:self.tokens], self.chars)
         self.sent_ids = self.tokens
         return event
+
+    def _pos(self) -> bytes:
+        """The stream position appended to a resumable event's id (``-T-C``)."""
+        return b"-%d-%d" % (self.tokens, self.chars) if self.sid is not None else b""
 
     def tail(self) -> list[bytes]:
         """After the last piece: the usage event (if asked) and ``[DONE]``."""
         out = []
         gen = self.gen
         if self.include_usage:
-            pos = b"-%d-%d" % (self.tokens, self.chars) if self.sid is not None else b""
-            event = self.enc.usage(gen.prompt_tokens, gen.completion_tokens, pos)
+            event = self.enc.usage(gen.prompt_tokens, gen.completion_tokens, self._pos())
             self.writer.append(self.sid, event, [], self.chars)
             out.append(event)
         self.final = self.enc.done()
