@@ -240,6 +240,28 @@ def _dechunk(body: bytes) -> bytes:
     return out
 
 
+LONG = {"model": MODEL, "prompt": "Slow", "max_tokens": 40000, "temperature": 0, "ignore_eos": True}
+_LONG_BODY = json.dumps({**LONG, "stream": True}).encode()
+LONG_REQUEST = (b"POST /v1/completions HTTP/1.1\r\nhost: x\r\nconnection: close\r\n"
+                b"content-type: application/json\r\nauthorization: Bearer " + GOLD.encode()
+                + b"\r\ncontent-length: %d\r\n\r\n" % len(_LONG_BODY) + _LONG_BODY)
+
+
+def _long_stream_router(tmp_path) -> RouterProcess:
+    """One fast sim replica; gold may ask for 40,000 tokens."""
+    tenants = yaml.safe_load(DEMO_TENANTS.read_text())
+    tenants["tenants"]["gold"]["limits"]["max_tokens"] = 40000
+    (tmp_path / "tenants.yaml").write_text(yaml.safe_dump(tenants))
+    sim = {"step_base_ms": 0.2, "max_model_len": 65536}
+    return RouterProcess(tmp_path / "r", replicas=1, sim=sim, tenants=tmp_path / "tenants.yaml")
+
+
+def _long_reference(router: RouterProcess) -> str:
+    with openai.OpenAI(base_url=router.base_url + "/v1", api_key=GOLD, max_retries=0, timeout=60) as c:
+        kw = {k: v for k, v in LONG.items() if k not in ("model", "prompt", "ignore_eos")}
+        return "".join(stream_completion(c, LONG["prompt"], extra_body=IGNORE_EOS, **kw)[0])
+
+
 def test_a_client_that_stops_reading_gets_every_token_in_merged_events(tmp_path) -> None:
     # Events are pushed to the client's socket as the replica produces them.
     # A client that stops reading fills the socket buffers, the router's
@@ -248,23 +270,13 @@ def test_a_client_that_stops_reading_gets_every_token_in_merged_events(tmp_path)
     # lost, the text is exactly a fast client's, the positions add up.
     # (40,000 tokens, ~7.6 MB of events: loopback socket buffers grow to 4 MB
     # before the router's transport pauses.)
-    tenants = yaml.safe_load(DEMO_TENANTS.read_text())
-    tenants["tenants"]["gold"]["limits"]["max_tokens"] = 40000
-    (tmp_path / "tenants.yaml").write_text(yaml.safe_dump(tenants))
-    kw = {"max_tokens": 40000, "temperature": 0}
-    body = json.dumps({"model": MODEL, "prompt": "Slow", "stream": True, "ignore_eos": True, **kw}).encode()
-    request = (b"POST /v1/completions HTTP/1.1\r\nhost: x\r\nconnection: close\r\n"
-               b"content-type: application/json\r\nauthorization: Bearer " + GOLD.encode()
-               + b"\r\ncontent-length: %d\r\n\r\n" % len(body) + body)
-    sim = {"step_base_ms": 0.2, "max_model_len": 65536}
-    with RouterProcess(tmp_path / "r", replicas=1, sim=sim, tenants=tmp_path / "tenants.yaml") as router:
-        with openai.OpenAI(base_url=router.base_url + "/v1", api_key=GOLD, max_retries=0, timeout=60) as c:
-            ref = "".join(stream_completion(c, "Slow", extra_body=IGNORE_EOS, **kw)[0])
+    with _long_stream_router(tmp_path) as router:
+        ref = _long_reference(router)
         sock = socket.socket()
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
         sock.connect(("127.0.0.1", router.port))
         try:
-            sock.sendall(request)
+            sock.sendall(LONG_REQUEST)
             raw = sock.recv(1024)  # the head and the first events: it runs
             assert raw.startswith(b"HTTP/1.1 200"), raw[:200]
             # the generation ends on its replica while the client reads nothing
@@ -285,3 +297,54 @@ def test_a_client_that_stops_reading_gets_every_token_in_merged_events(tmp_path)
     # a character is at most 4 byte tokens (the sim's tokenizer): more tokens
     # in one event were merged while they waited
     assert max(steps) > 4, f"{len(events)} events for 40,000 tokens: the waiting pieces were not merged"
+
+
+def test_a_client_that_leaves_with_events_waiting_resumes_text_exact(tmp_path) -> None:
+    # The generation runs ahead of a client that reads slowly: its last
+    # pieces wait in the router when the client leaves. The resume buffer
+    # holds what the client was sent, not what the generation produced, so
+    # a resume from the client's last event id continues text-exact.
+    with _long_stream_router(tmp_path) as router:
+        ref = _long_reference(router)
+        sock = socket.socket()
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        sock.connect(("127.0.0.1", router.port))
+        try:
+            sock.sendall(LONG_REQUEST)
+            raw = b""
+            while len(raw) < 100_000:  # some events, then nothing more is read
+                raw += sock.recv(4096)
+            poll(lambda: router.inflight("sim-0") == 0, 60, what="the generation to end on its replica")
+        finally:
+            sock.close()
+        poll(lambda: router.metrics().value("fairstream_requests_total", 0.0, tenant="gold",
+                                            endpoint="completions", outcome="cancelled") == 1,
+             10, what="the stream to count as cancelled")
+        head, _, chunked = raw.partition(b"\r\n\r\n")
+        rid = next(line.split(b":", 1)[1].strip().decode() for line in head.split(b"\r\n")
+                   if line.lower().startswith(b"x-request-id:"))
+        data = _dechunk_partial(chunked)
+        got = parse_sse(data[:data.rindex(b"\n\n") + 2].decode())  # whole events only
+        assert got and got[-1].data != "[DONE]"
+        with httpx.stream("GET", f"{router.base_url}/v1/streams/{rid}", timeout=60,
+                          headers={"Authorization": f"Bearer {GOLD}", "Last-Event-ID": got[-1].id}) as r:
+            assert r.status_code == 200, r.read()
+            rest = parse_sse(r.read().decode())
+    assert rest[-1].data == "[DONE]" and rest[0].number == got[-1].number + 1
+    text = "".join(e.json()["choices"][0]["text"] for e in got + rest[:-1] if e.json().get("choices"))
+    assert text == ref
+
+
+def _dechunk_partial(body: bytes) -> bytes:
+    """Chunked body bytes as far as they arrived (the last chunk may be cut)."""
+    out = b""
+    while body:
+        size_line, sep, rest = body.partition(b"\r\n")
+        if not sep:
+            break
+        size = int(size_line, 16)
+        if size == 0:
+            break
+        out += rest[:size]
+        body = rest[size + 2:]
+    return out
