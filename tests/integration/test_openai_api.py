@@ -229,9 +229,12 @@ async def test_twenty_concurrent_async_streams(aclient: openai.AsyncOpenAI) -> N
 
 
 def _dechunk(body: bytes) -> bytes:
+    """A chunked body's data as far as it arrived (the last chunk may be cut)."""
     out = b""
     while body:
-        size_line, _, rest = body.partition(b"\r\n")
+        size_line, sep, rest = body.partition(b"\r\n")
+        if not sep:
+            break
         size = int(size_line, 16)
         if size == 0:
             break
@@ -262,6 +265,26 @@ def _long_reference(router: RouterProcess) -> str:
         return "".join(stream_completion(c, LONG["prompt"], extra_body=IGNORE_EOS, **kw)[0])
 
 
+def _read_then_stall(router: RouterProcess, at_least: int) -> tuple[socket.socket, bytes]:
+    """Start the long stream on a socket with a small receive buffer, read
+    ``at_least`` bytes, then read nothing until the generation has ended on
+    its replica (the rest waits in the socket buffers and in the router)."""
+    sock = socket.socket()
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    sock.connect(("127.0.0.1", router.port))
+    try:
+        sock.sendall(LONG_REQUEST)
+        raw = b""
+        while len(raw) < at_least:
+            raw += sock.recv(4096)
+        assert raw.startswith(b"HTTP/1.1 200"), raw[:200]
+        poll(lambda: router.inflight("sim-0") == 0, 60, what="the generation to end on its replica")
+    except BaseException:
+        sock.close()
+        raise
+    return sock, raw
+
+
 def test_a_client_that_stops_reading_gets_every_token_in_merged_events(tmp_path) -> None:
     # Events are pushed to the client's socket as the replica produces them.
     # A client that stops reading fills the socket buffers, the router's
@@ -272,15 +295,8 @@ def test_a_client_that_stops_reading_gets_every_token_in_merged_events(tmp_path)
     # before the router's transport pauses.)
     with _long_stream_router(tmp_path) as router:
         ref = _long_reference(router)
-        sock = socket.socket()
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
-        sock.connect(("127.0.0.1", router.port))
+        sock, raw = _read_then_stall(router, 1)  # the head and the first events: it runs
         try:
-            sock.sendall(LONG_REQUEST)
-            raw = sock.recv(1024)  # the head and the first events: it runs
-            assert raw.startswith(b"HTTP/1.1 200"), raw[:200]
-            # the generation ends on its replica while the client reads nothing
-            poll(lambda: router.inflight("sim-0") == 0, 60, what="the generation to end on its replica")
             sock.settimeout(30)
             while chunk := sock.recv(65536):
                 raw += chunk
@@ -306,24 +322,15 @@ def test_a_client_that_leaves_with_events_waiting_resumes_text_exact(tmp_path) -
     # a resume from the client's last event id continues text-exact.
     with _long_stream_router(tmp_path) as router:
         ref = _long_reference(router)
-        sock = socket.socket()
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
-        sock.connect(("127.0.0.1", router.port))
-        try:
-            sock.sendall(LONG_REQUEST)
-            raw = b""
-            while len(raw) < 100_000:  # some events, then nothing more is read
-                raw += sock.recv(4096)
-            poll(lambda: router.inflight("sim-0") == 0, 60, what="the generation to end on its replica")
-        finally:
-            sock.close()
+        sock, raw = _read_then_stall(router, 100_000)  # some events, then it leaves
+        sock.close()
         poll(lambda: router.metrics().value("fairstream_requests_total", 0.0, tenant="gold",
                                             endpoint="completions", outcome="cancelled") == 1,
              10, what="the stream to count as cancelled")
         head, _, chunked = raw.partition(b"\r\n\r\n")
         rid = next(line.split(b":", 1)[1].strip().decode() for line in head.split(b"\r\n")
                    if line.lower().startswith(b"x-request-id:"))
-        data = _dechunk_partial(chunked)
+        data = _dechunk(chunked)
         got = parse_sse(data[:data.rindex(b"\n\n") + 2].decode())  # whole events only
         assert got and got[-1].data != "[DONE]"
         with httpx.stream("GET", f"{router.base_url}/v1/streams/{rid}", timeout=60,
@@ -334,17 +341,3 @@ def test_a_client_that_leaves_with_events_waiting_resumes_text_exact(tmp_path) -
     text = "".join(e.json()["choices"][0]["text"] for e in got + rest[:-1] if e.json().get("choices"))
     assert text == ref
 
-
-def _dechunk_partial(body: bytes) -> bytes:
-    """Chunked body bytes as far as they arrived (the last chunk may be cut)."""
-    out = b""
-    while body:
-        size_line, sep, rest = body.partition(b"\r\n")
-        if not sep:
-            break
-        size = int(size_line, 16)
-        if size == 0:
-            break
-        out += rest[:size]
-        body = rest[size + 2:]
-    return out
