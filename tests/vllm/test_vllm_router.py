@@ -109,6 +109,17 @@ async def test_disconnect_aborts_on_the_vllm_replica(vllm_router):
     assert 2 <= after.value("fairstream_tokens_total", tenant="gold", direction="completion") - completion0 < max_tokens
 
 
+async def _busy_replicas(router) -> list[str]:
+    """Replicas with streams in flight; none yet when /metrics did not answer
+    within its 5 s (while six streams start, the vLLM workers can starve the
+    router or this process for seconds on a 2-core box)."""
+    try:
+        m = await router.ametrics()
+    except httpx.TimeoutException:
+        return []
+    return [n for n in router.replica_names if m.value("fairstream_replica_inflight_requests", replica=n) > 0]
+
+
 async def _all_zero(values):
     return all(v == 0 for v in (await values).values())
 
@@ -134,11 +145,10 @@ async def test_replica_death_mid_stream_is_token_exact(vllm_router, sig):
             raise AssertionError("stream ended without [DONE]")
 
         tasks = [asyncio.create_task(stream()) for _ in range(6)]
-        busy = await apoll(lambda: [n for n in vllm_router.replica_names if vllm_router.inflight(n) > 0], 30,
-                           what="streams on a replica")
+        busy = await apoll(lambda: _busy_replicas(vllm_router), 60, what="streams on a replica")
         victim = busy[0]
-        replicas = httpx.get(vllm_router.base_url + "/admin/replicas",
-                             headers={"Authorization": f"Bearer {ADMIN}"}, timeout=5).json()["replicas"]
+        replicas = (await client.get("/admin/replicas", headers={"Authorization": f"Bearer {ADMIN}"},
+                                     timeout=30)).json()["replicas"]
         pid = next(r["pid"] for r in replicas if r["name"] == victim)
         os.kill(pid, sig)
         texts = await asyncio.gather(*tasks)
