@@ -535,10 +535,7 @@ class _SseReader:
                 continue
             if acc_text:
                 self._put(st, acc_ids, acc_text)
-            delta = Delta(col.rid, ids, text, finish)
-            if st.prompt_ids is not None:
-                delta.prompt_token_ids, st.prompt_ids = st.prompt_ids, None
-            self.client._finish(st, delta)
+            self.client._finish(st, _delta(st, ids, text, finish))
             if stopped:
                 self.ended = True
                 self.response.close()  # our stop string, not the upstream's: abort it
@@ -548,16 +545,21 @@ class _SseReader:
 
     @staticmethod
     def _put(st: _Stream, ids: list[int], texts: list[str]) -> None:
-        delta = Delta(st.col.rid, ids, texts[0] if len(texts) == 1 else "".join(texts), FinishReason.NONE)
-        if st.prompt_ids is not None:
-            delta.prompt_token_ids, st.prompt_ids = st.prompt_ids, None
-        st.col.put(delta)
+        st.col.put(_delta(st, ids, texts[0] if len(texts) == 1 else "".join(texts), FinishReason.NONE))
         st.delivered = True
 
     def end(self) -> None:
         """The body is over."""
         if not self.st.done:
             raise _Failed("the stream ended before the request finished")
+
+
+def _delta(st: _Stream, ids: list[int], text: str, finish: FinishReason) -> Delta:
+    """A delta of ``st``; the first one carries the prompt's token ids."""
+    delta = Delta(st.col.rid, ids, text, finish)
+    if st.prompt_ids is not None:
+        delta.prompt_token_ids, st.prompt_ids = st.prompt_ids, None
+    return delta
 
 
 def _auth(spec: ReplicaSpec) -> dict[str, str]:

@@ -13,7 +13,6 @@ token reservation) is settled in ``finally`` with the real usage.
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import time
 from contextlib import aclosing
@@ -235,7 +234,7 @@ async def open_stream(svc: RouterService, policy: TenantPolicy, st: Started, cha
         await st.close()
         await svc.admission.finish(st.ticket, gen.prompt_tokens + gen.completion_tokens)
         await svc.resume.release(request_id)
-        st.outcome.record("cancelled" if isinstance(e, asyncio.CancelledError) else "unavailable", gen)
+        st.outcome.record(_outcome_of(e), gen)
         raise
     es = EventStream(svc, gen, enc, include_usage, policy, st.ticket, st.outcome, request_id)
     headers = {"x-request-id": request_id, **st.ticket.headers, "cache-control": "no-cache",

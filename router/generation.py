@@ -347,16 +347,13 @@ class Generation:
         try:
             self._delta(col, d)
         except Exception as e:  # noqa: BLE001 - a bug here must end this stream only, not the connection
-            log.exception("stream on %s failed handling its output", self.replica)
-            self._detach(finished=False)
-            if not self.ended:
-                self._end(StreamLost(f"internal error relaying the stream: {e!r}"))
+            self._internal_error(e, "its output")
 
     def _delta(self, col, d: Delta) -> None:
         ids = d.token_ids
         n = len(ids)
         text = d.text
-        finish = FinishReason(d.finish)
+        finish = d.finish  # a FinishReason already (msgspec decodes the IntEnum)
         sched = self.scheduler
         handle = self._handle
         assert handle is not None and self._dog is not None
@@ -409,10 +406,13 @@ class Generation:
         try:
             self._failed(exc)
         except Exception as e:  # noqa: BLE001 - called from a replica reader's cleanup: end this stream only
-            log.exception("stream on %s failed handling its replica's failure", self.replica)
-            self._detach(finished=False)
-            if not self.ended:
-                self._end(StreamLost(f"internal error relaying the stream: {e!r}"))
+            self._internal_error(e, "its replica's failure")
+
+    def _internal_error(self, e: Exception, what: str) -> None:
+        log.exception("stream on %s failed handling %s", self.replica, what)
+        self._detach(finished=False)
+        if not self.ended:
+            self._end(StreamLost(f"internal error relaying the stream: {e!r}"))
 
     def _failed(self, exc: BaseException) -> None:
         name = self.replica or ""

@@ -60,6 +60,11 @@ class TransportWire:
         if self.flow.write_paused and not self.cycle.disconnected:
             await self.flow.drain()
 
+    async def send(self, data: bytes) -> None:
+        await self.drain()
+        if not self.cycle.disconnected:
+            self.write(data)
+
 
 class AsgiWire:
     """Any ASGI server: every event is one ``http.response.body`` message."""
@@ -152,12 +157,7 @@ class PushRelay(PieceQueue):
             if self._exc is not None:
                 data = events.failed(self._exc)
                 self.finished = True
-                if isinstance(wire, AsgiWire):
-                    await wire.send(data)
-                else:
-                    await wire.drain()
-                    if not wire.gone:
-                        wire.write(data)
+                await wire.send(data)
                 return
             await self._until_ready()
 

@@ -125,7 +125,7 @@ async def test_a_failure_on_the_last_piece_ends_the_stream_with_an_error_event()
     gen._attach(LoadHandle(slot, 4))
     col = gen._col
     assert col is not None
-    col.put(Delta(1, [7], "x", 0, [1, 2]))
+    col.put(Delta(1, [7], "x", NONE, [1, 2]))
     run = asyncio.ensure_future(relay.run(Events(fail_on_tail=True), TransportWire(cycle)))
     await asyncio.sleep(0)
     col.put(Delta(1, [8], "y", STOP))  # its tail fails to encode
