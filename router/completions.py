@@ -23,7 +23,7 @@ from litestar.response import Stream
 
 from replicas.protocol import FinishReason
 from router.admission import Ticket
-from router.errors import ApiError, BadRequest, GatewayTimeout, NotFound, ReplicaUnavailable
+from router.errors import ApiError, BadRequest, GatewayTimeout, NotFound
 from router.generation import Deadlines, Generation, Job, Piece, StreamLost, StreamTimeout
 from router.ids import new_id
 from router.openai_types import (
@@ -203,13 +203,6 @@ async def start_generation(
             svc.metrics.timeouts.labels(policy.name, e.which).inc()
             raise GatewayTimeout(f"The request hit the tenant's {e}.", code=f"{e.which}_timeout",
                                  headers={"x-request-id": request_id}) from e
-        if isinstance(e, StreamLost):
-            # its replica failed before the first token and no other could
-            # take it: nothing was sent, so the client may simply retry
-            raise ReplicaUnavailable(
-                f"The request's replica failed before its first token and no other replica could take it: {e}",
-                headers={"x-request-id": request_id, "retry-after": "1", **ticket.headers},
-            ) from e
         if isinstance(e, ApiError):
             e.headers.update(ticket.headers)
             e.headers.setdefault("x-request-id", request_id)

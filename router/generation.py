@@ -186,8 +186,10 @@ class Generation:
     no task switch either. ``close`` stops it (abort on the replica).
 
     Failures the sink gets: ``BadRequest`` (the replica rejected the prompt),
-    ``StreamLost`` (no replica can continue), ``StreamTimeout``; ``start``
-    raises ``ReplicaUnavailable`` when no replica can take it at all.
+    ``StreamLost`` (no replica can continue what was produced),
+    ``ReplicaUnavailable`` (its replicas failed before it produced anything),
+    ``StreamTimeout``; ``start`` raises ``ReplicaUnavailable`` when no
+    replica can take it at all.
     """
 
     __slots__ = ("pool", "scheduler", "policy", "rank", "deadlines", "job", "metrics", "max_failovers",
@@ -441,8 +443,7 @@ class Generation:
         self.failovers += 1
         m.failovers.labels(name).inc()
         if self.failovers > self.max_failovers:
-            m.streams_lost.inc()
-            self._end(StreamLost(f"gave up after {self.max_failovers} failovers: {e}"))
+            self._give_up(f"gave up after {self.max_failovers} failovers: {e}")
             return
         m.resumed_tokens.inc(len(self.completion_ids))
         try:
@@ -451,10 +452,21 @@ class Generation:
             handle = self.pool.choose(self.job.model, self.job.params.max_tokens - len(self.completion_ids),
                                       self._exclude)
         except NoReplica as e2:
-            m.streams_lost.inc()
-            self._end(StreamLost(str(e2)))
+            self._give_up(str(e2))
             return
         self._attach(handle)
+
+    def _give_up(self, why: str) -> None:
+        """No replica can go on: a lost stream if anything was produced;
+        otherwise nothing reached the client, which may simply retry (503)."""
+        if self.completion_ids or self.text_len:
+            self.metrics.streams_lost.inc()
+            self._end(StreamLost(why))
+        else:
+            self._end(ReplicaUnavailable(
+                f"The request's replica failed before its first token and no other replica could take it: {why}",
+                headers={"retry-after": "1"},
+            ))
 
 
 class _Watchdog:

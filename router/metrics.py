@@ -107,7 +107,7 @@ class Metrics:
         self.resumes = Counter(
             "fairstream_stream_resumes", "Streams resumed by clients with Last-Event-ID.", ["tenant"], registry=r
         )
-        self.streams_lost = Counter("fairstream_streams_lost", "Streams ended with an error because no replica could continue them.", registry=r)
+        self.streams_lost = Counter("fairstream_streams_lost", "Streams that had produced output and ended with an error because no replica could continue them.", registry=r)
 
     def expose(self, pool) -> bytes:
         for slot in pool.slots:
