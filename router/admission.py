@@ -57,15 +57,22 @@ def ratelimit_headers(policy: TenantPolicy, d: Decision) -> dict[str, str]:
 class Ticket:
     """An admitted request: its lease and its token reservation."""
 
-    __slots__ = ("tenant", "lease_id", "reserved", "tpm", "headers", "done")
+    __slots__ = ("tenant", "lease_id", "reserved", "tpm", "done", "_policy", "_decision")
 
-    def __init__(self, tenant: str, lease_id: str, reserved: int, tpm: int, headers: dict[str, str]) -> None:
-        self.tenant = tenant
+    def __init__(self, policy: TenantPolicy, lease_id: str, reserved: int, decision: Decision) -> None:
+        self.tenant = policy.name
         self.lease_id = lease_id
         self.reserved = reserved
-        self.tpm = tpm
-        self.headers = headers
+        self.tpm = policy.limits.tokens_per_minute
         self.done = False
+        self._policy = policy
+        self._decision = decision
+
+    @property
+    def headers(self) -> dict[str, str]:
+        """The ``x-ratelimit-*`` headers as of admission (built when asked:
+        a long stream does not hold them)."""
+        return ratelimit_headers(self._policy, self._decision)
 
 
 _REASONS = {
@@ -120,8 +127,7 @@ class Admission:
                     if waiting:
                         self.metrics.admission_wait.labels(policy.name, policy.priority).observe(
                             loop.time() - started)
-                    ticket = Ticket(policy.name, req.lease_id, cost_tokens, lim.tokens_per_minute,
-                                    ratelimit_headers(policy, decision))
+                    ticket = Ticket(policy, req.lease_id, cost_tokens, decision)
                     self._leases[req.lease_id] = ticket
                     return ticket
                 headers = ratelimit_headers(policy, decision)

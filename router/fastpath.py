@@ -110,10 +110,10 @@ class FastPath:
                 return
             await _start_sse(send, sse_headers)
             # this frame lives as long as the stream: keep only what it needs
-            body = msg = sse_headers = policy = None
-            st.ticket.headers = {}
-            st.req = None
-            await st.relay.run(es, wire_for(send))
+            # (the decoded request and its body go)
+            relay = st.relay
+            body = msg = sse_headers = policy = st = None
+            await relay.run(es, wire_for(send))
             await send({"type": "http.response.body", "body": b"", "more_body": False})
         except asyncio.CancelledError:
             if not gone:
@@ -124,7 +124,7 @@ class FastPath:
         finally:
             listener.cancel()
             if es is not None:
-                st.gen.close()  # aborts on the replica unless it finished
+                es.gen.close()  # aborts on the replica unless it finished
                 es.settle()
 
 
