@@ -163,6 +163,9 @@ class Delta(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
     finish: FinishReason = FinishReason.NONE
     prompt_token_ids: list[int] | None = None
     error: str = ""
+    # tokens this delta stands for beyond ``token_ids``: set only by an
+    # OpenAI-compatible upstream that returns no token ids (one per chunk)
+    count: int = 0
 
 
 class Deltas(msgspec.Struct, tag=11, array_like=True, gc=False):

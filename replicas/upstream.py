@@ -54,6 +54,7 @@ _METRIC_RE = re.compile(
 
 class _ChatDelta(msgspec.Struct):
     content: str | None = None
+    role: str | None = None
 
 
 class _Choice(msgspec.Struct):
@@ -483,7 +484,7 @@ class _SseReader:
             return
         st = self.st
         none = FinishReason.NONE
-        pieces: list[tuple[list[int], str, FinishReason]] = []
+        pieces: list[tuple[list[int], str, FinishReason, int]] = []
         for payload in payloads:
             if payload == b"[DONE]":
                 self.ended = True
@@ -508,8 +509,17 @@ class _SseReader:
                     if reason in ("abort", "error"):
                         raise _Failed(f"the upstream ended the request ({reason})")
                     finish = _FINISH.get(reason, FinishReason.STOP)  # tool_calls, ...
-                if t or ch.token_ids or finish != none:
-                    pieces.append((ch.token_ids or [], t or "", finish))
+                if ch.token_ids is not None:
+                    if ch.token_ids or t or finish != none:
+                        pieces.append((ch.token_ids, t or "", finish, 0))
+                elif t or (finish == none and not (ch.delta is not None and ch.delta.role)):
+                    # output without token ids: count the chunk as the one
+                    # token servers stream per chunk (OpenAI, vLLM, TGI,
+                    # llama.cpp; one with no text holds back part of a
+                    # character), so limits, usage and the stall timer see it
+                    pieces.append(([], t or "", finish, 1))
+                elif finish != none:
+                    pieces.append(([], "", finish, 0))  # finish only (a role-only chunk is nothing)
         if st.done:
             return  # draining after the finish, so the connection can be reused
         col = st.col
@@ -518,34 +528,36 @@ class _SseReader:
         # chunk limit allows: less work per token when the upstream is fast
         acc_ids: list[int] = []
         acc_text: list[str] = []
-        for ids, text, finish in pieces:
+        acc_count = 0
+        for ids, text, finish, count in pieces:
             stopped = False
             if st.splice is not None:
                 text, stopped = st.splice.feed(text, finish != none)
                 if stopped:
                     finish = FinishReason.STOP
-            if not (ids or text or finish != none):
+            if not (ids or text or count or finish != none):
                 continue
             if finish == none:
-                if acc_text and limit and len(acc_ids) + len(ids) > limit:
-                    self._put(st, acc_ids, acc_text)
-                    acc_ids, acc_text = [], []
+                if acc_text and limit and len(acc_ids) + acc_count + len(ids) + count > limit:
+                    self._put(st, acc_ids, acc_text, acc_count)
+                    acc_ids, acc_text, acc_count = [], [], 0
                 acc_ids += ids
                 acc_text.append(text)
+                acc_count += count
                 continue
             if acc_text:
-                self._put(st, acc_ids, acc_text)
-            self.client._finish(st, _delta(st, ids, text, finish))
+                self._put(st, acc_ids, acc_text, acc_count)
+            self.client._finish(st, _delta(st, ids, text, finish, count))
             if stopped:
                 self.ended = True
                 self.response.close()  # our stop string, not the upstream's: abort it
             return
         if acc_text:
-            self._put(st, acc_ids, acc_text)
+            self._put(st, acc_ids, acc_text, acc_count)
 
     @staticmethod
-    def _put(st: _Stream, ids: list[int], texts: list[str]) -> None:
-        st.col.put(_delta(st, ids, texts[0] if len(texts) == 1 else "".join(texts), FinishReason.NONE))
+    def _put(st: _Stream, ids: list[int], texts: list[str], count: int) -> None:
+        st.col.put(_delta(st, ids, texts[0] if len(texts) == 1 else "".join(texts), FinishReason.NONE, count))
         st.delivered = True
 
     def end(self) -> None:
@@ -554,9 +566,9 @@ class _SseReader:
             raise _Failed("the stream ended before the request finished")
 
 
-def _delta(st: _Stream, ids: list[int], text: str, finish: FinishReason) -> Delta:
+def _delta(st: _Stream, ids: list[int], text: str, finish: FinishReason, count: int = 0) -> Delta:
     """A delta of ``st``; the first one carries the prompt's token ids."""
-    delta = Delta(st.col.rid, ids, text, finish)
+    delta = Delta(st.col.rid, ids, text, finish, count=count)
     if st.prompt_ids is not None:
         delta.prompt_token_ids, st.prompt_ids = st.prompt_ids, None
     return delta

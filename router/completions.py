@@ -213,23 +213,30 @@ async def start_generation(
 async def open_stream(svc: RouterService, policy: TenantPolicy, st: Started, chat: bool,
                       request_id: str) -> tuple[EventStream, dict[str, str]]:
     """A started streamed request's resume buffer, its ``EventStream`` and
-    its response headers (the caller then relays it)."""
+    its response headers (the caller then relays it).
+
+    A stream whose output comes without token ids (an upstream that returns
+    none) gets no resume buffer: nothing could continue it exactly, so a
+    resume of it is a 404 rather than a wrong continuation."""
     req, gen = st.req, st.gen
     response_id = _response_id(chat, request_id)
     include_usage = bool(req.stream_options and req.stream_options.include_usage)
     enc = ChunkEncoder(chat, response_id, req.model, st.created)
-    try:
-        await svc.resume.open(request_id, ResumeMeta(
-            policy.name, chat, req.model, response_id, st.created, include_usage, st.job.params,
-            gen.prompt_token_ids or [],
-        ))
-    except BaseException as e:
-        await st.close()
-        await svc.admission.finish(st.ticket, gen.prompt_tokens + gen.completion_tokens)
-        await svc.resume.release(request_id)
-        st.outcome.record(_outcome_of(e), gen)
-        raise
-    es = EventStream(svc, gen, enc, include_usage, policy, st.ticket, st.outcome, request_id)
+    resumable = gen.exact
+    if resumable:
+        try:
+            await svc.resume.open(request_id, ResumeMeta(
+                policy.name, chat, req.model, response_id, st.created, include_usage, st.job.params,
+                gen.prompt_token_ids or [],
+            ))
+        except BaseException as e:
+            await st.close()
+            await svc.admission.finish(st.ticket, gen.prompt_tokens + gen.completion_tokens)
+            await svc.resume.release(request_id)
+            st.outcome.record(_outcome_of(e), gen)
+            raise
+    es = EventStream(svc, gen, enc, include_usage, policy, st.ticket, st.outcome,
+                     request_id if resumable else None)
     headers = {"x-request-id": request_id, **st.ticket.headers, "cache-control": "no-cache",
                "x-accel-buffering": "no"}
     return es, headers

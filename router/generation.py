@@ -195,7 +195,7 @@ class Generation:
     __slots__ = ("pool", "scheduler", "policy", "rank", "deadlines", "job", "metrics", "max_failovers",
                  "prompt_token_ids", "completion_ids", "text_len", "failovers", "text_parts", "finish", "replica",
                  "sink", "ended", "_base", "_col", "_client", "_handle", "_dog", "_died_at", "_exclude", "_dispatched",
-                 "_charged_prompt")
+                 "_charged_prompt", "uncounted")
 
     def __init__(self, pool: ReplicaPool, job: Job, metrics: Metrics, max_failovers: int,
                  deadlines: Deadlines | None = None, scheduler: Scheduler | None = None,
@@ -210,6 +210,8 @@ class Generation:
         self.max_failovers = max_failovers
         self.prompt_token_ids: list[int] | None = job.prompt_token_ids
         self.completion_ids: list[int] = []
+        # output tokens without their ids (an upstream that returns none)
+        self.uncounted = 0
         self.text_len = 0
         self.failovers = 0
         self.text_parts: list[str] | None = [] if policy is not None and policy.log_content else None
@@ -233,7 +235,13 @@ class Generation:
 
     @property
     def completion_tokens(self) -> int:
-        return len(self.completion_ids)
+        return len(self.completion_ids) + self.uncounted
+
+    @property
+    def exact(self) -> bool:
+        """Every token so far has its id (with the prompt's): what resuming
+        and token-exact failover need."""
+        return self.prompt_token_ids is not None and not self.uncounted
 
     @property
     def base(self) -> tuple[int, int]:
@@ -314,7 +322,7 @@ class Generation:
         self._col = col
         self._client = client
         self._handle = handle
-        self._dog = _Watchdog(self.deadlines, col, self.completion_ids, slot.name)
+        self._dog = _Watchdog(self.deadlines, col, bool(self.completion_ids), slot.name)
         self._dispatched = self._dog.last_token
         self._charged_prompt = self.prompt_token_ids is not None and bool(self.completion_ids)
 
@@ -353,7 +361,7 @@ class Generation:
 
     def _delta(self, col, d: Delta) -> None:
         ids = d.token_ids
-        n = len(ids)
+        n = len(ids) + d.count
         text = d.text
         finish = d.finish  # a FinishReason already (msgspec decodes the IntEnum)
         sched = self.scheduler
@@ -363,7 +371,7 @@ class Generation:
         if n:
             now = time.monotonic()
             if sched is not None:
-                if self.completion_ids:
+                if self._dog.delivered:
                     sched.observe(handle.slot, itl=(now - self._dog.last_token) / n)
                 else:
                     sched.observe(handle.slot, ttft=now - self._dispatched)
@@ -379,13 +387,16 @@ class Generation:
         if finish == FinishReason.ERROR:
             name = handle.slot.name
             self._detach(finished=True)
-            if not self.completion_ids and not n and not self.text_len and not text:
+            if not (self.completion_ids or self.uncounted or n or self.text_len or text):
                 self._end(BadRequest(col.error or "the replica rejected the request"))
             else:
                 self._end(StreamLost(f"replica {name} failed the request: {col.error}"))
             return
         if n:
-            self.completion_ids.extend(ids)
+            if ids:
+                self.completion_ids.extend(ids)
+            if d.count:
+                self.uncounted += d.count
             self._dog.token(now)
             handle.produced(n)
             if self._died_at is not None:
@@ -429,7 +440,7 @@ class Generation:
         if self.ended:
             return
         m = self.metrics
-        if self.text_len and (self.prompt_token_ids is None or not self.completion_ids):
+        if (self.text_len or self.uncounted) and not (self.exact and self.completion_ids):
             # Text went out without token ids (an upstream that returns
             # none): no replica can continue it exactly, and starting
             # over would repeat it.
@@ -459,7 +470,7 @@ class Generation:
     def _give_up(self, why: str) -> None:
         """No replica can go on: a lost stream if anything was produced;
         otherwise nothing reached the client, which may simply retry (503)."""
-        if self.completion_ids or self.text_len:
+        if self.completion_ids or self.uncounted or self.text_len:
             self.metrics.streams_lost.inc()
             self._end(StreamLost(why))
         else:
@@ -482,10 +493,10 @@ class _Watchdog:
 
     __slots__ = ("dl", "col", "delivered", "replica", "last_token", "_handle", "_which", "_loop", "_offset")
 
-    def __init__(self, dl: Deadlines, col, delivered: list[int], replica: str) -> None:
+    def __init__(self, dl: Deadlines, col, delivered: bool, replica: str) -> None:
         self.dl = dl
         self.col = col
-        self.delivered = delivered  # the generation's completion ids (all replicas)
+        self.delivered = delivered  # the generation has output tokens (from any replica)
         self.replica = replica
         self.last_token = time.monotonic()
         self._loop = asyncio.get_running_loop()
@@ -499,6 +510,7 @@ class _Watchdog:
         limit forward (first token -> stall); later ones move it back, which
         the timer learns when it fires."""
         self.last_token = now
+        self.delivered = True
         if self._handle is None or self._which == "first_token":
             self.cancel()
             self._arm()

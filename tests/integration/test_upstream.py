@@ -26,6 +26,7 @@ from replicas.protocol import FinishReason, SamplingParams
 from replicas.sim import ByteTokenizer, SimConfig, SimEngine
 from replicas.spec import ReplicaSpec
 from replicas.upstream import open_upstream, parse_vllm_metrics
+from router.auth import hash_key
 from tests.helpers import GOLD, MODEL, RouterProcess, aiter_sse, poll
 from tests.sim_openai import SimOpenAI
 
@@ -40,12 +41,12 @@ TOK = ByteTokenizer()
 
 
 def upstream_router(workdir: Path, url: str, *, local: int = 1, sim: dict[str, Any] | None = None,
-                    **spec: Any) -> RouterProcess:
+                    tenants: Path | None = None, **spec: Any) -> RouterProcess:
     """A router whose first replica is the upstream at ``url``, then ``local`` sim replicas.
 
     With equal loads the balancer picks the first ready replica, so a request
     sent while nothing else runs goes to the upstream."""
-    r = RouterProcess(workdir, replicas=local, sim=sim)
+    r = RouterProcess(workdir, replicas=local, sim=sim, **({"tenants": tenants} if tenants else {}))
     r.config["replicas"].insert(0, {"name": UPSTREAM, "url": url, "config": {"model": MODEL}, **spec})
     r.replica_names.insert(0, UPSTREAM)
     r.config_path.write_text(yaml.safe_dump(r.config, sort_keys=False))
@@ -425,3 +426,44 @@ async def test_upstream_without_token_ids_fails_explicitly_after_first_token(tmp
     partial = "".join(got)
     assert expected.startswith(partial) and len(partial) < len(expected)
     assert router.metrics().value("fairstream_requests_total", outcome="lost") == 1
+
+
+async def test_upstream_without_token_ids_counts_one_token_per_chunk(tmp_path, cleanup, aclient_for):
+    """Output without token ids still counts: usage, the tenant's token
+    metrics and the stall timer see one token per chunk. (Counting nothing
+    left the first-token limit armed for the whole stream: this 2.4 s stream
+    was cut at the tenant's 1 s first-token limit.) Such a stream has no
+    resume buffer: nothing could continue it exactly."""
+    tenants = tmp_path / "tenants.yaml"
+    tenants.write_text(yaml.safe_dump({
+        "defaults": {"timeouts": {"queue_wait": 30, "first_token": 1.0, "stall": 30, "total": 120}},
+        "tenants": {"gold": {"keys": [hash_key(GOLD)]}},
+    }))
+    server = SimOpenAI(tmp_path, {"step_base_ms": 15}, token_ids=False)
+    server.start()
+    cleanup(server)
+    router = upstream_router(tmp_path / "router", server.url, local=0, tenants=tenants)
+    cleanup(router)
+    router.start()
+    aclient = aclient_for(router)
+    expected = await reference(prompt_ids("completion"), 160)
+    stream = await aclient.completions.create(model=MODEL, prompt=PROMPT, stream=True,
+                                              stream_options={"include_usage": True}, **greedy(160))
+    text, finish, usage, request_id = [], None, None, None
+    async for chunk in stream:
+        request_id = chunk.id
+        if chunk.choices:
+            text.append(chunk.choices[0].text)
+            finish = chunk.choices[0].finish_reason or finish
+        if chunk.usage is not None:
+            usage = chunk.usage
+    assert ("".join(text), finish) == (expected, "length")
+    assert usage is not None and usage.completion_tokens == 160, usage
+    m = router.metrics()
+    assert m.value("fairstream_tokens_total", tenant="gold", direction="completion") == 160
+    assert m.value("fairstream_requests_total", tenant="gold", outcome="ok") == 1
+    async with httpx.AsyncClient(base_url=router.base_url, timeout=10) as http:
+        r = await http.get(f"/v1/streams/{request_id.removeprefix('cmpl-')}",
+                           headers={"authorization": f"Bearer {GOLD}", "last-event-id": "1"})
+    assert r.status_code == 404, r.text
+
