@@ -5,9 +5,10 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import logging
 import os
 import sys
+
+from replicas.logs import LOG_FORMAT_ENV, REPLICA_NAME_ENV, JsonFormatter, setup_logging
 
 __all__ = ["main", "add_arguments", "run"]
 
@@ -43,12 +44,22 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="environment variable with the shared secret routers must present",
     )
     p.add_argument("--exit-with-parent", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    p.add_argument(
+        "--log-format",
+        default=os.environ.get(LOG_FORMAT_ENV, "json"),
+        choices=["json", "text"],
+        help=f"one JSON object per line (default; a router's replicas follow its format through {LOG_FORMAT_ENV})",
+    )
 
 
 def run(args: argparse.Namespace) -> None:
     from replicas.server import serve
 
-    logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(asctime)s replica %(levelname)s %(message)s")
+    name = os.environ.get(REPLICA_NAME_ENV, "")
+    setup_logging(args.log_level, json=args.log_format == "json",
+                  formatter=JsonFormatter({"replica": name} if name else None),
+                  text_format=f"%(asctime)s replica{' ' + name if name else ''} %(levelname)s %(message)s")
     config = json.loads(args.config_json)
     secret = os.environ.get(args.secret_env, "")
     host = port = None

@@ -487,8 +487,7 @@ async def serve_openai(
     server = OpenAIServer(engine, config, token_ids=token_ids, api_key=api_key, stream_interval=stream_interval)
     bound = await server.start(host, port)
     where = f"http://{host}:{bound}/v1"
-    log.info("OpenAI server for %s (%s) on %s%s", server.engine.model, engine, where,
+    log.info("replica ready on %s: OpenAI server for %s (%s)%s", where, server.engine.model, engine,
              "" if token_ids else " (no token ids)")
-    print(f"fairstream replica ready on {where}", flush=True)
     await wait_for_stop(exit_with_parent)
     await server.close()

@@ -276,8 +276,7 @@ async def serve(
     server = ReplicaServer(engine, config, secret=secret)
     await server.start(socket_path=socket_path, host=host, port=port)
     where = socket_path or f"{host}:{port}"
-    log.info("replica serving %s (%s) on %s", server.engine.model, engine, where)
-    print(f"fairstream replica ready on {where}", flush=True)
+    log.info("replica ready on %s: serving %s (%s)", where, server.engine.model, engine)
     await wait_for_stop(exit_with_parent)
     await server.close()
 

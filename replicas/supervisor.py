@@ -22,6 +22,7 @@ import tempfile
 from collections.abc import Callable
 
 from replicas.client import ReplicaClient, ReplicaRefused, connect
+from replicas.logs import REPLICA_NAME_ENV
 from replicas.pool import ReplicaPool, ReplicaSlot
 
 __all__ = ["Supervisor", "SupervisorSettings", "die_with_parent"]
@@ -209,6 +210,7 @@ class Supervisor:
             env["CUDA_VISIBLE_DEVICES"] = str(spec.gpu)
         secret = self._secret(slot)
         env["FAIRSTREAM_REPLICA_SECRET"] = secret
+        env[REPLICA_NAME_ENV] = spec.name  # on its log lines
         cmd = [
             sys.executable,
             "-m",

@@ -286,8 +286,10 @@ class RouterProcess:
         settings: dict[str, Any] | None = None,
         tenants: Path = DEMO_TENANTS,
         start_timeout: float = 20.0,
+        args: list[str] | None = None,
     ) -> None:
         self.workdir = Path(workdir)
+        self.args = list(args or [])  # more `fairstream serve` arguments
         self.workdir.mkdir(parents=True, exist_ok=True)
         self.replica_names = [f"sim-{i}" for i in range(replicas)]
         config: dict[str, Any] = {
@@ -333,7 +335,8 @@ class RouterProcess:
             with open(self.log_path, "ab") as log:
                 self.proc = subprocess.Popen(
                     [sys.executable, "-c", "from router.cli import main; main()", "serve",
-                     "--config", str(self.config_path), "--host", "127.0.0.1", "--port", str(self.port)],
+                     "--config", str(self.config_path), "--host", "127.0.0.1", "--port", str(self.port),
+                     *self.args],
                     cwd=self.workdir, env=env, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                 )
             try:

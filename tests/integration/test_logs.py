@@ -52,3 +52,18 @@ def test_request_log_lines(tmp_path):
         assert chatty["completion"] == loud.json()["choices"][0]["text"]
         # the private prompt appears only in the chatty tenant's line
         assert router.log().count(SECRET_PROMPT) == 1
+        # The replica processes log in the router's format, naming themselves:
+        # the router's stderr is one JSON object per line, all of it.
+        records = [json.loads(line) for line in router.log().splitlines() if line.strip()]
+        started = [r for r in records if r["msg"].startswith("replica ready on")]
+        assert {r.get("replica") for r in started} == set(router.replica_names), started
+
+
+def test_text_logs_reach_the_replicas(tmp_path):
+    """``--log-format text``: the replicas' lines are text as well."""
+    with RouterProcess(tmp_path / "r", replicas=1, args=["--log-format", "text"]) as router:
+        log = router.log()
+    lines = [line for line in log.splitlines() if "replica ready on" in line]
+    assert lines and not any(line.startswith("{") for line in lines), lines
+    assert " replica sim-0 INFO replica ready on" in lines[0], lines
+
