@@ -8,7 +8,7 @@ import json
 import os
 import sys
 
-from replicas.logs import LOG_FORMAT_ENV, REPLICA_NAME_ENV, JsonFormatter, setup_logging
+from replicas.logs import LOG_FORMAT_ENV, LOG_LEVEL_ENV, REPLICA_NAME_ENV, JsonFormatter, setup_logging
 
 __all__ = ["main", "add_arguments", "run"]
 
@@ -44,7 +44,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="environment variable with the shared secret routers must present",
     )
     p.add_argument("--exit-with-parent", action="store_true", help=argparse.SUPPRESS)
-    p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    p.add_argument("--log-level", default=os.environ.get(LOG_LEVEL_ENV, "info"),
+                   choices=["debug", "info", "warning", "error"])
     p.add_argument(
         "--log-format",
         default=os.environ.get(LOG_FORMAT_ENV, "json"),

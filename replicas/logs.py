@@ -6,8 +6,9 @@ record's extra fields. A replica process adds ``replica`` (its name, from
 ``FAIRSTREAM_REPLICA_NAME``, which the supervisor sets), so the lines of
 every process of a router can be told apart in one stream. The format a
 router was started with is passed to the processes it starts through
-``FAIRSTREAM_LOG_FORMAT``, so its stderr is all JSON or all text (vLLM's
-own lines excepted: vLLM formats them itself).
+``FAIRSTREAM_LOG_FORMAT`` (and its level through ``FAIRSTREAM_LOG_LEVEL``),
+so its stderr is all JSON or all text (vLLM's own lines excepted: vLLM
+formats them itself).
 """
 
 from __future__ import annotations
@@ -19,9 +20,10 @@ import time
 
 import msgspec
 
-__all__ = ["JsonFormatter", "setup_logging", "LOG_FORMAT_ENV", "REPLICA_NAME_ENV"]
+__all__ = ["JsonFormatter", "setup_logging", "LOG_FORMAT_ENV", "LOG_LEVEL_ENV", "REPLICA_NAME_ENV"]
 
 LOG_FORMAT_ENV = "FAIRSTREAM_LOG_FORMAT"
+LOG_LEVEL_ENV = "FAIRSTREAM_LOG_LEVEL"
 REPLICA_NAME_ENV = "FAIRSTREAM_REPLICA_NAME"
 
 _encode = msgspec.json.Encoder().encode
@@ -64,7 +66,7 @@ def setup_logging(level: str = "info", json: bool = True, formatter: logging.For
                   text_format: str = "%(asctime)s %(name)s %(levelname)s %(message)s") -> None:
     """Log ``level`` and up to stderr, as JSON (``formatter`` or a plain
     ``JsonFormatter``) or as text; processes started from here afterwards
-    log in the same format."""
+    log in the same format and level."""
     # No record needs its caller's file and line, thread or process (the
     # logging module's documented switches): without them a record costs
     # no stack walk and no process lookup (one per request line).
@@ -80,3 +82,4 @@ def setup_logging(level: str = "info", json: bool = True, formatter: logging.For
     root.addHandler(handler)
     root.setLevel(level.upper())
     os.environ[LOG_FORMAT_ENV] = "json" if json else "text"
+    os.environ[LOG_LEVEL_ENV] = level.lower()

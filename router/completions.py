@@ -203,6 +203,10 @@ async def start_generation(
             svc.metrics.timeouts.labels(policy.name, e.which).inc()
             raise GatewayTimeout(f"The request hit the tenant's {e}.", code=f"{e.which}_timeout",
                                  headers={"x-request-id": request_id}) from e
+        if isinstance(e, StreamLost):
+            # failed before its first piece (an engine error, a bug): nothing was sent
+            raise ApiError(f"The generation failed before its first token: {e}", code="stream_lost",
+                           headers={"x-request-id": request_id, **ticket.headers}) from e
         if isinstance(e, ApiError):
             e.headers.update(ticket.headers)
             e.headers.setdefault("x-request-id", request_id)
@@ -284,6 +288,9 @@ async def _collect(svc, gen: Generation, pieces, first: Piece, model: str, chat:
         result = f"timeout_{e.which}"
         m.timeouts.labels(policy.name, e.which).inc()
         raise GatewayTimeout(f"The request hit the tenant's {e}.", code=f"{e.which}_timeout") from e
+    except ApiError as e:
+        result = _outcome_of(e)
+        raise
     finally:
         await svc.admission.finish(ticket, gen.prompt_tokens + gen.completion_tokens)
         outcome.record(result, gen)

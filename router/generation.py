@@ -238,6 +238,11 @@ class Generation:
         return len(self.completion_ids) + self.uncounted
 
     @property
+    def produced(self) -> bool:
+        """Any output so far (tokens or text, from any replica)."""
+        return bool(self.completion_ids or self.uncounted or self.text_len)
+
+    @property
     def exact(self) -> bool:
         """Every token so far has its id (with the prompt's): what resuming
         and token-exact failover need."""
@@ -387,10 +392,10 @@ class Generation:
         if finish == FinishReason.ERROR:
             name = handle.slot.name
             self._detach(finished=True)
-            if not (self.completion_ids or self.uncounted or n or self.text_len or text):
+            if not (self.produced or n or text):
                 self._end(BadRequest(col.error or "the replica rejected the request"))
             else:
-                self._end(StreamLost(f"replica {name} failed the request: {col.error}"))
+                self._lose(f"replica {name} failed the request: {col.error}")
             return
         if n:
             if ids:
@@ -425,7 +430,7 @@ class Generation:
         log.exception("stream on %s failed handling %s", self.replica, what)
         self._detach(finished=False)
         if not self.ended:
-            self._end(StreamLost(f"internal error relaying the stream: {e!r}"))
+            self._lose(f"internal error relaying the stream: {e!r}")
 
     def _failed(self, exc: BaseException) -> None:
         name = self.replica or ""
@@ -444,8 +449,7 @@ class Generation:
             # Text went out without token ids (an upstream that returns
             # none): no replica can continue it exactly, and starting
             # over would repeat it.
-            m.streams_lost.inc()
-            self._end(StreamLost(f"replica {name} failed and its output has no token ids to resume from: {e}"))
+            self._lose(f"replica {name} failed and its output has no token ids to resume from: {e}")
             return
         self._died_at = time.monotonic()
         if self._exclude is None:
@@ -467,12 +471,17 @@ class Generation:
             return
         self._attach(handle)
 
+    def _lose(self, why: str) -> None:
+        """End with ``StreamLost``; counted as a lost stream if it had output."""
+        if self.produced:
+            self.metrics.streams_lost.inc()
+        self._end(StreamLost(why))
+
     def _give_up(self, why: str) -> None:
         """No replica can go on: a lost stream if anything was produced;
         otherwise nothing reached the client, which may simply retry (503)."""
-        if self.completion_ids or self.uncounted or self.text_len:
-            self.metrics.streams_lost.inc()
-            self._end(StreamLost(why))
+        if self.produced:
+            self._lose(why)
         else:
             self._end(ReplicaUnavailable(
                 f"The request's replica failed before its first token and no other replica could take it: {why}",

@@ -135,10 +135,19 @@ class EventStream:
             self.skip_chars -= cut
         if not text and finish == FinishReason.NONE:
             return None
+        if self.sid is not None and self.gen.uncounted:
+            self._unbuffer()
         event = self.enc.delta(text, finish, self._pos())
         self.writer.append(self.sid, event, self.gen.completion_ids[self.sent_ids:self.tokens], self.chars)
         self.sent_ids = self.tokens
         return event
+
+    def _unbuffer(self) -> None:
+        """Output without token ids: nothing could continue this stream
+        exactly, so it stops being resumable (a resume of it is a 404)."""
+        sid, self.sid, writer, self.writer = self.sid, None, self.writer, _NoBuffer()
+        log.warning("stream %s: output without token ids, so it is no longer resumable", sid)
+        self.svc.background(writer.release(sid))
 
     def _pos(self) -> bytes:
         """The stream position appended to a resumable event's id (``-T-C``)."""
@@ -204,7 +213,7 @@ async def relay_stream(es: EventStream, pieces: AsyncIterator[Piece], first: Pie
                 piece = await pieces.__anext__()
             for event in es.tail():
                 yield event
-    except (StreamLost, StreamTimeout) as e:
+    except (StreamLost, StreamTimeout, ApiError) as e:
         yield es.failed(e)
     finally:
         es.settle()

@@ -77,6 +77,10 @@ class _Conn:
         except ApiError as e:
             await self.send(_err(cid, e))
             return
+        except Exception as e:  # noqa: BLE001 - answer this request, keep the connection's others
+            log.exception("websocket request %s failed", request_id, exc_info=e)
+            await self.send(_err(cid, ApiError("Internal server error.")))
+            return
         req, gen = st.req, st.gen
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
         enc = ChunkEncoder(True, "chatcmpl-" + request_id, req.model, st.created, channel=cid)
