@@ -16,6 +16,7 @@ import asyncio
 import ssl
 import time
 from collections.abc import Callable
+from typing import NamedTuple
 from urllib.parse import urlsplit
 
 import httptools
@@ -47,11 +48,14 @@ class Response:
     """One response: status and headers once ``HttpPool.request`` returns,
     then the body, given to a sink as it arrives (or kept for ``read``)."""
 
-    __slots__ = ("status", "headers", "_sink", "_kept", "_done", "_conn", "_release")
+    __slots__ = ("status", "headers", "on_head", "_sink", "_kept", "_done", "_conn", "_release")
 
     def __init__(self, conn: _Conn) -> None:
         self.status = 0
         self.headers: dict[bytes, bytes] = {}
+        # called with the response in the connection's callback once status
+        # and headers are in, before any body piece (e.g. to ``stream_to``)
+        self.on_head: Callable[[Response], None] | None = None
         self._sink: Callable[[bytes], None] | None = None
         self._kept: list[bytes] = []
         self._done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
@@ -172,6 +176,12 @@ class _Conn(asyncio.Protocol):
             return
         r.status = self.parser.get_status_code()
         self.keep_alive = self.parser.should_keep_alive()
+        if r.on_head is not None:
+            on_head, r.on_head = r.on_head, None
+            try:
+                on_head(r)
+            except Exception as e:  # noqa: BLE001 - the caller's hook failed: end this response with it
+                r.close(e)
         if self.head is not None and not self.head.done():
             self.head.set_result(r)
 
@@ -200,6 +210,8 @@ class _Conn(asyncio.Protocol):
 
     def abandon(self) -> None:
         """The response's reader left before its end: drop the connection."""
+        if self.head is not None and not self.head.done():
+            self.head.cancel()  # nobody may wait for it any more
         if self.response is not None:
             self.response = None
             self.close()
@@ -219,6 +231,15 @@ class _Conn(asyncio.Protocol):
         self.close()
         if r is not None:
             r._end(exc)
+
+
+class Sent(NamedTuple):
+    """A request ``HttpPool.send_now`` wrote: its connection, its response
+    and the future of the response's head."""
+
+    conn: _Conn
+    response: Response
+    head: asyncio.Future[Response]
 
 
 class HttpPool:
@@ -244,22 +265,43 @@ class HttpPool:
         self._all: set[_Conn] = set()
         self._slots = asyncio.Semaphore(limit) if limit else None
 
-    async def request(self, method: str, path: str, body: bytes) -> Response:
-        """Send the request; return once the response's status and headers are in."""
+    def send_now(self, method: str, path: str, body: bytes,
+                 on_head: Callable[[Response], None] | None = None) -> Sent | None:
+        """Write the request at once, with no await, on an idle kept-alive
+        connection; None when there is none (or a concurrency limit is set).
+        ``request(..., sent=)`` then waits for its response."""
+        if self._slots is not None:
+            return None
+        conn = self._take_idle()
+        if conn is None:
+            return None
+        response = Response(conn)
+        response.on_head = on_head
+        return Sent(conn, response, conn.send(self._encode(method, path, body), response))
+
+    async def request(self, method: str, path: str, body: bytes, sent: Sent | None = None,
+                      on_head: Callable[[Response], None] | None = None) -> Response:
+        """Send the request (unless ``sent`` by ``send_now``); return once the
+        response's status and headers are in. ``on_head``: the response's
+        ``on_head`` hook (a ``sent`` one brings its own)."""
         slots = self._slots
         if slots is not None:
             await slots.acquire()
-        request = b"%s %s HTTP/1.1\r\n%sContent-Length: %d\r\n\r\n%s" % (
-            method.encode(), (self.prefix + path).encode(), self._headers, len(body), body)
+        request = self._encode(method, path, body)
         try:
             for attempt in range(2):
-                conn = self._take_idle()
-                reused = conn is not None
-                if conn is None:
-                    conn = await self._connect()
-                response = Response(conn)
+                if sent is not None and attempt == 0:
+                    conn, response, head, reused = sent.conn, sent.response, sent.head, True
+                else:
+                    conn = self._take_idle()
+                    reused = conn is not None
+                    if conn is None:
+                        conn = await self._connect()
+                    response = Response(conn)
+                    response.on_head = on_head
+                    head = conn.send(request, response)
                 try:
-                    await conn.send(request, response)
+                    await head
                 except HttpError:
                     # A kept-alive connection the server closed meanwhile: the
                     # request never reached it (no byte came back); once more
@@ -278,6 +320,10 @@ class HttpPool:
             if slots is not None:
                 slots.release()
             raise
+
+    def _encode(self, method: str, path: str, body: bytes) -> bytes:
+        return b"%s %s HTTP/1.1\r\n%sContent-Length: %d\r\n\r\n%s" % (
+            method.encode(), (self.prefix + path).encode(), self._headers, len(body), body)
 
     async def close(self) -> None:
         for conn in list(self._all):

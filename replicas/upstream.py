@@ -28,13 +28,14 @@ import itertools
 import logging
 import os
 import re
+from collections.abc import Callable
 from typing import Any
 
 import aiohttp
 import msgspec
 
 from replicas.client import Collector, ReplicaDead, ReplicaRefused
-from replicas.http11 import HttpError, HttpPool, Response, sse_data
+from replicas.http11 import HttpError, HttpPool, Response, Sent, sse_data
 from replicas.protocol import PROTOCOL_VERSION, Delta, FinishReason, LoadReport, Pong, Ready, SamplingParams
 from replicas.spec import ReplicaSpec
 
@@ -95,7 +96,7 @@ class _Stream:
     response; whether output reached the router, and whether the router
     could resume it (token ids known)."""
 
-    __slots__ = ("col", "delivered", "resumable", "done", "prompt_ids", "splice", "task", "resp")
+    __slots__ = ("col", "delivered", "resumable", "done", "prompt_ids", "splice", "task", "resp", "streaming")
 
     def __init__(self, col: Collector, prompt_ids: list[int] | None) -> None:
         self.col = col
@@ -105,6 +106,7 @@ class _Stream:
         self.prompt_ids = prompt_ids  # goes out with the first delta
         self.splice: _Splice | None = None
         self.task: asyncio.Task[None] | None = None
+        self.streaming = False  # its 200 response is being parsed (``_SseReader``)
         self.resp: Response | None = None
 
 
@@ -225,8 +227,17 @@ class UpstreamClient:
             raise ReplicaDead(f"upstream {self.name} returns no token ids, so it cannot continue a resumed stream")
         col = Collector(next(self._ids))
         st = _Stream(col, prompt_token_ids)
+        sent = None
+        if not (prefix and params.stop) and params.max_tokens > len(prefix):
+            # On a kept-alive connection the request goes out now, not when
+            # the task below first runs: one turn of a busy loop less before
+            # the first token (docs/perf.md, "Where time to first token goes").
+            path, body = self._request(params, prompt, messages, prompt_token_ids, prefix)
+            sent = self._http.send_now("POST", path, body, self._on_head(st, bool(prefix)))
+            if sent is not None:
+                st.resp = sent.response  # an abort closes it
         task = st.task = asyncio.get_running_loop().create_task(
-            self._run(st, params, prompt, messages, prefix, prefix_text_len),
+            self._run(st, params, prompt, messages, prefix, prefix_text_len, sent),
             name=f"upstream-{self.name}-{col.rid}",
         )
         self._streams[col.rid] = st
@@ -309,8 +320,20 @@ class UpstreamClient:
             body["return_token_ids"] = True
         return body
 
+    def _request(self, params: SamplingParams, prompt: str | None, messages: list[dict[str, str]] | None,
+                 prompt_ids: list[int] | None, prefix: list[int]) -> tuple[str, bytes]:
+        """The path and JSON body of one generation request."""
+        if prompt_ids is not None:
+            path, payload = "/completions", {"prompt": prompt_ids + prefix}
+        elif messages is not None:
+            path, payload = "/chat/completions", {"messages": messages}
+        else:
+            path, payload = "/completions", {"prompt": prompt or ""}
+        return path, msgspec.json.encode(self._body(params, prefix, self.token_ids is not False) | payload)
+
     async def _run(self, st: _Stream, params: SamplingParams, prompt: str | None,
-                   messages: list[dict[str, str]] | None, prefix: list[int], prefix_text_len: int) -> None:
+                   messages: list[dict[str, str]] | None, prefix: list[int], prefix_text_len: int,
+                   sent: Sent | None = None) -> None:
         """Send the request; once its response streams, this task ends and the
         body is parsed in ``data_received`` (``_SseReader``) until ``_ended``."""
         col = st.col
@@ -323,22 +346,15 @@ class UpstreamClient:
                 return
             if prefix and params.stop:
                 st.splice = _Splice(params.stop, await self._held_back(prefix, prefix_text_len))
-            if prompt_ids is not None:
-                path, payload = "/completions", {"prompt": prompt_ids + prefix}
-            elif messages is not None:
-                path, payload = "/chat/completions", {"messages": messages}
-            else:
-                path, payload = "/completions", {"prompt": prompt or ""}
             for attempt in range(2):
                 ask_ids = self.token_ids is not False
-                body = self._body(params, prefix, ask_ids) | payload
-                resp = await self._http.request("POST", path, msgspec.json.encode(body))
+                path, body = self._request(params, prompt, messages, prompt_ids, prefix)
+                resp = await self._http.request("POST", path, body, sent if attempt == 0 else None,
+                                                self._on_head(st, bool(prefix)))
                 if resp.status == 200:
-                    reader = _SseReader(self, st, bool(prefix), resp)
-                    st.resp = resp
                     streaming = True
-                    resp.stream_to(reader.feed)
-                    resp.when_finished(lambda exc: self._ended(st, reader, exc))
+                    if not st.streaming:  # the head hook failed (and closed it): report that
+                        self._stream(st, resp, bool(prefix))
                     return
                 try:
                     msg = _error_text(await resp.read())
@@ -365,6 +381,23 @@ class UpstreamClient:
             st.task = None
             if not st.done and not streaming:
                 self._streams.pop(col.rid, None)
+
+    def _on_head(self, st: _Stream, resumed: bool) -> Callable[[Response], None]:
+        """A response's head hook: a 200 streams from the connection's
+        callback on, so the first token goes on in the loop turn that read
+        it, not when the request's task next runs."""
+        def on_head(resp: Response) -> None:
+            if resp.status == 200:
+                self._stream(st, resp, resumed)
+        return on_head
+
+    def _stream(self, st: _Stream, resp: Response, resumed: bool) -> None:
+        """Parse the 200 response's SSE body as it arrives."""
+        reader = _SseReader(self, st, resumed, resp)
+        st.resp = resp
+        st.streaming = True
+        resp.stream_to(reader.feed)
+        resp.when_finished(lambda exc: self._ended(st, reader, exc))
 
     def _ended(self, st: _Stream, reader: _SseReader, exc: BaseException | None) -> None:
         """The response of a streaming request ended (``exc``: how it broke)."""

@@ -207,3 +207,42 @@ async def test_a_body_that_came_with_the_head_reaches_the_sink() -> None:
         await r.finished()
         assert b"".join(got) == b"data: 1\n\ndata: 2\n\n"
         await pool.close()
+
+
+async def test_send_now_writes_at_once_and_the_head_hook_streams_from_the_callback() -> None:
+    async def script(path, w, r):
+        w.write(HEAD + chunked(b"data: 1\n\n", b"data: 2\n\n"))
+
+    async with Server(script) as srv:
+        pool = HttpPool(srv.url)
+        assert pool.send_now("POST", "/x", b"{}") is None  # no kept-alive connection yet
+        first = await pool.request("POST", "/x", b"{}")
+        await first.read()
+        sent = pool.send_now("POST", "/x", b'{"b":2}')
+        assert sent is not None
+        got: list[bytes] = []
+        heads: list[int] = []
+
+        def on_head(resp) -> None:
+            heads.append(resp.status)
+            resp.stream_to(got.append)
+
+        sent.response.on_head = on_head
+        # out with no await of ours: the server answers before request() is called
+        await asyncio.wait_for(sent.response.finished(), 2)
+        assert heads == [200] and b"".join(got) == b"data: 1\n\ndata: 2\n\n"
+        r = await pool.request("POST", "/x", b'{"b":2}', sent)
+        assert r is sent.response and r.status == 200
+        assert srv.connections == 1 and srv.requests[1].endswith(b'{"b":2}')
+        await pool.close()
+
+
+async def test_send_now_is_off_under_a_concurrency_limit() -> None:
+    async def script(path, w, r):
+        w.write(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok")
+
+    async with Server(script) as srv:
+        pool = HttpPool(srv.url, limit=4)
+        await (await pool.request("POST", "/x", b"{}")).read()
+        assert pool.send_now("POST", "/x", b"{}") is None  # the limit needs request()'s wait
+        await pool.close()
