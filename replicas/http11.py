@@ -211,7 +211,10 @@ class _Conn(asyncio.Protocol):
     def abandon(self) -> None:
         """The response's reader left before its end: drop the connection."""
         if self.head is not None and not self.head.done():
-            self.head.cancel()  # nobody may wait for it any more
+            # whoever still awaits the head learns the response is gone; if
+            # nobody does (an abort before the request's task ran), no warning
+            self.head.set_exception(HttpError("response closed"))
+            self.head.exception()
         if self.response is not None:
             self.response = None
             self.close()
@@ -227,6 +230,7 @@ class _Conn(asyncio.Protocol):
         head, self.head = self.head, None
         if head is not None and not head.done():
             head.set_exception(exc)
+            head.exception()  # retrieved: a request sent at once may never be awaited (closed first)
         r, self.response = self.response, None
         self.close()
         if r is not None:
@@ -234,12 +238,14 @@ class _Conn(asyncio.Protocol):
 
 
 class Sent(NamedTuple):
-    """A request ``HttpPool.send_now`` wrote: its connection, its response
-    and the future of the response's head."""
+    """A request ``HttpPool.send_now`` wrote: its connection, its response,
+    the future of the response's head, and its bytes (to send again on a new
+    connection if the kept-alive one turns out closed)."""
 
     conn: _Conn
     response: Response
     head: asyncio.Future[Response]
+    request: bytes
 
 
 class HttpPool:
@@ -265,11 +271,15 @@ class HttpPool:
         self._all: set[_Conn] = set()
         self._slots = asyncio.Semaphore(limit) if limit else None
 
+    def can_send_now(self) -> bool:
+        """``send_now`` would likely find a connection (worth encoding for)."""
+        return self._slots is None and bool(self._idle)
+
     def send_now(self, method: str, path: str, body: bytes,
                  on_head: Callable[[Response], None] | None = None) -> Sent | None:
         """Write the request at once, with no await, on an idle kept-alive
         connection; None when there is none (or a concurrency limit is set).
-        ``request(..., sent=)`` then waits for its response."""
+        ``response_to(sent)`` then waits for its response."""
         if self._slots is not None:
             return None
         conn = self._take_idle()
@@ -277,17 +287,25 @@ class HttpPool:
             return None
         response = Response(conn)
         response.on_head = on_head
-        return Sent(conn, response, conn.send(self._encode(method, path, body), response))
+        request = self._encode(method, path, body)
+        return Sent(conn, response, conn.send(request, response), request)
 
-    async def request(self, method: str, path: str, body: bytes, sent: Sent | None = None,
+    async def request(self, method: str, path: str, body: bytes,
                       on_head: Callable[[Response], None] | None = None) -> Response:
-        """Send the request (unless ``sent`` by ``send_now``); return once the
-        response's status and headers are in. ``on_head``: the response's
-        ``on_head`` hook (a ``sent`` one brings its own)."""
+        """Send the request; return once the response's status and headers
+        are in. ``on_head``: the response's ``on_head`` hook."""
+        return await self._exchange(self._encode(method, path, body), None, on_head)
+
+    async def response_to(self, sent: Sent, on_head: Callable[[Response], None] | None = None) -> Response:
+        """``request`` for a request ``send_now`` wrote (``on_head``: for the
+        new connection's response, if the kept-alive one was closed)."""
+        return await self._exchange(sent.request, sent, on_head)
+
+    async def _exchange(self, request: bytes, sent: Sent | None,
+                        on_head: Callable[[Response], None] | None) -> Response:
         slots = self._slots
         if slots is not None:
             await slots.acquire()
-        request = self._encode(method, path, body)
         try:
             for attempt in range(2):
                 if sent is not None and attempt == 0:

@@ -227,17 +227,22 @@ class UpstreamClient:
             raise ReplicaDead(f"upstream {self.name} returns no token ids, so it cannot continue a resumed stream")
         col = Collector(next(self._ids))
         st = _Stream(col, prompt_token_ids)
-        sent = None
-        if not (prefix and params.stop) and params.max_tokens > len(prefix):
+        first = None
+        if self._http.can_send_now() and not (prefix and params.stop) and params.max_tokens > len(prefix):
             # On a kept-alive connection the request goes out now, not when
             # the task below first runs: one turn of a busy loop less before
             # the first token (docs/perf.md, "Where time to first token goes").
-            path, body = self._request(params, prompt, messages, prompt_token_ids, prefix)
-            sent = self._http.send_now("POST", path, body, self._on_head(st, bool(prefix)))
-            if sent is not None:
-                st.resp = sent.response  # an abort closes it
+            try:
+                path, body, ask_ids = self._request(params, prompt, messages, prompt_token_ids, prefix)
+            except (TypeError, ValueError, msgspec.EncodeError):
+                pass  # the task meets it again and reports it, as for any request
+            else:
+                sent = self._http.send_now("POST", path, body, self._on_head(st, bool(prefix)))
+                if sent is not None:
+                    st.resp = sent.response  # an abort closes it
+                    first = (sent, ask_ids)
         task = st.task = asyncio.get_running_loop().create_task(
-            self._run(st, params, prompt, messages, prefix, prefix_text_len, sent),
+            self._run(st, params, prompt, messages, prefix, prefix_text_len, first),
             name=f"upstream-{self.name}-{col.rid}",
         )
         self._streams[col.rid] = st
@@ -279,6 +284,8 @@ class UpstreamClient:
         streams = list(self._streams.values())
         self._streams.clear()
         for st in streams:
+            if st.resp is not None:
+                st.resp.close()  # including a request written before its task ran
             st.col.fail(self.closed)
         tasks = [self._poller, *self._tasks]
         for t in tasks:
@@ -321,19 +328,21 @@ class UpstreamClient:
         return body
 
     def _request(self, params: SamplingParams, prompt: str | None, messages: list[dict[str, str]] | None,
-                 prompt_ids: list[int] | None, prefix: list[int]) -> tuple[str, bytes]:
-        """The path and JSON body of one generation request."""
+                 prompt_ids: list[int] | None, prefix: list[int]) -> tuple[str, bytes, bool]:
+        """The path and JSON body of one generation request, and whether it
+        asks for token ids."""
         if prompt_ids is not None:
             path, payload = "/completions", {"prompt": prompt_ids + prefix}
         elif messages is not None:
             path, payload = "/chat/completions", {"messages": messages}
         else:
             path, payload = "/completions", {"prompt": prompt or ""}
-        return path, msgspec.json.encode(self._body(params, prefix, self.token_ids is not False) | payload)
+        ask_ids = self.token_ids is not False
+        return path, msgspec.json.encode(self._body(params, prefix, ask_ids) | payload), ask_ids
 
     async def _run(self, st: _Stream, params: SamplingParams, prompt: str | None,
                    messages: list[dict[str, str]] | None, prefix: list[int], prefix_text_len: int,
-                   sent: Sent | None = None) -> None:
+                   first: tuple[Sent, bool] | None = None) -> None:
         """Send the request; once its response streams, this task ends and the
         body is parsed in ``data_received`` (``_SseReader``) until ``_ended``."""
         col = st.col
@@ -347,10 +356,12 @@ class UpstreamClient:
             if prefix and params.stop:
                 st.splice = _Splice(params.stop, await self._held_back(prefix, prefix_text_len))
             for attempt in range(2):
-                ask_ids = self.token_ids is not False
-                path, body = self._request(params, prompt, messages, prompt_ids, prefix)
-                resp = await self._http.request("POST", path, body, sent if attempt == 0 else None,
-                                                self._on_head(st, bool(prefix)))
+                if attempt == 0 and first is not None:  # written by generate()
+                    sent, ask_ids = first
+                    resp = await self._http.response_to(sent, self._on_head(st, bool(prefix)))
+                else:
+                    path, body, ask_ids = self._request(params, prompt, messages, prompt_ids, prefix)
+                    resp = await self._http.request("POST", path, body, self._on_head(st, bool(prefix)))
                 if resp.status == 200:
                     streaming = True
                     if not st.streaming:  # the head hook failed (and closed it): report that

@@ -231,7 +231,7 @@ async def test_send_now_writes_at_once_and_the_head_hook_streams_from_the_callba
         # out with no await of ours: the server answers before request() is called
         await asyncio.wait_for(sent.response.finished(), 2)
         assert heads == [200] and b"".join(got) == b"data: 1\n\ndata: 2\n\n"
-        r = await pool.request("POST", "/x", b'{"b":2}', sent)
+        r = await pool.response_to(sent)
         assert r is sent.response and r.status == 200
         assert srv.connections == 1 and srv.requests[1].endswith(b'{"b":2}')
         await pool.close()
@@ -246,3 +246,47 @@ async def test_send_now_is_off_under_a_concurrency_limit() -> None:
         await (await pool.request("POST", "/x", b"{}")).read()
         assert pool.send_now("POST", "/x", b"{}") is None  # the limit needs request()'s wait
         await pool.close()
+
+
+async def test_a_request_sent_at_once_on_a_closed_connection_goes_again_on_a_new_one() -> None:
+    seen = 0
+
+    async def script(path, w, r):
+        nonlocal seen
+        seen += 1
+        if seen == 2:
+            return "close"  # the kept-alive connection dies under the request, no byte back
+        w.write(HEAD + chunked(b"data: %d\n\n" % seen))
+
+    async with Server(script) as srv:
+        pool = HttpPool(srv.url)
+        await (await pool.request("POST", "/x", b"{}")).read()
+        got: list[bytes] = []
+        sent = pool.send_now("POST", "/x", b"{}", lambda resp: resp.stream_to(got.append))
+        assert sent is not None
+        r = await pool.response_to(sent, lambda resp: resp.stream_to(got.append))
+        await r.finished()
+        assert r is not sent.response and got == [b"data: 3\n\n"]  # the hook came along
+        assert srv.connections == 2
+        await pool.close()
+
+
+async def test_a_head_hook_that_fails_ends_the_response_and_its_head_with_an_error() -> None:
+    async def script(path, w, r):
+        w.write(HEAD + chunked(b"data: 1\n\n"))
+
+    async with Server(script) as srv:
+        pool = HttpPool(srv.url)
+        await (await pool.request("POST", "/x", b"{}")).read()
+
+        def hook(resp) -> None:
+            raise RuntimeError("hook failed")
+
+        sent = pool.send_now("POST", "/x", b"{}", hook)
+        assert sent is not None
+        with pytest.raises(HttpError):
+            await pool.response_to(sent)  # not a cancellation: the caller reports it
+        with pytest.raises(RuntimeError, match="hook failed"):
+            await sent.response.finished()
+        await pool.close()
+
