@@ -120,6 +120,8 @@ class EventStream:
 
     def event(self, text: str, n: int, finish: FinishReason) -> bytes | None:
         """The event for one piece (None: nothing to send)."""
+        if self.sid is not None and self.gen.uncounted:
+            self._unbuffer()  # (before this piece's text counts: the buffer does not get it)
         if n:
             now = time.monotonic()
             if self.last is None:
@@ -135,8 +137,6 @@ class EventStream:
             self.skip_chars -= cut
         if not text and finish == FinishReason.NONE:
             return None
-        if self.sid is not None and self.gen.uncounted:
-            self._unbuffer()
         event = self.enc.delta(text, finish, self._pos())
         self.writer.append(self.sid, event, self.gen.completion_ids[self.sent_ids:self.tokens], self.chars)
         self.sent_ids = self.tokens
@@ -144,10 +144,15 @@ class EventStream:
 
     def _unbuffer(self) -> None:
         """Output without token ids: nothing could continue this stream
-        exactly, so it stops being resumable (a resume of it is a 404)."""
+        exactly, so its resume buffer ends here, finished with an error event
+        (a resume gets what it missed up to this point, then that error)."""
         sid, self.sid, writer, self.writer = self.sid, None, self.writer, _NoBuffer()
+        assert sid is not None
         log.warning("stream %s: output without token ids, so it is no longer resumable", sid)
-        self.svc.background(writer.release(sid))
+        final = self.enc.error(error_body(
+            "The stream's output has no token ids from here on, so it cannot be resumed; retry the request.",
+            "server_error", None, "not_resumable"))
+        self.svc.background(writer.finish(sid, final, self.chars))
 
     def _pos(self) -> bytes:
         """The stream position appended to a resumable event's id (``-T-C``)."""

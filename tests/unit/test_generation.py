@@ -7,50 +7,29 @@ consumer (``Sink``: records pieces and the failure) are stand-ins.
 
 from __future__ import annotations
 
+import asyncio
+import time
+from types import SimpleNamespace
+
 from replicas.client import Collector
-from replicas.pool import LoadHandle, ReplicaSlot
 from replicas.protocol import Delta, FinishReason, SamplingParams
-from replicas.spec import ReplicaSpec
 from router.errors import BadRequest
-from router.generation import Generation, Job, StreamLost
+from router.generation import Generation, StreamLost
 from router.metrics import Metrics
+from router.relay import EventStream
+from router.resume import ResumeMeta, ResumeWriter
+from router.sse import ChunkEncoder
+from router.state.memory import MemoryStore
+from tests.unit.generations import Sink
+from tests.unit.generations import started as _started
 
 NONE, STOP, ERROR = FinishReason.NONE, FinishReason.STOP, FinishReason.ERROR
 
 
-class Client:
-    def generate(self, params, **kw) -> Collector:
-        return Collector(1)
-
-    def abort(self, col: Collector) -> None:
-        pass
-
-    def release(self, col: Collector) -> None:
-        pass
-
-
-class Sink:
-    def __init__(self) -> None:
-        self.pieces: list[tuple[str, int, FinishReason]] = []
-        self.failure: BaseException | None = None
-
-    def piece(self, text: str, n: int, finish: FinishReason) -> None:
-        self.pieces.append((text, n, finish))
-
-    def fail(self, exc: BaseException) -> None:
-        self.failure = exc
-
-
 def started(prompt_token_ids: list[int] | None = None) -> tuple[Generation, Collector, Sink, Metrics]:
-    slot = ReplicaSlot(ReplicaSpec(name="r0"))
-    slot.client = Client()  # type: ignore[assignment]
-    metrics = Metrics()
-    job = Job("m", SamplingParams(max_tokens=8), prompt="p", prompt_token_ids=prompt_token_ids)
-    gen = Generation(None, job, metrics, 0)  # type: ignore[arg-type]
-    sink = gen.sink = Sink()
-    gen._attach(LoadHandle(slot, 8))
-    assert gen._col is not None
-    return gen, gen._col, sink, metrics
+    sink, metrics = Sink(), Metrics()
+    gen, col, _, _ = _started(sink, prompt_token_ids, metrics=metrics)
+    return gen, col, sink, metrics
 
 
 def lost(metrics: Metrics) -> float:
@@ -93,3 +72,26 @@ async def test_a_rejected_prompt_is_a_bad_request() -> None:
     gen, col, sink, metrics = started([1, 2])
     col.put(Delta(1, [], "", ERROR, error="prompt too long"))
     assert isinstance(sink.failure, BadRequest) and lost(metrics) == 0
+
+
+async def test_a_stream_whose_token_ids_stop_ends_its_resume_buffer_with_an_error() -> None:
+    store = MemoryStore()
+    writer = ResumeWriter(store, 60)
+    await writer.open("s1", ResumeMeta("t", False, "m", "cmpl-s1", 0, False, SamplingParams(max_tokens=8), [1, 2]))
+    tasks: list[asyncio.Future] = []
+    svc = SimpleNamespace(metrics=Metrics(), resume=writer, background=lambda c: tasks.append(asyncio.ensure_future(c)))
+    policy = SimpleNamespace(name="t", priority="normal")
+    gen, col, sink, _ = started([1, 2])
+    es = EventStream(svc, gen, ChunkEncoder(False, "cmpl-s1", "m", 0), False, policy, None,  # type: ignore[arg-type]
+                     SimpleNamespace(started=time.monotonic()), "s1")  # type: ignore[arg-type]
+    col.put(Delta(1, [5], "a", NONE))
+    assert es.event("a", 1, NONE) is not None
+    col.put(Delta(1, [], "b", NONE, count=1))  # the upstream stops sending ids
+    live = es.event("b", 1, NONE)
+    assert live is not None and b'"b"' in live  # the client still gets it
+    await asyncio.gather(*tasks)
+    snap = await store.stream_read("s1", 0)
+    assert snap is not None and snap.finished and snap.token_ids == [5]
+    assert b'"a"' in snap.events[0] and b"not_resumable" in snap.events[-1]
+    assert not any(b'"b"' in e for e in snap.events)  # never a continuation without ids
+

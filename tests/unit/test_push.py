@@ -14,13 +14,9 @@ import asyncio
 
 from uvicorn.protocols.http.flow_control import FlowControl
 
-from replicas.client import Collector
-from replicas.pool import LoadHandle, ReplicaSlot
-from replicas.protocol import Delta, FinishReason, SamplingParams
-from replicas.spec import ReplicaSpec
-from router.generation import Generation, Job
-from router.metrics import Metrics
+from replicas.protocol import Delta, FinishReason
 from router.push import PushRelay, TransportWire
+from tests.unit.generations import started
 
 NONE, STOP = FinishReason.NONE, FinishReason.STOP
 
@@ -98,33 +94,10 @@ async def test_pieces_are_written_at_once_while_the_transport_takes_them() -> No
     await asyncio.wait_for(run, 1)
 
 
-class Client:
-    """The replica connection: hands out collectors, records aborts."""
-
-    def __init__(self) -> None:
-        self.aborted: list[int] = []
-        self.released: list[int] = []
-
-    def generate(self, params, **kw) -> Collector:
-        return Collector(1)
-
-    def abort(self, col: Collector) -> None:
-        self.aborted.append(col.rid)
-
-    def release(self, col: Collector) -> None:
-        self.released.append(col.rid)
-
-
 async def test_a_failure_on_the_last_piece_ends_the_stream_with_an_error_event() -> None:
-    slot = ReplicaSlot(ReplicaSpec(name="r0"))
-    client = slot.client = Client()  # type: ignore[assignment]
-    gen = Generation(None, Job("m", SamplingParams(max_tokens=4), prompt="p"), Metrics(), 0)  # type: ignore[arg-type]
     cycle = Cycle()
     relay = PushRelay()
-    gen.sink = relay
-    gen._attach(LoadHandle(slot, 4))
-    col = gen._col
-    assert col is not None
+    gen, col, slot, client = started(relay, max_tokens=4)
     col.put(Delta(1, [7], "x", NONE, [1, 2]))
     run = asyncio.ensure_future(relay.run(Events(fail_on_tail=True), TransportWire(cycle)))
     await asyncio.sleep(0)
