@@ -50,12 +50,12 @@ class Response:
 
     __slots__ = ("status", "headers", "on_head", "_sink", "_kept", "_done", "_conn", "_release")
 
-    def __init__(self, conn: _Conn) -> None:
+    def __init__(self, conn: _Conn, on_head: Callable[[Response], None] | None = None) -> None:
         self.status = 0
         self.headers: dict[bytes, bytes] = {}
         # called with the response in the connection's callback once status
         # and headers are in, before any body piece (e.g. to ``stream_to``)
-        self.on_head: Callable[[Response], None] | None = None
+        self.on_head = on_head
         self._sink: Callable[[bytes], None] | None = None
         self._kept: list[bytes] = []
         self._done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
@@ -285,8 +285,7 @@ class HttpPool:
         conn = self._take_idle()
         if conn is None:
             return None
-        response = Response(conn)
-        response.on_head = on_head
+        response = Response(conn, on_head)
         request = self._encode(method, path, body)
         return Sent(conn, response, conn.send(request, response), request)
 
@@ -315,8 +314,7 @@ class HttpPool:
                     reused = conn is not None
                     if conn is None:
                         conn = await self._connect()
-                    response = Response(conn)
-                    response.on_head = on_head
+                    response = Response(conn, on_head)
                     head = conn.send(request, response)
                 try:
                     await head

@@ -96,7 +96,7 @@ class _Stream:
     response; whether output reached the router, and whether the router
     could resume it (token ids known)."""
 
-    __slots__ = ("col", "delivered", "resumable", "done", "prompt_ids", "splice", "task", "resp", "streaming")
+    __slots__ = ("col", "delivered", "resumable", "done", "prompt_ids", "splice", "task", "resp")
 
     def __init__(self, col: Collector, prompt_ids: list[int] | None) -> None:
         self.col = col
@@ -106,7 +106,6 @@ class _Stream:
         self.prompt_ids = prompt_ids  # goes out with the first delta
         self.splice: _Splice | None = None
         self.task: asyncio.Task[None] | None = None
-        self.streaming = False  # its 200 response is being parsed (``_SseReader``)
         self.resp: Response | None = None
 
 
@@ -228,6 +227,8 @@ class UpstreamClient:
         col = Collector(next(self._ids))
         st = _Stream(col, prompt_token_ids)
         first = None
+        on_head = self._on_head(st, bool(prefix))
+        # (not when _run has work to do first: a stop-string splice, or no tokens left)
         if self._http.can_send_now() and not (prefix and params.stop) and params.max_tokens > len(prefix):
             # On a kept-alive connection the request goes out now, not when
             # the task below first runs: one turn of a busy loop less before
@@ -237,12 +238,12 @@ class UpstreamClient:
             except (TypeError, ValueError, msgspec.EncodeError):
                 pass  # the task meets it again and reports it, as for any request
             else:
-                sent = self._http.send_now("POST", path, body, self._on_head(st, bool(prefix)))
+                sent = self._http.send_now("POST", path, body, on_head)
                 if sent is not None:
                     st.resp = sent.response  # an abort closes it
                     first = (sent, ask_ids)
         task = st.task = asyncio.get_running_loop().create_task(
-            self._run(st, params, prompt, messages, prefix, prefix_text_len, first),
+            self._run(st, params, prompt, messages, prefix, prefix_text_len, on_head, first),
             name=f"upstream-{self.name}-{col.rid}",
         )
         self._streams[col.rid] = st
@@ -342,7 +343,7 @@ class UpstreamClient:
 
     async def _run(self, st: _Stream, params: SamplingParams, prompt: str | None,
                    messages: list[dict[str, str]] | None, prefix: list[int], prefix_text_len: int,
-                   first: tuple[Sent, bool] | None = None) -> None:
+                   on_head: Callable[[Response], None], first: tuple[Sent, bool] | None) -> None:
         """Send the request; once its response streams, this task ends and the
         body is parsed in ``data_received`` (``_SseReader``) until ``_ended``."""
         col = st.col
@@ -358,14 +359,12 @@ class UpstreamClient:
             for attempt in range(2):
                 if attempt == 0 and first is not None:  # written by generate()
                     sent, ask_ids = first
-                    resp = await self._http.response_to(sent, self._on_head(st, bool(prefix)))
+                    resp = await self._http.response_to(sent, on_head)
                 else:
                     path, body, ask_ids = self._request(params, prompt, messages, prompt_ids, prefix)
-                    resp = await self._http.request("POST", path, body, self._on_head(st, bool(prefix)))
+                    resp = await self._http.request("POST", path, body, on_head)
                 if resp.status == 200:
-                    streaming = True
-                    if not st.streaming:  # the head hook failed (and closed it): report that
-                        self._stream(st, resp, bool(prefix))
+                    streaming = True  # on_head attached its SSE reader
                     return
                 try:
                     msg = _error_text(await resp.read())
@@ -406,7 +405,6 @@ class UpstreamClient:
         """Parse the 200 response's SSE body as it arrives."""
         reader = _SseReader(self, st, resumed, resp)
         st.resp = resp
-        st.streaming = True
         resp.stream_to(reader.feed)
         resp.when_finished(lambda exc: self._ended(st, reader, exc))
 

@@ -57,16 +57,22 @@ def ratelimit_headers(policy: TenantPolicy, d: Decision) -> dict[str, str]:
 class Ticket:
     """An admitted request: its lease and its token reservation."""
 
-    __slots__ = ("tenant", "lease_id", "reserved", "tpm", "done", "_policy", "_decision")
+    __slots__ = ("lease_id", "reserved", "done", "_policy", "_decision")
 
     def __init__(self, policy: TenantPolicy, lease_id: str, reserved: int, decision: Decision) -> None:
-        self.tenant = policy.name
         self.lease_id = lease_id
         self.reserved = reserved
-        self.tpm = policy.limits.tokens_per_minute
         self.done = False
-        self._policy = policy
+        self._policy = policy  # as admitted (a reload makes new policy objects)
         self._decision = decision
+
+    @property
+    def tenant(self) -> str:
+        return self._policy.name
+
+    @property
+    def tpm(self) -> int:
+        return self._policy.limits.tokens_per_minute
 
     @property
     def headers(self) -> dict[str, str]:

@@ -42,7 +42,8 @@ from router.resume import ResumeMeta
 from router.sse import ChunkEncoder, Usage
 from router.tenants import TenantPolicy
 
-__all__ = ["handle_completion", "start_generation", "open_stream", "respond_whole", "Started", "new_request_id"]
+__all__ = ["handle_completion", "start_generation", "open_stream", "respond_whole", "Started", "new_request_id",
+           "response_id_of"]
 
 log = logging.getLogger("fairstream.router")
 
@@ -78,11 +79,11 @@ class _Completion(msgspec.Struct):
     usage: Usage
 
 
-def new_request_id() -> str:
-    return new_id()
+new_request_id = new_id
 
 
-def _response_id(chat: bool, request_id: str) -> str:
+def response_id_of(chat: bool, request_id: str) -> str:
+    """The OpenAI response id of a request: ``chatcmpl-`` or ``cmpl-`` and its request id."""
     return ("chatcmpl-" if chat else "cmpl-") + request_id
 
 
@@ -223,7 +224,7 @@ async def open_stream(svc: RouterService, policy: TenantPolicy, st: Started, cha
     none) gets no resume buffer: nothing could continue it exactly, so a
     resume of it is a 404 rather than a wrong continuation."""
     req, gen = st.req, st.gen
-    response_id = _response_id(chat, request_id)
+    response_id = response_id_of(chat, request_id)
     include_usage = bool(req.stream_options and req.stream_options.include_usage)
     enc = ChunkEncoder(chat, response_id, req.model, st.created)
     resumable = gen.exact
@@ -259,7 +260,7 @@ async def handle_completion(
 async def respond_whole(svc: RouterService, policy: TenantPolicy, st: Started, chat: bool,
                         request_id: str) -> Response:
     """The response of a started request that did not ask to stream."""
-    response_id = _response_id(chat, request_id)
+    response_id = response_id_of(chat, request_id)
     headers = {"x-request-id": request_id, **st.ticket.headers}
     return await _collect(svc, st.gen, st.pieces, st.first, st.req.model, chat, response_id, st.created, headers,
                           policy, st.ticket, st.outcome)

@@ -72,7 +72,6 @@ class AsgiWire:
     __slots__ = ("_send",)
 
     writable = False
-    gone = False
 
     def __init__(self, send) -> None:
         self._send = send

@@ -28,7 +28,7 @@ import msgspec
 from litestar import WebSocket, websocket
 from litestar.exceptions import WebSocketDisconnect
 
-from router.completions import new_request_id, start_generation
+from router.completions import new_request_id, response_id_of, start_generation
 from router.errors import ApiError, BadRequest, error_body
 from router.relay import EventStream, relay_stream
 from router.service import RouterService
@@ -83,7 +83,7 @@ class _Conn:
             return
         req, gen = st.req, st.gen
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
-        enc = ChunkEncoder(True, "chatcmpl-" + request_id, req.model, st.created, channel=cid)
+        enc = ChunkEncoder(True, response_id_of(True, request_id), req.model, st.created, channel=cid)
         es = EventStream(svc, gen, enc, include_usage, policy, st.ticket, st.outcome, None)
         async for frame in relay_stream(es, st.pieces, st.first):
             await self.send(frame)
