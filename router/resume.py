@@ -74,14 +74,13 @@ def decode_meta(data: bytes) -> ResumeMeta:
 
 
 class _Pending:
-    __slots__ = ("events", "token_ids", "text_len", "finished", "done")
+    __slots__ = ("events", "token_ids", "text_len", "finished")
 
     def __init__(self) -> None:
         self.events: list[bytes] = []
         self.token_ids: list[int] = []
         self.text_len = 0
         self.finished = False
-        self.done: asyncio.Future[None] | None = None
 
 
 class ResumeWriter:
@@ -134,50 +133,45 @@ class ResumeWriter:
             pass
 
     def append(self, sid: str, event: bytes | None, token_ids: list[int], text_len: int) -> None:
-        """Queue an event (and the tokens it carries) for the next flush."""
-        if self._now is not None:
-            self._now(sid, () if event is None else (event,), token_ids, text_len, False, self.owner,
-                      self.retention)
-            return
-        p = self._pending.get(sid)
-        if p is None:
-            p = self._pending[sid] = _Pending()
-            self._wake.set()
-        if event is not None:
-            p.events.append(event)
-        if token_ids:
-            p.token_ids.extend(token_ids)
-        p.text_len = text_len
+        """Add an event (and the tokens it carries) to the buffer."""
+        self._put(sid, () if event is None else (event,), token_ids, text_len, False)
 
     def pad(self, sid: str, n: int) -> None:
         """Append ``n`` empty placeholder events (events lost with a router),
         so the buffer's numbering stays that of the client's event ids."""
-        if self._now is not None:
-            self._now(sid, [b""] * n, (), None, False, self.owner, self.retention)
-            return
-        p = self._pending.get(sid)
-        if p is None:
-            p = self._pending[sid] = _Pending()
-            self._wake.set()
-        p.events.extend([b""] * n)
+        self._put(sid, [b""] * n, (), None, False)
 
     async def finish(self, sid: str, final: bytes | None, text_len: int) -> None:
         """Append the last event, mark the stream finished, drop the claim."""
-        if self._now is not None:
-            self._now(sid, () if final is None else (final,), (), text_len, True, self.owner, self.retention)
-        else:
-            self.append(sid, final, [], text_len)
-            self._pending[sid].finished = True
-            self._wake.set()
-            await self._flush_one(sid)
+        self._put(sid, () if final is None else (final,), (), text_len, True)
+        await self._flush_one(sid)
         await self.release(sid)
 
     async def detach(self, sid: str, text_len: int) -> None:
         """The client went away mid-stream: flush and drop the claim so a
         resuming client (on any router) can continue the stream."""
-        self.append(sid, None, [], text_len)
+        self._put(sid, (), (), text_len, False)
         await self._flush_one(sid)
         await self.release(sid)
+
+    def _put(self, sid: str, events, token_ids, text_len: int | None, finished: bool) -> None:
+        """To the store at once (in-process store), or into the next flush
+        (``text_len`` None: unchanged)."""
+        if self._now is not None:
+            self._now(sid, events, token_ids, text_len, finished, self.owner, self.retention)
+            return
+        p = self._pending.get(sid)
+        if p is None:
+            p = self._pending[sid] = _Pending()
+            self._wake.set()
+        p.events.extend(events)
+        if token_ids:
+            p.token_ids.extend(token_ids)
+        if text_len is not None:
+            p.text_len = text_len
+        if finished:
+            p.finished = True
+            self._wake.set()
 
     async def _run(self) -> None:
         while True:
@@ -191,6 +185,8 @@ class ResumeWriter:
             await self._flush_one(sid)
 
     async def _flush_one(self, sid: str) -> None:
+        if self._now is not None:
+            return  # nothing is ever pending
         async with self._lock:
             p = self._pending.pop(sid, None)
             if p is None:
