@@ -109,15 +109,44 @@ async def test_disconnect_aborts_on_the_vllm_replica(vllm_router):
     assert 2 <= after.value("fairstream_tokens_total", tenant="gold", direction="completion") - completion0 < max_tokens
 
 
-async def _busy_replicas(router) -> list[str]:
-    """Replicas with streams in flight; none yet when /metrics did not answer
+async def _busy_replicas(router) -> list[str] | None:
+    """Replicas with streams in flight; None when /metrics did not answer
     within its 5 s (while six streams start, the vLLM workers can starve the
     router or this process for seconds on a 2-core box)."""
     try:
         m = await router.ametrics()
     except httpx.TimeoutException:
-        return []
+        return None
     return [n for n in router.replica_names if m.value("fairstream_replica_inflight_requests", replica=n) > 0]
+
+
+async def _freeze_a_busy_replica(router, client) -> tuple[str, int]:
+    """SIGSTOP a replica that still has streams in flight once it is frozen.
+
+    Seeing streams on a replica and then signalling it is a race: on this box
+    a /metrics or /admin/replicas answer can take seconds, and the streams may
+    have ended by the time the signal lands (no failover to assert). A frozen
+    replica cannot finish a stream, so streams seen on it after the freeze are
+    still there for the real signal. Returns the replica's name and pid."""
+    replicas = (await client.get("/admin/replicas", headers={"Authorization": f"Bearer {ADMIN}"},
+                                 timeout=30)).json()["replicas"]
+    pids = {r["name"]: r["pid"] for r in replicas}
+    end = asyncio.get_running_loop().time() + 120
+    while asyncio.get_running_loop().time() < end:
+        busy = await apoll(lambda: _busy_replicas(router), 60, what="streams on a replica")
+        victim = busy[0]
+        os.kill(pids[victim], signal.SIGSTOP)
+        await asyncio.sleep(0.5)  # bytes it sent before the freeze reach the router
+        if victim in await apoll(lambda: _answered(_busy_replicas(router)), 30, what="a /metrics answer"):
+            return victim, pids[victim]
+        os.kill(pids[victim], signal.SIGCONT)  # its streams ended first: try again
+    raise AssertionError("no replica still had streams in flight once frozen")
+
+
+async def _answered(busy):
+    """``busy``'s list, as a truthy one-item tuple when empty (apoll retries only on no answer)."""
+    got = await busy
+    return None if got is None else (got or ("(none)",))
 
 
 async def _all_zero(values):
@@ -145,12 +174,9 @@ async def test_replica_death_mid_stream_is_token_exact(vllm_router, sig):
             raise AssertionError("stream ended without [DONE]")
 
         tasks = [asyncio.create_task(stream()) for _ in range(6)]
-        busy = await apoll(lambda: _busy_replicas(vllm_router), 60, what="streams on a replica")
-        victim = busy[0]
-        replicas = (await client.get("/admin/replicas", headers={"Authorization": f"Bearer {ADMIN}"},
-                                     timeout=30)).json()["replicas"]
-        pid = next(r["pid"] for r in replicas if r["name"] == victim)
-        os.kill(pid, sig)
+        victim, pid = await _freeze_a_busy_replica(vllm_router, client)
+        if sig != signal.SIGSTOP:
+            os.kill(pid, sig)  # dies mid-stream; SIGSTOP leaves it frozen
         texts = await asyncio.gather(*tasks)
         assert all(t == ref for t in texts)
         m = await vllm_router.ametrics(client)
