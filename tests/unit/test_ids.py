@@ -1,5 +1,6 @@
-"""Ids key shared state (resume buffers, leases): unique within a process and
-across processes, a forked worker included."""
+"""Ids key shared state (resume buffers, leases) and name a stream to resume:
+unique within a process and across processes, a forked worker included, and
+not guessable from another id."""
 
 from __future__ import annotations
 
@@ -14,7 +15,15 @@ def test_ids_are_unique_and_24_hex_characters() -> None:
     assert all(len(i) == 24 and int(i, 16) >= 0 for i in ids)
 
 
-def test_a_forked_child_draws_its_own_prefix() -> None:
+def test_an_id_does_not_lead_to_the_next() -> None:
+    # a counter behind a fixed prefix (what ids were) fails both: its
+    # neighbours share the prefix and differ by one
+    ids = [new_id() for _ in range(1_000)]
+    assert len({i[:12] for i in ids}) == len(ids)
+    assert all(abs(int(b, 16) - int(a, 16)) > 1 << 32 for a, b in zip(ids, ids[1:]))
+
+
+def test_a_forked_child_draws_its_own_ids() -> None:
     r, w = os.pipe()
     pid = os.fork()
     if pid == 0:  # the child: report its first id and leave at once
