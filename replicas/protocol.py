@@ -166,6 +166,9 @@ class Delta(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
     # tokens this delta stands for beyond ``token_ids``: set only by an
     # OpenAI-compatible upstream that returns no token ids (one per chunk)
     count: int = 0
+    # the prompt's token count where its ids are not known: set only on the
+    # finish of such an upstream's stream, from its usage chunk
+    prompt_count: int = 0
 
 
 class Deltas(msgspec.Struct, tag=11, array_like=True, gc=False):

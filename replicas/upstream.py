@@ -67,8 +67,14 @@ class _Choice(msgspec.Struct):
     prompt_token_ids: list[int] | None = None
 
 
+class _Usage(msgspec.Struct):
+    prompt_tokens: int | None = None
+    completion_tokens: int | None = None
+
+
 class _Chunk(msgspec.Struct):
     choices: list[_Choice] | None = None
+    usage: _Usage | None = None  # the last chunk, when asked with stream_options.include_usage
     prompt_token_ids: list[int] | None = None  # chat: on the first chunk
     error: Any = None
     object: str | None = None  # older vLLM: {"object": "error", "message": ...}
@@ -96,13 +102,14 @@ class _Stream:
     response; whether output reached the router, and whether the router
     could resume it (token ids known)."""
 
-    __slots__ = ("col", "delivered", "resumable", "done", "prompt_ids", "splice", "task", "resp")
+    __slots__ = ("col", "delivered", "resumable", "done", "usage", "prompt_ids", "splice", "task", "resp")
 
     def __init__(self, col: Collector, prompt_ids: list[int] | None) -> None:
         self.col = col
         self.delivered = False
         self.resumable = False
         self.done = False
+        self.usage = False  # the request asked for a usage chunk
         self.prompt_ids = prompt_ids  # goes out with the first delta
         self.splice: _Splice | None = None
         self.task: asyncio.Task[None] | None = None
@@ -190,6 +197,10 @@ class UpstreamClient:
         # Whether the upstream returns token ids (None: not known yet).
         self.token_ids: bool | None = {"yes": True, "no": False}.get(spec.token_ids)
         self._require_ids = spec.token_ids == "yes"
+        # Whether to ask for the usage chunk (stream_options.include_usage)
+        # while token ids are not known to come: where they never come, it
+        # is the only count of the prompt's tokens. False once refused.
+        self._ask_usage = True
         self._session = session
         self._http = http
         self._streams: dict[int, _Stream] = {}
@@ -234,14 +245,15 @@ class UpstreamClient:
             # the task below first runs: one turn of a busy loop less before
             # the first token (docs/perf.md, "Where time to first token goes").
             try:
-                path, body, ask_ids = self._request(params, prompt, messages, prompt_token_ids, prefix)
+                path, body, asked = self._request(params, prompt, messages, prompt_token_ids, prefix)
             except (TypeError, ValueError, msgspec.EncodeError):
                 pass  # the task meets it again and reports it, as for any request
             else:
                 sent = self._http.send_now("POST", path, body, on_head)
                 if sent is not None:
                     st.resp = sent.response  # an abort closes it
-                    first = (sent, ask_ids)
+                    st.usage = asked[1]
+                    first = (sent, asked)
         task = st.task = asyncio.get_running_loop().create_task(
             self._run(st, params, prompt, messages, prefix, prefix_text_len, on_head, first),
             name=f"upstream-{self.name}-{col.rid}",
@@ -297,7 +309,7 @@ class UpstreamClient:
 
     # -- one request -------------------------------------------------------
 
-    def _body(self, params: SamplingParams, prefix: list[int], ask_ids: bool) -> dict[str, Any]:
+    def _body(self, params: SamplingParams, prefix: list[int], ask_ids: bool, ask_usage: bool) -> dict[str, Any]:
         body: dict[str, Any] = {
             "model": self.upstream_model,
             "stream": True,
@@ -326,12 +338,14 @@ class UpstreamClient:
             body["repetition_penalty"] = params.repetition_penalty
         if ask_ids:
             body["return_token_ids"] = True
+        if ask_usage:
+            body["stream_options"] = {"include_usage": True}
         return body
 
     def _request(self, params: SamplingParams, prompt: str | None, messages: list[dict[str, str]] | None,
-                 prompt_ids: list[int] | None, prefix: list[int]) -> tuple[str, bytes, bool]:
+                 prompt_ids: list[int] | None, prefix: list[int]) -> tuple[str, bytes, tuple[bool, bool]]:
         """The path and JSON body of one generation request, and whether it
-        asks for token ids."""
+        asks for token ids and for the usage chunk."""
         if prompt_ids is not None:
             path, payload = "/completions", {"prompt": prompt_ids + prefix}
         elif messages is not None:
@@ -339,11 +353,13 @@ class UpstreamClient:
         else:
             path, payload = "/completions", {"prompt": prompt or ""}
         ask_ids = self.token_ids is not False
-        return path, msgspec.json.encode(self._body(params, prefix, ask_ids) | payload), ask_ids
+        ask_usage = self.token_ids is not True and self._ask_usage
+        body = msgspec.json.encode(self._body(params, prefix, ask_ids, ask_usage) | payload)
+        return path, body, (ask_ids, ask_usage)
 
     async def _run(self, st: _Stream, params: SamplingParams, prompt: str | None,
                    messages: list[dict[str, str]] | None, prefix: list[int], prefix_text_len: int,
-                   on_head: Callable[[Response], None], first: tuple[Sent, bool] | None) -> None:
+                   on_head: Callable[[Response], None], first: tuple[Sent, tuple[bool, bool]] | None) -> None:
         """Send the request; once its response streams, this task ends and the
         body is parsed in ``data_received`` (``_SseReader``) until ``_ended``."""
         col = st.col
@@ -356,12 +372,13 @@ class UpstreamClient:
                 return
             if prefix and params.stop:
                 st.splice = _Splice(params.stop, await self._held_back(prefix, prefix_text_len))
-            for attempt in range(2):
+            for attempt in range(3):
                 if attempt == 0 and first is not None:  # written by generate()
-                    sent, ask_ids = first
+                    sent, (ask_ids, ask_usage) = first
                     resp = await self._http.response_to(sent, on_head)
                 else:
-                    path, body, ask_ids = self._request(params, prompt, messages, prompt_ids, prefix)
+                    path, body, (ask_ids, ask_usage) = self._request(params, prompt, messages, prompt_ids, prefix)
+                    st.usage = ask_usage
                     resp = await self._http.request("POST", path, body, on_head)
                 if resp.status == 200:
                     streaming = True  # on_head attached its SSE reader
@@ -370,10 +387,15 @@ class UpstreamClient:
                     msg = _error_text(await resp.read())
                 finally:
                     resp.close()
-                if (resp.status == 400 and ask_ids and self.token_ids is None and attempt == 0
-                        and "return_token_ids" in msg):
-                    self._set_token_ids(False)  # an API that rejects the field: ask without it
-                    continue
+                if resp.status == 400 and attempt < 2:  # an API that rejects a field we add: ask without it
+                    if ask_ids and self.token_ids is not True and "return_token_ids" in msg:
+                        self._set_token_ids(False)
+                        continue
+                    if ask_usage and "stream_options" in msg:
+                        if self._ask_usage:
+                            self._ask_usage = False
+                            log.info("upstream %s refuses stream_options: its prompt tokens go uncounted", self.name)
+                        continue
                 if 400 <= resp.status < 500 and resp.status not in (401, 403, 408, 429):
                     self._finish(st, Delta(col.rid, [], "", FinishReason.ERROR, None, msg))
                     return
@@ -413,6 +435,9 @@ class UpstreamClient:
         st.resp = None
         if st.done or self._streams.get(st.col.rid) is not st:
             return  # finished, aborted or released: nothing to report
+        if reader.held is not None:
+            reader.flush()  # the finish came, its usage chunk did not: a finished stream all the same
+            return
         try:
             if exc is not None:
                 raise exc
@@ -505,9 +530,14 @@ class _SseReader:
     """One response's SSE body into deltas as it arrives: ``feed`` runs in
     the connection's ``data_received``; the events of one read become one
     delta, or several of at most the collector's ``limit`` tokens (the
-    tenant's ``chunk_tokens``)."""
+    tenant's ``chunk_tokens``).
 
-    __slots__ = ("client", "st", "resumed", "response", "buf", "first", "ended")
+    A stream without token ids, whose request asked for the usage chunk,
+    holds its finish back until that chunk (the next event; usually the
+    same read), so the finish carries the prompt's token count and the
+    upstream's own completion count where it exceeds the chunks counted."""
+
+    __slots__ = ("client", "st", "resumed", "response", "buf", "first", "ended", "counted", "held", "usage")
 
     def __init__(self, client: UpstreamClient, st: _Stream, resumed: bool, response: Response) -> None:
         self.client = client
@@ -517,6 +547,9 @@ class _SseReader:
         self.buf = b""
         self.first = True
         self.ended = False
+        self.counted = 0  # tokens counted one per chunk (no token ids)
+        self.held: Delta | None = None  # the finish, until the usage chunk
+        self.usage: _Usage | None = None
 
     def feed(self, data: bytes) -> None:
         if self.ended:
@@ -535,7 +568,9 @@ class _SseReader:
             if chunk.error is not None or chunk.object == "error":
                 raise _Failed(_error_text(chunk.error if chunk.error is not None else chunk.message))
             if not chunk.choices:
-                continue  # usage chunk
+                if chunk.usage is not None:
+                    self.usage = chunk.usage
+                continue
             if self.first:
                 self.first = False
                 self.client._first_chunk(st, chunk, self.resumed)
@@ -564,6 +599,9 @@ class _SseReader:
                     pieces.append(([], "", finish, 0))  # finish only (a role-only chunk is nothing)
         if st.done:
             return  # draining after the finish, so the connection can be reused
+        if self.held is not None:
+            self._release()
+            return
         col = st.col
         limit = col.limit
         # the events of one read go out as few deltas as the consumer's
@@ -589,18 +627,44 @@ class _SseReader:
                 continue
             if acc_text:
                 self._put(st, acc_ids, acc_text, acc_count)
-            self.client._finish(st, _delta(st, ids, text, finish, count))
+            delta = _delta(st, ids, text, finish, count)
             if stopped:
+                self.client._finish(st, delta)
                 self.ended = True
                 self.response.close()  # our stop string, not the upstream's: abort it
+            elif st.usage and not st.resumable:
+                self.counted += count
+                self.held = delta
+                self._release()
+            else:
+                self.client._finish(st, delta)
             return
         if acc_text:
             self._put(st, acc_ids, acc_text, acc_count)
 
-    @staticmethod
-    def _put(st: _Stream, ids: list[int], texts: list[str], count: int) -> None:
+    def _put(self, st: _Stream, ids: list[int], texts: list[str], count: int) -> None:
         st.col.put(_delta(st, ids, texts[0] if len(texts) == 1 else "".join(texts), FinishReason.NONE, count))
         st.delivered = True
+        if count:
+            self.counted += count
+
+    def _release(self) -> None:
+        """Finish with the held finish once the usage chunk (or the end of
+        the events) is here."""
+        held, usage = self.held, self.usage
+        assert held is not None
+        if usage is None and not self.ended:
+            return
+        self.held = None
+        if usage is not None:
+            held.prompt_count = usage.prompt_tokens or 0
+            held.count += max(0, (usage.completion_tokens or 0) - self.counted)
+        self.client._finish(self.st, held)
+
+    def flush(self) -> None:
+        """The body is over (or broke) with the finish held: finish without usage."""
+        self.ended = True
+        self._release()
 
     def end(self) -> None:
         """The body is over."""

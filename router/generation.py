@@ -195,7 +195,7 @@ class Generation:
     __slots__ = ("pool", "scheduler", "policy", "rank", "deadlines", "job", "metrics", "max_failovers",
                  "prompt_token_ids", "completion_ids", "text_len", "failovers", "text_parts", "finish", "replica",
                  "sink", "ended", "_base", "_col", "_client", "_handle", "_dog", "_died_at", "_exclude", "_dispatched",
-                 "_charged_prompt", "uncounted")
+                 "_charged_prompt", "uncounted", "prompt_count")
 
     def __init__(self, pool: ReplicaPool, job: Job, metrics: Metrics, max_failovers: int,
                  deadlines: Deadlines | None = None, scheduler: Scheduler | None = None,
@@ -212,6 +212,7 @@ class Generation:
         self.completion_ids: list[int] = []
         # output tokens without their ids (an upstream that returns none)
         self.uncounted = 0
+        self.prompt_count = 0  # the prompt's tokens, where their ids are not known
         self.text_len = 0
         self.failovers = 0
         self.text_parts: list[str] | None = [] if policy is not None and policy.log_content else None
@@ -231,7 +232,7 @@ class Generation:
 
     @property
     def prompt_tokens(self) -> int:
-        return len(self.prompt_token_ids or ())
+        return len(self.prompt_token_ids) if self.prompt_token_ids is not None else self.prompt_count
 
     @property
     def completion_tokens(self) -> int:
@@ -380,13 +381,16 @@ class Generation:
                     sched.observe(handle.slot, itl=(now - self._dog.last_token) / n)
                 else:
                     sched.observe(handle.slot, ttft=now - self._dispatched)
-        if self.prompt_token_ids is None and col.prompt_token_ids is not None:
-            self.prompt_token_ids = col.prompt_token_ids
+        if self.prompt_token_ids is None:
+            if col.prompt_token_ids is not None:
+                self.prompt_token_ids = col.prompt_token_ids
+            elif d.prompt_count:
+                self.prompt_count = d.prompt_count
         policy = self.policy
         if sched is not None and policy is not None:
-            if not self._charged_prompt and self.prompt_token_ids is not None:
+            if not self._charged_prompt and (self.prompt_token_ids is not None or self.prompt_count):
                 self._charged_prompt = True
-                sched.charge(policy, len(self.prompt_token_ids), n)
+                sched.charge(policy, self.prompt_tokens, n)
             elif n:
                 sched.charge(policy, 0, n)
         if finish == FinishReason.ERROR:

@@ -458,12 +458,124 @@ async def test_upstream_without_token_ids_counts_one_token_per_chunk(tmp_path, c
         if chunk.usage is not None:
             usage = chunk.usage
     assert ("".join(text), finish) == (expected, "length")
-    assert usage is not None and usage.completion_tokens == 160, usage
+    # the prompt's count comes from the upstream's usage chunk (asked for
+    # with stream_options while ids are not known to come)
+    prompt = len(prompt_ids("completion"))
+    assert usage is not None and (usage.completion_tokens, usage.prompt_tokens) == (160, prompt), usage
     m = router.metrics()
     assert m.value("fairstream_tokens_total", tenant="gold", direction="completion") == 160
+    assert m.value("fairstream_tokens_total", tenant="gold", direction="prompt") == prompt
     assert m.value("fairstream_requests_total", tenant="gold", outcome="ok") == 1
     async with httpx.AsyncClient(base_url=router.base_url, timeout=10) as http:
         r = await http.get(f"/v1/streams/{request_id.removeprefix('cmpl-')}",
                            headers={"authorization": f"Bearer {GOLD}", "last-event-id": "1"})
     assert r.status_code == 404, r.text
 
+
+
+class _PlainUpstream:
+    """An OpenAI-style server that returns no token ids and, when ``strict``,
+    rejects the request fields it does not know with a 400 naming them (as
+    api.openai.com does for ``return_token_ids`` and older servers for
+    ``stream_options``). It streams three one-token chunks, then after 0.2 s
+    ends as ``ending`` says: "usage" (asked for it: the usage chunk, counting
+    5 completion tokens, more than its chunks, as a server that merges
+    tokens would; then ``[DONE]``), "done" (``[DONE]`` only: a server that
+    ignores the field) or "cut" (the connection breaks)."""
+
+    def __init__(self, strict: bool, ending: str) -> None:
+        self.strict = strict
+        self.ending = ending
+        self.bodies: list[dict[str, Any]] = []
+        self.runner: Any = None
+        self.url = ""
+
+    async def start(self) -> None:
+        from aiohttp import web
+
+        async def models(request: web.Request) -> web.Response:
+            return web.json_response({"object": "list", "data": [{"id": MODEL, "object": "model"}]})
+
+        async def completions(request: web.Request) -> web.StreamResponse:
+            body = await request.json()
+            self.bodies.append(body)
+            for field in ("return_token_ids", "stream_options"):
+                if self.strict and field in body:
+                    return web.json_response({"error": {"message": f"Unrecognized request argument supplied: "
+                                                        f"{field}", "type": "invalid_request_error"}}, status=400)
+            resp = web.StreamResponse(headers={"content-type": "text/event-stream"})
+            await resp.prepare(request)
+            for i, (text, finish) in enumerate([("a", None), ("b", None), ("c", "length")]):
+                chunk = {"id": "cmpl-1", "choices": [{"index": 0, "text": text, "finish_reason": finish}]}
+                await resp.write(b"data: %s\n\n" % json.dumps(chunk).encode())
+            await asyncio.sleep(0.2)  # the usage chunk comes in a later read than the finish
+            if self.ending == "cut":
+                assert request.transport is not None
+                request.transport.abort()
+                return resp
+            if self.ending == "usage" and (body.get("stream_options") or {}).get("include_usage"):
+                usage = {"prompt_tokens": 7, "completion_tokens": 5, "total_tokens": 12}
+                await resp.write(b"data: %s\n\n" % json.dumps({"id": "cmpl-1", "choices": [],
+                                                                "usage": usage}).encode())
+            await resp.write(b"data: [DONE]\n\n")
+            return resp
+
+        app = web.Application()
+        app.router.add_get("/v1/models", models)
+        app.router.add_post("/v1/completions", completions)
+        self.runner = web.AppRunner(app)
+        await self.runner.setup()
+        site = web.TCPSite(self.runner, "127.0.0.1", 0)
+        await site.start()
+        self.url = f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}/v1"
+
+    async def close(self) -> None:
+        await self.runner.cleanup()
+
+
+class _Deltas:
+    """A collector's sink: every delta of one request, until its finish."""
+
+    def __init__(self) -> None:
+        self.deltas: list[Any] = []
+        self.done = asyncio.get_running_loop().create_future()
+
+    def on_delta(self, col, d) -> None:
+        self.deltas.append(d)
+        if d.finish != FinishReason.NONE:
+            self.done.set_result(None)
+
+    def on_fail(self, col, exc) -> None:
+        self.done.set_exception(exc)
+
+
+@pytest.mark.parametrize("strict,ending", [(False, "usage"), (False, "done"), (False, "cut"), (True, "usage")])
+async def test_upstream_without_token_ids_reports_usage_or_is_asked_without_the_fields(strict, ending):
+    """Without token ids, the router asks for the usage chunk and holds the
+    finish back for it (here it comes 0.2 s later): the finish carries the
+    prompt's count and the upstream's larger completion count. A body that
+    ends, or breaks, after the finish without one still finishes the
+    stream. A strict server that rejects ``return_token_ids`` and then
+    ``stream_options`` gets the request a third time with neither, and later
+    ones without both."""
+    server = _PlainUpstream(strict, ending)
+    await server.start()
+    client = await open_upstream(UPSTREAM, ReplicaSpec(name=UPSTREAM, url=server.url))
+    try:
+        for _ in range(2):
+            col = client.generate(SamplingParams(max_tokens=3, temperature=0), prompt=PROMPT)
+            col.sink = sink = _Deltas()
+            await asyncio.wait_for(sink.done, 10)
+            last = sink.deltas[-1]
+            assert "".join(d.text for d in sink.deltas) == "abc" and last.finish == FinishReason.LENGTH
+            counted = sum(d.count for d in sink.deltas)
+            assert (counted, last.prompt_count) == ((5, 7) if ending == "usage" and not strict else (3, 0))
+        asked = [("return_token_ids" in b, "stream_options" in b) for b in server.bodies]
+        if strict:
+            assert asked == [(True, True), (False, True), (False, False), (False, False)]
+        else:
+            assert asked == [(True, True), (False, True)]
+        assert client.token_ids is False
+    finally:
+        await client.close()
+        await server.close()
