@@ -44,6 +44,9 @@ __all__ = ["UpstreamClient", "open_upstream", "METRICS_INTERVAL"]
 log = logging.getLogger("fairstream.upstream")
 
 METRICS_INTERVAL = 1.0
+# How long a stream without token ids waits after its finish for the usage
+# chunk (normally the next event, in the same read) before finishing without.
+USAGE_WAIT = 1.0
 _JSON = {"content-type": "application/json"}
 _FINISH = {"stop": FinishReason.STOP, "length": FinishReason.LENGTH}
 _METRIC_RE = re.compile(
@@ -162,6 +165,21 @@ def _error_text(body: bytes | str | Any, limit: int = 500) -> str:
             return str(err.get("message") or err)[:limit]
         return str(err)[:limit]
     return str(obj)[:limit]
+
+
+_REFUSAL = r"(?:unrecognized|unknown|extra|not permitted|not allowed|unexpected)"
+
+
+def rejects_field(message: str, field: str) -> bool:
+    """Whether a 400's ``message`` says the API does not take ``field``
+    ("Unrecognized request argument supplied: return_token_ids", "Extra inputs
+    are not permitted ... 'stream_options'"), rather than quoting a request
+    body that has it (``input_value={..., 'stream_options': ...}``): a refusal
+    word near the name, not across a brace, and the name not a quoted key."""
+    f = re.escape(field)
+    name = rf"(?:(?<!['\"])\b{f}\b|\b{f}\b(?!['\"]\s*:))"
+    near = rf"{_REFUSAL}[^{{}}\n]{{0,100}}?{name}|{name}[^{{}}\n]{{0,100}}?{_REFUSAL}"
+    return re.search(near, message.lower()) is not None
 
 
 def parse_vllm_metrics(text: bytes) -> LoadReport | None:
@@ -388,10 +406,10 @@ class UpstreamClient:
                 finally:
                     resp.close()
                 if resp.status == 400 and attempt < 2:  # an API that rejects a field we add: ask without it
-                    if ask_ids and self.token_ids is not True and "return_token_ids" in msg:
+                    if ask_ids and self.token_ids is not True and rejects_field(msg, "return_token_ids"):
                         self._set_token_ids(False)
                         continue
-                    if ask_usage and "stream_options" in msg:
+                    if ask_usage and rejects_field(msg, "stream_options"):
                         if self._ask_usage:
                             self._ask_usage = False
                             log.info("upstream %s refuses stream_options: its prompt tokens go uncounted", self.name)
@@ -537,7 +555,7 @@ class _SseReader:
     same read), so the finish carries the prompt's token count and the
     upstream's own completion count where it exceeds the chunks counted."""
 
-    __slots__ = ("client", "st", "resumed", "response", "buf", "first", "ended", "counted", "held", "usage")
+    __slots__ = ("client", "st", "resumed", "response", "buf", "first", "ended", "counted", "held", "usage", "timer")
 
     def __init__(self, client: UpstreamClient, st: _Stream, resumed: bool, response: Response) -> None:
         self.client = client
@@ -550,6 +568,7 @@ class _SseReader:
         self.counted = 0  # tokens counted one per chunk (no token ids)
         self.held: Delta | None = None  # the finish, until the usage chunk
         self.usage: _Usage | None = None
+        self.timer: asyncio.TimerHandle | None = None  # gives up waiting for the usage chunk
 
     def feed(self, data: bytes) -> None:
         if self.ended:
@@ -567,9 +586,9 @@ class _SseReader:
             chunk = _chunk_decoder.decode(payload)
             if chunk.error is not None or chunk.object == "error":
                 raise _Failed(_error_text(chunk.error if chunk.error is not None else chunk.message))
+            if chunk.usage is not None:
+                self.usage = chunk.usage  # the last chunk's, or on every chunk (some servers)
             if not chunk.choices:
-                if chunk.usage is not None:
-                    self.usage = chunk.usage
                 continue
             if self.first:
                 self.first = False
@@ -650,12 +669,17 @@ class _SseReader:
 
     def _release(self) -> None:
         """Finish with the held finish once the usage chunk (or the end of
-        the events) is here."""
+        the events) is here, or ``USAGE_WAIT`` seconds have passed."""
         held, usage = self.held, self.usage
         assert held is not None
         if usage is None and not self.ended:
+            if self.timer is None:
+                self.timer = asyncio.get_running_loop().call_later(USAGE_WAIT, self._waited)
             return
         self.held = None
+        if self.timer is not None:
+            self.timer.cancel()
+            self.timer = None
         if usage is not None:
             held.prompt_count = usage.prompt_tokens or 0
             held.count += max(0, (usage.completion_tokens or 0) - self.counted)
@@ -665,6 +689,15 @@ class _SseReader:
         """The body is over (or broke) with the finish held: finish without usage."""
         self.ended = True
         self._release()
+
+    def _waited(self) -> None:
+        """No usage chunk and no end of the body within ``USAGE_WAIT`` of the
+        finish (a server that keeps the body open): finish without usage,
+        unless the stream was aborted meanwhile."""
+        self.timer = None
+        st = self.st
+        if self.held is not None and not st.done and self.client._streams.get(st.col.rid) is st:
+            self.flush()
 
     def end(self) -> None:
         """The body is over."""

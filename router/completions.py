@@ -188,7 +188,8 @@ async def start_generation(
         else:
             await gen.start(relay)
             await relay.first()
-        if lim.max_prompt_tokens and gen.prompt_tokens > lim.max_prompt_tokens:
+        # (on the ids: a count from an upstream's usage chunk comes after the output)
+        if lim.max_prompt_tokens and gen.prompt_token_ids is not None and gen.prompt_tokens > lim.max_prompt_tokens:
             raise BadRequest(
                 f"The prompt has {gen.prompt_tokens} tokens; this tenant's limit is {lim.max_prompt_tokens}.",
                 param="messages" if chat else "prompt", code="prompt_too_long",

@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import asyncio
 import json
+import math
+import time
 from pathlib import Path
 from typing import Any
 
@@ -25,6 +27,7 @@ from replicas.output import OutputProcessor
 from replicas.protocol import FinishReason, SamplingParams
 from replicas.sim import ByteTokenizer, SimConfig, SimEngine
 from replicas.spec import ReplicaSpec
+from replicas import upstream
 from replicas.upstream import open_upstream, parse_vllm_metrics
 from router.auth import hash_key
 from tests.helpers import GOLD, MODEL, RouterProcess, aiter_sse, poll
@@ -474,19 +477,29 @@ async def test_upstream_without_token_ids_counts_one_token_per_chunk(tmp_path, c
 
 
 class _PlainUpstream:
-    """An OpenAI-style server that returns no token ids and, when ``strict``,
-    rejects the request fields it does not know with a 400 naming them (as
-    api.openai.com does for ``return_token_ids`` and older servers for
-    ``stream_options``). It streams three one-token chunks, then after 0.2 s
-    ends as ``ending`` says: "usage" (asked for it: the usage chunk, counting
-    5 completion tokens, more than its chunks, as a server that merges
-    tokens would; then ``[DONE]``), "done" (``[DONE]`` only: a server that
-    ignores the field) or "cut" (the connection breaks)."""
+    """An OpenAI-style server that streams three one-token chunks, then ends
+    as ``ending`` says, 0.2 s later:
 
-    def __init__(self, strict: bool, ending: str) -> None:
-        self.strict = strict
+    * "usage": the usage chunk (when asked), counting 5 completion tokens,
+      more than its chunks, as a server that merges tokens would; ``[DONE]``;
+    * "usage-on-finish": that usage on the finish chunk itself; ``[DONE]``;
+    * "done": ``[DONE]`` only (a server that ignores ``stream_options``);
+    * "cut": the connection breaks;
+    * "silent": nothing more for a while.
+
+    The body then stays open for ``linger`` s (its end is marked in
+    ``marks``, as is when the usage went out). With ``ids`` it returns token
+    ids (vLLM's ``return_token_ids``); when ``strict`` it rejects the request
+    fields it does not know with a 400 naming them (as api.openai.com does
+    for ``return_token_ids``, older servers for ``stream_options``)."""
+
+    def __init__(self, ending: str, *, strict: bool = False, ids: bool = False, linger: float = 1.5) -> None:
         self.ending = ending
+        self.strict = strict
+        self.ids = ids
+        self.linger = linger
         self.bodies: list[dict[str, Any]] = []
+        self.marks: dict[str, float] = {}
         self.runner: Any = None
         self.url = ""
 
@@ -503,21 +516,34 @@ class _PlainUpstream:
                 if self.strict and field in body:
                     return web.json_response({"error": {"message": f"Unrecognized request argument supplied: "
                                                         f"{field}", "type": "invalid_request_error"}}, status=400)
+            asked = bool((body.get("stream_options") or {}).get("include_usage"))
+            usage = {"prompt_tokens": 7, "completion_tokens": 5, "total_tokens": 12}
             resp = web.StreamResponse(headers={"content-type": "text/event-stream"})
             await resp.prepare(request)
             for i, (text, finish) in enumerate([("a", None), ("b", None), ("c", "length")]):
-                chunk = {"id": "cmpl-1", "choices": [{"index": 0, "text": text, "finish_reason": finish}]}
+                choice: dict[str, Any] = {"index": 0, "text": text, "finish_reason": finish}
+                if self.ids and body.get("return_token_ids"):
+                    choice["token_ids"] = [ord(text)]
+                    if i == 0:
+                        choice["prompt_token_ids"] = [1, 2, 3, 4, 5, 6, 7]
+                chunk: dict[str, Any] = {"id": "cmpl-1", "choices": [choice]}
+                if finish and asked and self.ending == "usage-on-finish":
+                    chunk["usage"] = usage
+                    self.marks["usage"] = time.monotonic()
                 await resp.write(b"data: %s\n\n" % json.dumps(chunk).encode())
-            await asyncio.sleep(0.2)  # the usage chunk comes in a later read than the finish
+            await asyncio.sleep(0.2)
             if self.ending == "cut":
                 assert request.transport is not None
                 request.transport.abort()
                 return resp
-            if self.ending == "usage" and (body.get("stream_options") or {}).get("include_usage"):
-                usage = {"prompt_tokens": 7, "completion_tokens": 5, "total_tokens": 12}
+            if self.ending == "usage" and asked:
+                self.marks["usage"] = time.monotonic()
                 await resp.write(b"data: %s\n\n" % json.dumps({"id": "cmpl-1", "choices": [],
                                                                 "usage": usage}).encode())
-            await resp.write(b"data: [DONE]\n\n")
+            if self.ending != "silent":
+                await resp.write(b"data: [DONE]\n\n")
+            await asyncio.sleep(self.linger)
+            self.marks["end"] = time.monotonic()
             return resp
 
         app = web.Application()
@@ -534,48 +560,58 @@ class _PlainUpstream:
 
 
 class _Deltas:
-    """A collector's sink: every delta of one request, until its finish."""
+    """A collector's sink: every delta of one request, until its finish (and when that came)."""
 
     def __init__(self) -> None:
         self.deltas: list[Any] = []
         self.done = asyncio.get_running_loop().create_future()
+        self.finished_at = 0.0
 
     def on_delta(self, col, d) -> None:
         self.deltas.append(d)
         if d.finish != FinishReason.NONE:
+            self.finished_at = time.monotonic()
             self.done.set_result(None)
 
     def on_fail(self, col, exc) -> None:
         self.done.set_exception(exc)
 
 
-@pytest.mark.parametrize("strict,ending", [(False, "usage"), (False, "done"), (False, "cut"), (True, "usage")])
-async def test_upstream_without_token_ids_reports_usage_or_is_asked_without_the_fields(strict, ending):
+@pytest.mark.parametrize("ending", ["usage", "usage-on-finish", "done", "cut", "silent", "ids", "strict"])
+async def test_upstream_without_token_ids_reports_usage_at_its_finish(ending, monkeypatch):
     """Without token ids, the router asks for the usage chunk and holds the
-    finish back for it (here it comes 0.2 s later): the finish carries the
-    prompt's count and the upstream's larger completion count. A body that
-    ends, or breaks, after the finish without one still finishes the
-    stream. A strict server that rejects ``return_token_ids`` and then
+    finish back for it: the finish carries the prompt's count and the
+    upstream's larger completion count. A body that ends, breaks or goes
+    silent after the finish without one still finishes the stream (silent:
+    after ``USAGE_WAIT``), and before the body's end. A stream with token ids
+    is never held. A strict server that rejects ``return_token_ids`` and then
     ``stream_options`` gets the request a third time with neither, and later
     ones without both."""
-    server = _PlainUpstream(strict, ending)
+    monkeypatch.setattr(upstream, "USAGE_WAIT", 0.5)
+    server = _PlainUpstream("usage" if ending in ("ids", "strict") else ending,
+                            strict=ending == "strict", ids=ending == "ids")
     await server.start()
     client = await open_upstream(UPSTREAM, ReplicaSpec(name=UPSTREAM, url=server.url))
     try:
-        for _ in range(2):
+        for _ in range(2 if ending == "strict" else 1):
             col = client.generate(SamplingParams(max_tokens=3, temperature=0), prompt=PROMPT)
             col.sink = sink = _Deltas()
             await asyncio.wait_for(sink.done, 10)
             last = sink.deltas[-1]
             assert "".join(d.text for d in sink.deltas) == "abc" and last.finish == FinishReason.LENGTH
-            counted = sum(d.count for d in sink.deltas)
-            assert (counted, last.prompt_count) == ((5, 7) if ending == "usage" and not strict else (3, 0))
-        asked = [("return_token_ids" in b, "stream_options" in b) for b in server.bodies]
-        if strict:
-            assert asked == [(True, True), (False, True), (False, False), (False, False)]
+            counted = sum(len(d.token_ids) + d.count for d in sink.deltas)
+            usage = ending in ("usage", "usage-on-finish")
+            assert (counted, last.prompt_count) == ((5, 7) if usage else (3, 0))
+            if ending != "cut":
+                assert sink.finished_at < server.marks.get("end", math.inf)  # not held to the body's end (none yet)
+        if ending == "ids":
+            assert sink.finished_at < server.marks.get("usage", math.inf)  # not held for the usage chunk
+            assert sink.deltas[0].prompt_token_ids == [1, 2, 3, 4, 5, 6, 7] and client.token_ids is True
         else:
-            assert asked == [(True, True), (False, True)]
-        assert client.token_ids is False
+            assert client.token_ids is False
+        asked = [("return_token_ids" in b, "stream_options" in b) for b in server.bodies]
+        assert asked == ([(True, True), (False, True), (False, False), (False, False)] if ending == "strict"
+                         else [(True, True)])
     finally:
         await client.close()
         await server.close()
