@@ -44,7 +44,7 @@ def _serve(args: argparse.Namespace) -> int:
         app,
         host=host,
         port=port,
-        loop="uvloop",
+        loop="router.listener:new_event_loop",
         http="httptools",
         lifespan="on",
         log_level="warning",

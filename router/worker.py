@@ -53,7 +53,7 @@ def main() -> None:
     sock.set_inheritable(True)
     _exit_with_parent()
     server = uvicorn.Server(uvicorn.Config(
-        app, loop="uvloop", http="httptools", lifespan="on", log_level="warning", access_log=False,
+        app, loop="router.listener:new_event_loop", http="httptools", lifespan="on", log_level="warning", access_log=False,
         timeout_graceful_shutdown=5, timeout_keep_alive=30,
     ))
     server.run(sockets=[sock])
