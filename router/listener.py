@@ -45,11 +45,13 @@ class Loop(uvloop.Loop):
                             flags=socket.AI_PASSIVE, sock=None, backlog=100, ssl=None, reuse_address=None,
                             reuse_port=None, **kwargs: Any) -> asyncio.AbstractServer:
         plain = all(v is None or (k == "start_serving" and v) for k, v in kwargs.items())
-        if ssl is not None or not plain or (sock is not None and sock.family not in (socket.AF_INET, socket.AF_INET6)):
+        if ssl is not None or not plain or (sock is not None and (sock.family not in (socket.AF_INET, socket.AF_INET6)
+                                                                  or sock.type != socket.SOCK_STREAM)):
             return await super().create_server(protocol_factory, host, port, family=family, flags=flags, sock=sock,
                                                backlog=backlog, ssl=ssl, reuse_address=reuse_address,
                                                reuse_port=reuse_port, **kwargs)
         if sock is not None:
+            sock.listen(backlog)  # as uvloop and asyncio do (a bound socket need not listen yet)
             socks = [sock]
         else:
             socks = await self._bind(host, port, family, flags, backlog, reuse_address, reuse_port)
@@ -64,7 +66,10 @@ class Loop(uvloop.Loop):
         socks: list[socket.socket] = []
         try:
             for af, kind, proto, _, addr in infos:
-                s = socket.socket(af, kind, proto)
+                try:
+                    s = socket.socket(af, kind, proto)
+                except OSError:
+                    continue  # e.g. no IPv6 in this kernel: serve on the other families, as asyncio does
                 socks.append(s)
                 if reuse_address is not False:
                     s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -72,7 +77,11 @@ class Loop(uvloop.Loop):
                     s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
                 if af == socket.AF_INET6:
                     s.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
-                s.bind(addr)
+                try:
+                    s.bind(addr)
+                except OSError as e:
+                    raise OSError(e.errno, f"error while attempting to bind on address {addr!r}: "
+                                           f"{(e.strerror or str(e)).lower()}") from None
                 s.listen(backlog)
         except BaseException:
             for s in socks:
@@ -91,31 +100,33 @@ class BatchServer(asyncio.AbstractServer):
                  backlog: int) -> None:
         self._loop = loop
         self._socks = socks
+        self._fds = [s.fileno() for s in socks]
         self._factory = protocol_factory
         self._backlog = max(1, backlog)
-        self._serving = False
+        self._reading = False
         self._closed = asyncio.Event()
-        self._tasks: set[asyncio.Task[Any]] = set()
+        # connections accepted and not yet handed to their protocol
+        self._starting: dict[asyncio.Task[Any], socket.socket] = {}
         for s in socks:
             s.setblocking(False)
         self._start()
 
     @property
     def sockets(self) -> tuple[socket.socket, ...]:
-        return tuple(self._socks)
+        return () if self._closed.is_set() else tuple(self._socks)
 
     def _start(self) -> None:
-        if self._serving or self._closed.is_set():
+        if self._reading or self._closed.is_set():
             return
-        self._serving = True
-        for s in self._socks:
-            self._loop.add_reader(s.fileno(), self._accept, s)
+        self._reading = True
+        for s, fd in zip(self._socks, self._fds):
+            self._loop.add_reader(fd, self._accept, s)
 
     def _pause(self) -> None:
-        if self._serving:
-            self._serving = False
-            for s in self._socks:
-                self._loop.remove_reader(s.fileno())
+        if self._reading:
+            self._reading = False
+            for fd in self._fds:
+                self._loop.remove_reader(fd)
 
     def _accept(self, listener: socket.socket) -> None:
         for _ in range(self._backlog):
@@ -131,11 +142,19 @@ class BatchServer(asyncio.AbstractServer):
                     return
                 raise
             conn.setblocking(False)
+            # (a task: connect_accepted_socket is a coroutine; the connection
+            # reaches its protocol one turn later than with uvloop's own server)
             task = self._loop.create_task(self._connect(conn))
-            self._tasks.add(task)
-            task.add_done_callback(self._tasks.discard)
+            self._starting[task] = conn
+            task.add_done_callback(self._started)
+
+    def _started(self, task: asyncio.Task[Any]) -> None:
+        self._starting.pop(task, None)
 
     async def _connect(self, conn: socket.socket) -> None:
+        if self._closed.is_set():
+            conn.close()  # accepted just before the server closed: not served
+            return
         try:
             await self._loop.connect_accepted_socket(self._factory, conn)
         except Exception as e:  # noqa: BLE001 - one connection's failure; the server goes on
@@ -143,20 +162,26 @@ class BatchServer(asyncio.AbstractServer):
             conn.close()
 
     def close(self) -> None:
+        """Stop accepting; connections accepted and not yet started are
+        closed (their protocol never saw them, so a graceful shutdown would
+        not know to end them)."""
         if self._closed.is_set():
             return
         self._pause()
         for s in self._socks:
             s.close()
         self._closed.set()
+        for task, conn in list(self._starting.items()):
+            task.cancel()
+            conn.close()  # no-op once its transport took the descriptor
 
     async def wait_closed(self) -> None:
         await self._closed.wait()
-        if self._tasks:
-            await asyncio.gather(*self._tasks, return_exceptions=True)
+        if self._starting:
+            await asyncio.gather(*self._starting, return_exceptions=True)
 
     def is_serving(self) -> bool:
-        return self._serving
+        return not self._closed.is_set()
 
     def get_loop(self) -> asyncio.AbstractEventLoop:
         return self._loop
@@ -166,7 +191,10 @@ class BatchServer(asyncio.AbstractServer):
 
     async def serve_forever(self) -> None:
         self._start()
-        await self._closed.wait()
+        try:
+            await self._closed.wait()
+        finally:
+            self.close()
 
 
 def new_event_loop() -> Loop:
