@@ -71,8 +71,11 @@ class Supervisor:
         self._on_event = on_event or (lambda event, slot: None)
         self._tasks: list[asyncio.Task[None]] = []
         self._procs: dict[str, asyncio.subprocess.Process] = {}
-        self._own_run_dir = self.settings.run_dir is None
-        self._run_dir = self.settings.run_dir or tempfile.mkdtemp(prefix="fairstream-")
+        # Where local replicas' sockets go: the settings' run_dir, or one made
+        # when the first local replica starts (a router with none, e.g. a
+        # --workers worker, makes none: nothing to leave behind if killed).
+        self._run_dir: str | None = self.settings.run_dir
+        self._own_run_dir = False
         self._closing = False
 
     async def start(self) -> None:
@@ -105,7 +108,7 @@ class Supervisor:
         self._tasks.clear()
         await asyncio.gather(*(self._stop_process(p) for p in list(self._procs.values())))
         self._procs.clear()
-        if self._own_run_dir:
+        if self._own_run_dir and self._run_dir is not None:
             shutil.rmtree(self._run_dir, ignore_errors=True)
 
     # -- life cycle --------------------------------------------------------
@@ -199,6 +202,9 @@ class Supervisor:
 
     async def _spawn(self, slot: ReplicaSlot) -> tuple[asyncio.subprocess.Process, str]:
         spec = slot.spec
+        if self._run_dir is None:
+            self._run_dir = tempfile.mkdtemp(prefix="fairstream-")
+            self._own_run_dir = True
         path = os.path.join(self._run_dir, f"{spec.name}.sock")
         try:
             os.unlink(path)

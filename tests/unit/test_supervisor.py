@@ -44,6 +44,8 @@ async def test_attaches_to_a_remote_replica_and_closes(replica_address: str) -> 
         assert pool.models() == [MODEL]
         await asyncio.wait_for(sup.close(), 5)
         assert all(t.done() for t in sup._tasks) or not sup._tasks
+        # no local replica, no run directory (a killed --workers worker left an empty one in /tmp)
+        assert sup._run_dir is None
     finally:
         await _force_stop(sup)
 
