@@ -296,9 +296,11 @@ class HttpPool:
         return await self._exchange(self._encode(method, path, body), None, on_head)
 
     async def response_to(self, sent: Sent, on_head: Callable[[Response], None] | None = None) -> Response:
-        """``request`` for a request ``send_now`` wrote (``on_head``: for the
-        new connection's response, if the kept-alive one was closed)."""
-        return await self._exchange(sent.request, sent, on_head)
+        """``request`` for a request ``send_now`` wrote. If the kept-alive
+        connection was closed under it, the new connection's response gets
+        ``on_head``, or else the hook ``send_now`` was given (still unused:
+        no byte came back)."""
+        return await self._exchange(sent.request, sent, on_head if on_head is not None else sent.response.on_head)
 
     async def _exchange(self, request: bytes, sent: Sent | None,
                         on_head: Callable[[Response], None] | None) -> Response:

@@ -75,7 +75,6 @@ class Supervisor:
         # when the first local replica starts (a router with none, e.g. a
         # --workers worker, makes none: nothing to leave behind if killed).
         self._run_dir: str | None = self.settings.run_dir
-        self._own_run_dir = False
         self._closing = False
 
     async def start(self) -> None:
@@ -108,7 +107,7 @@ class Supervisor:
         self._tasks.clear()
         await asyncio.gather(*(self._stop_process(p) for p in list(self._procs.values())))
         self._procs.clear()
-        if self._own_run_dir and self._run_dir is not None:
+        if self.settings.run_dir is None and self._run_dir is not None:  # made here
             shutil.rmtree(self._run_dir, ignore_errors=True)
 
     # -- life cycle --------------------------------------------------------
@@ -204,7 +203,6 @@ class Supervisor:
         spec = slot.spec
         if self._run_dir is None:
             self._run_dir = tempfile.mkdtemp(prefix="fairstream-")
-            self._own_run_dir = True
         path = os.path.join(self._run_dir, f"{spec.name}.sock")
         try:
             os.unlink(path)

@@ -105,14 +105,14 @@ class _Stream:
     response; whether output reached the router, and whether the router
     could resume it (token ids known)."""
 
-    __slots__ = ("col", "delivered", "resumable", "done", "usage", "prompt_ids", "splice", "task", "resp")
+    __slots__ = ("col", "delivered", "resumable", "done", "asked_usage", "prompt_ids", "splice", "task", "resp")
 
     def __init__(self, col: Collector, prompt_ids: list[int] | None) -> None:
         self.col = col
         self.delivered = False
         self.resumable = False
         self.done = False
-        self.usage = False  # the request asked for a usage chunk
+        self.asked_usage = False  # its request asked for the usage chunk
         self.prompt_ids = prompt_ids  # goes out with the first delta
         self.splice: _Splice | None = None
         self.task: asyncio.Task[None] | None = None
@@ -267,11 +267,11 @@ class UpstreamClient:
             except (TypeError, ValueError, msgspec.EncodeError):
                 pass  # the task meets it again and reports it, as for any request
             else:
-                sent = self._http.send_now("POST", path, body, on_head)
+                st.asked_usage = asked[1]
+                sent = self._http.send_now("POST", path, body, on_head)  # None: no idle connection after all
                 if sent is not None:
                     st.resp = sent.response  # an abort closes it
-                    st.usage = asked[1]
-                    first = (sent, asked)
+                first = (path, body, asked, sent)
         task = st.task = asyncio.get_running_loop().create_task(
             self._run(st, params, prompt, messages, prefix, prefix_text_len, on_head, first),
             name=f"upstream-{self.name}-{col.rid}",
@@ -377,7 +377,8 @@ class UpstreamClient:
 
     async def _run(self, st: _Stream, params: SamplingParams, prompt: str | None,
                    messages: list[dict[str, str]] | None, prefix: list[int], prefix_text_len: int,
-                   on_head: Callable[[Response], None], first: tuple[Sent, tuple[bool, bool]] | None) -> None:
+                   on_head: Callable[[Response], None],
+                   first: tuple[str, bytes, tuple[bool, bool], Sent | None] | None) -> None:
         """Send the request; once its response streams, this task ends and the
         body is parsed in ``data_received`` (``_SseReader``) until ``_ended``."""
         col = st.col
@@ -391,12 +392,15 @@ class UpstreamClient:
             if prefix and params.stop:
                 st.splice = _Splice(params.stop, await self._held_back(prefix, prefix_text_len))
             for attempt in range(3):
-                if attempt == 0 and first is not None:  # written by generate()
-                    sent, (ask_ids, ask_usage) = first
-                    resp = await self._http.response_to(sent, on_head)
+                if attempt == 0 and first is not None:  # encoded, and maybe written, by generate()
+                    path, body, (ask_ids, ask_usage), sent = first
                 else:
                     path, body, (ask_ids, ask_usage) = self._request(params, prompt, messages, prompt_ids, prefix)
-                    st.usage = ask_usage
+                    st.asked_usage = ask_usage
+                    sent = None
+                if sent is not None:
+                    resp = await self._http.response_to(sent)
+                else:
                     resp = await self._http.request("POST", path, body, on_head)
                 if resp.status == 200:
                     streaming = True  # on_head attached its SSE reader
@@ -451,7 +455,7 @@ class UpstreamClient:
     def _ended(self, st: _Stream, reader: _SseReader, exc: BaseException | None) -> None:
         """The response of a streaming request ended (``exc``: how it broke)."""
         st.resp = None
-        if st.done or self._streams.get(st.col.rid) is not st:
+        if not self._current(st):
             return  # finished, aborted or released: nothing to report
         if reader.held is not None:
             reader.flush()  # the finish came, its usage chunk did not: a finished stream all the same
@@ -465,6 +469,10 @@ class UpstreamClient:
         except Exception as e:  # noqa: BLE001 - a bug here must not leave the stream hanging
             log.exception("upstream %s: request %d failed", self.name, st.col.rid)
             self._lost(st, f"upstream {self.name} failed: {e!r}")
+
+    def _current(self, st: _Stream) -> bool:
+        """``st`` is still running here (not finished, aborted or released)."""
+        return not st.done and self._streams.get(st.col.rid) is st
 
     def _first_chunk(self, st: _Stream, chunk: _Chunk, resumed: bool) -> None:
         choice = chunk.choices[0] if chunk.choices else None
@@ -651,7 +659,7 @@ class _SseReader:
                 self.client._finish(st, delta)
                 self.ended = True
                 self.response.close()  # our stop string, not the upstream's: abort it
-            elif st.usage and not st.resumable:
+            elif st.asked_usage and not st.resumable:
                 self.counted += count
                 self.held = delta
                 self._release()
@@ -695,8 +703,7 @@ class _SseReader:
         finish (a server that keeps the body open): finish without usage,
         unless the stream was aborted meanwhile."""
         self.timer = None
-        st = self.st
-        if self.held is not None and not st.done and self.client._streams.get(st.col.rid) is st:
+        if self.held is not None and self.client._current(self.st):
             self.flush()
 
     def end(self) -> None:

@@ -289,10 +289,7 @@ class Generation:
             else:
                 handle = self.pool.choose(job.model, remaining, self._exclude)
         except NoReplica as e:
-            if self.completion_ids:
-                self.metrics.streams_lost.inc()
-                raise StreamLost(str(e)) from e
-            raise ReplicaUnavailable(str(e)) from e
+            raise self._no_replica(str(e), ReplicaUnavailable(str(e))) from e
         if self.ended:  # closed while it waited
             handle.release()
             return
@@ -482,15 +479,20 @@ class Generation:
         self._end(StreamLost(why))
 
     def _give_up(self, why: str) -> None:
-        """No replica can go on: a lost stream if anything was produced;
-        otherwise nothing reached the client, which may simply retry (503)."""
+        """No replica can go on after the request's replica failed."""
+        self._end(self._no_replica(why, ReplicaUnavailable(
+            f"The request's replica failed before its first token and no other replica could take it: {why}",
+            headers={"retry-after": "1"},
+        )))
+
+    def _no_replica(self, why: str, unavailable: ReplicaUnavailable) -> Exception:
+        """What no replica to run on means: a lost stream (counted) if
+        anything was produced; otherwise ``unavailable``, since nothing
+        reached the client, which may simply retry (503)."""
         if self.produced:
-            self._lose(why)
-        else:
-            self._end(ReplicaUnavailable(
-                f"The request's replica failed before its first token and no other replica could take it: {why}",
-                headers={"retry-after": "1"},
-            ))
+            self.metrics.streams_lost.inc()
+            return StreamLost(why)
+        return unavailable
 
 
 class _Watchdog:
