@@ -11,6 +11,11 @@ S4  1,000 requests at once behind a saturated cluster (sim replicas with
     32 sequences each; fairstream caps each replica at 32 in flight, so
     ~940 wait in its fair queues; direct, they wait in the engines'
     queues), plus the in-process scheduling-decision micro-benchmark.
+S5  64 concurrent streams x 1 token, 30 requests back to back per virtual
+    user: the cost of a request itself (auth, admission, scheduling, the
+    upstream request, response head, accounting, log line), which S1 and
+    S2 spread over 128 and 64 tokens. Router CPU per 1,000 tokens is here
+    router CPU per 1,000 requests.
 
 Budgets bound every run: no new request after ``budget_s``, everything
 still open at ``deadline_s`` is cancelled (and counted as an error).
@@ -60,6 +65,10 @@ def build(waves: int = 6, s2_waves: int = 3, idle_streams: int = 2000, hold_s: f
             mock={"delay_ms": 0.0, "hold_ms": hold_s * 1000}, ramp_s=2.0, idle=True,
             sim=sim_fast | {"step_base_ms": hold_s * 1000 / 2, "max_num_seqs": 4096},
             budget_s=slow_budget, deadline_s=hold_s + slow_budget + 20, on_sim=False,
+        ),
+        "S5": Scenario(
+            "S5", "64 streams x 1 token, back to back (per-request cost)", 64, 64 * 30, 1,
+            mock={"delay_ms": 0.0}, sim=sim_fast, budget_s=slow_budget, deadline_s=slow_budget + 25,
         ),
         "S4": Scenario(
             "S4", "1000 queued requests x 16 tokens behind a saturated cluster", 1000, 1000, 16,
