@@ -36,12 +36,18 @@ class JsonFormatter(logging.Formatter):
     def __init__(self, static: dict[str, object] | None = None) -> None:
         super().__init__()
         self.static = static or {}
+        self._second = -1  # the whole second ``_stamp`` was formatted for
+        self._stamp = ""
 
     def fields(self, record: logging.LogRecord) -> dict[str, object]:
+        created = record.created
+        second = int(created)
+        if second != self._second:  # strftime once a second, not once a line
+            self._second = second
+            self._stamp = time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(second))
         out: dict[str, object] = {
-            "ts": round(record.created, 6),
-            "time": time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(record.created))
-            + f".{int(record.msecs):03d}Z",
+            "ts": round(created, 6),
+            "time": f"{self._stamp}.{int(record.msecs):03d}Z",
             "level": record.levelname.lower(),
             "logger": record.name,
             "msg": record.getMessage(),

@@ -52,7 +52,7 @@ class Outcome:
         self.done = True
         m = self.svc.metrics
         tenant = self.policy.name
-        m.requests.labels(tenant, self.endpoint, outcome).inc()
+        m.child(m.requests, tenant, self.endpoint, outcome).inc()
         elapsed = time.monotonic() - self.started
         extra: dict[str, object] = {
             "request_id": self.request_id,
@@ -63,9 +63,9 @@ class Outcome:
             "duration_s": round(elapsed, 4),
         }
         if gen is not None:
-            m.tokens.labels(tenant, "prompt").inc(max(0, gen.prompt_tokens - self.counted[0]))
-            m.tokens.labels(tenant, "completion").inc(max(0, gen.completion_tokens - self.counted[1]))
-            m.e2e.labels(tenant, self.policy.priority).observe(elapsed)
+            m.child(m.tokens, tenant, "prompt").inc(max(0, gen.prompt_tokens - self.counted[0]))
+            m.child(m.tokens, tenant, "completion").inc(max(0, gen.completion_tokens - self.counted[1]))
+            m.child(m.e2e, tenant, self.policy.priority).observe(elapsed)
             extra.update(
                 prompt_tokens=gen.prompt_tokens,
                 completion_tokens=gen.completion_tokens,
@@ -109,8 +109,8 @@ class EventStream:
         self.sid = sid
         self.writer = svc.resume if sid is not None else _NoBuffer()
         m = svc.metrics
-        self.ttft = m.ttft.labels(policy.name, policy.priority)
-        self.itl = m.itl.labels(policy.name, policy.priority)
+        self.ttft = m.child(m.ttft, policy.name, policy.priority)
+        self.itl = m.child(m.itl, policy.name, policy.priority)
         self.last: float | None = None
         self.tokens, self.chars = gen.base  # where the generation started
         self.sent_ids = self.tokens  # token ids handed to the resume buffer

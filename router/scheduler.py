@@ -129,7 +129,7 @@ class Scheduler:
             self._head_changed(policy.name, q)
         self._by_model[model] = self._by_model.get(model, 0) + 1
         self._queued += 1
-        self.metrics.queued.labels(policy.name, policy.priority).inc()
+        self.metrics.child(self.metrics.queued, policy.name, policy.priority).inc()
         self._dispatch()
         wait = policy.limits.queue_wait
         if wait:
@@ -186,7 +186,7 @@ class Scheduler:
                     self._head_changed(w.policy.name, q)
                 self._by_model[w.model] -= 1
                 self._queued -= 1
-                self.metrics.queued.labels(w.policy.name, w.policy.priority).dec()
+                self.metrics.child(self.metrics.queued, w.policy.name, w.policy.priority).dec()
         if w.future.done() and not w.future.cancelled():
             w.future.result().release()
         else:
@@ -242,13 +242,13 @@ class Scheduler:
             self._head_changed(tenant, q)
             self._by_model[w.model] -= 1
             self._queued -= 1
-            self.metrics.queued.labels(w.policy.name, w.policy.priority).dec()
+            self.metrics.child(self.metrics.queued, w.policy.name, w.policy.priority).dec()
             self._dispatched(w.policy, now - w.enqueued)
             w.future.set_result(handle)
 
     def _dispatched(self, policy: TenantPolicy, waited: float) -> None:
         self.counters.served(policy.name)
-        self.metrics.queue_wait.labels(policy.name, policy.priority).observe(waited)
+        self.metrics.child(self.metrics.queue_wait, policy.name, policy.priority).observe(waited)
         now = self.clock()
         dt = max(1e-3, now - self._rate_ts)
         self._rate = 0.8 * self._rate + 0.2 * (1.0 / dt)
