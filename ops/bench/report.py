@@ -145,12 +145,6 @@ def _micro_table(micro: list[list[dict]]) -> list[str]:
         "| reference `pick` (scan) p50 us | p99 us |",
         "|---|---|---|---|---|---|---|---|---|",
     ]
-    # S5 has no target of its own: the per-request cost behind S1/S2's CPU and added TTFT
-    per_req = {sys_: _med(g.values("S5", sys_, lambda m: m.cpu_per_1k)) for sys_ in ("fairstream", "vllm-router")}
-    if per_req["fairstream"] is not None:
-        lines.append("- (no target) S5 router CPU per request (1-token streams): "
-                     + ", ".join(f"{k} {v:.3f} ms" for k, v in per_req.items() if v is not None))
-
     by = defaultdict(list)
     for rnd in micro:
         for r in rnd:
