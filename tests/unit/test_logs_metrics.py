@@ -1,0 +1,54 @@
+"""The JSON log line's fields, and remembered metric children."""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+
+from prometheus_client import generate_latest
+
+from router.logs import JsonFormatter
+from router.metrics import Metrics
+
+
+def _record(created: float, **extra: object) -> logging.LogRecord:
+    rec = logging.makeLogRecord({"name": "fairstream.request", "levelno": logging.INFO, "levelname": "INFO",
+                              "msg": "request %s", "args": ("ok",), **extra})
+    rec.created = created
+    rec.msecs = int((created - int(created)) * 1000)
+    return rec
+
+
+def test_the_time_field_follows_each_record_across_seconds():
+    fmt = JsonFormatter()
+    # out of order, across a second, a minute and a day: the remembered
+    # second must never leak into another record's time
+    for created in (1796000000.999, 1796000001.0, 1796000000.5, 1796000060.25, 1796086400.001, 1796000001.75):
+        line = json.loads(fmt.format(_record(created)))
+        expected = time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(int(created))) + f".{int((created % 1) * 1000):03d}Z"
+        assert line["time"] == expected
+        assert line["ts"] == round(created, 6)
+
+
+def test_extra_fields_keep_their_order_and_values():
+    line = json.loads(JsonFormatter().format(_record(1796000000.0, tenant="t1", outcome="ok", duration_s=0.5)))
+    assert list(line)[:5] == ["ts", "time", "level", "logger", "msg"]
+    assert line["msg"] == "request ok"
+    assert [k for k in line if k in ("tenant", "outcome", "duration_s")] == ["tenant", "outcome", "duration_s"]
+    assert line["duration_s"] == 0.5
+
+
+def test_a_remembered_child_is_the_one_the_family_exports():
+    m = Metrics()
+    c = m.child(m.requests, "t1", "chat", "ok")
+    assert c is m.requests.labels("t1", "chat", "ok")
+    assert m.child(m.requests, "t1", "chat", "ok") is c
+    c.inc()
+    m.child(m.requests, "t1", "chat", "ok").inc()
+    m.child(m.requests, "t2", "chat", "ok").inc()
+    # the same label values on another family are another child
+    assert m.child(m.e2e, "t1", "normal") is not m.child(m.ttft, "t1", "normal")
+    text = generate_latest(m.registry).decode()
+    assert 'fairstream_requests_total{endpoint="chat",outcome="ok",tenant="t1"} 2.0' in text
+    assert 'fairstream_requests_total{endpoint="chat",outcome="ok",tenant="t2"} 1.0' in text
