@@ -36,18 +36,18 @@ class JsonFormatter(logging.Formatter):
     def __init__(self, static: dict[str, object] | None = None) -> None:
         super().__init__()
         self.static = static or {}
-        self._second = -1  # the whole second ``_stamp`` was formatted for
-        self._stamp = ""
+        self._date: tuple[int, str] = (-1, "")  # (whole second, its formatted date)
 
     def fields(self, record: logging.LogRecord) -> dict[str, object]:
         created = record.created
         second = int(created)
-        if second != self._second:  # strftime once a second, not once a line
-            self._second = second
-            self._stamp = time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(second))
+        cached, date = self._date  # one tuple: a record formatted on another thread cannot mix them
+        if second != cached:  # strftime once a second, not once a line
+            date = time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(second))
+            self._date = (second, date)
         out: dict[str, object] = {
             "ts": round(created, 6),
-            "time": f"{self._stamp}.{int(record.msecs):03d}Z",
+            "time": f"{date}.{int(record.msecs):03d}Z",
             "level": record.levelname.lower(),
             "logger": record.name,
             "msg": record.getMessage(),

@@ -177,7 +177,7 @@ def main(argv: list[str] | None = None) -> int:
                                 formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--systems", default=",".join(UPSTREAM_SYSTEMS + SIM_SYSTEMS))
-    p.add_argument("--scenarios", default="S1,S2,S3,S4,S5")
+    p.add_argument("--scenarios", default="S1,S2,S5,S3,S4")
     p.add_argument("--workers", type=int, default=2, help="load-client processes")
     p.add_argument("--waves", type=int, default=6, help="S1: requests per virtual user")
     p.add_argument("--s2-waves", type=int, default=3, help="S2: requests per virtual user")

@@ -39,16 +39,26 @@ def test_extra_fields_keep_their_order_and_values():
     assert line["duration_s"] == 0.5
 
 
-def test_a_remembered_child_is_the_one_the_family_exports():
+def test_a_remembered_child_is_the_one_the_family_exports(monkeypatch):
+    monkeypatch.delenv("PROMETHEUS_MULTIPROC_DIR", raising=False)  # an own registry to read back
     m = Metrics()
     c = m.child(m.requests, "t1", "chat", "ok")
-    assert c is m.requests.labels("t1", "chat", "ok")
     assert m.child(m.requests, "t1", "chat", "ok") is c
+    # every label value counts, not only the first; and the family counts too
+    assert m.child(m.requests, "t1", "chat", "lost") is not c
+    assert m.child(m.requests, "t1", "completions", "ok") is not c
+    assert m.child(m.tokens, "t1", "prompt") is not m.child(m.tokens, "t1", "completion")
+    assert m.child(m.e2e, "t1", "normal") is not m.child(m.ttft, "t1", "normal")
     c.inc()
     m.child(m.requests, "t1", "chat", "ok").inc()
+    m.child(m.requests, "t1", "chat", "lost").inc(3)
     m.child(m.requests, "t2", "chat", "ok").inc()
-    # the same label values on another family are another child
-    assert m.child(m.e2e, "t1", "normal") is not m.child(m.ttft, "t1", "normal")
+    m.child(m.tokens, "t1", "prompt").inc(5)
+    m.child(m.tokens, "t1", "completion").inc(7)
     text = generate_latest(m.registry).decode()
     assert 'fairstream_requests_total{endpoint="chat",outcome="ok",tenant="t1"} 2.0' in text
+    assert 'fairstream_requests_total{endpoint="chat",outcome="lost",tenant="t1"} 3.0' in text
     assert 'fairstream_requests_total{endpoint="chat",outcome="ok",tenant="t2"} 1.0' in text
+    assert 'fairstream_requests_total{endpoint="completions",outcome="ok",tenant="t1"} 0.0' in text
+    assert 'fairstream_tokens_total{direction="prompt",tenant="t1"} 5.0' in text
+    assert 'fairstream_tokens_total{direction="completion",tenant="t1"} 7.0' in text
