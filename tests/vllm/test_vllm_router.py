@@ -109,44 +109,64 @@ async def test_disconnect_aborts_on_the_vllm_replica(vllm_router):
     assert 2 <= after.value("fairstream_tokens_total", tenant="gold", direction="completion") - completion0 < max_tokens
 
 
-async def _busy_replicas(router) -> list[str] | None:
-    """Replicas with streams in flight; None when /metrics did not answer
-    within its 5 s (while six streams start, the vLLM workers can starve the
-    router or this process for seconds on a 2-core box)."""
+async def _scrape(router):
+    """/metrics, or None when it did not answer within its 5 s (while six
+    streams start, the vLLM workers can starve the router or this process
+    for seconds on a 2-core box)."""
     try:
-        m = await router.ametrics()
+        return await router.ametrics()
     except httpx.TimeoutException:
         return None
-    return [n for n in router.replica_names if m.value("fairstream_replica_inflight_requests", replica=n) > 0]
+
+
+async def _busy_replicas(router):
+    """(replicas with streams in flight, the scrape) once some replica has
+    streams; None until then or when /metrics did not answer."""
+    m = await _scrape(router)
+    if m is None:
+        return None
+    busy = [n for n in router.replica_names if m.value("fairstream_replica_inflight_requests", replica=n) > 0]
+    return (busy, m) if busy else None
+
+
+async def _frozen_with_streams(router, victim: str, failovers0: float):
+    """Whether the frozen ``victim`` held streams: still in flight on it, or
+    already moved off it by the stall limit (a failover it counted since the
+    freeze). A one-item tuple (truthy either way); None when /metrics did
+    not answer."""
+    m = await _scrape(router)
+    if m is None:
+        return None
+    busy = m.value("fairstream_replica_inflight_requests", replica=victim) > 0
+    moved = m.value("fairstream_failovers_total", default=0.0, replica=victim) > failovers0
+    return (busy or moved,)
 
 
 async def _freeze_a_busy_replica(router, client) -> tuple[str, int]:
-    """SIGSTOP a replica that still has streams in flight once it is frozen.
+    """SIGSTOP a replica that held streams once it was frozen.
 
     Seeing streams on a replica and then signalling it is a race: on this box
     a /metrics or /admin/replicas answer can take seconds, and the streams may
     have ended by the time the signal lands (no failover to assert). A frozen
-    replica cannot finish a stream, so streams seen on it after the freeze are
-    still there for the real signal. Returns the replica's name and pid."""
+    replica cannot finish a stream, so streams seen on it after the freeze,
+    or moved off it by the tenant's stall limit (10 s; the check after the
+    freeze may take longer than that to answer), were still there when the
+    real signal comes. Returns the replica's name and pid."""
     replicas = (await client.get("/admin/replicas", headers={"Authorization": f"Bearer {ADMIN}"},
                                  timeout=30)).json()["replicas"]
     pids = {r["name"]: r["pid"] for r in replicas}
     end = asyncio.get_running_loop().time() + 120
     while asyncio.get_running_loop().time() < end:
-        busy = await apoll(lambda: _busy_replicas(router), 60, what="streams on a replica")
+        busy, m = await apoll(lambda: _busy_replicas(router), 60, what="streams on a replica")
         victim = busy[0]
+        failovers0 = m.value("fairstream_failovers_total", default=0.0, replica=victim)
         os.kill(pids[victim], signal.SIGSTOP)
         await asyncio.sleep(0.5)  # bytes it sent before the freeze reach the router
-        if victim in await apoll(lambda: _answered(_busy_replicas(router)), 30, what="a /metrics answer"):
+        (held,) = await apoll(lambda: _frozen_with_streams(router, victim, failovers0), 30, what="a /metrics answer")
+        if held:
             return victim, pids[victim]
         os.kill(pids[victim], signal.SIGCONT)  # its streams ended first: try again
     raise AssertionError("no replica still had streams in flight once frozen")
-
-
-async def _answered(busy):
-    """``busy``'s list, as a truthy one-item tuple when empty (apoll retries only on no answer)."""
-    got = await busy
-    return None if got is None else (got or ("(none)",))
 
 
 async def _all_zero(values):
