@@ -142,8 +142,9 @@ async def _frozen_with_streams(router, victim: str, failovers0: float):
     return (busy or moved,)
 
 
-async def _freeze_a_busy_replica(router, client) -> tuple[str, int]:
-    """SIGSTOP a replica that held streams once it was frozen.
+async def _freeze_a_busy_replica(router, client, start_streams) -> tuple[str, int, list[asyncio.Task]]:
+    """Start streams and SIGSTOP a replica that held some of them once it
+    was frozen. Returns the replica's name, its pid and the stream tasks.
 
     Seeing streams on a replica and then signalling it is a race: on this box
     a /metrics or /admin/replicas answer can take seconds, and the streams may
@@ -151,22 +152,33 @@ async def _freeze_a_busy_replica(router, client) -> tuple[str, int]:
     replica cannot finish a stream, so streams seen on it after the freeze,
     or moved off it by the tenant's stall limit (10 s; the check after the
     freeze may take longer than that to answer), were still there when the
-    real signal comes. Returns the replica's name and pid."""
+    real signal came. When they were not, or the streams all ended before
+    any scrape saw them, the attempt is checked and repeated with new
+    streams (waiting for streams that have ended cannot succeed)."""
     replicas = (await client.get("/admin/replicas", headers={"Authorization": f"Bearer {ADMIN}"},
                                  timeout=30)).json()["replicas"]
     pids = {r["name"]: r["pid"] for r in replicas}
-    end = asyncio.get_running_loop().time() + 120
-    while asyncio.get_running_loop().time() < end:
-        busy, m = await apoll(lambda: _busy_replicas(router), 60, what="streams on a replica")
-        victim = busy[0]
-        failovers0 = m.value("fairstream_failovers_total", default=0.0, replica=victim)
-        os.kill(pids[victim], signal.SIGSTOP)
-        await asyncio.sleep(0.5)  # bytes it sent before the freeze reach the router
-        (held,) = await apoll(lambda: _frozen_with_streams(router, victim, failovers0), 30, what="a /metrics answer")
-        if held:
-            return victim, pids[victim]
-        os.kill(pids[victim], signal.SIGCONT)  # its streams ended first: try again
-    raise AssertionError("no replica still had streams in flight once frozen")
+    for _ in range(3):
+        tasks = start_streams()
+
+        async def busy_or_ended():
+            if all(t.done() for t in tasks):
+                return ([], None)
+            return await _busy_replicas(router)
+
+        busy, m = await apoll(busy_or_ended, 120, what="streams on a replica")
+        if busy:
+            victim = busy[0]
+            failovers0 = m.value("fairstream_failovers_total", default=0.0, replica=victim)
+            os.kill(pids[victim], signal.SIGSTOP)
+            await asyncio.sleep(0.5)  # bytes it sent before the freeze reach the router
+            (held,) = await apoll(lambda: _frozen_with_streams(router, victim, failovers0), 30,
+                                  what="a /metrics answer")
+            if held:
+                return victim, pids[victim], tasks
+            os.kill(pids[victim], signal.SIGCONT)  # its streams ended first: try again
+        await asyncio.gather(*tasks)  # these ended undisturbed; a failed one fails here
+    raise AssertionError("no replica still had streams in flight once frozen, in 3 attempts")
 
 
 async def _all_zero(values):
@@ -193,8 +205,8 @@ async def test_replica_death_mid_stream_is_token_exact(vllm_router, sig):
                     parts.append(d["choices"][0]["text"])
             raise AssertionError("stream ended without [DONE]")
 
-        tasks = [asyncio.create_task(stream()) for _ in range(6)]
-        victim, pid = await _freeze_a_busy_replica(vllm_router, client)
+        victim, pid, tasks = await _freeze_a_busy_replica(
+            vllm_router, client, lambda: [asyncio.create_task(stream()) for _ in range(6)])
         if sig != signal.SIGSTOP:
             os.kill(pid, sig)  # dies mid-stream; SIGSTOP leaves it frozen
         texts = await asyncio.gather(*tasks)
