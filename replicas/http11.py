@@ -295,12 +295,11 @@ class HttpPool:
         are in. ``on_head``: the response's ``on_head`` hook."""
         return await self._exchange(self._encode(method, path, body), None, on_head)
 
-    async def response_to(self, sent: Sent, on_head: Callable[[Response], None] | None = None) -> Response:
+    async def response_to(self, sent: Sent) -> Response:
         """``request`` for a request ``send_now`` wrote. If the kept-alive
         connection was closed under it, the new connection's response gets
-        ``on_head``, or else the hook ``send_now`` was given (still unused:
-        no byte came back)."""
-        return await self._exchange(sent.request, sent, on_head if on_head is not None else sent.response.on_head)
+        the hook ``send_now`` was given (still unused: no byte came back)."""
+        return await self._exchange(sent.request, sent, sent.response.on_head)
 
     async def _exchange(self, request: bytes, sent: Sent | None,
                         on_head: Callable[[Response], None] | None) -> Response:

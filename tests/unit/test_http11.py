@@ -264,7 +264,7 @@ async def test_a_request_sent_at_once_on_a_closed_connection_goes_again_on_a_new
         got: list[bytes] = []
         sent = pool.send_now("POST", "/x", b"{}", lambda resp: resp.stream_to(got.append))
         assert sent is not None
-        r = await pool.response_to(sent, lambda resp: resp.stream_to(got.append))
+        r = await pool.response_to(sent)
         await r.finished()
         assert r is not sent.response and got == [b"data: 3\n\n"]  # the hook came along
         assert srv.connections == 2

@@ -163,7 +163,7 @@ async def _freeze_a_busy_replica(router, client, start_streams) -> tuple[str, in
 
         async def busy_or_ended():
             if all(t.done() for t in tasks):
-                return ([], None)
+                return ([], None)  # truthy: no replica busy, the streams all ended unseen
             return await _busy_replicas(router)
 
         busy, m = await apoll(busy_or_ended, 120, what="streams on a replica")
