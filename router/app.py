@@ -11,7 +11,7 @@ from litestar import Litestar, Request, Response, get, post
 from litestar.exceptions import HTTPException
 
 from router.admin import admin_routes
-from router.completions import handle_completion, new_request_id
+from router.completions import check_model, handle_completion, new_request_id
 from router.config import RouterConfig
 from router.errors import ApiError, error_body
 from router.fastpath import FastPath
@@ -83,6 +83,16 @@ async def models(request: Request) -> Response:
     return Response(msgspec.json.encode(_ModelList("list", data)), media_type=_JSON)
 
 
+@get("/v1/models/{model:path}")
+async def model(request: Request, model: str) -> Response:
+    """One model (``client.models.retrieve``); a model id may contain slashes."""
+    svc = _svc(request)
+    policy = svc.tenant(request.headers.get("authorization"))
+    name = model.removeprefix("/")
+    check_model(svc, policy, name)
+    return Response(msgspec.json.encode(_Model(name, "model", 0, "fairstream")), media_type=_JSON)
+
+
 @get("/health")
 async def health() -> Response:
     return Response(b'{"status":"ok"}', media_type=_JSON)
@@ -148,7 +158,7 @@ def create_app(config: RouterConfig, tenants_path: Path) -> FastPath:
             await service.close()
 
     app = Litestar(
-        route_handlers=[chat_completions, completions, resume_stream, chat_socket, models, health, ready, metrics, *admin_routes],
+        route_handlers=[chat_completions, completions, resume_stream, chat_socket, models, model, health, ready, metrics, *admin_routes],
         lifespan=[lifespan],
         exception_handlers={ApiError: _api_error, HTTPException: _http_error, Exception: _internal_error},
         request_max_body_size=config.max_body_bytes,

@@ -42,7 +42,7 @@ from router.resume import ResumeMeta
 from router.sse import ChunkEncoder, Usage
 from router.tenants import TenantPolicy
 
-__all__ = ["handle_completion", "start_generation", "open_stream", "respond_whole", "Started", "new_request_id",
+__all__ = ["check_model", "handle_completion", "start_generation", "open_stream", "respond_whole", "Started", "new_request_id",
            "response_id_of"]
 
 log = logging.getLogger("fairstream.router")
@@ -87,14 +87,17 @@ def response_id_of(chat: bool, request_id: str) -> str:
     return ("chatcmpl-" if chat else "cmpl-") + request_id
 
 
+def check_model(svc: RouterService, policy: TenantPolicy, model: str) -> None:
+    """Raise OpenAI's 404 unless a replica serves ``model`` and the tenant may use it."""
+    if model not in svc.pool.models() or not policy.allows_model(model):
+        raise NotFound(f"The model '{model}' does not exist or you do not have access to it.",
+                       param="model", code="model_not_found")
+
+
 def _job(svc: RouterService, policy: TenantPolicy, body: bytes, chat: bool):
     """Decode and check the request; return it, its job and its prompt-token estimate."""
     req = decode_request(body, ChatRequest if chat else CompletionRequest)
-    if req.model not in svc.pool.models() or not policy.allows_model(req.model):
-        raise NotFound(
-            f"The model '{req.model}' does not exist or you do not have access to it.",
-            param="model", code="model_not_found",
-        )
+    check_model(svc, policy, req.model)
     cap = policy.limits.max_tokens
     default = min(svc.config.default_max_tokens, cap) if cap else svc.config.default_max_tokens
     params = to_params(req, default)

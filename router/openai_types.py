@@ -198,6 +198,8 @@ def chat_messages(req: ChatRequest) -> list[dict[str, str]]:
         if m.tool_calls is not None:
             raise BadRequest("Tool calls are not supported by this server.", param=f"messages[{i}].tool_calls")
         content = m.content
+        if content is None and m.role != "assistant":  # an assistant turn may be all tool calls
+            raise BadRequest(f"Missing required parameter: 'messages[{i}].content'.", param=f"messages[{i}].content")
         if isinstance(content, list):
             parts = []
             for j, part in enumerate(content):

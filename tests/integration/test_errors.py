@@ -119,6 +119,20 @@ def test_bad_value_names_the_field(shared_router: RouterProcess, body: dict, par
     assert err["param"] == param
 
 
+@pytest.mark.parametrize("role", ["system", "developer", "user", "tool"])
+def test_message_without_content_is_400(shared_router: RouterProcess, role: str) -> None:
+    messages = [{"role": "user", "content": "hi"}, {"role": role}]
+    err = error_of(post(shared_router, CHAT, json=chat_body(messages=messages)), 400)
+    assert err["param"] == "messages[1].content"
+    assert "messages[1].content" in err["message"]
+
+
+def test_assistant_turn_may_have_no_content(shared_router: RouterProcess) -> None:
+    messages = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": None},
+                {"role": "user", "content": "again"}]
+    assert post(shared_router, CHAT, json=chat_body(messages=messages)).status_code == 200
+
+
 def test_unknown_model_is_404(shared_router: RouterProcess) -> None:
     err = error_of(post(shared_router, CHAT, json=chat_body(model="gpt-nope")), 404)
     assert err["code"] == "model_not_found"
@@ -224,6 +238,20 @@ def test_sdk_not_found_error(client: openai.OpenAI) -> None:
     with pytest.raises(openai.NotFoundError) as e:
         client.chat.completions.create(model="no-such-model", messages=[{"role": "user", "content": "x"}])
     assert e.value.code == "model_not_found"
+
+
+def test_sdk_retrieves_a_model(client: openai.OpenAI) -> None:
+    m = client.models.retrieve(MODEL)
+    assert (m.id, m.object) == (MODEL, "model")
+    # ids may contain slashes (org/name): still one model, here an unknown one
+    with pytest.raises(openai.NotFoundError) as e:
+        client.models.retrieve("org/no-such-model")
+    assert e.value.code == "model_not_found"
+    assert "org/no-such-model" in e.value.message
+
+
+def test_model_needs_a_key(shared_router: RouterProcess) -> None:
+    error_of(httpx.get(shared_router.base_url + f"/v1/models/{MODEL}", timeout=10), 401)
 
 
 def test_sdk_unknown_argument(client: openai.OpenAI) -> None:
