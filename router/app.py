@@ -13,6 +13,7 @@ from litestar.exceptions import HTTPException
 from router.admin import admin_routes
 from router.completions import check_model, handle_completion, new_request_id
 from router.config import RouterConfig
+from router.cors import cors_config
 from router.errors import ApiError, error_body
 from router.fastpath import FastPath
 from router.resume_http import handle_resume, parse_last_event_id
@@ -162,6 +163,7 @@ def create_app(config: RouterConfig, tenants_path: Path) -> FastPath:
         lifespan=[lifespan],
         exception_handlers={ApiError: _api_error, HTTPException: _http_error, Exception: _internal_error},
         request_max_body_size=config.max_body_bytes,
+        cors_config=cors_config(config.cors),
         openapi_config=None,
         debug=False,
     )

@@ -8,6 +8,7 @@ import msgspec
 
 from replicas.spec import ReplicaSpec
 from router.configfile import Located, load_yaml, parse_validation_error
+from router.cors import CorsSettings
 from policies.batching import AimdSettings
 from router.scheduler_settings import SchedulerSettings
 from router.state import StateConfig
@@ -48,6 +49,8 @@ class RouterConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     """Seconds a stream's events stay resumable (Last-Event-ID) after its last event."""
     batching: AimdSettings = msgspec.field(default_factory=AimdSettings)
     """Adaptive per-replica in-flight caps."""
+    cors: CorsSettings = msgspec.field(default_factory=CorsSettings)
+    """Which browser apps on other origins may call the API (off by default)."""
 
     def validate(self, located: Located) -> list[str]:
         errors = []
@@ -67,6 +70,11 @@ class RouterConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
                 errors.append(located.error((key,), "must be at least 1"))
         if self.max_failovers < 0:
             errors.append(located.error(("max_failovers",), "must not be negative"))
+        if self.cors.max_age < 0:
+            errors.append(located.error(("cors", "max_age"), "must not be negative"))
+        for i, origin in enumerate(self.cors.allow_origins):
+            if not origin.strip():
+                errors.append(located.error(("cors", "allow_origins", i), "must not be empty"))
         return errors
 
 

@@ -85,6 +85,7 @@ def render() -> str:
     from replicas.spec import ReplicaSpec
     from replicas.vllm_engine import VllmEngineConfig
     from router.config import RouterConfig
+    from router.cors import CorsSettings
     from router.scheduler_settings import SchedulerSettings
     from router.state import StateConfig
     from router.tenants import BUILTIN, Defaults, Limits, TenantSpec, TenantsFile, Timeouts
@@ -122,6 +123,7 @@ def render() -> str:
         _table("state", StateConfig),
         _table("scheduler", SchedulerSettings),
         _table("batching", AimdSettings),
+        _table("cors", CorsSettings),
         _table("replicas[].config for engine: sim", SimConfig),
         _table("replicas[].config for engine: vllm", VllmEngineConfig),
     ]

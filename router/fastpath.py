@@ -10,7 +10,9 @@ One ``receive()`` waiter per request watches for the client's disconnect
 from the moment the body is read: it cancels the request task, so a client
 that leaves while queued, while waiting for its first token or mid-stream is
 dropped at once (the generation's ``finally`` aborts it on its replica).
-Resume requests, other routes and the lifespan go to Litestar.
+Resume requests, other routes and the lifespan go to Litestar. With CORS on
+(``router.cors``), a request with an ``Origin`` gets the headers Litestar's
+CORS middleware would give it, from the same config.
 
 Measured with ``python -m ops.bench`` (docs/perf.md): about 15% less router
 CPU per token and 23% less per request than the Litestar route.
@@ -24,6 +26,7 @@ import logging
 from litestar import Litestar
 
 from router.completions import new_request_id, open_stream, respond_whole, start_generation
+from router.cors import response_headers
 from router.errors import ApiError, error_body
 from router.push import wire_for
 from router.service import RouterService
@@ -42,21 +45,26 @@ class FastPath:
     def __init__(self, app: Litestar) -> None:
         self.app = app
         self.svc: RouterService = app.state.service
+        self.cors = app.cors_config
 
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] == "http" and scope["method"] == "POST":
             chat = _PATHS.get(scope["path"])
             if chat is not None:
-                auth = None
+                auth = origin = None
                 for k, v in scope["headers"]:
                     if k == b"authorization":
                         auth = v.decode("latin-1")
+                    elif k == b"origin":
+                        origin = v.decode("latin-1")
                     elif k == b"x-resume-request-id":
                         return await self.app(scope, receive, send)
-                return await self._completion(receive, send, chat, auth, scope["path"])
+                cors = response_headers(self.cors, origin) if origin is not None and self.cors is not None else []
+                return await self._completion(receive, send, chat, auth, scope["path"], cors)
         return await self.app(scope, receive, send)
 
-    async def _completion(self, receive, send, chat: bool, auth: str | None, path: str) -> None:
+    async def _completion(self, receive, send, chat: bool, auth: str | None, path: str,
+                          cors: list[tuple[bytes, bytes]]) -> None:
         svc = self.svc
         body = b""
         limit = svc.config.max_body_bytes
@@ -66,7 +74,7 @@ class FastPath:
                 return
             body += msg.get("body", b"")
             if len(body) > limit:
-                await _error(send, 413, error_body("The request body is too large.", "invalid_request_error"))
+                await _error(send, cors, 413, error_body("The request body is too large.", "invalid_request_error"))
                 return
             if not msg.get("more_body", False):
                 break
@@ -94,21 +102,21 @@ class FastPath:
                 else:
                     resp = await respond_whole(svc, policy, st, chat, request_id)
             except ApiError as e:
-                await _error(send, e.status, e.body(), e.headers)
+                await _error(send, cors, e.status, e.body(), e.headers)
                 return
             except asyncio.CancelledError:
                 raise
             except Exception as e:  # noqa: BLE001 - answer 500 and keep serving
                 log.exception("unhandled error on %s", path, exc_info=e)
-                await _error(send, 500, error_body("Internal server error.", "server_error"))
+                await _error(send, cors, 500, error_body("Internal server error.", "server_error"))
                 return
             if es is None:
                 out = resp.content if isinstance(resp.content, bytes) else bytes(resp.content)
-                headers = [_JSON, (b"content-length", str(len(out)).encode()), *_header_list(resp.headers)]
+                headers = [_JSON, (b"content-length", str(len(out)).encode()), *_header_list(resp.headers), *cors]
                 await send({"type": "http.response.start", "status": resp.status_code or 200, "headers": headers})
                 await send({"type": "http.response.body", "body": out, "more_body": False})
                 return
-            await _start_sse(send, sse_headers)
+            await _start_sse(send, cors, sse_headers)
             # this frame lives as long as the stream: keep only what it needs
             # (the decoded request and its body go)
             relay = st.relay
@@ -132,12 +140,13 @@ def _header_list(headers: dict[str, str]) -> list[tuple[bytes, bytes]]:
     return [(k.encode("latin-1"), str(v).encode("latin-1")) for k, v in headers.items()]
 
 
-async def _start_sse(send, sse_headers: dict[str, str]) -> None:
-    headers = [(b"content-type", b"text/event-stream; charset=utf-8"), *_header_list(sse_headers)]
+async def _start_sse(send, cors: list[tuple[bytes, bytes]], sse_headers: dict[str, str]) -> None:
+    headers = [(b"content-type", b"text/event-stream; charset=utf-8"), *_header_list(sse_headers), *cors]
     await send({"type": "http.response.start", "status": 200, "headers": headers})
 
 
-async def _error(send, status: int, body: bytes, headers: dict[str, str] | None = None) -> None:
-    hs = [_JSON, (b"content-length", str(len(body)).encode()), *_header_list(headers or {})]
+async def _error(send, cors: list[tuple[bytes, bytes]], status: int, body: bytes,
+                 headers: dict[str, str] | None = None) -> None:
+    hs = [_JSON, (b"content-length", str(len(body)).encode()), *_header_list(headers or {}), *cors]
     await send({"type": "http.response.start", "status": status, "headers": hs})
     await send({"type": "http.response.body", "body": body, "more_body": False})
