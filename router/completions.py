@@ -33,6 +33,7 @@ from router.openai_types import (
     completion_prompt,
     decode_request,
     to_params,
+    usage_options,
 )
 from router.service import RouterService
 from router.logs import request_id_var
@@ -229,14 +230,14 @@ async def open_stream(svc: RouterService, policy: TenantPolicy, st: Started, cha
     resume of it is a 404 rather than a wrong continuation."""
     req, gen = st.req, st.gen
     response_id = response_id_of(chat, request_id)
-    include_usage = bool(req.stream_options and req.stream_options.include_usage)
+    usage = usage_options(req)
     enc = ChunkEncoder(chat, response_id, req.model, st.created)
     resumable = gen.exact
     if resumable:
         try:
             await svc.resume.open(request_id, ResumeMeta(
-                policy.name, chat, req.model, response_id, st.created, include_usage, st.job.params,
-                gen.prompt_token_ids or [],
+                policy.name, chat, req.model, response_id, st.created, usage[0], st.job.params,
+                gen.prompt_token_ids or [], usage[1],
             ))
         except BaseException as e:
             await st.close()
@@ -244,7 +245,7 @@ async def open_stream(svc: RouterService, policy: TenantPolicy, st: Started, cha
             await svc.resume.release(request_id)
             st.outcome.record(_outcome_of(e), gen)
             raise
-    es = EventStream(svc, gen, enc, include_usage, policy, st.ticket, st.outcome,
+    es = EventStream(svc, gen, enc, usage, policy, st.ticket, st.outcome,
                      request_id if resumable else None)
     headers = {"x-request-id": request_id, **st.ticket.headers, "cache-control": "no-cache",
                "x-accel-buffering": "no"}

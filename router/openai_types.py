@@ -23,6 +23,7 @@ __all__ = [
     "to_params",
     "chat_messages",
     "completion_prompt",
+    "usage_options",
 ]
 
 MAX_STOP = 4
@@ -30,7 +31,7 @@ MAX_STOP = 4
 
 class StreamOptions(msgspec.Struct, forbid_unknown_fields=True):
     include_usage: bool = False
-    continuous_usage_stats: bool = False
+    continuous_usage_stats: bool = False  # vLLM: usage so far on every chunk too
 
 
 class _Common(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
@@ -151,6 +152,16 @@ def decode_request(body: bytes, kind: type[ChatRequest] | type[CompletionRequest
     if bad is not None:
         raise BadRequest(f"'{bad}' is not supported by this server.", param=bad, code="unsupported_parameter")
     return req
+
+
+def usage_options(req: ChatRequest | CompletionRequest) -> tuple[bool, bool]:
+    """(a usage chunk before ``[DONE]``, the usage so far on every chunk too)
+    as ``stream_options`` asks; as in vLLM, ``continuous_usage_stats`` counts
+    only together with ``include_usage``."""
+    so = req.stream_options
+    if so is None or not so.include_usage:
+        return False, False
+    return True, so.continuous_usage_stats
 
 
 def _check_range(name: str, value: float | int | None, lo: float, hi: float) -> None:

@@ -20,7 +20,7 @@ from replicas.protocol import FinishReason
 from router.admission import Ticket
 from router.errors import ApiError, error_body
 from router.generation import Generation, Piece, StreamLost, StreamTimeout
-from router.sse import ChunkEncoder
+from router.sse import ChunkEncoder, Usage
 from router.tenants import TenantPolicy
 
 __all__ = ["Outcome", "EventStream", "relay_stream"]
@@ -94,15 +94,17 @@ class EventStream:
     its own, not the generation's, which may be ahead of what was sent.
     """
 
-    __slots__ = ("svc", "gen", "enc", "include_usage", "policy", "ticket", "outcome", "sid", "writer", "ttft",
-                 "itl", "last", "tokens", "chars", "sent_ids", "skip_chars", "result", "final")
+    __slots__ = ("svc", "gen", "enc", "include_usage", "usage_each", "policy", "ticket", "outcome", "sid", "writer",
+                 "ttft", "itl", "last", "tokens", "chars", "sent_ids", "skip_chars", "result", "final")
 
-    def __init__(self, svc, gen: Generation, enc: ChunkEncoder, include_usage: bool, policy: TenantPolicy,
+    def __init__(self, svc, gen: Generation, enc: ChunkEncoder, usage: tuple[bool, bool], policy: TenantPolicy,
                  ticket: Ticket | None, outcome: Outcome, sid: str | None, *, skip_chars: int = 0) -> None:
+        """``usage``: (a usage event at the end, the usage so far in every
+        event too), as ``openai_types.usage_options`` reads them."""
         self.svc = svc
         self.gen = gen
         self.enc = enc
-        self.include_usage = include_usage
+        self.include_usage, self.usage_each = usage
         self.policy = policy
         self.ticket = ticket
         self.outcome = outcome
@@ -137,7 +139,11 @@ class EventStream:
             self.skip_chars -= cut
         if not text and finish == FinishReason.NONE:
             return None
-        event = self.enc.delta(text, finish, self._pos())
+        if self.usage_each:
+            prompt = self.gen.prompt_tokens
+            event = self.enc.delta(text, finish, self._pos(), Usage(prompt, self.tokens, prompt + self.tokens))
+        else:
+            event = self.enc.delta(text, finish, self._pos())
         self.writer.append(self.sid, event, self.gen.completion_ids[self.sent_ids:self.tokens], self.chars)
         self.sent_ids = self.tokens
         return event

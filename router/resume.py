@@ -59,6 +59,7 @@ class ResumeMeta(msgspec.Struct, array_like=True, omit_defaults=True):
     include_usage: bool
     params: SamplingParams
     prompt_token_ids: list[int]
+    continuous_usage: bool = False  # last: metadata written before it still decodes
 
 
 _meta_encoder = msgspec.msgpack.Encoder()

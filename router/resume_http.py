@@ -183,6 +183,7 @@ async def _continue(svc: RouterService, policy: TenantPolicy, sid: str, meta: Re
     remaining = meta.params.max_tokens - len(tokens)
     ticket = await svc.admission.admit(policy, max(1, remaining), count_request=False)
     log.info("resuming stream %s at %d tokens on this router", sid, len(tokens))
-    es = EventStream(svc, gen, enc, meta.include_usage, policy, ticket, outcome, sid, skip_chars=skip_chars)
+    es = EventStream(svc, gen, enc, (meta.include_usage, meta.continuous_usage), policy, ticket, outcome, sid,
+                     skip_chars=skip_chars)
     async for chunk in relay_stream(es, gen.stream(), None):
         yield chunk

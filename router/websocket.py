@@ -30,6 +30,7 @@ from litestar.exceptions import WebSocketDisconnect
 
 from router.completions import new_request_id, response_id_of, start_generation
 from router.errors import ApiError, BadRequest, error_body
+from router.openai_types import usage_options
 from router.relay import EventStream, relay_stream
 from router.service import RouterService
 from router.sse import ChunkEncoder
@@ -82,9 +83,8 @@ class _Conn:
             await self.send(_err(cid, ApiError("Internal server error.")))
             return
         req, gen = st.req, st.gen
-        include_usage = bool(req.stream_options and req.stream_options.include_usage)
         enc = ChunkEncoder(True, response_id_of(True, request_id), req.model, st.created, channel=cid)
-        es = EventStream(svc, gen, enc, include_usage, policy, st.ticket, st.outcome, None)
+        es = EventStream(svc, gen, enc, usage_options(req), policy, st.ticket, st.outcome, None)
         async for frame in relay_stream(es, st.pieces, st.first):
             await self.send(frame)
 

@@ -132,6 +132,29 @@ def test_include_usage_adds_a_final_usage_chunk(client: openai.OpenAI, endpoint:
     assert all(c.usage is None for c in chunks[:-1])
 
 
+@pytest.mark.parametrize("endpoint", ["chat", "completions"])
+def test_continuous_usage_stats_puts_the_usage_so_far_on_every_chunk(client: openai.OpenAI, endpoint: str) -> None:
+    # vLLM's stream_options.continuous_usage_stats (ops.loadgen asks for it)
+    kw = dict(max_tokens=17, stream_options={"include_usage": True, "continuous_usage_stats": True},
+              extra_body=IGNORE_EOS)
+    stream = stream_chat if endpoint == "chat" else stream_completion
+    _, finish, chunks = stream(client, "Hi", **kw)
+    assert finish == "length"
+    final = chunks[-1].usage
+    assert chunks[-1].choices == [] and final is not None and final.completion_tokens == 17
+    counts = []
+    for c in chunks[:-1]:
+        assert c.usage is not None, c
+        assert c.usage.prompt_tokens == final.prompt_tokens > 0
+        assert c.usage.total_tokens == c.usage.prompt_tokens + c.usage.completion_tokens
+        counts.append(c.usage.completion_tokens)
+    assert counts == sorted(counts) and counts[0] >= 1 and counts[-1] == 17, counts
+    # only together with include_usage, as in vLLM
+    _, _, chunks = stream(client, "Hi", max_tokens=5, stream_options={"continuous_usage_stats": True},
+                          extra_body=IGNORE_EOS)
+    assert all(c.usage is None for c in chunks)
+
+
 def test_greedy_is_deterministic(client: openai.OpenAI) -> None:
     texts = [
         client.chat.completions.create(

@@ -182,6 +182,31 @@ async def test_post_resume_with_headers_is_text_exact(router: RouterProcess, htt
     check_whole_stream(events + rest, True, ref, prompt_tokens, max_tokens)
 
 
+async def test_resume_keeps_continuous_usage(router: RouterProcess, http: httpx.AsyncClient) -> None:
+    # every chunk's usage says the tokens the client has with it, across the reconnect
+    path, body = request(True, "Tell me", 80, stream=True)
+    body["stream_options"]["continuous_usage_stats"] = True
+    events: list[SseEvent] = []
+    async with http.stream("POST", path, json=body) as r:
+        rid = r.headers["x-request-id"]
+        it = aiter_sse(r)
+        for _ in range(8):
+            events.append(await it.__anext__())
+        await it.aclose()
+    async with http.stream("GET", f"/v1/streams/{rid}", headers={"Last-Event-ID": events[-1].id}) as r:
+        rest = await read_all(r)
+    assert rest[-1].data == "[DONE]"
+    *content, last = events + rest[:-1]
+    final = last.json()
+    assert final["choices"] == [] and final["usage"]["completion_tokens"] == 80
+    prompt_tokens = final["usage"]["prompt_tokens"]
+    for ev in content:
+        _, tokens, _ = (int(x) for x in ev.id.split("-"))
+        assert ev.json()["usage"] == {"prompt_tokens": prompt_tokens, "completion_tokens": tokens,
+                                      "total_tokens": prompt_tokens + tokens}, ev
+    assert len(rest) > 2, "the stream ended before the client dropped it"
+
+
 async def test_disconnect_aborts_generation_and_a_later_resume_continues_exactly(
         router: RouterProcess, http: httpx.AsyncClient) -> None:
     # 300 tokens at >= 10 ms a step: >= 3 s of generation, so it is still

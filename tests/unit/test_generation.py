@@ -82,7 +82,7 @@ async def test_a_stream_whose_token_ids_stop_ends_its_resume_buffer_with_an_erro
     svc = SimpleNamespace(metrics=Metrics(), resume=writer, background=lambda c: tasks.append(asyncio.ensure_future(c)))
     policy = SimpleNamespace(name="t", priority="normal")
     gen, col, sink, _ = started([1, 2])
-    es = EventStream(svc, gen, ChunkEncoder(False, "cmpl-s1", "m", 0), False, policy, None,  # type: ignore[arg-type]
+    es = EventStream(svc, gen, ChunkEncoder(False, "cmpl-s1", "m", 0), (False, False), policy, None,  # type: ignore[arg-type]
                      SimpleNamespace(started=time.monotonic()), "s1")  # type: ignore[arg-type]
     col.put(Delta(1, [5], "a", NONE))
     assert es.event("a", 1, NONE) is not None
