@@ -80,6 +80,7 @@ class ChunkEncoder:
               usage: Usage | None = None) -> bytes:
         """One chunk; ``pos`` (``b"-T-C"``) is appended to the SSE event id;
         ``usage``: the usage so far, in the chunk (vLLM's continuous usage)."""
+        end = b"}]}" if usage is None else b'}],"usage":' + _enc(usage) + b"}"
         if self.chat:
             if not self._role_sent:
                 self._role_sent = True
@@ -88,11 +89,11 @@ class ChunkEncoder:
                 body = b'"delta":{"content":' + _enc(text) + b"}"
             else:
                 body = b'"delta":{}'
-            payload = self._head + body + b',"logprobs":null,"finish_reason":' + _finish_json(finish)
+            payload = self._head + body + b',"logprobs":null,"finish_reason":' + _finish_json(finish) + end
         else:
-            payload = self._head + b'"text":' + _enc(text) + b',"logprobs":null,"finish_reason":' + _finish_json(finish)
-        end = b"}]}" if usage is None else b'}],"usage":' + _enc(usage) + b"}"
-        return self._event(payload + end, pos)
+            payload = (self._head + b'"text":' + _enc(text) + b',"logprobs":null,"finish_reason":'
+                       + _finish_json(finish) + end)
+        return self._event(payload, pos)
 
     def usage(self, prompt_tokens: int, completion_tokens: int, pos: bytes = b"") -> bytes:
         u = Usage(prompt_tokens, completion_tokens, prompt_tokens + completion_tokens)
