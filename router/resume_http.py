@@ -90,6 +90,11 @@ async def handle_resume(svc: RouterService, policy: TenantPolicy, sid: str, pos:
         raise BadRequest(f"Last-Event-ID {pos.event} is past the stream's last stored event "
                          f"({snap.total_events}); send the full id (N-T-C) this router sent.",
                          param="Last-Event-ID")
+    if pos.event > snap.total_events and snap.finished:
+        # (a full id past the end is a client behind a router that died with
+        # its last events; a finished stream has all of them: a wrong id)
+        raise BadRequest(f"Last-Event-ID {pos.event} is past the end of this stream: it ended with event "
+                         f"{snap.total_events}.", param="Last-Event-ID")
     svc.metrics.resumes.labels(policy.name).inc()
     headers = {"x-request-id": sid, "cache-control": "no-cache", "x-accel-buffering": "no"}
     return Stream(_resume(svc, policy, sid, meta, snap, pos), media_type="text/event-stream", headers=headers)

@@ -323,6 +323,9 @@ async def test_other_tenants_unknown_ids_and_bad_event_ids_are_refused(
     # a bare event number past the end cannot be placed
     r = await http.get(f"/v1/streams/{rid}", headers={"Last-Event-ID": str(len(events) + 5)})
     assert_openai_error(r, 400, param="Last-Event-ID")
+    # nor a full id past the end of a finished stream (an empty 200 would be a silent end)
+    r = await http.get(f"/v1/streams/{rid}", headers={"Last-Event-ID": f"{len(events) + 5}-999-999"})
+    assert "past the end" in assert_openai_error(r, 400, param="Last-Event-ID")["message"]
 
 
 # -- bugs ------------------------------------------------------------------------------------------
