@@ -159,7 +159,8 @@ def create_app(config: RouterConfig, tenants_path: Path) -> FastPath:
             await service.close()
 
     app = Litestar(
-        route_handlers=[chat_completions, completions, resume_stream, chat_socket, models, model, health, ready, metrics, *admin_routes],
+        route_handlers=[chat_completions, completions, resume_stream, chat_socket, models, model, health, ready, metrics,
+                        *admin_routes],
         lifespan=[lifespan],
         exception_handlers={ApiError: _api_error, HTTPException: _http_error, Exception: _internal_error},
         request_max_body_size=config.max_body_bytes,

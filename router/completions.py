@@ -43,8 +43,8 @@ from router.resume import ResumeMeta
 from router.sse import ChunkEncoder, Usage
 from router.tenants import TenantPolicy
 
-__all__ = ["check_model", "handle_completion", "start_generation", "open_stream", "respond_whole", "Started", "new_request_id",
-           "response_id_of"]
+__all__ = ["check_model", "handle_completion", "start_generation", "open_stream", "respond_whole", "Started",
+           "new_request_id", "response_id_of"]
 
 log = logging.getLogger("fairstream.router")
 
