@@ -16,7 +16,7 @@ import logging
 import math
 
 from policies.ratelimit import Decision
-from router.errors import RateLimited, ServiceUnavailable
+from router.errors import RateLimited, RouterShutdown, ServiceUnavailable
 from router.ids import new_id
 from router.metrics import Metrics
 from router.state import AdmitRequest, StateStore, StoreUnavailable
@@ -95,6 +95,7 @@ class Admission:
         self._leases: dict[str, Ticket] = {}
         self._queued: dict[str, int] = {}
         self._keeper: asyncio.Task[None] | None = None
+        self._stopped = asyncio.Event()  # set: requests waiting for a limit get RouterShutdown
 
     def queued(self, tenant: str) -> int:
         return self._queued.get(tenant, 0)
@@ -162,11 +163,20 @@ class Admission:
                         f"Please try again in {fmt_duration(retry)}.",
                         retry_after=retry, headers=headers,
                     )
-                await asyncio.sleep(max(0.01, min(decision.retry_after, deadline - now)))
+                try:
+                    await asyncio.wait_for(self._stopped.wait(), max(0.01, min(decision.retry_after, deadline - now)))
+                except TimeoutError:
+                    continue
+                raise RouterShutdown()
         finally:
             if waiting:
                 self._queued[policy.name] -= 1
                 self.metrics.admission_waiting.labels(policy.name).dec()
+
+    def fail_waiting(self) -> None:
+        """End every request waiting for its tenant's limits with
+        ``RouterShutdown`` (the router is stopping)."""
+        self._stopped.set()
 
     async def _admit_once(self, tenant: str, req: AdmitRequest) -> Decision:
         try:

@@ -10,12 +10,11 @@ __all__ = ["main"]
 
 
 def _serve(args: argparse.Namespace) -> int:
-    import uvicorn
-
     from router.app import create_app
     from router.config import load_router_config
     from router.configfile import ConfigError
     from router.logs import setup_logging
+    from router.server import Server
 
     try:
         config, tenants = load_router_config(args.config)
@@ -40,21 +39,7 @@ def _serve(args: argparse.Namespace) -> int:
 
         log_args = ["--log-level", args.log_level, "--log-format", args.log_format]
         return serve_workers(config, tenants, host, port, args.workers, log_args)
-    uvicorn.run(
-        app,
-        host=host,
-        port=port,
-        loop="router.listener:new_event_loop",
-        http="httptools",
-        lifespan="on",
-        log_level="warning",
-        access_log=False,
-        timeout_graceful_shutdown=5,
-        # Longer than clients' idle gaps, so a reused connection is not closed
-        # under a request that is already on its way.
-        timeout_keep_alive=30,
-        backlog=4096,
-    )
+    Server(app, host=host, port=port, backlog=4096).run()
     return 0
 
 

@@ -23,7 +23,7 @@ from litestar.response import Stream
 
 from replicas.protocol import FinishReason
 from router.admission import Ticket
-from router.errors import ApiError, BadRequest, GatewayTimeout, NotFound
+from router.errors import ApiError, BadRequest, GatewayTimeout, NotFound, RouterShutdown
 from router.generation import Deadlines, Generation, Job, Piece, StreamLost, StreamTimeout
 from router.ids import new_id
 from router.openai_types import (
@@ -121,6 +121,8 @@ def _job(svc: RouterService, policy: TenantPolicy, body: bytes, chat: bool):
 def _outcome_of(e: BaseException) -> str:
     if isinstance(e, StreamTimeout):
         return f"timeout_{e.which}"
+    if isinstance(e, RouterShutdown):
+        return "shutdown"
     if isinstance(e, ApiError):
         if e.status == 429:
             return "rate_limited"

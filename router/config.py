@@ -13,7 +13,11 @@ from policies.batching import AimdSettings
 from router.scheduler_settings import SchedulerSettings
 from router.state import StateConfig
 
-__all__ = ["RouterConfig", "load_router_config"]
+__all__ = ["RouterConfig", "load_router_config", "SHUTDOWN_MARGIN"]
+
+# After ``shutdown_grace``, seconds for the router's shutdown errors to go out
+# before the server cancels what still runs (router.server).
+SHUTDOWN_MARGIN = 5.0
 
 
 class RouterConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
@@ -51,6 +55,8 @@ class RouterConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     """Adaptive per-replica in-flight caps."""
     cors: CorsSettings = msgspec.field(default_factory=CorsSettings)
     """Which browser apps on other origins may call the API (off by default)."""
+    shutdown_grace: float = 20.0
+    """Seconds requests in flight may take to finish after SIGTERM/SIGINT (no new connections meanwhile); then each one still running ends with an explicit error (`router_shutdown`: a 503, or an SSE error event). Keep it at least 10 s below the orchestrator's kill timeout (Kubernetes: 30 s unless set)."""
 
     def validate(self, located: Located) -> list[str]:
         errors = []
@@ -70,6 +76,8 @@ class RouterConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
                 errors.append(located.error((key,), "must be at least 1"))
         if self.max_failovers < 0:
             errors.append(located.error(("max_failovers",), "must not be negative"))
+        if self.shutdown_grace < 0:
+            errors.append(located.error(("shutdown_grace",), "must not be negative"))
         if self.cors.max_age < 0:
             errors.append(located.error(("cors", "max_age"), "must not be negative"))
         for i, origin in enumerate(self.cors.allow_origins):

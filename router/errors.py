@@ -14,6 +14,7 @@ __all__ = [
     "RateLimited",
     "ServiceUnavailable",
     "ReplicaUnavailable",
+    "RouterShutdown",
     "GatewayTimeout",
     "error_body",
 ]
@@ -108,6 +109,15 @@ class GatewayTimeout(ApiError):
     type = "timeout"
     code = "timeout"
     recoverable = True
+
+
+class RouterShutdown(ServiceUnavailable):
+    """The router is stopping and its shutdown grace is over."""
+
+    code = "router_shutdown"
+
+    def __init__(self, message: str = "The router is shutting down; retry the request.") -> None:
+        super().__init__(message, headers={"retry-after": "1"})
 
 
 class ReplicaUnavailable(ServiceUnavailable):

@@ -300,6 +300,13 @@ class Generation:
         self.ended = True
         self._detach(finished=False)
 
+    def stop(self, exc: BaseException) -> None:
+        """End it now with ``exc`` for its consumer (the router is stopping);
+        abort on the replica."""
+        if not self.ended:
+            self._detach(finished=False)
+            self._end(exc)
+
     def _attach(self, handle: LoadHandle) -> None:
         slot = handle.slot
         client = slot.client
@@ -323,6 +330,7 @@ class Generation:
         col.sink = self
         col.limit = self.chunk_tokens
         self._col = col
+        self.pool.running.add(self)
         self._client = client
         self._handle = handle
         self._dog = _Watchdog(self.deadlines, col, bool(self.completion_ids), slot.name)
@@ -334,6 +342,7 @@ class Generation:
         if col is None:
             return
         self._col = None
+        self.pool.running.discard(self)
         col.sink = None
         if self._dog is not None:
             self._dog.cancel()

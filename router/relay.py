@@ -18,7 +18,7 @@ from contextlib import aclosing
 
 from replicas.protocol import FinishReason
 from router.admission import Ticket
-from router.errors import ApiError, error_body
+from router.errors import ApiError, RouterShutdown, error_body
 from router.generation import Generation, Piece, StreamLost, StreamTimeout
 from router.sse import ChunkEncoder, Usage
 from router.tenants import TenantPolicy
@@ -179,7 +179,15 @@ class EventStream:
 
     def failed(self, e: BaseException) -> bytes:
         """The error event that ends a stream that cannot go on."""
-        if isinstance(e, StreamTimeout):
+        if isinstance(e, RouterShutdown):
+            # as if the client had left: the resume buffer stays open, so where
+            # routers share their state (Redis) another one continues the stream
+            self.result = "shutdown"
+            if self.sid is not None and self.svc.store.name != "memory":
+                e = RouterShutdown("The router is shutting down; reconnect with Last-Event-ID to continue "
+                                   "the stream, or retry the request.")
+            body = e.body()
+        elif isinstance(e, StreamTimeout):
             self.result = f"timeout_{e.which}"
             self.svc.metrics.timeouts.labels(self.policy.name, e.which).inc()
             body = error_body(f"The stream hit the tenant's {e}.", "timeout", None, f"{e.which}_timeout")
@@ -232,8 +240,9 @@ async def relay_stream(es: EventStream, pieces: AsyncIterator[Piece], first: Pie
 
 async def _settle(svc, writer, sid: str, result: str, final: bytes | None, chars: int,
                   ticket: Ticket | None, used: int) -> None:
-    if result == "cancelled":
-        # The client left: keep what was delivered so a resume can continue it.
+    if result in ("cancelled", "shutdown"):
+        # The client left (or this router stops): keep what was delivered so
+        # a resume can continue it.
         await writer.detach(sid, chars)
     else:
         await writer.finish(sid, final, chars)

@@ -24,7 +24,7 @@ from collections.abc import Callable
 from policies.batching import AimdLimiter, AimdSettings
 from policies.fairshare import HeadIndex, VirtualCounters
 from replicas.pool import LoadHandle, NoReplica, ReplicaPool, ReplicaSlot
-from router.errors import RateLimited, ReplicaUnavailable, ServiceUnavailable
+from router.errors import RateLimited, ReplicaUnavailable, RouterShutdown, ServiceUnavailable
 from router.metrics import Metrics
 from router.scheduler_settings import SchedulerSettings
 from router.tenants import TenantPolicy
@@ -170,10 +170,27 @@ class Scheduler:
             if self._queued:
                 self._schedule_dispatch()
 
+    def fail_waiting(self) -> int:
+        """End every queued request with ``RouterShutdown`` (the router is
+        stopping); return how many there were."""
+        waiters = [w for q in self._queues.values() for w in q]
+        for w in waiters:
+            self._remove(w)
+            w.future.set_exception(RouterShutdown())
+        return len(waiters)
+
     # -- internals ---------------------------------------------------------
 
     def _leave(self, w: _Waiter) -> None:
         """Remove a waiter that gave up; give back a handle it got meanwhile."""
+        self._remove(w)
+        if w.future.done() and not w.future.cancelled():
+            w.future.result().release()
+        else:
+            w.future.cancel()
+
+    def _remove(self, w: _Waiter) -> None:
+        """Take ``w`` out of its tenant's queue, if it is still in it."""
         q = self._queues.get(w.policy.name)
         if q is not None:
             was_head = bool(q) and q[0] is w
@@ -187,10 +204,6 @@ class Scheduler:
                 self._by_model[w.model] -= 1
                 self._queued -= 1
                 self.metrics.child(self.metrics.queued, w.policy.name, w.policy.priority).dec()
-        if w.future.done() and not w.future.cancelled():
-            w.future.result().release()
-        else:
-            w.future.cancel()
 
     def _on_release(self, slot: ReplicaSlot) -> None:
         if self._queued:

@@ -21,6 +21,7 @@ from replicas.supervisor import Supervisor, SupervisorSettings
 from router.admission import Admission
 from router.auth import bearer
 from router.config import RouterConfig
+from router.errors import RouterShutdown
 from router.metrics import Metrics
 from router.policy import PolicyRegistry
 from router.resume import ResumeWriter
@@ -54,6 +55,7 @@ class RouterService:
         self.resume = ResumeWriter(self.store, config.resume_retention)
         self._tasks: set[asyncio.Task[None]] = set()
         self._lag_task: asyncio.Task[None] | None = None
+        self._drain: asyncio.TimerHandle | None = None
         self.pool = ReplicaPool(config.replicas)
         self.scheduler = Scheduler(self.pool, m, config.scheduler, config.batching)
         self.supervisor = Supervisor(
@@ -116,7 +118,29 @@ class RouterService:
         gc.freeze()
         gc.set_threshold(GC_THRESHOLD, 20, 100)
 
+    def drain(self) -> None:
+        """Shutdown began (the server takes no new connections): requests in
+        flight get ``shutdown_grace`` seconds to finish, then ``_stop_requests``."""
+        if self._drain is None:
+            self._drain = asyncio.get_running_loop().call_later(self.config.shutdown_grace, self._stop_requests)
+            log.info("shutting down: %d requests running get up to %gs to finish (SIGINT again: quit now)",
+                     len(self.pool.running), self.config.shutdown_grace)
+
+    def _stop_requests(self) -> None:
+        """End every request still in flight with ``RouterShutdown``: queued
+        ones and those waiting for a limit get a 503, running streams an
+        error event (the stream stays resumable where the state is shared)."""
+        queued = self.scheduler.fail_waiting()
+        self.admission.fail_waiting()
+        running = list(self.pool.running)
+        for gen in running:
+            gen.stop(RouterShutdown())
+        log.warning("shutdown grace of %gs is over: ended %d running and %d queued requests",
+                    self.config.shutdown_grace, len(running), queued)
+
     async def close(self) -> None:
+        if self._drain is not None:
+            self._drain.cancel()
         if self._lag_task is not None:
             self._lag_task.cancel()
         if self._tasks:

@@ -28,10 +28,9 @@ def _exit_with_parent() -> None:
 
 
 def main() -> None:
-    import uvicorn
-
     from router.app import create_app
     from router.logs import setup_logging
+    from router.server import Server
 
     p = argparse.ArgumentParser(prog="fairstream-worker")
     p.add_argument("--config-json", required=True)
@@ -52,11 +51,7 @@ def main() -> None:
     sock.listen(2048)
     sock.set_inheritable(True)
     _exit_with_parent()
-    server = uvicorn.Server(uvicorn.Config(
-        app, loop="router.listener:new_event_loop", http="httptools", lifespan="on", log_level="warning", access_log=False,
-        timeout_graceful_shutdown=5, timeout_keep_alive=30,
-    ))
-    server.run(sockets=[sock])
+    Server(app).run(sockets=[sock])
 
 
 if __name__ == "__main__":

@@ -30,7 +30,7 @@ import msgspec
 
 from replicas.pool import ReplicaPool
 from replicas.supervisor import Supervisor, SupervisorSettings, die_with_parent
-from router.config import RouterConfig
+from router.config import SHUTDOWN_MARGIN, RouterConfig
 
 __all__ = ["serve_workers", "worker_config"]
 
@@ -126,9 +126,11 @@ async def _parent(config: RouterConfig, tenants: Path, host: str, port: int, n: 
         for p in procs.values():
             if p.returncode is None:
                 p.terminate()
+        # each worker has its shutdown grace for the requests in flight, then ends them
+        stop_wait = config.shutdown_grace + SHUTDOWN_MARGIN + 5
         for p in procs.values():
             try:
-                await asyncio.wait_for(p.wait(), 10)
+                await asyncio.wait_for(p.wait(), stop_wait)
             except asyncio.TimeoutError:
                 p.kill()
                 await p.wait()

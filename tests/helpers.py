@@ -296,6 +296,8 @@ class RouterProcess:
             "host": "127.0.0.1",
             "tenants": str(Path(tenants).resolve()),
             "restart_backoff_max": 2.0,
+            # what runs when a test stops the router ends within this (stop() waits 15 s)
+            "shutdown_grace": 3.0,
             "replicas": [
                 {"name": name, "engine": "sim", "config": {"model": MODEL, "seed": 0, **(sim or {})}}
                 for name in self.replica_names

@@ -13,7 +13,7 @@ import msgspec
 import pytest
 import yaml
 
-from router.config import RouterConfig
+from router.config import SHUTDOWN_MARGIN, RouterConfig
 from router.configfile import load_yaml
 from router.tenants import TenantsFile
 
@@ -80,6 +80,18 @@ def test_k8s_configmap_configs_validate(tmp_path):
     # the router lists exactly the StatefulSet's pods, by their stable DNS names
     want = {f"{sts['metadata']['name']}-{i}.{sts['spec']['serviceName']}:7000" for i in range(sts["spec"]["replicas"])}
     assert {r.address for r in cfg.replicas} == want
+
+
+def test_k8s_and_systemd_wait_out_the_routers_shutdown_grace():
+    # SIGKILL before the grace and its margin are over would cut streams without a word
+    cm = next(d for d in _k8s_docs() if d["kind"] == "ConfigMap")
+    k8s_grace = msgspec.yaml.decode(cm["data"]["router.yaml"], type=RouterConfig).shutdown_grace
+    router = next(d for d in _k8s_docs() if d["metadata"]["name"] == "fairstream-router")
+    pre_stop = float(router["spec"]["template"]["spec"]["containers"][0]["lifecycle"]["preStop"]["exec"]["command"][1])
+    assert router["spec"]["template"]["spec"]["terminationGracePeriodSeconds"] > pre_stop + k8s_grace + SHUTDOWN_MARGIN
+    cfg, _ = load_yaml(DEPLOY / "systemd" / "router.yaml", RouterConfig)
+    stop = float(_unit(DEPLOY / "systemd" / "fairstream-router.service")["Service"]["TimeoutStopSec"])
+    assert stop > cfg.shutdown_grace + SHUTDOWN_MARGIN
 
 
 def _unit(path: Path) -> configparser.ConfigParser:

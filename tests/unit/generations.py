@@ -4,7 +4,7 @@ connection stood in: the setup the unit tests of the relay share."""
 from __future__ import annotations
 
 from replicas.client import Collector
-from replicas.pool import LoadHandle, ReplicaSlot
+from replicas.pool import LoadHandle, ReplicaPool, ReplicaSlot
 from replicas.protocol import FinishReason, SamplingParams
 from replicas.spec import ReplicaSpec
 from router.generation import Generation, Job
@@ -47,7 +47,7 @@ def started(sink, prompt_token_ids: list[int] | None = None, max_tokens: int = 8
     slot = ReplicaSlot(ReplicaSpec(name="r0"))
     client = slot.client = Client()  # type: ignore[assignment]
     job = Job("m", SamplingParams(max_tokens=max_tokens), prompt="p", prompt_token_ids=prompt_token_ids)
-    gen = Generation(None, job, metrics or Metrics(), 0)  # type: ignore[arg-type]
+    gen = Generation(ReplicaPool([]), job, metrics or Metrics(), 0)
     gen.sink = sink
     gen._attach(LoadHandle(slot, max_tokens))
     assert gen._col is not None

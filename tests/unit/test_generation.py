@@ -13,7 +13,7 @@ from types import SimpleNamespace
 
 from replicas.client import Collector
 from replicas.protocol import Delta, FinishReason, SamplingParams
-from router.errors import BadRequest
+from router.errors import BadRequest, RouterShutdown
 from router.generation import Generation, StreamLost
 from router.metrics import Metrics
 from router.relay import EventStream
@@ -95,3 +95,23 @@ async def test_a_stream_whose_token_ids_stop_ends_its_resume_buffer_with_an_erro
     assert b'"a"' in snap.events[0] and b"not_resumable" in snap.events[-1]
     assert not any(b'"b"' in e for e in snap.events)  # never a continuation without ids
 
+
+
+async def test_stop_ends_a_running_generation_once() -> None:
+    gen, col, sink, _ = started()
+    assert gen in gen.pool.running  # what a stopping router ends
+    col.put(Delta(1, [5], "a", NONE))
+    first = RouterShutdown()
+    gen.stop(first)
+    assert sink.failure is first and gen.ended and gen not in gen.pool.running
+    col.put(Delta(1, [6], "b", NONE))  # the replica's late output goes nowhere
+    gen.stop(RouterShutdown())
+    assert sink.failure is first and sink.pieces == [("a", 1, NONE)]
+
+
+async def test_a_finished_generation_leaves_the_running_set() -> None:
+    gen, col, sink, _ = started()
+    col.put(Delta(1, [5], "a", STOP))
+    assert gen.ended and gen not in gen.pool.running
+    gen.stop(RouterShutdown())
+    assert sink.failure is None

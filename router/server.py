@@ -1,0 +1,46 @@
+"""The HTTP server the router runs on: uvicorn, and what it does on SIGTERM.
+
+On SIGTERM or SIGINT uvicorn stops accepting connections, closes the idle
+ones and waits for the requests in flight. ``Server.shutdown`` first tells
+the router (``RouterService.drain``): requests then get router.yaml's
+``shutdown_grace`` seconds to finish, after which the router ends each one
+still running with an explicit ``router_shutdown`` error, so no client sees
+its stream cut without a word. uvicorn's own limit comes ``SHUTDOWN_MARGIN``
+seconds later, for those errors to go out; only what is still running then
+is cancelled.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import uvicorn
+
+from router.config import SHUTDOWN_MARGIN
+from router.fastpath import FastPath
+
+__all__ = ["Server"]
+
+
+class Server(uvicorn.Server):
+    """uvicorn on uvloop (router.listener) with httptools, for the router app."""
+
+    def __init__(self, app: FastPath, **config: Any) -> None:
+        self.service = app.svc
+        super().__init__(uvicorn.Config(
+            app,
+            loop="router.listener:new_event_loop",
+            http="httptools",
+            lifespan="on",
+            log_level="warning",
+            access_log=False,
+            timeout_graceful_shutdown=int(app.svc.config.shutdown_grace + SHUTDOWN_MARGIN + 0.999),
+            # Longer than clients' idle gaps, so a reused connection is not closed
+            # under a request that is already on its way.
+            timeout_keep_alive=30,
+            **config,
+        ))
+
+    async def shutdown(self, sockets=None) -> None:
+        self.service.drain()
+        await super().shutdown(sockets)

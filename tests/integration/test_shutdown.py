@@ -1,0 +1,154 @@
+"""SIGTERM with requests in flight (a rolling deploy): the router takes no
+new connections, lets what runs finish within ``shutdown_grace``, then ends
+each request still running with an explicit ``router_shutdown`` error (a 503
+before the response started, an SSE error event after), never a stream cut
+without a word; and it exits with no replica left behind."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import signal
+import time
+
+import httpx
+import pytest
+
+import yaml
+
+from router.auth import hash_key
+from tests.helpers import ADMIN, GOLD, MODEL, RouterProcess, aiter_sse
+from tests.redis_server import RedisServer, require_redis_server
+
+GRACE = 1.5
+AUTH = {"authorization": f"Bearer {GOLD}"}
+LIMITED = "shutdown-limited-key"  # one request a minute; the next one waits for it
+
+
+def _body(max_tokens: int, *, stream: bool = True) -> dict:
+    return {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": max_tokens,
+            "ignore_eos": True, "stream": stream}
+
+
+@pytest.fixture
+def router(make_router, tmp_path) -> RouterProcess:
+    tenants = tmp_path / "tenants.yaml"
+    tenants.write_text(yaml.safe_dump({"admin_keys": [hash_key(ADMIN)], "tenants": {
+        "gold": {"keys": [hash_key(GOLD)]},
+        "limited": {"keys": [hash_key(LIMITED)], "on_limit": "queue", "limits": {"requests_per_minute": 1}},
+    }}))
+    # one replica, ~20 ms per token, one request in flight: a second waits in the router's queue
+    return make_router(replicas=1, sim={"step_base_ms": 20}, tenants=tenants,
+                       settings={"shutdown_grace": GRACE,
+                                 "batching": {"enabled": False, "initial": 1, "min_inflight": 1, "max_inflight": 1}})
+
+
+async def _stream(http: httpx.AsyncClient, max_tokens: int, started: asyncio.Event | None = None,
+                  key: str = GOLD):
+    """(status, SSE events or the error body, headers) of one streamed completion."""
+    async with http.stream("POST", "/v1/chat/completions", json=_body(max_tokens),
+                           headers={"authorization": f"Bearer {key}"}) as r:
+        if r.status_code != 200:
+            return r.status_code, json.loads(await r.aread()), dict(r.headers)
+        events = []
+        async for ev in aiter_sse(r):  # raises if the body is cut (chunked encoding not ended)
+            events.append(ev)
+            if started is not None:
+                started.set()
+        return r.status_code, events, dict(r.headers)
+
+
+async def test_sigterm_ends_what_runs_past_the_grace_explicitly(router: RouterProcess) -> None:
+    async with httpx.AsyncClient(base_url=router.base_url, headers=AUTH, timeout=30) as http:
+        started = asyncio.Event()
+        running = asyncio.create_task(_stream(http, 1000, started))  # ~20 s: outlives the grace
+        await asyncio.wait_for(started.wait(), 10)
+        queued = asyncio.create_task(_stream(http, 10, key=LIMITED))  # the one slot is taken: it waits in the queue
+        await asyncio.sleep(0.3)
+        limited = asyncio.create_task(_stream(http, 10, key=LIMITED))  # waits for its tenant's rate limit
+        await asyncio.sleep(0.3)
+        stopped_at = time.monotonic()
+        router.proc.send_signal(signal.SIGTERM)
+        await asyncio.sleep(0.3)
+        async with httpx.AsyncClient(base_url=router.base_url, timeout=5) as fresh:
+            with pytest.raises(httpx.ConnectError):  # no new connections while it drains
+                await fresh.get("/health")
+        (s_run, events, _), (s_q, q_body, q_headers), (s_l, l_body, _) = await asyncio.wait_for(
+            asyncio.gather(running, queued, limited), GRACE + 10)
+        ended_at = time.monotonic()
+
+    # past the grace: an explicit error event ends the stream, and no [DONE] after it
+    assert s_run == 200
+    last = events[-1].json()
+    assert last["error"]["code"] == "router_shutdown", last
+    assert "shutting down" in last["error"]["message"]
+    assert all(ev.data != "[DONE]" for ev in events)
+    assert len(events) > 10, "the stream ran on until the grace was over"
+    # queued, never started: a 503 the client (or the SDK's retry) can take elsewhere
+    assert s_q == 503, q_body
+    assert q_body["error"]["code"] == "router_shutdown"
+    assert q_headers.get("retry-after") == "1"
+    assert s_l == 503 and l_body["error"]["code"] == "router_shutdown", l_body
+    assert GRACE - 0.5 <= ended_at - stopped_at <= GRACE + 5
+    router.proc.wait(15)
+    # (uvicorn raises the signal it caught again once it has shut down)
+    assert router.proc.returncode in (0, -signal.SIGTERM), router.log()[-3000:]
+    log = router.log()
+    assert "shutdown grace of 1.5s is over: ended 1 running and 1 queued requests" in log
+    assert log.count('"outcome": "shutdown"') + log.count('"outcome":"shutdown"') == 3, log[-3000:]
+
+
+async def test_a_stream_that_ends_within_the_grace_finishes(router: RouterProcess) -> None:
+    async with httpx.AsyncClient(base_url=router.base_url, headers=AUTH, timeout=30) as http:
+        started = asyncio.Event()
+        task = asyncio.create_task(_stream(http, 40, started))  # ~0.8 s
+        await asyncio.wait_for(started.wait(), 10)
+        router.proc.send_signal(signal.SIGTERM)
+        status, events, _ = await asyncio.wait_for(task, GRACE + 10)
+    assert status == 200 and events[-1].data == "[DONE]"
+    assert not any("error" in ev.data for ev in events[:-1])
+    t = time.monotonic()
+    router.proc.wait(15)
+    assert time.monotonic() - t < GRACE, "nothing ran any more: the grace is not waited out"
+
+
+async def test_sigterm_with_nothing_in_flight_exits_at_once(router: RouterProcess) -> None:
+    async with httpx.AsyncClient(base_url=router.base_url, headers=AUTH, timeout=30) as http:
+        r = await http.post("/v1/chat/completions", json=_body(5, stream=False))
+        assert r.status_code == 200
+    t = time.monotonic()
+    router.stop()
+    assert time.monotonic() - t < GRACE, "no request ran: the grace is not waited out"
+
+
+async def test_with_shared_state_a_stream_ended_by_shutdown_resumes_on_another_router(make_router) -> None:
+    require_redis_server()
+    with RedisServer() as redis:
+        state = {"backend": "redis", "url": redis.url}
+        sim = {"step_base_ms": 20}  # same seed everywhere: any replica continues a greedy stream exactly
+        a = make_router(replicas=1, sim=sim, settings={"shutdown_grace": GRACE, "state": state})
+        b = make_router(replicas=1, sim=sim, settings={"state": state})
+        body = {**_body(120), "temperature": 0}
+        async with httpx.AsyncClient(headers=AUTH, timeout=30) as http:
+            ref = (await http.post(b.base_url + "/v1/chat/completions", json={**body, "stream": False})).json()
+            text, last = "", None
+            async with http.stream("POST", a.base_url + "/v1/chat/completions", json=body) as r:
+                rid = r.headers["x-request-id"]
+                async for ev in aiter_sse(r):
+                    d = ev.json()
+                    if "error" in d:
+                        break
+                    text += d["choices"][0]["delta"].get("content") or ""
+                    last = ev.id
+                    if len(text) == 20:
+                        a.proc.send_signal(signal.SIGTERM)
+            assert d["error"]["code"] == "router_shutdown"
+            assert "Last-Event-ID" in d["error"]["message"]
+            async with http.stream("GET", f"{b.base_url}/v1/streams/{rid}", headers={"Last-Event-ID": last}) as r:
+                assert r.status_code == 200, await r.aread()
+                async for ev in aiter_sse(r):
+                    if ev.data == "[DONE]":
+                        break
+                    text += ev.json()["choices"][0]["delta"].get("content") or ""
+        assert text == ref["choices"][0]["message"]["content"]
+        a.proc.wait(15)
