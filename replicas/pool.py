@@ -109,9 +109,6 @@ class ReplicaPool:
         self._rng = rng or random.Random()
         self.on_release: Callable[[ReplicaSlot], None] | None = None
         self._affinity: OrderedDict[int, str] = OrderedDict()  # prefix hash -> replica (LRU)
-        # the router's generations running on these replicas (router.generation
-        # adds and removes them; a router whose shutdown grace is over ends them)
-        self.running: set = set()
 
     def models(self) -> list[str]:
         """Models served by ready replicas; when none is ready, the models the

@@ -114,6 +114,8 @@ class Admission:
     async def admit(self, policy: TenantPolicy, cost_tokens: int, *, count_request: bool = True) -> Ticket:
         """``count_request=False`` for the continuation of a resumed stream:
         it holds a lease and reserves tokens, but is not a new request."""
+        if self._stopped.is_set():
+            raise RouterShutdown()
         lim = policy.limits
         req = AdmitRequest(
             rpm=lim.requests_per_minute if count_request else 0,
@@ -174,8 +176,8 @@ class Admission:
                 self.metrics.admission_waiting.labels(policy.name).dec()
 
     def fail_waiting(self) -> None:
-        """End every request waiting for its tenant's limits with
-        ``RouterShutdown`` (the router is stopping)."""
+        """End every request waiting for its tenant's limits, and refuse new
+        ones, with ``RouterShutdown`` (the router is stopping)."""
         self._stopped.set()
 
     async def _admit_once(self, tenant: str, req: AdmitRequest) -> Decision:

@@ -23,7 +23,7 @@ from litestar.response import Stream
 
 from replicas.protocol import FinishReason
 from router.admission import Ticket
-from router.errors import ApiError, BadRequest, GatewayTimeout, NotFound, RouterShutdown
+from router.errors import ApiError, BadRequest, GatewayTimeout, NotFound
 from router.generation import Deadlines, Generation, Job, Piece, StreamLost, StreamTimeout
 from router.ids import new_id
 from router.openai_types import (
@@ -38,7 +38,7 @@ from router.openai_types import (
 from router.service import RouterService
 from router.logs import request_id_var
 from router.push import PushRelay
-from router.relay import EventStream, Outcome, relay_stream
+from router.relay import EventStream, Outcome, outcome_of, relay_stream
 from router.resume import ResumeMeta
 from router.sse import ChunkEncoder, Usage
 from router.tenants import TenantPolicy
@@ -118,20 +118,6 @@ def _job(svc: RouterService, policy: TenantPolicy, body: bytes, chat: bool):
     return req, Job(req.model, params, prompt=prompt), len(prompt.encode()) + 1
 
 
-def _outcome_of(e: BaseException) -> str:
-    if isinstance(e, StreamTimeout):
-        return f"timeout_{e.which}"
-    if isinstance(e, RouterShutdown):
-        return "shutdown"
-    if isinstance(e, ApiError):
-        if e.status == 429:
-            return "rate_limited"
-        return "client_error" if e.status < 500 else "unavailable"
-    if isinstance(e, StreamLost):
-        return "lost"
-    return "cancelled"
-
-
 class Started:
     """A request past admission with its first piece in hand: in ``first``
     (pulled from ``pieces``), or waiting in ``relay`` (pushed)."""
@@ -177,7 +163,7 @@ async def start_generation(
     except BaseException as e:
         if isinstance(e, ApiError):
             e.headers.setdefault("x-request-id", request_id)
-        outcome.record(_outcome_of(e))
+        outcome.record(outcome_of(e))
         raise
     lim = policy.limits
     gen = Generation(
@@ -206,7 +192,7 @@ async def start_generation(
         else:
             gen.close()
         await svc.admission.finish(ticket, gen.prompt_tokens + gen.completion_tokens)
-        outcome.record(_outcome_of(e))
+        outcome.record(outcome_of(e))
         if isinstance(e, StreamTimeout):
             svc.metrics.timeouts.labels(policy.name, e.which).inc()
             raise GatewayTimeout(f"The request hit the tenant's {e}.", code=f"{e.which}_timeout",
@@ -245,7 +231,7 @@ async def open_stream(svc: RouterService, policy: TenantPolicy, st: Started, cha
             await st.close()
             await svc.admission.finish(st.ticket, gen.prompt_tokens + gen.completion_tokens)
             await svc.resume.release(request_id)
-            st.outcome.record(_outcome_of(e), gen)
+            st.outcome.record(outcome_of(e), gen)
             raise
     es = EventStream(svc, gen, enc, usage, policy, st.ticket, st.outcome,
                      request_id if resumable else None)
@@ -297,7 +283,7 @@ async def _collect(svc, gen: Generation, pieces, first: Piece, model: str, chat:
         m.timeouts.labels(policy.name, e.which).inc()
         raise GatewayTimeout(f"The request hit the tenant's {e}.", code=f"{e.which}_timeout") from e
     except ApiError as e:
-        result = _outcome_of(e)
+        result = outcome_of(e)
         raise
     finally:
         await svc.admission.finish(ticket, gen.prompt_tokens + gen.completion_tokens)

@@ -44,7 +44,9 @@ def cors_config(settings: CorsSettings) -> CORSConfig | None:
 
 def response_headers(config: CORSConfig, origin: str) -> list[tuple[bytes, bytes]]:
     """The CORS headers of a response to a request from ``origin``, as
-    Litestar's CORS middleware sets them on its routes' responses."""
+    Litestar's CORS middleware sets them on its routes' responses. (No
+    ``Vary`` on a refusal, as there: every response needs a key, and shared
+    caches do not store answers to requests with ``Authorization``.)"""
     headers = dict(config.simple_headers)
     if not config.is_allow_all_origins and config.is_origin_allowed(origin):
         headers["Access-Control-Allow-Origin"] = origin

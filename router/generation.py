@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING
 from replicas.client import ReplicaDead
 from replicas.pool import LoadHandle, NoReplica, ReplicaPool
 from replicas.protocol import Delta, FinishReason, SamplingParams
-from router.errors import BadRequest, ReplicaUnavailable
+from router.errors import BadRequest, ReplicaUnavailable, RouterShutdown
 from router.metrics import Metrics
 
 if TYPE_CHECKING:
@@ -308,6 +308,11 @@ class Generation:
             self._end(exc)
 
     def _attach(self, handle: LoadHandle) -> None:
+        sched = self.scheduler
+        if sched is not None and sched.stopping:  # (a failover, or a dispatch that raced the stop)
+            handle.release()
+            self._end(RouterShutdown())
+            return
         slot = handle.slot
         client = slot.client
         assert client is not None
@@ -330,7 +335,8 @@ class Generation:
         col.sink = self
         col.limit = self.chunk_tokens
         self._col = col
-        self.pool.running.add(self)
+        if sched is not None:
+            sched.running.add(self)
         self._client = client
         self._handle = handle
         self._dog = _Watchdog(self.deadlines, col, bool(self.completion_ids), slot.name)
@@ -342,7 +348,8 @@ class Generation:
         if col is None:
             return
         self._col = None
-        self.pool.running.discard(self)
+        if self.scheduler is not None:
+            self.scheduler.running.discard(self)
         col.sink = None
         if self._dog is not None:
             self._dog.cancel()

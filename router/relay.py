@@ -23,7 +23,7 @@ from router.generation import Generation, Piece, StreamLost, StreamTimeout
 from router.sse import ChunkEncoder, Usage
 from router.tenants import TenantPolicy
 
-__all__ = ["Outcome", "EventStream", "relay_stream"]
+__all__ = ["Outcome", "EventStream", "relay_stream", "outcome_of", "shutdown_notice"]
 
 log = logging.getLogger("fairstream.relay")
 request_log = logging.getLogger("fairstream.request")
@@ -78,6 +78,33 @@ class Outcome:
                     job.prompt if job.prompt is not None else job.prompt_token_ids)
                 extra["completion"] = "".join(gen.text_parts or ())
         request_log.info("request %s", outcome, extra=extra)
+
+
+def shutdown_notice(svc, enc: ChunkEncoder, resumable: bool) -> bytes:
+    """The error event of a stream this router ends because it stops. It
+    takes no event number, so a client resumes from the last numbered one:
+    where routers share their state (Redis), another router continues it."""
+    if resumable and svc.store.name != "memory":
+        e = RouterShutdown("The router is shutting down; reconnect with Last-Event-ID to continue "
+                           "the stream, or retry the request.")
+    else:
+        e = RouterShutdown()
+    return enc.notice(e.body())
+
+
+def outcome_of(e: BaseException) -> str:
+    """The ``outcome`` label (metrics, request log) of a request that ended with ``e``."""
+    if isinstance(e, StreamTimeout):
+        return f"timeout_{e.which}"
+    if isinstance(e, RouterShutdown):
+        return "shutdown"
+    if isinstance(e, ApiError):
+        if e.status == 429:
+            return "rate_limited"
+        return "client_error" if e.status < 500 else "unavailable"
+    if isinstance(e, StreamLost):
+        return "lost"
+    return "cancelled"
 
 
 class EventStream:
@@ -179,23 +206,17 @@ class EventStream:
 
     def failed(self, e: BaseException) -> bytes:
         """The error event that ends a stream that cannot go on."""
+        self.result = outcome_of(e) if isinstance(e, (ApiError, StreamTimeout)) else "lost"
         if isinstance(e, RouterShutdown):
-            # as if the client had left: the resume buffer stays open, so where
-            # routers share their state (Redis) another one continues the stream
-            self.result = "shutdown"
-            if self.sid is not None and self.svc.store.name != "memory":
-                e = RouterShutdown("The router is shutting down; reconnect with Last-Event-ID to continue "
-                                   "the stream, or retry the request.")
-            body = e.body()
-        elif isinstance(e, StreamTimeout):
-            self.result = f"timeout_{e.which}"
+            # as if the client had left: the resume buffer stays open
+            self.final = shutdown_notice(self.svc, self.enc, self.sid is not None)
+            return self.final
+        if isinstance(e, StreamTimeout):
             self.svc.metrics.timeouts.labels(self.policy.name, e.which).inc()
             body = error_body(f"The stream hit the tenant's {e}.", "timeout", None, f"{e.which}_timeout")
         elif isinstance(e, ApiError):
-            self.result = "client_error" if e.status < 500 else "unavailable"
             body = e.body()
         else:
-            self.result = "lost"
             log.warning("stream %s lost after %d tokens: %s", self.sid, self.gen.completion_tokens, e)
             body = error_body(f"The stream was interrupted and could not be resumed: {e}",
                               "server_error", None, "stream_lost")

@@ -34,7 +34,7 @@ from litestar.response import Stream
 
 from router.errors import ApiError, BadRequest, NotFound, error_body
 from router.generation import Deadlines, Generation, Job
-from router.relay import EventStream, Outcome, relay_stream
+from router.relay import EventStream, Outcome, relay_stream, shutdown_notice
 from router.resume import ResumeMeta, decode_meta
 from router.service import RouterService
 from router.sse import ChunkEncoder
@@ -113,6 +113,10 @@ async def _resume(svc: RouterService, policy: TenantPolicy, sid: str, meta: Resu
                 yield event
         have = snap.total_events
         if snap.finished and have <= cursor:
+            return
+        if svc.scheduler.stopping:  # this router stops: the client goes on elsewhere
+            enc = ChunkEncoder(meta.chat, meta.response_id, meta.model, meta.created)
+            yield shutdown_notice(svc, enc, True)
             return
         behind = have < cursor  # the client has events the buffer lacks
         live = snap.owner and (snap.owner != me or sid in svc.resume.live)

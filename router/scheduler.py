@@ -68,6 +68,10 @@ class Scheduler:
         self._fifo = settings.policy == "fifo"
         self._heads = HeadIndex(0.0 if self._fifo else settings.aging)
         self._dispatch_pending = False
+        # generations running on the replicas (router.generation adds and
+        # removes them); ``stop_all`` ends them and refuses new ones
+        self.running: set = set()
+        self.stopping = False
         self._limiters: dict[str, AimdLimiter] = {}
         now = clock()
         for slot in pool.slots:
@@ -98,6 +102,8 @@ class Scheduler:
         queue wait passes the tenant's limit (``waited``: seconds the request
         already waited for admission, which count against the same limit);
         cancellation leaves the queue."""
+        if self.stopping:
+            raise RouterShutdown()
         if not self._queued:
             try:
                 handle = self.pool.try_choose(model, tokens, affinity)
@@ -170,21 +176,26 @@ class Scheduler:
             if self._queued:
                 self._schedule_dispatch()
 
-    def fail_waiting(self) -> int:
-        """End every queued request with ``RouterShutdown`` (the router is
-        stopping); return how many there were."""
+    def stop_all(self) -> tuple[int, int]:
+        """The router is stopping: end every running generation and every
+        queued request with ``RouterShutdown``, and refuse new ones; return
+        how many were running and queued."""
+        self.stopping = True
         waiters = [w for q in self._queues.values() for w in q]
         for w in waiters:
             self._remove(w)
             w.future.set_exception(RouterShutdown())
-        return len(waiters)
+        running = list(self.running)
+        for gen in running:
+            gen.stop(RouterShutdown())
+        return len(running), len(waiters)
 
     # -- internals ---------------------------------------------------------
 
     def _leave(self, w: _Waiter) -> None:
         """Remove a waiter that gave up; give back a handle it got meanwhile."""
         self._remove(w)
-        if w.future.done() and not w.future.cancelled():
+        if w.future.done() and not w.future.cancelled() and w.future.exception() is None:
             w.future.result().release()
         else:
             w.future.cancel()

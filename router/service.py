@@ -21,7 +21,6 @@ from replicas.supervisor import Supervisor, SupervisorSettings
 from router.admission import Admission
 from router.auth import bearer
 from router.config import RouterConfig
-from router.errors import RouterShutdown
 from router.metrics import Metrics
 from router.policy import PolicyRegistry
 from router.resume import ResumeWriter
@@ -123,20 +122,17 @@ class RouterService:
         flight get ``shutdown_grace`` seconds to finish, then ``_stop_requests``."""
         if self._drain is None:
             self._drain = asyncio.get_running_loop().call_later(self.config.shutdown_grace, self._stop_requests)
-            log.info("shutting down: %d requests running get up to %gs to finish (SIGINT again: quit now)",
-                     len(self.pool.running), self.config.shutdown_grace)
+            log.info("shutting down: %d streams running get up to %gs to finish (SIGINT again: quit now)",
+                     len(self.scheduler.running), self.config.shutdown_grace)
 
     def _stop_requests(self) -> None:
         """End every request still in flight with ``RouterShutdown``: queued
         ones and those waiting for a limit get a 503, running streams an
         error event (the stream stays resumable where the state is shared)."""
-        queued = self.scheduler.fail_waiting()
+        running, queued = self.scheduler.stop_all()
         self.admission.fail_waiting()
-        running = list(self.pool.running)
-        for gen in running:
-            gen.stop(RouterShutdown())
         log.warning("shutdown grace of %gs is over: ended %d running and %d queued requests",
-                    self.config.shutdown_grace, len(running), queued)
+                    self.config.shutdown_grace, running, queued)
 
     async def close(self) -> None:
         if self._drain is not None:

@@ -103,3 +103,11 @@ class ChunkEncoder:
         """An error event (OpenAI's error shape); the SDK raises it as APIError."""
         self.event_id += 1
         return self._error_frame(str(self.event_id).encode() + pos, error_json)
+
+    def notice(self, error_json: bytes) -> bytes:
+        """An error event with no number of its own, for a stream that can
+        still be resumed from its last numbered event: over SSE it has no
+        ``id:`` line, so a client keeps the last id it had."""
+        if self._frame is _sse_frame:
+            return b"data: " + error_json + b"\n\n"
+        return self._error_frame(str(self.event_id).encode(), error_json)

@@ -126,12 +126,13 @@ async def _parent(config: RouterConfig, tenants: Path, host: str, port: int, n: 
         for p in procs.values():
             if p.returncode is None:
                 p.terminate()
-        # each worker has its shutdown grace for the requests in flight, then ends them
-        stop_wait = config.shutdown_grace + SHUTDOWN_MARGIN + 5
+        # the workers have their shutdown grace for the requests in flight (all
+        # at once), then end them
+        waits = [asyncio.ensure_future(p.wait()) for p in procs.values()]
+        if waits:
+            await asyncio.wait(waits, timeout=config.shutdown_grace + SHUTDOWN_MARGIN + 5)
         for p in procs.values():
-            try:
-                await asyncio.wait_for(p.wait(), stop_wait)
-            except asyncio.TimeoutError:
+            if p.returncode is None:
                 p.kill()
                 await p.wait()
         await supervisor.close()

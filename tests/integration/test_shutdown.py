@@ -131,19 +131,22 @@ async def test_with_shared_state_a_stream_ended_by_shutdown_resumes_on_another_r
         body = {**_body(120), "temperature": 0}
         async with httpx.AsyncClient(headers=AUTH, timeout=30) as http:
             ref = (await http.post(b.base_url + "/v1/chat/completions", json={**body, "stream": False})).json()
-            text, last = "", None
+            text, last, stopped = "", None, False
             async with http.stream("POST", a.base_url + "/v1/chat/completions", json=body) as r:
                 rid = r.headers["x-request-id"]
                 async for ev in aiter_sse(r):
+                    if ev.id is not None:  # as EventSource does: an event without an id keeps the last one
+                        last = ev.id
                     d = ev.json()
                     if "error" in d:
                         break
                     text += d["choices"][0]["delta"].get("content") or ""
-                    last = ev.id
-                    if len(text) == 20:
+                    if len(text) >= 20 and not stopped:
                         a.proc.send_signal(signal.SIGTERM)
+                        stopped = True
             assert d["error"]["code"] == "router_shutdown"
             assert "Last-Event-ID" in d["error"]["message"]
+            assert ev.id is None, "the shutdown event takes no number: the resume starts after the last one"
             async with http.stream("GET", f"{b.base_url}/v1/streams/{rid}", headers={"Last-Event-ID": last}) as r:
                 assert r.status_code == 200, await r.aread()
                 async for ev in aiter_sse(r):

@@ -42,12 +42,12 @@ class Sink:
 
 
 def started(sink, prompt_token_ids: list[int] | None = None, max_tokens: int = 8,
-            metrics: Metrics | None = None) -> tuple[Generation, Collector, ReplicaSlot, Client]:
+            metrics: Metrics | None = None, scheduler=None) -> tuple[Generation, Collector, ReplicaSlot, Client]:
     """A generation attached to a stand-in replica, output going to ``sink``."""
     slot = ReplicaSlot(ReplicaSpec(name="r0"))
     client = slot.client = Client()  # type: ignore[assignment]
     job = Job("m", SamplingParams(max_tokens=max_tokens), prompt="p", prompt_token_ids=prompt_token_ids)
-    gen = Generation(ReplicaPool([]), job, metrics or Metrics(), 0)
+    gen = Generation(ReplicaPool([]), job, metrics or Metrics(), 0, scheduler=scheduler)
     gen.sink = sink
     gen._attach(LoadHandle(slot, max_tokens))
     assert gen._col is not None

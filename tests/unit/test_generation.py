@@ -14,13 +14,18 @@ from types import SimpleNamespace
 from replicas.client import Collector
 from replicas.protocol import Delta, FinishReason, SamplingParams
 from router.errors import BadRequest, RouterShutdown
+from policies.batching import AimdSettings
+from replicas.pool import LoadHandle, ReplicaPool, ReplicaSlot
+from replicas.spec import ReplicaSpec
 from router.generation import Generation, StreamLost
+from router.scheduler import Scheduler
+from router.scheduler_settings import SchedulerSettings
 from router.metrics import Metrics
 from router.relay import EventStream
 from router.resume import ResumeMeta, ResumeWriter
 from router.sse import ChunkEncoder
 from router.state.memory import MemoryStore
-from tests.unit.generations import Sink
+from tests.unit.generations import Client, Sink
 from tests.unit.generations import started as _started
 
 NONE, STOP, ERROR = FinishReason.NONE, FinishReason.STOP, FinishReason.ERROR
@@ -97,21 +102,39 @@ async def test_a_stream_whose_token_ids_stop_ends_its_resume_buffer_with_an_erro
 
 
 
-async def test_stop_ends_a_running_generation_once() -> None:
-    gen, col, sink, _ = started()
-    assert gen in gen.pool.running  # what a stopping router ends
+def _scheduler() -> Scheduler:
+    return Scheduler(ReplicaPool([]), Metrics(), SchedulerSettings(), AimdSettings())
+
+
+async def test_stop_all_ends_a_running_generation_once_and_refuses_new_ones() -> None:
+    sched = _scheduler()
+    sink = Sink()
+    gen, col, _, _ = _started(sink, scheduler=sched)
+    assert gen in sched.running  # what a stopping router ends
     col.put(Delta(1, [5], "a", NONE))
-    first = RouterShutdown()
-    gen.stop(first)
-    assert sink.failure is first and gen.ended and gen not in gen.pool.running
+    assert sched.stop_all() == (1, 0)
+    first = sink.failure
+    assert isinstance(first, RouterShutdown) and gen.ended and gen not in sched.running
     col.put(Delta(1, [6], "b", NONE))  # the replica's late output goes nowhere
     gen.stop(RouterShutdown())
     assert sink.failure is first and sink.pieces == [("a", 1, NONE)]
+    # a generation dispatched just before the stop does not start on its replica
+    late = Sink()
+    gen2 = Generation(ReplicaPool([]), gen.job, Metrics(), 0, scheduler=sched)
+    gen2.sink = late
+    slot = ReplicaSlot(ReplicaSpec(name="r1"))
+    slot.client = Client()  # type: ignore[assignment]
+    handle = LoadHandle(slot, 8)
+    gen2._attach(handle)
+    assert isinstance(late.failure, RouterShutdown) and gen2._col is None and not sched.running
+    assert slot.inflight == 0, "its replica slot is given back"
 
 
 async def test_a_finished_generation_leaves_the_running_set() -> None:
-    gen, col, sink, _ = started()
+    sched = _scheduler()
+    sink = Sink()
+    gen, col, _, _ = _started(sink, scheduler=sched)
     col.put(Delta(1, [5], "a", STOP))
-    assert gen.ended and gen not in gen.pool.running
+    assert gen.ended and gen not in sched.running
     gen.stop(RouterShutdown())
     assert sink.failure is None

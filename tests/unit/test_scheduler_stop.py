@@ -1,0 +1,66 @@
+"""``Scheduler.stop_all`` (the router's shutdown grace is over): queued
+requests end with ``RouterShutdown``, their queue bookkeeping is undone, a
+waiter cancelled meanwhile stays cancelled, and no new request gets in."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from policies.batching import AimdSettings
+from replicas.pool import ReplicaPool
+from replicas.protocol import LoadReport
+from replicas.spec import ReplicaSpec
+from router.errors import RouterShutdown
+from router.metrics import Metrics
+from router.scheduler import Scheduler
+from router.scheduler_settings import SchedulerSettings
+from router.tenants import ResolvedLimits, TenantPolicy
+
+MODEL = "m"
+
+
+class _Client:
+    """A ready replica connection, as far as the pool looks."""
+
+    model = MODEL
+    closed = None
+    load = LoadReport(0, 0, 0.0)
+
+
+def _policy(name: str) -> TenantPolicy:
+    return TenantPolicy(
+        name=name, priority="normal", weight=1.0, models=["*"], queue_depth=10, chunk_tokens=16,
+        on_limit="queue", log_content=False,
+        limits=ResolvedLimits(requests_per_minute=0, tokens_per_minute=0, max_concurrent=0, max_prompt_tokens=0,
+                              max_tokens=0, queue_wait=0.0, first_token=0.0, stall=0.0, total=0.0),
+    )
+
+
+async def test_stop_all_ends_the_queue_and_refuses_new_requests() -> None:
+    pool = ReplicaPool([ReplicaSpec(name="r0", address="127.0.0.1:9")])
+    pool.slots[0].client = _Client()  # type: ignore[assignment]
+    pool.slots[0].state = "ready"
+    metrics = Metrics()
+    sched = Scheduler(pool, metrics, SchedulerSettings(),
+                      AimdSettings(enabled=False, initial=1, min_inflight=1, max_inflight=1))
+    a, b = _policy("a"), _policy("b")
+    held = await sched.acquire(a, 1, MODEL, 8)  # the one slot
+    waiting = asyncio.create_task(sched.acquire(a, 1, MODEL, 8))
+    leaving = asyncio.create_task(sched.acquire(b, 1, MODEL, 8))
+    await asyncio.sleep(0)
+    assert sched.queued("a") == 1 and sched.queued("b") == 1
+
+    assert sched.stop_all() == (0, 2)
+    leaving.cancel()  # its client left in the same turn: a cancellation, not the shutdown error
+    with pytest.raises(RouterShutdown):
+        await waiting
+    with pytest.raises(asyncio.CancelledError):
+        await leaving
+    assert sched.queued("a") == sched.queued("b") == 0
+    assert metrics.queued.labels("a", "normal")._value.get() == 0
+    with pytest.raises(RouterShutdown):
+        await sched.acquire(b, 1, MODEL, 8)
+    held.release()
+    assert pool.slots[0].inflight == 0
