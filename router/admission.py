@@ -175,10 +175,12 @@ class Admission:
                 self._queued[policy.name] -= 1
                 self.metrics.admission_waiting.labels(policy.name).dec()
 
-    def fail_waiting(self) -> None:
+    def fail_waiting(self) -> int:
         """End every request waiting for its tenant's limits, and refuse new
-        ones, with ``RouterShutdown`` (the router is stopping)."""
+        ones, with ``RouterShutdown`` (the router is stopping); return how
+        many were waiting."""
         self._stopped.set()
+        return sum(self._queued.values())
 
     async def _admit_once(self, tenant: str, req: AdmitRequest) -> Decision:
         try:

@@ -130,9 +130,9 @@ class RouterService:
         ones and those waiting for a limit get a 503, running streams an
         error event (the stream stays resumable where the state is shared)."""
         running, queued = self.scheduler.stop_all()
-        self.admission.fail_waiting()
-        log.warning("shutdown grace of %gs is over: ended %d running and %d queued requests",
-                    self.config.shutdown_grace, running, queued)
+        limited = self.admission.fail_waiting()
+        log.warning("shutdown grace of %gs is over: ended %d running, %d queued and %d rate-limited requests",
+                    self.config.shutdown_grace, running, queued, limited)
 
     async def close(self) -> None:
         if self._drain is not None:

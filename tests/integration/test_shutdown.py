@@ -94,7 +94,7 @@ async def test_sigterm_ends_what_runs_past_the_grace_explicitly(router: RouterPr
     # (uvicorn raises the signal it caught again once it has shut down)
     assert router.proc.returncode in (0, -signal.SIGTERM), router.log()[-3000:]
     log = router.log()
-    assert "shutdown grace of 1.5s is over: ended 1 running and 1 queued requests" in log
+    assert "shutdown grace of 1.5s is over: ended 1 running, 1 queued and 1 rate-limited requests" in log
     assert log.count('"outcome": "shutdown"') + log.count('"outcome":"shutdown"') == 3, log[-3000:]
 
 
