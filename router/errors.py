@@ -112,7 +112,8 @@ class GatewayTimeout(ApiError):
 
 
 class RouterShutdown(ServiceUnavailable):
-    """The router is stopping and its shutdown grace is over."""
+    """The router is stopping: its shutdown grace is over, or (WebSocket) a
+    new request came while it drains."""
 
     code = "router_shutdown"
 

@@ -8,6 +8,10 @@ still running with an explicit ``router_shutdown`` error, so no client sees
 its stream cut without a word. uvicorn's own limit comes ``SHUTDOWN_MARGIN``
 seconds later, for those errors to go out; only what is still running then
 is cancelled.
+
+uvicorn would also close every WebSocket at once (code 1012); ``_WebSocket``
+leaves an open one to the router, which lets its requests finish within the
+grace like HTTP streams and then closes it (router/websocket.py).
 """
 
 from __future__ import annotations
@@ -15,11 +19,24 @@ from __future__ import annotations
 from typing import Any
 
 import uvicorn
+from uvicorn.protocols.websockets.websockets_sansio_impl import WebSocketsSansIOProtocol
 
 from router.config import SHUTDOWN_MARGIN
 from router.fastpath import FastPath
 
 __all__ = ["Server"]
+
+
+class _WebSocket(WebSocketsSansIOProtocol):
+    """uvicorn's WebSocket protocol (``ws="auto"`` with websockets installed),
+    except that shutdown does not close an open connection: the router's
+    handler does, once its requests have ended; uvicorn cancels the handler
+    at its own limit if it has not."""
+
+    def shutdown(self) -> None:
+        if self.handshake_complete and not self.close_sent:
+            return
+        super().shutdown()
 
 
 class Server(uvicorn.Server):
@@ -31,6 +48,7 @@ class Server(uvicorn.Server):
             app,
             loop="router.listener:new_event_loop",
             http="httptools",
+            ws=_WebSocket,
             lifespan="on",
             log_level="warning",
             access_log=False,

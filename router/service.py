@@ -14,7 +14,7 @@ import gc
 import logging
 from collections.abc import Coroutine
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 from replicas.pool import ReplicaPool, ReplicaSlot
 from replicas.supervisor import Supervisor, SupervisorSettings
@@ -32,6 +32,10 @@ from router.tenants import TenantPolicy
 GC_THRESHOLD = 50_000
 
 __all__ = ["RouterService"]
+
+
+class _Drains(Protocol):
+    def drain(self) -> None: ...
 
 log = logging.getLogger("fairstream.router")
 
@@ -55,6 +59,7 @@ class RouterService:
         self._tasks: set[asyncio.Task[None]] = set()
         self._lag_task: asyncio.Task[None] | None = None
         self._drain: asyncio.TimerHandle | None = None
+        self.sockets: set[_Drains] = set()  # open WebSocket connections (router/websocket.py)
         self.pool = ReplicaPool(config.replicas)
         self.scheduler = Scheduler(self.pool, m, config.scheduler, config.batching)
         self.supervisor = Supervisor(
@@ -117,10 +122,17 @@ class RouterService:
         gc.freeze()
         gc.set_threshold(GC_THRESHOLD, 20, 100)
 
+    @property
+    def draining(self) -> bool:
+        return self._drain is not None
+
     def drain(self) -> None:
         """Shutdown began (the server takes no new connections): requests in
-        flight get ``shutdown_grace`` seconds to finish, then ``_stop_requests``."""
+        flight get ``shutdown_grace`` seconds to finish, then ``_stop_requests``.
+        WebSockets take no new requests and close once theirs have ended."""
         if self._drain is None:
+            for conn in list(self.sockets):
+                conn.drain()
             self._drain = asyncio.get_running_loop().call_later(self.config.shutdown_grace, self._stop_requests)
             log.info("shutting down: %d streams running get up to %gs to finish (SIGINT again: quit now)",
                      len(self.scheduler.running), self.config.shutdown_grace)

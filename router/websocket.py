@@ -17,6 +17,12 @@ Then, any number of times:
 Same auth, limits, queues and failover as HTTP. Closing the socket aborts
 everything still running on it. Each generation is a task owned by the
 connection handler.
+
+When the router shuts down (SIGTERM), a socket takes no new requests (each
+gets ``router_shutdown``), its running ones get ``shutdown_grace`` like HTTP
+streams (then end with a ``router_shutdown`` error message), and the router
+closes it with code 1012 (service restart) once none is left: at once if it
+was idle. router/server.py keeps uvicorn from closing it earlier.
 """
 
 from __future__ import annotations
@@ -29,7 +35,7 @@ from litestar import WebSocket, websocket
 from litestar.exceptions import WebSocketDisconnect
 
 from router.completions import new_request_id, response_id_of, start_generation
-from router.errors import ApiError, BadRequest, error_body
+from router.errors import ApiError, BadRequest, RouterShutdown, error_body
 from router.openai_types import usage_options
 from router.relay import EventStream, relay_stream
 from router.service import RouterService
@@ -64,6 +70,36 @@ class _Conn:
         self.policy: TenantPolicy | None = None
         self.running: dict[str, asyncio.Task[None]] = {}
         self._send_lock = asyncio.Lock()
+        self.draining = False
+        self.closing: asyncio.Task[None] | None = None
+
+    def drain(self) -> None:
+        """The router is shutting down: take no new requests, and close the
+        socket (1012) once the running ones have ended."""
+        self.draining = True
+        if not self.running:
+            self._close_soon()
+
+    def start(self, cid: str, body: bytes) -> None:
+        task = asyncio.get_running_loop().create_task(self.run_one(cid, body))
+        self.running[cid] = task
+        task.add_done_callback(lambda t: self._ended(cid))
+
+    def _ended(self, cid: str) -> None:
+        self.running.pop(cid, None)
+        if self.draining and not self.running:
+            self._close_soon()
+
+    def _close_soon(self) -> None:
+        if self.closing is None:
+            self.closing = asyncio.get_running_loop().create_task(self._close())
+
+    async def _close(self) -> None:
+        async with self._send_lock:
+            try:
+                await self.sock.close(code=1012, reason="router shutting down")
+            except (WebSocketDisconnect, RuntimeError, OSError):  # the client went first
+                pass
 
     async def send(self, data: bytes) -> None:
         async with self._send_lock:
@@ -94,6 +130,9 @@ async def chat_socket(socket: WebSocket) -> None:
     svc: RouterService = socket.app.state.service
     await socket.accept()
     conn = _Conn(svc, socket)
+    svc.sockets.add(conn)
+    if svc.draining:
+        conn.drain()
     auth = socket.headers.get("authorization")
     try:
         if auth:
@@ -115,6 +154,10 @@ async def chat_socket(socket: WebSocket) -> None:
                 await conn.send(b'{"type":"auth","ok":true}')
                 continue
             if msg.type == "chat.completions.create":
+                if conn.draining:
+                    await conn.send(_err(msg.id, RouterShutdown(
+                        "The router is shutting down; send new requests on a new connection.")))
+                    continue
                 if not msg.id or msg.id in conn.running:
                     await conn.send(_err(msg.id, BadRequest("Each request needs an 'id' not in use on this socket.",
                                                             param="id")))
@@ -125,9 +168,7 @@ async def chat_socket(socket: WebSocket) -> None:
                 if not bytes(msg.body):
                     await conn.send(_err(msg.id, BadRequest("Missing 'body'.", param="body")))
                     continue
-                task = asyncio.get_running_loop().create_task(conn.run_one(msg.id, bytes(msg.body)))
-                conn.running[msg.id] = task
-                task.add_done_callback(lambda t, cid=msg.id: conn.running.pop(cid, None))
+                conn.start(msg.id, bytes(msg.body))
             elif msg.type == "abort":
                 task = conn.running.pop(msg.id, None)
                 if task is not None:
@@ -141,7 +182,9 @@ async def chat_socket(socket: WebSocket) -> None:
     except WebSocketDisconnect:
         pass
     finally:
-        for task in list(conn.running.values()):
+        svc.sockets.discard(conn)
+        tasks = [*conn.running.values(), *([conn.closing] if conn.closing else [])]
+        for task in tasks:
             task.cancel()
-        if conn.running:
-            await asyncio.wait(list(conn.running.values()), timeout=5)
+        if tasks:
+            await asyncio.wait(tasks, timeout=5)

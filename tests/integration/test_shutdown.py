@@ -13,8 +13,9 @@ import time
 
 import httpx
 import pytest
-
 import yaml
+from websockets.asyncio.client import connect
+from websockets.exceptions import ConnectionClosed
 
 from router.auth import hash_key
 from tests.helpers import ADMIN, GOLD, MODEL, RouterProcess, aiter_sse
@@ -96,6 +97,38 @@ async def test_sigterm_ends_what_runs_past_the_grace_explicitly(router: RouterPr
     log = router.log()
     assert "shutdown grace of 1.5s is over: ended 1 running, 1 queued and 1 rate-limited requests" in log
     assert log.count('"outcome": "shutdown"') + log.count('"outcome":"shutdown"') == 3, log[-3000:]
+
+
+async def test_websockets_get_the_grace_then_close_with_1012(router: RouterProcess) -> None:
+    url = router.base_url.replace("http://", "ws://") + "/v1/ws"
+    opts = {"additional_headers": AUTH, "proxy": None, "open_timeout": 10, "close_timeout": 5}
+    async with connect(url, **opts) as busy, connect(url, **opts) as idle:
+        await busy.send(json.dumps({"type": "chat.completions.create", "id": "long", "body": _body(1000)}))
+        first = json.loads(await asyncio.wait_for(busy.recv(), 10))
+        assert first["id"] == "long" and "chunk" in first, first
+        stopped_at = time.monotonic()
+        router.proc.send_signal(signal.SIGTERM)
+        # a socket with nothing running is closed at once, with "service restart"
+        with pytest.raises(ConnectionClosed) as closed:
+            await asyncio.wait_for(idle.recv(), 5)
+        assert closed.value.rcvd is not None and closed.value.rcvd.code == 1012
+        assert time.monotonic() - stopped_at < GRACE
+        # the busy one takes no new request, but its running one goes on until the grace is over
+        await busy.send(json.dumps({"type": "chat.completions.create", "id": "late", "body": _body(5)}))
+        msgs = []
+        with pytest.raises(ConnectionClosed) as closed:
+            while True:
+                msgs.append(json.loads(await asyncio.wait_for(busy.recv(), GRACE + 10)))
+        ended_at = time.monotonic()
+    assert closed.value.rcvd is not None and closed.value.rcvd.code == 1012, closed.value
+    late = [m for m in msgs if m.get("id") == "late"]
+    assert len(late) == 1 and late[0]["error"]["code"] == "router_shutdown", late
+    long = [m for m in msgs if m.get("id") == "long"]
+    assert len(long) > 10 and all("chunk" in m for m in long[:-1]), long[-3:]
+    assert long[-1]["error"]["code"] == "router_shutdown", long[-1]
+    assert GRACE - 0.5 <= ended_at - stopped_at <= GRACE + 5
+    router.proc.wait(15)
+    assert router.proc.returncode in (0, -signal.SIGTERM), router.log()[-3000:]
 
 
 async def test_a_stream_that_ends_within_the_grace_finishes(router: RouterProcess) -> None:
