@@ -86,6 +86,11 @@ async def handle_resume(svc: RouterService, policy: TenantPolicy, sid: str, pos:
     meta = decode_meta(snap.meta)
     if meta.tenant != policy.name:
         raise NotFound(_NOT_FOUND.format(sid), code="stream_not_found")
+    if pos.event >= snap.total_events and snap.finished and await _ended_unbuffered(svc, sid, snap):
+        # (the buffer's last event is that error, which the client never got:
+        # its live events from there on had plain ids, the same numbers or past them)
+        raise BadRequest(f"Stream {sid} cannot be resumed after event {snap.total_events - 1}: its output had no "
+                         "token ids from there on; retry the request.", param="Last-Event-ID", code="not_resumable")
     if pos.event > snap.total_events and (pos.tokens is None or pos.chars is None):
         raise BadRequest(f"Last-Event-ID {pos.event} is past the stream's last stored event "
                          f"({snap.total_events}); send the full id (N-T-C) this router sent.",
@@ -98,6 +103,16 @@ async def handle_resume(svc: RouterService, policy: TenantPolicy, sid: str, pos:
     svc.metrics.resumes.labels(policy.name).inc()
     headers = {"x-request-id": sid, "cache-control": "no-cache", "x-accel-buffering": "no"}
     return Stream(_resume(svc, policy, sid, meta, snap, pos), media_type="text/event-stream", headers=headers)
+
+
+async def _ended_unbuffered(svc: RouterService, sid: str, snap: StreamSnapshot) -> bool:
+    """Whether the buffer ended where the stream's output lost its token ids
+    (``EventStream._unbuffer``): its last event is that error."""
+    try:
+        last = await svc.store.stream_read(sid, snap.total_events - 1)
+    except StoreUnavailable:
+        return False
+    return last is not None and bool(last.events) and b'"code":"not_resumable"' in last.events[-1]
 
 
 async def _resume(svc: RouterService, policy: TenantPolicy, sid: str, meta: ResumeMeta,

@@ -11,6 +11,8 @@ import asyncio
 import time
 from types import SimpleNamespace
 
+import pytest
+
 from replicas.client import Collector
 from replicas.protocol import Delta, FinishReason, SamplingParams
 from router.errors import BadRequest, RouterShutdown
@@ -23,6 +25,7 @@ from router.scheduler_settings import SchedulerSettings
 from router.metrics import Metrics
 from router.relay import EventStream
 from router.resume import ResumeMeta, ResumeWriter
+from router.resume_http import handle_resume, parse_last_event_id
 from router.sse import ChunkEncoder
 from router.state.memory import MemoryStore
 from tests.unit.generations import Client, Sink
@@ -99,6 +102,14 @@ async def test_a_stream_whose_token_ids_stop_ends_its_resume_buffer_with_an_erro
     assert snap is not None and snap.finished and snap.token_ids == [5]
     assert b'"a"' in snap.events[0] and b"not_resumable" in snap.events[-1]
     assert not any(b'"b"' in e for e in snap.events)  # never a continuation without ids
+    # a client that read the live events past the buffer's end learns why it cannot resume
+    svc.store = store
+    for last_id in ("2", "3"):  # live events "b", ...: plain ids, at and past the buffer's error event
+        with pytest.raises(BadRequest) as refused:
+            await handle_resume(svc, policy, "s1", parse_last_event_id(last_id))  # type: ignore[arg-type]
+        assert refused.value.code == "not_resumable" and "no token ids" in refused.value.message
+    # one that stopped before: gets the error event from the buffer
+    assert await handle_resume(svc, policy, "s1", parse_last_event_id("1-1-1")) is not None  # type: ignore[arg-type]
 
 
 
