@@ -14,7 +14,7 @@ from router.admin import admin_routes
 from router.completions import check_model, handle_completion, new_request_id
 from router.config import RouterConfig
 from router.cors import cors_config
-from router.errors import ApiError, error_body
+from router.errors import ApiError, BadRequest, error_body
 from router.fastpath import FastPath
 from router.resume_http import handle_resume, parse_last_event_id
 from router.service import RouterService
@@ -39,7 +39,10 @@ async def _complete(request: Request, chat: bool) -> Response:
     policy = svc.tenant(request.headers.get("authorization"))
     resume_id = request.headers.get("x-resume-request-id")
     if not resume_id:
-        # only when this app is served without FastPath in front
+        if request.headers.get("last-event-id"):  # a reconnect: a new generation would repeat its text
+            raise BadRequest("Last-Event-ID resumes a stream: send X-Resume-Request-Id with the stream's "
+                             "x-request-id as well, or GET /v1/streams/{id}.", param="X-Resume-Request-Id")
+        # (a fresh request gets here only when this app is served without FastPath in front)
         return await handle_completion(svc, policy, await request.body(), chat, new_request_id())
     pos = parse_last_event_id(request.headers.get("last-event-id"))
     return await handle_resume(svc, policy, resume_id, pos)

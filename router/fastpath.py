@@ -10,7 +10,8 @@ One ``receive()`` waiter per request watches for the client's disconnect
 from the moment the body is read: it cancels the request task, so a client
 that leaves while queued, while waiting for its first token or mid-stream is
 dropped at once (the generation's ``finally`` aborts it on its replica).
-Resume requests, other routes and the lifespan go to Litestar. With CORS on
+Resume requests (and requests with a ``Last-Event-ID``), other routes and
+the lifespan go to Litestar. With CORS on
 (``router.cors``), a request with an ``Origin`` gets the headers Litestar's
 CORS middleware would give it, from the same config.
 
@@ -57,7 +58,7 @@ class FastPath:
                         auth = v.decode("latin-1")
                     elif k == b"origin":
                         origin = v.decode("latin-1")
-                    elif k == b"x-resume-request-id":
+                    elif k == b"x-resume-request-id" or k == b"last-event-id":
                         return await self.app(scope, receive, send)
                 cors = response_headers(self.cors, origin) if origin is not None and self.cors is not None else []
                 return await self._completion(receive, send, chat, auth, scope["path"], cors)

@@ -5,7 +5,7 @@ every field it leaves out from ``defaults``, and ``defaults`` from the
 built-in values below (field by field, also inside ``limits`` and
 ``timeouts``). API keys are stored only as SHA-256 hex digests
 (``fairstream hash-key KEY`` prints one). A limit or timeout of 0 means
-"none". docs/tenants.md is generated from the docstrings here and a test
+"none". docs/configuration.md is generated from the docstrings here and a test
 keeps it in sync.
 """
 

@@ -320,6 +320,9 @@ async def test_other_tenants_unknown_ids_and_bad_event_ids_are_refused(
         assert_openai_error(r, 400, param="Last-Event-ID")
         r = await http.post(path, json=body, headers={"Last-Event-ID": bad, "X-Resume-Request-Id": rid})
         assert_openai_error(r, 400, param="Last-Event-ID")
+    # a POST that reconnects with Last-Event-ID alone would start over and repeat text: refused
+    r = await http.post(path, json=body, headers={"Last-Event-ID": events[2].id})
+    assert "X-Resume-Request-Id" in assert_openai_error(r, 400, param="X-Resume-Request-Id")["message"]
     # a bare event number past the end cannot be placed
     r = await http.get(f"/v1/streams/{rid}", headers={"Last-Event-ID": str(len(events) + 5)})
     assert_openai_error(r, 400, param="Last-Event-ID")
