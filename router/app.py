@@ -119,7 +119,7 @@ async def ready(request: Request) -> Response:
 @get("/metrics")
 async def metrics(request: Request) -> Response:
     svc = _svc(request)
-    return Response(svc.metrics.expose(svc.pool), media_type="text/plain; version=0.0.4; charset=utf-8")
+    return Response(svc.metrics.expose(svc.pool), media_type="text/plain; version=0.0.4")  # (Litestar adds the charset)
 
 
 def _api_error(request: Request, exc: ApiError) -> Response:

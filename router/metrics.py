@@ -14,13 +14,19 @@ counts, ``livemax`` for replica reports).
 from __future__ import annotations
 
 import os
+from collections.abc import Iterable
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 __all__ = ["Metrics"]
 
-_LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1, 1.5, 2, 3, 5, 10, 30)
+# up to the built-in ``timeouts.total`` (900 s): long generations and queue waits stay measurable
+_LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1, 1.5, 2, 3, 5, 10, 30, 60,
+                    120, 300, 600, 900)
+# label values of fairstream_rate_limited_total's ``limit`` and fairstream_timeouts_total's ``timeout``
+RATE_LIMITS = ("requests", "tokens", "concurrency", "too_large", "queue", "queue_wait")
+TIMEOUTS = ("first_token", "total")
 _ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.015, 0.02, 0.03, 0.05, 0.075, 0.1, 0.2, 0.5, 1, 2, 5)
 
 
@@ -74,7 +80,7 @@ class Metrics:
             "fairstream_timeouts", "Requests ended by a tenant time limit.", ["tenant", "timeout"], registry=r,
         )
         self.queued = Gauge(
-            "fairstream_queue_depth", "Requests waiting for admission.", ["tenant", "priority"], registry=r, multiprocess_mode="livesum",
+            "fairstream_queue_depth", "Admitted requests waiting in the scheduler's queue for a replica.", ["tenant", "priority"], registry=r, multiprocess_mode="livesum",
         )
         self.queue_wait = Histogram(
             "fairstream_queue_wait_seconds", "Time a request waited in its tenant's queue for a replica.",
@@ -110,6 +116,19 @@ class Metrics:
         )
         self.streams_lost = Counter("fairstream_streams_lost", "Streams that had produced output and ended with an error because no replica could continue them.", registry=r)
         self._children: dict[tuple[object, tuple[str, ...]], Any] = {}
+
+    def declare(self, replicas: Iterable[str], tenants: Iterable[str]) -> None:
+        """Export the event counters of these replicas and tenants at 0, so
+        that ``rate()`` and ``increase()`` count their first event (a series
+        that appears at 1 counts from there)."""
+        for name in replicas:
+            self.replica_restarts.labels(name)
+            self.failovers.labels(name)
+        for name in tenants:
+            for limit in RATE_LIMITS:
+                self.rate_limited.labels(name, limit)
+            for which in TIMEOUTS:
+                self.timeouts.labels(name, which)
 
     def child(self, metric: Any, *values: str) -> Any:
         """``metric.labels(*values)``, remembered: ``labels`` validates the

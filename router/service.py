@@ -45,10 +45,7 @@ class RouterService:
         self.config = config
         self.metrics = Metrics()
         m = self.metrics
-        self.policy = PolicyRegistry(
-            tenants_path,
-            on_reload=lambda ok: (m.reloads.labels("success" if ok else "failure").inc(), m.reload_ok.set(1 if ok else 0)),
-        )
+        self.policy = PolicyRegistry(tenants_path, on_reload=self._on_reload)
         self.store = create_store(
             config.state,
             on_change=lambda up: m.store_up.set(1 if up else 0),
@@ -71,6 +68,13 @@ class RouterService:
             ),
             on_event=self._on_replica_event,
         )
+
+    def _on_reload(self, ok: bool) -> None:
+        m = self.metrics
+        m.reloads.labels("success" if ok else "failure").inc()
+        m.reload_ok.set(1 if ok else 0)
+        if ok:
+            m.declare((), self.policy.current.tenants)
 
     def tenant(self, authorization: str | None) -> TenantPolicy:
         """The caller's tenant policy (401/403 on a bad or admin key)."""
@@ -111,6 +115,7 @@ class RouterService:
         self._lag_task = asyncio.get_running_loop().create_task(self._watch_loop_lag(), name="loop-lag")
         await self.resume.start()
         await self.policy.start()
+        self.metrics.declare((slot.name for slot in self.pool.slots), self.policy.current.tenants)
         await self.admission.start()
         await self.supervisor.start()
         # Everything allocated so far lives as long as the process: keep it

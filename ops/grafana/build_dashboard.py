@@ -133,12 +133,15 @@ def _panels() -> list[dict[str, Any]]:
             "{{tenant}} prompt", "B")],
         "short"), 8, 8)
     L.add(_timeseries(
-        "Queue depth per tenant", "Requests waiting in the router's queue for replica capacity.",
-        [_q(f"sum by (tenant) (fairstream_queue_depth{{{T}}})", "{{tenant}}")],
+        "Waiting per tenant", "Admitted requests waiting in the scheduler's queue for replica capacity, and "
+        "requests waiting for their tenant's rate or concurrency limit (on_limit: queue).",
+        [_q(f"sum by (tenant) (fairstream_queue_depth{{{T}}})", "{{tenant}} for a replica"),
+         _q(f"sum by (tenant) (fairstream_admission_waiting{{{T}}})", "{{tenant}} for a limit", "B")],
         "short"), 8, 8)
     L.add(_timeseries(
-        "Queue wait p99 per tenant", "99th percentile time a request waited for a replica.",
-        [_q(_quantile(0.99, "fairstream_queue_wait_seconds", "tenant", T), "{{tenant}} p99")],
+        "Wait p99 per tenant", "99th percentile time a request waited for a replica, and for its tenant's limit.",
+        [_q(_quantile(0.99, "fairstream_queue_wait_seconds", "tenant", T), "{{tenant}} for a replica"),
+         _q(_quantile(0.99, "fairstream_admission_wait_seconds", "tenant", T), "{{tenant}} for a limit", "B")],
         "s"), 8, 8)
     L.add(_timeseries(
         "Requests by outcome", "Finished requests per second by outcome (ok, rate_limited, lost, timeout_*, ...).",

@@ -117,7 +117,8 @@ def test_dashboard_has_the_required_panels() -> None:
     required = {
         "TTFT p99 per tenant": ["histogram_quantile(0.99", "fairstream_time_to_first_token_seconds_bucket"],
         "Tokens/s per tenant": ["rate(fairstream_tokens_total"],
-        "Queue depth per tenant": ["fairstream_queue_depth"],
+        "Waiting per tenant": ["fairstream_queue_depth", "fairstream_admission_waiting"],
+        "Wait p99 per tenant": ["fairstream_queue_wait_seconds_bucket", "fairstream_admission_wait_seconds_bucket"],
         "Replica in-flight vs adaptive cap": ["fairstream_replica_inflight_requests", "fairstream_replica_inflight_cap"],
         "Replica running / waiting": ["fairstream_replica_running_requests"],
         "KV-cache usage": ["fairstream_replica_kv_cache_usage_ratio"],
@@ -211,6 +212,14 @@ def test_every_metric_named_exists_on_a_router(ops_router: RouterProcess) -> Non
     assert snap.value("fairstream_rate_limited_total", tenant="tiny") >= 1
     assert snap.value("fairstream_requests_total", tenant="tiny", outcome="rate_limited") >= 1
     assert snap.value("fairstream_replica_up", replica="sim-0") == 1
+    # event counters are exported at 0 before their first event, so increase() and rate() count it
+    assert snap.value("fairstream_replica_restarts_total", -1.0, replica="sim-0") == 0
+    assert snap.value("fairstream_failovers_total", -1.0, replica="sim-0") == 0
+    assert snap.value("fairstream_timeouts_total", -1.0, tenant="gold", timeout="total") == 0
+    assert snap.value("fairstream_rate_limited_total", -1.0, tenant="gold", limit="concurrency") == 0
+    # latency histograms reach the built-in total timeout (900 s)
+    assert snap.value("fairstream_request_duration_seconds_bucket", -1.0, tenant="gold", le="900.0") >= 1
+    assert resp.headers["content-type"] == "text/plain; version=0.0.4; charset=utf-8"
 
 
 @pytest.mark.skipif(promtool() is None, reason="promtool is not installed (set PROMTOOL or put it on PATH)")
