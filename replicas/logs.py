@@ -20,7 +20,7 @@ import time
 
 import msgspec
 
-__all__ = ["JsonFormatter", "setup_logging", "LOG_FORMAT_ENV", "LOG_LEVEL_ENV", "REPLICA_NAME_ENV"]
+__all__ = ["JsonFormatter", "TextFormatter", "setup_logging", "LOG_FORMAT_ENV", "LOG_LEVEL_ENV", "REPLICA_NAME_ENV"]
 
 LOG_FORMAT_ENV = "FAIRSTREAM_LOG_FORMAT"
 LOG_LEVEL_ENV = "FAIRSTREAM_LOG_LEVEL"
@@ -68,6 +68,31 @@ class JsonFormatter(logging.Formatter):
             return _encode({k: str(v) for k, v in out.items()}).decode()
 
 
+class TextFormatter(logging.Formatter):
+    """``text_format``, then the record's extra fields as ``key=value`` (a
+    value with spaces or quotes JSON-quoted), so a text line carries what a
+    JSON line does."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        line = super().format(record)
+        extra = [f"{k}={_text_value(v)}" for k, v in record.__dict__.items()
+                 if k not in _RESERVED and not k.startswith("_")]
+        if not extra:
+            return line
+        first, nl, rest = line.partition("\n")  # (a traceback follows on the next lines)
+        return f"{first} {' '.join(extra)}{nl}{rest}"
+
+
+def _text_value(v: object) -> str:
+    s = v if isinstance(v, str) else str(v)
+    if s and not any(c in s for c in ' "=\n'):
+        return s
+    try:
+        return _encode(v if isinstance(v, str) else s).decode()
+    except (TypeError, msgspec.EncodeError):
+        return repr(s)
+
+
 def setup_logging(level: str = "info", json: bool = True, formatter: logging.Formatter | None = None,
                   text_format: str = "%(asctime)s %(name)s %(levelname)s %(message)s") -> None:
     """Log ``level`` and up to stderr, as JSON (``formatter`` or a plain
@@ -84,7 +109,7 @@ def setup_logging(level: str = "info", json: bool = True, formatter: logging.For
     for h in list(root.handlers):
         root.removeHandler(h)
     handler = logging.StreamHandler(sys.stderr)
-    handler.setFormatter((formatter or JsonFormatter()) if json else logging.Formatter(text_format))
+    handler.setFormatter((formatter or JsonFormatter()) if json else TextFormatter(text_format))
     root.addHandler(handler)
     root.setLevel(level.upper())
     os.environ[LOG_FORMAT_ENV] = "json" if json else "text"

@@ -16,6 +16,7 @@ from router.config import RouterConfig
 from router.cors import cors_config
 from router.errors import ApiError, BadRequest, error_body
 from router.fastpath import FastPath
+from router.relay import log_refused
 from router.resume_http import handle_resume, parse_last_event_id
 from router.service import RouterService
 from router.websocket import chat_socket
@@ -122,7 +123,20 @@ async def metrics(request: Request) -> Response:
     return Response(svc.metrics.expose(svc.pool), media_type="text/plain; version=0.0.4")  # (Litestar adds the charset)
 
 
+def _endpoint_of(path: str) -> str:
+    """The ``endpoint`` label of a request to a Litestar route (bounded)."""
+    for prefix, name in (("/v1/chat/", "chat"), ("/v1/completions", "completions"), ("/v1/streams/", "resume"),
+                         ("/v1/models", "models"), ("/admin/", "admin")):
+        if path.startswith(prefix):
+            return name
+    return "other"
+
+
 def _api_error(request: Request, exc: ApiError) -> Response:
+    if exc.status in (401, 403):  # no tenant to count it under: count and log it as unauthorized
+        request_id = new_request_id()
+        exc.headers.setdefault("x-request-id", request_id)
+        log_refused(_svc(request), _endpoint_of(request.url.path), request_id, exc)
     return Response(exc.body(), status_code=exc.status, headers=exc.headers, media_type=_JSON)
 
 

@@ -163,7 +163,7 @@ async def start_generation(
     except BaseException as e:
         if isinstance(e, ApiError):
             e.headers.setdefault("x-request-id", request_id)
-        outcome.record(outcome_of(e))
+        outcome.record(outcome_of(e), error=e)
         raise
     lim = policy.limits
     gen = Generation(
@@ -192,7 +192,7 @@ async def start_generation(
         else:
             gen.close()
         await svc.admission.finish(ticket, gen.prompt_tokens + gen.completion_tokens)
-        outcome.record(outcome_of(e))
+        outcome.record(outcome_of(e), error=e)
         if isinstance(e, StreamTimeout):
             svc.metrics.timeouts.labels(policy.name, e.which).inc()
             raise GatewayTimeout(f"The request hit the tenant's {e}.", code=f"{e.which}_timeout",
@@ -231,7 +231,7 @@ async def open_stream(svc: RouterService, policy: TenantPolicy, st: Started, cha
             await st.close()
             await svc.admission.finish(st.ticket, gen.prompt_tokens + gen.completion_tokens)
             await svc.resume.release(request_id)
-            st.outcome.record(outcome_of(e), gen)
+            st.outcome.record(outcome_of(e), gen, e)
             raise
     es = EventStream(svc, gen, enc, usage, policy, st.ticket, st.outcome,
                      request_id if resumable else None)
@@ -265,6 +265,7 @@ async def _collect(svc, gen: Generation, pieces, first: Piece, model: str, chat:
     m = svc.metrics
     text_parts: list[str] = []
     result = "cancelled"
+    error: BaseException | None = None
     try:
         async with aclosing(pieces):
             piece: Piece | None = first
@@ -276,18 +277,18 @@ async def _collect(svc, gen: Generation, pieces, first: Piece, model: str, chat:
                 piece = None if finish != FinishReason.NONE else await pieces.__anext__()
         result = "ok"
     except StreamLost as e:
-        result = "lost"
+        result, error = "lost", e
         raise ApiError(f"The generation failed and could not be resumed: {e}", code="stream_lost") from e
     except StreamTimeout as e:
-        result = f"timeout_{e.which}"
+        result, error = f"timeout_{e.which}", e
         m.timeouts.labels(policy.name, e.which).inc()
         raise GatewayTimeout(f"The request hit the tenant's {e}.", code=f"{e.which}_timeout") from e
     except ApiError as e:
-        result = outcome_of(e)
+        result, error = outcome_of(e), e
         raise
     finally:
         await svc.admission.finish(ticket, gen.prompt_tokens + gen.completion_tokens)
-        outcome.record(result, gen)
+        outcome.record(result, gen, error)
     text = "".join(text_parts)
     finish_reason = gen.finish.openai
     if chat:

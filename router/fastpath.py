@@ -30,6 +30,7 @@ from router.completions import new_request_id, open_stream, respond_whole, start
 from router.cors import response_headers
 from router.errors import ApiError, error_body
 from router.push import wire_for
+from router.relay import log_refused
 from router.service import RouterService
 
 __all__ = ["FastPath"]
@@ -91,11 +92,11 @@ class FastPath:
             task.cancel()
 
         listener = asyncio.get_running_loop().create_task(listen())
-        st = es = None
+        st = es = policy = None
+        request_id = new_request_id()
         try:
             try:
                 policy = svc.tenant(auth)
-                request_id = new_request_id()
                 st = await start_generation(svc, policy, body, chat, request_id, "chat" if chat else "completions",
                                             push=True)
                 if st.relay is not None:
@@ -103,6 +104,9 @@ class FastPath:
                 else:
                     resp = await respond_whole(svc, policy, st, chat, request_id)
             except ApiError as e:
+                if policy is None:  # refused before it had a tenant (401, 403)
+                    e.headers.setdefault("x-request-id", request_id)
+                    log_refused(svc, "chat" if chat else "completions", request_id, e)
                 await _error(send, cors, e.status, e.body(), e.headers)
                 return
             except asyncio.CancelledError:

@@ -23,7 +23,7 @@ from router.generation import Generation, Piece, StreamLost, StreamTimeout
 from router.sse import ChunkEncoder, Usage
 from router.tenants import TenantPolicy
 
-__all__ = ["Outcome", "EventStream", "relay_stream", "outcome_of", "shutdown_notice"]
+__all__ = ["Outcome", "EventStream", "relay_stream", "outcome_of", "shutdown_notice", "error_fields", "log_refused"]
 
 log = logging.getLogger("fairstream.relay")
 request_log = logging.getLogger("fairstream.request")
@@ -45,8 +45,9 @@ class Outcome:
         # (prompt, completion) tokens an earlier request of this stream already counted
         self.counted = counted
 
-    def record(self, outcome: str, gen: Generation | None = None) -> None:
-        """Count the request in metrics and log its summary line (once)."""
+    def record(self, outcome: str, gen: Generation | None = None, error: BaseException | None = None) -> None:
+        """Count the request in metrics and log its summary line (once); an
+        ``error`` that ended it is named there (code, status, message)."""
         if self.done:
             return
         self.done = True
@@ -62,6 +63,8 @@ class Outcome:
             "outcome": outcome,
             "duration_s": round(elapsed, 4),
         }
+        if error is not None:
+            extra.update(error_fields(error))
         if gen is not None:
             m.child(m.tokens, tenant, "prompt").inc(max(0, gen.prompt_tokens - self.counted[0]))
             m.child(m.tokens, tenant, "completion").inc(max(0, gen.completion_tokens - self.counted[1]))
@@ -78,6 +81,29 @@ class Outcome:
                     job.prompt if job.prompt is not None else job.prompt_token_ids)
                 extra["completion"] = "".join(gen.text_parts or ())
         request_log.info("request %s", outcome, extra=extra)
+
+
+def error_fields(e: BaseException) -> dict[str, object]:
+    """What a request log line says of the error that ended the request."""
+    if isinstance(e, ApiError):
+        out: dict[str, object] = {"status": e.status, "error_code": e.code or e.type, "error": e.message[:300]}
+        if e.param:
+            out["error_param"] = e.param
+        return out
+    if isinstance(e, StreamTimeout):
+        return {"error_code": f"{e.which}_timeout", "error": str(e)}
+    if isinstance(e, StreamLost):
+        return {"error_code": "stream_lost", "error": str(e)[:300]}
+    return {}
+
+
+def log_refused(svc, endpoint: str, request_id: str, e: ApiError) -> None:
+    """Count and log a request refused before it had a tenant (a missing,
+    unknown or admin key: 401/403): outcome ``unauthorized``, tenant ``""``."""
+    m = svc.metrics
+    m.child(m.requests, "", endpoint, "unauthorized").inc()
+    request_log.info("request unauthorized", extra={"request_id": request_id, "tenant": "", "endpoint": endpoint,
+                                                    "outcome": "unauthorized", **error_fields(e)})
 
 
 def shutdown_notice(svc, enc: ChunkEncoder, resumable: bool) -> bytes:
@@ -122,7 +148,8 @@ class EventStream:
     """
 
     __slots__ = ("svc", "gen", "enc", "include_usage", "usage_each", "policy", "ticket", "outcome", "sid", "writer",
-                 "ttft", "itl", "last", "tokens", "chars", "sent_ids", "skip_chars", "result", "final")
+                 "ttft", "itl", "last", "tokens", "chars", "sent_ids", "skip_chars", "result", "final",
+                 "error")
 
     def __init__(self, svc, gen: Generation, enc: ChunkEncoder, usage: tuple[bool, bool], policy: TenantPolicy,
                  ticket: Ticket | None, outcome: Outcome, sid: str | None, *, skip_chars: int = 0) -> None:
@@ -146,6 +173,7 @@ class EventStream:
         self.skip_chars = skip_chars
         self.result = "cancelled"
         self.final: bytes | None = None
+        self.error: BaseException | None = None
 
     def event(self, text: str, n: int, finish: FinishReason) -> bytes | None:
         """The event for one piece (None: nothing to send)."""
@@ -207,6 +235,7 @@ class EventStream:
     def failed(self, e: BaseException) -> bytes:
         """The error event that ends a stream that cannot go on."""
         self.result = outcome_of(e) if isinstance(e, (ApiError, StreamTimeout)) else "lost"
+        self.error = e
         if isinstance(e, RouterShutdown):
             # as if the client had left: the resume buffer stays open
             self.final = shutdown_notice(self.svc, self.enc, self.sid is not None)
@@ -231,7 +260,7 @@ class EventStream:
             self.writer.append(self.sid, None, gen.completion_ids[self.sent_ids:self.tokens], self.chars)
             self.sent_ids = self.tokens
         outcome = self.outcome
-        outcome.record(self.result, gen)
+        outcome.record(self.result, gen, self.error)
         # tokens an earlier request of this stream was already charged for
         used = gen.prompt_tokens + gen.completion_tokens - sum(outcome.counted)
         self.svc.background(_settle(self.svc, self.writer, self.sid or "", self.result, self.final, self.chars,

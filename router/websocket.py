@@ -37,7 +37,7 @@ from litestar.exceptions import WebSocketDisconnect
 from router.completions import new_request_id, response_id_of, start_generation
 from router.errors import ApiError, BadRequest, RouterShutdown, error_body
 from router.openai_types import usage_options
-from router.relay import EventStream, relay_stream
+from router.relay import EventStream, log_refused, relay_stream
 from router.service import RouterService
 from router.sse import ChunkEncoder
 from router.tenants import TenantPolicy
@@ -177,6 +177,7 @@ async def chat_socket(socket: WebSocket) -> None:
             else:
                 await conn.send(_err(msg.id, BadRequest(f"Unknown message type {msg.type!r}.", param="type")))
     except ApiError as e:  # bad key: say why, then close
+        log_refused(svc, "websocket", new_request_id(), e)
         await conn.send(error_body(e.message, e.type, e.param, e.code))
         await socket.close(code=4401 if e.status == 401 else 4403, reason=e.message[:120])
     except WebSocketDisconnect:

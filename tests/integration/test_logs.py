@@ -46,10 +46,21 @@ def test_request_log_lines(tmp_path):
         assert rec["tenant"] == "gold" and rec["outcome"] == "ok" and rec["level"] == "info"
         assert rec["completion_tokens"] == 8 and rec["prompt_tokens"] > 0 and rec["replica"].startswith("sim-")
         assert "prompt" not in rec and "completion" not in rec
-        assert by_id[bad.headers["x-request-id"]]["outcome"] == "client_error"
+        refused = by_id[bad.headers["x-request-id"]]
+        assert refused["outcome"] == "client_error" and refused["status"] == 400, refused
+        assert refused["error_param"] == "n" and "n" in refused["error"], refused  # why, not only that
         chatty = by_id[loud.headers["x-request-id"]]
         assert chatty["prompt"] == SECRET_PROMPT
         assert chatty["completion"] == loud.json()["choices"][0]["text"]
+        # a wrong key: a response and a line with the same request id, and a count (no tenant to name)
+        wrong = httpx.post(url, headers={"Authorization": "Bearer not-a-key"}, json=body, timeout=20)
+        assert wrong.status_code == 401 and wrong.headers["x-request-id"]
+        line = poll(lambda: next((r for r in _request_lines(router)
+                                  if r["request_id"] == wrong.headers["x-request-id"]), None), 10, what="its line")
+        assert line["outcome"] == "unauthorized" and line["error_code"] == "invalid_api_key" and line["tenant"] == ""
+        assert "not-a-key" not in router.log()  # (the key is redacted in the message)
+        assert router.metrics().value("fairstream_requests_total", tenant="", endpoint="completions",
+                                      outcome="unauthorized") == 1
         # the private prompt appears only in the chatty tenant's line
         assert router.log().count(SECRET_PROMPT) == 1
         # The replica processes log in the router's format, naming themselves:
@@ -66,4 +77,16 @@ def test_text_logs_reach_the_replicas(tmp_path):
     lines = [line for line in log.splitlines() if "replica ready on" in line]
     assert lines and not any(line.startswith("{") for line in lines), lines
     assert " replica sim-0 INFO replica ready on" in lines[0], lines
+
+
+def test_text_request_lines_carry_their_fields(tmp_path):
+    with RouterProcess(tmp_path / "r", replicas=1, args=["--log-format", "text"]) as router:
+        r = httpx.post(router.base_url + "/v1/completions", headers={"Authorization": f"Bearer {GOLD}"},
+                       json={"model": MODEL, "prompt": "hi", "max_tokens": 3}, timeout=20)
+        assert r.status_code == 200
+        rid = r.headers["x-request-id"]
+        line = poll(lambda: next((ln for ln in router.log().splitlines() if rid in ln), None), 10, what="its line")
+    assert "fairstream.request INFO request ok" in line, line
+    for field in (f"request_id={rid}", "tenant=gold", "outcome=ok", "completion_tokens=", "duration_s="):
+        assert field in line, line
 
