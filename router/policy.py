@@ -41,6 +41,11 @@ class PolicySnapshot:
 
 
 class ReloadResult(msgspec.Struct):
+    """What a reload did: ``ok`` (the file is valid), the ``version`` in
+    force, the ``errors`` (``file:line: key: reason``) and whether a new
+    policy took effect (``changed``: false when the file was unchanged or
+    invalid)."""
+
     ok: bool
     version: int
     errors: list[str] = []
@@ -83,7 +88,7 @@ class PolicyRegistry:
         for line in errors:
             log.error("tenant policy reload failed, keeping version %d: %s", self.current.version, line)
         self._on_reload(False)
-        return ReloadResult(False, self.current.version, errors)
+        return ReloadResult(False, self.current.version, errors, changed=False)
 
     async def start(self) -> None:
         loop = asyncio.get_running_loop()

@@ -128,6 +128,7 @@ async def test_bad_reload_while_20_streams_run_keeps_old_policy(tmp_path):
             t.write_text(broken)
             r = await client.post("/admin/reload", headers=auth(ADMIN))
             assert r.status_code == 422
+            assert r.json()["ok"] is False and r.json()["changed"] is False  # nothing took effect
             errors = r.json()["errors"]
             assert errors and f"{t}:{line}: defaults.timeoutz: unknown key" in errors[0]
             results = await asyncio.gather(*tasks)
