@@ -11,7 +11,8 @@ from the moment the body is read: it cancels the request task, so a client
 that leaves while queued, while waiting for its first token or mid-stream is
 dropped at once (the generation's ``finally`` aborts it on its replica).
 Resume requests (and requests with a ``Last-Event-ID``), other routes and
-the lifespan go to Litestar. With CORS on
+the lifespan go to Litestar; ``HEAD`` on the health, readiness, metrics and
+model-list routes is served as their ``GET`` without the body. With CORS on
 (``router.cors``), a request with an ``Origin`` gets the headers Litestar's
 CORS middleware would give it, from the same config.
 
@@ -38,6 +39,8 @@ __all__ = ["FastPath"]
 log = logging.getLogger("fairstream.router")
 
 _PATHS = {"/v1/chat/completions": True, "/v1/completions": False}
+# GET routes that also answer HEAD (load balancers' health checks): headers only
+_HEAD_PATHS = frozenset({"/health", "/ready", "/metrics", "/v1/models"})
 _JSON = (b"content-type", b"application/json")
 
 
@@ -63,6 +66,8 @@ class FastPath:
                         return await self.app(scope, receive, send)
                 cors = response_headers(self.cors, origin) if origin is not None and self.cors is not None else []
                 return await self._completion(receive, send, chat, auth, scope["path"], cors)
+        elif scope["type"] == "http" and scope["method"] == "HEAD" and scope["path"] in _HEAD_PATHS:
+            return await self.app({**scope, "method": "GET"}, receive, _headers_only(send))
         return await self.app(scope, receive, send)
 
     async def _completion(self, receive, send, chat: bool, auth: str | None, path: str,
@@ -139,6 +144,20 @@ class FastPath:
             if es is not None:
                 es.gen.close()  # aborts on the replica unless it finished
                 es.settle()
+
+
+def _headers_only(send):
+    """``send`` for a HEAD request served as GET: the response's head (its
+    content-length included), no body."""
+
+    async def head_send(message) -> None:
+        if message["type"] == "http.response.body":
+            if message.get("more_body", False):
+                return
+            message = {"type": "http.response.body", "body": b"", "more_body": False}
+        await send(message)
+
+    return head_send
 
 
 def _header_list(headers: dict[str, str]) -> list[tuple[bytes, bytes]]:

@@ -208,6 +208,18 @@ def test_unknown_path_and_method(shared_router: RouterProcess) -> None:
     error_of(httpx.get(shared_router.base_url + COMPLETIONS, headers=AUTH, timeout=10), 405)
 
 
+@pytest.mark.parametrize("path", ["/health", "/ready", "/metrics", "/v1/models"])
+def test_head_answers_like_get_without_a_body(shared_router: RouterProcess, path: str) -> None:
+    """(load balancers' health checks use HEAD)"""
+    get = httpx.get(shared_router.base_url + path, headers=AUTH, timeout=10)
+    head = httpx.head(shared_router.base_url + path, headers=AUTH, timeout=10)
+    assert head.status_code == get.status_code == 200
+    assert head.content == b"" and head.headers["content-type"] == get.headers["content-type"]
+    # and the server is fine afterwards: the same connection serves the next request
+    with httpx.Client(base_url=shared_router.base_url, headers=AUTH, timeout=10) as c:
+        assert c.head(path).status_code == 200 and c.get("/health").status_code == 200
+
+
 # -- the same through the SDK ----------------------------------------------------
 
 
