@@ -14,10 +14,11 @@ __all__ = ["main", "add_arguments", "run"]
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--engine", choices=["sim", "vllm"], default="sim")
+    p.add_argument("--engine", choices=["sim", "vllm"], default="sim",
+                   help="the built-in simulator or vLLM (default: %(default)s)")
     where = p.add_mutually_exclusive_group()
-    where.add_argument("--socket", help="listen on this Unix socket path")
-    where.add_argument("--listen", help="listen on HOST:PORT (remote replicas)")
+    where.add_argument("--socket", metavar="PATH", help="listen on this Unix socket path")
+    where.add_argument("--listen", metavar="HOST:PORT", help="listen on HOST:PORT (remote replicas)")
     where.add_argument(
         "--openai",
         metavar="HOST:PORT",
@@ -35,22 +36,26 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         type=int,
         default=1,
         metavar="N",
-        help="with --openai: tokens per streamed chunk after the first (vLLM's --stream-interval)",
+        help="with --openai: tokens per streamed chunk after the first (vLLM's --stream-interval) "
+        "(default: %(default)s)",
     )
-    p.add_argument("--config-json", default="{}", help="engine settings as a JSON object")
+    p.add_argument("--config-json", default="{}", metavar="JSON", help="engine settings as a JSON object (default: %(default)s)")
     p.add_argument(
         "--secret-env",
         default="FAIRSTREAM_REPLICA_SECRET",
-        help="environment variable with the shared secret routers must present",
+        metavar="NAME",
+        help="environment variable with the shared secret routers must present (default: %(default)s)",
     )
     p.add_argument("--exit-with-parent", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--log-level", default=os.environ.get(LOG_LEVEL_ENV, "info"),
-                   choices=["debug", "info", "warning", "error"])
+                   choices=["debug", "info", "warning", "error"],
+                   help=f"least severe level logged (default: ${LOG_LEVEL_ENV}, else info)")
     p.add_argument(
         "--log-format",
         default=os.environ.get(LOG_FORMAT_ENV, "json"),
         choices=["json", "text"],
-        help=f"one JSON object per line (default; a router's replicas follow its format through {LOG_FORMAT_ENV})",
+        help=f"one JSON object per line, or plain text (default: ${LOG_FORMAT_ENV}, else json; "
+        "a router's replicas follow its format through it)",
     )
 
 

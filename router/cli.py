@@ -80,39 +80,89 @@ def _config_kind(path: str) -> type:
 
 
 def _hash_key(args: argparse.Namespace) -> int:
+    """Print the digest of a key given as an argument, piped on stdin (``-``
+    or no argument) or typed at a prompt, so it need not sit in shell history
+    or ``ps``."""
     from router.auth import hash_key
 
-    print(hash_key(args.key))
+    key = args.key
+    if key == "-" or (key is None and not sys.stdin.isatty()):
+        key = sys.stdin.read().strip()
+    elif key is None:
+        import getpass
+
+        try:
+            key = getpass.getpass("API key: ").strip()
+        except EOFError:
+            key = ""
+        except KeyboardInterrupt:
+            print(file=sys.stderr)
+            return 130
+    if not key.strip():
+        print("fairstream hash-key: error: the key is empty", file=sys.stderr)
+        return 2
+    if len(key.splitlines()) > 1:  # no header can carry it: a file of keys, not one key
+        print("fairstream hash-key: error: the key spans several lines; hash one key at a time",
+              file=sys.stderr)
+        return 2
+    print(hash_key(key))
     return 0
 
 
-def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(prog="fairstream", description="Multi-tenant streaming router for vLLM")
-    sub = p.add_subparsers(dest="cmd", required=True)
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
 
-    s = sub.add_parser("serve", help="run the router")
-    s.add_argument("--config", default="configs/router.yaml")
-    s.add_argument("--tenants", help="tenant policy file (default: from router.yaml)")
-    s.add_argument("--host")
-    s.add_argument("--port", type=int)
-    s.add_argument("--workers", type=int, default=1, help="router processes sharing the port (needs Redis)")
-    s.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
-    s.add_argument("--log-format", default="json", choices=["json", "text"])
+    try:
+        return version("fairstream")
+    except PackageNotFoundError:  # a source tree that was never pip-installed
+        return "unknown (not installed)"
+
+
+def _parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParser]]:
+    """The parser and its commands' parsers, by name."""
+    p = argparse.ArgumentParser(prog="fairstream", description="Multi-tenant streaming router for vLLM")
+    p.add_argument("--version", action="version", version=f"%(prog)s {_version()}")
+    sub = p.add_subparsers(dest="cmd", title="commands", metavar="COMMAND")
+
+    about = "run the router"
+    s = sub.add_parser("serve", help=about, description=about)
+    s.add_argument("--config", default="configs/router.yaml", metavar="FILE", help="router config file (default: %(default)s)")
+    s.add_argument("--tenants", metavar="FILE", help="tenant policy file (default: the one router.yaml names)")
+    s.add_argument("--host", help="address to listen on (default: host in router.yaml)")
+    s.add_argument("--port", type=int, help="port to listen on (default: port in router.yaml)")
+    s.add_argument("--workers", type=int, default=1, metavar="N",
+                   help="router processes sharing the port (needs Redis) (default: %(default)s)")
+    s.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"],
+                   help="least severe level logged (default: %(default)s)")
+    s.add_argument("--log-format", default="json", choices=["json", "text"],
+                   help="one JSON object per line, or plain text (default: %(default)s)")
     s.set_defaults(func=_serve)
 
     from replicas.cli import add_arguments, run
 
-    r = sub.add_parser("replica", help="run one replica process (e.g. on a GPU host)")
+    about = "run one replica process (e.g. on a GPU host)"
+    r = sub.add_parser("replica", help=about, description=about)
     add_arguments(r)
     r.set_defaults(func=lambda a: run(a) or 0)
 
-    c = sub.add_parser("check-config", help="validate router.yaml / tenants.yaml files")
-    c.add_argument("files", nargs="+")
+    about = "validate router.yaml / tenants.yaml files"
+    c = sub.add_parser("check-config", help=about, description=about)
+    c.add_argument("files", nargs="+", metavar="FILE",
+                   help="router or tenants config; which one is told by its top-level keys")
     c.set_defaults(func=_check)
 
-    h = sub.add_parser("hash-key", help="print the SHA-256 digest of an API key for tenants.yaml")
-    h.add_argument("key")
+    about = "print the SHA-256 digest of an API key for tenants.yaml"
+    h = sub.add_parser("hash-key", help=about, description=about)
+    h.add_argument("key", nargs="?", metavar="KEY",
+                   help="the API key, or '-' to read it from stdin; without KEY it is read from stdin, "
+                   "or asked for at a terminal (either keeps it out of shell history and ps)")
     h.set_defaults(func=_hash_key)
+    return p, sub.choices
 
+
+def main(argv: list[str] | None = None) -> None:
+    p, commands = _parser()
     args = p.parse_args(argv)
+    if args.cmd is None:
+        p.error(f"a command is required: {', '.join(commands)}")
     sys.exit(args.func(args))

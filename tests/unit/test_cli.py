@@ -1,0 +1,160 @@
+"""The ``fairstream`` command's own surface: ``--version``, a missing command,
+``--help`` texts and defaults, and ``hash-key`` reading the key from stdin or
+a prompt. Each case runs the command as a process, as a user would."""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import importlib.metadata
+import os
+import select
+import subprocess
+import sys
+import time
+
+import pytest
+
+from router import cli
+from tests.helpers import ROOT
+
+COMMANDS = ["serve", "replica", "check-config", "hash-key"]
+
+
+def _cli(*args: str, stdin: str = "", timeout: float = 30) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-c", "from router.cli import main; main()", *args],
+        input=stdin, capture_output=True, text=True, timeout=timeout, cwd=ROOT, check=False,
+    )
+
+
+def _digest(key: str) -> str:
+    return hashlib.sha256(key.encode()).hexdigest()
+
+
+def test_version() -> None:
+    proc = _cli("--version")
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout == f"fairstream {importlib.metadata.version('fairstream')}\n"
+
+
+def test_version_of_a_tree_never_installed(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    def missing(name: str) -> str:
+        raise importlib.metadata.PackageNotFoundError(name)
+
+    monkeypatch.setattr(importlib.metadata, "version", missing)
+    with pytest.raises(SystemExit) as e:
+        cli.main(["--version"])
+    assert e.value.code == 0
+    assert capsys.readouterr().out == "fairstream unknown (not installed)\n"
+
+
+def test_no_command_names_the_commands() -> None:
+    proc = _cli()
+    assert proc.returncode == 2
+    assert proc.stdout == ""
+    assert proc.stderr.startswith("usage: fairstream ")
+    assert proc.stderr.splitlines()[-1] == f"fairstream: error: a command is required: {', '.join(COMMANDS)}"
+    assert "cmd" not in proc.stderr
+
+
+@pytest.mark.parametrize(
+    ("command", "lines"),
+    [
+        ("serve", [
+            "--config FILE router config file (default: configs/router.yaml)",
+            "--host HOST address to listen on (default: host in router.yaml)",
+            "--port PORT port to listen on (default: port in router.yaml)",
+            "--workers N router processes sharing the port (needs Redis) (default: 1)",
+            "least severe level logged (default: info)",
+        ]),
+        ("replica", [
+            "--engine {sim,vllm} the built-in simulator or vLLM (default: sim)",
+            "--config-json JSON engine settings as a JSON object (default: {})",
+            "(default: FAIRSTREAM_REPLICA_SECRET)",
+        ]),
+        ("hash-key", ["KEY the API key, or '-' to read it from stdin"]),
+    ],
+)
+def test_help_says_what_options_do_and_their_defaults(command: str, lines: list[str]) -> None:
+    proc = _cli(command, "--help")
+    assert proc.returncode == 0, proc.stderr
+    text = " ".join(proc.stdout.split())  # however argparse aligns the columns
+    for line in lines:
+        assert line in text, proc.stdout
+
+
+def test_every_option_has_help_and_shows_its_default() -> None:
+    _, commands = cli._parser()
+    assert list(commands) == COMMANDS
+    for name, parser in commands.items():
+        for action in parser._actions:
+            if action.help == argparse.SUPPRESS or isinstance(action, argparse._HelpAction):
+                continue
+            what = f"{name} {action.option_strings or action.dest}"
+            assert action.help, f"{what} has no help"
+            if action.default not in (None, False):
+                assert "default" in action.help, f"{what} does not show its default"
+
+
+@pytest.mark.parametrize(
+    ("args", "stdin"),
+    [(["-"], "KEY\n"), (["-"], "  KEY \r\n"), ([], "KEY\n"), ([], "KEY")],
+    ids=["dash", "dash-whitespace", "piped", "piped-no-newline"],
+)
+def test_hash_key_reads_the_key_from_stdin(args: list[str], stdin: str) -> None:
+    proc = _cli("hash-key", *args, stdin=stdin)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout == f"{_digest('KEY')}\n"
+    assert proc.stdout == _cli("hash-key", "KEY").stdout  # the same digest as the argument gives
+
+
+@pytest.mark.parametrize(
+    ("args", "stdin", "error"),
+    [
+        (["-"], "", "the key is empty"),
+        ([], " \n", "the key is empty"),
+        ([""], "", "the key is empty"),
+        (["-"], "KEY1\nKEY2\n", "the key spans several lines"),
+    ],
+    ids=["dash-nothing", "piped-blank", "empty-argument", "two-lines"],
+)
+def test_hash_key_refuses_an_empty_or_multiline_key(args: list[str], stdin: str, error: str) -> None:
+    proc = _cli("hash-key", *args, stdin=stdin)
+    assert proc.returncode == 2
+    assert proc.stdout == ""
+    assert proc.stderr.startswith(f"fairstream hash-key: error: {error}"), proc.stderr
+
+
+def test_hash_key_prompts_at_a_terminal() -> None:
+    """stdin a terminal and no KEY: getpass asks. In its own session the child
+    has no /dev/tty, so getpass prompts on stderr and reads the pty on stdin,
+    echo off."""
+    master, slave = os.openpty()
+    try:
+        proc = subprocess.Popen(
+            [sys.executable, "-c", "from router.cli import main; main()", "hash-key"],
+            stdin=slave, stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=ROOT, start_new_session=True,
+        )
+        os.close(slave)
+        try:
+            prompt = b""
+            deadline = time.monotonic() + 30
+            # Type only after the prompt: getpass flushes pending input when it turns echo off.
+            while b"API key: " not in prompt and time.monotonic() < deadline:
+                if select.select([proc.stderr], [], [], 0.1)[0]:
+                    chunk = os.read(proc.stderr.fileno(), 1024)
+                    if not chunk:
+                        break
+                    prompt += chunk
+            assert prompt == b"API key: ", prompt
+            os.write(master, b"KEY\n")
+            out, err = proc.communicate(timeout=30)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+    finally:
+        os.close(master)
+    assert proc.returncode == 0, err
+    assert out.decode() == f"{_digest('KEY')}\n"
