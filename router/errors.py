@@ -15,6 +15,7 @@ __all__ = [
     "ServiceUnavailable",
     "ReplicaUnavailable",
     "RouterShutdown",
+    "UnsupportedMediaType",
     "GatewayTimeout",
     "error_body",
 ]
@@ -75,6 +76,12 @@ class Forbidden(ApiError):
 class NotFound(ApiError):
     status = 404
     type = "invalid_request_error"
+
+
+class UnsupportedMediaType(ApiError):
+    status = 415
+    type = "invalid_request_error"
+    code = "unsupported_content_encoding"
 
 
 class PayloadTooLarge(ApiError):

@@ -4,6 +4,9 @@ health, readiness and metrics endpoints; failures stay isolated from healthy str
 from __future__ import annotations
 
 import asyncio
+import gzip
+import json
+import zlib
 from typing import Any
 
 import httpx
@@ -178,6 +181,35 @@ def test_body_just_under_the_limit_is_accepted(shared_router: RouterProcess) -> 
     body = {"model": MODEL, "prompt": "x" * 3000, "max_tokens": 2, "user": "u" * (MAX_BODY - 3200)}
     r = post(shared_router, COMPLETIONS, json=body)
     assert r.status_code == 200, r.text
+
+
+@pytest.mark.parametrize("coding", ["gzip", "deflate", "deflate-raw"])
+def test_compressed_bodies_are_decoded(shared_router: RouterProcess, coding: str) -> None:
+    raw = json.dumps(chat_body()).encode()
+    if coding == "gzip":
+        data = gzip.compress(raw)
+    else:
+        c = zlib.compressobj(wbits=zlib.MAX_WBITS if coding == "deflate" else -zlib.MAX_WBITS)
+        data = c.compress(raw) + c.flush()
+    r = post(shared_router, CHAT, content=data,
+             headers={**AUTH, "content-type": "application/json", "content-encoding": coding.split("-")[0]})
+    assert r.status_code == 200, r.text
+    assert r.json()["usage"]["completion_tokens"] == 4
+
+
+def test_bad_compressed_bodies(shared_router: RouterProcess) -> None:
+    def send(data: bytes, coding: str) -> httpx.Response:
+        return post(shared_router, CHAT, content=data,
+                    headers={**AUTH, "content-type": "application/json", "content-encoding": coding})
+
+    raw = json.dumps(chat_body()).encode()
+    err = error_of(send(raw, "br"), 415)
+    assert err["code"] == "unsupported_content_encoding" and "'br'" in err["message"]
+    assert error_of(send(raw, "gzip"), 400)["code"] == "invalid_body"  # not gzip data at all
+    assert "truncated" in error_of(send(gzip.compress(raw)[:-12], "gzip"), 400)["message"]
+    # a small body that inflates past max_body_bytes
+    assert error_of(send(gzip.compress(b" " * (MAX_BODY + 1)), "gzip"), 413)["code"] == "request_too_large"
+    assert send(raw, "identity").status_code == 200
 
 
 # -- authentication -------------------------------------------------------------
