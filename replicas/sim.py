@@ -9,6 +9,16 @@ Good enough to demo, test and plan capacity with, on machines without a GPU:
   requests only) and the context (the last ``ORDER`` token ids and the
   sequence length), so a generation restarted from prompt + generated tokens
   continues with exactly the same tokens.
+* **Sampling.** ``temperature`` 0 is greedy: the token drawn with key 0, the
+  same for every request. Otherwise the draw is weighted by the chain's counts;
+  the temperature's value does not reshape them. ``top_k`` and ``top_p``
+  restrict the draw to a prefix of the candidates ranked as the model sees
+  them: the greedy token first, then the others by count (ties by token id).
+  ``top_k`` keeps the first k; ``top_p`` the fewest (within ``top_k``) whose
+  counts reach ``top_p`` of the kept mass. So ``top_k=1`` or a tiny ``top_p``
+  is greedy at any temperature, and a restriction that keeps every candidate
+  changes nothing. ``presence_penalty``, ``frequency_penalty`` and
+  ``repetition_penalty`` are ignored.
 * **Time.** One engine step costs ``step_base_ms + step_per_seq_ms * decodes +
   step_per_prefill_token_ms * prefill_tokens``; prefill is chunked under a
   token budget per step (``max_num_batched_tokens``), as in vLLM.
@@ -38,6 +48,7 @@ EOS = 256
 BOS = 257
 VOCAB = 258
 ORDER = 6
+_MASK32 = 0xFFFFFFFF
 
 
 class SimConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
@@ -84,8 +95,23 @@ class ByteTokenizer:
         return [BOS, *"".join(parts).encode("utf-8")]
 
 
+def _ranked(toks: list[int], counts: dict[int, int]) -> tuple[list[int], list[int]]:
+    """``toks`` by count, highest first (ties by token id), with cumulative counts."""
+    order = sorted(toks, key=lambda t: (-counts[t], t))
+    cum, total = [], 0
+    for t in order:
+        total += counts[t]
+        cum.append(total)
+    return order, cum
+
+
 class _Chain:
-    """Byte-level Markov chain with back-off from ``ORDER`` down to 0."""
+    """Byte-level Markov chain with back-off from ``ORDER`` down to 0.
+
+    Each context maps to its successors sorted by token id with cumulative
+    counts (what ``next`` draws from), and the same successors ranked by count
+    (what ``next_within`` restricts), also without EOS for contexts that have it.
+    """
 
     def __init__(self, text: str) -> None:
         data = text.strip().encode("utf-8")
@@ -108,7 +134,8 @@ class _Chain:
                 counts[nxt] = counts.get(nxt, 0) + 1
                 if i in ends:
                     counts[EOS] = counts.get(EOS, 0) + 1
-        self._tables: list[dict[tuple[int, ...], tuple[list[int], list[int]]]] = []
+        # ctx -> (toks, cum, ranked, ranked without EOS); see the class docstring.
+        self._tables: list[dict[tuple[int, ...], tuple]] = []
         for table in tables:
             frozen = {}
             for ctx, counts in table.items():
@@ -117,22 +144,76 @@ class _Chain:
                 for t in toks:
                     total += counts[t]
                     cum.append(total)
-                frozen[ctx] = (toks, cum)
+                ranked = _ranked(toks, counts)
+                no_eos = _ranked(toks[:-1], counts) if EOS in counts else ranked
+                frozen[ctx] = (toks, cum, ranked, no_eos)
             self._tables.append(frozen)
 
-    def next(self, context: list[int], key: int, allow_eos: bool) -> int:
+    def _entry(self, context: list[int]) -> tuple:
         tail = [t for t in context[-ORDER:] if t < 256]
         for k in range(min(ORDER, len(tail)), -1, -1):
             entry = self._tables[k].get(tuple(tail[len(tail) - k :]))
             if entry is not None:
-                break
-        toks, cum = entry  # order 0 always exists
+                return entry
+        raise AssertionError("order 0 always exists")
+
+    def next(self, context: list[int], key: int, allow_eos: bool) -> int:
+        """The successor drawn with ``key``, weighted by count."""
+        entry = self._entry(context)
+        toks, cum = entry[0], entry[1]
         if not allow_eos and toks[-1] == EOS:
             toks, cum = toks[:-1], cum[:-1]
             if not toks:
                 return 0x20
-        r = (key & 0xFFFFFFFF) * cum[-1] >> 32
+        r = (key & _MASK32) * cum[-1] >> 32
         return toks[bisect.bisect_right(cum, r)]
+
+    def next_within(
+        self, context: list[int], key: int, greedy_key: int, allow_eos: bool, top_k: int, top_p: float
+    ) -> int:
+        """``next(context, key, allow_eos)`` restricted by ``top_k`` then ``top_p``.
+
+        Candidates rank as ``next(context, greedy_key, allow_eos)`` (the greedy
+        token) first, then by count. ``top_k <= 0`` and ``top_p >= 1`` keep all;
+        when every candidate is kept the answer is exactly ``next``'s. Beyond the
+        context lookup it only bisects the precomputed lists: no allocation.
+        """
+        entry = self._entry(context)
+        toks, cum = entry[0], entry[1]
+        n = len(toks)
+        if allow_eos or toks[-1] != EOS:
+            ranked, rcum = entry[2]
+        else:
+            n -= 1
+            if n == 0:
+                return 0x20
+            ranked, rcum = entry[3]
+        total = cum[n - 1]
+        i = bisect.bisect_right(cum, (greedy_key & _MASK32) * total >> 32, 0, n)
+        g = toks[i]
+        cg = cum[i] - cum[i - 1] if i else cum[0]
+        pos = ranked.index(g)
+        # The kept set is the first m of [g, *ranked without g]: ranked[:m] when
+        # pos < m, else g plus ranked[:m - 1]. Its mass grows with m.
+        m = n if top_k <= 0 else min(top_k, n)
+        if top_p < 1.0:
+            target = top_p * (rcum[m - 1] if pos < m else cg + (rcum[m - 2] if m > 1 else 0))
+            if cg >= target:
+                mp = 1
+            else:
+                mp = bisect.bisect_left(rcum, target - cg, 0, n) + 2  # mass cg + rcum[mp - 2]
+                if mp > pos:  # g is inside ranked[:mp]: mass is rcum[mp - 1]
+                    mp = max(bisect.bisect_left(rcum, target, 0, n) + 1, pos + 1)
+            m = min(m, mp)
+        r = key & _MASK32
+        if m >= n:
+            return toks[bisect.bisect_right(cum, r * total >> 32, 0, n)]
+        if pos < m:
+            return ranked[bisect.bisect_right(rcum, r * rcum[m - 1] >> 32, 0, m)]
+        x = r * (cg + (rcum[m - 2] if m > 1 else 0)) >> 32
+        if x < cg:
+            return g
+        return ranked[bisect.bisect_right(rcum, x - cg, 0, m - 1)]
 
 
 _CHAIN: _Chain | None = None
@@ -146,9 +227,9 @@ def _chain() -> _Chain:
 
 
 class _Seq:
-    __slots__ = ("rid", "tokens", "prompt_len", "params", "computed", "generated", "blocks", "key")
+    __slots__ = ("rid", "tokens", "prompt_len", "params", "computed", "generated", "blocks", "key", "restricted")
 
-    def __init__(self, rid: int, tokens: list[int], params: SamplingParams, key: int) -> None:
+    def __init__(self, rid: int, tokens: list[int], params: SamplingParams, key: int, restricted: bool) -> None:
         self.rid = rid
         self.tokens = tokens
         self.prompt_len = len(tokens)
@@ -157,6 +238,7 @@ class _Seq:
         self.generated = 0
         self.blocks = 0
         self.key = key
+        self.restricted = restricted  # sampled with top_k > 1 or top_p < 1
 
 
 class SimEngine(Engine):
@@ -191,13 +273,16 @@ class SimEngine(Engine):
             )
         if self._blocks_for(len(token_ids) + 1) > self._total_blocks:
             raise EngineError("prompt does not fit in the KV cache")
-        if params.temperature <= 0:
+        # Greedy is key 0. As in vLLM, temperature 0 ignores top_k/top_p, and
+        # top_k=1 is greedy at any temperature.
+        restricted = False
+        if params.temperature <= 0 or params.top_k == 1:
             key = 0
-        elif params.seed is not None:
-            key = params.seed + 1
         else:
-            key = random.getrandbits(62) + 1
-        seq = _Seq(rid, list(token_ids), params, key)
+            # (seed -1 would be key 0, the greedy draw)
+            key = (params.seed + 1 or 1 << 63) if params.seed is not None else random.getrandbits(62) + 1
+            restricted = params.top_k > 1 or params.top_p < 1.0
+        seq = _Seq(rid, list(token_ids), params, key, restricted)
         self._by_rid[rid] = seq
         self._waiting.append(seq)
         self._wake.set()
@@ -326,7 +411,14 @@ class SimEngine(Engine):
                 toks = seq.tokens
                 params = seq.params
                 allow_eos = cfg.eos and not params.ignore_eos and seq.generated >= params.min_tokens
-                tok = chain.next(toks, hash((seed, seq.key, len(toks), *toks[-ORDER:])), allow_eos)
+                if seq.restricted:
+                    n, tail = len(toks), toks[-ORDER:]
+                    tok = chain.next_within(
+                        toks, hash((seed, seq.key, n, *tail)), hash((seed, 0, n, *tail)),
+                        allow_eos, params.top_k, params.top_p,
+                    )
+                else:
+                    tok = chain.next(toks, hash((seed, seq.key, len(toks), *toks[-ORDER:])), allow_eos)
                 toks.append(tok)
                 seq.computed = len(toks) - 1
                 seq.generated += 1

@@ -71,8 +71,9 @@ async def _generate(prompt: list[int], params: SamplingParams, *, seed: int = 0)
     [
         SamplingParams(max_tokens=80, temperature=0.0, ignore_eos=True),
         SamplingParams(max_tokens=80, temperature=1.0, seed=1234, ignore_eos=True),
+        SamplingParams(max_tokens=80, temperature=0.8, seed=1234, top_k=3, top_p=0.9, ignore_eos=True),
     ],
-    ids=["greedy", "seeded"],
+    ids=["greedy", "seeded", "seeded-top-k-p"],
 )
 @pytest.mark.parametrize("prompt", ["東京の", "Le caf", "The "])
 async def test_generation_resumed_from_any_point_continues_identically(params: SamplingParams, prompt: str) -> None:
@@ -87,3 +88,131 @@ async def test_generation_resumed_from_any_point_continues_identically(params: S
 
 def _fields(p: SamplingParams) -> dict:
     return {f: getattr(p, f) for f in p.__struct_fields__}
+
+
+# -- top_k / top_p ---------------------------------------------------------
+#
+# The sim's model ranks a context's candidates as: the greedy token (drawn with
+# the greedy key) first, then the others by count, highest first, ties by token
+# id. top_k keeps the first k; top_p the fewest of those whose counts reach
+# top_p of their mass. ``_kept`` rebuilds that set from the counts ``next``
+# draws from, independently of ``next_within``'s bisects.
+
+top_ks = st.one_of(st.just(-1), st.integers(0, 40))
+top_ps = st.one_of(st.just(1.0), st.floats(1e-9, 1.0))
+
+
+def _counts(chain: _Chain, ctx: list[int], allow_eos: bool) -> dict[int, int]:
+    toks, cum = chain._entry(ctx)[:2]
+    counts = {t: c - (cum[i - 1] if i else 0) for i, (t, c) in enumerate(zip(toks, cum))}
+    if not allow_eos:
+        counts.pop(EOS, None)
+    return counts
+
+
+def _kept(chain: _Chain, ctx: list[int], greedy_key: int, allow_eos: bool, top_k: int, top_p: float) -> list[int]:
+    counts = _counts(chain, ctx, allow_eos)
+    greedy = chain.next(ctx, greedy_key, allow_eos)
+    ranked = [greedy] + sorted((t for t in counts if t != greedy), key=lambda t: (-counts[t], t))
+    if top_k > 0:
+        ranked = ranked[:top_k]
+    if top_p < 1.0:
+        target, mass = top_p * sum(counts[t] for t in ranked), 0
+        for m, t in enumerate(ranked, 1):
+            mass += counts[t]
+            if mass >= target:
+                ranked = ranked[:m]
+                break
+    return ranked
+
+
+@given(contexts, keys, keys, st.booleans(), top_ks, top_ps)
+def test_next_within_draws_only_kept_candidates(
+    ctx: list[int], key: int, greedy_key: int, allow_eos: bool, top_k: int, top_p: float
+) -> None:
+    chain = _chain()
+    tok = chain.next_within(ctx, key, greedy_key, allow_eos, top_k, top_p)
+    if not _counts(chain, ctx, allow_eos):
+        assert tok == chain.next(ctx, key, allow_eos)  # a paragraph end that may not end
+        return
+    kept = _kept(chain, ctx, greedy_key, allow_eos, top_k, top_p)
+    assert tok in kept
+    if len(kept) == len(_counts(chain, ctx, allow_eos)):
+        assert tok == chain.next(ctx, key, allow_eos), "keeping every candidate must not change the draw"
+
+
+@given(contexts, keys, keys, st.booleans(), st.floats(1.0, 1e6))
+def test_top_k_1_and_tiny_top_p_are_greedy(ctx: list[int], key: int, greedy_key: int, allow_eos: bool, k: float) -> None:
+    chain = _chain()
+    greedy = chain.next(ctx, greedy_key, allow_eos)
+    assert chain.next_within(ctx, key, greedy_key, allow_eos, 1, 1.0) == greedy
+    assert chain.next_within(ctx, key, greedy_key, allow_eos, -1, 1e-6) == greedy
+    assert chain.next_within(ctx, key, greedy_key, allow_eos, int(k), 1e-6) == greedy
+
+
+@pytest.mark.parametrize(("top_k", "top_p"), [(2, 1.0), (5, 1.0), (-1, 0.5), (8, 0.6), (38, 1.0), (-1, 0.999)])
+@pytest.mark.parametrize("greedy_key", [0, 1207959552, 3355443200], ids=["g-rank27", "g-rank3", "g-rank0"])
+def test_next_within_draws_kept_candidates_in_proportion_to_their_counts(
+    top_k: int, top_p: float, greedy_key: int
+) -> None:
+    """Keys spread evenly over the 32 bits the draw uses hit each kept candidate
+    in proportion to its count, as an unrestricted draw does over all of them.
+    The greedy keys make the greedy token the 28th, 4th and 1st by count."""
+    chain, ctx = _chain(), [32]
+    counts = _counts(chain, ctx, True)
+    assert len(counts) == 38
+    kept = _kept(chain, ctx, greedy_key, True, top_k, top_p)
+    mass, n = sum(counts[t] for t in kept), 1 << 14
+    seen: dict[int, int] = {}
+    for j in range(n):
+        tok = chain.next_within(ctx, j << 18, greedy_key, True, top_k, top_p)
+        seen[tok] = seen.get(tok, 0) + 1
+    assert set(seen) == set(kept)
+    for t in kept:
+        assert abs(seen[t] - n * counts[t] / mass) <= 1
+
+
+async def test_top_k_1_is_greedy_at_any_temperature() -> None:
+    """Reported: temperature 1, top_k 1 gave three different texts in three runs."""
+    ids = ByteTokenizer().encode("The ")
+    greedy, _ = await _generate(ids, SamplingParams(max_tokens=60, temperature=0.0, ignore_eos=True))
+    for params in [
+        SamplingParams(max_tokens=60, temperature=1.0, top_k=1, ignore_eos=True),
+        SamplingParams(max_tokens=60, temperature=2.0, top_k=1, seed=7, ignore_eos=True),
+        SamplingParams(max_tokens=60, temperature=1.0, top_p=1e-6, ignore_eos=True),
+        SamplingParams(max_tokens=60, temperature=1.3, top_k=20, top_p=1e-6, seed=3, ignore_eos=True),
+    ]:
+        for _ in range(3):
+            assert (await _generate(ids, params))[0] == greedy, params
+
+
+async def test_every_seed_samples() -> None:
+    ids = ByteTokenizer().encode("The ")
+    greedy, _ = await _generate(ids, SamplingParams(max_tokens=60, temperature=0.0, ignore_eos=True))
+    for seed in (-1, 0, 1):
+        sampled = SamplingParams(max_tokens=60, temperature=1.0, seed=seed, ignore_eos=True)
+        assert (await _generate(ids, sampled))[0] != greedy, seed
+
+
+async def test_top_k_and_top_p_narrow_what_seeds_can_produce() -> None:
+    """After " " the chain has dozens of candidates: unrestricted seeds spread
+    over many of them, top_k=2 over at most two, a small top_p over a few."""
+    ids = ByteTokenizer().encode(" ")
+
+    async def first_tokens(**kw: object) -> set[int]:
+        return {(await _generate(ids, SamplingParams(max_tokens=1, seed=s, **kw)))[0][0] for s in range(60)}
+
+    free = await first_tokens()
+    assert len(free) > 8
+    assert len(await first_tokens(top_k=2)) == 2
+    assert 1 < len(await first_tokens(top_p=0.3)) < len(free) // 2
+
+
+async def test_a_restriction_that_keeps_every_candidate_changes_nothing() -> None:
+    ids = ByteTokenizer().encode(" ")
+    base = SamplingParams(max_tokens=100, temperature=0.9, seed=42, ignore_eos=True)
+    free, _ = await _generate(ids, base)
+    wide, _ = await _generate(ids, SamplingParams(**{**_fields(base), "top_k": 1000, "top_p": 1.0}))
+    assert wide == free
+    narrow, _ = await _generate(ids, SamplingParams(**{**_fields(base), "top_k": 2}))
+    assert narrow != free
