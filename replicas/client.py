@@ -47,9 +47,11 @@ class ReplicaRefused(ConnectionError):
 class Collector:
     """Single-slot mailbox for one request's deltas.
 
-    Deltas that arrive while the consumer is busy wait here and are merged
-    by the next ``get`` (up to ``limit`` tokens per call), so a slow client
-    gets bigger events instead of a growing queue of small ones.
+    With a ``sink`` (the router: its ``Generation``) every delta goes on at
+    once. Without one (``replicas.openai_server``, ops tools, tests), deltas
+    that arrive while the consumer is busy wait here and are merged by the
+    next ``get`` (up to ``limit`` tokens per call), so a slow consumer gets
+    bigger pieces instead of a growing queue of small ones.
     """
 
     __slots__ = ("rid", "finish", "error", "prompt_token_ids", "dead", "sink", "limit", "_pending", "_ready",

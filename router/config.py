@@ -46,7 +46,7 @@ class RouterConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     restart_backoff_max: float = 30.0
     """Longest wait between restarts of a failing replica."""
     state: StateConfig = msgspec.field(default_factory=StateConfig)
-    """Where rate-limit buckets and leases live (memory, or Redis shared by routers)."""
+    """Where rate-limit buckets, leases and resume buffers live (memory, or Redis shared by routers)."""
     scheduler: SchedulerSettings = msgspec.field(default_factory=SchedulerSettings)
     """Queue order: priority classes with aging and weighted fair share, or FIFO."""
     resume_retention: float = 300.0

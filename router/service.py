@@ -1,10 +1,13 @@
 """The router's long-lived state and its one owner: ``RouterService``.
 
 It owns the replica pool, the supervisor (and through it every replica
-process and connection), the tenant policy registry (and its watcher), the
-state store, admission (and its lease keeper) and the metrics. The Litestar
-lifespan calls ``start()`` and ``close()``; nothing else starts background
-work.
+process and connection, with their reader tasks), the tenant policy registry
+(and its watcher), the state store, admission (and its lease keeper), the
+scheduler, the resume writer (and its flush task), the open WebSockets, the
+metrics and the event-loop lag probe. The Litestar lifespan calls
+``start()`` and ``close()``. The only other tasks are per request, owned by
+the request's handler (FastPath's disconnect listener, a WebSocket's
+generations) and ended with it.
 """
 
 from __future__ import annotations

@@ -6,8 +6,10 @@ starts N worker processes; each is a complete router (HTTP, auth, limits,
 queues, failover, resume) that reaches every replica as a remote one (local
 replicas through their Unix sockets) and binds the same port with
 SO_REUSEPORT, so the kernel spreads connections over the workers. Workers
-share rate limits, leases, resume buffers and fair-share counters through
-Redis, which is why ``state.backend: redis`` is required. Metrics run in
+share rate limits, leases and resume buffers through Redis, which is why
+``state.backend: redis`` is required; each has its own scheduler, so
+priorities and fair-share weights order the requests within one worker
+(the kernel spreads connections evenly, so over all of them roughly). Metrics run in
 prometheus-client's multiprocess mode: any worker's /metrics shows the
 sum over all of them.
 

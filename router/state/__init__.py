@@ -1,4 +1,5 @@
-"""Shared state (rate-limit buckets, concurrency leases) behind one interface."""
+"""Shared state (rate-limit buckets, concurrency leases, resume buffers and
+stream claims) behind one interface."""
 
 from __future__ import annotations
 
@@ -24,7 +25,7 @@ __all__ = [
 
 
 class StateConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
-    """router.yaml ``state``: where limits and leases live."""
+    """router.yaml ``state``: where limits, leases and resume buffers live."""
 
     backend: Literal["memory", "redis"] = "memory"
     """``memory`` (one router process) or ``redis`` (shared by several)."""
