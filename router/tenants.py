@@ -65,7 +65,7 @@ class _PolicyFields(msgspec.Struct, forbid_unknown_fields=True, kw_only=True, om
     timeouts: Timeouts | None = None
     """See Timeouts."""
     queue_depth: int | None = None
-    """Requests that may wait in the tenant's queue at once; more get 429."""
+    """Requests that may wait at once, more get 429: this many in the queue for a replica, and (``on_limit: queue``) this many waiting for the tenant's limits, a separate queue before it."""
     chunk_tokens: int | None = None
     """Most tokens merged into one SSE event (a slow client gets up to this many per event)."""
     on_limit: Literal["reject", "queue"] | None = None
