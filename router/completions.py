@@ -95,9 +95,11 @@ def check_model(svc: RouterService, policy: TenantPolicy, model: str) -> None:
                        param="model", code="model_not_found")
 
 
-def _job(svc: RouterService, policy: TenantPolicy, body: bytes, chat: bool):
+def _job(svc: RouterService, policy: TenantPolicy, body: bytes, chat: bool, stream_implied: bool):
     """Decode and check the request; return it, its job and its prompt-token estimate."""
     req = decode_request(body, ChatRequest if chat else CompletionRequest)
+    if req.stream_options is not None and not (req.stream or stream_implied):  # (as OpenAI and vLLM answer)
+        raise BadRequest("'stream_options' is only allowed when 'stream' is true.", param="stream_options")
     check_model(svc, policy, req.model)
     cap = policy.limits.max_tokens
     default = min(svc.config.default_max_tokens, cap) if cap else svc.config.default_max_tokens
@@ -145,12 +147,13 @@ class Started:
 
 async def start_generation(
     svc: RouterService, policy: TenantPolicy, body: bytes, chat: bool, request_id: str, endpoint: str,
-    push: bool = False,
+    push: bool = False, stream_implied: bool = False,
 ) -> Started:
     """Decode, admit, queue and dispatch; return once the first piece arrived.
 
     ``push``: a streamed request's output goes to a ``PushRelay`` (the
-    caller runs it); otherwise it is pulled from ``Started.pieces``. Every
+    caller runs it); otherwise it is pulled from ``Started.pieces``.
+    ``stream_implied``: the endpoint streams whatever the body says (WebSocket). Every
     failure up to here is an ``ApiError`` with its HTTP status, and leaves
     nothing behind (lease released, replica request aborted).
     """
@@ -158,7 +161,7 @@ async def start_generation(
     request_id_var.set(request_id)
     outcome = Outcome(svc, policy, endpoint, started, request_id)
     try:
-        req, job, prompt_estimate = _job(svc, policy, body, chat)
+        req, job, prompt_estimate = _job(svc, policy, body, chat, stream_implied)
         ticket = await svc.admission.admit(policy, prompt_estimate + job.params.max_tokens)
     except BaseException as e:
         if isinstance(e, ApiError):

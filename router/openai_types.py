@@ -214,11 +214,12 @@ def chat_messages(req: ChatRequest) -> list[dict[str, str]]:
         if isinstance(content, list):
             parts = []
             for j, part in enumerate(content):
-                if part.get("type") != "text" or not isinstance(part.get("text"), str):
-                    raise BadRequest(
-                        f"Only text content parts are supported (messages[{i}].content[{j}]).",
-                        param=f"messages[{i}].content[{j}]",
-                    )
+                at = f"messages[{i}].content[{j}]"
+                if part.get("type") != "text":
+                    raise BadRequest(f"Only text content parts are supported; '{at}' has type "
+                                     f"{part.get('type')!r}.", param=f"{at}.type")
+                if not isinstance(part.get("text"), str):
+                    raise BadRequest(f"Missing required parameter: '{at}.text' (a string).", param=f"{at}.text")
                 parts.append(part["text"])
             content = "".join(parts)
         out.append({"role": m.role, "content": content or ""})
@@ -234,6 +235,8 @@ def completion_prompt(req: CompletionRequest) -> str | list[int]:
     elif isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
         raise BadRequest("Only one prompt per request is supported.", param="prompt")
     if isinstance(prompt, str):
+        if not prompt:
+            raise BadRequest("'prompt' must not be empty.", param="prompt")
         return prompt
     if not prompt:
         raise BadRequest("'prompt' must not be empty.", param="prompt")

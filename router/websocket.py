@@ -110,7 +110,7 @@ class _Conn:
         assert policy is not None
         request_id = new_request_id()
         try:
-            st = await start_generation(svc, policy, body, True, request_id, "websocket")
+            st = await start_generation(svc, policy, body, True, request_id, "websocket", stream_implied=True)
         except ApiError as e:
             await self.send(_err(cid, e))
             return

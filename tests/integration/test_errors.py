@@ -130,6 +130,32 @@ def test_message_without_content_is_400(shared_router: RouterProcess, role: str)
     assert "messages[1].content" in err["message"]
 
 
+@pytest.mark.parametrize("part, param, says", [
+    ({"type": "text"}, "messages[0].content[1].text", "Missing required parameter"),
+    ({"type": "image_url", "image_url": {"url": "http://x"}}, "messages[0].content[1].type", "'image_url'"),
+])
+def test_bad_content_part_names_what_is_wrong(shared_router: RouterProcess, part: dict, param: str, says: str) -> None:
+    messages = [{"role": "user", "content": [{"type": "text", "text": "hi"}, part]}]
+    err = error_of(post(shared_router, CHAT, json=chat_body(messages=messages)), 400)
+    assert err["param"] == param and says in err["message"], err
+
+
+def test_content_parts_of_text_are_joined(shared_router: RouterProcess) -> None:
+    messages = [{"role": "user", "content": [{"type": "text", "text": "hi"}, {"type": "text", "text": " there"}]}]
+    assert post(shared_router, CHAT, json=chat_body(messages=messages)).status_code == 200
+
+
+def test_stream_options_need_stream(shared_router: RouterProcess) -> None:
+    body = chat_body(stream_options={"include_usage": True})
+    assert error_of(post(shared_router, CHAT, json=body), 400)["param"] == "stream_options"
+    assert error_of(post(shared_router, CHAT, json={**body, "stream": False}), 400)["param"] == "stream_options"
+
+
+def test_empty_prompt_is_400(shared_router: RouterProcess) -> None:
+    err = error_of(post(shared_router, COMPLETIONS, json={"model": MODEL, "prompt": "", "max_tokens": 2}), 400)
+    assert err["param"] == "prompt"
+
+
 def test_assistant_turn_may_have_no_content(shared_router: RouterProcess) -> None:
     messages = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": None},
                 {"role": "user", "content": "again"}]
