@@ -130,6 +130,28 @@ def _replace_at(data: Any, path: tuple[Any, ...], value: Any) -> Any:
     return copy
 
 
+def _literal_values(type_: Any, at: tuple[Any, ...]) -> list[Any]:
+    """The values a ``Literal`` field at ``at`` (in ``type_``) allows, if it is one."""
+    infos = [msgspec.inspect.type_info(type_)]
+    for key in at:
+        nxt: list[Any] = []
+        for info in infos:
+            for t in (info.types if isinstance(info, msgspec.inspect.UnionType) else (info,)):
+                if isinstance(t, msgspec.inspect.StructType):
+                    nxt += [f.type for f in t.fields if f.encode_name == key]
+                elif isinstance(t, msgspec.inspect.DictType):
+                    nxt.append(t.value_type)
+                elif isinstance(t, (msgspec.inspect.ListType, msgspec.inspect.TupleType)):
+                    nxt += [getattr(t, "item_type", None)] if hasattr(t, "item_type") else list(t.item_types)
+        infos = [i for i in nxt if i is not None]
+    out: list[Any] = []
+    for info in infos:
+        for t in (info.types if isinstance(info, msgspec.inspect.UnionType) else (info,)):
+            if isinstance(t, msgspec.inspect.LiteralType):
+                out += list(t.values)
+    return out
+
+
 def parse_validation_error(err: str) -> tuple[tuple[Any, ...], str]:
     """(path, reason) of a msgspec validation message, for ``Located.error``."""
     at, reason = _parse_error(err)
@@ -167,6 +189,10 @@ def load_yaml(path: str | Path, type_: type[T], text: str | None = None) -> tupl
         at, reason = _parse_error(str(e))
         if _ANY in at:
             at = _name_dict_entry(data, type_, at, str(e))
+        if reason.startswith("Invalid enum value"):
+            allowed = _literal_values(type_, at)
+            if allowed:
+                reason += f"; expected one of {', '.join(map(repr, allowed))}"
         raise ConfigError([located.error(at, reason)]) from e
     check = getattr(value, "validate", None)
     if check is not None:
