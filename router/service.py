@@ -78,6 +78,17 @@ class RouterService:
         m.reload_ok.set(1 if ok else 0)
         if ok:
             m.declare((), self.policy.current.tenants)
+            self._warn_unserved_models()
+
+    def _warn_unserved_models(self) -> None:
+        """Log the tenants' model names no replica serves (a typo in
+        tenants.yaml shows here, not as 404s for that tenant's clients)."""
+        served = set(self.pool.models())
+        for name, pol in self.policy.current.tenants.items():
+            unserved = [m for m in pol.models if m != "*" and m not in served]
+            if unserved:
+                log.warning("tenant %s allows models no replica serves: %s (served: %s)",
+                            name, ", ".join(unserved), ", ".join(sorted(served)) or "none")
 
     def tenant(self, authorization: str | None) -> TenantPolicy:
         """The caller's tenant policy (401/403 on a bad or admin key)."""
@@ -121,6 +132,7 @@ class RouterService:
         self.metrics.declare((slot.name for slot in self.pool.slots), self.policy.current.tenants)
         await self.admission.start()
         await self.supervisor.start()
+        self._warn_unserved_models()
         # Everything allocated so far lives as long as the process: keep it
         # out of the cycle collector's way, and collect the young generation
         # less often. A stream's objects form almost no cycles, and with

@@ -28,6 +28,7 @@ def _request_lines(router: RouterProcess) -> list[dict]:
 def test_request_log_lines(tmp_path):
     tenants = yaml.safe_load(DEMO_TENANTS.read_text())
     tenants["tenants"]["chatty"] = {"keys": [hash_key(CHATTY)], "log_content": True}
+    tenants["tenants"]["typo"] = {"keys": [hash_key("typo-key")], "models": [MODEL, "no-such-model"]}
     (tmp_path / "tenants.yaml").write_text(yaml.safe_dump(tenants))
     with RouterProcess(tmp_path / "r", tenants=tmp_path / "tenants.yaml") as router:
         url = router.base_url + "/v1/completions"
@@ -61,6 +62,8 @@ def test_request_log_lines(tmp_path):
         assert "not-a-key" not in router.log()  # (the key is redacted in the message)
         assert router.metrics().value("fairstream_requests_total", tenant="", endpoint="completions",
                                       outcome="unauthorized") == 1
+        # a model name no replica serves is pointed out at start
+        assert f"tenant typo allows models no replica serves: no-such-model (served: {MODEL})" in router.log()
         # the private prompt appears only in the chatty tenant's line
         assert router.log().count(SECRET_PROMPT) == 1
         # The replica processes log in the router's format, naming themselves:
