@@ -147,19 +147,20 @@ class Started:
 
 async def start_generation(
     svc: RouterService, policy: TenantPolicy, body: bytes, chat: bool, request_id: str, endpoint: str,
-    push: bool = False, stream_implied: bool = False,
+    push: bool = False, stream_implied: bool = False, client_request_id: str = "",
 ) -> Started:
     """Decode, admit, queue and dispatch; return once the first piece arrived.
 
     ``push``: a streamed request's output goes to a ``PushRelay`` (the
     caller runs it); otherwise it is pulled from ``Started.pieces``.
-    ``stream_implied``: the endpoint streams whatever the body says (WebSocket). Every
+    ``stream_implied``: the endpoint streams whatever the body says (WebSocket).
+    ``client_request_id``: the caller's ``X-Request-Id``, for the log line. Every
     failure up to here is an ``ApiError`` with its HTTP status, and leaves
     nothing behind (lease released, replica request aborted).
     """
     started = time.monotonic()
     request_id_var.set(request_id)
-    outcome = Outcome(svc, policy, endpoint, started, request_id)
+    outcome = Outcome(svc, policy, endpoint, started, request_id, client_request_id=client_request_id)
     try:
         req, job, prompt_estimate = _job(svc, policy, body, chat, stream_implied)
         ticket = await svc.admission.admit(policy, prompt_estimate + job.params.max_tokens)

@@ -58,6 +58,7 @@ class FastPath:
             chat = _PATHS.get(scope["path"])
             if chat is not None:
                 auth = origin = encoding = None
+                client_rid = ""
                 for k, v in scope["headers"]:
                     if k == b"authorization":
                         auth = v.decode("latin-1")
@@ -65,16 +66,19 @@ class FastPath:
                         origin = v.decode("latin-1")
                     elif k == b"content-encoding":
                         encoding = v.decode("latin-1")
+                    elif k == b"x-request-id":
+                        client_rid = v.decode("latin-1")
                     elif k == b"x-resume-request-id" or k == b"last-event-id":
                         return await self.app(scope, receive, send)
                 cors = response_headers(self.cors, origin) if origin is not None and self.cors is not None else []
-                return await self._completion(receive, send, chat, auth, scope["path"], cors, encoding)
+                return await self._completion(receive, send, chat, auth, scope["path"], cors, encoding, client_rid)
         elif scope["type"] == "http" and scope["method"] == "HEAD" and scope["path"] in _HEAD_PATHS:
             return await self.app({**scope, "method": "GET"}, receive, _headers_only(send))
         return await self.app(scope, receive, send)
 
     async def _completion(self, receive, send, chat: bool, auth: str | None, path: str,
-                          cors: list[tuple[bytes, bytes]], encoding: str | None = None) -> None:
+                          cors: list[tuple[bytes, bytes]], encoding: str | None = None,
+                          client_rid: str = "") -> None:
         svc = self.svc
         body = b""
         limit = svc.config.max_body_bytes
@@ -112,7 +116,7 @@ class FastPath:
             try:
                 policy = svc.tenant(auth)
                 st = await start_generation(svc, policy, body, chat, request_id, "chat" if chat else "completions",
-                                            push=True)
+                                            push=True, client_request_id=client_rid)
                 if st.relay is not None:
                     es, sse_headers = await open_stream(svc, policy, st, chat, request_id)
                 else:
@@ -120,7 +124,7 @@ class FastPath:
             except ApiError as e:
                 if policy is None:  # refused before it had a tenant (401, 403)
                     e.headers.setdefault("x-request-id", request_id)
-                    log_refused(svc, "chat" if chat else "completions", request_id, e)
+                    log_refused(svc, "chat" if chat else "completions", request_id, e, client_rid)
                 await _error(send, cors, e.status, e.body(), e.headers)
                 return
             except asyncio.CancelledError:

@@ -32,10 +32,10 @@ request_log = logging.getLogger("fairstream.request")
 class Outcome:
     """Counts one request exactly once, with its tokens and its duration."""
 
-    __slots__ = ("svc", "policy", "endpoint", "started", "done", "request_id", "counted")
+    __slots__ = ("svc", "policy", "endpoint", "started", "done", "request_id", "counted", "client_request_id")
 
     def __init__(self, svc, policy: TenantPolicy, endpoint: str, started: float, request_id: str = "",
-                 counted: tuple[int, int] = (0, 0)) -> None:
+                 counted: tuple[int, int] = (0, 0), client_request_id: str = "") -> None:
         self.svc = svc
         self.policy = policy
         self.endpoint = endpoint
@@ -44,6 +44,8 @@ class Outcome:
         self.request_id = request_id
         # (prompt, completion) tokens an earlier request of this stream already counted
         self.counted = counted
+        # the caller's own X-Request-Id (an API gateway's trace id), logged beside ours
+        self.client_request_id = client_request_id[:128]
 
     def record(self, outcome: str, gen: Generation | None = None, error: BaseException | None = None) -> None:
         """Count the request in metrics and log its summary line (once); an
@@ -63,6 +65,8 @@ class Outcome:
             "outcome": outcome,
             "duration_s": round(elapsed, 4),
         }
+        if self.client_request_id:
+            extra["client_request_id"] = self.client_request_id
         if error is not None:
             extra.update(error_fields(error))
         if gen is not None:
@@ -97,13 +101,16 @@ def error_fields(e: BaseException) -> dict[str, object]:
     return {}
 
 
-def log_refused(svc, endpoint: str, request_id: str, e: ApiError) -> None:
+def log_refused(svc, endpoint: str, request_id: str, e: ApiError, client_request_id: str = "") -> None:
     """Count and log a request refused before it had a tenant (a missing,
     unknown or admin key: 401/403): outcome ``unauthorized``, tenant ``""``."""
     m = svc.metrics
     m.child(m.requests, "", endpoint, "unauthorized").inc()
-    request_log.info("request unauthorized", extra={"request_id": request_id, "tenant": "", "endpoint": endpoint,
-                                                    "outcome": "unauthorized", **error_fields(e)})
+    extra = {"request_id": request_id, "tenant": "", "endpoint": endpoint, "outcome": "unauthorized",
+             **error_fields(e)}
+    if client_request_id:
+        extra["client_request_id"] = client_request_id[:128]
+    request_log.info("request unauthorized", extra=extra)
 
 
 def shutdown_notice(svc, enc: ChunkEncoder, resumable: bool) -> bytes:

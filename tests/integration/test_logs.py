@@ -34,7 +34,8 @@ def test_request_log_lines(tmp_path):
         url = router.base_url + "/v1/completions"
         # ignore_eos: with sampling the sim may end early, and the test counts 8 tokens
         body = {"model": MODEL, "prompt": SECRET_PROMPT, "max_tokens": 8, "ignore_eos": True}
-        quiet = httpx.post(url, headers={"Authorization": f"Bearer {GOLD}"}, json=body, timeout=20)
+        quiet = httpx.post(url, headers={"Authorization": f"Bearer {GOLD}", "X-Request-Id": "gw-trace-7"}, json=body,
+                           timeout=20)
         loud = httpx.post(url, headers={"Authorization": f"Bearer {CHATTY}"}, json=body, timeout=20)
         bad = httpx.post(url, headers={"Authorization": f"Bearer {GOLD}"}, json={**body, "n": 3}, timeout=20)
         assert quiet.status_code == loud.status_code == 200 and bad.status_code == 400
@@ -45,6 +46,7 @@ def test_request_log_lines(tmp_path):
         by_id = {rec["request_id"]: rec for rec in lines}
         rec = by_id[rid]
         assert rec["tenant"] == "gold" and rec["outcome"] == "ok" and rec["level"] == "info"
+        assert rec["client_request_id"] == "gw-trace-7" and rid != "gw-trace-7"  # the caller's id, beside ours
         assert rec["completion_tokens"] == 8 and rec["prompt_tokens"] > 0 and rec["replica"].startswith("sim-")
         assert "prompt" not in rec and "completion" not in rec
         refused = by_id[bad.headers["x-request-id"]]
