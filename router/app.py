@@ -120,6 +120,8 @@ async def ready(request: Request) -> Response:
 @get("/metrics")
 async def metrics(request: Request) -> Response:
     svc = _svc(request)
+    if svc.config.metrics_require_admin_key:
+        svc.check_admin(request.headers.get("authorization"))
     return Response(svc.metrics.expose(svc.pool), media_type="text/plain; version=0.0.4")  # (Litestar adds the charset)
 
 

@@ -58,6 +58,9 @@ class RouterConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     shutdown_grace: float = 20.0
     """Seconds requests in flight may take to finish after SIGTERM/SIGINT (no new connections meanwhile); then each one still running ends with an explicit error (`router_shutdown`: a 503, or an SSE error event). Keep it at least 10 s below the orchestrator's kill timeout (Kubernetes: 30 s unless set)."""
 
+    metrics_require_admin_key: bool = False
+    """When true, ``GET /metrics`` needs an admin key (``Authorization: Bearer KEY``; in Prometheus ``authorization: {credentials: KEY}``). Off, anyone who reaches the port sees every tenant's name and traffic there."""
+
     def validate(self, located: Located) -> list[str]:
         errors = []
         if not (0 < self.port < 65536):

@@ -347,6 +347,15 @@ def test_ready_lists_the_replicas(shared_router: RouterProcess) -> None:
     assert body["replicas"] == {"sim-0": "ready", "sim-1": "ready"}
 
 
+def test_metrics_can_require_the_admin_key(make_router) -> None:
+    router = make_router(replicas=1, settings={"metrics_require_admin_key": True})
+    url = router.base_url + "/metrics"
+    error_of(httpx.get(url, timeout=10), 401)
+    error_of(httpx.get(url, headers=AUTH, timeout=10), 403)  # a tenant's key
+    r = httpx.get(url, headers={"authorization": f"Bearer {ADMIN}"}, timeout=10)
+    assert r.status_code == 200 and "fairstream_requests_total" in r.text
+
+
 def test_metrics_after_traffic(shared_router: RouterProcess, client: openai.OpenAI) -> None:
     before = shared_router.metrics()
     ok0 = before.value("fairstream_requests_total", 0.0, tenant="gold", outcome="ok")
