@@ -29,6 +29,10 @@ log = logging.getLogger("fairstream.admission")
 LEASE_TTL = 30.0  # seconds; renewed every LEASE_TTL / 3 while the stream lives
 
 
+# how far past its queue_wait a waiting request may wait for a limit that frees by then
+DEADLINE_SLACK = 0.05
+
+
 def fmt_duration(seconds: float) -> str:
     """OpenAI's reset format: ``20ms``, ``1.5s``, ``6m0s``."""
     if seconds < 1:
@@ -149,7 +153,11 @@ class Admission:
                         retry_after=60.0, code="tokens_exceed_limit", headers=headers,
                     )
                 now = loop.time()
-                can_wait = policy.on_limit == "queue" and now + min(decision.retry_after, 0.05) < deadline
+                # (one already waiting whose limit frees within DEADLINE_SLACK waits
+                # for it, not refused just before: another would take it at once)
+                can_wait = policy.on_limit == "queue" and (
+                    now + min(decision.retry_after, 0.05) < deadline
+                    or (waiting and decision.retry_after <= DEADLINE_SLACK))
                 if can_wait and not waiting:
                     if self._queued.get(policy.name, 0) >= policy.queue_depth:
                         can_wait = False
@@ -162,11 +170,12 @@ class Admission:
                     retry = decision.retry_after
                     raise RateLimited(
                         f"Rate limit reached for tenant {policy.name!r} on {what}. "
-                        f"Please try again in {fmt_duration(retry)}.",
+                        f"Please try again in {fmt_duration(max(retry, 0.001))}.",
                         retry_after=retry, headers=headers,
                     )
                 try:
-                    await asyncio.wait_for(self._stopped.wait(), max(0.01, min(decision.retry_after, deadline - now)))
+                    await asyncio.wait_for(self._stopped.wait(),
+                                           max(0.01, min(decision.retry_after, max(deadline - now, DEADLINE_SLACK))))
                 except TimeoutError:
                     continue
                 raise RouterShutdown()
