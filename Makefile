@@ -16,8 +16,9 @@ $(STAMP): pyproject.toml
 
 setup: $(STAMP)
 
+# RUN_ARGS: more serve options, e.g. make run RUN_ARGS="--port 8090"
 run: setup
-	$(VENV)/bin/fairstream serve --config configs/router.yaml
+	$(VENV)/bin/fairstream serve --config configs/router.yaml $(RUN_ARGS)
 
 test: setup
 	$(PY) -m pytest -q $(PYTEST_ARGS)

@@ -16,6 +16,7 @@ grace like HTTP streams and then closes it (router/websocket.py).
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 import uvicorn
@@ -25,6 +26,8 @@ from router.config import SHUTDOWN_MARGIN
 from router.fastpath import FastPath
 
 __all__ = ["Server"]
+
+log = logging.getLogger("fairstream.router")
 
 
 class _WebSocket(WebSocketsSansIOProtocol):
@@ -58,6 +61,17 @@ class Server(uvicorn.Server):
             timeout_keep_alive=30,
             **config,
         ))
+
+    async def startup(self, sockets=None) -> None:
+        await super().startup(sockets)
+        for server in self.servers:
+            for sock in server.sockets:
+                addr = sock.getsockname()
+                if isinstance(addr, str):  # a Unix socket
+                    log.info("listening on unix:%s", addr)
+                    continue
+                host, port = addr[:2]
+                log.info("listening on http://%s:%d", f"[{host}]" if ":" in host else host, port)
 
     async def shutdown(self, sockets=None) -> None:
         self.service.drain()

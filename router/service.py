@@ -154,7 +154,7 @@ class RouterService:
             for conn in list(self.sockets):
                 conn.drain()
             self._drain = asyncio.get_running_loop().call_later(self.config.shutdown_grace, self._stop_requests)
-            log.info("shutting down: %d streams running get up to %gs to finish (SIGINT again: quit now)",
+            log.info("shutting down: %d streams running get up to %gs to finish (a second SIGINT, Ctrl-C, quits at once)",
                      len(self.scheduler.running), self.config.shutdown_grace)
 
     def _stop_requests(self) -> None:
@@ -178,6 +178,7 @@ class RouterService:
         await self.admission.close()
         await self.policy.close()
         await self.store.close()
+        log.info("stopped")
 
     def _on_replica_event(self, event: str, slot: ReplicaSlot) -> None:
         if event == "down":

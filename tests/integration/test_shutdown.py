@@ -152,6 +152,10 @@ async def test_sigterm_with_nothing_in_flight_exits_at_once(router: RouterProces
     t = time.monotonic()
     router.stop()
     assert time.monotonic() - t < GRACE, "no request ran: the grace is not waited out"
+    # where it listened, and that it got to the end, are in its log
+    log = router.log()
+    assert f'"msg":"listening on {router.base_url}"' in log, log[-3000:]
+    assert '"msg":"stopped"' in log, log[-3000:]
 
 
 async def test_with_shared_state_a_stream_ended_by_shutdown_resumes_on_another_router(make_router) -> None:
