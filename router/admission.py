@@ -4,7 +4,10 @@
 policy, and returns a ``Ticket`` (a concurrency lease and a token
 reservation) or raises ``RateLimited`` with a Retry-After computed from the
 bucket. With ``on_limit: queue`` it waits instead, up to the tenant's
-``queue_wait``, in a queue bounded by ``queue_depth``. ``finish`` settles the
+``queue_wait``, in the tenant's line (first come, first served in this
+process; at most ``queue_depth`` long). Only the line's head asks the state
+store again, when its limit should have freed or one of the tenant's streams
+ends, and hands the turn on when it leaves. ``finish`` settles the
 reservation with the real usage and releases the lease; the lease keeper
 renews every live lease so a crashed router's leases expire on their own.
 """
@@ -12,6 +15,7 @@ renews every live lease so a crashed router's leases expire on their own.
 from __future__ import annotations
 
 import asyncio
+import collections
 import logging
 import math
 
@@ -92,17 +96,41 @@ _REASONS = {
 }
 
 
+class _Waiter:
+    """A request in its tenant's admission line: ``sleep`` until woken (its
+    turn, a stream of the tenant ended, the router stops) or a timeout."""
+
+    __slots__ = ("_wake",)
+
+    def __init__(self) -> None:
+        self._wake: asyncio.Future[None] | None = None
+
+    def wake(self) -> None:
+        if self._wake is not None and not self._wake.done():
+            self._wake.set_result(None)
+
+    async def sleep(self, timeout: float) -> None:
+        self._wake = asyncio.get_running_loop().create_future()
+        try:
+            await asyncio.wait_for(self._wake, max(0.0, timeout) if timeout != math.inf else None)
+        except TimeoutError:
+            pass
+        finally:
+            self._wake = None
+
+
 class Admission:
     def __init__(self, store: StateStore, metrics: Metrics) -> None:
         self.store = store
         self.metrics = metrics
         self._leases: dict[str, Ticket] = {}
-        self._queued: dict[str, int] = {}
+        self._lines: dict[str, collections.deque[_Waiter]] = {}  # per tenant, in arrival order
         self._keeper: asyncio.Task[None] | None = None
         self._stopped = asyncio.Event()  # set: requests waiting for a limit get RouterShutdown
 
     def queued(self, tenant: str) -> int:
-        return self._queued.get(tenant, 0)
+        line = self._lines.get(tenant)
+        return len(line) if line else 0
 
     async def start(self) -> None:
         self._keeper = asyncio.get_running_loop().create_task(self._keep_leases(), name="lease-keeper")
@@ -132,64 +160,103 @@ class Admission:
         loop = asyncio.get_running_loop()
         started = loop.time()
         deadline = started + lim.queue_wait if lim.queue_wait else math.inf
-        waiting = False
+        name = policy.name
+        line = self._lines.get(name)
+        decision: Decision | None = None
+        if policy.on_limit != "queue" or not line or len(line) >= policy.queue_depth:
+            # nobody of this tenant waits here (or the line is full, or the tenant does not queue): try now
+            decision = await self._admit_once(name, req)
+            if decision.ok:
+                return self._ticket(policy, req, cost_tokens, decision)
+            self._check_fits(policy, decision, cost_tokens)
+            if (policy.on_limit != "queue" or len(line or ()) >= policy.queue_depth
+                    or loop.time() + min(decision.retry_after, 0.05) >= deadline):
+                raise self._refused(policy, decision)
+        # Wait in the tenant's line. Only its head asks the store, when its
+        # limit should have freed or when one of the tenant's streams ends; a
+        # request admitted or given up hands the turn to the next at once.
+        if line is None:
+            line = self._lines[name] = collections.deque()
+        me = _Waiter()
+        line.append(me)
+        self.metrics.admission_waiting.labels(name).inc()
         try:
             while True:
-                decision = await self._admit_once(policy.name, req)
-                if decision.ok:
-                    if waiting:
-                        self.metrics.admission_wait.labels(policy.name, policy.priority).observe(
-                            loop.time() - started)
-                    ticket = Ticket(policy, req.lease_id, cost_tokens, decision)
-                    self._leases[req.lease_id] = ticket
-                    return ticket
-                headers = ratelimit_headers(policy, decision)
-                what = _REASONS.get(decision.reason, decision.reason)
-                if decision.reason == "too_large":
-                    self.metrics.rate_limited.labels(policy.name, "tokens").inc()
-                    raise RateLimited(
-                        f"Request needs {cost_tokens} tokens, more than the tenant's limit of "
-                        f"{lim.tokens_per_minute} tokens per minute; lower max_tokens.",
-                        retry_after=60.0, code="tokens_exceed_limit", headers=headers,
-                    )
                 now = loop.time()
-                # (one already waiting whose limit frees within DEADLINE_SLACK waits
-                # for it, not refused just before: another would take it at once)
-                can_wait = policy.on_limit == "queue" and (
-                    now + min(decision.retry_after, 0.05) < deadline
-                    or (waiting and decision.retry_after <= DEADLINE_SLACK))
-                if can_wait and not waiting:
-                    if self._queued.get(policy.name, 0) >= policy.queue_depth:
-                        can_wait = False
-                    else:
-                        waiting = True
-                        self._queued[policy.name] = self._queued.get(policy.name, 0) + 1
-                        self.metrics.admission_waiting.labels(policy.name).inc()
-                if not can_wait:
-                    self.metrics.rate_limited.labels(policy.name, decision.reason).inc()
-                    retry = decision.retry_after
-                    raise RateLimited(
-                        f"Rate limit reached for tenant {policy.name!r} on {what}. "
-                        f"Please try again in {fmt_duration(max(retry, 0.001))}.",
-                        retry_after=retry, headers=headers,
-                    )
-                try:
-                    await asyncio.wait_for(self._stopped.wait(),
-                                           max(0.01, min(decision.retry_after, max(deadline - now, DEADLINE_SLACK))))
-                except TimeoutError:
-                    continue
-                raise RouterShutdown()
+                if line[0] is not me:
+                    await me.sleep(deadline - now)
+                    if self._stopped.is_set():
+                        raise RouterShutdown()
+                    if line[0] is not me:
+                        if loop.time() < deadline:
+                            continue
+                        # its time is up before its turn came: one last try, then a 429
+                        decision = await self._admit_once(name, req)
+                        if not decision.ok:
+                            self._check_fits(policy, decision, cost_tokens)
+                            raise self._refused(policy, decision)
+                        return self._ticket(policy, req, cost_tokens, decision, started)
+                elif decision is not None:  # the head, refused: until the limit frees
+                    wait = decision.retry_after
+                    if now + wait > deadline + DEADLINE_SLACK:  # (a limit that frees just after the deadline is waited for)
+                        if now >= deadline:
+                            raise self._refused(policy, decision)
+                        wait = deadline - now  # one more try at the deadline (or when a stream ends)
+                    await me.sleep(max(0.01, wait))
+                    if self._stopped.is_set():
+                        raise RouterShutdown()
+                decision = await self._admit_once(name, req)
+                if decision.ok:
+                    return self._ticket(policy, req, cost_tokens, decision, started)
+                self._check_fits(policy, decision, cost_tokens)
         finally:
-            if waiting:
-                self._queued[policy.name] -= 1
-                self.metrics.admission_waiting.labels(policy.name).dec()
+            head = line[0] is me
+            line.remove(me)
+            self.metrics.admission_waiting.labels(name).dec()
+            if not line:
+                del self._lines[name]
+            elif head:
+                line[0].wake()
+
+    def _ticket(self, policy: TenantPolicy, req: AdmitRequest, cost_tokens: int, decision: Decision,
+                waited_since: float | None = None) -> Ticket:
+        if waited_since is not None:
+            self.metrics.admission_wait.labels(policy.name, policy.priority).observe(
+                asyncio.get_running_loop().time() - waited_since)
+        ticket = Ticket(policy, req.lease_id, cost_tokens, decision)
+        self._leases[req.lease_id] = ticket
+        return ticket
+
+    def _check_fits(self, policy: TenantPolicy, decision: Decision, cost_tokens: int) -> None:
+        """A request larger than the tenant's whole token budget never fits: a 429 at once."""
+        if decision.reason == "too_large":
+            self.metrics.rate_limited.labels(policy.name, "tokens").inc()
+            raise RateLimited(
+                f"Request needs {cost_tokens} tokens, more than the tenant's limit of "
+                f"{policy.limits.tokens_per_minute} tokens per minute; lower max_tokens.",
+                retry_after=60.0, code="tokens_exceed_limit", headers=ratelimit_headers(policy, decision),
+            )
+
+    def _refused(self, policy: TenantPolicy, decision: Decision) -> RateLimited:
+        self.metrics.rate_limited.labels(policy.name, decision.reason).inc()
+        retry = decision.retry_after
+        return RateLimited(
+            f"Rate limit reached for tenant {policy.name!r} on {_REASONS.get(decision.reason, decision.reason)}. "
+            f"Please try again in {fmt_duration(max(retry, 0.001))}.",
+            retry_after=retry, headers=ratelimit_headers(policy, decision),
+        )
 
     def fail_waiting(self) -> int:
         """End every request waiting for its tenant's limits, and refuse new
         ones, with ``RouterShutdown`` (the router is stopping); return how
         many were waiting."""
         self._stopped.set()
-        return sum(self._queued.values())
+        waiting = 0
+        for line in self._lines.values():
+            waiting += len(line)
+            for w in line:
+                w.wake()
+        return waiting
 
     async def _admit_once(self, tenant: str, req: AdmitRequest) -> Decision:
         try:
@@ -213,6 +280,9 @@ class Admission:
             await self.store.release(ticket.tenant, ticket.lease_id)
         except StoreUnavailable as e:
             log.warning("could not settle lease of %s: %s (it expires by itself)", ticket.tenant, e)
+        line = self._lines.get(ticket.tenant)
+        if line:  # a stream and its lease ended, tokens came back: the tenant's next may fit now
+            line[0].wake()
 
     async def _keep_leases(self) -> None:
         while True:

@@ -1,6 +1,8 @@
 """Waiting for a tenant's rate limit (``on_limit: queue``) with the real
-``Admission`` on a ``MemoryStore``: a request whose limit frees at its
-``queue_wait`` deadline is admitted, not refused a moment before."""
+``Admission`` on a ``MemoryStore``: first come, first served; a request whose
+limit frees at its ``queue_wait`` deadline is admitted, not refused a moment
+before; no request waits much past its ``queue_wait``; a stream that ends
+lets the next one in at once; only the line's head asks the store."""
 
 from __future__ import annotations
 
@@ -9,7 +11,7 @@ import asyncio
 import pytest
 
 from router.admission import DEADLINE_SLACK, Admission
-from router.errors import RateLimited
+from router.errors import RateLimited, RouterShutdown
 from router.metrics import Metrics
 from router.state.memory import MemoryStore
 from router.tenants import ResolvedLimits, TenantPolicy
@@ -17,20 +19,102 @@ from router.tenants import ResolvedLimits, TenantPolicy
 RPM = 60  # a bucket of 60 requests, one more each second
 
 
-def _policy(queue_wait: float) -> TenantPolicy:
+def _policy(queue_wait: float, rpm: int = RPM, concurrent: int = 0, depth: int = 10) -> TenantPolicy:
     return TenantPolicy(
-        name="t", priority="normal", weight=1.0, models=["*"], queue_depth=10, chunk_tokens=16,
+        name="t", priority="normal", weight=1.0, models=["*"], queue_depth=depth, chunk_tokens=16,
         on_limit="queue", log_content=False,
-        limits=ResolvedLimits(requests_per_minute=RPM, tokens_per_minute=0, max_concurrent=0, max_prompt_tokens=0,
-                              max_tokens=0, queue_wait=queue_wait, first_token=0.0, stall=0.0, total=0.0),
+        limits=ResolvedLimits(requests_per_minute=rpm, tokens_per_minute=0, max_concurrent=concurrent,
+                              max_prompt_tokens=0, max_tokens=0, queue_wait=queue_wait, first_token=0.0, stall=0.0,
+                              total=0.0),
     )
 
 
-async def _drained(policy: TenantPolicy) -> Admission:
-    adm = Admission(MemoryStore(), Metrics())
-    for _ in range(RPM):
+class CountingStore(MemoryStore):
+    def __init__(self) -> None:
+        super().__init__()
+        self.admits = 0
+
+    async def admit(self, tenant, req):
+        self.admits += 1
+        return await super().admit(tenant, req)
+
+
+async def _drained(policy: TenantPolicy, store: MemoryStore | None = None) -> Admission:
+    adm = Admission(store or MemoryStore(), Metrics())
+    for _ in range(policy.limits.requests_per_minute):
         await adm.admit(policy, 1)
     return adm
+
+
+async def test_waiters_are_admitted_first_come_first_served_and_only_the_head_asks() -> None:
+    policy = _policy(5.0, rpm=600)  # one more request every 0.1 s
+    store = CountingStore()
+    adm = await _drained(policy, store)
+    store.admits = 0
+    order: list[int] = []
+
+    async def one(i: int) -> None:
+        await adm.admit(policy, 1)
+        order.append(i)
+
+    tasks = []
+    for i in range(6):
+        tasks.append(asyncio.create_task(one(i)))
+        await asyncio.sleep(0.005)
+    assert adm.queued("t") == 6
+    await asyncio.wait_for(asyncio.gather(*tasks), 5)
+    assert order == list(range(6))
+    # the first tried on arrival; then, per admission, about one try by the head when it was due
+    # and one by the next head at once (each waiter polling on its own would ask far more often)
+    assert store.admits <= 1 + 2 * 6 + 2, store.admits
+    assert adm.queued("t") == 0
+
+
+async def test_no_waiter_waits_much_past_its_queue_wait_under_overload() -> None:
+    policy = _policy(0.2, rpm=6000, depth=50)  # 100 a second; 250 a second arrive
+    adm = await _drained(policy)
+    loop = asyncio.get_running_loop()
+    waits: list[float] = []
+
+    async def one() -> None:
+        t = loop.time()
+        try:
+            await adm.admit(policy, 1)
+        except RateLimited:
+            pass
+        waits.append(loop.time() - t)
+
+    tasks = []
+    for _ in range(250):
+        tasks.append(asyncio.create_task(one()))
+        await asyncio.sleep(0.004)
+    await asyncio.gather(*tasks)
+    assert max(waits) <= 0.2 + DEADLINE_SLACK + 0.1, max(waits)
+
+
+async def test_a_stream_that_ends_lets_the_next_in_at_once() -> None:
+    policy = _policy(5.0, rpm=0, concurrent=1)  # (a full concurrency limit says: retry in 1 s)
+    adm = Admission(MemoryStore(), Metrics())
+    held = await adm.admit(policy, 1)
+    loop = asyncio.get_running_loop()
+    waiting = asyncio.create_task(adm.admit(policy, 1))
+    await asyncio.sleep(0.05)
+    assert not waiting.done()
+    t = loop.time()
+    await adm.finish(held, 1)
+    await asyncio.wait_for(waiting, 2)
+    assert loop.time() - t < 0.2
+
+
+async def test_shutdown_ends_every_waiter() -> None:
+    policy = _policy(30.0, rpm=600)
+    adm = await _drained(policy)
+    tasks = [asyncio.create_task(adm.admit(policy, 1)) for _ in range(3)]
+    await asyncio.sleep(0.05)
+    assert adm.fail_waiting() == 3
+    for task in tasks:
+        with pytest.raises(RouterShutdown):
+            await asyncio.wait_for(task, 1)
 
 
 async def test_a_limit_that_frees_right_at_the_deadline_admits() -> None:
