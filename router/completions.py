@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import logging
 import time
+import zlib
 from contextlib import aclosing
 
 import msgspec
@@ -23,7 +24,7 @@ from litestar.response import Stream
 
 from replicas.protocol import FinishReason
 from router.admission import Ticket
-from router.errors import ApiError, BadRequest, GatewayTimeout, NotFound
+from router.errors import ApiError, BadRequest, GatewayTimeout, NotFound, PayloadTooLarge, UnsupportedMediaType
 from router.generation import Deadlines, Generation, Job, Piece, StreamLost, StreamTimeout
 from router.ids import new_id
 from router.openai_types import (
@@ -95,8 +96,45 @@ def check_model(svc: RouterService, policy: TenantPolicy, model: str) -> None:
                        param="model", code="model_not_found")
 
 
-def _job(svc: RouterService, policy: TenantPolicy, body: bytes, chat: bool, stream_implied: bool):
+def decoded_body(body: bytes, encoding: str, limit: int) -> bytes:
+    """A request body sent with ``Content-Encoding`` (gzip or deflate, as
+    clients behind compressing proxies send them), decompressed to at most
+    ``limit`` bytes."""
+    codings = [c.strip().lower() for c in encoding.split(",") if c.strip().lower() not in ("", "identity")]
+    if not codings:
+        return body
+    if len(codings) > 1 or codings[0] not in ("gzip", "x-gzip", "deflate"):
+        raise UnsupportedMediaType(f"Content-Encoding {encoding!r} is not supported; send the body as is, "
+                                   "or compressed with gzip or deflate.")
+    # gzip; deflate as RFC 9110 means it (zlib-wrapped), raw deflate too (what some clients send)
+    if codings[0] != "deflate":
+        wbits = 16 + zlib.MAX_WBITS
+    else:
+        wbits = zlib.MAX_WBITS if body[:1] == b"\x78" else -zlib.MAX_WBITS
+    out = b""
+    rest = body
+    while True:  # (gzip: one member after another)
+        d = zlib.decompressobj(wbits)
+        try:
+            out += d.decompress(rest, limit + 1 - len(out))
+        except zlib.error as e:
+            raise BadRequest(f"The request body is not valid {codings[0]} data: {e}.", code="invalid_body") from e
+        if len(out) > limit:
+            raise PayloadTooLarge("The request body is too large (decompressed).")
+        if not d.eof:
+            raise BadRequest(f"The request body's {codings[0]} data is truncated.", code="invalid_body")
+        rest = d.unused_data
+        if not rest:
+            return out
+        if wbits != 16 + zlib.MAX_WBITS:
+            raise BadRequest(f"The request body has data after its {codings[0]} stream.", code="invalid_body")
+
+
+def _job(svc: RouterService, policy: TenantPolicy, body: bytes, chat: bool, stream_implied: bool,
+         content_encoding: str | None):
     """Decode and check the request; return it, its job and its prompt-token estimate."""
+    if content_encoding is not None:
+        body = decoded_body(body, content_encoding, svc.config.max_body_bytes)
     req = decode_request(body, ChatRequest if chat else CompletionRequest)
     if req.stream_options is not None and not (req.stream or stream_implied):  # (as OpenAI and vLLM answer)
         raise BadRequest("'stream_options' is only allowed when 'stream' is true.", param="stream_options")
@@ -148,13 +186,15 @@ class Started:
 async def start_generation(
     svc: RouterService, policy: TenantPolicy, body: bytes, chat: bool, request_id: str, endpoint: str,
     push: bool = False, stream_implied: bool = False, client_request_id: str = "",
+    content_encoding: str | None = None,
 ) -> Started:
     """Decode, admit, queue and dispatch; return once the first piece arrived.
 
     ``push``: a streamed request's output goes to a ``PushRelay`` (the
     caller runs it); otherwise it is pulled from ``Started.pieces``.
     ``stream_implied``: the endpoint streams whatever the body says (WebSocket).
-    ``client_request_id``: the caller's ``X-Request-Id``, for the log line. Every
+    ``client_request_id``: the caller's ``X-Request-Id``, for the log line.
+    ``content_encoding``: the body's ``Content-Encoding`` (gzip, deflate). Every
     failure up to here is an ``ApiError`` with its HTTP status, and leaves
     nothing behind (lease released, replica request aborted).
     """
@@ -162,7 +202,7 @@ async def start_generation(
     request_id_var.set(request_id)
     outcome = Outcome(svc, policy, endpoint, started, request_id, client_request_id=client_request_id)
     try:
-        req, job, prompt_estimate = _job(svc, policy, body, chat, stream_implied)
+        req, job, prompt_estimate = _job(svc, policy, body, chat, stream_implied, content_encoding)
         ticket = await svc.admission.admit(policy, prompt_estimate + job.params.max_tokens)
     except BaseException as e:
         if isinstance(e, ApiError):

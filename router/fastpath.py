@@ -24,13 +24,12 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import zlib
 
 from litestar import Litestar
 
 from router.completions import new_request_id, open_stream, respond_whole, start_generation
 from router.cors import response_headers
-from router.errors import ApiError, BadRequest, PayloadTooLarge, UnsupportedMediaType, error_body
+from router.errors import ApiError, error_body
 from router.push import wire_for
 from router.relay import log_refused
 from router.service import RouterService
@@ -64,11 +63,11 @@ class FastPath:
                         auth = v.decode("latin-1")
                     elif k == b"origin":
                         origin = v.decode("latin-1")
-                    elif k == b"content-encoding":
-                        encoding = v.decode("latin-1")
+                    elif k == b"content-encoding":  # (several headers: one list)
+                        encoding = v.decode("latin-1") if encoding is None else f"{encoding}, {v.decode('latin-1')}"
                     elif k == b"x-request-id":
                         client_rid = v.decode("latin-1")
-                    elif k == b"x-resume-request-id" or k == b"last-event-id":
+                    elif k == b"x-resume-request-id" or (k == b"last-event-id" and v):
                         return await self.app(scope, receive, send)
                 cors = response_headers(self.cors, origin) if origin is not None and self.cors is not None else []
                 return await self._completion(receive, send, chat, auth, scope["path"], cors, encoding, client_rid)
@@ -92,12 +91,6 @@ class FastPath:
                 return
             if not msg.get("more_body", False):
                 break
-        if encoding is not None:
-            try:
-                body = _decoded(body, encoding, limit)
-            except ApiError as e:
-                await _error(send, cors, e.status, e.body(), e.headers)
-                return
         task = asyncio.current_task()
         assert task is not None
         gone = False
@@ -116,7 +109,7 @@ class FastPath:
             try:
                 policy = svc.tenant(auth)
                 st = await start_generation(svc, policy, body, chat, request_id, "chat" if chat else "completions",
-                                            push=True, client_request_id=client_rid)
+                                            push=True, client_request_id=client_rid, content_encoding=encoding)
                 if st.relay is not None:
                     es, sse_headers = await open_stream(svc, policy, st, chat, request_id)
                 else:
@@ -157,33 +150,6 @@ class FastPath:
             if es is not None:
                 es.gen.close()  # aborts on the replica unless it finished
                 es.settle()
-
-
-def _decoded(body: bytes, encoding: str, limit: int) -> bytes:
-    """A request body sent with ``Content-Encoding`` (gzip or deflate, as
-    clients behind compressing proxies send them), decompressed to at most
-    ``limit`` bytes."""
-    codings = [c.strip().lower() for c in encoding.split(",") if c.strip().lower() not in ("", "identity")]
-    if not codings:
-        return body
-    if len(codings) > 1 or codings[0] not in ("gzip", "x-gzip", "deflate"):
-        raise UnsupportedMediaType(f"Content-Encoding {encoding!r} is not supported; send the body as is, "
-                                   "or compressed with gzip or deflate.")
-    # gzip; deflate as RFC 9110 means it (zlib-wrapped), raw deflate too (what some clients send)
-    if codings[0] != "deflate":
-        wbits = 16 + zlib.MAX_WBITS
-    else:
-        wbits = zlib.MAX_WBITS if body[:1] == b"\x78" else -zlib.MAX_WBITS
-    d = zlib.decompressobj(wbits)
-    try:
-        out = d.decompress(body, limit + 1)
-    except zlib.error as e:
-        raise BadRequest(f"The request body is not valid {codings[0]} data: {e}.", code="invalid_body") from e
-    if len(out) > limit:
-        raise PayloadTooLarge("The request body is too large (decompressed).")
-    if not d.eof:
-        raise BadRequest(f"The request body's {codings[0]} data is truncated.", code="invalid_body")
-    return out
 
 
 def _headers_only(send):

@@ -236,6 +236,17 @@ def test_bad_compressed_bodies(shared_router: RouterProcess) -> None:
     # a small body that inflates past max_body_bytes
     assert error_of(send(gzip.compress(b" " * (MAX_BODY + 1)), "gzip"), 413)["code"] == "request_too_large"
     assert send(raw, "identity").status_code == 200
+    # gzip members one after another make one body; data after a deflate stream is refused
+    half = len(raw) // 2
+    assert send(gzip.compress(raw[:half]) + gzip.compress(raw[half:]), "gzip").status_code == 200
+    c = zlib.compressobj()
+    assert error_of(send(c.compress(raw) + c.flush() + b"junk", "deflate"), 400)["code"] == "invalid_body"
+    # the key is checked first: nobody without one makes the router inflate anything
+    r = post(shared_router, CHAT, content=gzip.compress(b" " * (MAX_BODY + 1)),
+             headers={"authorization": "Bearer nope", "content-encoding": "gzip"})
+    error_of(r, 401)
+    # a refused body is logged and counted like any bad request (it has a request id)
+    assert send(raw, "br").headers.get("x-request-id")
 
 
 # -- authentication -------------------------------------------------------------
