@@ -38,6 +38,9 @@ class _WebSocket(WebSocketsSansIOProtocol):
 
     def shutdown(self) -> None:
         if self.handshake_complete and not self.close_sent:
+            # (a peer that never answers the router's close frame holds the
+            # shutdown only this long, not websockets' 10 s)
+            self.close_timeout = min(self.close_timeout, 1.0)
             return
         super().shutdown()
 

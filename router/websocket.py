@@ -83,10 +83,11 @@ class _Conn:
     def start(self, cid: str, body: bytes) -> None:
         task = asyncio.get_running_loop().create_task(self.run_one(cid, body))
         self.running[cid] = task
-        task.add_done_callback(lambda t: self._ended(cid))
+        task.add_done_callback(lambda t: self._ended(cid, t))
 
-    def _ended(self, cid: str) -> None:
-        self.running.pop(cid, None)
+    def _ended(self, cid: str, task: asyncio.Task[None]) -> None:
+        if self.running.get(cid) is task:  # (an aborted one's id may run again already)
+            del self.running[cid]
         if self.draining and not self.running:
             self._close_soon()
 
@@ -103,6 +104,8 @@ class _Conn:
 
     async def send(self, data: bytes) -> None:
         async with self._send_lock:
+            if self.closing is not None:  # the router closed the socket (shutdown): nothing more goes out
+                return
             await self.sock.send_data(data.decode("utf-8"), mode="text")
 
     async def run_one(self, cid: str, body: bytes) -> None:

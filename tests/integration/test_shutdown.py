@@ -7,7 +7,9 @@ without a word; and it exits with no replica left behind."""
 from __future__ import annotations
 
 import asyncio
+import base64
 import json
+import os
 import signal
 import time
 
@@ -129,6 +131,22 @@ async def test_websockets_get_the_grace_then_close_with_1012(router: RouterProce
     assert GRACE - 0.5 <= ended_at - stopped_at <= GRACE + 5
     router.proc.wait(15)
     assert router.proc.returncode in (0, -signal.SIGTERM), router.log()[-3000:]
+
+
+async def test_a_websocket_peer_that_never_answers_does_not_hold_the_shutdown(router: RouterProcess) -> None:
+    host, port = router.base_url.removeprefix("http://").rsplit(":", 1)
+    reader, writer = await asyncio.open_connection(host, int(port))
+    key = base64.b64encode(os.urandom(16)).decode()
+    writer.write(f"GET /v1/ws HTTP/1.1\r\nHost: {host}\r\nUpgrade: websocket\r\nConnection: Upgrade\r\n"
+                 f"Sec-WebSocket-Key: {key}\r\nSec-WebSocket-Version: 13\r\n"
+                 f"Authorization: Bearer {GOLD}\r\n\r\n".encode())
+    head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 10)
+    assert b" 101 " in head.split(b"\r\n")[0], head
+    t = time.monotonic()
+    router.proc.send_signal(signal.SIGTERM)  # the router sends its close frame; this peer never answers it
+    await asyncio.to_thread(router.proc.wait, 15)
+    assert time.monotonic() - t < 4, "a silent peer held the shutdown (websockets waits 10 s for a close reply)"
+    writer.close()
 
 
 async def test_a_stream_that_ends_within_the_grace_finishes(router: RouterProcess) -> None:

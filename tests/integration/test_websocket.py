@@ -250,6 +250,27 @@ async def test_abort_stops_one_generation_and_the_other_completes(router: Router
         assert col.of("c")[-1] == {"id": "c", "done": True}
 
 
+async def test_an_id_aborted_and_sent_again_at_once_stays_abortable(router: RouterProcess,
+                                                                     http: httpx.AsyncClient) -> None:
+    """A "regenerate" button: abort and create with the same id, in one write."""
+    async with open_ws(router) as ws:
+        col = Collector(ws)
+        await create(ws, "a", chat_body("The ", 2000))
+        await col.until(lambda: len(col.of("a")) >= 3, what="a to stream")
+        abort = json.dumps({"type": "abort", "id": "a"})
+        again = json.dumps({"type": "chat.completions.create", "id": "a", "body": chat_body("The ", 2000)})
+        ws.protocol.send_text(abort.encode())  # two messages in one TCP write
+        ws.protocol.send_text(again.encode())
+        ws.transport.write(b"".join(ws.protocol.data_to_send()))
+        await col.until(lambda: sum(1 for m in col.of("a") if m.get("aborted")) == 1, what="the first abort")
+        n = len(col.log)
+        await col.until(lambda: sum(1 for m in col.log[n:] if m.get("id") == "a" and "chunk" in m) >= 3,
+                        what="the new a to stream")
+        await ws.send(abort)  # the new one is tracked: it can be aborted too
+        await col.until(lambda: sum(1 for m in col.of("a") if m.get("aborted")) == 2, what="the second abort")
+        await wait_load(router, http, lambda inf, eng: inf == 0, 2.5, "nothing left in flight")
+
+
 # -- protocol errors keep the socket open ---------------------------------------------------------------
 
 
