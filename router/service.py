@@ -60,6 +60,7 @@ class RouterService:
         self._lag_task: asyncio.Task[None] | None = None
         self._drain: asyncio.TimerHandle | None = None
         self.sockets: set[_Drains] = set()  # open WebSocket connections (router/websocket.py)
+        self._warned: set[tuple[str, str]] = set()  # (tenant, model) named by _warn_unserved_models
         self.pool = ReplicaPool(config.replicas)
         self.scheduler = Scheduler(self.pool, m, config.scheduler, config.batching)
         self.supervisor = Supervisor(
@@ -81,14 +82,23 @@ class RouterService:
             self._warn_unserved_models()
 
     def _warn_unserved_models(self) -> None:
-        """Log the tenants' model names no replica serves (a typo in
-        tenants.yaml shows here, not as 404s for that tenant's clients)."""
-        served = set(self.pool.models())
+        """Log (once each) the tenants' model names no replica serves: a typo
+        in tenants.yaml shows here, not only as 404s for that tenant's
+        clients. Only once every replica's model is known (a remote replica's
+        once it has connected)."""
+        served: set[str] = set()
+        for s in self.pool.slots:
+            model = s.client.model if s.client is not None else str(
+                s.spec.config.get("served_name") or s.spec.config.get("model") or "")
+            if not model:
+                return
+            served.add(model)
         for name, pol in self.policy.current.tenants.items():
-            unserved = [m for m in pol.models if m != "*" and m not in served]
+            unserved = [m for m in pol.models if m != "*" and m not in served and (name, m) not in self._warned]
             if unserved:
+                self._warned.update((name, m) for m in unserved)
                 log.warning("tenant %s allows models no replica serves: %s (served: %s)",
-                            name, ", ".join(unserved), ", ".join(sorted(served)) or "none")
+                            name, ", ".join(unserved), ", ".join(sorted(served)))
 
     def tenant(self, authorization: str | None) -> TenantPolicy:
         """The caller's tenant policy (401/403 on a bad or admin key)."""
@@ -181,6 +191,8 @@ class RouterService:
         log.info("stopped")
 
     def _on_replica_event(self, event: str, slot: ReplicaSlot) -> None:
+        if event == "ready":
+            self._warn_unserved_models()
         if event == "down":
             self.metrics.replica_restarts.labels(slot.name).inc()
         self.metrics.replica_up.labels(slot.name).set(1 if slot.ready else 0)
