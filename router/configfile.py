@@ -132,24 +132,25 @@ def _replace_at(data: Any, path: tuple[Any, ...], value: Any) -> Any:
 
 def _literal_values(type_: Any, at: tuple[Any, ...]) -> list[Any]:
     """The values a ``Literal`` field at ``at`` (in ``type_``) allows, if it is one."""
-    infos = [msgspec.inspect.type_info(type_)]
+    mi = msgspec.inspect
+
+    def alternatives(info: Any) -> tuple[Any, ...]:
+        return info.types if isinstance(info, mi.UnionType) else (info,)
+
+    infos = [mi.type_info(type_)]
     for key in at:
         nxt: list[Any] = []
-        for info in infos:
-            for t in (info.types if isinstance(info, msgspec.inspect.UnionType) else (info,)):
-                if isinstance(t, msgspec.inspect.StructType):
-                    nxt += [f.type for f in t.fields if f.encode_name == key]
-                elif isinstance(t, msgspec.inspect.DictType):
-                    nxt.append(t.value_type)
-                elif isinstance(t, (msgspec.inspect.ListType, msgspec.inspect.TupleType)):
-                    nxt += [getattr(t, "item_type", None)] if hasattr(t, "item_type") else list(t.item_types)
-        infos = [i for i in nxt if i is not None]
-    out: list[Any] = []
-    for info in infos:
-        for t in (info.types if isinstance(info, msgspec.inspect.UnionType) else (info,)):
-            if isinstance(t, msgspec.inspect.LiteralType):
-                out += list(t.values)
-    return out
+        for t in (t for info in infos for t in alternatives(info)):
+            if isinstance(t, mi.StructType):
+                nxt += [f.type for f in t.fields if f.encode_name == key]
+            elif isinstance(t, mi.DictType):
+                nxt.append(t.value_type)
+            elif isinstance(t, (mi.ListType, mi.VarTupleType, mi.SetType, mi.FrozenSetType)):
+                nxt.append(t.item_type)
+            elif isinstance(t, mi.TupleType) and isinstance(key, int) and key < len(t.item_types):
+                nxt.append(t.item_types[key])
+        infos = nxt
+    return [v for info in infos for t in alternatives(info) if isinstance(t, mi.LiteralType) for v in t.values]
 
 
 def parse_validation_error(err: str) -> tuple[tuple[Any, ...], str]:

@@ -105,10 +105,11 @@ class FastPath:
         listener = asyncio.get_running_loop().create_task(listen())
         st = es = policy = None
         request_id = new_request_id()
+        endpoint = "chat" if chat else "completions"
         try:
             try:
                 policy = svc.tenant(auth)
-                st = await start_generation(svc, policy, body, chat, request_id, "chat" if chat else "completions",
+                st = await start_generation(svc, policy, body, chat, request_id, endpoint,
                                             push=True, client_request_id=client_rid, content_encoding=encoding)
                 if st.relay is not None:
                     es, sse_headers = await open_stream(svc, policy, st, chat, request_id)
@@ -117,7 +118,7 @@ class FastPath:
             except ApiError as e:
                 if policy is None:  # refused before it had a tenant (401, 403)
                     e.headers.setdefault("x-request-id", request_id)
-                    log_refused(svc, "chat" if chat else "completions", request_id, e, client_rid)
+                    log_refused(svc, endpoint, request_id, e, client_rid)
                 await _error(send, cors, e.status, e.body(), e.headers)
                 return
             except asyncio.CancelledError:
@@ -154,7 +155,8 @@ class FastPath:
 
 def _headers_only(send):
     """``send`` for a HEAD request served as GET: the response's head (its
-    content-length included), no body."""
+    content-length included), no body. (uvicorn drops a HEAD response's body
+    itself; this keeps it so on any ASGI server.)"""
 
     async def head_send(message) -> None:
         if message["type"] == "http.response.body":
