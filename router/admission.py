@@ -100,23 +100,32 @@ class _Waiter:
     """A request in its tenant's admission line: ``sleep`` until woken (its
     turn, a stream of the tenant ended, the router stops) or a timeout."""
 
-    __slots__ = ("_wake",)
+    __slots__ = ("_wake", "_woken")
 
     def __init__(self) -> None:
         self._wake: asyncio.Future[None] | None = None
+        self._woken = False  # woken while not asleep: the next sleep returns at once
 
     def wake(self) -> None:
+        self._woken = True
         if self._wake is not None and not self._wake.done():
             self._wake.set_result(None)
 
     async def sleep(self, timeout: float) -> None:
-        self._wake = asyncio.get_running_loop().create_future()
+        if self._woken:
+            self._woken = False
+            return
+        loop = asyncio.get_running_loop()
+        fut = self._wake = loop.create_future()
+        timer = None if timeout == math.inf else loop.call_later(
+            max(0.0, timeout), lambda: fut.done() or fut.set_result(None))
         try:
-            await asyncio.wait_for(self._wake, max(0.0, timeout) if timeout != math.inf else None)
-        except TimeoutError:
-            pass
+            await fut  # (a plain await: a cancel is never lost, unlike 3.11's wait_for)
         finally:
             self._wake = None
+            self._woken = False
+            if timer is not None:
+                timer.cancel()
 
 
 class Admission:
@@ -125,6 +134,7 @@ class Admission:
         self.metrics = metrics
         self._leases: dict[str, Ticket] = {}
         self._lines: dict[str, collections.deque[_Waiter]] = {}  # per tenant, in arrival order
+        self._ends: dict[str, int] = {}  # per tenant: streams ended (a refusal older than that is stale)
         self._keeper: asyncio.Task[None] | None = None
         self._stopped = asyncio.Event()  # set: requests waiting for a limit get RouterShutdown
 
@@ -163,15 +173,23 @@ class Admission:
         name = policy.name
         line = self._lines.get(name)
         decision: Decision | None = None
-        if policy.on_limit != "queue" or not line or len(line) >= policy.queue_depth:
-            # nobody of this tenant waits here (or the line is full, or the tenant does not queue): try now
+        ends = self._ends.get(name, 0)
+        too_large = bool(lim.tokens_per_minute) and cost_tokens > lim.tokens_per_minute
+        if policy.on_limit == "queue" and line and len(line) >= policy.queue_depth and not too_large:
+            raise self._line_full(policy)  # (not a try at the store: it could take the head's turn)
+        if policy.on_limit != "queue" or not line or too_large:
+            # nobody of this tenant waits here (or the tenant does not queue): try now
             decision = await self._admit_once(name, req)
             if decision.ok:
                 return self._ticket(policy, req, cost_tokens, decision)
             self._check_fits(policy, decision, cost_tokens)
-            if (policy.on_limit != "queue" or len(line or ()) >= policy.queue_depth
-                    or loop.time() + min(decision.retry_after, 0.05) >= deadline):
+            line = self._lines.get(name)  # (the await may have made or ended the line)
+            if policy.on_limit != "queue" or loop.time() + min(decision.retry_after, 0.05) >= deadline:
                 raise self._refused(policy, decision)
+            if line is not None and len(line) >= policy.queue_depth:
+                raise self._line_full(policy)
+            if self._stopped.is_set():
+                raise RouterShutdown()
         # Wait in the tenant's line. Only its head asks the store, when its
         # limit should have freed or when one of the tenant's streams ends; a
         # request admitted or given up hands the turn to the next at once.
@@ -179,6 +197,8 @@ class Admission:
             line = self._lines[name] = collections.deque()
         me = _Waiter()
         line.append(me)
+        if self._ends.get(name, 0) != ends:
+            me.wake()  # a stream ended while the store answered: try again at once
         self.metrics.admission_waiting.labels(name).inc()
         try:
             while True:
@@ -197,6 +217,8 @@ class Admission:
                             raise self._refused(policy, decision)
                         return self._ticket(policy, req, cost_tokens, decision, started)
                 elif decision is not None:  # the head, refused: until the limit frees
+                    if self._stopped.is_set():
+                        raise RouterShutdown()
                     wait = decision.retry_after
                     if now + wait > deadline + DEADLINE_SLACK:  # (a limit that frees just after the deadline is waited for)
                         if now >= deadline:
@@ -214,7 +236,8 @@ class Admission:
             line.remove(me)
             self.metrics.admission_waiting.labels(name).dec()
             if not line:
-                del self._lines[name]
+                if self._lines.get(name) is line:
+                    del self._lines[name]
             elif head:
                 line[0].wake()
 
@@ -244,6 +267,13 @@ class Admission:
             f"Rate limit reached for tenant {policy.name!r} on {_REASONS.get(decision.reason, decision.reason)}. "
             f"Please try again in {fmt_duration(max(retry, 0.001))}.",
             retry_after=retry, headers=ratelimit_headers(policy, decision),
+        )
+
+    def _line_full(self, policy: TenantPolicy) -> RateLimited:
+        self.metrics.rate_limited.labels(policy.name, "queue").inc()
+        return RateLimited(
+            f"Too many requests of tenant {policy.name!r} wait for its limits (queue depth {policy.queue_depth}); "
+            "retry later.", retry_after=1.0, code="queue_full",
         )
 
     def fail_waiting(self) -> int:
@@ -280,6 +310,7 @@ class Admission:
             await self.store.release(ticket.tenant, ticket.lease_id)
         except StoreUnavailable as e:
             log.warning("could not settle lease of %s: %s (it expires by itself)", ticket.tenant, e)
+        self._ends[ticket.tenant] = self._ends.get(ticket.tenant, 0) + 1
         line = self._lines.get(ticket.tenant)
         if line:  # a stream and its lease ended, tokens came back: the tenant's next may fit now
             line[0].wake()

@@ -39,6 +39,14 @@ class CountingStore(MemoryStore):
         return await super().admit(tenant, req)
 
 
+class SlowStore(MemoryStore):
+    """Answers after a few milliseconds, as Redis does: other requests run meanwhile."""
+
+    async def admit(self, tenant, req):
+        await asyncio.sleep(0.005)
+        return await super().admit(tenant, req)
+
+
 async def _drained(policy: TenantPolicy, store: MemoryStore | None = None) -> Admission:
     adm = Admission(store or MemoryStore(), Metrics())
     for _ in range(policy.limits.requests_per_minute):
@@ -134,3 +142,49 @@ async def test_a_limit_that_frees_well_after_the_deadline_refuses_with_a_usable_
     assert 0.45 <= loop.time() - t <= 0.5 + DEADLINE_SLACK + 0.1
     assert "Please try again in 0ms" not in refused.value.message
     assert refused.value.headers["retry-after"] == "1"
+
+
+async def test_requests_arriving_together_on_a_slow_store_share_one_line() -> None:
+    policy = _policy(5.0, rpm=0, concurrent=1)
+    adm = Admission(SlowStore(), Metrics())
+    held = await adm.admit(policy, 1)
+    order: list[int] = []
+
+    async def one(i: int) -> None:
+        ticket = await adm.admit(policy, 1)
+        order.append(i)
+        await asyncio.sleep(0.02)
+        await adm.finish(ticket, 1)
+
+    tasks = [asyncio.create_task(one(i)) for i in range(3)]
+    await asyncio.sleep(0.05)
+    assert adm.queued("t") == 3
+    await adm.finish(held, 1)
+    await asyncio.wait_for(asyncio.gather(*tasks), 3)  # (each in well under the 1 s a refusal suggests)
+    assert sorted(order) == [0, 1, 2] and adm.queued("t") == 0 and not adm._lines
+
+
+async def test_a_full_line_refuses_without_taking_the_heads_turn() -> None:
+    policy = _policy(5.0, rpm=0, concurrent=1, depth=1)
+    adm = Admission(MemoryStore(), Metrics())
+    held = await adm.admit(policy, 1)
+    head = asyncio.create_task(adm.admit(policy, 1))
+    await asyncio.sleep(0.02)
+    await adm.finish(held, 1)  # the slot is free, the head not yet run
+    with pytest.raises(RateLimited) as full:
+        await adm.admit(policy, 1)
+    assert full.value.code == "queue_full"
+    assert await asyncio.wait_for(head, 1) is not None
+
+
+async def test_a_waiter_cancelled_as_it_is_woken_stays_cancelled() -> None:
+    policy = _policy(5.0, rpm=0, concurrent=1)
+    adm = Admission(MemoryStore(), Metrics())
+    held = await adm.admit(policy, 1)
+    waiting = asyncio.create_task(adm.admit(policy, 1))
+    await asyncio.sleep(0.02)
+    await adm.finish(held, 1)  # wakes it ...
+    waiting.cancel()  # ... and its client leaves in the same turn
+    with pytest.raises(asyncio.CancelledError):
+        await waiting
+    assert adm.queued("t") == 0 and not adm._leases
