@@ -96,6 +96,9 @@ def check_model(svc: RouterService, policy: TenantPolicy, model: str) -> None:
                        param="model", code="model_not_found")
 
 
+MAX_GZIP_MEMBERS = 16
+
+
 def decoded_body(body: bytes, encoding: str, limit: int) -> bytes:
     """A request body sent with ``Content-Encoding`` (gzip or deflate, as
     clients behind compressing proxies send them), decompressed to at most
@@ -111,23 +114,27 @@ def decoded_body(body: bytes, encoding: str, limit: int) -> bytes:
         wbits = 16 + zlib.MAX_WBITS
     else:
         wbits = zlib.MAX_WBITS if body[:1] == b"\x78" else -zlib.MAX_WBITS
-    out = b""
+    out: list[bytes] = []
+    size = 0
     rest = body
-    while True:  # (gzip: one member after another)
+    for _ in range(MAX_GZIP_MEMBERS):  # (gzip: one member after another; a few, not thousands)
         d = zlib.decompressobj(wbits)
         try:
-            out += d.decompress(rest, limit + 1 - len(out))
+            part = d.decompress(rest, limit + 1 - size)
         except zlib.error as e:
             raise BadRequest(f"The request body is not valid {codings[0]} data: {e}.", code="invalid_body") from e
-        if len(out) > limit:
+        out.append(part)
+        size += len(part)
+        if size > limit:
             raise PayloadTooLarge("The request body is too large (decompressed).")
         if not d.eof:
             raise BadRequest(f"The request body's {codings[0]} data is truncated.", code="invalid_body")
         rest = d.unused_data
         if not rest:
-            return out
+            return b"".join(out)
         if wbits != 16 + zlib.MAX_WBITS:
-            raise BadRequest(f"The request body has data after its {codings[0]} stream.", code="invalid_body")
+            break
+    raise BadRequest(f"The request body has data after its {codings[0]} stream.", code="invalid_body")
 
 
 def _job(svc: RouterService, policy: TenantPolicy, body: bytes, chat: bool, stream_implied: bool,
