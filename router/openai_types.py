@@ -234,12 +234,10 @@ def completion_prompt(req: CompletionRequest) -> str | list[int]:
         prompt = prompt[0]
     elif isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
         raise BadRequest("Only one prompt per request is supported.", param="prompt")
-    if isinstance(prompt, str):
-        if not prompt:
-            raise BadRequest("'prompt' must not be empty.", param="prompt")
-        return prompt
-    if not prompt:
+    if not prompt:  # "" or []
         raise BadRequest("'prompt' must not be empty.", param="prompt")
+    if isinstance(prompt, str):
+        return prompt
     if not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in prompt):
         raise BadRequest("'prompt' must be a string or a list of token ids.", param="prompt")
     return prompt
