@@ -185,6 +185,9 @@ def create_app(config: RouterConfig, tenants_path: Path) -> FastPath:
         request_max_body_size=config.max_body_bytes,
         cors_config=cors_config(config.cors),
         openapi_config=None,
+        # logging is the process's (router.logs, set up by the command that
+        # runs the app): Litestar's default config replaced its handlers
+        logging_config=None,
         debug=False,
     )
     app.state.service = service

@@ -10,11 +10,11 @@ __all__ = ["main"]
 
 
 def _serve(args: argparse.Namespace) -> int:
-    from router.app import create_app
+    # (router.app and router.server import prometheus-client, which picks its
+    # multiprocess mode when first imported: --workers sets that up first)
     from router.config import load_router_config
     from router.configfile import ConfigError
     from router.logs import setup_logging
-    from router.server import Server
 
     try:
         config, tenants = load_router_config(args.config)
@@ -27,6 +27,8 @@ def _serve(args: argparse.Namespace) -> int:
             load_yaml(tenants, TenantsFile)  # fail now, not in every worker
             app = None
         else:
+            from router.app import create_app
+
             app = create_app(config, tenants)
     except ConfigError as e:
         print("\n".join(e.errors), file=sys.stderr)
@@ -39,6 +41,8 @@ def _serve(args: argparse.Namespace) -> int:
 
         log_args = ["--log-level", args.log_level, "--log-format", args.log_format]
         return serve_workers(config, tenants, host, port, args.workers, log_args)
+    from router.server import Server
+
     Server(app, host=host, port=port, backlog=4096).run()
     return 0
 

@@ -193,6 +193,6 @@ class RouterService:
     def _on_replica_event(self, event: str, slot: ReplicaSlot) -> None:
         if event == "ready":
             self._warn_unserved_models()
-        if event == "down":
+        if event == "down" and slot.spec.local:  # (a remote one is reconnected, not restarted)
             self.metrics.replica_restarts.labels(slot.name).inc()
         self.metrics.replica_up.labels(slot.name).set(1 if slot.ready else 0)

@@ -30,7 +30,7 @@ from pathlib import Path
 
 import msgspec
 
-from replicas.pool import ReplicaPool
+from replicas.pool import ReplicaPool, ReplicaSlot
 from replicas.supervisor import Supervisor, SupervisorSettings, die_with_parent
 from router.config import SHUTDOWN_MARGIN, RouterConfig
 
@@ -75,6 +75,19 @@ async def _parent(config: RouterConfig, tenants: Path, host: str, port: int, n: 
                   log_args: list[str]) -> int:
     local = [s for s in config.replicas if s.local]
     pool = ReplicaPool(local)
+    # The parent restarts the local replicas, so it counts their restarts (the
+    # workers see them as remote ones and only reconnect); /metrics sums it in.
+    # (prometheus-client picks its multiprocess values when first imported:
+    # after PROMETHEUS_MULTIPROC_DIR is set.)
+    from router.metrics import Metrics
+
+    metrics = Metrics()
+    metrics.declare((s.name for s in local), ())
+
+    def on_event(event: str, slot: ReplicaSlot) -> None:
+        if event == "down":
+            metrics.replica_restarts.labels(slot.name).inc()
+
     supervisor = Supervisor(
         pool,
         SupervisorSettings(
@@ -83,6 +96,7 @@ async def _parent(config: RouterConfig, tenants: Path, host: str, port: int, n: 
             backoff_max=config.restart_backoff_max,
             run_dir=run_dir,
         ),
+        on_event=on_event,
     )
     await supervisor.start()
     if local and not await supervisor.wait_ready(config.ready_timeout, minimum=1):

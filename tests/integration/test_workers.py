@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import signal
 import subprocess
 import sys
+import time
 
 import httpx
 import pytest
@@ -86,6 +88,12 @@ async def test_two_workers_share_limits_and_metrics(tmp_path, redis_server):
             seen.add(m.value("fairstream_requests_total", tenant="limited", outcome="ok"))
             assert m.value("fairstream_rate_limited_total", tenant="limited", limit="requests") == 30
         assert seen == {10.0}
+        # the workers' request lines are JSON with their fields, like a single router's
+        lines = [json.loads(line) for line in (tmp_path / "router.log").read_text().splitlines()
+                 if line.startswith("{") and '"fairstream.request"' in line]
+        assert len(lines) == 40, (tmp_path / "router.log").read_text()[-3000:]
+        assert {line["outcome"] for line in lines} == {"ok", "rate_limited"}
+        assert all(line["tenant"] == "limited" and line["request_id"] for line in lines)
     finally:
         kids = descendants(proc.pid)
         proc.send_signal(signal.SIGTERM)
@@ -110,6 +118,20 @@ async def test_a_dead_worker_is_restarted(tmp_path, redis_server):
         os.kill(first[0], signal.SIGKILL)
         poll(lambda: len(workers()) == 2 and first[0] not in workers(), 20, what="worker restarted")
         poll(lambda: httpx.get(base + "/ready", timeout=2).status_code == 200, 20, what="ready again")
+        # a replica that dies is one restart, whichever worker answers /metrics (each worker reconnects)
+        victims = [p for p in descendants(proc.pid) if "sim-0.sock" in open(f"/proc/{p}/cmdline").read()]
+        assert len(victims) == 1, victims
+        os.kill(victims[0], signal.SIGKILL)
+
+        def restarts() -> float:
+            with httpx.Client(timeout=5) as c:
+                return MetricsSnapshot(c.get(base + "/metrics").text).value(
+                    "fairstream_replica_restarts_total", 0.0, replica="sim-0")
+
+        poll(lambda: restarts() >= 1, 20, what="the restart counted")
+        poll(lambda: httpx.get(base + "/ready", timeout=2).status_code == 200, 20, what="ready again")
+        time.sleep(2)  # (the workers have reconnected by now)
+        assert restarts() == 1
     finally:
         kids = descendants(proc.pid)
         proc.send_signal(signal.SIGTERM)
