@@ -13,7 +13,12 @@ started, completed and errored, token mismatches, failovers and lost streams
 (from /metrics), the p99 failover latency, and replica restarts.
 
 Loopback only: replicas are signalled by pid, so the runner must run on the
-router's host, and it refuses a non-loopback URL. Bounded in time and count.
+router's host, and it refuses a non-loopback URL. It needs at least two local
+replicas with pids (a ``serve --workers`` router lists its replicas as
+remote: run it against a single-process router), and refuses to report a
+run in which it took no action. A freeze (7 s by default) outlasts the
+router's ``health_timeout`` (5 s), so the router notices it. Bounded in time
+and count.
 """
 
 from __future__ import annotations
@@ -47,7 +52,7 @@ class ChaosConfig:
     duration: float = 20.0
     max_tokens: int = 200
     kill_every: float = 3.0
-    freeze: float = 2.0
+    freeze: float = 7.0  # above the router's default health_timeout (5 s): a freeze is noticed
     mode: str = "kill"  # kill | freeze | mixed
     seed: int = 0
     max_requests: int = 10_000
@@ -75,7 +80,8 @@ class ChaosReport:
             ("token mismatches", self.mismatches),
             ("failovers (router)", int(self.failovers)),
             ("streams lost (router)", int(self.streams_lost)),
-            ("failover latency p99", "n/a" if self.failover_p99 is None else f"{self.failover_p99 * 1000:.0f} ms"),
+            ("failover latency p99 (from detection)",
+             "n/a" if self.failover_p99 is None else f"{self.failover_p99 * 1000:.0f} ms"),
             ("replica restarts", self.restarts),
             ("chaos actions", len(self.actions)),
             ("duration", f"{self.duration:.1f} s"),
@@ -204,6 +210,10 @@ async def _chaos(admin: httpx.AsyncClient, cfg: ChaosConfig, rep: ChaosReport, s
                 pass  # the supervisor killed it for not answering pings
 
 
+class ChaosError(Exception):
+    """The run cannot test anything (no replica to act on)."""
+
+
 async def run_chaos(cfg: ChaosConfig, progress=None) -> ChaosReport:
     _check_loopback(cfg.base_url)
     rep = ChaosReport()
@@ -212,6 +222,12 @@ async def run_chaos(cfg: ChaosConfig, progress=None) -> ChaosReport:
     async with httpx.AsyncClient(base_url=cfg.base_url, headers=headers, timeout=120, limits=limits) as client, \
             httpx.AsyncClient(base_url=cfg.base_url, headers={"Authorization": f"Bearer {cfg.admin_key}"},
                               timeout=10) as admin:
+        reps = (await admin.get("/admin/replicas")).json()["replicas"]
+        usable = [r for r in reps if r["local"] and r["pid"]]
+        if len(usable) < 2:
+            raise ChaosError(
+                f"chaos needs at least two local replicas it can signal; this router lists {len(usable)} of "
+                f"{len(reps)} (a `serve --workers` router lists its replicas as remote: use a single-process one)")
         refs = await _reference(client, cfg)
         before = await _metrics(client)
         restarts0 = sum(r["restarts"] for r in (await admin.get("/admin/replicas")).json()["replicas"])
@@ -257,7 +273,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--duration", type=float, default=20.0)
     p.add_argument("--max-tokens", type=int, default=200)
     p.add_argument("--kill-every", type=float, default=3.0)
-    p.add_argument("--freeze", type=float, default=2.0)
+    p.add_argument("--freeze", type=float, default=7.0,
+                   help="seconds a frozen replica stays stopped; above the router's health_timeout to be noticed")
     p.add_argument("--mode", choices=["kill", "freeze", "mixed"], default="mixed")
     p.add_argument("--seed", type=int, default=0)
     a = p.parse_args(argv)
@@ -269,11 +286,19 @@ def main(argv: list[str] | None = None) -> int:
                          f"mismatches {rep.mismatches} actions {len(rep.actions)}   ")
         sys.stderr.flush()
 
-    rep = asyncio.run(run_chaos(cfg, progress))
+    try:
+        rep = asyncio.run(run_chaos(cfg, progress))
+    except ChaosError as e:
+        print(f"chaos: {e}", file=sys.stderr)
+        return 2
     sys.stderr.write("\n")
     for a_ in rep.actions:
         print("-", a_)
     print(rep.table())
+    if not rep.actions:
+        print("chaos: no action was taken (fewer than two replicas were ready at every tick); nothing was tested",
+              file=sys.stderr)
+        return 1
     ok = rep.errored == 0 and rep.mismatches == 0 and rep.streams_lost == 0
     return 0 if ok else 1
 

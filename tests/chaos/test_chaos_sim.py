@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 
-from ops.chaos import ChaosConfig, run_chaos
+from ops.chaos import ChaosConfig, ChaosError, run_chaos
 from tests.helpers import ADMIN, GOLD
 
 # Short health timeouts so a frozen replica is detected within the test's bound.
@@ -36,3 +36,10 @@ async def test_streams_survive_replica_chaos(make_router, mode):
     # the restarted replicas take traffic again
     before = {r: router.metrics().value("fairstream_replica_up", replica=r) for r in router.replica_names}
     assert all(v == 1 for v in before.values()), before
+
+
+async def test_chaos_refuses_a_router_with_nothing_to_act_on(make_router):
+    router = make_router(replicas=1, sim=SIM)
+    cfg = ChaosConfig(base_url=router.base_url, api_key=GOLD, admin_key=ADMIN, streams=1, duration=1.0)
+    with pytest.raises(ChaosError, match="at least two local replicas"):
+        await run_chaos(cfg)
