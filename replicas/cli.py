@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import ipaddress
 import json
+import logging
 import os
 import sys
 
@@ -71,7 +73,12 @@ def run(args: argparse.Namespace) -> None:
     host = port = None
     if args.listen or args.openai:
         host, _, p = (args.listen or args.openai).rpartition(":")
+        host = host.strip("[]")  # ([::1]:7000 as well as ::1:7000)
         port = int(p)
+        if not secret and not _loopback(host):
+            logging.getLogger("fairstream.replica").warning(
+                "listening on %s without a secret (%s is not set): anyone who reaches this address can use the "
+                "replica", host or "every interface", args.secret_env)
     elif not args.socket:
         sys.exit("fairstream replica: give --socket PATH, --listen HOST:PORT or --openai HOST:PORT")
     try:
@@ -87,7 +94,7 @@ def run(args: argparse.Namespace) -> None:
             serve_openai(
                 args.engine,
                 config,
-                host.strip("[]") or "127.0.0.1",
+                host or "127.0.0.1",
                 port or 0,
                 token_ids=not args.no_token_ids,
                 stream_interval=args.stream_interval,
@@ -107,6 +114,15 @@ def run(args: argparse.Namespace) -> None:
             exit_with_parent=args.exit_with_parent,
         )
     )
+
+
+def _loopback(host: str) -> bool:
+    if host in ("localhost", ""):
+        return host == "localhost"
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from pathlib import Path
 
@@ -20,6 +21,11 @@ def _serve(args: argparse.Namespace) -> int:
         config, tenants = load_router_config(args.config)
         if args.tenants:
             tenants = Path(args.tenants)
+        unset = sorted({r.secret_env for r in config.replicas if r.secret_env and not os.environ.get(r.secret_env)})
+        if unset:  # every connection would be refused as a bad secret, over and over
+            print(f"fairstream serve: {', '.join(unset)} (a replica's secret_env in {args.config}) is not set in "
+                  "this environment", file=sys.stderr)
+            return 1
         if args.workers > 1:
             from router.configfile import load_yaml
             from router.tenants import TenantsFile

@@ -158,3 +158,62 @@ def test_hash_key_prompts_at_a_terminal() -> None:
         os.close(master)
     assert proc.returncode == 0, err
     assert out.decode() == f"{_digest('KEY')}\n"
+
+
+def test_serve_refuses_an_unset_replica_secret(tmp_path) -> None:
+    (tmp_path / "router.yaml").write_text(
+        "tenants: " + str(ROOT / "configs" / "tenants.yaml") + "\n"
+        "replicas:\n  - {name: gpu0, address: '127.0.0.1:9', secret_env: FS_TEST_UNSET_SECRET}\n")
+    env = {k: v for k, v in os.environ.items() if k != "FS_TEST_UNSET_SECRET"}
+    proc = subprocess.run([sys.executable, "-c", "from router.cli import main; main()", "serve", "--config",
+                           str(tmp_path / "router.yaml")], capture_output=True, text=True, timeout=30, env=env,
+                          cwd=ROOT, check=False)
+    assert proc.returncode == 1, proc.stderr[-2000:]
+    assert "FS_TEST_UNSET_SECRET" in proc.stderr and "is not set" in proc.stderr
+
+
+def _replica_log(listen: str) -> str:
+    """The first lines a replica run by hand logs, until it is ready (or fails)."""
+    env = {k: v for k, v in os.environ.items() if k != "FAIRSTREAM_REPLICA_SECRET"}
+    proc = subprocess.Popen([sys.executable, "-c", "from router.cli import main; main()", "replica", "--engine",
+                             "sim", "--listen", listen], stderr=subprocess.PIPE, text=True, env=env, cwd=ROOT)
+    out = []
+    try:
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            line = proc.stderr.readline()
+            if not line:
+                break
+            out.append(line)
+            if "replica ready on" in line:
+                break
+    finally:
+        proc.kill()
+        proc.wait(10)
+    return "".join(out)
+
+
+def test_a_replica_open_to_the_network_without_a_secret_says_so() -> None:
+    port = _free_port()
+    log = _replica_log(f"0.0.0.0:{port}")
+    assert "replica ready on" in log, log
+    assert "without a secret" in log and "FAIRSTREAM_REPLICA_SECRET" in log, log
+    assert "without a secret" not in _replica_log(f"127.0.0.1:{_free_port()}")
+
+
+def test_a_bracketed_ipv6_listen_address_works() -> None:
+    import socket
+
+    try:
+        with socket.socket(socket.AF_INET6) as s:
+            s.bind(("::1", 0))
+    except OSError:
+        pytest.skip("no IPv6 loopback here")
+    log = _replica_log(f"[::1]:{_free_port()}")
+    assert "replica ready on" in log and "Traceback" not in log, log
+
+
+def _free_port() -> int:
+    from tests.helpers import free_port
+
+    return free_port()
