@@ -106,6 +106,7 @@ async def health() -> Response:
 @get("/ready")
 async def ready(request: Request) -> Response:
     svc = _svc(request)
+    await svc.store.check()
     replicas = {s.name: s.state for s in svc.pool.slots}
     store_ok = svc.store_healthy or svc.config.state.on_outage == "open"
     ok = any(s.ready for s in svc.pool.slots) and store_ok
@@ -122,6 +123,7 @@ async def metrics(request: Request) -> Response:
     svc = _svc(request)
     if svc.config.metrics_require_admin_key:
         svc.check_admin(request.headers.get("authorization"))
+    await svc.store.check()  # (so that fairstream_state_store_up drops while the router is idle too)
     return Response(svc.metrics.expose(svc.pool), media_type="text/plain; version=0.0.4")  # (Litestar adds the charset)
 
 

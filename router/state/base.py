@@ -115,5 +115,9 @@ class StateStore(abc.ABC):
     async def ping(self) -> None:
         """Raise ``StoreUnavailable`` if the store cannot be reached."""
 
+    async def check(self) -> None:
+        """Notice an outage now, even while no request uses the store
+        (``/ready`` and ``/metrics`` call this)."""
+
     async def close(self) -> None:
         """Release connections."""

@@ -151,6 +151,13 @@ class ResilientStore(StateStore):
     async def ping(self) -> None:
         await self.primary.ping()
 
+    async def check(self) -> None:
+        if self.healthy:  # (while down, the probe task watches for its return)
+            try:
+                await self.primary.ping()
+            except StoreUnavailable as e:
+                self._down("ping", e)
+
     async def close(self) -> None:
         if self._probe is not None:
             self._probe.cancel()

@@ -182,3 +182,16 @@ async def test_outage_during_concurrent_admissions(harness: Harness) -> None:
     assert store.healthy is True and h.changes == [False, True]
     u = await store.primary.usage(t, rpm=1000, tpm=0)
     assert 1000 - 30 - 1 < u.requests_available <= 1000 - 30 + 1, u  # counted in Redis, not locally
+
+
+async def test_check_notices_an_outage_while_idle_then_recovers(harness: Harness) -> None:
+    """``/ready`` and ``/metrics`` call ``check``: an idle router's outage shows there."""
+    h, store = harness, harness.store
+    await store.check()
+    assert store.healthy and h.changes == []
+    h.server.kill()
+    await store.check()  # no request in between
+    assert store.healthy is False and h.changes == [False] and "ping" in h.errors
+    h.server.restart()
+    await h.wait_healthy(5.0)
+    assert h.changes == [False, True]
