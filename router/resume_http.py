@@ -47,6 +47,7 @@ log = logging.getLogger("fairstream.resume")
 
 TAIL_POLL = 0.02
 CATCH_UP = 2.0  # seconds to wait for a live owner's buffer to reach the client
+KEEPALIVE = 2.0  # seconds without an event after which the resume sends an SSE comment
 
 
 class Position(msgspec.Struct, frozen=True):
@@ -121,11 +122,18 @@ async def _resume(svc: RouterService, policy: TenantPolicy, sid: str, meta: Resu
     cursor = pos.event  # events the client has
     loop = asyncio.get_running_loop()
     catch_up_until = loop.time() + CATCH_UP
+    sent_at = loop.time()
     while True:
         for event in snap.events:  # the stored events after ``cursor``
             cursor += 1
             if event:  # empty: a placeholder for events lost with a router
                 yield event
+                sent_at = loop.time()
+        if loop.time() - sent_at >= KEEPALIVE:
+            # (e.g. up to CLAIM_TTL while a crashed router's claim runs out:
+            # an SSE comment, which clients skip, keeps proxies and read timeouts content)
+            yield b": waiting for the stream\n\n"
+            sent_at = loop.time()
         have = snap.total_events
         if snap.finished and have <= cursor:
             return

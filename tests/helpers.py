@@ -246,8 +246,9 @@ def parse_sse(text: str) -> list[SseEvent]:
     return list(_events(iter(text.split("\n"))))
 
 
-async def aiter_sse(response: httpx.Response) -> AsyncIterator[SseEvent]:
-    """Events of a streamed httpx response, as they arrive.
+async def aiter_sse(response: httpx.Response, comments: list[str] | None = None) -> AsyncIterator[SseEvent]:
+    """Events of a streamed httpx response, as they arrive (comment lines,
+    which clients skip, go to ``comments`` if given).
 
     Leaving an ``async for`` over this early closes the HTTP connection as
     soon as the generator is collected (a client disconnect); to pause a
@@ -263,6 +264,8 @@ async def aiter_sse(response: httpx.Response) -> AsyncIterator[SseEvent]:
             event_id = line[3:].strip()
         elif line.startswith("data:"):
             data.append(line[6:] if line[5:6] == " " else line[5:])
+        elif line.startswith(":") and comments is not None:
+            comments.append(line)
     if data:
         yield SseEvent(event_id, "\n".join(data))
 

@@ -90,7 +90,7 @@ def _body(n: int) -> dict:
 
 
 async def _stream_with_resume(client: httpx.AsyncClient, routers: list[RouterProcess], key: str, n: int,
-                              cut: asyncio.Event) -> str:
+                              cut: asyncio.Event, comments: list[str]) -> str:
     """Stream from routers[n % 2]; on a broken connection resume on the other router."""
     first = routers[n % 2]
     headers = {"Authorization": f"Bearer {key}"}
@@ -114,7 +114,7 @@ async def _stream_with_resume(client: httpx.AsyncClient, routers: list[RouterPro
     async with client.stream("GET", f"{other.base_url}/v1/streams/{rid}",
                              headers={**headers, "Last-Event-ID": last or "0"}) as r:
         assert r.status_code == 200, await r.aread()
-        async for ev in aiter_sse(r):
+        async for ev in aiter_sse(r, comments):
             if ev.data == "[DONE]":
                 return "".join(parts)
             d = ev.json()
@@ -141,7 +141,9 @@ async def test_two_routers_one_redis_four_replica_kinds(tmp_path, redis_server, 
             keys = [GOLD, SILVER, FREE]
             # free is limited to 4 concurrent streams: give it 2 per router
             jobs = [(keys[i % 3], n) for n in range(12) for i in range(3) if not (i == 2 and n >= 4)]
-            tasks = [asyncio.create_task(_stream_with_resume(client, [a, b], key, n, cut)) for key, n in jobs]
+            comments: list[str] = []
+            tasks = [asyncio.create_task(_stream_with_resume(client, [a, b], key, n, cut, comments))
+                     for key, n in jobs]
             await asyncio.sleep(0.6)
             a.kill_replica("a-sim-0")  # a replica dies mid-stream
             await asyncio.sleep(0.5)
@@ -150,6 +152,8 @@ async def test_two_routers_one_redis_four_replica_kinds(tmp_path, redis_server, 
             texts = await asyncio.gather(*tasks)
             for (key, n), text in zip(jobs, texts):
                 assert text == refs[n % 4], (key, n)
+            # while the killed router's claims ran out (up to 10 s), the resumes said they were waiting
+            assert comments and set(comments) == {": waiting for the stream"}, comments
             mb = await b.ametrics(client)
             assert mb.value("fairstream_stream_resumes_total", default=0, tenant="gold") >= 1
             assert mb.value("fairstream_streams_lost_total") == 0
