@@ -13,6 +13,7 @@ during an outage is released and settled where it was counted.
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import logging
 from collections.abc import Callable
 
@@ -54,7 +55,10 @@ class ResilientStore(StateStore):
             log.error("state store %s unavailable (%s); %s until it returns", self.name, err, mode)
             self._on_change(False)
             if self._probe is None or self._probe.done():
-                self._probe = asyncio.get_running_loop().create_task(self._reconnect(), name="state-probe")
+                # (its own context: started by whichever request met the outage, its
+                # log lines must not carry that request's id)
+                self._probe = asyncio.get_running_loop().create_task(self._reconnect(), name="state-probe",
+                                                                     context=contextvars.Context())
 
     async def _reconnect(self) -> None:
         while True:
