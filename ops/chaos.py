@@ -274,7 +274,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-tokens", type=int, default=200)
     p.add_argument("--kill-every", type=float, default=3.0)
     p.add_argument("--freeze", type=float, default=7.0,
-                   help="seconds a frozen replica stays stopped; above the router's health_timeout to be noticed")
+                   help="seconds a frozen replica stays stopped; above the router's health_interval + health_timeout "
+                        "(6 s by default) for the router to notice it")
     p.add_argument("--mode", choices=["kill", "freeze", "mixed"], default="mixed")
     p.add_argument("--seed", type=int, default=0)
     a = p.parse_args(argv)

@@ -117,8 +117,8 @@ def run(args: argparse.Namespace) -> None:
 
 
 def _loopback(host: str) -> bool:
-    if host in ("localhost", ""):
-        return host == "localhost"
+    if host in ("localhost", ""):  # ("": the servers bind 127.0.0.1)
+        return True
     try:
         return ipaddress.ip_address(host).is_loopback
     except ValueError:

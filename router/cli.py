@@ -21,10 +21,13 @@ def _serve(args: argparse.Namespace) -> int:
         config, tenants = load_router_config(args.config)
         if args.tenants:
             tenants = Path(args.tenants)
-        unset = sorted({r.secret_env for r in config.replicas if r.secret_env and not os.environ.get(r.secret_env)})
-        if unset:  # every connection would be refused as a bad secret, over and over
-            print(f"fairstream serve: {', '.join(unset)} (a replica's secret_env in {args.config}) is not set in "
-                  "this environment", file=sys.stderr)
+        # (a replica reached by address with its secret unset would refuse every connection, over and
+        # over; a local one gets the same value as the router, whatever it is)
+        unset = sorted({r.secret_env for r in config.replicas
+                        if r.address is not None and r.secret_env and not os.environ.get(r.secret_env)})
+        if unset:
+            print(f"fairstream serve: {', '.join(unset)} (a replica's secret_env in {args.config}) is not set or "
+                  "empty in this environment", file=sys.stderr)
             return 1
         if args.workers > 1:
             from router.configfile import load_yaml

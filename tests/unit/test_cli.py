@@ -199,6 +199,7 @@ def test_a_replica_open_to_the_network_without_a_secret_says_so() -> None:
     assert "replica ready on" in log, log
     assert "without a secret" in log and "FAIRSTREAM_REPLICA_SECRET" in log, log
     assert "without a secret" not in _replica_log(f"127.0.0.1:{_free_port()}")
+    assert "without a secret" not in _replica_log(f":{_free_port()}")  # (binds 127.0.0.1)
 
 
 def test_a_bracketed_ipv6_listen_address_works() -> None:
