@@ -57,6 +57,7 @@ class Server(uvicorn.Server):
             ws=_WebSocket,
             lifespan="on",
             log_level="warning",
+            log_config=None,  # uvicorn's own lines go through the process's handlers (router.logs): JSON too
             access_log=False,
             timeout_graceful_shutdown=int(app.svc.config.shutdown_grace + SHUTDOWN_MARGIN + 0.999),
             # Longer than clients' idle gaps, so a reused connection is not closed

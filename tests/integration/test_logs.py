@@ -75,6 +75,19 @@ def test_request_log_lines(tmp_path):
         assert {r.get("replica") for r in started} == set(router.replica_names), started
 
 
+def test_the_http_servers_own_lines_are_json_too(tmp_path):
+    import socket
+
+    with RouterProcess(tmp_path / "r", replicas=1) as router:
+        host, port = router.base_url.removeprefix("http://").rsplit(":", 1)
+        with socket.create_connection((host, int(port)), timeout=5) as s:
+            s.sendall(b"NOT HTTP AT ALL\r\n\r\n")  # uvicorn logs "Invalid HTTP request received."
+            s.recv(1024)
+        line = poll(lambda: next((ln for ln in router.log().splitlines() if "Invalid HTTP request" in ln), None),
+                    10, what="uvicorn's line")
+    assert json.loads(line)["level"] == "warning", line
+
+
 def test_text_logs_reach_the_replicas(tmp_path):
     """``--log-format text``: the replicas' lines are text as well."""
     with RouterProcess(tmp_path / "r", replicas=1, args=["--log-format", "text"]) as router:
