@@ -101,15 +101,52 @@ def error_fields(e: BaseException) -> dict[str, object]:
     return {}
 
 
+class _LogBudget:
+    """At most ``per_second`` lines a second; the next line allowed says how
+    many were left out (``suppressed``)."""
+
+    __slots__ = ("per_second", "second", "used", "suppressed")
+
+    def __init__(self, per_second: int) -> None:
+        self.per_second = per_second
+        self.second = -1
+        self.used = 0
+        self.suppressed = 0
+
+    def take(self, now: float) -> int | None:
+        """None: leave this line out; else how many were left out before it."""
+        second = int(now)
+        if second != self.second:
+            self.second, self.used = second, 0
+        if self.used >= self.per_second:
+            self.suppressed += 1
+            return None
+        self.used += 1
+        n, self.suppressed = self.suppressed, 0
+        return n
+
+
+# a flood of bad keys (credential stuffing) must not become a flood of log lines; the metric counts them all
+REFUSED_LINES_PER_SECOND = 20
+_refused_lines = _LogBudget(REFUSED_LINES_PER_SECOND)
+
+
 def log_refused(svc, endpoint: str, request_id: str, e: ApiError, client_request_id: str = "") -> None:
     """Count and log a request refused before it had a tenant (a missing,
-    unknown or admin key: 401/403): outcome ``unauthorized``, tenant ``""``."""
+    unknown or admin key: 401/403): outcome ``unauthorized``, tenant ``""``.
+    At most ``REFUSED_LINES_PER_SECOND`` such lines a second; the next one
+    says how many were left out."""
     m = svc.metrics
     m.child(m.requests, "", endpoint, "unauthorized").inc()
+    suppressed = _refused_lines.take(time.monotonic())
+    if suppressed is None:
+        return
     extra = {"request_id": request_id, "tenant": "", "endpoint": endpoint, "outcome": "unauthorized",
              **error_fields(e)}
     if client_request_id:
         extra["client_request_id"] = client_request_id[:128]
+    if suppressed:
+        extra["suppressed"] = suppressed
     request_log.info("request unauthorized", extra=extra)
 
 
