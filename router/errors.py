@@ -132,3 +132,7 @@ class ReplicaUnavailable(ServiceUnavailable):
     """No replica can take the request (none ready, or all failed it)."""
 
     code = "no_replica_available"
+
+    def __init__(self, message: str, **kw) -> None:
+        super().__init__(message, **kw)
+        self.headers.setdefault("retry-after", "1")  # (a replica is usually back within seconds)

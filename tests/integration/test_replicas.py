@@ -227,14 +227,18 @@ async def test_replica_lost_before_the_first_token_without_a_spare_is_a_503(make
         await apoll(lambda: router.inflight("sim-0") == 1, 10, what="the request on the replica")
         router.kill_replica("sim-0", signal.SIGKILL)
         r = await asyncio.wait_for(task, 10)
+        # while it restarts, a new request is told to come back too
+        again = await http.post("/v1/completions", json={"model": MODEL, "prompt": "x", "max_tokens": 2})
         m = await router.ametrics(http)
     assert r.status_code == 503, r.text
     err = r.json()["error"]
     assert err["code"] == "no_replica_available" and "before its first token" in err["message"], err
     assert r.headers["retry-after"] and r.headers["x-request-id"]
+    assert again.status_code == 503 and again.json()["error"]["code"] == "no_replica_available", again.text
+    assert again.headers["retry-after"] == "1"
     # nothing was produced, so no stream was lost: the request was unavailable
     assert m.value("fairstream_streams_lost_total") == 0
-    assert m.value("fairstream_requests_total", tenant="gold", outcome="unavailable") == 1
+    assert m.value("fairstream_requests_total", tenant="gold", outcome="unavailable") == 2  # (both)
     router.wait_ready(15)
 
 
