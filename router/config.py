@@ -38,7 +38,7 @@ class RouterConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     max_failovers: int = 3
     """How many times one stream may move to another replica."""
     ready_timeout: float = 180.0
-    """Seconds ``serve`` waits at start for the first replica."""
+    """With ``--workers``: seconds the parent waits for a local replica before starting the workers (it logs an error and starts them anyway). A single router listens at once; wait for ``/ready``."""
     health_interval: float = 1.0
     """Seconds between health pings to each replica."""
     health_timeout: float = 5.0

@@ -46,7 +46,7 @@ class Timeouts(msgspec.Struct, forbid_unknown_fields=True, kw_only=True, omit_de
     queue_wait: float | None = None
     """Longest wait for admission (over a limit with ``on_limit: queue``, or for a replica)."""
     first_token: float | None = None
-    """Longest time from admission to the first token."""
+    """Longest time from the request's arrival (its waits for limits and a replica included) to the first token."""
     stall: float | None = None
     """Longest gap between two tokens of a running stream."""
     total: float | None = None
