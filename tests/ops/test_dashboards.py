@@ -151,6 +151,7 @@ def test_alert_rules_structure() -> None:
         "FairstreamTTFTOverSLO": ("fairstream_time_to_first_token_seconds_bucket", "5m"),
         "FairstreamReplicaDown": ("fairstream_replica_up == 0", "1m"),
         "FairstreamReplicaFlapping": ("changes(fairstream_replica_up[15m]) > 6", None),
+        "FairstreamRefusedLogins": ('fairstream_requests_total{outcome="unauthorized"}', "5m"),
         "FairstreamStreamsLost": ("increase(fairstream_streams_lost_total[5m]) > 0", None),
         "FairstreamConfigReloadFailed": ("fairstream_config_last_reload_successful == 0", None),
         "FairstreamStateStoreDown": ("fairstream_state_store_up == 0", None),
