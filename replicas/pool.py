@@ -49,6 +49,15 @@ class ReplicaSlot:
         return self.state == "ready" and c is not None and c.closed is None
 
     @property
+    def model(self) -> str:
+        """The model it serves: its connection's, or else the one its spec
+        names ("" when only a connection will tell, e.g. an ``address``)."""
+        if self.client is not None:
+            return self.client.model
+        cfg = self.spec.config
+        return str(cfg.get("served_name") or cfg.get("model") or "")
+
+    @property
     def cap(self) -> int:
         """The router's in-flight cap for this replica (adaptive batching),
         never above the spec's ``max_concurrency``."""
@@ -114,14 +123,9 @@ class ReplicaPool:
         """Models served by ready replicas; when none is ready, the models the
         replicas served last or are configured to serve (a request for them
         then gets a 503 to retry, not a 404)."""
-        seen = {s.client.model for s in self.slots if s.ready and s.client is not None}
+        seen = {s.model for s in self.slots if s.ready}
         if not seen:
-            for s in self.slots:
-                if s.client is not None:
-                    seen.add(s.client.model)
-                else:
-                    cfg = s.spec.config
-                    seen.add(str(cfg.get("served_name") or cfg.get("model") or ""))
+            seen = {s.model for s in self.slots}
             seen.discard("")
         return sorted(seen)
 

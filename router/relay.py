@@ -23,9 +23,14 @@ from router.generation import Generation, Piece, StreamLost, StreamTimeout
 from router.sse import ChunkEncoder, Usage
 from router.tenants import TenantPolicy
 
-__all__ = ["Outcome", "EventStream", "relay_stream", "outcome_of", "shutdown_notice", "error_fields", "log_refused"]
+__all__ = ["Outcome", "EventStream", "relay_stream", "outcome_of", "shutdown_notice", "error_fields", "log_refused",
+           "NOT_RESUMABLE"]
 
 log = logging.getLogger("fairstream.relay")
+
+# the error code that ends a resume buffer where the output lost its token ids
+# (router.resume_http recognises that buffer by it)
+NOT_RESUMABLE = "not_resumable"
 request_log = logging.getLogger("fairstream.request")
 
 
@@ -45,7 +50,7 @@ class Outcome:
         # (prompt, completion) tokens an earlier request of this stream already counted
         self.counted = counted
         # the caller's own X-Request-Id (an API gateway's trace id), logged beside ours
-        self.client_request_id = client_request_id[:128]
+        self.client_request_id = client_request_id
 
     def record(self, outcome: str, gen: Generation | None = None, error: BaseException | None = None) -> None:
         """Count the request in metrics and log its summary line (once); an
@@ -57,18 +62,9 @@ class Outcome:
         tenant = self.policy.name
         m.child(m.requests, tenant, self.endpoint, outcome).inc()
         elapsed = time.monotonic() - self.started
-        extra: dict[str, object] = {
-            "request_id": self.request_id,
-            "tenant": tenant,
-            "priority": self.policy.priority,
-            "endpoint": self.endpoint,
-            "outcome": outcome,
-            "duration_s": round(elapsed, 4),
-        }
-        if self.client_request_id:
-            extra["client_request_id"] = self.client_request_id
-        if error is not None:
-            extra.update(error_fields(error))
+        extra = _line_fields(self.request_id, tenant, self.endpoint, outcome, self.client_request_id, error)
+        extra["priority"] = self.policy.priority
+        extra["duration_s"] = round(elapsed, 4)
         if gen is not None:
             m.child(m.tokens, tenant, "prompt").inc(max(0, gen.prompt_tokens - self.counted[0]))
             m.child(m.tokens, tenant, "completion").inc(max(0, gen.completion_tokens - self.counted[1]))
@@ -85,6 +81,17 @@ class Outcome:
                     job.prompt if job.prompt is not None else job.prompt_token_ids)
                 extra["completion"] = "".join(gen.text_parts or ())
         request_log.info("request %s", outcome, extra=extra)
+
+
+def _line_fields(request_id: str, tenant: str, endpoint: str, outcome: str, client_request_id: str,
+                 error: BaseException | None) -> dict[str, object]:
+    """The fields every ``fairstream.request`` line has, and the error's."""
+    out: dict[str, object] = {"request_id": request_id, "tenant": tenant, "endpoint": endpoint, "outcome": outcome}
+    if client_request_id:
+        out["client_request_id"] = client_request_id[:128]
+    if error is not None:
+        out.update(error_fields(error))
+    return out
 
 
 def error_fields(e: BaseException) -> dict[str, object]:
@@ -141,10 +148,7 @@ def log_refused(svc, endpoint: str, request_id: str, e: ApiError, client_request
     suppressed = _refused_lines.take(time.monotonic())
     if suppressed is None:
         return
-    extra = {"request_id": request_id, "tenant": "", "endpoint": endpoint, "outcome": "unauthorized",
-             **error_fields(e)}
-    if client_request_id:
-        extra["client_request_id"] = client_request_id[:128]
+    extra = _line_fields(request_id, "", endpoint, "unauthorized", client_request_id, e)
     if suppressed:
         extra["suppressed"] = suppressed
     request_log.info("request unauthorized", extra=extra)
@@ -256,7 +260,7 @@ class EventStream:
         log.warning("stream %s: output without token ids, so it is no longer resumable", sid)
         final = self.enc.error(error_body(
             "The stream's output has no token ids from here on, so it cannot be resumed; retry the request.",
-            "server_error", None, "not_resumable"))
+            "server_error", None, NOT_RESUMABLE))
         self.svc.background(writer.finish(sid, final, self.chars))
 
     def _pos(self) -> bytes:

@@ -34,7 +34,7 @@ from litestar.response import Stream
 
 from router.errors import ApiError, BadRequest, NotFound, error_body
 from router.generation import Deadlines, Generation, Job
-from router.relay import EventStream, Outcome, relay_stream, shutdown_notice
+from router.relay import NOT_RESUMABLE, EventStream, Outcome, relay_stream, shutdown_notice
 from router.resume import ResumeMeta, decode_meta
 from router.service import RouterService
 from router.sse import ChunkEncoder
@@ -91,7 +91,7 @@ async def handle_resume(svc: RouterService, policy: TenantPolicy, sid: str, pos:
         # (the buffer's last event is that error, which the client never got:
         # its live events from there on had plain ids, the same numbers or past them)
         raise BadRequest(f"Stream {sid} cannot be resumed after event {snap.total_events - 1}: its output had no "
-                         "token ids from there on; retry the request.", param="Last-Event-ID", code="not_resumable")
+                         "token ids from there on; retry the request.", param="Last-Event-ID", code=NOT_RESUMABLE)
     if pos.event > snap.total_events and (pos.tokens is None or pos.chars is None):
         raise BadRequest(f"Last-Event-ID {pos.event} is past the stream's last stored event "
                          f"({snap.total_events}); send the full id (N-T-C) this router sent.",
@@ -113,7 +113,7 @@ async def _ended_unbuffered(svc: RouterService, sid: str, snap: StreamSnapshot) 
         last = await svc.store.stream_read(sid, snap.total_events - 1)
     except StoreUnavailable:
         return False
-    return last is not None and bool(last.events) and b'"code":"not_resumable"' in last.events[-1]
+    return last is not None and bool(last.events) and f'"code":"{NOT_RESUMABLE}"'.encode() in last.events[-1]
 
 
 async def _resume(svc: RouterService, policy: TenantPolicy, sid: str, meta: ResumeMeta,

@@ -6,7 +6,8 @@ once. Otherwise it waits in its tenant's bounded FIFO queue; every time
 capacity frees up (a stream ends, a cap grows) ``_dispatch`` hands it out:
 ``HeadIndex.pick`` chooses the tenant (priority with aging, then VTC, as
 the reference ``policies.fairshare.pick`` defines it; the index keeps the
-tenants' queue heads ordered, so a decision is O(classes x log tenants)), ``policies.balance`` the replica. It keeps going
+tenants' queue heads ordered, so a decision is O(classes x log tenants)),
+``policies.balance`` the replica. It keeps going
 while any queued request fits on any replica (work conserving) and stops as
 soon as no queued model has room.
 

@@ -86,13 +86,9 @@ class RouterService:
         in tenants.yaml shows here, not only as 404s for that tenant's
         clients. Only once every replica's model is known (a remote replica's
         once it has connected)."""
-        served: set[str] = set()
-        for s in self.pool.slots:
-            model = s.client.model if s.client is not None else str(
-                s.spec.config.get("served_name") or s.spec.config.get("model") or "")
-            if not model:
-                return
-            served.add(model)
+        served = {s.model for s in self.pool.slots}
+        if "" in served:
+            return
         for name, pol in self.policy.current.tenants.items():
             unserved = [m for m in pol.models if m != "*" and m not in served and (name, m) not in self._warned]
             if unserved:

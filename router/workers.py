@@ -9,9 +9,9 @@ SO_REUSEPORT, so the kernel spreads connections over the workers. Workers
 share rate limits, leases and resume buffers through Redis, which is why
 ``state.backend: redis`` is required; each has its own scheduler, so
 priorities and fair-share weights order the requests within one worker
-(the kernel spreads connections evenly, so over all of them roughly). Metrics run in
-prometheus-client's multiprocess mode: any worker's /metrics shows the
-sum over all of them.
+(the kernel spreads connections evenly, so over all of them roughly).
+Metrics run in prometheus-client's multiprocess mode: any worker's /metrics
+shows the sum over all of them.
 
 The parent restarts a worker that dies and stops everything on SIGTERM or
 SIGINT; workers and replicas also exit when the parent dies.
