@@ -253,7 +253,7 @@ class Admission:
     def _check_fits(self, policy: TenantPolicy, decision: Decision, cost_tokens: int) -> None:
         """A request larger than the tenant's whole token budget never fits: a 429 at once."""
         if decision.reason == "too_large":
-            self.metrics.rate_limited.labels(policy.name, "tokens").inc()
+            self.metrics.limited(policy.name, "tokens")
             raise RateLimited(
                 f"Request needs {cost_tokens} tokens, more than the tenant's limit of "
                 f"{policy.limits.tokens_per_minute} tokens per minute; lower max_tokens.",
@@ -261,7 +261,7 @@ class Admission:
             )
 
     def _refused(self, policy: TenantPolicy, decision: Decision) -> RateLimited:
-        self.metrics.rate_limited.labels(policy.name, decision.reason).inc()
+        self.metrics.limited(policy.name, decision.reason)
         retry = decision.retry_after
         return RateLimited(
             f"Rate limit reached for tenant {policy.name!r} on {_REASONS.get(decision.reason, decision.reason)}. "
@@ -270,7 +270,7 @@ class Admission:
         )
 
     def _line_full(self, policy: TenantPolicy) -> RateLimited:
-        self.metrics.rate_limited.labels(policy.name, "queue").inc()
+        self.metrics.limited(policy.name, "queue")
         return RateLimited(
             f"Too many requests of tenant {policy.name!r} wait for its limits (queue depth {policy.queue_depth}); "
             "retry later.", retry_after=1.0, code="queue_full",

@@ -137,6 +137,11 @@ def decoded_body(body: bytes, encoding: str, limit: int) -> bytes:
     raise BadRequest(f"The request body has data after its {codings[0]} stream.", code="invalid_body")
 
 
+def _timed_out(e: StreamTimeout, headers: dict[str, str] | None = None) -> GatewayTimeout:
+    """The 504 for a tenant time limit that passed before the response started."""
+    return GatewayTimeout(f"The request hit the tenant's {e}.", code=e.code, headers=headers)
+
+
 def _job(svc: RouterService, policy: TenantPolicy, body: bytes, chat: bool, stream_implied: bool,
          content_encoding: str | None):
     """Decode and check the request; return it, its job and its prompt-token estimate."""
@@ -245,9 +250,8 @@ async def start_generation(
         await svc.admission.finish(ticket, gen.prompt_tokens + gen.completion_tokens)
         outcome.record(outcome_of(e), error=e)
         if isinstance(e, StreamTimeout):
-            svc.metrics.timeouts.labels(policy.name, e.which).inc()
-            raise GatewayTimeout(f"The request hit the tenant's {e}.", code=f"{e.which}_timeout",
-                                 headers={"x-request-id": request_id}) from e
+            svc.metrics.timed_out(policy.name, e.which)
+            raise _timed_out(e, {"x-request-id": request_id}) from e
         if isinstance(e, StreamLost):
             # failed before its first piece (an engine error, a bug): nothing was sent
             raise ApiError(f"The generation failed before its first token: {e}", code="stream_lost",
@@ -332,8 +336,8 @@ async def _collect(svc, gen: Generation, pieces, first: Piece, model: str, chat:
         raise ApiError(f"The generation failed and could not be resumed: {e}", code="stream_lost") from e
     except StreamTimeout as e:
         result, error = f"timeout_{e.which}", e
-        m.timeouts.labels(policy.name, e.which).inc()
-        raise GatewayTimeout(f"The request hit the tenant's {e}.", code=f"{e.which}_timeout") from e
+        m.timed_out(policy.name, e.which)
+        raise _timed_out(e) from e
     except ApiError as e:
         result, error = outcome_of(e), e
         raise

@@ -44,6 +44,11 @@ class StreamTimeout(Exception):
         self.which = which
         self.seconds = seconds
 
+    @property
+    def code(self) -> str:
+        """The OpenAI-shaped error code a client gets: ``first_token_timeout``, ``total_timeout``."""
+        return f"{self.which}_timeout"
+
 
 class _Stalled(Exception):
     """No token within the stall limit while the replica should be producing."""

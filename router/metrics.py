@@ -130,6 +130,17 @@ class Metrics:
             for which in TIMEOUTS:
                 self.timeouts.labels(name, which)
 
+    def limited(self, tenant: str, limit: str) -> None:
+        """Count a request refused by ``limit``, one of ``RATE_LIMITS`` (the
+        values ``declare`` exports at 0)."""
+        assert limit in RATE_LIMITS, limit
+        self.rate_limited.labels(tenant, limit).inc()
+
+    def timed_out(self, tenant: str, which: str) -> None:
+        """Count a request ended by the time limit ``which``, one of ``TIMEOUTS``."""
+        assert which in TIMEOUTS, which
+        self.timeouts.labels(tenant, which).inc()
+
     def child(self, metric: Any, *values: str) -> Any:
         """``metric.labels(*values)``, remembered: ``labels`` validates the
         values and takes the family's lock on every call (~1.2 us), and the

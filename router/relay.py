@@ -102,7 +102,7 @@ def error_fields(e: BaseException) -> dict[str, object]:
             out["error_param"] = e.param
         return out
     if isinstance(e, StreamTimeout):
-        return {"error_code": f"{e.which}_timeout", "error": str(e)}
+        return {"error_code": e.code, "error": str(e)}
     if isinstance(e, StreamLost):
         return {"error_code": "stream_lost", "error": str(e)[:300]}
     return {}
@@ -289,8 +289,8 @@ class EventStream:
             self.final = shutdown_notice(self.svc, self.enc, self.sid is not None)
             return self.final
         if isinstance(e, StreamTimeout):
-            self.svc.metrics.timeouts.labels(self.policy.name, e.which).inc()
-            body = error_body(f"The stream hit the tenant's {e}.", "timeout", None, f"{e.which}_timeout")
+            self.svc.metrics.timed_out(self.policy.name, e.which)
+            body = error_body(f"The stream hit the tenant's {e}.", "timeout", None, e.code)
         elif isinstance(e, ApiError):
             body = e.body()
         else:

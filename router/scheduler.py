@@ -121,7 +121,7 @@ class Scheduler:
         if q is None:
             q = self._queues[policy.name] = deque()
         if len(q) >= policy.queue_depth:
-            self.metrics.rate_limited.labels(policy.name, "queue").inc()
+            self.metrics.limited(policy.name, "queue")
             raise RateLimited(
                 f"Too many queued requests for tenant {policy.name!r} "
                 f"(queue depth {policy.queue_depth}); retry later.",
@@ -148,7 +148,7 @@ class Scheduler:
             return await asyncio.shield(w.future)
         except TimeoutError:
             self._leave(w)
-            self.metrics.rate_limited.labels(policy.name, "queue_wait").inc()
+            self.metrics.limited(policy.name, "queue_wait")
             raise ServiceUnavailable(
                 f"The cluster is over capacity: the request waited {wait + waited:g}s, the limit for "
                 f"tenant {policy.name!r}; retry later.",

@@ -6,6 +6,7 @@ import json
 import logging
 import time
 
+import pytest
 from prometheus_client import generate_latest
 
 from router.logs import JsonFormatter
@@ -62,3 +63,19 @@ def test_a_remembered_child_is_the_one_the_family_exports(monkeypatch):
     assert 'fairstream_requests_total{endpoint="completions",outcome="ok",tenant="t1"} 0.0' in text
     assert 'fairstream_tokens_total{direction="prompt",tenant="t1"} 5.0' in text
     assert 'fairstream_tokens_total{direction="completion",tenant="t1"} 7.0' in text
+
+
+def test_refusals_and_timeouts_are_counted_only_under_declared_labels():
+    # a label value outside RATE_LIMITS / TIMEOUTS would be a series that
+    # declare() never exported at 0, so increase() would miss its first event
+    m = Metrics()
+    m.declare([], ["acme"])
+    m.limited("acme", "queue_wait")
+    m.timed_out("acme", "first_token")
+    text = generate_latest(m.registry).decode()
+    assert 'fairstream_rate_limited_total{limit="queue_wait",tenant="acme"} 1.0' in text
+    assert 'fairstream_timeouts_total{tenant="acme",timeout="first_token"} 1.0' in text
+    with pytest.raises(AssertionError):
+        m.limited("acme", "too_large")
+    with pytest.raises(AssertionError):
+        m.timed_out("acme", "stall")
