@@ -27,6 +27,7 @@ import asyncio
 import logging
 import time
 from collections.abc import AsyncIterator
+from contextlib import aclosing
 
 import msgspec
 from litestar import Response
@@ -48,6 +49,7 @@ log = logging.getLogger("fairstream.resume")
 TAIL_POLL = 0.02
 CATCH_UP = 2.0  # seconds to wait for a live owner's buffer to reach the client
 KEEPALIVE = 2.0  # seconds without an event after which the resume sends an SSE comment
+WAITING = b": waiting for the stream\n\n"  # that comment; clients skip it
 
 
 class Position(msgspec.Struct, frozen=True):
@@ -132,7 +134,7 @@ async def _resume(svc: RouterService, policy: TenantPolicy, sid: str, meta: Resu
         if loop.time() - sent_at >= KEEPALIVE:
             # (e.g. up to CLAIM_TTL while a crashed router's claim runs out:
             # an SSE comment, which clients skip, keeps proxies and read timeouts content)
-            yield b": waiting for the stream\n\n"
+            yield WAITING
             sent_at = loop.time()
         have = snap.total_events
         if snap.finished and have <= cursor:
@@ -190,11 +192,36 @@ async def _take_over(svc: RouterService, policy: TenantPolicy, sid: str, meta: R
         log.warning("stream %s: client is %d events ahead of the buffer (lost with their router); "
                     "regenerating %d characters it already has", sid, cursor - snap.total_events, skip_chars)
     try:
-        async for chunk in _continue(svc, policy, sid, meta, tokens, text_len, cursor, skip_chars):
-            yield chunk
+        async with aclosing(_continue(svc, policy, sid, meta, tokens, text_len, cursor, skip_chars)) as chunks:
+            async for chunk in _waiting_until_first(chunks):
+                yield chunk
     except ApiError as e:
         await svc.resume.release(sid)
         yield enc_error.error(e.body())
+
+
+async def _waiting_until_first(chunks: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
+    """``chunks``, with ``WAITING`` every ``KEEPALIVE`` seconds until the
+    first one comes. A continuation waits for the tenant's limits and for a
+    first token (up to ``queue_wait`` and ``first_token``) on a response whose
+    head is sent; the comments keep proxies' read timeouts content. The first
+    chunk is awaited in a task of its own (so the wait can be timed without
+    cancelling it); the rest in the caller's."""
+    first = asyncio.ensure_future(anext(chunks))
+    try:
+        while not (await asyncio.wait((first,), timeout=KEEPALIVE))[0]:
+            yield WAITING
+    except BaseException:  # the client left, or this task is cancelled
+        first.cancel()
+        await asyncio.wait((first,))
+        raise
+    try:
+        chunk = first.result()
+    except StopAsyncIteration:
+        return
+    yield chunk
+    async for chunk in chunks:
+        yield chunk
 
 
 async def _continue(svc: RouterService, policy: TenantPolicy, sid: str, meta: ResumeMeta, tokens: list[int],

@@ -28,7 +28,7 @@ from tests.helpers import (
     parse_sse,
 )
 
-KEY_A, KEY_B = "resume-tenant-a", "resume-tenant-b"
+KEY_A, KEY_B, KEY_ONE = "resume-tenant-a", "resume-tenant-b", "resume-tenant-one"
 REPLICA = "sim-0"
 
 
@@ -42,7 +42,10 @@ def router(tmp_path_factory) -> RouterProcess:
     tenants = d / "tenants.yaml"
     tenants.write_text(yaml.safe_dump({
         "admin_keys": [hash_key(ADMIN)],
-        "tenants": {"a": {"keys": [hash_key(KEY_A)]}, "b": {"keys": [hash_key(KEY_B)]}},
+        "tenants": {"a": {"keys": [hash_key(KEY_A)]}, "b": {"keys": [hash_key(KEY_B)]},
+                    # one stream at a time; more wait in line
+                    "one": {"keys": [hash_key(KEY_ONE)], "limits": {"max_concurrent": 1}, "on_limit": "queue",
+                            "timeouts": {"queue_wait": 30}}},
     }, sort_keys=False))
     # one replica (its running count is the whole story), 10 ms per token
     r = RouterProcess(d / "r", replicas=1, tenants=tenants, sim={"step_base_ms": 10})
@@ -387,3 +390,56 @@ async def test_a_resumed_stream_counts_each_completion_token_once(
              for d in ("prompt", "completion")}
     usage = next(ev.json()["usage"] for ev in rest if ev.data != "[DONE]" and ev.json().get("usage"))
     assert delta == {"prompt": usage["prompt_tokens"], "completion": max_tokens}, delta
+
+
+async def test_a_continuation_waiting_for_its_tenants_limit_says_it_is_waiting(
+        router: RouterProcess, http: httpx.AsyncClient) -> None:
+    # The resume's response head is sent before it is admitted again: while
+    # it waits in the tenant's line (here behind a ~5 s stream), SSE comments
+    # every 2 s keep a proxy's read timeout from cutting it.
+    one = auth(KEY_ONE)
+    prompt, max_tokens = "Le caf", 120
+    http.headers.update(one)
+    rid, events = await start_and_drop(http, False, prompt, max_tokens, 10)
+    await apoll(lambda: _load_is(router, http, lambda inf, eng: inf == 0), 2.5, what="the abort")
+    path, body = request(False, "Über", 500, stream=True)
+    comments: list[str] = []
+    async with http.stream("POST", path, json=body) as blocker:
+        it = aiter_sse(blocker)
+        await it.__anext__()  # it holds the tenant's one stream
+        async with http.stream("GET", f"/v1/streams/{rid}", headers={"Last-Event-ID": events[-1].id}) as r:
+            assert r.status_code == 200
+            resumed = [ev async for ev in aiter_sse(r, comments)]
+        assert [ev async for ev in it][-1].data == "[DONE]"
+    assert len(comments) >= 2 and set(comments) == {": waiting for the stream"}, comments
+    ref, prompt_tokens = await reference(http, False, prompt, max_tokens)
+    check_whole_stream(events + resumed, False, ref, prompt_tokens, max_tokens)
+
+
+async def test_a_continuation_dropped_while_it_waits_leaves_the_stream_resumable(
+        router: RouterProcess, http: httpx.AsyncClient) -> None:
+    one = auth(KEY_ONE)
+    prompt, max_tokens = "Über", 90
+    http.headers.update(one)
+    rid, events = await start_and_drop(http, True, prompt, max_tokens, 10)
+    await apoll(lambda: _load_is(router, http, lambda inf, eng: inf == 0), 2.5, what="the abort")
+    path, body = request(True, "Le caf", 400, stream=True)
+    async with http.stream("POST", path, json=body) as blocker:
+        it = aiter_sse(blocker)
+        await it.__anext__()
+        comments: list[str] = []
+        async with http.stream("GET", f"/v1/streams/{rid}", headers={"Last-Event-ID": events[-1].id}) as r:
+            assert r.status_code == 200
+            reader = asyncio.ensure_future(anext(aiter_sse(r, comments), None))
+            await apoll(lambda: bool(comments), 5, what="a waiting comment")
+            assert not reader.done()
+            reader.cancel()
+        # the client left while its continuation waited in line
+        assert [ev async for ev in it][-1].data == "[DONE]"
+    started = asyncio.get_running_loop().time()
+    async with http.stream("GET", f"/v1/streams/{rid}", headers={"Last-Event-ID": events[-1].id}) as r:
+        rest = await read_all(r)
+    # at once: the dropped continuation left the line and gave its claim back
+    assert asyncio.get_running_loop().time() - started < 5
+    ref, prompt_tokens = await reference(http, True, prompt, max_tokens)
+    check_whole_stream(events + rest, True, ref, prompt_tokens, max_tokens)
