@@ -545,9 +545,10 @@ class _Watchdog:
         """Tokens were delivered at ``now``. Only the first one can bring a
         limit forward (first token -> stall); later ones move it back, which
         the timer learns when it fires."""
+        first = not self.delivered
         self.last_token = now
         self.delivered = True
-        if self._handle is None or self._which == "first_token":
+        if self._handle is None or first:
             self.cancel()
             self._arm()
 

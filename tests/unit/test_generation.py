@@ -19,7 +19,7 @@ from router.errors import BadRequest, RouterShutdown
 from policies.batching import AimdSettings
 from replicas.pool import LoadHandle, ReplicaPool, ReplicaSlot
 from replicas.spec import ReplicaSpec
-from router.generation import Generation, StreamLost
+from router.generation import Deadlines, Generation, Job, StreamLost
 from router.scheduler import Scheduler
 from router.scheduler_settings import SchedulerSettings
 from router.metrics import Metrics
@@ -149,3 +149,20 @@ async def test_a_finished_generation_leaves_the_running_set() -> None:
     assert gen.ended and gen not in sched.running
     gen.stop(RouterShutdown())
     assert sink.failure is None
+
+
+@pytest.mark.parametrize("first_token", [0.0, 10.0])
+async def test_the_stall_limit_runs_from_the_first_token_whatever_the_other_limits(first_token: float) -> None:
+    # first_token 0 (none) or later than total: before the first token the
+    # timer waits for total; the first token must bring the stall limit in
+    sink = Sink()
+    slot = ReplicaSlot(ReplicaSpec(name="r0"))
+    slot.client = Client()  # type: ignore[assignment]
+    job = Job("m", SamplingParams(max_tokens=100), prompt_token_ids=[1, 2])
+    gen = Generation(ReplicaPool([]), job, Metrics(), 0, Deadlines(first_token=first_token, stall=0.1, total=3.0))
+    gen.sink = sink
+    gen._attach(LoadHandle(slot, 100))
+    gen._col.put(Delta(1, [7], "x", FinishReason.NONE))  # the first token; then the replica goes silent
+    await asyncio.sleep(0.6)
+    # noticed (no other replica to fail over to: the stream is lost), not at total
+    assert isinstance(sink.failure, StreamLost), f"no stall after 0.6 s; the watchdog waits for {gen._dog._which!r}"
