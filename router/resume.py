@@ -80,7 +80,7 @@ class _Pending:
     def __init__(self) -> None:
         self.events: list[bytes] = []
         self.token_ids: list[int] = []
-        self.text_len = 0
+        self.text_len: int | None = None
         self.finished = False
 
 

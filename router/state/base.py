@@ -93,11 +93,11 @@ class StateStore(abc.ABC):
 
     @abc.abstractmethod
     async def stream_append(
-        self, sid: str, events: list[bytes], token_ids: list[int], text_len: int, finished: bool,
+        self, sid: str, events: list[bytes], token_ids: list[int], text_len: int | None, finished: bool,
         owner: str, ttl: float,
     ) -> None:
-        """Append events and delivered tokens; set the text length; renew the
-        owner's claim and the buffer's retention."""
+        """Append events and delivered tokens; set the text length (None:
+        unchanged); renew the owner's claim and the buffer's retention."""
 
     @abc.abstractmethod
     async def stream_read(self, sid: str, after: int) -> StreamSnapshot | None:

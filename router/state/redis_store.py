@@ -117,7 +117,9 @@ class RedisStore(StateStore):
         try:
             await self._s_append(
                 keys=self._skeys(sid),
-                args=[owner, ttl, CLAIM_TTL, text_len, 1 if finished else 0, _pack(token_ids), *events],
+                # (text_len -1: unchanged)
+                args=[owner, ttl, CLAIM_TTL, -1 if text_len is None else text_len, 1 if finished else 0,
+                      _pack(token_ids), *events],
             )
         except RedisError as e:
             raise StoreUnavailable(f"redis: {e}") from e

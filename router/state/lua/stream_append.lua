@@ -8,7 +8,7 @@ if #ARGV > 6 then
   redis.call('RPUSH', KEYS[2], unpack(ARGV, 7))
 end
 if #ARGV[6] > 0 then redis.call('APPEND', KEYS[3], ARGV[6]) end
-redis.call('HSET', KEYS[1], 'text_len', ARGV[4])
+if tonumber(ARGV[4]) >= 0 then redis.call('HSET', KEYS[1], 'text_len', ARGV[4]) end
 if ARGV[5] == '1' then redis.call('HSET', KEYS[1], 'finished', 1) end
 if redis.call('HGET', KEYS[1], 'owner') == ARGV[1] then
   redis.call('HSET', KEYS[1], 'owner_until', tostring(now + tonumber(ARGV[3])))

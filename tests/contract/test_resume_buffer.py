@@ -1,0 +1,68 @@
+"""The resume buffer's contract (``stream_*``), on every store backend.
+
+The memory store takes each write at once; with Redis the ``ResumeWriter``
+batches writes into ``stream_append`` calls. Both must leave the same buffer.
+"""
+
+from __future__ import annotations
+
+import uuid
+
+from replicas.protocol import SamplingParams
+from router.resume import ResumeMeta, ResumeWriter, decode_meta, encode_meta
+from tests.contract.conftest import Backend
+
+META = ResumeMeta("t", True, "m", "chatcmpl-x", 0, False, SamplingParams(max_tokens=8), [1, 2])
+
+
+def sid() -> str:
+    return f"s-{uuid.uuid4().hex[:8]}"
+
+
+async def test_a_buffer_holds_its_events_tokens_and_text_length(backend: Backend) -> None:
+    store, s = backend.store, sid()
+    await store.stream_open(s, encode_meta(META), "r1", 60)
+    await store.stream_append(s, [b"e1", b"e2"], [10, 11], 5, False, "r1", 60)
+    await store.stream_append(s, [b"e3"], [12], 7, False, "r1", 60)
+    snap = await store.stream_read(s, 1)
+    assert snap is not None and decode_meta(snap.meta) == META
+    assert (snap.events, snap.total_events, snap.token_ids, snap.text_len, snap.finished, snap.owner) == \
+        ([b"e2", b"e3"], 3, [10, 11, 12], 7, False, "r1")
+    assert await store.stream_read(sid(), 0) is None
+
+
+async def test_a_claim_is_taken_only_from_a_released_or_expired_owner(backend: Backend) -> None:
+    store, s = backend.store, sid()
+    await store.stream_open(s, encode_meta(META), "r1", 60)
+    assert not await store.stream_claim(s, "r2", 10)
+    await store.stream_release(s, "r2")  # not its claim: nothing changes
+    assert (await store.stream_read(s, 0)).owner == "r1"
+    await store.stream_release(s, "r1")
+    assert await store.stream_claim(s, "r2", 10)
+    assert (await store.stream_read(s, 0)).owner == "r2"
+
+
+async def test_a_finished_buffer_says_so(backend: Backend) -> None:
+    store, s = backend.store, sid()
+    await store.stream_open(s, encode_meta(META), "r1", 60)
+    await store.stream_append(s, [b"e1", b"[DONE]"], [10], 3, True, "r1", 60)
+    snap = await store.stream_read(s, 0)
+    assert snap.finished and snap.total_events == 2
+
+
+async def test_padding_keeps_the_text_length(backend: Backend) -> None:
+    # a client ahead of the buffer (events lost with their router): the
+    # takeover pads the numbering; the text the buffer holds is unchanged
+    writer = ResumeWriter(backend.store, retention=60.0)
+    await writer.start()
+    try:
+        s = sid()
+        await writer.open(s, META)
+        writer.append(s, b"id: 1-2-5\ndata: {}\n\n", [10, 11], 5)
+        await writer.detach(s, 5)
+        writer.pad(s, 2)
+        await writer._flush()  # (what the writer's task does a few ms later)
+        snap = await backend.store.stream_read(s, 0)
+        assert (snap.total_events, snap.token_ids, snap.text_len) == (3, [10, 11], 5), snap
+    finally:
+        await writer.close()
