@@ -24,7 +24,7 @@ from litestar.response import Stream
 
 from replicas.protocol import FinishReason
 from router.admission import Ticket
-from router.errors import ApiError, BadRequest, GatewayTimeout, NotFound, PayloadTooLarge, UnsupportedMediaType
+from router.errors import ApiError, BadRequest, NotFound, PayloadTooLarge, UnsupportedMediaType
 from router.generation import Deadlines, Generation, Job, Piece, StreamLost, StreamTimeout
 from router.ids import new_id
 from router.openai_types import (
@@ -39,7 +39,7 @@ from router.openai_types import (
 from router.service import RouterService
 from router.logs import request_id_var
 from router.push import PushRelay
-from router.relay import EventStream, Outcome, outcome_of, relay_stream
+from router.relay import EventStream, Outcome, error_before_output, outcome_of, relay_stream
 from router.resume import ResumeMeta
 from router.sse import ChunkEncoder, Usage
 from router.tenants import TenantPolicy
@@ -135,11 +135,6 @@ def decoded_body(body: bytes, encoding: str, limit: int) -> bytes:
         if wbits != 16 + zlib.MAX_WBITS:
             break
     raise BadRequest(f"The request body has data after its {codings[0]} stream.", code="invalid_body")
-
-
-def _timed_out(e: StreamTimeout, headers: dict[str, str] | None = None) -> GatewayTimeout:
-    """The 504 for a tenant time limit that passed before the response started."""
-    return GatewayTimeout(f"The request hit the tenant's {e}.", code=e.code, headers=headers)
 
 
 def _job(svc: RouterService, policy: TenantPolicy, body: bytes, chat: bool, stream_implied: bool,
@@ -249,17 +244,10 @@ async def start_generation(
             gen.close()
         await svc.admission.finish(ticket, gen.prompt_tokens + gen.completion_tokens)
         outcome.record(outcome_of(e), error=e)
-        if isinstance(e, StreamTimeout):
-            svc.metrics.timed_out(policy.name, e.which)
-            raise _timed_out(e, {"x-request-id": request_id}) from e
-        if isinstance(e, StreamLost):
-            # failed before its first piece (an engine error, a bug): nothing was sent
-            raise ApiError(f"The generation failed before its first token: {e}", code="stream_lost",
-                           headers={"x-request-id": request_id, **ticket.headers}) from e
-        if isinstance(e, ApiError):
-            e.headers.update(ticket.headers)
-            e.headers.setdefault("x-request-id", request_id)
-        raise
+        told = error_before_output(svc.metrics, policy.name, e, {"x-request-id": request_id, **ticket.headers})
+        if told is e:
+            raise
+        raise told from e
     return Started(req, job, ticket, gen, pieces, first, relay, outcome)
 
 
@@ -336,8 +324,7 @@ async def _collect(svc, gen: Generation, pieces, first: Piece, model: str, chat:
         raise ApiError(f"The generation failed and could not be resumed: {e}", code="stream_lost") from e
     except StreamTimeout as e:
         result, error = f"timeout_{e.which}", e
-        m.timed_out(policy.name, e.which)
-        raise _timed_out(e) from e
+        raise error_before_output(m, policy.name, e, {}) from e
     except ApiError as e:
         result, error = outcome_of(e), e
         raise

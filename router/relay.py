@@ -18,7 +18,7 @@ from contextlib import aclosing
 
 from replicas.protocol import FinishReason
 from router.admission import Ticket
-from router.errors import ApiError, RouterShutdown, error_body
+from router.errors import ApiError, GatewayTimeout, RouterShutdown, error_body
 from router.generation import Generation, Piece, StreamLost, StreamTimeout
 from router.sse import ChunkEncoder, Usage
 from router.tenants import TenantPolicy
@@ -179,6 +179,24 @@ def outcome_of(e: BaseException) -> str:
     if isinstance(e, StreamLost):
         return "lost"
     return "cancelled"
+
+
+def error_before_output(metrics, tenant: str, e: BaseException, headers: dict[str, str]) -> BaseException:
+    """What the client is told of ``e``, which ended a request before any of
+    its output was sent (the response not started): a tenant time limit is a
+    504 (counted), a generation lost before its first token a 500
+    ``stream_lost``, an ``ApiError`` itself; each carries ``headers`` unless
+    it has its own. Anything else (a cancel) is ``e``."""
+    if isinstance(e, StreamTimeout):
+        metrics.timed_out(tenant, e.which)
+        return GatewayTimeout(f"The request hit the tenant's {e}.", code=e.code, headers=dict(headers))
+    if isinstance(e, StreamLost):
+        return ApiError(f"The generation failed before its first token: {e}", code="stream_lost",
+                        headers=dict(headers))
+    if isinstance(e, ApiError):
+        for k, v in headers.items():
+            e.headers.setdefault(k, v)
+    return e
 
 
 class EventStream:

@@ -35,7 +35,9 @@ from litestar.response import Stream
 
 from router.errors import ApiError, BadRequest, NotFound, error_body
 from router.generation import Deadlines, Generation, Job
-from router.relay import NOT_RESUMABLE, EventStream, Outcome, relay_stream, shutdown_notice
+from router.relay import (
+    NOT_RESUMABLE, EventStream, Outcome, error_before_output, outcome_of, relay_stream, shutdown_notice,
+)
 from router.resume import ResumeMeta, decode_meta
 from router.service import RouterService
 from router.sse import ChunkEncoder
@@ -195,8 +197,7 @@ async def _take_over(svc: RouterService, policy: TenantPolicy, sid: str, meta: R
         async with aclosing(_continue(svc, policy, sid, meta, tokens, text_len, cursor, skip_chars)) as chunks:
             async for chunk in _waiting_until_first(chunks):
                 yield chunk
-    except ApiError as e:
-        await svc.resume.release(sid)
+    except ApiError as e:  # (refused before any output: ``_continue`` gave the claim back)
         yield enc_error.error(e.body())
 
 
@@ -240,9 +241,28 @@ async def _continue(svc: RouterService, policy: TenantPolicy, sid: str, meta: Re
                        role_sent=bool(tokens) or skip_chars > 0)
     outcome = Outcome(svc, policy, "resume", started, sid, counted=(len(meta.prompt_token_ids), len(tokens)))
     remaining = meta.params.max_tokens - len(tokens)
-    ticket = await svc.admission.admit(policy, max(1, remaining), count_request=False)
-    log.info("resuming stream %s at %d tokens on this router", sid, len(tokens))
+    ticket = pieces = None
+    try:
+        ticket = await svc.admission.admit(policy, max(1, remaining), count_request=False)
+        log.info("resuming stream %s at %d tokens on this router", sid, len(tokens))
+        pieces = gen.stream()
+        first = await pieces.__anext__()
+    except BaseException as e:
+        # Refused (a limit, no replica for now, a time limit) or the client
+        # left: nothing was relayed, so the buffer stays as it was and the
+        # stream stays resumable.
+        if pieces is not None:
+            await pieces.aclose()
+        if ticket is not None:
+            used = gen.prompt_tokens + gen.completion_tokens - sum(outcome.counted)
+            await svc.admission.finish(ticket, max(0, used))
+        outcome.record(outcome_of(e), gen, e)
+        svc.background(svc.resume.release(sid))
+        told = error_before_output(svc.metrics, policy.name, e, {})
+        if told is e:
+            raise
+        raise told from e
     es = EventStream(svc, gen, enc, (meta.include_usage, meta.continuous_usage), policy, ticket, outcome, sid,
                      skip_chars=skip_chars)
-    async for chunk in relay_stream(es, gen.stream(), None):
+    async for chunk in relay_stream(es, pieces, first):
         yield chunk

@@ -1,0 +1,90 @@
+"""A continuation that never got going leaves its stream resumable.
+
+``_resume`` claims a stream whose client left, is admitted again and waits
+for its first piece. Refused there (no ready replica, a limit, a time limit)
+or left by its client meanwhile, it must give its claim back and leave the
+buffer as it was, so a later resume (here or on another router) continues it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from types import SimpleNamespace
+
+from policies.batching import AimdSettings
+from replicas.pool import ReplicaPool
+from replicas.protocol import SamplingParams
+from replicas.spec import ReplicaSpec
+from router.admission import Admission
+from router.metrics import Metrics
+from router.resume import ResumeMeta, ResumeWriter, decode_meta
+from router.resume_http import Position, _resume
+from router.scheduler import Scheduler
+from router.scheduler_settings import SchedulerSettings
+from router.state.memory import MemoryStore
+from router.tenants import ResolvedLimits, TenantPolicy
+
+
+def policy(on_limit: str = "reject", max_concurrent: int = 0) -> TenantPolicy:
+    return TenantPolicy(
+        name="t", priority="normal", weight=1.0, models=["*"], queue_depth=10, chunk_tokens=16,
+        on_limit=on_limit, log_content=False,
+        limits=ResolvedLimits(requests_per_minute=0, tokens_per_minute=0, max_concurrent=max_concurrent,
+                              max_prompt_tokens=0, max_tokens=0, queue_wait=30.0, first_token=0.0, stall=0.0,
+                              total=0.0),
+    )
+
+
+async def service() -> SimpleNamespace:
+    """The parts of RouterService a resume uses; the one replica is not ready (restarting)."""
+    store, metrics = MemoryStore(), Metrics()
+    pool = ReplicaPool([ReplicaSpec(name="r0")])
+    tasks: list[asyncio.Task] = []
+    return SimpleNamespace(
+        store=store, resume=ResumeWriter(store, 60), metrics=metrics, pool=pool,
+        admission=Admission(store, metrics), scheduler=Scheduler(pool, metrics, SchedulerSettings(), AimdSettings()),
+        config=SimpleNamespace(max_failovers=2), rank=lambda p: 0, tasks=tasks,
+        background=lambda c: tasks.append(asyncio.ensure_future(c)),
+    )
+
+
+async def left_after_one_event(svc: SimpleNamespace) -> None:
+    """Stream s1: its client left after one event (2 tokens, 5 characters)."""
+    meta = ResumeMeta("t", False, "m", "cmpl-s1", 0, False, SamplingParams(max_tokens=8), [1, 2])
+    await svc.resume.open("s1", meta)
+    svc.resume.append("s1", b"id: 1-2-5\ndata: {}\n\n", [10, 11], 5)
+    await svc.resume.detach("s1", 5)
+
+
+async def resume(svc: SimpleNamespace, pol: TenantPolicy) -> list[bytes]:
+    snap = await svc.store.stream_read("s1", 1)
+    return [chunk async for chunk in _resume(svc, pol, "s1", decode_meta(snap.meta), snap, Position(1, 2, 5))]
+
+
+async def test_a_continuation_refused_for_want_of_a_replica_leaves_the_stream_resumable() -> None:
+    svc = await service()
+    await left_after_one_event(svc)
+    out = await resume(svc, policy())
+    await asyncio.gather(*svc.tasks)
+    assert b'"code":"no_replica_available"' in out[-1]  # the client is told
+    after = await svc.store.stream_read("s1", 0)
+    assert not after.finished and after.total_events == 1, after.events
+    assert after.owner == "" and "s1" not in svc.resume.live  # the claim is given back
+    # (and a later resume claims it again: refused the same way while the replica is down)
+    assert b'"code":"no_replica_available"' in (await resume(svc, policy()))[-1]
+
+
+async def test_a_continuation_left_while_it_waits_for_its_tenants_limit_gives_its_claim_back() -> None:
+    svc = await service()
+    pol = policy(on_limit="queue", max_concurrent=1)
+    other = await svc.admission.admit(pol, 1)  # the tenant's one stream is taken
+    await left_after_one_event(svc)
+    task = asyncio.ensure_future(resume(svc, pol))
+    await asyncio.sleep(0.2)
+    assert "s1" in svc.resume.live  # claimed; waiting in the tenant's line
+    task.cancel()  # the client disconnects
+    await asyncio.gather(task, return_exceptions=True)
+    await asyncio.gather(*svc.tasks)
+    assert "s1" not in svc.resume.live
+    assert (await svc.store.stream_read("s1", 0)).owner == ""
+    await svc.admission.finish(other, 1)
