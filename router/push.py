@@ -20,8 +20,10 @@ framing uvicorn's ``send`` writes, and ends the body with uvicorn's own
 
 from __future__ import annotations
 
+import logging
+
 from replicas.protocol import FinishReason
-from router.generation import PieceQueue
+from router.generation import PieceQueue, StreamLost
 from router.relay import EventStream
 
 try:
@@ -30,6 +32,8 @@ except ImportError:  # pragma: no cover - uvicorn without httptools
     _HttptoolsCycle = None
 
 __all__ = ["PushRelay", "wire_for", "TransportWire", "AsgiWire"]
+
+log = logging.getLogger("fairstream.relay")
 
 
 class TransportWire:
@@ -120,6 +124,20 @@ class PushRelay(PieceQueue):
             assert self._exc is not None
             raise self._exc
 
+    def _encode_waiting(self) -> bytes | None:
+        """The bytes of the pieces that wait. A failure (a bug) ends the
+        stream with an error event, as one in ``piece`` does through
+        ``Generation.on_delta``: the generation stops, the client is told."""
+        try:
+            return self._encode(*self._take())
+        except Exception as e:  # noqa: BLE001 - this stream only
+            log.exception("stream relay failed encoding its output")
+            self._pending.clear()
+            assert self.events is not None
+            self.events.gen.close()
+            self._exc = StreamLost(f"internal error relaying the stream: {e!r}")
+            return None
+
     def _encode(self, text: str, n: int, finish: FinishReason) -> bytes | None:
         events = self.events
         assert events is not None
@@ -138,7 +156,7 @@ class PushRelay(PieceQueue):
             if self._pending:
                 if isinstance(wire, AsgiWire):
                     # piece() never writes to this wire: nothing can overtake
-                    data = self._encode(*self._take())
+                    data = self._encode_waiting()
                     if data:
                         await wire.send(data)
                     continue
@@ -147,7 +165,7 @@ class PushRelay(PieceQueue):
                         return
                     await wire.drain()  # pieces keep queueing behind what waits
                     continue
-                data = self._encode(*self._take())  # and written with no await between
+                data = self._encode_waiting()  # and written with no await between
                 if data:
                     wire.write(data)
                 continue

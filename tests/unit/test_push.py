@@ -51,8 +51,9 @@ class Cycle:
 class Events:
     """EventStream's interface: an event is its text, the tail ``[DONE]``."""
 
-    def __init__(self, fail_on_tail: bool = False) -> None:
+    def __init__(self, fail_on_tail: bool = False, gen=None) -> None:
         self.fail_on_tail = fail_on_tail
+        self.gen = gen
 
     def event(self, text: str, n: int, finish: FinishReason) -> bytes | None:
         return text.encode() if text or finish != NONE else None
@@ -104,5 +105,21 @@ async def test_a_failure_on_the_last_piece_ends_the_stream_with_an_error_event()
     col.put(Delta(1, [8], "y", STOP))  # its tail fails to encode
     await asyncio.wait_for(run, 1)  # ends: does not wait for a piece that will never come
     assert cycle.transport.writes[0] == b"x"
+    assert cycle.transport.writes[-1].startswith(b"error: internal error"), cycle.transport.writes
+    assert slot.inflight == 0 and client.released == [1]
+
+
+async def test_a_failure_on_a_last_piece_queued_behind_a_slow_client_ends_the_stream_with_an_error_event() -> None:
+    # (the request task encodes what waited: the failure is its own to handle)
+    cycle = Cycle()
+    relay = PushRelay()
+    gen, col, slot, client = started(relay, max_tokens=4)
+    col.put(Delta(1, [7], "x", NONE, [1, 2]))
+    run = asyncio.ensure_future(relay.run(Events(fail_on_tail=True, gen=gen), TransportWire(cycle)))
+    await asyncio.sleep(0)
+    cycle.flow.pause_writing()  # a slow client
+    col.put(Delta(1, [8], "y", STOP))  # waits behind the paused transport; its tail fails to encode
+    cycle.flow.resume_writing()
+    await asyncio.wait_for(run, 1)
     assert cycle.transport.writes[-1].startswith(b"error: internal error"), cycle.transport.writes
     assert slot.inflight == 0 and client.released == [1]
