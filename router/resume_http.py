@@ -146,10 +146,13 @@ async def _resume(svc: RouterService, policy: TenantPolicy, sid: str, meta: Resu
             yield shutdown_notice(svc, enc, True)
             return
         behind = have < cursor  # the client has events the buffer lacks
-        live = snap.owner and (snap.owner != me or sid in svc.resume.live)
+        mine = snap.owner == me and sid in svc.resume.live  # this router generates it
+        live = mine or (snap.owner and snap.owner != me)
         if live and (not behind or loop.time() < catch_up_until):
             await asyncio.sleep(TAIL_POLL)  # a live router (maybe this one) generates it: follow its buffer
-        elif await svc.resume.claim(sid):
+        elif not mine and await svc.resume.claim(sid):
+            # (never this router's own live stream, however far behind its
+            # buffer: claiming it would start a second generation into it)
             fresh = await svc.store.stream_read(sid, cursor)
             if fresh is None:
                 return

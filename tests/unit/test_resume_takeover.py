@@ -88,3 +88,31 @@ async def test_a_continuation_left_while_it_waits_for_its_tenants_limit_gives_it
     assert "s1" not in svc.resume.live
     assert (await svc.store.stream_read("s1", 0)).owner == ""
     await svc.admission.finish(other, 1)
+
+
+async def test_a_client_ahead_of_this_routers_own_live_stream_follows_it_and_never_claims_it(monkeypatch) -> None:
+    # The buffer of a stream this router generates lags the client for good
+    # (its appends were lost): past the catch-up wait the resume must keep
+    # following, not claim the stream and start a second generation into it.
+    import router.resume_http as resume_http
+    monkeypatch.setattr(resume_http, "CATCH_UP", 0.05)
+    svc = await service()
+    meta = ResumeMeta("t", False, "m", "cmpl-s1", 0, False, SamplingParams(max_tokens=8), [1, 2])
+    await svc.resume.open("s1", meta)  # live on this router
+    svc.resume.append("s1", b"id: 1-2-5\ndata: {}\n\n", [10, 11], 5)
+    snap = await svc.store.stream_read("s1", 3)
+    out: list[bytes] = []
+
+    async def client() -> None:
+        async for chunk in _resume(svc, policy(), "s1", decode_meta(snap.meta), snap, Position(3, 4, 9)):
+            out.append(chunk)
+
+    task = asyncio.ensure_future(client())
+    await asyncio.sleep(0.5)
+    assert not task.done() and out == [], out  # still following; no continuation, no error
+    svc.resume.append("s1", b"e2", [12], 7)
+    svc.resume.append("s1", b"e3", [13], 9)
+    svc.resume.append("s1", b"e4", [14], 11)
+    await svc.resume.finish("s1", b"data: [DONE]\n\n", 11)
+    await asyncio.wait_for(task, 2)
+    assert out == [b"e4", b"data: [DONE]\n\n"]
