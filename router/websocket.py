@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from contextlib import aclosing
 
 import msgspec
 from litestar import WebSocket, websocket
@@ -71,6 +72,7 @@ class _Conn:
         self.running: dict[str, asyncio.Task[None]] = {}
         self._send_lock = asyncio.Lock()
         self.draining = False
+        self.gone = False
         self.closing: asyncio.Task[None] | None = None
 
     def drain(self) -> None:
@@ -103,10 +105,15 @@ class _Conn:
                 pass
 
     async def send(self, data: bytes) -> None:
+        """Send a frame; nothing if the socket is closed or the client gone
+        (``gone`` then says so; ``chat_socket``'s receive loop ends the rest)."""
         async with self._send_lock:
-            if self.closing is not None:  # the router closed the socket (shutdown): nothing more goes out
+            if self.closing is not None or self.gone:  # (closed by the router at shutdown)
                 return
-            await self.sock.send_data(data.decode("utf-8"), mode="text")
+            try:
+                await self.sock.send_data(data.decode("utf-8"), mode="text")
+            except (WebSocketDisconnect, RuntimeError, OSError):  # the client went mid-send
+                self.gone = True
 
     async def run_one(self, cid: str, body: bytes) -> None:
         svc, policy = self.svc, self.policy
@@ -124,8 +131,11 @@ class _Conn:
         req, gen = st.req, st.gen
         enc = ChunkEncoder(True, response_id_of(True, request_id), req.model, st.created, channel=cid)
         es = EventStream(svc, gen, enc, usage_options(req), policy, st.ticket, st.outcome, None)
-        async for frame in relay_stream(es, st.pieces, st.first):
-            await self.send(frame)
+        async with aclosing(relay_stream(es, st.pieces, st.first)) as frames:
+            async for frame in frames:
+                await self.send(frame)
+                if self.gone:
+                    break  # (closing the relay settles the request as cancelled)
 
 
 @websocket("/v1/ws")
