@@ -33,7 +33,7 @@ import msgspec
 from litestar import Response
 from litestar.response import Stream
 
-from router.errors import ApiError, BadRequest, NotFound, error_body
+from router.errors import ApiError, BadRequest, NotFound, ServiceUnavailable, error_body
 from router.generation import Deadlines, Generation, Job
 from router.relay import (
     NOT_RESUMABLE, EventStream, Outcome, error_before_output, outcome_of, relay_stream, shutdown_notice,
@@ -52,6 +52,8 @@ TAIL_POLL = 0.02
 CATCH_UP = 2.0  # seconds to wait for a live owner's buffer to reach the client
 KEEPALIVE = 2.0  # seconds without an event after which the resume sends an SSE comment
 WAITING = b": waiting for the stream\n\n"  # that comment; clients skip it
+REREAD_GRACE = 5.0  # seconds a resume tries to read its buffer again before it gives up
+REREAD_INTERVAL = 0.1
 
 
 class Position(msgspec.Struct, frozen=True):
@@ -84,9 +86,10 @@ async def handle_resume(svc: RouterService, policy: TenantPolicy, sid: str, pos:
     try:
         snap = await svc.store.stream_read(sid, pos.event)
     except StoreUnavailable as e:
-        raise NotFound(f"Stream {sid} cannot be resumed now: the state store is unavailable.",
-                       code="stream_not_found") from e
+        raise _store_down(sid) from e
     if snap is None:
+        if not getattr(svc.store, "healthy", True):  # (fail-open: the answer came from the local fallback)
+            raise _store_down(sid)
         raise NotFound(_NOT_FOUND.format(sid), code="stream_not_found")
     meta = decode_meta(snap.meta)
     if meta.tenant != policy.name:
@@ -108,6 +111,11 @@ async def handle_resume(svc: RouterService, policy: TenantPolicy, sid: str, pos:
     svc.metrics.resumes.labels(policy.name).inc()
     headers = {"x-request-id": sid, "cache-control": "no-cache", "x-accel-buffering": "no"}
     return Stream(_resume(svc, policy, sid, meta, snap, pos), media_type="text/event-stream", headers=headers)
+
+
+def _store_down(sid: str) -> ServiceUnavailable:
+    return ServiceUnavailable(f"Stream {sid} cannot be resumed now: the state store is unavailable; retry shortly.",
+                              code="state_store_unavailable", headers={"retry-after": "1"})
 
 
 async def _ended_unbuffered(svc: RouterService, sid: str, snap: StreamSnapshot) -> bool:
@@ -153,8 +161,10 @@ async def _resume(svc: RouterService, policy: TenantPolicy, sid: str, meta: Resu
         elif not mine and await svc.resume.claim(sid):
             # (never this router's own live stream, however far behind its
             # buffer: claiming it would start a second generation into it)
-            fresh = await svc.store.stream_read(sid, cursor)
+            fresh = await _reread(svc, sid, cursor)
             if fresh is None:
+                await svc.resume.release(sid)
+                yield _unreadable(meta, sid, cursor)
                 return
             if fresh.total_events > have or fresh.finished:
                 await svc.resume.release(sid)  # appended meanwhile: replay first
@@ -165,10 +175,36 @@ async def _resume(svc: RouterService, policy: TenantPolicy, sid: str, meta: Resu
             return
         else:
             await asyncio.sleep(TAIL_POLL)
-        nxt = await svc.store.stream_read(sid, cursor)
+        nxt = await _reread(svc, sid, cursor)
         if nxt is None:
+            yield _unreadable(meta, sid, cursor)
             return
         snap = nxt
+
+
+async def _reread(svc: RouterService, sid: str, after: int) -> StreamSnapshot | None:
+    """The buffer again, mid-resume. It was there a moment ago: a read that
+    fails (a Redis timeout under load; a fail-open store answers from its
+    local fallback, which lacks it) is tried again for ``REREAD_GRACE``
+    seconds before the resume gives up (None)."""
+    loop = asyncio.get_running_loop()
+    until = loop.time() + REREAD_GRACE
+    while True:
+        try:
+            snap = await svc.store.stream_read(sid, after)
+        except StoreUnavailable:
+            snap = None
+        if snap is not None or loop.time() >= until:
+            return snap
+        await asyncio.sleep(REREAD_INTERVAL)
+
+
+def _unreadable(meta: ResumeMeta, sid: str, cursor: int) -> bytes:
+    """The error event that ends a resume whose buffer could not be read again."""
+    enc = ChunkEncoder(meta.chat, meta.response_id, meta.model, meta.created, event_id=cursor)
+    return enc.error(error_body(
+        f"Stream {sid} cannot be read now (the state store is unavailable, or the stream's buffer expired); "
+        "resume again with the same Last-Event-ID.", "server_error", None, "resume_unavailable"))
 
 
 async def _take_over(svc: RouterService, policy: TenantPolicy, sid: str, meta: ResumeMeta,

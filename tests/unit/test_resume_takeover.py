@@ -11,6 +11,8 @@ from __future__ import annotations
 import asyncio
 from types import SimpleNamespace
 
+import pytest
+
 from policies.batching import AimdSettings
 from replicas.pool import ReplicaPool
 from replicas.protocol import SamplingParams
@@ -116,3 +118,51 @@ async def test_a_client_ahead_of_this_routers_own_live_stream_follows_it_and_nev
     await svc.resume.finish("s1", b"data: [DONE]\n\n", 11)
     await asyncio.wait_for(task, 2)
     assert out == [b"e4", b"data: [DONE]\n\n"]
+
+
+async def test_a_resume_that_loses_its_buffer_mid_way_ends_with_an_error_event_not_silently(monkeypatch) -> None:
+    # (a Redis timeout under load: a fail-open store answers the read from its
+    # local fallback, which lacks the buffer; the client saw a clean end of
+    # the response without [DONE] and without an error)
+    import router.resume_http as resume_http
+    monkeypatch.setattr(resume_http, "REREAD_GRACE", 0.5)
+    svc = await service()
+    meta = ResumeMeta("t", False, "m", "cmpl-s1", 0, False, SamplingParams(max_tokens=8), [1, 2])
+    await svc.resume.open("s1", meta)  # live on this router: the resume follows it
+    svc.resume.append("s1", b"e1", [10, 11], 5)
+    snap = await svc.store.stream_read("s1", 0)
+    real_read, misses = svc.store.stream_read, [3]
+
+    async def flaky_read(sid, after):
+        if misses[0]:
+            misses[0] -= 1
+            return None
+        return await real_read(sid, after)
+
+    monkeypatch.setattr(svc.store, "stream_read", flaky_read)
+    await svc.resume.finish("s1", b"[DONE]", 5)
+    # a read that fails for a moment is tried again
+    out = [chunk async for chunk in _resume(svc, policy(), "s1", decode_meta(snap.meta), snap, Position(0))]
+    assert out == [b"e1", b"[DONE]"] and misses == [0]
+    # one that keeps failing ends the resume with an error event
+    misses[0] = 1000
+    out = [chunk async for chunk in _resume(svc, policy(), "s1", decode_meta(snap.meta), snap, Position(0))]
+    assert out[0] == b"e1" and b'"code":"resume_unavailable"' in out[-1], out
+
+
+async def test_a_resume_during_a_state_store_outage_is_a_503_not_an_unknown_stream() -> None:
+    from router.errors import ServiceUnavailable
+    from router.resume_http import handle_resume
+    from router.state import StoreUnavailable
+    svc = await service()
+    svc.store.healthy = False  # fail-open: reads come from the local fallback, which lacks the buffer
+    with pytest.raises(ServiceUnavailable) as e:
+        await handle_resume(svc, policy(), "s1", Position(0))  # type: ignore[arg-type]
+    assert e.value.code == "state_store_unavailable" and e.value.headers["retry-after"] == "1"
+
+    async def down(sid, after):
+        raise StoreUnavailable("redis: timeout")  # fail-closed
+
+    svc.store.stream_read = down
+    with pytest.raises(ServiceUnavailable):
+        await handle_resume(svc, policy(), "s1", Position(0))  # type: ignore[arg-type]
