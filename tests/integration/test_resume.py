@@ -10,6 +10,8 @@ then the rest of the stream, text-exact.
 from __future__ import annotations
 
 import asyncio
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
 
@@ -392,25 +394,34 @@ async def test_a_resumed_stream_counts_each_completion_token_once(
     assert delta == {"prompt": usage["prompt_tokens"], "completion": max_tokens}, delta
 
 
+@asynccontextmanager
+async def dropped_then_blocked(router: RouterProcess, http: httpx.AsyncClient, chat: bool, prompt: str, max_tokens: int,
+                               blocker_tokens: int) -> AsyncIterator[tuple[str, list[SseEvent]]]:
+    """Tenant ``one`` (one stream at a time): a stream dropped after 10
+    events, then, inside, another stream that holds the tenant's one slot
+    until it ends (~10 ms a token). Yields the dropped stream's id and events."""
+    http.headers.update(auth(KEY_ONE))
+    rid, events = await start_and_drop(http, chat, prompt, max_tokens, 10)
+    await apoll(lambda: _load_is(router, http, lambda inf, eng: inf == 0), 2.5, what="the abort")
+    path, body = request(chat, "Über" if prompt != "Über" else "Le caf", blocker_tokens, stream=True)
+    async with http.stream("POST", path, json=body) as blocker:
+        it = aiter_sse(blocker)
+        await it.__anext__()  # it holds the tenant's one stream
+        yield rid, events
+        assert [ev async for ev in it][-1].data == "[DONE]"
+
+
 async def test_a_continuation_waiting_for_its_tenants_limit_says_it_is_waiting(
         router: RouterProcess, http: httpx.AsyncClient) -> None:
     # The resume's response head is sent before it is admitted again: while
     # it waits in the tenant's line (here behind a ~5 s stream), SSE comments
     # every 2 s keep a proxy's read timeout from cutting it.
-    one = auth(KEY_ONE)
     prompt, max_tokens = "Le caf", 120
-    http.headers.update(one)
-    rid, events = await start_and_drop(http, False, prompt, max_tokens, 10)
-    await apoll(lambda: _load_is(router, http, lambda inf, eng: inf == 0), 2.5, what="the abort")
-    path, body = request(False, "Über", 500, stream=True)
     comments: list[str] = []
-    async with http.stream("POST", path, json=body) as blocker:
-        it = aiter_sse(blocker)
-        await it.__anext__()  # it holds the tenant's one stream
+    async with dropped_then_blocked(router, http, False, prompt, max_tokens, 500) as (rid, events):
         async with http.stream("GET", f"/v1/streams/{rid}", headers={"Last-Event-ID": events[-1].id}) as r:
             assert r.status_code == 200
             resumed = [ev async for ev in aiter_sse(r, comments)]
-        assert [ev async for ev in it][-1].data == "[DONE]"
     assert len(comments) >= 2 and set(comments) == {": waiting for the stream"}, comments
     ref, prompt_tokens = await reference(http, False, prompt, max_tokens)
     check_whole_stream(events + resumed, False, ref, prompt_tokens, max_tokens)
@@ -418,15 +429,8 @@ async def test_a_continuation_waiting_for_its_tenants_limit_says_it_is_waiting(
 
 async def test_a_continuation_dropped_while_it_waits_leaves_the_stream_resumable(
         router: RouterProcess, http: httpx.AsyncClient) -> None:
-    one = auth(KEY_ONE)
     prompt, max_tokens = "Über", 90
-    http.headers.update(one)
-    rid, events = await start_and_drop(http, True, prompt, max_tokens, 10)
-    await apoll(lambda: _load_is(router, http, lambda inf, eng: inf == 0), 2.5, what="the abort")
-    path, body = request(True, "Le caf", 400, stream=True)
-    async with http.stream("POST", path, json=body) as blocker:
-        it = aiter_sse(blocker)
-        await it.__anext__()
+    async with dropped_then_blocked(router, http, True, prompt, max_tokens, 400) as (rid, events):
         comments: list[str] = []
         async with http.stream("GET", f"/v1/streams/{rid}", headers={"Last-Event-ID": events[-1].id}) as r:
             assert r.status_code == 200
@@ -435,7 +439,6 @@ async def test_a_continuation_dropped_while_it_waits_leaves_the_stream_resumable
             assert not reader.done()
             reader.cancel()
         # the client left while its continuation waited in line
-        assert [ev async for ev in it][-1].data == "[DONE]"
     started = asyncio.get_running_loop().time()
     async with http.stream("GET", f"/v1/streams/{rid}", headers={"Last-Event-ID": events[-1].id}) as r:
         rest = await read_all(r)
