@@ -58,6 +58,9 @@ class RouterConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     shutdown_grace: float = 20.0
     """Seconds requests in flight may take to finish after SIGTERM/SIGINT (no new connections meanwhile); then each one still running ends with an explicit error (`router_shutdown`: a 503, or an SSE error event). Keep it at least 10 s below the orchestrator's kill timeout (Kubernetes: 30 s unless set)."""
 
+    send_timeout: float = 60.0
+    """Seconds a streaming client may take none of its stream (its connection's buffers full: it stopped reading) before the router closes the connection, as nginx's ``send_timeout`` does. Its lease and request end then, and the stream stays resumable like a disconnected one. 0: wait as long as TCP keeps the connection. Applies to streamed completions (POST); resume GETs and WebSocket streams wait on TCP."""
+
     metrics_require_admin_key: bool = False
     """When true, ``GET /metrics`` needs an admin key (``Authorization: Bearer KEY``; in Prometheus ``authorization: {credentials: KEY}``). Off, anyone who reaches the port sees every tenant's name and traffic there."""
 
@@ -79,8 +82,9 @@ class RouterConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
                 errors.append(located.error((key,), "must be at least 1"))
         if self.max_failovers < 0:
             errors.append(located.error(("max_failovers",), "must not be negative"))
-        if self.shutdown_grace < 0:
-            errors.append(located.error(("shutdown_grace",), "must not be negative"))
+        for key in ("shutdown_grace", "send_timeout"):
+            if getattr(self, key) < 0:
+                errors.append(located.error((key,), "must not be negative"))
         if self.cors.max_age < 0:
             errors.append(located.error(("cors", "max_age"), "must not be negative"))
         for i, origin in enumerate(self.cors.allow_origins):

@@ -30,7 +30,7 @@ from litestar import Litestar
 from router.completions import new_request_id, open_stream, respond_whole, start_generation
 from router.cors import response_headers
 from router.errors import ApiError, error_body
-from router.push import wire_for
+from router.push import ClientTooSlow, wire_for
 from router.relay import log_refused
 from router.service import RouterService
 
@@ -138,7 +138,13 @@ class FastPath:
             # (the decoded request and its body go)
             relay = st.relay
             body = msg = sse_headers = policy = st = None
-            await relay.run(es, wire_for(send))
+            wire = wire_for(send, svc.config.send_timeout)
+            try:
+                await relay.run(es, wire)
+            except ClientTooSlow as e:
+                log.warning("stream %s: %s; closing its connection", request_id, e)
+                wire.abort()
+                return  # (settled below as a disconnect: the stream stays resumable)
             await send({"type": "http.response.body", "body": b"", "more_body": False})
         except asyncio.CancelledError:
             if not gone:

@@ -20,6 +20,7 @@ framing uvicorn's ``send`` writes, and ends the body with uvicorn's own
 
 from __future__ import annotations
 
+import asyncio
 import logging
 
 from replicas.protocol import FinishReason
@@ -31,20 +32,36 @@ try:
 except ImportError:  # pragma: no cover - uvicorn without httptools
     _HttptoolsCycle = None
 
-__all__ = ["PushRelay", "wire_for", "TransportWire", "AsgiWire"]
+__all__ = ["PushRelay", "wire_for", "TransportWire", "AsgiWire", "ClientTooSlow"]
 
 log = logging.getLogger("fairstream.relay")
+
+
+class ClientTooSlow(Exception):
+    """The client took none of its stream for ``send_timeout`` seconds."""
+
+
+async def _within(aw, timeout: float):
+    """``await aw``, or ``ClientTooSlow`` after ``timeout`` seconds (0: no limit)."""
+    if not timeout:
+        return await aw
+    try:
+        async with asyncio.timeout(timeout):
+            return await aw
+    except TimeoutError:
+        raise ClientTooSlow(f"the client took none of its stream for {timeout:g}s") from None
 
 
 class TransportWire:
     """Chunked body writes straight to uvicorn's transport (httptools)."""
 
-    __slots__ = ("cycle", "transport", "flow")
+    __slots__ = ("cycle", "transport", "flow", "timeout")
 
-    def __init__(self, cycle) -> None:
+    def __init__(self, cycle, timeout: float = 0.0) -> None:
         self.cycle = cycle
         self.transport = cycle.transport
         self.flow = cycle.flow
+        self.timeout = timeout
 
     @property
     def writable(self) -> bool:
@@ -60,9 +77,14 @@ class TransportWire:
         self.transport.write(b"%x\r\n%s\r\n" % (len(data), data))
 
     async def drain(self) -> None:
-        """Until the transport takes writes again (or the client is gone)."""
+        """Until the transport takes writes again (or the client is gone);
+        ``ClientTooSlow`` after ``timeout`` seconds."""
         if self.flow.write_paused and not self.cycle.disconnected:
-            await self.flow.drain()
+            await _within(self.flow.drain(), self.timeout)
+
+    def abort(self) -> None:
+        """Drop the connection now, whatever waits in its buffers."""
+        self.transport.abort()
 
     async def send(self, data: bytes) -> None:
         await self.drain()
@@ -73,24 +95,30 @@ class TransportWire:
 class AsgiWire:
     """Any ASGI server: every event is one ``http.response.body`` message."""
 
-    __slots__ = ("_send",)
+    __slots__ = ("_send", "timeout")
 
     writable = False
 
-    def __init__(self, send) -> None:
+    def __init__(self, send, timeout: float = 0.0) -> None:
         self._send = send
+        self.timeout = timeout
 
     async def send(self, data: bytes) -> None:
-        await self._send({"type": "http.response.body", "body": data, "more_body": True})
+        await _within(self._send({"type": "http.response.body", "body": data, "more_body": True}), self.timeout)
+
+    def abort(self) -> None:
+        """(No transport to drop: the server closes the connection when the
+        application returns without ending the body.)"""
 
 
-def wire_for(send) -> TransportWire | AsgiWire:
-    """The fastest wire ``send`` allows; call after the response head was sent."""
+def wire_for(send, timeout: float = 0.0) -> TransportWire | AsgiWire:
+    """The fastest wire ``send`` allows; call after the response head was
+    sent. ``timeout``: the router's ``send_timeout``."""
     cycle = getattr(send, "__self__", None)
     if (_HttptoolsCycle is not None and type(cycle) is _HttptoolsCycle and cycle.chunked_encoding
             and cycle.response_started and not cycle.response_complete):
-        return TransportWire(cycle)
-    return AsgiWire(send)
+        return TransportWire(cycle, timeout)
+    return AsgiWire(send, timeout)
 
 
 class PushRelay(PieceQueue):

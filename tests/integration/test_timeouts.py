@@ -18,6 +18,7 @@ import asyncio
 import json
 import os
 import signal
+import socket
 import time
 from pathlib import Path
 from typing import Any, Self
@@ -297,3 +298,43 @@ async def test_stalled_replica_fails_over_text_exact(tmp_path) -> None:
             except ProcessLookupError:
                 pass
         router.stop()
+
+
+# -- a client that stopped reading ----------------------------------------------------------------
+
+
+async def test_a_client_that_stops_reading_is_dropped_after_send_timeout_and_frees_its_slot(tmp_path) -> None:
+    # Tenant t may run one stream at a time. Its client asks for a long stream
+    # and stops reading: once every buffer between them is full, the router
+    # waits send_timeout (1.5 s), drops the connection and ends the request,
+    # so the tenant's slot is free again. Before, the request, its lease and
+    # its queued output stayed as long as TCP kept the connection.
+    tenants = write_tenants(tmp_path / "tenants.yaml", {}, {"max_concurrent": 1})
+    sim = {"step_base_ms": 0.0, "step_per_seq_ms": 0.0, "max_model_len": 40000}
+    with RouterProcess(tmp_path / "r", replicas=1, tenants=tenants, sim=sim,
+                       settings={"send_timeout": 1.5}) as router:
+        body = json.dumps(completion(30000, stream=True)).encode()
+        sock = socket.socket()
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)  # (before connect: a small window)
+        sock.connect(("127.0.0.1", router.port))
+        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer " + KEY.encode()
+                     + b"\r\nContent-Type: application/json\r\nContent-Length: " + str(len(body)).encode()
+                     + b"\r\n\r\n" + body)
+        assert sock.recv(64).startswith(b"HTTP/1.1 200")  # then it reads nothing more
+        try:
+            async with httpx.AsyncClient(base_url=router.base_url, headers=auth(), timeout=30) as http:
+                started = time.monotonic()
+
+                async def slot_free() -> bool:
+                    r = await http.post("/v1/completions", json=completion(2, stream=False))
+                    assert r.status_code in (200, 429), r.text
+                    return r.status_code == 200
+
+                await apoll(slot_free, 30, interval=0.5, what="the tenant's slot to be free again")
+                assert time.monotonic() - started >= 1.5
+                m = await router.ametrics(http)
+                assert m.value("fairstream_requests_total", tenant="t", endpoint="completions",
+                               outcome="cancelled") == 1
+            assert "took none of its stream for 1.5s; closing its connection" in router.log()
+        finally:
+            sock.close()

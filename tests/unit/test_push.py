@@ -11,11 +11,14 @@ encoding and the replica connection are stand-ins.
 from __future__ import annotations
 
 import asyncio
+import time
 
 from uvicorn.protocols.http.flow_control import FlowControl
 
 from replicas.protocol import Delta, FinishReason
-from router.push import PushRelay, TransportWire
+import pytest
+
+from router.push import ClientTooSlow, PushRelay, TransportWire
 from tests.unit.generations import started
 
 NONE, STOP = FinishReason.NONE, FinishReason.STOP
@@ -123,3 +126,31 @@ async def test_a_failure_on_a_last_piece_queued_behind_a_slow_client_ends_the_st
     await asyncio.wait_for(run, 1)
     assert cycle.transport.writes[-1].startswith(b"error: internal error"), cycle.transport.writes
     assert slot.inflight == 0 and client.released == [1]
+
+
+async def test_a_client_that_takes_nothing_for_send_timeout_is_given_up() -> None:
+    # (nginx's send_timeout: a client that stopped reading would otherwise
+    # hold its request, its lease and its queued pieces as long as TCP lasts)
+    cycle = Cycle()
+    relay = PushRelay()
+    cycle.flow.pause_writing()  # the client's buffers are full and it reads nothing
+    relay.piece("a", 1, NONE)
+    started_at = time.monotonic()
+    with pytest.raises(ClientTooSlow):
+        await asyncio.wait_for(relay.run(Events(), TransportWire(cycle, timeout=0.2)), 5)
+    assert 0.2 <= time.monotonic() - started_at < 1
+    assert cycle.transport.writes == []
+
+
+async def test_a_slow_client_that_keeps_taking_its_stream_is_not_given_up() -> None:
+    cycle = Cycle()
+    relay = PushRelay()
+    run = asyncio.ensure_future(relay.run(Events(), TransportWire(cycle, timeout=0.2)))
+    for text in "abcdef":
+        cycle.flow.pause_writing()
+        relay.piece(text, 1, NONE)
+        await asyncio.sleep(0.1)  # each wait is shorter than the limit; all of them together longer
+        cycle.flow.resume_writing()
+    relay.piece("g", 1, STOP)
+    await asyncio.wait_for(run, 1)
+    assert b"".join(cycle.transport.writes) == b"abcdefg[DONE]"
