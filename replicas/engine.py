@@ -10,16 +10,23 @@ failover splice.
 from __future__ import annotations
 
 import abc
+import asyncio
 from collections.abc import Callable
 from typing import Protocol
 
 from replicas.protocol import FinishReason, LoadReport, SamplingParams
 
-__all__ = ["Tokenizer", "Engine", "OutputSink", "EngineError"]
+__all__ = ["Tokenizer", "Engine", "OutputSink", "EngineError", "EngineDead"]
 
 
 class EngineError(RuntimeError):
-    """The engine cannot serve a request (bad prompt, too long, engine dead)."""
+    """The engine cannot serve a request (bad prompt, too long)."""
+
+
+class EngineDead(EngineError):
+    """The engine has died: no request gets an answer from this process any
+    more; it exits so that it is restarted, and the router moves its
+    requests to other replicas."""
 
 
 class Tokenizer(Protocol):
@@ -53,6 +60,21 @@ class Engine(abc.ABC):
 
     def __init__(self, sink: OutputSink) -> None:
         self.sink = sink
+        self.died = asyncio.Event()  # set once, by ``die``
+        self.death = ""  # why
+
+    @property
+    def dead(self) -> bool:
+        """The engine can serve nothing any more (an engine that finds out
+        by itself, as vLLM's does, says so here; checked every second)."""
+        return self.died.is_set()
+
+    def die(self, reason: str) -> None:
+        """The engine has died: ``serve`` drops every connection (no request
+        is answered with an error: the router fails them over) and exits."""
+        if not self.died.is_set():
+            self.death = reason
+            self.died.set()
 
     @abc.abstractmethod
     async def start(self) -> None:

@@ -42,11 +42,11 @@ import msgspec
 from aiohttp import web
 
 from replicas.client import Collector
-from replicas.engine import EngineError
+from replicas.engine import EngineDead, EngineError
 from replicas.output import OutputProcessor
 from replicas.prepare import prepare
 from replicas.protocol import Delta, FinishReason, SamplingParams
-from replicas.server import create_engine, wait_for_stop
+from replicas.server import create_engine, exit_if_dead, wait_for_stop, watch_engine
 
 __all__ = ["OpenAIServer", "serve_openai"]
 
@@ -216,6 +216,9 @@ class OpenAIServer:
         return server.sockets[0].getsockname()[1] if server is not None and server.sockets else port
 
     async def close(self) -> None:
+        if self.engine.dead:  # (its requests get no more output: end them before the server waits for them)
+            for rid, req in self._requests.items():
+                req.col.put(Delta(rid, [], "", FinishReason.ERROR, None, f"engine died: {self.engine.death}"))
         if self._runner is not None:
             await self._runner.cleanup()
             self._runner = None
@@ -349,6 +352,9 @@ class OpenAIServer:
         self._requests[rid] = _Request(col, proc)
         try:
             eng.add(rid, ids, params)
+        except EngineDead as e:  # (the process exits: the caller retries elsewhere)
+            del self._requests[rid]
+            return _error(str(e), 503)
         except EngineError as e:
             del self._requests[rid]
             return _error(str(e))
@@ -489,5 +495,6 @@ async def serve_openai(
     where = f"http://{host}:{bound}/v1"
     log.info("replica ready on %s: OpenAI server for %s (%s)%s", where, server.engine.model, engine,
              "" if token_ids else " (no token ids)")
-    await wait_for_stop(exit_with_parent)
+    await wait_for_stop(exit_with_parent, watch_engine(server.engine))
     await server.close()
+    exit_if_dead(server.engine)

@@ -18,7 +18,7 @@ from typing import Any
 
 import msgspec
 
-from replicas.engine import Engine, EngineError
+from replicas.engine import Engine, EngineDead, EngineError
 from replicas.output import OutputProcessor
 from replicas.protocol import (
     PROTOCOL_VERSION,
@@ -37,11 +37,13 @@ from replicas.protocol import (
     router_decoder,
 )
 
-__all__ = ["ReplicaServer", "create_engine", "serve", "wait_for_stop"]
+__all__ = ["ReplicaServer", "create_engine", "serve", "wait_for_stop", "watch_engine", "exit_if_dead"]
 
 log = logging.getLogger("fairstream.replica")
 
 LOAD_REPORT_INTERVAL = 0.2
+ENGINE_CHECK_INTERVAL = 1.0  # seconds between checks that the engine is alive
+ENGINE_CLOSE_TIMEOUT = 10.0  # seconds a dead engine gets to shut down before the process exits anyway
 
 
 def create_engine(name: str, config: dict[str, Any], sink) -> Engine:
@@ -123,10 +125,18 @@ class ReplicaServer:
     async def close(self) -> None:
         if self._server is not None:
             self._server.close()
+        dead = self.engine.dead
         for conn in list(self._conns):
             conn.closed = True
-            conn.writer.close()
-        await self.engine.close()
+            if dead:  # nothing more may go out (no error for any request: they fail over)
+                conn.writer.transport.abort()
+            else:
+                conn.writer.close()
+        try:
+            await asyncio.wait_for(self.engine.close(), ENGINE_CLOSE_TIMEOUT if dead else None)
+        except TimeoutError:
+            log.warning("the dead engine did not shut down within %gs", ENGINE_CLOSE_TIMEOUT)
+
 
     # -- engine output -----------------------------------------------------
 
@@ -245,6 +255,8 @@ class ReplicaServer:
             self._requests[erid] = _Request(conn, msg.rid, proc, prompt_ids)
             conn.requests[msg.rid] = erid
             eng.add(erid, prompt_ids + msg.prefix_token_ids, params)
+        except EngineDead:
+            return  # no answer: ``serve`` drops the connection and the router fails the request over
         except (EngineError, ValueError) as e:
             conn.requests.pop(msg.rid, None)
             conn.queue(Delta(msg.rid, [], "", FinishReason.ERROR, None, str(e)))
@@ -277,13 +289,33 @@ async def serve(
     await server.start(socket_path=socket_path, host=host, port=port)
     where = socket_path or f"{host}:{port}"
     log.info("replica ready on %s: serving %s (%s)", where, server.engine.model, engine)
-    await wait_for_stop(exit_with_parent)
+    await wait_for_stop(exit_with_parent, watch_engine(server.engine))
     await server.close()
+    exit_if_dead(server.engine)
 
 
-async def wait_for_stop(exit_with_parent: bool) -> None:
-    """Return on SIGTERM/SIGINT or, with ``exit_with_parent``, when the
-    process that started this one exits (even by SIGKILL)."""
+async def watch_engine(eng: Engine) -> None:
+    """Until the engine has died (it says so itself, or ``dead`` turns true)."""
+    while not eng.dead:
+        try:
+            await asyncio.wait_for(eng.died.wait(), ENGINE_CHECK_INTERVAL)
+        except TimeoutError:
+            pass
+    eng.die(eng.death or "the engine reports itself dead")
+
+
+def exit_if_dead(engine: Engine) -> None:
+    """After a stop: exit with status 1 if it was the engine's death, so that
+    the supervisor (or systemd) restarts this replica."""
+    if engine.dead:
+        log.error("engine died (%s); exiting so that this replica is restarted", engine.death)
+        raise SystemExit(1)
+
+
+async def wait_for_stop(exit_with_parent: bool, died=None) -> None:
+    """Return on SIGTERM/SIGINT, when the coroutine ``died`` returns (the
+    engine died), or, with ``exit_with_parent``, when the process that started
+    this one exits (even by SIGKILL)."""
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -295,7 +327,10 @@ async def wait_for_stop(exit_with_parent: bool) -> None:
             await asyncio.sleep(0.5)
         stop.set()
 
-    watcher = asyncio.create_task(watch_parent()) if exit_with_parent else None
+    watchers = [asyncio.create_task(watch_parent())] if exit_with_parent else []
+    if died is not None:
+        watchers.append(asyncio.create_task(died))
+        watchers[-1].add_done_callback(lambda t: stop.set())
     await stop.wait()
-    if watcher is not None:
+    for watcher in watchers:
         watcher.cancel()

@@ -31,7 +31,7 @@ from typing import Any
 
 import msgspec
 
-from replicas.engine import Engine, EngineError, OutputSink, Tokenizer
+from replicas.engine import Engine, EngineDead, EngineError, OutputSink, Tokenizer
 from replicas.protocol import FinishReason, LoadReport, SamplingParams
 
 __all__ = ["VllmEngine", "VllmEngineConfig", "HfTokenizer"]
@@ -146,10 +146,10 @@ class VllmEngine(Engine):
 
     @property
     def dead(self) -> bool:
-        """vLLM's engine core has died (started and then failed); every
-        request fails from now on, so the replica should exit and be restarted."""
+        """vLLM's engine core has died (started and then failed: its process
+        killed, out of memory); every request fails from now on."""
         llm = self._llm
-        return llm is not None and bool(llm.errored)
+        return self.died.is_set() or (llm is not None and bool(llm.errored))
 
     async def start(self) -> None:
         cfg = self.config
@@ -206,7 +206,8 @@ class VllmEngine(Engine):
         if llm is None:
             raise EngineError("engine not started")
         if llm.errored:
-            raise EngineError("vLLM engine is dead")
+            self.die("vLLM engine is dead")
+            raise EngineDead("vLLM engine is dead")
         if rid in self._tasks:
             raise EngineError(f"request {rid} is already running")
         if not token_ids:
@@ -266,7 +267,9 @@ class VllmEngine(Engine):
         except asyncio.CancelledError:
             raise  # abort(): no further output
         except EngineDeadError as e:
-            sink(rid, [], FinishReason.ERROR, f"vLLM engine is dead: {e}")
+            # not this request's fault: no answer (the router fails it over
+            # when this process drops its connection)
+            self.die(f"vLLM engine is dead: {e}")
         except Exception as e:
             cause = e.__cause__ or e
             sink(rid, [], FinishReason.ERROR, f"{type(cause).__name__}: {cause}")

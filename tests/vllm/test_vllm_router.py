@@ -185,7 +185,28 @@ async def _all_zero(values):
     return all(v == 0 for v in (await values).values())
 
 
-@pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGSTOP])
+def _descendants(pid: int) -> list[int]:
+    """The processes under ``pid`` (vLLM's engine core and its worker)."""
+    parents = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    parents[int(entry)] = int(f.read().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                pass
+    out, todo = [], [pid]
+    while todo:
+        p = todo.pop()
+        kids = [c for c, pp in parents.items() if pp == p]
+        out += kids
+        todo += kids
+    return out
+
+
+# SIGKILL / SIGSTOP: the replica process; "engine": vLLM's engine core under
+# it dies (as when the OOM killer picks it) while the replica process lives
+@pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGSTOP, "engine"])
 async def test_replica_death_mid_stream_is_token_exact(vllm_router, sig):
     # both replicas up and serving before the chaos
     poll(lambda: httpx.get(vllm_router.base_url + "/ready", timeout=2).json()["replicas"] ==
@@ -207,7 +228,11 @@ async def test_replica_death_mid_stream_is_token_exact(vllm_router, sig):
 
         victim, pid, tasks = await _freeze_a_busy_replica(
             vllm_router, client, lambda: [asyncio.create_task(stream()) for _ in range(6)])
-        if sig != signal.SIGSTOP:
+        if sig == "engine":
+            for child in _descendants(pid):
+                os.kill(child, signal.SIGKILL)
+            os.kill(pid, signal.SIGCONT)  # the replica finds its engine dead and exits
+        elif sig != signal.SIGSTOP:
             os.kill(pid, sig)  # dies mid-stream; SIGSTOP leaves it frozen
         texts = await asyncio.gather(*tasks)
         assert all(t == ref for t in texts)
