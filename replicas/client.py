@@ -195,9 +195,7 @@ class ReplicaClient:
         if self.closed is not None:
             raise ReplicaDead(f"replica {self.name} is disconnected")
         rid = next(self._ids)
-        col = Collector(rid)
-        self._streams[rid] = col
-        msg = Generate(
+        frame = encode_frame(Generate(
             rid,
             params,
             prompt=prompt,
@@ -205,8 +203,9 @@ class ReplicaClient:
             prompt_token_ids=prompt_token_ids,
             prefix_token_ids=prefix_token_ids or [],
             prefix_text_len=prefix_text_len,
-        )
-        self._writer.write(encode_frame(msg))
+        ))  # (first: a request that cannot be encoded leaves nothing registered)
+        col = self._streams[rid] = Collector(rid)
+        self._writer.write(frame)
         return col
 
     def abort(self, col: Collector) -> None:

@@ -337,6 +337,10 @@ class Generation:
             handle.release()
             self._failover(slot.name, e)
             return
+        except Exception as e:  # noqa: BLE001 - a bug: this stream ends, its slot is freed
+            handle.release()
+            self._internal_error(e, "its request")
+            return
         col.sink = self
         col.limit = self.chunk_tokens
         self._col = col

@@ -9,7 +9,7 @@ to anything but its neutral value: never a silent ignore.
 from __future__ import annotations
 
 import re
-from typing import Any
+from typing import Annotated, Any
 
 import msgspec
 
@@ -28,6 +28,11 @@ __all__ = [
 
 MAX_STOP = 4
 
+# An integer the replica protocol (msgpack) can carry. A larger one is a 400
+# naming its field here, not a failure to encode it after dispatch.
+Int = Annotated[int, msgspec.Meta(ge=-(2**63), le=2**63 - 1)]
+MAX_TOKEN_ID = 2**32 - 1
+
 
 class StreamOptions(msgspec.Struct, forbid_unknown_fields=True):
     include_usage: bool = False
@@ -38,23 +43,23 @@ class _Common(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     model: str
     stream: bool = False
     stream_options: StreamOptions | None = None
-    max_tokens: int | None = None
+    max_tokens: Int | None = None
     temperature: float | None = None
     top_p: float | None = None
-    n: int | None = None
+    n: Int | None = None
     stop: str | list[str] | None = None
-    seed: int | None = None
+    seed: Int | None = None
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
     logit_bias: dict[str, float] | None = None
     logprobs: Any = None
     user: str | None = None
     # vLLM extensions the router passes on
-    top_k: int | None = None
-    min_tokens: int | None = None
+    top_k: Int | None = None
+    min_tokens: Int | None = None
     ignore_eos: bool | None = None
     repetition_penalty: float | None = None
-    stop_token_ids: list[int] | None = None
+    stop_token_ids: list[Annotated[int, msgspec.Meta(ge=0, le=MAX_TOKEN_ID)]] | None = None
 
 
 class ChatMessage(msgspec.Struct, kw_only=True):
@@ -68,8 +73,8 @@ class ChatMessage(msgspec.Struct, kw_only=True):
 
 class ChatRequest(_Common, kw_only=True):
     messages: list[ChatMessage]
-    max_completion_tokens: int | None = None
-    top_logprobs: int | None = None
+    max_completion_tokens: Int | None = None
+    top_logprobs: Int | None = None
     tools: Any = None
     tool_choice: Any = None
     parallel_tool_calls: Any = None
@@ -89,7 +94,7 @@ class ChatRequest(_Common, kw_only=True):
 class CompletionRequest(_Common, kw_only=True):
     prompt: str | list[Any]
     """Text, [text], token ids, or [token ids]; checked by ``completion_prompt``."""
-    best_of: int | None = None
+    best_of: Int | None = None
     echo: bool | None = None
     suffix: str | None = None
 
@@ -148,6 +153,8 @@ def decode_request(body: bytes, kind: type[ChatRequest] | type[CompletionRequest
         raise BadRequest(f"Invalid value for '{param}': {reason}.", param=param) from e
     except msgspec.DecodeError as e:
         raise BadRequest(f"The request body is not valid JSON: {e}", code="invalid_json") from e
+    except RecursionError as e:
+        raise BadRequest("The request body is nested too deeply.", code="invalid_json") from e
     bad = _unsupported(req)
     if bad is not None:
         raise BadRequest(f"'{bad}' is not supported by this server.", param=bad, code="unsupported_parameter")
@@ -238,6 +245,7 @@ def completion_prompt(req: CompletionRequest) -> str | list[int]:
         raise BadRequest("'prompt' must not be empty.", param="prompt")
     if isinstance(prompt, str):
         return prompt
-    if not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in prompt):
-        raise BadRequest("'prompt' must be a string or a list of token ids.", param="prompt")
+    if not all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t <= MAX_TOKEN_ID for t in prompt):
+        raise BadRequest("'prompt' must be a string or a list of token ids (integers from 0 to "
+                         f"{MAX_TOKEN_ID}).", param="prompt")
     return prompt

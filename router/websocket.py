@@ -157,6 +157,9 @@ async def chat_socket(socket: WebSocket) -> None:
             except msgspec.DecodeError as e:
                 await conn.send(_err("", BadRequest(f"Bad message: {e}", code="invalid_json")))
                 continue
+            except RecursionError:
+                await conn.send(_err("", BadRequest("Bad message: nested too deeply.", code="invalid_json")))
+                continue
             if conn.policy is None:
                 if msg.type != "auth":
                     await conn.send(_err(msg.id, BadRequest("Authenticate first: send "

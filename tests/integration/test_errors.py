@@ -122,6 +122,34 @@ def test_bad_value_names_the_field(shared_router: RouterProcess, body: dict, par
     assert err["param"] == param
 
 
+BIG = 2**64  # one past what the replica protocol (msgpack) can carry
+
+
+@pytest.mark.parametrize(("path", "body", "param"), [
+    (CHAT, chat_body(seed=BIG), "seed"),
+    (CHAT, chat_body(top_k=-BIG), "top_k"),
+    (CHAT, chat_body(max_tokens=BIG), "max_tokens"),
+    (CHAT, chat_body(stop_token_ids=[1, BIG]), "stop_token_ids[1]"),
+    (COMPLETIONS, {"model": MODEL, "prompt": [1, BIG], "max_tokens": 4}, "prompt"),
+])
+def test_integers_too_large_for_the_replica_protocol_are_400_and_leave_nothing_behind(
+        shared_router: RouterProcess, path: str, body: dict, param: str) -> None:
+    # (they were a 500 after dispatch, and each one kept a replica slot for
+    # good: a few dozen locked every tenant out)
+    for _ in range(3):
+        assert error_of(post(shared_router, path, json=body), 400)["param"] == param
+    m = shared_router.metrics()
+    assert all(m.value("fairstream_replica_inflight_requests", replica=n) == 0 for n in shared_router.replica_names)
+    assert post(shared_router, CHAT, json=chat_body()).status_code == 200
+
+
+def test_json_nested_too_deeply_is_400(shared_router: RouterProcess) -> None:
+    body = chat_body()
+    raw = json.dumps(body)[:-1] + ', "metadata": ' + '{"a":' * 5000 + "1" + "}" * 5000 + "}"
+    err = error_of(post(shared_router, CHAT, content=raw, headers={**AUTH, "content-type": "application/json"}), 400)
+    assert err["code"] == "invalid_json" and "nested too deeply" in err["message"]
+
+
 @pytest.mark.parametrize("role", ["system", "developer", "user", "tool"])
 def test_message_without_content_is_400(shared_router: RouterProcess, role: str) -> None:
     messages = [{"role": "user", "content": "hi"}, {"role": role}]

@@ -166,3 +166,21 @@ async def test_the_stall_limit_runs_from_the_first_token_whatever_the_other_limi
     await asyncio.sleep(0.6)
     # noticed (no other replica to fail over to: the stream is lost), not at total
     assert isinstance(sink.failure, StreamLost), f"no stall after 0.6 s; the watchdog waits for {gen._dog._which!r}"
+
+
+async def test_a_request_the_replica_connection_cannot_send_frees_its_slot_and_is_lost() -> None:
+    class Unsendable(Client):
+        def generate(self, params, **kw):
+            raise OverflowError("can't serialize ints > 2**64 - 1")
+
+    sink = Sink()
+    slot = ReplicaSlot(ReplicaSpec(name="r0"))
+    slot.client = Unsendable()  # type: ignore[assignment]
+    job = Job("m", SamplingParams(max_tokens=4), prompt_token_ids=[1, 2])
+    gen = Generation(ReplicaPool([]), job, Metrics(), 0, Deadlines(first_token=0, stall=0, total=0))
+    gen.sink = sink
+    handle = LoadHandle(slot, 4)
+    assert slot.inflight == 1
+    gen._attach(handle)
+    assert slot.inflight == 0  # before, the slot stayed taken for good
+    assert isinstance(sink.failure, StreamLost)
