@@ -23,7 +23,7 @@ def _svc(request: Request) -> RouterService:
 async def reload_policy(request: Request) -> Response:
     """Re-read tenants.yaml now. 200 with the new version, or 422 with the
     errors (the old policy stays in force)."""
-    result = _svc(request).policy.reload()
+    result = await _svc(request).policy.reload()
     return Response(msgspec.json.encode(result), media_type=_JSON, status_code=200 if result.ok else 422)
 
 

@@ -83,7 +83,7 @@ def _config_kind(path: str) -> type:
     try:
         with open(path, encoding="utf-8") as f:
             head = yaml.safe_load(f)
-    except (OSError, yaml.YAMLError):
+    except (OSError, ValueError, yaml.YAMLError):  # (ValueError: not UTF-8)
         return RouterConfig
     if isinstance(head, dict) and (
         isinstance(head.get("tenants"), dict) or "admin_keys" in head or "defaults" in head

@@ -20,7 +20,7 @@ from pathlib import Path
 import msgspec
 
 from router.auth import KeyIndex
-from router.configfile import ConfigError, load_yaml
+from router.configfile import ConfigError, load_yaml, read_text
 from router.tenants import TenantPolicy, TenantsFile
 
 __all__ = ["PolicySnapshot", "PolicyRegistry", "ReloadResult"]
@@ -58,23 +58,28 @@ class PolicyRegistry:
         file, _ = load_yaml(self.path, TenantsFile)  # a bad file at start is fatal
         self.current = PolicySnapshot(file, 1)
         self.last_errors: list[str] = []
-        self._text = self.path.read_text("utf-8")
+        self._text = read_text(self.path)
         self._on_reload = on_reload or (lambda ok: None)
         self._watch: asyncio.Task[None] | None = None
+        self._signalled: set[asyncio.Task[ReloadResult]] = set()  # reloads SIGHUP started
         self._stop = asyncio.Event()
+        self._one_at_a_time = asyncio.Lock()
 
-    def reload(self) -> ReloadResult:
-        """Re-read the file; swap on success, keep the old policy on failure."""
-        try:
-            text = self.path.read_text("utf-8")
-        except OSError as e:
-            return self._failed([f"{self.path}:1: (file): cannot read: {e.strerror or e}"])
-        if text == self._text and not self.last_errors:
-            return ReloadResult(True, self.current.version, changed=False)
-        try:
-            file, _ = load_yaml(self.path, TenantsFile, text=text)
-        except ConfigError as e:
-            return self._failed(e.errors)
+    async def reload(self) -> ReloadResult:
+        """Re-read the file; swap on success, keep the old policy on failure.
+        The file is read and parsed in a thread: a large one (or one that
+        takes long to reject) does not hold up the streams meanwhile."""
+        async with self._one_at_a_time:
+            try:
+                text = await asyncio.to_thread(read_text, self.path)
+                if text == self._text and not self.last_errors:
+                    return ReloadResult(True, self.current.version, changed=False)
+                file, _ = await asyncio.to_thread(load_yaml, self.path, TenantsFile, text)
+            except ConfigError as e:
+                return self._failed(e.errors)
+            return self._swap(file, text)
+
+    def _swap(self, file: TenantsFile, text: str) -> ReloadResult:
         self.current = PolicySnapshot(file, self.current.version + 1)
         self._text = text
         self.last_errors = []
@@ -93,13 +98,20 @@ class PolicyRegistry:
     async def start(self) -> None:
         loop = asyncio.get_running_loop()
         try:
-            loop.add_signal_handler(signal.SIGHUP, self.reload)
+            loop.add_signal_handler(signal.SIGHUP, self._reload_soon)
         except (NotImplementedError, RuntimeError, ValueError):
             log.warning("SIGHUP reload unavailable on this platform")
         self._watch = loop.create_task(self._watch_file(), name="policy-watch")
 
+    def _reload_soon(self) -> None:
+        task = asyncio.get_running_loop().create_task(self.reload(), name="policy-reload")
+        self._signalled.add(task)
+        task.add_done_callback(self._signalled.discard)
+
     async def close(self) -> None:
         self._stop.set()
+        for task in list(self._signalled):
+            task.cancel()
         try:
             asyncio.get_running_loop().remove_signal_handler(signal.SIGHUP)
         except (NotImplementedError, RuntimeError, ValueError):
@@ -130,7 +142,10 @@ class PolicyRegistry:
             try:
                 async for _changes in awatch(directory, stop_event=self._stop, debounce=200, step=50,
                                              watch_filter=relevant):
-                    self.reload()
+                    await self.reload()
             except (OSError, RuntimeError) as e:
                 log.warning("watching %s failed (%s); retrying", directory, e)
+                await asyncio.sleep(1.0)
+            except Exception:  # noqa: BLE001 - a bug must not end live reload for good
+                log.exception("watching %s failed; retrying", directory)
                 await asyncio.sleep(1.0)

@@ -99,6 +99,13 @@ def test_admin_endpoints_need_the_admin_key(tmp_path):
         assert view["tenants"]["gold"]["policy"]["weight"] == 3.0
 
 
+def bomb() -> bytes:
+    lines = ['a: &a ["x", "x", "x", "x", "x", "x", "x", "x", "x"]']
+    for prev, name in zip("abcdefgh", "bcdefghi"):
+        lines.append(f"{name}: &{name} [" + ", ".join([f"*{prev}"] * 9) + "]")
+    return "\n".join(lines).encode()
+
+
 async def test_bad_reload_while_20_streams_run_keeps_old_policy(tmp_path):
     t = tmp_path / "tenants.yaml"
     tenants_yaml(t)
@@ -131,6 +138,13 @@ async def test_bad_reload_while_20_streams_run_keeps_old_policy(tmp_path):
             assert r.json()["ok"] is False and r.json()["changed"] is False  # nothing took effect
             errors = r.json()["errors"]
             assert errors and f"{t}:{line}: defaults.timeoutz: unknown key" in errors[0]
+            # a file saved in Latin-1, and nested YAML aliases (a few hundred bytes
+            # that expand to 387 million values): each a 422 that names it
+            for raw, says in ((good.encode() + b"# caf\xe9\n", "not UTF-8 text"),
+                              (bomb(), "values once YAML aliases are expanded")):
+                t.write_bytes(raw)
+                r = await client.post("/admin/reload", headers=auth(ADMIN))
+                assert r.status_code == 422 and says in r.json()["errors"][0], r.text
             results = await asyncio.gather(*tasks)
             assert all(done for done, _ in results)
             assert all(len(text) > 0 for _, text in results)

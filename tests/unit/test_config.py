@@ -33,7 +33,7 @@ CLI_BUGS: dict = {}
 
 
 def expectation(path: Path) -> tuple[int, str, str]:
-    m = _EXPECT.match(path.read_text("utf-8").splitlines()[0])
+    m = _EXPECT.match(path.read_bytes().decode("utf-8", "replace").splitlines()[0])
     assert m, f"{path.name}: first line must be '# expect: LINE: KEY: REASON-REGEX'"
     return int(m.group(1)), m.group(2), m.group(3)
 
