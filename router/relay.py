@@ -11,6 +11,7 @@ delivered so the client can continue later.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from collections.abc import AsyncIterator
@@ -178,7 +179,9 @@ def outcome_of(e: BaseException) -> str:
         return "client_error" if e.status < 500 else "unavailable"
     if isinstance(e, StreamLost):
         return "lost"
-    return "cancelled"
+    if isinstance(e, (asyncio.CancelledError, GeneratorExit, ConnectionError)):
+        return "cancelled"  # the client left (its request was cancelled, or its connection broke)
+    return "error"  # a bug: the client got a 500
 
 
 def error_before_output(metrics, tenant: str, e: BaseException, headers: dict[str, str]) -> BaseException:

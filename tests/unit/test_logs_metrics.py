@@ -79,3 +79,15 @@ def test_refusals_and_timeouts_are_counted_only_under_declared_labels():
         m.limited("acme", "too_large")
     with pytest.raises(AssertionError):
         m.timed_out("acme", "stall")
+
+
+def test_a_request_ended_by_a_bug_is_an_error_not_a_cancellation():
+    import asyncio
+
+    from router.errors import BadRequest
+    from router.relay import outcome_of
+    assert outcome_of(asyncio.CancelledError()) == "cancelled"
+    assert outcome_of(ConnectionResetError()) == "cancelled"
+    assert outcome_of(BadRequest("x")) == "client_error"
+    # (a 500 was counted and logged as "request cancelled": invisible to dashboards and alerts)
+    assert outcome_of(OverflowError("can't serialize")) == "error"
