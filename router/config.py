@@ -61,6 +61,11 @@ class RouterConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     send_timeout: float = 60.0
     """Seconds a streaming client may take none of its stream (its connection's buffers full: it stopped reading) before the router closes the connection, as nginx's ``send_timeout`` does. Its lease and request end then, and the stream stays resumable like a disconnected one. 0: wait as long as TCP keeps the connection. Applies to streamed completions (POST); resume GETs and WebSocket streams wait on TCP."""
 
+    header_timeout: float = 30.0
+    """Seconds a connection may take to send a request's head (request line and headers), from its start or the request's first byte: a connection that sends nothing, or trickles its head, gets a 408 and is closed (nginx's ``client_header_timeout``). Heads over 64 KiB are a 431."""
+    body_timeout: float = 60.0
+    """Seconds a request's body may take to arrive after its head (408 and closed after)."""
+
     metrics_require_admin_key: bool = False
     """When true, ``GET /metrics`` needs an admin key (``Authorization: Bearer KEY``; in Prometheus ``authorization: {credentials: KEY}``). Off, anyone who reaches the port sees every tenant's name and traffic there."""
 
@@ -85,6 +90,9 @@ class RouterConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
         for key in ("shutdown_grace", "send_timeout"):
             if getattr(self, key) < 0:
                 errors.append(located.error((key,), "must not be negative"))
+        for key in ("header_timeout", "body_timeout"):
+            if getattr(self, key) <= 0:
+                errors.append(located.error((key,), "must be positive"))
         if self.cors.max_age < 0:
             errors.append(located.error(("cors", "max_age"), "must not be negative"))
         for i, origin in enumerate(self.cors.allow_origins):

@@ -16,10 +16,13 @@ grace like HTTP streams and then closes it (router/websocket.py).
 
 from __future__ import annotations
 
+import asyncio
 import logging
+from http import HTTPStatus
 from typing import Any
 
 import uvicorn
+from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 from uvicorn.protocols.websockets.websockets_sansio_impl import WebSocketsSansIOProtocol
 
 from router.config import SHUTDOWN_MARGIN
@@ -45,15 +48,92 @@ class _WebSocket(WebSocketsSansIOProtocol):
         super().shutdown()
 
 
+MAX_HEAD_BYTES = 64 * 1024  # request line and headers
+
+
+class _Http(HttpToolsProtocol):
+    """uvicorn's httptools protocol with the limits a server facing many
+    clients needs, which uvicorn does not set for a request's head: a
+    connection that sends no complete request head within ``head_timeout``
+    (idle from the start, or trickling bytes) gets a 408 and is closed, as
+    one whose body takes longer than ``body_timeout`` (router.yaml's
+    ``header_timeout`` and ``body_timeout``, set by ``Server``); a head larger
+    than ``MAX_HEAD_BYTES`` is a 431. (Between requests, uvicorn's keep-alive
+    timeout applies.)"""
+
+    head_timeout = 30.0
+    body_timeout = 60.0
+
+    def connection_made(self, transport) -> None:  # type: ignore[override]
+        super().connection_made(transport)
+        self._head_bytes = 0
+        self._tail = b""
+        self._deadline: asyncio.TimerHandle | None = None
+        self._limit(self.head_timeout, "Timed out reading the request head.")
+
+    def _limit(self, seconds: float, why: str | None) -> None:
+        if self._deadline is not None:
+            self._deadline.cancel()
+        self._deadline = self.loop.call_later(seconds, self._refuse, 408, why) if why else None
+
+    def _refuse(self, status: int, message: str) -> None:
+        self._deadline = None
+        if self.transport.is_closing():
+            return
+        if self.cycle is None or not self.cycle.response_started:
+            body = message.encode()
+            self.transport.write(b"HTTP/1.1 %d %s\r\ncontent-type: text/plain; charset=utf-8\r\n"
+                                 b"content-length: %d\r\nconnection: close\r\n\r\n%s"
+                                 % (status, HTTPStatus(status).phrase.encode(), len(body), body))
+        self.transport.close()
+
+    def data_received(self, data: bytes) -> None:
+        if self._head_bytes >= 0:  # (-1: the head is complete)
+            # count the head's bytes only: the chunk may carry the body too
+            end = (self._tail + data).find(b"\r\n\r\n")
+            self._head_bytes += len(data) if end < 0 else max(0, end - len(self._tail))
+            self._tail = data[-3:]
+            if self._head_bytes > MAX_HEAD_BYTES:
+                self._refuse(431, "Request header fields too large.")
+                return
+        super().data_received(data)
+
+    def on_message_begin(self) -> None:
+        super().on_message_begin()
+        if self._head_bytes < 0:  # a keep-alive connection's next request
+            self._head_bytes = 0
+            self._tail = b""
+            self._limit(self.head_timeout, "Timed out reading the request head.")
+
+    def on_headers_complete(self) -> None:
+        self._head_bytes = -1
+        self._limit(self.body_timeout, "Timed out reading the request body.")
+        super().on_headers_complete()
+
+    def on_message_complete(self) -> None:
+        self._limit(0, None)
+        super().on_message_complete()
+
+    def handle_websocket_upgrade(self) -> None:
+        self._limit(0, None)  # (the WebSocket protocol takes the connection over)
+        super().handle_websocket_upgrade()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._limit(0, None)
+        super().connection_lost(exc)
+
+
 class Server(uvicorn.Server):
     """uvicorn on uvloop (router.listener) with httptools, for the router app."""
 
     def __init__(self, app: FastPath, **config: Any) -> None:
         self.service = app.svc
+        _Http.head_timeout = app.svc.config.header_timeout  # (one server per process)
+        _Http.body_timeout = app.svc.config.body_timeout
         super().__init__(uvicorn.Config(
             app,
             loop="router.listener:new_event_loop",
-            http="httptools",
+            http=_Http,
             ws=_WebSocket,
             lifespan="on",
             log_level="warning",

@@ -6,6 +6,8 @@ from __future__ import annotations
 import asyncio
 import gzip
 import json
+import socket
+import time
 import zlib
 from typing import Any
 
@@ -472,3 +474,47 @@ async def test_failed_requests_do_not_break_a_concurrent_stream(shared_router: R
     assert finish == "length"
     assert text == reference
     assert (await shared_router.ametrics()).value("fairstream_streams_lost_total") == 0
+
+
+# -- connections that never finish a request ------------------------------------------------
+
+
+def _raw(router: RouterProcess) -> socket.socket:
+    return socket.create_connection(("127.0.0.1", router.port), timeout=10)
+
+
+def _answer(sock) -> bytes:
+    """What the router sent before closing the connection."""
+    out = b""
+    while chunk := sock.recv(65536):
+        out += chunk
+    return out
+
+
+def test_connections_that_do_not_finish_their_request_in_time_are_closed(tmp_path) -> None:
+    # (uvicorn sets no limit on a request's head: an idle or trickling
+    # connection was held for good, and 20,000 of them took every fd)
+    settings = {"header_timeout": 1.0, "body_timeout": 1.0}
+    with RouterProcess(tmp_path / "r", replicas=1, settings=settings, sim={"step_base_ms": 10}) as router:
+        idle = _raw(router)  # sends nothing at all
+        trickle = _raw(router)  # a slowloris: a header byte now and then
+        trickle.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\n")
+        body = _raw(router)  # a head, then less body than it announced
+        body.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer " + GOLD.encode()
+                     + b"\r\nContent-Type: application/json\r\nContent-Length: 100\r\n\r\n{\"model\"")
+        for _ in range(3):
+            trickle.sendall(b"X")
+            time.sleep(0.3)
+        for sock, says in ((idle, b"request head"), (trickle, b"request head"), (body, b"request body")):
+            answer = _answer(sock)
+            assert answer.startswith(b"HTTP/1.1 408 ") and says in answer, answer
+            sock.close()
+        big = _raw(router)
+        big.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\nX-Big: " + b"a" * 70000 + b"\r\n\r\n")
+        assert _answer(big).startswith(b"HTTP/1.1 431 ")
+        big.close()
+        # a stream that outlasts both limits is not cut (they end with its request's body)
+        r = httpx.post(router.base_url + CHAT, headers=AUTH, timeout=30,
+                       json=chat_body(max_tokens=200, stream=True, ignore_eos=True))
+        assert r.status_code == 200 and r.text.rstrip().endswith("data: [DONE]")
+        assert r.elapsed.total_seconds() > 1.0
