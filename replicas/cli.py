@@ -67,7 +67,8 @@ def run(args: argparse.Namespace) -> None:
     name = os.environ.get(REPLICA_NAME_ENV, "")
     setup_logging(args.log_level, json=args.log_format == "json",
                   formatter=JsonFormatter({"replica": name} if name else None),
-                  text_format=f"%(asctime)s replica{' ' + name if name else ''} %(levelname)s %(message)s")
+                  text_format=f"%(asctime)s replica{' ' + name if name else ''} %(levelname)s %(message)s",
+                  lean=False)
     config = json.loads(args.config_json)
     secret = os.environ.get(args.secret_env, "")
     host = port = None

@@ -94,17 +94,22 @@ def _text_value(v: object) -> str:
 
 
 def setup_logging(level: str = "info", json: bool = True, formatter: logging.Formatter | None = None,
-                  text_format: str = "%(asctime)s %(name)s %(levelname)s %(message)s") -> None:
+                  text_format: str = "%(asctime)s %(name)s %(levelname)s %(message)s",
+                  lean: bool = True) -> None:
     """Log ``level`` and up to stderr, as JSON (``formatter`` or a plain
     ``JsonFormatter``) or as text; processes started from here afterwards
-    log in the same format and level."""
-    # No record needs its caller's file and line, thread or process (the
-    # logging module's documented switches): without them a record costs
-    # no stack walk and no process lookup (one per request line).
-    logging._srcfile = None  # type: ignore[attr-defined]
-    logging.logThreads = False
-    logging.logProcesses = False
-    logging.logMultiprocessing = False
+    log in the same format and level.
+
+    ``lean``: records carry no caller file and line, thread or process (the
+    logging module's documented switches): without them a record costs no
+    stack walk and no process lookup (one per request line in the router).
+    A replica process keeps them: vLLM's own formats use ``%(process)d``,
+    and every one of its lines failed to format without it."""
+    if lean:
+        logging._srcfile = None  # type: ignore[attr-defined]
+        logging.logThreads = False
+        logging.logProcesses = False
+        logging.logMultiprocessing = False
     root = logging.getLogger()
     for h in list(root.handlers):
         root.removeHandler(h)

@@ -21,6 +21,7 @@ CLI: ``python -m replicas.tinymodel DIR``.
 
 from __future__ import annotations
 
+import fcntl
 import json
 import sys
 from pathlib import Path
@@ -79,13 +80,27 @@ def ensure_tiny_model(path: str | Path) -> Path:
     Raises ``FileExistsError`` if ``path`` holds some other model.
     """
     path = Path(path)
+    if _made(path):
+        return path
+    # Replicas that share the directory start together: one writes, the
+    # others wait for it and find the model made.
+    path.mkdir(parents=True, exist_ok=True)
+    with open(path / ".tiny-model.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not _made(path):
+            _make(path)
+    return path
+
+
+def _made(path: Path) -> bool:
+    try:
+        return json.loads((path / _MARKER).read_text()).get("version") == _MARKER_VERSION
+    except (OSError, ValueError):
+        return False
+
+
+def _make(path: Path) -> None:
     marker = path / _MARKER
-    if marker.is_file():
-        try:
-            if json.loads(marker.read_text()).get("version") == _MARKER_VERSION:
-                return path
-        except (OSError, ValueError):
-            pass
     config = path / "config.json"
     if config.is_file():
         try:
@@ -94,13 +109,11 @@ def ensure_tiny_model(path: str | Path) -> Path:
             ours = False
         if not ours:
             raise FileExistsError(f"{path} holds another model; not overwriting it")
-    path.mkdir(parents=True, exist_ok=True)
     _write_json(config, _CONFIG)
     _write_json(path / "generation_config.json", _GENERATION_CONFIG)
     _save_tokenizer(path)
     _save_weights(path / "model.safetensors")
     _write_json(marker, {"version": _MARKER_VERSION, "vocab_size": VOCAB_SIZE})
-    return path
 
 
 def _write_json(file: Path, data: dict) -> None:

@@ -91,3 +91,17 @@ def test_a_request_ended_by_a_bug_is_an_error_not_a_cancellation():
     assert outcome_of(BadRequest("x")) == "client_error"
     # (a 500 was counted and logged as "request cancelled": invisible to dashboards and alerts)
     assert outcome_of(OverflowError("can't serialize")) == "error"
+
+
+def test_a_replica_process_keeps_the_process_id_that_vllms_log_format_uses():
+    import subprocess
+    import sys
+    # (a replica process logged every vLLM line as a '--- Logging error ---'
+    # traceback: %(process)d met None)
+    code = ("import logging, sys; from replicas.logs import setup_logging; "
+            "setup_logging('info', json=False, lean=False); "
+            "h = logging.StreamHandler(sys.stdout); h.setFormatter(logging.Formatter('pid=%(process)d %(message)s')); "
+            "logging.getLogger('vllm').addHandler(h); logging.getLogger('vllm').warning('hello')")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=30)
+    assert "Logging error" not in out.stderr, out.stderr
+    assert out.stdout.startswith("pid=") and "hello" in out.stdout
