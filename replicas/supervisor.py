@@ -59,6 +59,13 @@ class SupervisorSettings:
         self.run_dir = run_dir
 
 
+STOP_GRACE = 10.0  # seconds a replica gets to stop after SIGTERM
+
+
+class _Stalled(RuntimeError):
+    """The replica answered no ping within the health timeout."""
+
+
 class Supervisor:
     def __init__(
         self,
@@ -118,6 +125,7 @@ class Supervisor:
         loop = asyncio.get_running_loop()
         while not self._closing:
             started = loop.time()
+            grace = STOP_GRACE
             try:
                 await self._run_once(slot)
             except asyncio.CancelledError:
@@ -126,8 +134,14 @@ class Supervisor:
                 log.error("replica %s: %s", slot.name, e)
             except Exception as e:  # noqa: BLE001 - any failure means restart
                 log.warning("replica %s failed: %s", slot.name, e)
+                if isinstance(e, _Stalled):
+                    grace = 0.0  # it answers nothing (frozen, hung): a graceful stop would only hold it longer
+            # down (and said so) before its process is stopped, which may take the grace
             slot.state = "down"
             self._on_event("down", slot)
+            proc = self._procs.pop(slot.name, None)
+            if proc is not None:
+                await self._stop_process(proc, grace)
             if self._closing:
                 return
             if loop.time() - started > s.healthy_after:
@@ -162,9 +176,7 @@ class Supervisor:
         finally:
             if slot.client is not None:
                 await slot.client.close()
-            if proc is not None:
-                await self._stop_process(proc)
-                self._procs.pop(slot.name, None)
+            # (its process, if any, is stopped by _supervise, or by close on a cancel)
 
     async def _watch(self, slot: ReplicaSlot, client: ReplicaClient, proc) -> None:
         """Return when the replica is dead, disconnected or stops answering pings.
@@ -185,7 +197,7 @@ class Supervisor:
                 try:
                     ping.result()
                 except (asyncio.TimeoutError, TimeoutError):
-                    raise RuntimeError(f"no pong within {s.health_timeout}s (stalled)") from None
+                    raise _Stalled(f"no pong within {s.health_timeout}s (stalled)") from None
                 except ConnectionError:
                     break
                 if exited is not None:
@@ -258,14 +270,15 @@ class Supervisor:
             return os.environ.get(slot.spec.secret_env, "")
         return ""
 
-    async def _stop_process(self, proc: asyncio.subprocess.Process) -> None:
-        """SIGTERM the replica's process group, SIGKILL it after 10 s, then
-        sweep whatever of the group is left (an engine's children outlive a
-        replica that was killed)."""
+    async def _stop_process(self, proc: asyncio.subprocess.Process, grace: float = STOP_GRACE) -> None:
+        """SIGTERM the replica's process group, SIGKILL it after ``grace``
+        seconds (at once with 0), then sweep whatever of the group is left
+        (an engine's children outlive a replica that was killed)."""
         if proc.returncode is None:
-            _signal_group(proc.pid, signal.SIGTERM)
+            if grace > 0:
+                _signal_group(proc.pid, signal.SIGTERM)
             try:
-                await asyncio.wait_for(proc.wait(), 10)
+                await asyncio.wait_for(proc.wait(), grace)
             except asyncio.TimeoutError:
                 _signal_group(proc.pid, signal.SIGKILL)
                 await proc.wait()

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -154,6 +155,21 @@ def test_killed_idle_replica_is_restarted(router: RouterProcess) -> None:
             assert r.status_code == 200, r.text
     m = router.metrics()
     assert m.value("fairstream_requests_total", tenant="gold", outcome="ok") == 6
+
+
+def test_a_frozen_replica_is_down_and_restarted_as_soon_as_its_pings_time_out(make_router) -> None:
+    # (before, the supervisor first gave the frozen process its 10 s SIGTERM
+    # grace, which it could not use, and only then said it was down)
+    router = make_router(settings={"health_interval": 0.2, "health_timeout": 1.0})
+    old = router.replica_pids()
+    os.kill(old["sim-0"], signal.SIGSTOP)
+    frozen_at = time.monotonic()
+    poll(lambda: httpx.get(router.base_url + "/ready", timeout=5).json()["replicas"]["sim-0"] != "ready", 10,
+         what="sim-0 shown down")
+    assert time.monotonic() - frozen_at < 6  # (it was health_timeout + 10 s)
+    poll(lambda: router.replica_pids().get("sim-0") not in (None, old["sim-0"]), 10, what="a new sim-0 process")
+    assert time.monotonic() - frozen_at < 9
+    poll(lambda: proc_stat(old["sim-0"]) is None, 5, what="the frozen replica to be killed and reaped")
 
 
 # -- (c) replica crash mid-stream --------------------------------------------------------
