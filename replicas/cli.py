@@ -10,6 +10,7 @@ import logging
 import os
 import sys
 
+from replicas.engine import EngineError
 from replicas.logs import LOG_FORMAT_ENV, LOG_LEVEL_ENV, REPLICA_NAME_ENV, JsonFormatter, setup_logging
 
 __all__ = ["main", "add_arguments", "run"]
@@ -62,8 +63,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> None:
-    from replicas.server import serve
-
     name = os.environ.get(REPLICA_NAME_ENV, "")
     setup_logging(args.log_level, json=args.log_format == "json",
                   formatter=JsonFormatter({"replica": name} if name else None),
@@ -88,6 +87,21 @@ def run(args: argparse.Namespace) -> None:
         runner = uvloop.run
     except ImportError:  # pragma: no cover
         runner = asyncio.run
+    try:
+        _serve(args, runner, config, host, port, secret)
+    except (SystemExit, KeyboardInterrupt):
+        raise
+    except BaseException as e:
+        # one line that says why, with the replica's name (the supervisor
+        # only sees the exit status); the traceback follows it
+        logging.getLogger("fairstream.replica").error("replica failed: %s: %s", type(e).__name__, e,
+                                                      exc_info=not isinstance(e, EngineError))
+        sys.exit(1)
+
+
+def _serve(args: argparse.Namespace, runner, config: dict, host, port, secret: str) -> None:
+    from replicas.server import serve
+
     if args.openai:
         from replicas.openai_server import serve_openai
 

@@ -158,6 +158,9 @@ class VllmEngine(Engine):
             from replicas.tinymodel import ensure_tiny_model
 
             await asyncio.to_thread(ensure_tiny_model, Path(cfg.model))
+        elif cfg.model.startswith(("/", "./", "../", "~")) and not Path(cfg.model).expanduser().is_dir():
+            # (vLLM would take it for a hub repo id and say the name is malformed)
+            raise EngineError(f"model directory {cfg.model} does not exist")
         try:
             from vllm import SamplingParams as VllmSamplingParams
             from vllm.engine.arg_utils import AsyncEngineArgs

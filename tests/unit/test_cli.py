@@ -7,6 +7,7 @@ from __future__ import annotations
 import argparse
 import hashlib
 import importlib.metadata
+import json
 import os
 import select
 import subprocess
@@ -218,3 +219,21 @@ def _free_port() -> int:
     from tests.helpers import free_port
 
     return free_port()
+
+
+def test_a_replica_that_cannot_start_says_why_in_one_log_line() -> None:
+    # (an untagged traceback on stderr was all there was; the supervisor
+    # only logs the exit status)
+    proc = subprocess.run(
+        [sys.executable, "-c", "from router.cli import main; main()", "replica", "--engine", "vllm",
+         "--listen", f"127.0.0.1:{_free_port()}", "--config-json", '{"model": "/nonexistent/model-dir"}'],
+        capture_output=True, text=True, timeout=120, cwd=ROOT,
+        env={**os.environ, "FAIRSTREAM_REPLICA_NAME": "vllm-x", "FAIRSTREAM_LOG_FORMAT": "json"})
+    assert proc.returncode == 1
+    lines = [json.loads(line) for line in proc.stderr.splitlines() if line.startswith("{")]
+    failed = [line for line in lines if line["msg"].startswith("replica failed: EngineError: ")]
+    assert len(failed) == 1 and failed[0]["level"] == "error" and failed[0]["replica"] == "vllm-x", proc.stderr
+    # whether vllm is installed here or not, the line names the cause
+    assert ("model directory /nonexistent/model-dir does not exist" in failed[0]["msg"]
+            or "vllm is not installed" in failed[0]["msg"]), failed
+    assert "Traceback" not in proc.stderr
