@@ -67,15 +67,17 @@ class Outcome:
         extra["priority"] = self.policy.priority
         extra["duration_s"] = round(elapsed, 4)
         if gen is not None:
-            m.child(m.tokens, tenant, "prompt").inc(max(0, gen.prompt_tokens - self.counted[0]))
-            m.child(m.tokens, tenant, "completion").inc(max(0, gen.completion_tokens - self.counted[1]))
+            # this request's own tokens: a resume's line does not count again
+            # what the request it continues counted (sums of lines = the metric)
+            prompt = max(0, gen.prompt_tokens - self.counted[0])
+            completion = max(0, gen.completion_tokens - self.counted[1])
+            m.child(m.tokens, tenant, "prompt").inc(prompt)
+            m.child(m.tokens, tenant, "completion").inc(completion)
             m.child(m.e2e, tenant, self.policy.priority).observe(elapsed)
-            extra.update(
-                prompt_tokens=gen.prompt_tokens,
-                completion_tokens=gen.completion_tokens,
-                replica=gen.replica,
-                failovers=gen.failovers,
-            )
+            extra.update(prompt_tokens=prompt, completion_tokens=completion, replica=gen.replica,
+                         failovers=gen.failovers)
+            if self.counted != (0, 0):
+                extra.update(stream_prompt_tokens=gen.prompt_tokens, stream_completion_tokens=gen.completion_tokens)
             if self.policy.log_content:
                 job = gen.job
                 extra["prompt"] = job.messages if job.messages is not None else (

@@ -10,6 +10,7 @@ then the rest of the stream, text-exact.
 from __future__ import annotations
 
 import asyncio
+import json
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from pathlib import Path
@@ -392,6 +393,19 @@ async def test_a_resumed_stream_counts_each_completion_token_once(
              for d in ("prompt", "completion")}
     usage = next(ev.json()["usage"] for ev in rest if ev.data != "[DONE]" and ev.json().get("usage"))
     assert delta == {"prompt": usage["prompt_tokens"], "completion": max_tokens}, delta
+    # and so do the request log lines: the cancelled original, then the resume
+    lines = [rec for rec in map(_json_or_none, router.log().splitlines())
+             if rec and rec.get("logger") == "fairstream.request" and rec.get("request_id") == rid]
+    assert [rec["endpoint"] for rec in lines] == ["completions", "resume"], lines
+    assert sum(rec["completion_tokens"] for rec in lines) == max_tokens, lines
+    assert lines[1]["stream_completion_tokens"] == max_tokens
+
+
+def _json_or_none(line: str):
+    try:
+        return json.loads(line)
+    except ValueError:
+        return None
 
 
 @asynccontextmanager
