@@ -24,7 +24,7 @@ from litestar.response import Stream
 
 from replicas.protocol import FinishReason
 from router.admission import Ticket
-from router.errors import ApiError, BadRequest, NotFound, PayloadTooLarge, UnsupportedMediaType
+from router.errors import ApiError, BadRequest, NotFound, PayloadTooLarge, UnsupportedMediaType, clip
 from router.generation import Deadlines, Generation, Job, Piece, StreamLost, StreamTimeout
 from router.ids import new_id
 from router.openai_types import (
@@ -92,7 +92,7 @@ def response_id_of(chat: bool, request_id: str) -> str:
 def check_model(svc: RouterService, policy: TenantPolicy, model: str) -> None:
     """Raise OpenAI's 404 unless a replica serves ``model`` and the tenant may use it."""
     if model not in svc.pool.models() or not policy.allows_model(model):
-        raise NotFound(f"The model '{model}' does not exist or you do not have access to it.",
+        raise NotFound(f"The model '{clip(model)}' does not exist or you do not have access to it.",
                        param="model", code="model_not_found")
 
 

@@ -59,7 +59,7 @@ class RouterConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     """Seconds requests in flight may take to finish after SIGTERM/SIGINT (no new connections meanwhile); then each one still running ends with an explicit error (`router_shutdown`: a 503, or an SSE error event). Keep it at least 10 s below the orchestrator's kill timeout (Kubernetes: 30 s unless set)."""
 
     send_timeout: float = 60.0
-    """Seconds a streaming client may take none of its stream (its connection's buffers full: it stopped reading) before the router closes the connection, as nginx's ``send_timeout`` does. Its lease and request end then, and the stream stays resumable like a disconnected one. 0: wait as long as TCP keeps the connection. Applies to streamed completions (POST); resume GETs and WebSocket streams wait on TCP."""
+    """Seconds a streaming client may take none of its stream (its connection's buffers full: it stopped reading) before the router closes the connection, as nginx's ``send_timeout`` does. Its lease and request end then, and the stream stays resumable like a disconnected one. 0: wait as long as TCP keeps the connection. Applies to streamed completions (POST) and to WebSocket frames (the socket's requests end; the socket stays until the client or TCP closes it); resume GETs wait on TCP."""
 
     header_timeout: float = 30.0
     """Seconds a connection may take to send a request's head (request line and headers), from its start or the request's first byte: a connection that sends nothing, or trickles its head, gets a 408 and is closed (nginx's ``client_header_timeout``). Heads over 64 KiB are a 431."""

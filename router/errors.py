@@ -18,6 +18,7 @@ __all__ = [
     "UnsupportedMediaType",
     "GatewayTimeout",
     "error_body",
+    "clip",
 ]
 
 
@@ -35,6 +36,12 @@ class _ErrorBody(msgspec.Struct):
 def error_body(message: str, type_: str, param: str | None = None, code: str | None = None) -> bytes:
     """OpenAI's error shape: ``{"error": {"message", "type", "param", "code"}}``."""
     return msgspec.json.encode(_ErrorBody(_ErrorDetail(message, type_, param, code)))
+
+
+def clip(text: str, n: int = 100) -> str:
+    """``text`` for an error message: a client's value echoed back whole
+    could be megabytes."""
+    return text if len(text) <= n else text[:n] + f"... ({len(text)} characters)"
 
 
 class ApiError(Exception):

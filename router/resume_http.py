@@ -33,7 +33,7 @@ import msgspec
 from litestar import Response
 from litestar.response import Stream
 
-from router.errors import ApiError, BadRequest, NotFound, ServiceUnavailable, error_body
+from router.errors import ApiError, BadRequest, NotFound, ServiceUnavailable, clip, error_body
 from router.generation import Deadlines, Generation, Job
 from router.relay import (
     NOT_RESUMABLE, EventStream, Outcome, error_before_output, outcome_of, relay_stream, shutdown_notice,
@@ -90,10 +90,10 @@ async def handle_resume(svc: RouterService, policy: TenantPolicy, sid: str, pos:
     if snap is None:
         if not getattr(svc.store, "healthy", True):  # (fail-open: the answer came from the local fallback)
             raise _store_down(sid)
-        raise NotFound(_NOT_FOUND.format(sid), code="stream_not_found")
+        raise NotFound(_NOT_FOUND.format(clip(sid)), code="stream_not_found")
     meta = decode_meta(snap.meta)
     if meta.tenant != policy.name:
-        raise NotFound(_NOT_FOUND.format(sid), code="stream_not_found")
+        raise NotFound(_NOT_FOUND.format(clip(sid)), code="stream_not_found")
     if pos.event >= snap.total_events and snap.finished and await _ended_unbuffered(svc, sid, snap):
         # (the buffer's last event is that error, which the client never got:
         # its live events from there on had plain ids, the same numbers or past them)

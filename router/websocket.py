@@ -110,9 +110,16 @@ class _Conn:
         async with self._send_lock:
             if self.closing is not None or self.gone:  # (closed by the router at shutdown)
                 return
+            timeout = self.svc.config.send_timeout or None
             try:
-                await self.sock.send_data(data.decode("utf-8"), mode="text")
+                async with asyncio.timeout(timeout):
+                    await self.sock.send_data(data.decode("utf-8"), mode="text")
             except (WebSocketDisconnect, RuntimeError, OSError):  # the client went mid-send
+                self.gone = True
+            except TimeoutError:
+                # it took nothing for send_timeout: its requests end (their leases
+                # free); the socket stays until the client or TCP closes it
+                log.warning("websocket client took none of its frames for %gs; ending its requests", timeout)
                 self.gone = True
 
     async def run_one(self, cid: str, body: bytes) -> None:
