@@ -66,6 +66,26 @@ class _Stalled(RuntimeError):
     """The replica answered no ping within the health timeout."""
 
 
+class Progress:
+    """Whether a replica's engine keeps stepping while it has requests.
+
+    ``stuck`` once an engine with requests in it has taken no step for
+    ``limit`` seconds. An engine that reports no steps (an OpenAI-compatible
+    upstream) is never stuck."""
+
+    def __init__(self, limit: float) -> None:
+        self.limit = limit
+        self.steps = 0
+        self.since = 0.0
+
+    def stuck(self, load, now: float) -> bool:
+        if load.steps != self.steps or load.steps == 0 or load.running + load.waiting == 0:
+            self.steps = load.steps
+            self.since = now
+            return False
+        return now - self.since > self.limit
+
+
 class Supervisor:
     def __init__(
         self,
@@ -187,6 +207,8 @@ class Supervisor:
         """
         s = self.settings
         exited = asyncio.ensure_future(proc.wait()) if proc is not None else None
+        progress = Progress(s.health_timeout)
+        loop = asyncio.get_running_loop()
         try:
             while client.closed is None and not self._closing:
                 ping = asyncio.ensure_future(client.ping(s.health_timeout))
@@ -195,11 +217,15 @@ class Supervisor:
                     ping.cancel()
                     raise RuntimeError(f"process exited with code {proc.returncode}")
                 try:
-                    ping.result()
+                    pong = ping.result()
                 except (asyncio.TimeoutError, TimeoutError):
                     raise _Stalled(f"no pong within {s.health_timeout}s (stalled)") from None
                 except ConnectionError:
                     break
+                if progress.stuck(pong.load, loop.time()):
+                    # (its front end answers, its engine does not: a frozen vLLM engine core)
+                    raise _Stalled(f"its engine took no step for {s.health_timeout}s with "
+                                   f"{pong.load.running + pong.load.waiting} requests in it (stalled)")
                 if exited is not None:
                     done, _ = await asyncio.wait({exited}, timeout=s.health_interval)
                     if done:

@@ -42,7 +42,7 @@ class RouterConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     health_interval: float = 1.0
     """Seconds between health pings to each replica."""
     health_timeout: float = 5.0
-    """A replica that does not answer a ping within this is restarted."""
+    """A replica that does not answer a ping within this is restarted, as is one whose engine takes no step for this long while it has requests (a frozen vLLM engine core behind a front end that still answers)."""
     restart_backoff_max: float = 30.0
     """Longest wait between restarts of a failing replica."""
     state: StateConfig = msgspec.field(default_factory=StateConfig)

@@ -76,3 +76,21 @@ async def test_close_is_not_lost_when_a_pong_races_it(replica_address: str) -> N
         await _force_stop(sup)
         if closer:
             await asyncio.wait({closer[0]}, timeout=3)
+
+
+def test_an_engine_with_requests_that_takes_no_step_is_stuck() -> None:
+    from replicas.protocol import LoadReport
+    from replicas.supervisor import Progress
+
+    p = Progress(5.0)
+    assert not p.stuck(LoadReport(0, 0, 0.0, steps=0), 0.0)  # a fresh engine
+    assert not p.stuck(LoadReport(1, 0, 0.0, steps=3), 1.0)
+    assert not p.stuck(LoadReport(1, 2, 0.0, steps=9), 2.0)  # stepping
+    assert not p.stuck(LoadReport(1, 2, 0.0, steps=9), 6.9)
+    assert p.stuck(LoadReport(1, 2, 0.0, steps=9), 7.1)  # 5 s with requests and no step
+    assert not p.stuck(LoadReport(0, 0, 0.0, steps=9), 20.0)  # idle: nothing to step
+    assert not p.stuck(LoadReport(1, 0, 0.0, steps=9), 24.0)  # (busy again: the clock restarts)
+    assert p.stuck(LoadReport(1, 0, 0.0, steps=9), 25.1)
+    # an engine that reports no steps (an OpenAI-compatible upstream) is never stuck
+    q = Progress(5.0)
+    assert not any(q.stuck(LoadReport(3, 1, 0.0), t) for t in (0.0, 10.0, 100.0))
