@@ -64,7 +64,7 @@ class RouterConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     header_timeout: float = 30.0
     """Seconds a connection may take to send a request's head (request line and headers), from its start or the request's first byte: a connection that sends nothing, or trickles its head, gets a 408 and is closed (nginx's ``client_header_timeout``). Heads over 64 KiB are a 431."""
     body_timeout: float = 60.0
-    """Seconds a request's body may take to arrive after its head (408 and closed after)."""
+    """Seconds a request's body may go without arriving, after its head or between two reads (408 and closed after; nginx's ``client_body_timeout``)."""
 
     metrics_require_admin_key: bool = False
     """When true, ``GET /metrics`` needs an admin key (``Authorization: Bearer KEY``; in Prometheus ``authorization: {credentials: KEY}``). Off, anyone who reaches the port sees every tenant's name and traffic there."""

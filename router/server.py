@@ -56,18 +56,20 @@ class _Http(HttpToolsProtocol):
     clients needs, which uvicorn does not set for a request's head: a
     connection that sends no complete request head within ``head_timeout``
     (idle from the start, or trickling bytes) gets a 408 and is closed, as
-    one whose body takes longer than ``body_timeout`` (router.yaml's
-    ``header_timeout`` and ``body_timeout``, set by ``Server``); a head larger
-    than ``MAX_HEAD_BYTES`` is a 431. (Between requests, uvicorn's keep-alive
-    timeout applies.)"""
+    one whose body stops arriving for ``body_timeout`` (router.yaml's
+    ``header_timeout`` and ``body_timeout``, set by ``Server``); a head
+    larger than ``MAX_HEAD_BYTES`` is a 431. (Between requests, uvicorn's
+    keep-alive timeout applies.)"""
 
     head_timeout = 30.0
     body_timeout = 60.0
 
     def connection_made(self, transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
-        self._head_bytes = 0
-        self._tail = b""
+        self._head = 0  # bytes of the request line and headers parsed so far
+        self._raw = 0  # bytes received since the request began, while its head is incomplete
+        self._in_head = True
+        self._refused = False
         self._deadline: asyncio.TimerHandle | None = None
         self._limit(self.head_timeout, "Timed out reading the request head.")
 
@@ -77,40 +79,65 @@ class _Http(HttpToolsProtocol):
         self._deadline = self.loop.call_later(seconds, self._refuse, 408, why) if why else None
 
     def _refuse(self, status: int, message: str) -> None:
-        self._deadline = None
-        if self.transport.is_closing():
+        self._limit(0, None)
+        if self._refused or self.transport.is_closing():
             return
-        if self.cycle is None or not self.cycle.response_started:
+        self._refused = True
+        cycle = self.cycle
+        if cycle is None or cycle.response_complete or not cycle.response_started:  # (no response under way)
             body = message.encode()
             self.transport.write(b"HTTP/1.1 %d %s\r\ncontent-type: text/plain; charset=utf-8\r\n"
                                  b"content-length: %d\r\nconnection: close\r\n\r\n%s"
                                  % (status, HTTPStatus(status).phrase.encode(), len(body), body))
         self.transport.close()
 
+    def _count(self, n: int) -> None:
+        self._head += n
+        if self._head > MAX_HEAD_BYTES:
+            self._refuse(431, "Request header fields too large.")
+
     def data_received(self, data: bytes) -> None:
-        if self._head_bytes >= 0:  # (-1: the head is complete)
-            # count the head's bytes only: the chunk may carry the body too
-            end = (self._tail + data).find(b"\r\n\r\n")
-            self._head_bytes += len(data) if end < 0 else max(0, end - len(self._tail))
-            self._tail = data[-3:]
-            if self._head_bytes > MAX_HEAD_BYTES:
-                self._refuse(431, "Request header fields too large.")
-                return
+        if self._refused:
+            return
         super().data_received(data)
+        if self._in_head and not self._refused:
+            # a head still incomplete: a header not finished yet waits in the
+            # parser, unseen by on_header
+            self._raw += len(data)
+            if self._raw > MAX_HEAD_BYTES:
+                self._refuse(431, "Request header fields too large.")
 
     def on_message_begin(self) -> None:
         super().on_message_begin()
-        if self._head_bytes < 0:  # a keep-alive connection's next request
-            self._head_bytes = 0
-            self._tail = b""
+        if not self._in_head:  # a keep-alive connection's next request
+            self._in_head = True
             self._limit(self.head_timeout, "Timed out reading the request head.")
+        self._head = self._raw = 0
+
+    def on_url(self, url: bytes) -> None:
+        super().on_url(url)
+        self._count(len(url))
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        super().on_header(name, value)
+        self._count(len(name) + len(value) + 4)
 
     def on_headers_complete(self) -> None:
-        self._head_bytes = -1
+        self._in_head = False
+        if self._refused:
+            return  # (the application never sees the request)
         self._limit(self.body_timeout, "Timed out reading the request body.")
         super().on_headers_complete()
 
+    def on_body(self, body: bytes) -> None:
+        if self._refused:
+            return
+        self._limit(self.body_timeout, "Timed out reading the request body.")  # (between two reads, as nginx)
+        super().on_body(body)
+
     def on_message_complete(self) -> None:
+        if self._refused:
+            return
         self._limit(0, None)
         super().on_message_complete()
 

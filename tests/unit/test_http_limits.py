@@ -1,0 +1,189 @@
+"""router/server.py ``_Http``: the limits on a request's head and body
+(408, 431), on a real uvicorn server in a thread with a small application:
+keep-alive and pipelined requests, split packets, long streams and upgrades
+must pass; idle, trickling and oversized heads must not."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import socket
+import threading
+import time
+
+import pytest
+import uvicorn
+
+from router import server as srv
+from tests.helpers import free_port
+
+PORT = free_port()
+
+
+async def app(scope, receive, send):
+    if scope["type"] != "http":
+        return
+    body = b""
+    while True:
+        m = await receive()
+        if m["type"] == "http.disconnect":
+            return
+        body += m.get("body", b"")
+        if not m.get("more_body"):
+            break
+    if scope["path"] == "/slow":  # a stream that outlasts the limits
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        for i in range(10):
+            await asyncio.sleep(0.2)
+            await send({"type": "http.response.body", "body": b"piece%d\n" % i, "more_body": True})
+        await send({"type": "http.response.body", "body": b"", "more_body": False})
+        return
+    out = b"got %d" % len(body)
+    await send({"type": "http.response.start", "status": 200,
+                "headers": [(b"content-length", str(len(out)).encode())]})
+    await send({"type": "http.response.body", "body": out})
+
+
+@contextlib.contextmanager
+def serving(head=0.5, body=0.5):
+    old = srv._Http.head_timeout, srv._Http.body_timeout
+    srv._Http.head_timeout, srv._Http.body_timeout = head, body
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=PORT, http=srv._Http, loop="asyncio",
+                                          lifespan="off", log_level="warning"))
+    t = threading.Thread(target=server.run, daemon=True)
+    t.start()
+    for _ in range(100):
+        if server.started:
+            break
+        time.sleep(0.05)
+    try:
+        yield
+    finally:
+        server.should_exit = True
+        t.join(10)
+        srv._Http.head_timeout, srv._Http.body_timeout = old
+
+
+def conn() -> socket.socket:
+    s = socket.create_connection(("127.0.0.1", PORT), timeout=10)
+    s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    return s
+
+
+def read_all(s) -> bytes:
+    out = b""
+    with contextlib.suppress(OSError):
+        while chunk := s.recv(65536):
+            out += chunk
+    return out
+
+
+def read_response(s) -> bytes:
+    """One content-length response."""
+    out = b""
+    while b"\r\n\r\n" not in out:
+        out += s.recv(65536)
+    head, _, rest = out.partition(b"\r\n\r\n")
+    n = int([ln.split(b":")[1] for ln in head.split(b"\r\n") if ln.lower().startswith(b"content-length")][0])
+    while len(rest) < n:
+        rest += s.recv(65536)
+    return head + b"\r\n\r\n" + rest
+
+
+def test_pipelined_request_with_body_in_a_later_packet_does_not_cut_the_stream_before_it():
+    # a pipelining client: a long stream, then a POST whose body comes in its own packet
+    with serving(head=5, body=0.5):
+        s = conn()
+        s.sendall(b"GET /slow HTTP/1.1\r\nHost: x\r\n\r\n"
+                  b"POST /echo HTTP/1.1\r\nHost: x\r\nContent-Length: 5\r\n\r\n")
+        time.sleep(0.05)
+        s.sendall(b"hello")
+        s.settimeout(5)
+        answer = read_all(s)
+        s.close()
+    assert b"piece9" in answer and b"got 5" in answer, answer
+
+
+def test_second_keepalive_request_with_oversized_head_is_431():
+    with serving(head=5, body=5):
+        s = conn()
+        s.sendall(b"GET /a HTTP/1.1\r\nHost: x\r\n\r\n")
+        assert read_response(s).startswith(b"HTTP/1.1 200")
+        s.sendall(b"GET /b HTTP/1.1\r\nHost: x\r\nX-Big: " + b"a" * 150_000 + b"\r\n\r\n")
+        answer = read_all(s)
+        s.close()
+    assert answer.startswith(b"HTTP/1.1 431"), answer[:200]
+
+
+def test_second_keepalive_request_whose_head_times_out_gets_a_408():
+    with serving(head=0.5, body=5):
+        s = conn()
+        s.sendall(b"GET /a HTTP/1.1\r\nHost: x\r\n\r\n")
+        assert read_response(s).startswith(b"HTTP/1.1 200")
+        s.sendall(b"GET /b HTTP/1.1\r\nHost: x\r\n")  # and nothing more
+        answer = read_all(s)
+        s.close()
+    assert answer.startswith(b"HTTP/1.1 408"), answer
+
+
+def test_head_terminator_in_tiny_packets_does_not_count_the_body_as_head():
+    with serving(head=5, body=5):
+        s = conn()
+        body = b"b" * 40_000
+        s.sendall(b"POST /echo HTTP/1.1\r\nHost: x\r\nX-Pad: " + b"p" * 30_000
+                  + b"\r\nContent-Length: %d\r" % len(body))
+        for piece in (b"\n", b"\r"):
+            time.sleep(0.05)
+            s.sendall(piece)
+        time.sleep(0.05)
+        s.sendall(b"\n" + body)
+        answer = read_all_until(s, b"got ")
+        s.close()
+    assert answer.startswith(b"HTTP/1.1 200") and b"got 40000" in answer, answer[:200]
+
+
+def read_all_until(s, marker: bytes) -> bytes:
+    out = b""
+    s.settimeout(5)
+    with contextlib.suppress(OSError):
+        while chunk := s.recv(65536):
+            out += chunk
+            if marker in out:
+                break
+    return out
+
+
+def test_second_keepalive_request_head_counts_its_first_packet():
+    # a 100 KB head (> MAX_HEAD_BYTES) in one packet, on a keep-alive connection's second request
+    with serving(head=5, body=5):
+        s = conn()
+        s.sendall(b"GET /a HTTP/1.1\r\nHost: x\r\n\r\n")
+        assert read_response(s).startswith(b"HTTP/1.1 200")
+        s.sendall(b"GET /b HTTP/1.1\r\nHost: x\r\nX-Big: " + b"a" * 100_000 + b"\r\n\r\n")
+        s.settimeout(3)
+        answer = read_all_until(s, b"got ")
+        s.close()
+    assert not answer.startswith(b"HTTP/1.1 200"), answer[:200]
+
+
+def test_unsupported_upgrade_stream_outlasting_the_limits_is_not_cut():
+    with serving(head=0.5, body=0.5):
+        s = conn()
+        s.sendall(b"GET /slow HTTP/1.1\r\nHost: x\r\nConnection: Upgrade\r\nUpgrade: h2c\r\n\r\n")
+        s.settimeout(5)
+        answer = read_all_until(s, b"piece9")
+        s.close()
+    assert b"piece9" in answer, answer
+
+
+def test_a_body_that_keeps_arriving_is_not_cut_by_body_timeout():
+    # body_timeout is between two reads, as nginx's client_body_timeout
+    with serving(head=5, body=0.5):
+        s = conn()
+        s.sendall(b"POST /echo HTTP/1.1\r\nHost: x\r\nContent-Length: 10\r\n\r\n")
+        for _ in range(10):
+            time.sleep(0.1)
+            s.sendall(b"b")  # steady progress: a byte every 0.1 s
+        answer = read_all_until(s, b"got ")
+        s.close()
+    assert answer.startswith(b"HTTP/1.1 200"), answer
