@@ -145,7 +145,7 @@ class Supervisor:
         loop = asyncio.get_running_loop()
         while not self._closing:
             started = loop.time()
-            grace = STOP_GRACE
+            grace = None
             try:
                 await self._run_once(slot)
             except asyncio.CancelledError:
@@ -159,9 +159,10 @@ class Supervisor:
             # down (and said so) before its process is stopped, which may take the grace
             slot.state = "down"
             self._on_event("down", slot)
-            proc = self._procs.pop(slot.name, None)
+            proc = self._procs.get(slot.name)
             if proc is not None:
-                await self._stop_process(proc, grace)
+                await self._stop_process(proc, grace)  # (a close() meanwhile stops it too: still in _procs)
+                self._procs.pop(slot.name, None)
             if self._closing:
                 return
             if loop.time() - started > s.healthy_after:
@@ -296,10 +297,12 @@ class Supervisor:
             return os.environ.get(slot.spec.secret_env, "")
         return ""
 
-    async def _stop_process(self, proc: asyncio.subprocess.Process, grace: float = STOP_GRACE) -> None:
+    async def _stop_process(self, proc: asyncio.subprocess.Process, grace: float | None = None) -> None:
         """SIGTERM the replica's process group, SIGKILL it after ``grace``
-        seconds (at once with 0), then sweep whatever of the group is left
-        (an engine's children outlive a replica that was killed)."""
+        seconds (``STOP_GRACE`` unless given; at once with 0), then sweep
+        whatever of the group is left (an engine's children outlive a
+        replica that was killed)."""
+        grace = STOP_GRACE if grace is None else grace
         if proc.returncode is None:
             if grace > 0:
                 _signal_group(proc.pid, signal.SIGTERM)

@@ -192,10 +192,15 @@ def load_yaml(path: str | Path, type_: type[T], text: str | None = None) -> tupl
     if text is None:
         text = read_text(path)
     try:
-        # one parse: the node graph (for line numbers) and the data built from it
+        # one parse: the node graph (for line numbers), then the data built from it
         loader = _Loader(text)
         try:
             root = loader.get_single_node()
+            # located first: building the data rewrites merge keys (<<:) in the
+            # graph, and a graph of too many values must be refused unbuilt
+            located = Located(name, root)
+            if located.duplicates:
+                raise ConfigError(located.duplicates)
             data = loader.construct_document(root) if root is not None else None
         finally:
             loader.dispose()
@@ -204,9 +209,6 @@ def load_yaml(path: str | Path, type_: type[T], text: str | None = None) -> tupl
         raise ConfigError([f"{name}:{line}: (syntax): {e.problem or e}"]) from e
     except yaml.YAMLError as e:
         raise ConfigError([f"{name}:1: (syntax): {e}"]) from e
-    located = Located(name, root)
-    if located.duplicates:
-        raise ConfigError(located.duplicates)
     if data is None:
         data = {}
     try:

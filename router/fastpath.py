@@ -141,11 +141,11 @@ class FastPath:
             wire = wire_for(send, svc.config.send_timeout)
             try:
                 await relay.run(es, wire)
+                await wire.end(send)
             except ClientTooSlow as e:
                 log.warning("stream %s: %s; closing its connection", request_id, e)
                 wire.abort()
                 return  # (settled below as a disconnect: the stream stays resumable)
-            await send({"type": "http.response.body", "body": b"", "more_body": False})
         except asyncio.CancelledError:
             if not gone:
                 raise

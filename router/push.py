@@ -86,6 +86,11 @@ class TransportWire:
         """Drop the connection now, whatever waits in its buffers."""
         self.transport.abort()
 
+    async def end(self, send) -> None:
+        """End the body with uvicorn's own ``send`` (it waits for the
+        transport to drain: ``ClientTooSlow`` after ``timeout``)."""
+        await _within(send({"type": "http.response.body", "body": b"", "more_body": False}), self.timeout)
+
     async def send(self, data: bytes) -> None:
         await self.drain()
         if not self.cycle.disconnected:
@@ -109,6 +114,9 @@ class AsgiWire:
     def abort(self) -> None:
         """(No transport to drop: the server closes the connection when the
         application returns without ending the body.)"""
+
+    async def end(self, send) -> None:
+        await _within(send({"type": "http.response.body", "body": b"", "more_body": False}), self.timeout)
 
 
 def wire_for(send, timeout: float = 0.0) -> TransportWire | AsgiWire:

@@ -253,7 +253,13 @@ async def _waiting_until_first(chunks: AsyncIterator[bytes]) -> AsyncIterator[by
             yield WAITING
     except BaseException:  # the client left, or this task is cancelled
         first.cancel()
-        await asyncio.wait((first,))
+        while not first.done():  # (its cleanup runs in it: wait for it to end)
+            try:
+                await asyncio.wait((first,))
+            except asyncio.CancelledError:
+                continue  # anyio (Litestar's Stream) cancels again on every loop turn
+        if not first.cancelled():
+            first.exception()  # (retrieved: it ends with the cancel, or with what interrupted it)
         raise
     try:
         chunk = first.result()

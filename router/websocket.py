@@ -157,7 +157,7 @@ async def chat_socket(socket: WebSocket) -> None:
     try:
         if auth:
             conn.policy = svc.tenant(auth)
-        while True:
+        while not conn.gone:  # (gone: it took no frame for send_timeout; nothing more is started for it)
             raw = await socket.receive_data(mode="text")
             try:
                 msg = _decode(raw)

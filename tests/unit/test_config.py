@@ -139,3 +139,25 @@ def test_unreadable_file_is_reported_not_raised(tmp_path: Path) -> None:
     with pytest.raises(ConfigError) as info:
         load_yaml(missing, RouterConfig)
     assert info.value.errors[0].startswith(f"{missing}:1: (file): cannot read")
+
+
+MERGE_TENANTS = """\
+priority_classes: [high, normal, low]
+tenants:
+  gold: &base
+    keys: [3fbbe35488b29430f051abdd56e782a4d9b60e719910a9c0c723c8b34034ab13]
+    priority: high
+    weight: 3
+  silver:
+    <<: *base
+    keys: [564b8ad4cd0ff69b21cf4236633b19f3099c58bbd12a0a84b03e02e4c24f69db]
+    priority: normal
+"""
+
+
+def test_a_merge_key_with_an_override_is_not_a_duplicate(tmp_path):
+    # YAML merge keys (<<:) with a local override: what they are for
+    p = tmp_path / "tenants.yaml"
+    p.write_text(MERGE_TENANTS)
+    file, _ = load_yaml(p, TenantsFile)
+    assert file.tenants["silver"].priority == "normal" and file.tenants["silver"].weight == 3

@@ -178,12 +178,12 @@ def test_unsupported_upgrade_stream_outlasting_the_limits_is_not_cut():
 
 def test_a_body_that_keeps_arriving_is_not_cut_by_body_timeout():
     # body_timeout is between two reads, as nginx's client_body_timeout
-    with serving(head=5, body=0.5):
+    with serving(head=5, body=1.5):
         s = conn()
-        s.sendall(b"POST /echo HTTP/1.1\r\nHost: x\r\nContent-Length: 10\r\n\r\n")
-        for _ in range(10):
+        s.sendall(b"POST /echo HTTP/1.1\r\nHost: x\r\nContent-Length: 25\r\n\r\n")
+        for _ in range(25):
             time.sleep(0.1)
-            s.sendall(b"b")  # steady progress: a byte every 0.1 s
+            s.sendall(b"b")  # steady progress: a byte every 0.1 s, 2.5 s in all
         answer = read_all_until(s, b"got ")
         s.close()
     assert answer.startswith(b"HTTP/1.1 200"), answer

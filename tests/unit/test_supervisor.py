@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import signal
+import os
 import shutil
 import tempfile
 
@@ -94,3 +96,31 @@ def test_an_engine_with_requests_that_takes_no_step_is_stuck() -> None:
     # an engine that reports no steps (an OpenAI-compatible upstream) is never stuck
     q = Progress(5.0)
     assert not any(q.stuck(LoadReport(3, 1, 0.0), t) for t in (0.0, 10.0, 100.0))
+
+
+async def test_close_during_a_restart_stop_leaves_no_process_running(monkeypatch) -> None:
+    import replicas.supervisor
+    monkeypatch.setattr(replicas.supervisor, "STOP_GRACE", 1.0)
+    pool = ReplicaPool([ReplicaSpec(name="r0", address="unix:/nonexistent")])
+    sup = Supervisor(pool, SupervisorSettings(health_interval=0.01))
+    # (the process left _procs before it was stopped: a close() meanwhile left it running)
+    # a replica process that is slow to stop on SIGTERM (e.g. vLLM shutting its engine down)
+    proc = await asyncio.create_subprocess_exec(
+        "sh", "-c", "trap '' TERM; sleep 30", start_new_session=True)
+
+    async def run_once(slot):
+        sup._procs[slot.name] = proc
+        await asyncio.sleep(0.1)
+        raise RuntimeError("process exited with code 1")  # any failure: _supervise stops it, with the grace
+
+    sup._run_once = run_once
+    try:
+        await sup.start()
+        await asyncio.sleep(0.5)  # _supervise now waits in _stop_process (SIGTERM sent, up to STOP_GRACE)
+        await asyncio.wait_for(sup.close(), 15)
+        await asyncio.sleep(0.2)
+        assert proc.returncode is not None, "the replica's process is still running after Supervisor.close()"
+    finally:
+        if proc.returncode is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            await proc.wait()
