@@ -242,3 +242,39 @@ async def test_replica_death_mid_stream_is_token_exact(vllm_router, sig):
     # the supervisor restarts it and it serves again
     poll(lambda: httpx.get(vllm_router.base_url + "/ready", timeout=2).json()["replicas"][victim] == "ready",
          300, interval=0.5, what=f"{victim} restarted")
+
+
+async def test_a_replica_whose_engine_core_freezes_is_restarted(vllm_router):
+    # vLLM's engine core frozen (SIGSTOP) behind a front end that still
+    # answers pings: running streams move on the tenant's stall limit; new
+    # requests dispatched to it used to wait out first_token (60 s) and get a
+    # 504, the replica 'ready' for good. Now the supervisor sees its engine
+    # take no step with requests in it for health_timeout (30 s here) and
+    # restarts it; the requests move to the other replica.
+    poll(lambda: httpx.get(vllm_router.base_url + "/ready", timeout=2).json()["replicas"] ==
+         {"vllm-0": "ready", "vllm-1": "ready"}, 300, what="both vllm replicas ready")
+    headers = {"Authorization": f"Bearer {GOLD}"}
+    async with httpx.AsyncClient(base_url=vllm_router.base_url, headers=headers, timeout=200) as client:
+        ref = (await client.post("/v1/completions", json=_greedy(32))).json()["choices"][0]["text"]
+        m = await vllm_router.ametrics(client)
+        restarts0 = {n: m.value("fairstream_replica_restarts_total", default=0.0, replica=n)
+                     for n in vllm_router.replica_names}
+        replicas = (await client.get("/admin/replicas", headers={"Authorization": f"Bearer {ADMIN}"})).json()
+        victim = replicas["replicas"][0]["name"]
+        frozen = _descendants(replicas["replicas"][0]["pid"])
+        for pid in frozen:
+            os.kill(pid, signal.SIGSTOP)
+        try:
+            results = await asyncio.gather(*(client.post("/v1/completions", json=_greedy(32)) for _ in range(4)))
+            assert [r.status_code for r in results] == [200] * 4, [r.text for r in results]
+            assert all(r.json()["choices"][0]["text"] == ref for r in results)
+            m = await vllm_router.ametrics(client)
+            assert m.value("fairstream_replica_restarts_total", replica=victim) > restarts0[victim]
+        finally:
+            for pid in frozen:
+                try:
+                    os.kill(pid, signal.SIGCONT)
+                except ProcessLookupError:
+                    pass
+    poll(lambda: httpx.get(vllm_router.base_url + "/ready", timeout=2).json()["replicas"][victim] == "ready",
+         300, interval=0.5, what=f"{victim} restarted")
