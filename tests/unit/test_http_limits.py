@@ -11,7 +11,6 @@ import socket
 import threading
 import time
 
-import pytest
 import uvicorn
 
 from router import server as srv
