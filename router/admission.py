@@ -153,9 +153,12 @@ class Admission:
             except asyncio.CancelledError:
                 pass
 
-    async def admit(self, policy: TenantPolicy, cost_tokens: int, *, count_request: bool = True) -> Ticket:
+    async def admit(self, policy: TenantPolicy, cost_tokens: int, *, count_request: bool = True,
+                    prompt_tokens: int = 0) -> Ticket:
         """``count_request=False`` for the continuation of a resumed stream:
-        it holds a lease and reserves tokens, but is not a new request."""
+        it holds a lease and reserves tokens, but is not a new request.
+        ``prompt_tokens``: the prompt's share of ``cost_tokens`` (what a
+        refusal for size tells the client to cut)."""
         if self._stopped.is_set():
             raise RouterShutdown()
         lim = policy.limits
@@ -182,7 +185,7 @@ class Admission:
             decision = await self._admit_once(name, req)
             if decision.ok:
                 return self._ticket(policy, req, cost_tokens, decision)
-            self._check_fits(policy, decision, cost_tokens)
+            self._check_fits(policy, decision, cost_tokens, prompt_tokens)
             line = self._lines.get(name)  # (the await may have made or ended the line)
             if policy.on_limit != "queue" or loop.time() + min(decision.retry_after, 0.05) >= deadline:
                 raise self._refused(policy, decision)
@@ -213,7 +216,7 @@ class Admission:
                         # its time is up before its turn came: one last try, then a 429
                         decision = await self._admit_once(name, req)
                         if not decision.ok:
-                            self._check_fits(policy, decision, cost_tokens)
+                            self._check_fits(policy, decision, cost_tokens, prompt_tokens)
                             raise self._refused(policy, decision)
                         return self._ticket(policy, req, cost_tokens, decision, started)
                 elif decision is not None:  # the head, refused: until the limit frees
@@ -230,7 +233,7 @@ class Admission:
                 decision = await self._admit_once(name, req)
                 if decision.ok:
                     return self._ticket(policy, req, cost_tokens, decision, started)
-                self._check_fits(policy, decision, cost_tokens)
+                self._check_fits(policy, decision, cost_tokens, prompt_tokens)
         finally:
             head = line[0] is me
             line.remove(me)
@@ -250,13 +253,16 @@ class Admission:
         self._leases[req.lease_id] = ticket
         return ticket
 
-    def _check_fits(self, policy: TenantPolicy, decision: Decision, cost_tokens: int) -> None:
+    def _check_fits(self, policy: TenantPolicy, decision: Decision, cost_tokens: int, prompt_tokens: int) -> None:
         """A request larger than the tenant's whole token budget never fits: a 429 at once."""
         if decision.reason == "too_large":
             self.metrics.limited(policy.name, "tokens")
+            tpm = policy.limits.tokens_per_minute
+            cut = (f"its prompt alone is about {prompt_tokens}: shorten it" if prompt_tokens >= tpm
+                   else "lower max_tokens")
             raise RateLimited(
                 f"Request needs {cost_tokens} tokens, more than the tenant's limit of "
-                f"{policy.limits.tokens_per_minute} tokens per minute; lower max_tokens.",
+                f"{tpm} tokens per minute; {cut}.",
                 retry_after=60.0, code="tokens_exceed_limit", headers=ratelimit_headers(policy, decision),
             )
 

@@ -210,7 +210,7 @@ async def start_generation(
     outcome = Outcome(svc, policy, endpoint, started, request_id, client_request_id=client_request_id)
     try:
         req, job, prompt_estimate = _job(svc, policy, body, chat, stream_implied, content_encoding)
-        ticket = await svc.admission.admit(policy, prompt_estimate + job.params.max_tokens)
+        ticket = await svc.admission.admit(policy, prompt_estimate + job.params.max_tokens, prompt_tokens=prompt_estimate)
     except BaseException as e:
         if isinstance(e, ApiError):
             e.headers.setdefault("x-request-id", request_id)

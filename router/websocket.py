@@ -159,6 +159,10 @@ async def chat_socket(socket: WebSocket) -> None:
             conn.policy = svc.tenant(auth)
         while not conn.gone:  # (gone: it took no frame for send_timeout; nothing more is started for it)
             raw = await socket.receive_data(mode="text")
+            if not raw:  # (a binary frame reads as empty text)
+                await conn.send(_err("", BadRequest("Bad message: send each message as a JSON object in a text frame "
+                                                    "(this one was empty or binary).", code="invalid_json")))
+                continue
             try:
                 msg = _decode(raw)
             except msgspec.DecodeError as e:

@@ -83,6 +83,10 @@ def test_tokens_are_reserved_then_settled_with_real_usage(tmp_path):
         # a request that can never fit is refused as too large
         r = httpx.post(url, headers=auth(KEY_A), json=body(2000), timeout=20)
         assert r.status_code == 429 and r.json()["error"]["code"] == "tokens_exceed_limit"
+        assert "lower max_tokens" in r.json()["error"]["message"]
+        # ... and one whose prompt alone is over the budget says so (max_tokens cannot help)
+        r = httpx.post(url, headers=auth(KEY_A), json={**body(1), "prompt": "x" * 1200}, timeout=20)
+        assert r.status_code == 429 and "its prompt alone is about" in r.json()["error"]["message"], r.text
 
 
 def test_admin_endpoints_need_the_admin_key(tmp_path):

@@ -284,6 +284,8 @@ async def test_protocol_errors_are_messages_not_closes(router: RouterProcess, ht
         assert_error(await recv(ws), "x", param="type")
         await ws.send("{not json")
         assert_error(await recv(ws), "", code="invalid_json")
+        await ws.send(b'{"type": "auth"}')  # a binary frame
+        assert "text frame" in assert_error(await recv(ws), "", code="invalid_json")["message"]
         await ws.send(json.dumps({"type": "chat.completions.create", "body": chat_body("hello", 10)}))
         assert_error(await recv(ws), "", param="id")
         await ws.send(json.dumps({"type": "chat.completions.create", "id": "nobody"}))
