@@ -137,7 +137,7 @@ def test_killed_idle_replica_is_restarted(router: RouterProcess) -> None:
         pid = router.replica_pids().get("sim-0")
         return pid if pid not in (None, old["sim-0"]) else None
 
-    new_pid = poll(restarted, 15, what="a new sim-0 process")
+    poll(restarted, 15, what="a new sim-0 process")
     assert set(ready_statuses) == {200}, ready_statuses
     body = router.wait_ready(15, all_replicas=True)
     assert body["replicas"] == {"sim-0": "ready", "sim-1": "ready"}

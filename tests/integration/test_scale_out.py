@@ -22,7 +22,7 @@ import pytest
 import yaml
 
 from router.auth import hash_key
-from tests.helpers import ADMIN, FREE, GOLD, MODEL, SILVER, RouterProcess, aiter_sse, free_port, poll
+from tests.helpers import FREE, GOLD, MODEL, SILVER, RouterProcess, aiter_sse, free_port, poll
 from tests.redis_server import RedisServer, require_redis_server
 from tests.sim_openai import SimOpenAI
 
