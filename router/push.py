@@ -32,7 +32,7 @@ try:
 except ImportError:  # pragma: no cover - uvicorn without httptools
     _HttptoolsCycle = None
 
-__all__ = ["PushRelay", "wire_for", "TransportWire", "AsgiWire", "ClientTooSlow"]
+__all__ = ["PushRelay", "wire_for", "TransportWire", "AsgiWire", "ClientTooSlow", "bounded"]
 
 log = logging.getLogger("fairstream.relay")
 
@@ -41,7 +41,7 @@ class ClientTooSlow(Exception):
     """The client took none of its stream for ``send_timeout`` seconds."""
 
 
-async def _within(aw, timeout: float):
+async def bounded(aw, timeout: float):
     """``await aw``, or ``ClientTooSlow`` after ``timeout`` seconds (0: no limit)."""
     if not timeout:
         return await aw
@@ -52,16 +52,30 @@ async def _within(aw, timeout: float):
         raise ClientTooSlow(f"the client took none of its stream for {timeout:g}s") from None
 
 
-class TransportWire:
+class _Wire:
+    """What both wires share: the router's ``send_timeout`` and the body's end."""
+
+    __slots__ = ("timeout",)
+
+    def __init__(self, timeout: float) -> None:
+        self.timeout = timeout
+
+    async def end(self, send) -> None:
+        """End the body with the server's own ``send`` (uvicorn's waits for the
+        transport to drain: ``ClientTooSlow`` after ``timeout``)."""
+        await bounded(send({"type": "http.response.body", "body": b"", "more_body": False}), self.timeout)
+
+
+class TransportWire(_Wire):
     """Chunked body writes straight to uvicorn's transport (httptools)."""
 
-    __slots__ = ("cycle", "transport", "flow", "timeout")
+    __slots__ = ("cycle", "transport", "flow")
 
     def __init__(self, cycle, timeout: float = 0.0) -> None:
+        super().__init__(timeout)
         self.cycle = cycle
         self.transport = cycle.transport
         self.flow = cycle.flow
-        self.timeout = timeout
 
     @property
     def writable(self) -> bool:
@@ -80,16 +94,11 @@ class TransportWire:
         """Until the transport takes writes again (or the client is gone);
         ``ClientTooSlow`` after ``timeout`` seconds."""
         if self.flow.write_paused and not self.cycle.disconnected:
-            await _within(self.flow.drain(), self.timeout)
+            await bounded(self.flow.drain(), self.timeout)
 
     def abort(self) -> None:
         """Drop the connection now, whatever waits in its buffers."""
         self.transport.abort()
-
-    async def end(self, send) -> None:
-        """End the body with uvicorn's own ``send`` (it waits for the
-        transport to drain: ``ClientTooSlow`` after ``timeout``)."""
-        await _within(send({"type": "http.response.body", "body": b"", "more_body": False}), self.timeout)
 
     async def send(self, data: bytes) -> None:
         await self.drain()
@@ -97,26 +106,23 @@ class TransportWire:
             self.write(data)
 
 
-class AsgiWire:
+class AsgiWire(_Wire):
     """Any ASGI server: every event is one ``http.response.body`` message."""
 
-    __slots__ = ("_send", "timeout")
+    __slots__ = ("_send",)
 
     writable = False
 
     def __init__(self, send, timeout: float = 0.0) -> None:
+        super().__init__(timeout)
         self._send = send
-        self.timeout = timeout
 
     async def send(self, data: bytes) -> None:
-        await _within(self._send({"type": "http.response.body", "body": data, "more_body": True}), self.timeout)
+        await bounded(self._send({"type": "http.response.body", "body": data, "more_body": True}), self.timeout)
 
     def abort(self) -> None:
         """(No transport to drop: the server closes the connection when the
         application returns without ending the body.)"""
-
-    async def end(self, send) -> None:
-        await _within(send({"type": "http.response.body", "body": b"", "more_body": False}), self.timeout)
 
 
 def wire_for(send, timeout: float = 0.0) -> TransportWire | AsgiWire:

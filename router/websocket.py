@@ -38,6 +38,7 @@ from litestar.exceptions import WebSocketDisconnect
 from router.completions import new_request_id, response_id_of, start_generation
 from router.errors import ApiError, BadRequest, RouterShutdown, error_body
 from router.openai_types import usage_options
+from router.push import ClientTooSlow, bounded
 from router.relay import EventStream, log_refused, relay_stream
 from router.service import RouterService
 from router.sse import ChunkEncoder
@@ -110,16 +111,14 @@ class _Conn:
         async with self._send_lock:
             if self.closing is not None or self.gone:  # (closed by the router at shutdown)
                 return
-            timeout = self.svc.config.send_timeout or None
             try:
-                async with asyncio.timeout(timeout):
-                    await self.sock.send_data(data.decode("utf-8"), mode="text")
+                await bounded(self.sock.send_data(data.decode("utf-8"), mode="text"), self.svc.config.send_timeout)
             except (WebSocketDisconnect, RuntimeError, OSError):  # the client went mid-send
                 self.gone = True
-            except TimeoutError:
-                # it took nothing for send_timeout: its requests end (their leases
-                # free); the socket stays until the client or TCP closes it
-                log.warning("websocket client took none of its frames for %gs; ending its requests", timeout)
+            except ClientTooSlow as e:
+                # its requests end (their leases free); the socket stays until
+                # the client or TCP closes it
+                log.warning("websocket: %s; ending its requests", e)
                 self.gone = True
 
     async def run_one(self, cid: str, body: bytes) -> None:
