@@ -16,7 +16,7 @@ __all__ = ["render", "targets"]
 
 KB = 1024
 MB = 1024 * 1024
-ORDER = ["direct", "fairstream", "vllm-router", "litellm", "sim-direct", "fairstream-sim"]
+ORDER = ["direct", "fairstream", "vllm-router", "litellm", "py-floor", "py-floor-features", "sim-direct", "fairstream-sim"]
 
 
 def _med(xs):
@@ -202,6 +202,11 @@ def targets(ms: list, micro: list[list[dict]]) -> tuple[str, list[tuple[str, boo
         fss = _med(g.values(sc, "fairstream-sim", lambda m: m.cpu_per_1k))
         if fss is not None:
             lines.append(f"  - for reference, fairstream over its own sim replicas: {_fmt(fss, 3)} s per 1000 tokens")
+        for ref in ("py-floor", "py-floor-features"):
+            v = _med(g.values(sc, ref, lambda m: m.cpu_per_1k))
+            if v is not None:
+                lines.append(f"  - for reference, the Python floor ({ref}, ops/bench/floor_proxy.py): "
+                             f"{_fmt(v, 3)} s per 1000 tokens")
 
     for sc in ("S2", "S1"):
         def added(system):

@@ -7,6 +7,9 @@ Upstream systems (two mock OpenAI upstreams, ``ops/bench/mock_upstream.py``):
 * ``vllm-router``  vllm-router 0.1.17 (PyPI, its own venv), ``--policy round_robin``.
 * ``litellm``      LiteLLM proxy (PyPI ``litellm[proxy]``, its own venv), two
                    openai-compatible deployments of one model name.
+* ``py-floor``     ``ops/bench/floor_proxy.py``: the least per-token work a
+                   Python router can do (a reference line, not a product);
+                   ``py-floor-features`` adds fairstream's bookkeeping.
 
 Sim systems (two ``fairstream replica --engine sim`` processes on Unix sockets):
 
@@ -34,9 +37,10 @@ from ops.bench.procs import Proc, free_port, wait_http
 __all__ = ["Target", "Env", "UPSTREAM_SYSTEMS", "SIM_SYSTEMS", "DIRECT_OF", "start_system", "start_sims", "sim_target",
            "MockPair", "SimPair", "TENANT_KEYS", "ROOT", "VENVS"]
 
-UPSTREAM_SYSTEMS = ["direct", "fairstream", "vllm-router", "litellm"]
+UPSTREAM_SYSTEMS = ["direct", "fairstream", "vllm-router", "litellm", "py-floor", "py-floor-features"]
 SIM_SYSTEMS = ["sim-direct", "fairstream-sim"]
-DIRECT_OF = {"fairstream": "direct", "vllm-router": "direct", "litellm": "direct", "fairstream-sim": "sim-direct"}
+DIRECT_OF = {"fairstream": "direct", "vllm-router": "direct", "litellm": "direct", "py-floor": "direct",
+             "py-floor-features": "direct", "fairstream-sim": "sim-direct"}
 
 ROOT = Path(__file__).resolve().parents[2]
 BENCH = Path(__file__).resolve().parent
@@ -179,6 +183,19 @@ def start_system(system: str, env: Env) -> Target:
             proc.stop()
             raise RuntimeError(f"vllm-router did not start:\n{proc.tail()}")
         return Target(system, "http", [port], router=proc)
+    if system in ("py-floor", "py-floor-features"):
+        port = free_port()
+        args = [env.python, "-m", "ops.bench.floor_proxy", "--port", str(port),
+                "--upstream", f"127.0.0.1:{p1}", "--upstream", f"127.0.0.1:{p2}"]
+        for k in TENANT_KEYS:
+            args += ["--key", k]
+        if system == "py-floor-features":
+            args.append("--features")
+        proc = Proc(system, args, env.run_dir / f"{system}.log", cwd=str(ROOT))
+        if not wait_http(f"http://127.0.0.1:{port}/health", 30, proc):
+            proc.stop()
+            raise RuntimeError(f"{system} did not start:\n{proc.tail()}")
+        return Target(system, "http", [port], keys=list(TENANT_KEYS), router=proc)
     if system == "litellm":
         exe = VENVS / "litellm" / "bin" / "litellm"
         if not exe.exists():

@@ -68,3 +68,11 @@ def test_tables_render_every_scenario_run():
         assert f"### {sc}: {sc} title" in tables
     assert "### S4 micro-benchmark" in tables
     assert "| 1000 | 100 | 20.0 |" in tables
+
+
+def test_python_floor_is_printed_beside_the_cpu_targets():
+    ms = _run() + [_m(r, "S2", "py-floor-features", ok=256, tokens=16384, cpu_per_1k=0.019) for r in (1, 2)]
+    text, results = report.targets(ms, _micro())
+    assert ("  - for reference, the Python floor (py-floor-features, ops/bench/floor_proxy.py): "
+            "0.01900 s per 1000 tokens") in text.splitlines()
+    assert not any("floor" in name for name, _ in results)  # a reference, not a target
