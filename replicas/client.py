@@ -54,7 +54,7 @@ class Collector:
     bigger pieces instead of a growing queue of small ones.
     """
 
-    __slots__ = ("rid", "finish", "error", "prompt_token_ids", "dead", "sink", "limit", "_pending", "_ready",
+    __slots__ = ("rid", "finish", "error", "prompt_token_ids", "dead", "sink", "limit", "lane", "_pending", "_ready",
                  "_waiter")
 
     def __init__(self, rid: int) -> None:
@@ -74,6 +74,10 @@ class Collector:
         self.sink = None
         # most tokens a producer should merge into one delta (0: any)
         self.limit = 0
+        # set (router.lane.Lane): a producer may hand plain pieces (token ids
+        # and text, no finish) to ``lane.tokens(ids, text)``, which returns
+        # False for those it does not take (they go to ``put``)
+        self.lane = None
 
     def put(self, delta: Delta) -> None:
         if delta.prompt_token_ids is not None:
@@ -256,6 +260,9 @@ class ReplicaClient:
                             if col is not None:
                                 if d.finish:
                                     del streams[d.rid]
+                                elif (col.lane is not None and d.token_ids and d.prompt_token_ids is None
+                                      and col.lane.tokens(d.token_ids, d.text)):
+                                    continue
                                 col.put(d)
                     elif type(msg) is LoadReport:
                         self.load = msg

@@ -670,7 +670,10 @@ class _SseReader:
             self._put(st, acc_ids, acc_text, acc_count)
 
     def _put(self, st: _Stream, ids: list[int], texts: list[str], count: int) -> None:
-        st.col.put(_delta(st, ids, texts[0] if len(texts) == 1 else "".join(texts), FinishReason.NONE, count))
+        text = texts[0] if len(texts) == 1 else "".join(texts)
+        lane = st.col.lane
+        if lane is None or not ids or count or st.prompt_ids is not None or not lane.tokens(ids, text):
+            st.col.put(_delta(st, ids, text, FinishReason.NONE, count))
         st.delivered = True
         if count:
             self.counted += count

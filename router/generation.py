@@ -137,6 +137,8 @@ class PieceQueue:
 
     __slots__ = ("limit", "_pending", "_exc", "_waiter")
 
+    lane = None  # a pulled stream offers no token lane (router/push.py's PushRelay does)
+
     def __init__(self, limit: int = 0) -> None:
         self.limit = limit
         self._pending: list[Piece] = []
@@ -360,6 +362,9 @@ class Generation:
         if self.scheduler is not None:
             self.scheduler.running.discard(self)
         col.sink = None
+        if col.lane is not None:
+            col.lane.close()
+            col.lane = None
         if self._dog is not None:
             self._dog.cancel()
             self._dog = None
@@ -442,6 +447,17 @@ class Generation:
         self.sink.piece(text, n, finish)
         if finish != FinishReason.NONE:
             self.ended = True  # only now: if the sink failed on it, the guard tells it so
+        elif (ids and col.lane is None and self._col is col and sched is not None and policy is not None
+              and self._charged_prompt and self._died_at is None and self.text_parts is None
+              and not sched.adapts(handle.slot)):
+            # the next plain pieces of this run can take the token lane (router/lane.py)
+            offer = getattr(self.sink, "lane", None)
+            if offer is not None:
+                col.lane = offer(self, handle, self._dog, sched.counters.charge)
+
+    def lane_failed(self, e: Exception) -> None:
+        """The token lane failed relaying a piece (a bug): this stream ends."""
+        self._internal_error(e, "its output")
 
     def on_fail(self, col, exc: BaseException) -> None:
         """The replica died (``ReplicaDead``), stalled or a limit passed."""

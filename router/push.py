@@ -25,6 +25,7 @@ import logging
 
 from replicas.protocol import FinishReason
 from router.generation import PieceQueue, StreamLost
+from router.lane import Lane
 from router.relay import EventStream
 
 try:
@@ -158,6 +159,16 @@ class PushRelay(PieceQueue):
             return
         self._pending.append((text, n, finish))
         self._wake()
+
+    def lane(self, gen, handle, dog, charge) -> Lane | None:
+        """A token lane (router/lane.py) for ``gen``'s next plain pieces, if
+        this stream can take one: SSE straight to uvicorn's transport, its
+        first token out, nothing waiting, no continuous usage."""
+        es, wire = self.events, self.wire
+        if (type(wire) is not TransportWire or es is None or self._pending or es.last is None or es.usage_each
+                or es.skip_chars or not es.enc.plain_ready):
+            return None
+        return Lane(gen, self, es, wire, handle, dog, charge, es.policy)
 
     async def first(self) -> None:
         """Wait for the first piece; raise the failure if that came first."""

@@ -377,6 +377,9 @@ class _NoBuffer:
     def append(self, sid, event, token_ids, text_len) -> None:
         pass
 
+    def appender(self, sid):
+        return None
+
     async def detach(self, sid, text_len) -> None:
         pass
 

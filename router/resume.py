@@ -137,6 +137,15 @@ class ResumeWriter:
         """Add an event (and the tokens it carries) to the buffer."""
         self._put(sid, () if event is None else (event,), token_ids, text_len, False)
 
+    def appender(self, sid: str):
+        """``append(sid, event, token_ids, text_len)`` for one stream, as one
+        call (the token lane's): straight to an in-process store's record,
+        else into the next flush."""
+        make = getattr(self.store, "appender", None)
+        if self._now is not None and make is not None:
+            return make(sid, self.owner, self.retention)
+        return lambda event, token_ids, text_len: self._put(sid, (event,), token_ids, text_len, False)
+
     def pad(self, sid: str, n: int) -> None:
         """Append ``n`` empty placeholder events (events lost with a router),
         so the buffer's numbering stays that of the client's event ids."""

@@ -162,6 +162,11 @@ class Scheduler:
         """Served tokens advance the tenant's virtual counter."""
         self.counters.charge(policy.name, prompt, completion, policy.weight)
 
+    def adapts(self, slot: ReplicaSlot) -> bool:
+        """Latency samples from ``slot``'s streams move its in-flight cap."""
+        lim = self._limiters.get(slot.name)
+        return lim is not None and lim.adaptive
+
     def observe(self, slot: ReplicaSlot, *, itl: float | None = None, ttft: float | None = None) -> None:
         """A latency sample from a stream on ``slot`` for its in-flight cap."""
         lim = self._limiters.get(slot.name)

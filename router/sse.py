@@ -41,7 +41,8 @@ def _finish_json(finish: FinishReason) -> bytes:
 class ChunkEncoder:
     """Builds ``chat.completion.chunk`` or ``text_completion`` SSE events."""
 
-    __slots__ = ("chat", "event_id", "_head", "_usage_head", "_role_sent", "_frame", "_done", "_error_frame")
+    __slots__ = ("chat", "event_id", "_head", "_usage_head", "_role_sent", "_frame", "_done", "_error_frame",
+                 "_text_pre", "_text_post")
 
     def __init__(self, chat: bool, response_id: str, model: str, created: int, *,
                  event_id: int = 0, role_sent: bool = False, channel: str | None = None) -> None:
@@ -67,6 +68,9 @@ class ChunkEncoder:
         self._head = common + b',"choices":[{"index":0,'
         self._usage_head = common + b',"choices":[],"usage":'
         self._role_sent = role_sent
+        # a piece's text goes between these (then its finish reason and the end)
+        self._text_pre = self._head + (b'"delta":{"content":' if chat else b'"text":')
+        self._text_post = (b"}" if chat else b"") + b',"logprobs":null,"finish_reason":'
 
     def _event(self, payload: bytes, pos: bytes) -> bytes:
         self.event_id += 1
@@ -81,19 +85,28 @@ class ChunkEncoder:
         """One chunk; ``pos`` (``b"-T-C"``) is appended to the SSE event id;
         ``usage``: the usage so far, in the chunk (vLLM's continuous usage)."""
         end = b"}]}" if usage is None else b'}],"usage":' + _enc(usage) + b"}"
-        if self.chat:
-            if not self._role_sent:
-                self._role_sent = True
-                body = b'"delta":{"role":"assistant","content":' + _enc(text) + b"}"
-            elif text or finish == FinishReason.NONE:
-                body = b'"delta":{"content":' + _enc(text) + b"}"
-            else:
-                body = b'"delta":{}'
-            payload = self._head + body + b',"logprobs":null,"finish_reason":' + _finish_json(finish) + end
+        if self.chat and not self._role_sent:
+            self._role_sent = True
+            payload = (self._head + b'"delta":{"role":"assistant","content":' + _enc(text)
+                       + b'},"logprobs":null,"finish_reason":' + _finish_json(finish) + end)
+        elif self.chat and not text and finish != FinishReason.NONE:
+            payload = self._head + b'"delta":{},"logprobs":null,"finish_reason":' + _finish_json(finish) + end
         else:
-            payload = (self._head + b'"text":' + _enc(text) + b',"logprobs":null,"finish_reason":'
-                       + _finish_json(finish) + end)
+            payload = self._text_pre + _enc(text) + self._text_post + _finish_json(finish) + end
         return self._event(payload, pos)
+
+    @property
+    def plain_ready(self) -> bool:
+        """``plain`` can encode the next piece: SSE framing, and (chat) the
+        role has gone out with the first chunk."""
+        return self._frame is _sse_frame and (self._role_sent or not self.chat)
+
+    def plain(self, text: str, pos: bytes) -> bytes:
+        """``delta(text, FinishReason.NONE, pos)`` in one step, once
+        ``plain_ready``: the token lane's event (router/lane.py)."""
+        self.event_id += 1
+        return b"id: %d%s\ndata: %s%s%snull}]}\n\n" % (self.event_id, pos, self._text_pre, _enc(text),
+                                                        self._text_post)
 
     def usage(self, prompt_tokens: int, completion_tokens: int, pos: bytes = b"") -> bytes:
         u = Usage(prompt_tokens, completion_tokens, prompt_tokens + completion_tokens)

@@ -144,6 +144,28 @@ class MemoryStore(StateStore):
         if st.owner == owner:
             st.owner_until = now + CLAIM_TTL
 
+    def appender(self, sid: str, owner: str, ttl: float):
+        """``append_now`` of one event at a time to stream ``sid``, its record
+        looked up once (the token lane's: router/lane.py). Once that record
+        is gone (expired), every call goes through ``append_now``."""
+        rec = self._streams.get(sid)
+        clock = self._clock
+        streams = self._streams
+
+        def append(event: bytes, token_ids: list[int], text_len: int) -> None:
+            now = clock()
+            if rec is None or rec.expires <= now or streams.get(sid) is not rec:
+                self.append_now(sid, (event,), token_ids, text_len, False, owner, ttl)
+                return
+            rec.events.append(event)
+            rec.token_ids += token_ids
+            rec.text_len = text_len
+            rec.expires = now + ttl
+            if rec.owner == owner:
+                rec.owner_until = now + CLAIM_TTL
+
+        return append
+
     async def stream_read(self, sid: str, after: int) -> StreamSnapshot | None:
         now = self._clock()
         st = self._stream(sid, now)
