@@ -261,7 +261,7 @@ class ReplicaClient:
                                 if d.finish:
                                     del streams[d.rid]
                                 elif (col.lane is not None and d.token_ids and d.prompt_token_ids is None
-                                      and col.lane.tokens(d.token_ids, d.text)):
+                                      and not d.count and col.lane.tokens(d.token_ids, d.text)):
                                     continue
                                 col.put(d)
                     elif type(msg) is LoadReport:

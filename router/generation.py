@@ -362,9 +362,7 @@ class Generation:
         if self.scheduler is not None:
             self.scheduler.running.discard(self)
         col.sink = None
-        if col.lane is not None:
-            col.lane.close()
-            col.lane = None
+        lane, col.lane = col.lane, None
         if self._dog is not None:
             self._dog.cancel()
             self._dog = None
@@ -378,6 +376,11 @@ class Generation:
         self._handle = None
         if handle is not None:
             handle.release()
+        if lane is not None:
+            try:
+                lane.close()
+            except Exception:  # noqa: BLE001 - metrics only: the run is detached all the same
+                log.exception("stream on %s: adding its inter-token samples to the histogram failed", self.replica)
 
     def _end(self, exc: BaseException) -> None:
         self.ended = True
@@ -447,13 +450,14 @@ class Generation:
         self.sink.piece(text, n, finish)
         if finish != FinishReason.NONE:
             self.ended = True  # only now: if the sink failed on it, the guard tells it so
-        elif (ids and col.lane is None and self._col is col and sched is not None and policy is not None
-              and self._charged_prompt and self._died_at is None and self.text_parts is None
-              and not sched.adapts(handle.slot)):
-            # the next plain pieces of this run can take the token lane (router/lane.py)
+        elif (ids and col.lane is None and len(self.completion_ids) > 1 and self._col is col and sched is not None
+              and policy is not None and self._charged_prompt and self._died_at is None and self.text_parts is None):
+            # the next plain pieces of this run can take the token lane (router/lane.py); not
+            # after the first token: a stream that idles after it (S3) keeps no lane
             offer = getattr(self.sink, "lane", None)
             if offer is not None:
-                col.lane = offer(self, handle, self._dog, sched.counters.charge)
+                col.lane = offer(self, handle, self._dog, sched.counters.charge,
+                                 sched.observe if sched.adapts(handle.slot) else None)
 
     def lane_failed(self, e: Exception) -> None:
         """The token lane failed relaying a piece (a bug): this stream ends."""

@@ -19,12 +19,12 @@ the run ends (finish, failover, abort). Whatever the lane does not do, it
 declines (``tokens`` returns False) and the caller takes the layered path:
 a finish, an error, output without token ids or without text (no event:
 its ids go with the next one), a client whose transport is paused or gone, pieces waiting behind one, a resume still skipping text.
-Continuous usage, logged content and adaptive in-flight caps never get a
-lane.
+Continuous usage and logged content never get a lane.
 """
 
 from __future__ import annotations
 
+import asyncio
 import time
 
 from router.metrics import HistogramBatch
@@ -35,10 +35,10 @@ class Lane:
     """The plain pieces of one streamed run, from the replica reader to the
     client's transport."""
 
-    __slots__ = ("gen", "relay", "es", "enc", "cycle", "flow", "transport", "handle", "dog", "charge", "policy",
-                 "itl", "append")
+    __slots__ = ("gen", "relay", "es", "enc", "cycle", "flow", "transport", "handle", "dog", "charge", "observe",
+                 "policy", "itl", "append")
 
-    def __init__(self, gen, relay, es, wire, handle, dog, charge, policy) -> None:
+    def __init__(self, gen, relay, es, wire, handle, dog, charge, observe, policy) -> None:
         self.gen = gen
         self.relay = relay  # its pieces waiting (a paused client) go first
         self.es = es
@@ -49,13 +49,14 @@ class Lane:
         self.handle = handle
         self.dog = dog
         self.charge = charge  # the scheduler's VirtualCounters.charge
+        self.observe = observe  # Scheduler.observe where the replica's in-flight cap adapts, else None
         self.policy = policy
-        self.itl = HistogramBatch(es.itl, time.monotonic())  # the inter-token samples, added in bulk
+        self.itl = HistogramBatch(es.itl, loop=asyncio.get_running_loop())  # inter-token samples, in bulk
         self.append = es.writer.appender(es.sid)  # None: not resumable
 
     def close(self) -> None:
         """The run ended: its samples go to the histogram."""
-        self.itl.flush(time.monotonic())
+        self.itl.flush()
 
     def tokens(self, ids: list[int], text: str) -> bool:
         """Relay one plain piece (``ids`` not empty); False: not done, the
@@ -70,11 +71,14 @@ class Lane:
             now = time.monotonic()
             gen.completion_ids += ids
             gen.text_len += len(text)
-            self.dog.token(now)
+            dog = self.dog
+            if self.observe is not None:
+                self.observe(self.handle.slot, itl=(now - dog.last_token) / n)
+            dog.token(now)
             self.handle.produced(n)
             policy = self.policy
             self.charge(policy.name, 0, n, policy.weight)
-            self.itl.add((now - es.last) / n, now)
+            self.itl.add((now - es.last) / n)
             es.last = now
             es.tokens += n
             es.chars += len(text)

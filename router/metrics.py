@@ -177,34 +177,38 @@ class HistogramBatch:
     prometheus-client's ``observe`` checks the metric, takes a lock for the
     sum and another for the bucket, and calls three functions on the way:
     per token, that was the largest single cost of the token lane. A batch
-    costs a bisect per sample. ``add`` flushes once ``every`` seconds have
-    passed since the last flush (so a scrape is at most that stale), and the
-    owner flushes at the end. The flush adds to the child's bucket and sum
-    values (``_buckets``, ``_sum``, ``_upper_bounds``: prometheus-client's
-    internals, unchanged since its first releases; tests/unit/test_lane.py
-    compares the exposition with ``observe``'s, so a change there fails a
-    test, not a scrape). Works in multiprocess mode too: those values have
-    the same ``inc``.
+    costs a bisect per sample. With a ``loop``, what waits is added ``every``
+    seconds after the first sample that waits (one timer at a time), so a
+    scrape misses at most that much; the owner flushes at the end. The flush
+    adds to the child's bucket and sum values (``_buckets``, ``_sum``,
+    ``_upper_bounds``: prometheus-client's internals, unchanged since its
+    first releases; tests/unit/test_lane.py compares the exposition with
+    ``observe``'s, so a change there fails a test, not a scrape). Works in
+    multiprocess mode too: those values have the same ``inc``.
     """
 
-    __slots__ = ("child", "bounds", "counts", "total", "every", "due")
+    __slots__ = ("child", "bounds", "counts", "total", "every", "loop", "timer")
 
-    def __init__(self, child: Any, now: float, every: float = 1.0) -> None:
+    def __init__(self, child: Any, every: float = 1.0, loop: Any = None) -> None:
         self.child = child
         self.bounds = child._upper_bounds
         self.counts = [0] * len(self.bounds)
         self.total = 0.0
         self.every = every
-        self.due = now + every
+        self.loop = loop
+        self.timer = None
 
-    def add(self, value: float, now: float) -> None:
+    def add(self, value: float) -> None:
         self.counts[bisect_left(self.bounds, value)] += 1
         self.total += value
-        if now >= self.due:
-            self.flush(now)
+        if self.timer is None and self.loop is not None:
+            self.timer = self.loop.call_later(self.every, self.flush)
 
-    def flush(self, now: float) -> None:
-        self.due = now + self.every
+    def flush(self) -> None:
+        """Add what waits to the histogram now."""
+        if self.timer is not None:
+            self.timer.cancel()
+            self.timer = None
         buckets = self.child._buckets
         counts = self.counts
         for i, c in enumerate(counts):
@@ -214,4 +218,3 @@ class HistogramBatch:
         if self.total:
             self.child._sum.inc(self.total)
             self.total = 0.0
-

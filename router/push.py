@@ -160,7 +160,7 @@ class PushRelay(PieceQueue):
         self._pending.append((text, n, finish))
         self._wake()
 
-    def lane(self, gen, handle, dog, charge) -> Lane | None:
+    def lane(self, gen, handle, dog, charge, observe) -> Lane | None:
         """A token lane (router/lane.py) for ``gen``'s next plain pieces, if
         this stream can take one: SSE straight to uvicorn's transport, its
         first token out, nothing waiting, no continuous usage."""
@@ -168,7 +168,7 @@ class PushRelay(PieceQueue):
         if (type(wire) is not TransportWire or es is None or self._pending or es.last is None or es.usage_each
                 or es.skip_chars or not es.enc.plain_ready):
             return None
-        return Lane(gen, self, es, wire, handle, dog, charge, es.policy)
+        return Lane(gen, self, es, wire, handle, dog, charge, observe, es.policy)
 
     async def first(self) -> None:
         """Wait for the first piece; raise the failure if that came first."""

@@ -20,7 +20,7 @@ from hypothesis import strategies as hs
 from prometheus_client import Histogram
 
 from replicas.client import Collector
-from replicas.pool import LoadHandle, ReplicaPool, ReplicaSlot
+from replicas.pool import LoadHandle, ReplicaPool
 from policies.batching import AimdSettings
 from replicas.protocol import Delta, FinishReason, SamplingParams
 from replicas.spec import ReplicaSpec
@@ -51,18 +51,21 @@ def deliver(col: Collector, d: Delta) -> bool:
     return False
 
 
-async def relay(deltas: list[Delta], use_lane: bool, pause_at: int | None = None, chat: bool = True):
+async def relay(deltas: list[Delta], use_lane: bool, pause_at: int | None = None, chat: bool = True,
+                adaptive: bool = False):
     """Relay ``deltas``; the client's transport pauses before delta
-    ``pause_at`` and resumes two deltas later. Returns what is compared and
-    how many deltas the lane took."""
+    ``pause_at`` and resumes two deltas later; ``adaptive``: the replica's
+    in-flight cap learns from the stream's latencies. Returns what is
+    compared and how many deltas the lane took."""
     store = MemoryStore()
     writer = ResumeWriter(store, 60)
     await writer.open("s1", ResumeMeta("t", chat, "m", "r1", 0, False, SamplingParams(max_tokens=64), PROMPT))
     metrics = Metrics()
-    sched = Scheduler(ReplicaPool([]), metrics, SchedulerSettings(), AimdSettings())
+    pool = ReplicaPool([ReplicaSpec(name="r0")])
+    sched = Scheduler(pool, metrics, SchedulerSettings(), AimdSettings(enabled=adaptive))
     policy = SimpleNamespace(name="t", priority="normal", weight=2.0, chunk_tokens=16, log_content=False)
     svc = SimpleNamespace(metrics=metrics, resume=writer, background=asyncio.ensure_future)
-    slot = ReplicaSlot(ReplicaSpec(name="r0"))
+    slot = pool.slots[0]
     slot.client = Client()  # type: ignore[assignment]
     gen = Generation(ReplicaPool([]), Job("m", SamplingParams(max_tokens=64), prompt_token_ids=list(PROMPT)),
                      metrics, 0, scheduler=sched, policy=policy)  # type: ignore[arg-type]
@@ -102,6 +105,7 @@ async def relay(deltas: list[Delta], use_lane: bool, pause_at: int | None = None
         "fair share": sched.counters.values,
         "itl samples": sum(b.get() for b in itl._buckets),
         "tokens": metrics.child(metrics.tokens, "t", "completion")._value.get(),
+        "cap samples": len(sched.limiter(slot)._itl),
     }
     return state, taken
 
@@ -121,20 +125,56 @@ async def test_the_lane_relays_exactly_what_the_layered_path_does() -> None:
         layered, none = await relay(_stream(TEXTS), use_lane=False, chat=chat)
         laned, taken = await relay(_stream(TEXTS), use_lane=True, chat=chat)
         assert none == 0
-        # all but the first (it attaches the lane), the one with no text and the
-        # one after it (it carries the ids of the one with no text: no event
-        # of their own), and the last (a finish)
-        assert taken == len(TEXTS) - 4
+        # all but the first (no lane after a stream's first token), the second
+        # (it attaches the lane), the one with no text and the one after it
+        # (it carries the ids of the one with no text: no event of their own),
+        # and the last (a finish)
+        assert taken == len(TEXTS) - 5
         assert laned == layered
+
+
+async def test_an_adaptive_cap_gets_the_same_latency_samples() -> None:
+    layered, _ = await relay(_stream(TEXTS), use_lane=False, adaptive=True)
+    laned, taken = await relay(_stream(TEXTS), use_lane=True, adaptive=True)
+    assert taken and laned == layered and laned["cap samples"] == len(TEXTS) - 1
+
+
+async def test_a_failing_histogram_flush_ends_only_its_stream(monkeypatch) -> None:
+    # (prometheus-client's internals changed under HistogramBatch, say): the
+    # samples are lost and logged, the stream is not, its replica slot is
+    # freed, and nothing escapes to the replica connection's reader
+    def broken(self) -> None:
+        raise AttributeError("'Histogram' object has no attribute '_sum'")
+
+    monkeypatch.setattr(HistogramBatch, "flush", broken)
+    layered, _ = await relay(_stream(TEXTS), use_lane=False)
+    state, taken = await relay(_stream(TEXTS), use_lane=True)
+    assert taken
+    assert state["load"] == (0, 0)
+    assert state["writes"] == layered["writes"] and state["writes"][-1].endswith(b"data: [DONE]\n\n")
+
+
+async def test_samples_reach_the_histogram_within_a_second_while_tokens_pause() -> None:
+    metrics = Metrics()
+    child = metrics.child(metrics.itl, "t", "normal")
+    batch = HistogramBatch(child, every=0.05, loop=asyncio.get_running_loop())
+    for v in (0.01, 0.02, 0.03):
+        batch.add(v)
+    assert sum(b.get() for b in child._buckets) == 0  # not yet
+    await asyncio.sleep(0.1)  # no more samples: the timer adds them
+    assert sum(b.get() for b in child._buckets) == 3
+    assert batch.timer is None
 
 
 async def test_a_paused_client_sends_the_pieces_through_the_queue_in_order() -> None:
     # while the transport is paused the lane declines, and after it resumes
     # the lane waits until the pieces queued meanwhile are out
-    layered, _ = await relay(_stream(TEXTS), use_lane=False, pause_at=4)
-    laned, taken = await relay(_stream(TEXTS), use_lane=True, pause_at=4)
+    texts = TEXTS[:5] + ["x", "y"] + TEXTS[5:]
+    layered, _ = await relay(_stream(texts), use_lane=False, pause_at=3)
+    laned, taken = await relay(_stream(texts), use_lane=True, pause_at=3)
     assert laned == layered
-    assert 0 < taken < len(TEXTS) - 2
+    _, unpaused = await relay(_stream(texts), use_lane=True)
+    assert taken == unpaused - 2  # it declined the two pieces that came while the client was paused, no more
 
 
 @settings(max_examples=30, deadline=None)
@@ -158,10 +198,12 @@ def test_a_histogram_batch_exports_what_observe_does() -> None:
         h = Histogram("h_seconds", "h", ["tenant"], buckets=(0.001, 0.01, 0.1, 1, 2), registry=reg)
         child = h.labels("t")
         if batched:
-            batch = HistogramBatch(child, now=0.0, every=1.0)
+            batch = HistogramBatch(child)
             for i, v in enumerate(values):
-                batch.add(v, now=i * 0.25)  # flushes on its own at 1.0 and 2.0
-            batch.flush(now=5.0)
+                batch.add(v)
+                if i % 4 == 3:
+                    batch.flush()
+            batch.flush()
         else:
             for v in values:
                 child.observe(v)
