@@ -42,6 +42,7 @@ __all__ = ["ResumeMeta", "ResumeWriter", "router_identity"]
 log = logging.getLogger("fairstream.resume")
 
 FLUSH_INTERVAL = 0.005
+RENEW_INTERVAL = CLAIM_TTL / 3  # seconds between renewals of this router's claims
 
 
 def router_identity() -> str:
@@ -95,15 +96,21 @@ class ResumeWriter:
         self._wake = asyncio.Event()
         self._lock = asyncio.Lock()  # keeps each stream's appends in order
         self._task: asyncio.Task[None] | None = None
+        self._renewer: asyncio.Task[None] | None = None
         # streams this router is generating now (its own or taken over): a
         # resume that reaches this router follows their buffer, never claims them
         self.live: set[str] = set()
         self._now = getattr(store, "append_now", None)  # in-process store: no batching
 
     async def start(self) -> None:
-        self._task = asyncio.get_running_loop().create_task(self._run(), name="resume-writer")
+        loop = asyncio.get_running_loop()
+        self._task = loop.create_task(self._run(), name="resume-writer")
+        self._renewer = loop.create_task(self._renew(), name="resume-claims")
 
     async def close(self) -> None:
+        if self._renewer is not None:
+            self._renewer.cancel()
+            await asyncio.gather(self._renewer, return_exceptions=True)
         if self._task is not None:
             await self._flush()
             self._task.cancel()
@@ -111,6 +118,22 @@ class ResumeWriter:
                 await self._task
             except asyncio.CancelledError:
                 pass
+
+    async def _renew(self) -> None:
+        """Renew the claims of the streams this router generates. An append
+        renews its stream's claim too, but a live stream can go quiet for
+        longer than ``CLAIM_TTL``: a slow replica, a client that stopped
+        reading (its events wait unencoded). Its claim would lapse, and a
+        resume (here, or on another router sharing the store) would take the
+        stream over and start a second generation into its buffer. A router
+        that dies stops renewing, and its claims lapse as before."""
+        while True:
+            await asyncio.sleep(RENEW_INTERVAL)
+            for sid in list(self.live):
+                try:
+                    await self.store.stream_claim(sid, self.owner, CLAIM_TTL)
+                except StoreUnavailable:
+                    break  # the store is down: the next round tries again
 
     async def open(self, sid: str, meta: ResumeMeta) -> None:
         self.live.add(sid)

@@ -154,7 +154,9 @@ async def _resume(svc: RouterService, policy: TenantPolicy, sid: str, meta: Resu
             yield shutdown_notice(svc, enc, True)
             return
         behind = have < cursor  # the client has events the buffer lacks
-        mine = snap.owner == me and sid in svc.resume.live  # this router generates it
+        # this router generates it (whatever the stored claim says: a quiet
+        # stream's claim can lapse between two renewals)
+        mine = sid in svc.resume.live
         live = mine or (snap.owner and snap.owner != me)
         if live and (not behind or loop.time() < catch_up_until):
             await asyncio.sleep(TAIL_POLL)  # a live router (maybe this one) generates it: follow its buffer

@@ -23,6 +23,7 @@ from router.resume import ResumeMeta, ResumeWriter, decode_meta
 from router.resume_http import Position, _resume
 from router.scheduler import Scheduler
 from router.scheduler_settings import SchedulerSettings
+from router.state.base import CLAIM_TTL
 from router.state.memory import MemoryStore
 from router.tenants import ResolvedLimits, TenantPolicy
 
@@ -166,3 +167,64 @@ async def test_a_resume_during_a_state_store_outage_is_a_503_not_an_unknown_stre
     svc.store.stream_read = down
     with pytest.raises(ServiceUnavailable):
         await handle_resume(svc, policy(), "s1", Position(0))  # type: ignore[arg-type]
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+async def test_a_quiet_live_stream_whose_claim_lapsed_is_followed_not_taken_over() -> None:
+    # A stream this router generates appended nothing for longer than
+    # CLAIM_TTL (a slow replica, a client that stopped reading): the store
+    # shows no owner, but a resume here must still follow it, not start a
+    # second generation into its buffer.
+    clock = Clock()
+    svc = await service()
+    svc.store = MemoryStore(clock)
+    svc.resume = ResumeWriter(svc.store, 60)
+    meta = ResumeMeta("t", False, "m", "cmpl-s1", 0, False, SamplingParams(max_tokens=8), [1, 2])
+    await svc.resume.open("s1", meta)
+    svc.resume.append("s1", b"id: 1-2-5\ndata: {}\n\n", [10, 11], 5)
+    clock.now += CLAIM_TTL + 1
+    snap = await svc.store.stream_read("s1", 1)
+    assert snap.owner == ""  # lapsed
+    task = asyncio.ensure_future(_collect(svc, snap))
+    await asyncio.sleep(0.3)
+    assert not task.done() and "s1" in svc.resume.live  # following; no continuation, no error
+    assert (await svc.store.stream_read("s1", 0)).owner == ""  # not claimed
+    svc.resume.append("s1", b"e2", [12], 7)
+    await svc.resume.finish("s1", b"data: [DONE]\n\n", 7)
+    assert await asyncio.wait_for(task, 2) == [b"e2", b"data: [DONE]\n\n"]
+
+
+async def _collect(svc, snap) -> list[bytes]:
+    return [c async for c in _resume(svc, policy(), "s1", decode_meta(snap.meta), snap, Position(1, 2, 5))]
+
+
+async def test_the_router_renews_the_claims_of_its_quiet_live_streams(monkeypatch) -> None:
+    # (another router sharing the store must not see a quiet stream as abandoned)
+    import router.resume as resume
+
+    monkeypatch.setattr(resume, "RENEW_INTERVAL", 0.05)
+    clock = Clock()
+    store = MemoryStore(clock)
+    writer = ResumeWriter(store, 60)
+    await writer.start()
+    try:
+        meta = ResumeMeta("t", False, "m", "cmpl-s1", 0, False, SamplingParams(max_tokens=8), [1, 2])
+        await writer.open("s1", meta)
+        for _ in range(3):  # 3 x 0.8 CLAIM_TTL without an append
+            clock.now += CLAIM_TTL * 0.8
+            await asyncio.sleep(0.15)
+            assert (await store.stream_read("s1", 0)).owner == writer.owner
+        assert not await store.stream_claim("s1", "another-router", CLAIM_TTL)
+        await writer.release("s1")  # it no longer generates it: no more renewals
+        clock.now += CLAIM_TTL * 0.8
+        await asyncio.sleep(0.15)
+        assert await store.stream_claim("s1", "another-router", CLAIM_TTL)
+    finally:
+        await writer.close()
