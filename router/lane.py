@@ -12,14 +12,16 @@ token (docs/perf.md, "The Python floor"). ``Lane.tokens`` does them in one
 call, on the same objects, so either path can take the next piece.
 
 A lane belongs to one run of a generation on one replica: the replica
-reader (``replicas.upstream``) finds it on the run's ``Collector``
-(``col.lane``). ``Generation`` attaches it after a plain piece went the
-layered way and the sink offers one (``PushRelay.lane``), and drops it when
-the run ends (finish, failover, abort). Whatever the lane does not do, it
-declines (``tokens`` returns False) and the caller takes the layered path:
-a finish, an error, output without token ids or without text (no event:
-its ids go with the next one), a client whose transport is paused or gone, pieces waiting behind one, a resume still skipping text.
-Continuous usage and logged content never get a lane.
+readers (``replicas.client``, ``replicas.upstream``) find it on the run's
+``Collector`` (``col.lane``). ``Generation`` attaches it after a plain
+piece (not the first token's) went the layered way and the sink offers one
+(``PushRelay.lane``), and drops it when the run ends (finish, failover,
+abort). Whatever the lane does not do, it declines (``tokens`` returns
+False) and the caller takes the layered path: a finish, an error, output
+without token ids or without text (no event: its ids go with the next
+one), a client whose transport is paused or gone, pieces waiting behind
+one, a resume still skipping text. Continuous usage and logged content
+never get a lane.
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ import time
 from router.metrics import HistogramBatch
 
 __all__ = ["Lane"]
+
 
 class Lane:
     """The plain pieces of one streamed run, from the replica reader to the
