@@ -8,6 +8,7 @@ counts the balancer sees are exact.
 
 from __future__ import annotations
 
+import logging
 import random
 
 from collections import OrderedDict
@@ -16,6 +17,8 @@ from collections.abc import Callable
 from policies.balance import ReplicaLoad, choose
 from replicas.client import ReplicaClient
 from replicas.spec import ReplicaSpec
+
+log = logging.getLogger("fairstream.pool")
 
 __all__ = ["ReplicaSlot", "ReplicaPool", "LoadHandle", "NoReplica"]
 
@@ -117,6 +120,8 @@ class ReplicaPool:
         self.slots = [ReplicaSlot(s) for s in specs]
         self._rng = rng or random.Random()
         self.on_release: Callable[[ReplicaSlot], None] | None = None
+        # called once when a replica next becomes ready (``notify_ready``): streams waiting to fail over
+        self._ready_waiters: list[Callable[[], None]] = []
         self._affinity: OrderedDict[int, str] = OrderedDict()  # prefix hash -> replica (LRU)
 
     def models(self) -> list[str]:
@@ -140,6 +145,26 @@ class ReplicaPool:
                 continue
             out.append(s)
         return out
+
+    def when_ready(self, callback: Callable[[], None]) -> None:
+        """Call ``callback`` once, when a replica next becomes ready."""
+        self._ready_waiters.append(callback)
+
+    def forget(self, callback: Callable[[], None]) -> None:
+        """``callback`` no longer waits for a ready replica."""
+        try:
+            self._ready_waiters.remove(callback)
+        except ValueError:
+            pass
+
+    def notify_ready(self) -> None:
+        """A replica became ready (the supervisor): call what waited for one."""
+        waiting, self._ready_waiters = self._ready_waiters, []
+        for callback in waiting:
+            try:
+                callback()
+            except Exception:  # noqa: BLE001 - one waiter's bug must not keep the others waiting
+                log.exception("a stream waiting for a ready replica failed to continue")
 
     def choose(self, model: str, tokens: int, exclude: set[str] | None = None) -> LoadHandle:
         """Pick a replica for a request expected to produce ``tokens`` tokens.

@@ -193,6 +193,7 @@ class Supervisor:
             slot.state = "ready"
             log.info("replica %s ready (model %s, pid %s)", slot.name, client.model, client.ready.pid)
             self._on_event("ready", slot)
+            self.pool.notify_ready()  # streams waiting to fail over continue here
             await self._watch(slot, client, proc)
         finally:
             if slot.client is not None:

@@ -37,6 +37,8 @@ class RouterConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     """Largest request body accepted (413 above)."""
     max_failovers: int = 3
     """How many times one stream may move to another replica."""
+    failover_wait: float = 30.0
+    """Seconds a stream whose replica failed waits for a replica to become ready when none is (its only replica, or every one, restarting), then continues there token-exact; never past the tenant's time limits. 0: it ends at once (`stream_lost`, or a 503 before its first token)."""
     ready_timeout: float = 180.0
     """With ``--workers``: seconds the parent waits for a local replica before starting the workers (it logs an error and starts them anyway). A single router listens at once; wait for ``/ready``."""
     health_interval: float = 1.0
@@ -87,6 +89,8 @@ class RouterConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
                 errors.append(located.error((key,), "must be at least 1"))
         if self.max_failovers < 0:
             errors.append(located.error(("max_failovers",), "must not be negative"))
+        if self.failover_wait < 0:
+            errors.append(located.error(("failover_wait",), "must not be negative"))
         for key in ("shutdown_grace", "send_timeout"):
             if getattr(self, key) < 0:
                 errors.append(located.error((key,), "must not be negative"))

@@ -202,11 +202,11 @@ class Generation:
     __slots__ = ("pool", "scheduler", "policy", "rank", "deadlines", "job", "metrics", "max_failovers",
                  "prompt_token_ids", "completion_ids", "text_len", "failovers", "text_parts", "finish", "replica",
                  "sink", "ended", "_base", "_col", "_client", "_handle", "_dog", "_died_at", "_exclude", "_dispatched",
-                 "_charged_prompt", "uncounted", "prompt_count")
+                 "_charged_prompt", "uncounted", "prompt_count", "failover_wait", "_waiting")
 
     def __init__(self, pool: ReplicaPool, job: Job, metrics: Metrics, max_failovers: int,
                  deadlines: Deadlines | None = None, scheduler: Scheduler | None = None,
-                 policy: TenantPolicy | None = None, rank: int = 0) -> None:
+                 policy: TenantPolicy | None = None, rank: int = 0, failover_wait: float = 0.0) -> None:
         self.pool = pool
         self.scheduler = scheduler
         self.policy = policy
@@ -236,6 +236,9 @@ class Generation:
         self._exclude: set[str] | None = None  # replicas that failed this generation
         self._dispatched = 0.0
         self._charged_prompt = False
+        # seconds a failover may wait for a replica to become ready when none is (0: none)
+        self.failover_wait = failover_wait
+        self._waiting: asyncio.TimerHandle | None = None  # waiting for one: its deadline
 
     @property
     def prompt_tokens(self) -> int:
@@ -305,12 +308,14 @@ class Generation:
     def close(self) -> None:
         """Stop: abort on the replica if it is still running there."""
         self.ended = True
+        self._stop_waiting()
         self._detach(finished=False)
 
     def stop(self, exc: BaseException) -> None:
         """End it now with ``exc`` for its consumer (the router is stopping);
         abort on the replica."""
         if not self.ended:
+            self._stop_waiting()
             self._detach(finished=False)
             self._end(exc)
 
@@ -513,9 +518,63 @@ class Generation:
             handle = self.pool.choose(self.job.model, self.job.params.max_tokens - len(self.completion_ids),
                                       self._exclude)
         except NoReplica as e2:
-            self._give_up(str(e2))
+            if not self._wait_for_replica(str(e2)):
+                self._give_up(str(e2))
             return
         self._attach(handle)
+
+    def _wait_for_replica(self, why: str) -> bool:
+        """No replica can take the stream over now (its only replica, or
+        every one, is restarting): wait for one to become ready, at most
+        ``failover_wait`` seconds and never past the tenant's time limits.
+        True: waiting (``_replica_ready`` continues it, ``_waited`` gives up)."""
+        sched = self.scheduler
+        if self.failover_wait <= 0 or (sched is not None and sched.stopping):
+            return False
+        dl = self.deadlines
+        now = time.monotonic()
+        until = now + self.failover_wait
+        if dl.total:
+            until = min(until, dl.start + dl.total)
+        if dl.first_token and not self.produced:
+            until = min(until, dl.start + dl.first_token)
+        if until <= now:
+            return False
+        log.info("stream on %s: no replica is ready to continue it; waiting up to %.1fs for one",
+                 self.replica, until - now)
+        self._waiting = asyncio.get_running_loop().call_later(until - now, self._waited, why)
+        self.pool.when_ready(self._replica_ready)
+        if sched is not None:
+            sched.running.add(self)  # (a router that stops ends it: stop_all)
+        return True
+
+    def _stop_waiting(self) -> None:
+        waiting, self._waiting = self._waiting, None
+        if waiting is None:
+            return
+        waiting.cancel()
+        self.pool.forget(self._replica_ready)
+        if self.scheduler is not None:
+            self.scheduler.running.discard(self)
+
+    def _replica_ready(self) -> None:
+        """A replica became ready while this stream waited for one."""
+        if self._waiting is None or self.ended:
+            return
+        try:
+            handle = self.pool.choose(self.job.model, self.job.params.max_tokens - len(self.completion_ids),
+                                      self._exclude)
+        except NoReplica:
+            self.pool.when_ready(self._replica_ready)  # (one for another model)
+            return
+        self._stop_waiting()
+        self._attach(handle)
+
+    def _waited(self, why: str) -> None:
+        """No replica became ready in time."""
+        self._stop_waiting()
+        if not self.ended:
+            self._give_up(f"{why}, and none became ready within {self.failover_wait:g}s")
 
     def _lose(self, why: str) -> None:
         """End with ``StreamLost``; counted as a lost stream if it had output."""

@@ -211,10 +211,32 @@ async def test_replica_killed_mid_stream_fails_over_token_exact(make_router) -> 
     assert m.value("fairstream_resumed_tokens_total") > 0
 
 
+async def test_a_stream_whose_only_replica_is_killed_continues_token_exact_after_its_restart(make_router) -> None:
+    """One replica, killed mid-stream: the stream waits for the replica's
+    restart (``failover_wait``) and continues there, token-exact."""
+    router: RouterProcess = make_router(replicas=1, sim={"step_base_ms": 10})
+    max_tokens = 150
+    async with httpx.AsyncClient(base_url=router.base_url, headers=AUTH, timeout=60) as http:
+        ref = await reference(http, "chat", "Tell me", max_tokens)
+        res = StreamResult()
+        task = asyncio.create_task(run_stream(http, "chat", "Tell me", max_tokens, res))
+        await apoll(lambda: len("".join(res.text)) >= 40 or task.done(), 20, what="the stream to be under way")
+        assert not task.done(), "the stream ended before the replica was killed"
+        router.kill_replica("sim-0", signal.SIGKILL)
+        await asyncio.wait_for(task, 30)
+        m = await router.ametrics(http)
+    assert res.errors == [] and res.done and res.finish == "length"
+    assert "".join(res.text) == ref
+    assert res.ids == list(range(1, len(res.ids) + 1)), "event ids must continue without a gap"
+    assert m.value("fairstream_failovers_total", replica="sim-0") == 1
+    assert m.value("fairstream_streams_lost_total") == 0
+
+
 async def test_stream_lost_without_a_spare_replica_ends_with_an_error_event(make_router) -> None:
-    """One replica, killed mid-stream: nothing can resume the stream, so it ends
-    with an explicit error event (no [DONE]), never a silent truncation."""
-    router: RouterProcess = make_router(replicas=1, sim=SLOW)
+    """One replica, killed mid-stream, and no wait for its restart
+    (``failover_wait: 0``): nothing can resume the stream, so it ends with an
+    explicit error event (no [DONE]), never a silent truncation."""
+    router: RouterProcess = make_router(replicas=1, sim=SLOW, settings={"failover_wait": 0})
     async with httpx.AsyncClient(base_url=router.base_url, headers=AUTH, timeout=30) as http:
         res = StreamResult()
         task = asyncio.create_task(run_stream(http, "completions", "The ", 1000, res))
@@ -231,9 +253,11 @@ async def test_stream_lost_without_a_spare_replica_ends_with_an_error_event(make
 
 
 async def test_replica_lost_before_the_first_token_without_a_spare_is_a_503(make_router) -> None:
-    """One replica, killed during a long prefill: nothing was sent, so the
-    client gets a 503 in OpenAI's error shape (retryable), not a 500."""
-    router: RouterProcess = make_router(replicas=1, sim={"step_base_ms": 5, "step_per_prefill_token_ms": 50})
+    """One replica, killed during a long prefill, and no wait for its restart
+    (``failover_wait: 0``): nothing was sent, so the client gets a 503 in
+    OpenAI's error shape (retryable), not a 500."""
+    router: RouterProcess = make_router(replicas=1, sim={"step_base_ms": 5, "step_per_prefill_token_ms": 50},
+                                        settings={"failover_wait": 0})
     async with httpx.AsyncClient(base_url=router.base_url, headers=AUTH, timeout=30) as http:
         async def request() -> httpx.Response:
             return await http.post("/v1/completions", json={

@@ -13,7 +13,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from replicas.client import Collector
+from replicas.client import Collector, ReplicaDead
 from replicas.protocol import Delta, FinishReason, SamplingParams
 from router.errors import BadRequest, RouterShutdown
 from policies.batching import AimdSettings
@@ -183,4 +183,100 @@ async def test_a_request_the_replica_connection_cannot_send_frees_its_slot_and_i
     assert slot.inflight == 1
     gen._attach(handle)
     assert slot.inflight == 0  # before, the slot stayed taken for good
+    assert isinstance(sink.failure, StreamLost)
+
+
+class _Replica(Client):
+    """A ready replica connection serving model ``m``; records what it was asked."""
+
+    closed = None
+    model = "m"
+    load = None
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.asked: list[dict] = []
+
+    def generate(self, params, **kw) -> Collector:
+        self.asked.append(kw)
+        return Collector(len(self.asked))
+
+
+def _on_one_replica(failover_wait: float, deadlines: Deadlines | None = None):
+    """A generation on the only replica of its pool, 2 tokens delivered."""
+    pool = ReplicaPool([ReplicaSpec(name="r0")])
+    slot = pool.slots[0]
+    slot.client, slot.state = _Replica(), "ready"  # type: ignore[assignment]
+    sink = Sink()
+    job = Job("m", SamplingParams(max_tokens=8), prompt="p", prompt_token_ids=[1, 2])
+    gen = Generation(pool, job, Metrics(), 3, deadlines, failover_wait=failover_wait)
+    gen.sink = sink
+    gen._attach(pool.choose("m", 8))
+    col = gen._col
+    assert col is not None
+    col.put(Delta(1, [5, 6], "ab", NONE))
+    return pool, slot, gen, col, sink
+
+
+async def test_a_failover_with_no_ready_replica_waits_for_one_and_continues_token_exact() -> None:
+    pool, slot, gen, col, sink = _on_one_replica(failover_wait=5.0)
+    slot.state = "down"  # its only replica died: the supervisor restarts it
+    col.fail(ReplicaDead("replica r0 closed the connection"))
+    assert sink.failure is None and not gen.ended and gen._col is None  # waiting
+    assert slot.inflight == 0
+    restarted = _Replica()
+    slot.client, slot.state = restarted, "ready"  # type: ignore[assignment]
+    pool.notify_ready()
+    assert restarted.asked == [{"prompt_token_ids": [1, 2], "prefix_token_ids": [5, 6], "prefix_text_len": 2}]
+    assert gen._col is not None and slot.inflight == 1
+    gen._col.put(Delta(1, [7], "c", STOP))
+    assert sink.pieces == [("ab", 2, NONE), ("c", 1, STOP)] and sink.failure is None
+    assert gen.completion_ids == [5, 6, 7] and gen.failovers == 1
+
+
+async def test_a_failover_that_waits_in_vain_ends_the_stream_as_lost() -> None:
+    pool, slot, gen, col, sink = _on_one_replica(failover_wait=0.05)
+    slot.state = "down"
+    col.fail(ReplicaDead("replica r0 closed the connection"))
+    assert sink.failure is None
+    await asyncio.sleep(0.1)
+    assert isinstance(sink.failure, StreamLost) and "none became ready within 0.05s" in str(sink.failure)
+    assert not pool._ready_waiters
+
+
+async def test_a_failover_waits_no_longer_than_the_tenants_total_limit() -> None:
+    pool, slot, gen, col, sink = _on_one_replica(failover_wait=30.0,
+                                                 deadlines=Deadlines(total=0.1, start=time.monotonic()))
+    slot.state = "down"
+    col.fail(ReplicaDead("replica r0 closed the connection"))
+    await asyncio.sleep(0.2)
+    assert isinstance(sink.failure, StreamLost)
+
+
+async def test_a_stream_closed_while_it_waits_for_a_replica_is_not_continued() -> None:
+    pool, slot, gen, col, sink = _on_one_replica(failover_wait=5.0)
+    slot.state = "down"
+    col.fail(ReplicaDead("replica r0 closed the connection"))
+    gen.close()  # the client left
+    restarted = _Replica()
+    slot.client, slot.state = restarted, "ready"  # type: ignore[assignment]
+    pool.notify_ready()
+    assert restarted.asked == [] and slot.inflight == 0 and not pool._ready_waiters
+
+
+async def test_a_stopping_router_ends_a_stream_that_waits_for_a_replica() -> None:
+    sched = _scheduler()
+    pool, slot, gen, col, sink = _on_one_replica(failover_wait=5.0)
+    gen.scheduler = sched
+    slot.state = "down"
+    col.fail(ReplicaDead("replica r0 closed the connection"))
+    assert gen in sched.running
+    sched.stop_all()
+    assert isinstance(sink.failure, RouterShutdown) and gen not in sched.running and not pool._ready_waiters
+
+
+async def test_with_no_failover_wait_a_stream_without_a_ready_replica_is_lost_at_once() -> None:
+    pool, slot, gen, col, sink = _on_one_replica(failover_wait=0.0)
+    slot.state = "down"
+    col.fail(ReplicaDead("replica r0 closed the connection"))
     assert isinstance(sink.failure, StreamLost)

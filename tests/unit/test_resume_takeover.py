@@ -46,7 +46,7 @@ async def service() -> SimpleNamespace:
     return SimpleNamespace(
         store=store, resume=ResumeWriter(store, 60), metrics=metrics, pool=pool,
         admission=Admission(store, metrics), scheduler=Scheduler(pool, metrics, SchedulerSettings(), AimdSettings()),
-        config=SimpleNamespace(max_failovers=2), rank=lambda p: 0, tasks=tasks,
+        config=SimpleNamespace(max_failovers=2, failover_wait=0.0), rank=lambda p: 0, tasks=tasks,
         background=lambda c: tasks.append(asyncio.ensure_future(c)),
     )
 
