@@ -121,7 +121,8 @@ class ReplicaPool:
         self._rng = rng or random.Random()
         self.on_release: Callable[[ReplicaSlot], None] | None = None
         # called once when a replica next becomes ready (``notify_ready``): streams waiting to fail over
-        self._ready_waiters: list[Callable[[], None]] = []
+        # (a dict: registration order, and forgetting one is O(1))
+        self._ready_waiters: dict[Callable[[], None], None] = {}
         self._affinity: OrderedDict[int, str] = OrderedDict()  # prefix hash -> replica (LRU)
 
     def models(self) -> list[str]:
@@ -148,18 +149,15 @@ class ReplicaPool:
 
     def when_ready(self, callback: Callable[[], None]) -> None:
         """Call ``callback`` once, when a replica next becomes ready."""
-        self._ready_waiters.append(callback)
+        self._ready_waiters[callback] = None
 
     def forget(self, callback: Callable[[], None]) -> None:
         """``callback`` no longer waits for a ready replica."""
-        try:
-            self._ready_waiters.remove(callback)
-        except ValueError:
-            pass
+        self._ready_waiters.pop(callback, None)
 
     def notify_ready(self) -> None:
         """A replica became ready (the supervisor): call what waited for one."""
-        waiting, self._ready_waiters = self._ready_waiters, []
+        waiting, self._ready_waiters = list(self._ready_waiters), {}
         for callback in waiting:
             try:
                 callback()

@@ -461,8 +461,7 @@ class Generation:
             # after the first token: a stream that idles after it (S3) keeps no lane
             offer = getattr(self.sink, "lane", None)
             if offer is not None:
-                col.lane = offer(self, handle, self._dog, sched.counters.charge,
-                                 sched.observe if sched.adapts(handle.slot) else None)
+                col.lane = offer(self, handle, self._dog, sched)
 
     def lane_failed(self, e: Exception) -> None:
         """The token lane failed relaying a piece (a bug): this stream ends."""
@@ -533,16 +532,16 @@ class Generation:
             return False
         dl = self.deadlines
         now = time.monotonic()
-        until = now + self.failover_wait
-        if dl.total:
-            until = min(until, dl.start + dl.total)
-        if dl.first_token and not self.produced:
-            until = min(until, dl.start + dl.first_token)
+        until, limit = now + self.failover_wait, ""
+        if dl.first_token and not self.produced and dl.start + dl.first_token < until:
+            until, limit = dl.start + dl.first_token, "first_token"
+        if dl.total and dl.start + dl.total < until:
+            until, limit = dl.start + dl.total, "total"
         if until <= now:
             return False
         log.info("stream on %s: no replica is ready to continue it; waiting up to %.1fs for one",
                  self.replica, until - now)
-        self._waiting = asyncio.get_running_loop().call_later(until - now, self._waited, why)
+        self._waiting = asyncio.get_running_loop().call_later(until - now, self._waited, why, limit)
         self.pool.when_ready(self._replica_ready)
         if sched is not None:
             sched.running.add(self)  # (a router that stops ends it: stop_all)
@@ -570,10 +569,15 @@ class Generation:
         self._stop_waiting()
         self._attach(handle)
 
-    def _waited(self, why: str) -> None:
-        """No replica became ready in time."""
+    def _waited(self, why: str, limit: str) -> None:
+        """No replica became ready in time: ``failover_wait`` passed, or the
+        tenant's time limit ``limit`` (which ends it as a timeout)."""
         self._stop_waiting()
-        if not self.ended:
+        if self.ended:
+            return
+        if limit:
+            self._end(StreamTimeout(limit, getattr(self.deadlines, limit)))
+        else:
             self._give_up(f"{why}, and none became ready within {self.failover_wait:g}s")
 
     def _lose(self, why: str) -> None:

@@ -160,15 +160,16 @@ class PushRelay(PieceQueue):
         self._pending.append((text, n, finish))
         self._wake()
 
-    def lane(self, gen, handle, dog, charge, observe) -> Lane | None:
+    def lane(self, gen, handle, dog, sched) -> Lane | None:
         """A token lane (router/lane.py) for ``gen``'s next plain pieces, if
         this stream can take one: SSE straight to uvicorn's transport, its
         first token out, nothing waiting, no continuous usage."""
         es, wire = self.events, self.wire
-        if (type(wire) is not TransportWire or es is None or self._pending or es.last is None or es.usage_each
+        if (self._pending or type(wire) is not TransportWire or es is None or es.last is None or es.usage_each
                 or es.skip_chars or not es.enc.plain_ready):
             return None
-        return Lane(gen, self, es, wire, handle, dog, charge, observe, es.policy)
+        observe = sched.observe if sched.adapts(handle.slot) else None
+        return Lane(gen, self, es, wire, handle, dog, sched.counters.charge, observe, es.policy)
 
     async def first(self) -> None:
         """Wait for the first piece; raise the failure if that came first."""

@@ -19,7 +19,7 @@ from router.errors import BadRequest, RouterShutdown
 from policies.batching import AimdSettings
 from replicas.pool import LoadHandle, ReplicaPool, ReplicaSlot
 from replicas.spec import ReplicaSpec
-from router.generation import Deadlines, Generation, Job, StreamLost
+from router.generation import Deadlines, Generation, Job, StreamLost, StreamTimeout
 from router.scheduler import Scheduler
 from router.scheduler_settings import SchedulerSettings
 from router.metrics import Metrics
@@ -244,13 +244,14 @@ async def test_a_failover_that_waits_in_vain_ends_the_stream_as_lost() -> None:
     assert not pool._ready_waiters
 
 
-async def test_a_failover_waits_no_longer_than_the_tenants_total_limit() -> None:
+async def test_a_failover_waits_no_longer_than_the_tenants_total_limit_and_ends_as_its_timeout() -> None:
     pool, slot, gen, col, sink = _on_one_replica(failover_wait=30.0,
                                                  deadlines=Deadlines(total=0.1, start=time.monotonic()))
     slot.state = "down"
     col.fail(ReplicaDead("replica r0 closed the connection"))
     await asyncio.sleep(0.2)
-    assert isinstance(sink.failure, StreamLost)
+    assert isinstance(sink.failure, StreamTimeout) and sink.failure.which == "total"
+    assert not pool._ready_waiters
 
 
 async def test_a_stream_closed_while_it_waits_for_a_replica_is_not_continued() -> None:
@@ -258,6 +259,7 @@ async def test_a_stream_closed_while_it_waits_for_a_replica_is_not_continued() -
     slot.state = "down"
     col.fail(ReplicaDead("replica r0 closed the connection"))
     gen.close()  # the client left
+    assert not pool._ready_waiters and gen._waiting is None  # (at once, not at the next ready replica)
     restarted = _Replica()
     slot.client, slot.state = restarted, "ready"  # type: ignore[assignment]
     pool.notify_ready()
