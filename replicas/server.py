@@ -137,7 +137,6 @@ class ReplicaServer:
         except TimeoutError:
             log.warning("the dead engine did not shut down within %gs", ENGINE_CLOSE_TIMEOUT)
 
-
     # -- engine output -----------------------------------------------------
 
     def _on_output(self, erid: int, new_ids: list[int], finish: FinishReason, error: str) -> None:

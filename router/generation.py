@@ -514,13 +514,17 @@ class Generation:
         try:
             # A failover continues at once, past the queues and caps: its
             # client is mid-stream.
-            handle = self.pool.choose(self.job.model, self.job.params.max_tokens - len(self.completion_ids),
-                                      self._exclude)
+            handle = self._choose_again()
         except NoReplica as e2:
             if not self._wait_for_replica(str(e2)):
                 self._give_up(str(e2))
             return
         self._attach(handle)
+
+    def _choose_again(self) -> LoadHandle:
+        """A replica for the rest of the generation, avoiding those that failed
+        it (``NoReplica``: none is ready)."""
+        return self.pool.choose(self.job.model, self.job.params.max_tokens - len(self.completion_ids), self._exclude)
 
     def _wait_for_replica(self, why: str) -> bool:
         """No replica can take the stream over now (its only replica, or
@@ -561,8 +565,7 @@ class Generation:
         if self._waiting is None or self.ended:
             return
         try:
-            handle = self.pool.choose(self.job.model, self.job.params.max_tokens - len(self.completion_ids),
-                                      self._exclude)
+            handle = self._choose_again()
         except NoReplica:
             self.pool.when_ready(self._replica_ready)  # (one for another model)
             return

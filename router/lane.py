@@ -38,7 +38,7 @@ class Lane:
     """The plain pieces of one streamed run, from the replica reader to the
     client's transport."""
 
-    __slots__ = ("gen", "relay", "es", "enc", "cycle", "flow", "transport", "handle", "dog", "charge", "observe",
+    __slots__ = ("gen", "relay", "es", "enc", "cycle", "flow", "write", "handle", "dog", "charge", "observe",
                  "policy", "itl", "append")
 
     def __init__(self, gen, relay, es, wire, handle, dog, charge, observe, policy) -> None:
@@ -48,7 +48,7 @@ class Lane:
         self.enc = es.enc
         self.cycle = wire.cycle
         self.flow = wire.flow
-        self.transport = wire.transport
+        self.write = wire.write  # the chunked frame to the client's transport
         self.handle = handle
         self.dog = dog
         self.charge = charge  # the scheduler's VirtualCounters.charge
@@ -89,7 +89,7 @@ class Lane:
             if self.append is not None:
                 self.append(event, ids, es.chars)
             es.sent_ids = es.tokens
-            self.transport.write(b"%x\r\n%s\r\n" % (len(event), event))
+            self.write(event)
         except Exception as e:  # noqa: BLE001 - a bug here ends this stream only, not the replica connection
             gen.lane_failed(e)
         return True
