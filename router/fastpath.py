@@ -6,10 +6,13 @@ anyio task group plus a disconnect-listener task per stream and per-event
 ``receive``, the request goes through the same steps as the Litestar route
 (``start_generation``, ``open_stream``), and a streamed request's events are
 pushed to the client as the replica produces them (``router.push``).
-One ``receive()`` waiter per request watches for the client's disconnect
-from the moment the body is read: it cancels the request task, so a client
-that leaves while queued, while waiting for its first token or mid-stream is
-dropped at once (the generation's ``finally`` aborts it on its replica).
+From the moment the body is read, the client's disconnect cancels the
+request task, so a client that leaves while queued, while waiting for its
+first token or mid-stream is dropped at once (the generation's ``finally``
+aborts it on its replica). On the router's own server the connection's
+``connection_lost`` calls back (``router.server``'s ``lost_callbacks``);
+on any other ASGI server one ``receive()`` waiter task per request
+watches.
 Resume requests (and requests with a ``Last-Event-ID``), other routes and
 the lifespan go to Litestar; ``HEAD`` on the health, readiness, metrics and
 model-list routes is served as their ``GET`` without the body. With CORS on
@@ -30,7 +33,7 @@ from litestar import Litestar
 from router.completions import new_request_id, open_stream, respond_whole, start_generation
 from router.cors import response_headers
 from router.errors import ApiError, error_body
-from router.push import ClientTooSlow, wire_for
+from router.push import ClientTooSlow, TransportWire, wire_for
 from router.relay import log_refused
 from router.service import RouterService
 
@@ -94,6 +97,18 @@ class FastPath:
         task = asyncio.current_task()
         assert task is not None
         gone = False
+        cycle = getattr(send, "__self__", None)
+        callbacks: list | None = getattr(cycle, "lost_callbacks", None)
+        listener: asyncio.Task | None = None
+
+        def lost() -> None:
+            nonlocal gone
+            if not cycle.response_complete and not gone:  # (not a connection lost after this response)
+                # (uvicorn marks only the connection's latest request: a
+                # pipelined one may have followed this)
+                cycle.disconnected = True
+                gone = True
+                task.cancel()
 
         async def listen() -> None:
             nonlocal gone
@@ -102,7 +117,10 @@ class FastPath:
             gone = True
             task.cancel()
 
-        listener = asyncio.get_running_loop().create_task(listen())
+        if callbacks is not None:
+            callbacks.append(lost)
+        else:
+            listener = asyncio.get_running_loop().create_task(listen())
         st = es = policy = None
         request_id = new_request_id()
         endpoint = "chat" if chat else "completions"
@@ -133,12 +151,14 @@ class FastPath:
                 await send({"type": "http.response.start", "status": resp.status_code or 200, "headers": headers})
                 await send({"type": "http.response.body", "body": out, "more_body": False})
                 return
-            await _start_sse(send, cors, sse_headers)
+            wire = TransportWire.open(send, sse_headers, cors, svc.config.send_timeout)
+            if wire is None:
+                await _start_sse(send, cors, sse_headers)
+                wire = wire_for(send, svc.config.send_timeout)
             # this frame lives as long as the stream: keep only what it needs
             # (the decoded request and its body go)
             relay = st.relay
             body = msg = sse_headers = policy = st = None
-            wire = wire_for(send, svc.config.send_timeout)
             try:
                 await relay.run(es, wire)
                 await wire.end(send)
@@ -153,7 +173,10 @@ class FastPath:
         except OSError:
             pass  # the connection broke while writing
         finally:
-            listener.cancel()
+            if listener is not None:
+                listener.cancel()
+            else:
+                callbacks.remove(lost)  # type: ignore[union-attr]
             if es is not None:
                 es.gen.close()  # aborts on the replica unless it finished
                 es.settle()

@@ -13,15 +13,23 @@ cannot reach (then the request task sends every event, one ``send`` each).
 
 The transport is reached through uvicorn's httptools protocol
 (``send.__self__`` is its ``RequestResponseCycle``: ``transport``, ``flow``,
-``disconnected``, ``chunked_encoding``); the relay writes the same chunked
-framing uvicorn's ``send`` writes, and ends the body with uvicorn's own
-``send``. Any other server gets ``AsgiWire``.
+``disconnected``, ``chunked_encoding``, ``response_started``,
+``response_complete``, ``keep_alive``, ``on_response``). On it the router
+writes the whole response itself, as uvicorn's ``send`` would: the head
+(``TransportWire.open``: uvicorn's default headers, then the router's, in one
+write), the chunked events, and the body's end, in the same write as the
+stream's last events when they end it (``TransportWire.finish``), after
+which it completes the cycle as uvicorn does (the connection is kept alive
+or closed, a pipelined request starts). That takes uvicorn's per-message
+work (header checks, a timeout context and a wake-up per ``send``) and one
+system call off every request. Any other server gets ``AsgiWire``.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import re
 
 from replicas.protocol import FinishReason
 from router.generation import PieceQueue, StreamLost
@@ -32,6 +40,12 @@ try:
     from uvicorn.protocols.http.httptools_impl import RequestResponseCycle as _HttptoolsCycle
 except ImportError:  # pragma: no cover - uvicorn without httptools
     _HttptoolsCycle = None
+
+_SSE_HEAD = b"HTTP/1.1 200 OK\r\n"
+_SSE_TYPE = b"content-type: text/event-stream; charset=utf-8\r\n"
+_END = b"0\r\n\r\n"  # the chunked body's end
+# what uvicorn refuses in a header value (a client's Origin echoed by CORS)
+_BAD_VALUE = re.compile(b"[\x00-\x08\x0a-\x1f\x7f]")
 
 __all__ = ["PushRelay", "wire_for", "TransportWire", "AsgiWire", "ClientTooSlow", "bounded"]
 
@@ -78,6 +92,40 @@ class TransportWire(_Wire):
         self.transport = cycle.transport
         self.flow = cycle.flow
 
+    @classmethod
+    def open(cls, send, headers: dict[str, str], extra: list[tuple[bytes, bytes]],
+             timeout: float = 0.0) -> TransportWire | None:
+        """Write a ``200`` SSE response head (uvicorn's default headers,
+        ``headers``, then ``extra``) straight to the transport of uvicorn's
+        httptools cycle behind ``send``, and return the wire for its body;
+        None if ``send`` is not that cycle's, or it cannot take the head now
+        (the caller then sends the head with ``send``). ``headers`` are the
+        router's own; ``extra`` (CORS, which may echo the client's Origin)
+        are checked as uvicorn checks every header."""
+        cycle = getattr(send, "__self__", None)
+        if (_HttptoolsCycle is None or type(cycle) is not _HttptoolsCycle or cycle.response_started
+                or cycle.disconnected or cycle.flow.write_paused or cycle.scope["method"] != "POST"):
+            return None
+        for _, value in extra:
+            if _BAD_VALUE.search(value):
+                return None  # (uvicorn's send refuses it, as it refuses any other)
+        parts = [_SSE_HEAD]
+        for name, value in cycle.default_headers:
+            parts.append(b"%s: %s\r\n" % (name, value))
+        parts.append(_SSE_TYPE)
+        for name, text in headers.items():
+            parts.append(b"%s: %s\r\n" % (name.encode("latin-1"), text.encode("latin-1")))
+        for name, value in extra:
+            parts.append(b"%s: %s\r\n" % (name, value))
+        if not cycle.keep_alive:
+            parts.append(b"connection: close\r\n")
+        parts.append(b"transfer-encoding: chunked\r\n\r\n")
+        cycle.response_started = True
+        cycle.waiting_for_100_continue = False
+        cycle.chunked_encoding = True
+        cycle.transport.write(b"".join(parts))
+        return cls(cycle, timeout)
+
     @property
     def writable(self) -> bool:
         """A write now would not outrun the client (transport not paused)."""
@@ -90,6 +138,27 @@ class TransportWire(_Wire):
 
     def write(self, data: bytes) -> None:
         self.transport.write(b"%x\r\n%s\r\n" % (len(data), data))
+
+    def finish(self, data: bytes | None) -> None:
+        """Write ``data`` (the stream's last events) and the body's end in
+        one write, and complete the response as uvicorn's ``send`` does."""
+        cycle = self.cycle
+        if cycle.disconnected or cycle.response_complete:
+            return
+        self.transport.write(b"%x\r\n%s\r\n%s" % (len(data), data, _END) if data else _END)
+        cycle.response_complete = True
+        cycle.message_event.set()
+        if not cycle.keep_alive:
+            self.transport.close()
+        cycle.on_response()
+
+    async def end(self, send) -> None:
+        """End the body unless ``finish`` did: once the transport takes
+        writes (``ClientTooSlow`` after ``timeout``)."""
+        if self.cycle.response_complete or self.cycle.disconnected:
+            return
+        await self.drain()
+        self.finish(None)
 
     async def drain(self) -> None:
         """Until the transport takes writes again (or the client is gone);
@@ -106,6 +175,11 @@ class TransportWire(_Wire):
         if not self.cycle.disconnected:
             self.write(data)
 
+    async def send_last(self, data: bytes) -> None:
+        """``send`` the stream's last event, with the body's end."""
+        await self.drain()
+        self.finish(data)
+
 
 class AsgiWire(_Wire):
     """Any ASGI server: every event is one ``http.response.body`` message."""
@@ -120,6 +194,8 @@ class AsgiWire(_Wire):
 
     async def send(self, data: bytes) -> None:
         await bounded(self._send({"type": "http.response.body", "body": data, "more_body": True}), self.timeout)
+
+    send_last = send  # (``end`` ends the body)
 
     def abort(self) -> None:
         """(No transport to drop: the server closes the connection when the
@@ -150,12 +226,13 @@ class PushRelay(PieceQueue):
 
     def piece(self, text: str, n: int, finish: FinishReason) -> None:
         wire = self.wire
-        if wire is not None and wire.writable and not self._pending:
+        if wire is not None and wire.writable and not self._pending:  # (a TransportWire)
             data = self._encode(text, n, finish)
-            if data:
-                wire.write(data)
             if self.finished:
+                wire.finish(data)
                 self._wake()
+            elif data:
+                wire.write(data)
             return
         self._pending.append((text, n, finish))
         self._wake()
@@ -220,7 +297,9 @@ class PushRelay(PieceQueue):
                     await wire.drain()  # pieces keep queueing behind what waits
                     continue
                 data = self._encode_waiting()  # and written with no await between
-                if data:
+                if self.finished:
+                    wire.finish(data)
+                elif data:
                     wire.write(data)
                 continue
             if self.finished:
@@ -228,7 +307,7 @@ class PushRelay(PieceQueue):
             if self._exc is not None:
                 data = events.failed(self._exc)
                 self.finished = True
-                await wire.send(data)
+                await wire.send_last(data)
                 return
             await self._until_ready()
 

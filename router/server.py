@@ -19,7 +19,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from http import HTTPStatus
-from typing import Any
+from typing import Any, Callable
 
 import uvicorn
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
@@ -71,6 +71,7 @@ class _Http(HttpToolsProtocol):
         self._in_head = True
         self._refused = False
         self._deadline: asyncio.TimerHandle | None = None
+        self._lost: list[Callable[[], None]] = []  # (see on_headers_complete)
         self._limit(self.head_timeout, "Timed out reading the request head.")
 
     def _limit(self, seconds: float, why: str | None) -> None:
@@ -128,6 +129,10 @@ class _Http(HttpToolsProtocol):
             return  # (the application never sees the request)
         self._limit(self.body_timeout, "Timed out reading the request body.")
         super().on_headers_complete()
+        if self.cycle is not None:
+            # what the request's handler wants called when the connection
+            # is lost (router.fastpath: no waiter task per request)
+            self.cycle.lost_callbacks = self._lost
 
     def on_body(self, body: bytes) -> None:
         if self._refused:
@@ -148,6 +153,8 @@ class _Http(HttpToolsProtocol):
     def connection_lost(self, exc: Exception | None) -> None:
         self._limit(0, None)
         super().connection_lost(exc)
+        for callback in list(self._lost):
+            callback()
 
 
 class Server(uvicorn.Server):

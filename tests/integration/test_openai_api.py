@@ -364,3 +364,60 @@ def test_a_client_that_leaves_with_events_waiting_resumes_text_exact(tmp_path) -
     text = "".join(e.json()["choices"][0]["text"] for e in got + rest[:-1] if e.json().get("choices"))
     assert text == ref
 
+
+
+def _stream_request(version: bytes = b"1.1", extra: bytes = b"") -> bytes:
+    body = json.dumps({"model": MODEL, "prompt": "The ", "max_tokens": 8, "stream": True,
+                       "ignore_eos": True}).encode()
+    return (b"POST /v1/completions HTTP/" + version + b"\r\nhost: x\r\ncontent-type: application/json\r\n"
+            b"authorization: Bearer " + GOLD.encode() + b"\r\n" + extra
+            + b"content-length: %d\r\n\r\n" % len(body) + body)
+
+
+def _read_stream_response(sock: socket.socket) -> tuple[dict[bytes, list[bytes]], bytes, bytes]:
+    """(head's header lines by lower-case name, the status line, the
+    de-chunked body) of one streamed response; reads exactly to its end."""
+    raw = b""
+    while b"\r\n\r\n" not in raw:
+        raw += sock.recv(65536) or b""
+    head, _, rest = raw.partition(b"\r\n\r\n")
+    status, *lines = head.split(b"\r\n")
+    headers: dict[bytes, list[bytes]] = {}
+    for line in lines:
+        name, _, value = line.partition(b":")
+        headers.setdefault(name.strip().lower(), []).append(value.strip())
+    while not rest.endswith(b"0\r\n\r\n") or not _dechunk(rest).endswith(b"data: [DONE]\n\n"):
+        more = sock.recv(65536)
+        assert more, f"the connection closed before the body's end: {rest[-200:]!r}"
+        rest += more
+    return headers, status, _dechunk(rest)
+
+
+def test_streamed_responses_on_the_wire_keep_alive_pipelined_and_http10(shared_router: RouterProcess) -> None:
+    """The SSE head and the body's end the router writes itself
+    (router/push.py ``TransportWire.open``/``finish``): each header once,
+    uvicorn's ``date`` and ``server`` kept, a kept-alive connection serves
+    the next (and a pipelined) request, an HTTP/1.0 one is told
+    ``connection: close`` and closed after its body."""
+    with socket.create_connection(("127.0.0.1", shared_router.port), timeout=30) as sock:
+        sock.sendall(_stream_request())
+        first = _read_stream_response(sock)
+        sock.sendall(_stream_request() + _stream_request(extra=b"x-request-id: trace-7\r\n"))  # pipelined
+        second, third = _read_stream_response(sock), _read_stream_response(sock)
+    for headers, status, body in (first, second, third):
+        assert status == b"HTTP/1.1 200 OK"
+        for name in (b"date", b"server", b"content-type", b"x-request-id", b"cache-control", b"transfer-encoding"):
+            assert len(headers.get(name, [])) == 1, (name, headers)
+        assert headers[b"content-type"] == [b"text/event-stream; charset=utf-8"]
+        assert headers[b"transfer-encoding"] == [b"chunked"] and b"connection" not in headers
+        assert headers[b"x-ratelimit-limit-requests"], headers
+        events = parse_sse(body.decode())
+        assert events[-1].data == "[DONE]" and len(events) > 2
+    assert len({h[b"x-request-id"][0] for h, _, _ in (first, second, third)}) == 3
+
+    with socket.create_connection(("127.0.0.1", shared_router.port), timeout=30) as sock:
+        sock.sendall(_stream_request(b"1.0"))
+        headers, status, body = _read_stream_response(sock)
+        assert headers[b"connection"] == [b"close"] and parse_sse(body.decode())[-1].data == "[DONE]"
+        sock.settimeout(10)
+        assert sock.recv(1) == b""  # closed by the router after the body's end

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import signal
 import time
@@ -100,6 +101,36 @@ async def test_client_disconnect_aborts_the_stream_on_its_replica(make_router) -
         m = await router.ametrics(http)
         assert m.value("fairstream_requests_total", tenant="gold", outcome="cancelled") == 1
         assert m.value("fairstream_requests_total", 0.0, tenant="gold", outcome="ok") == 0
+
+
+async def test_client_disconnect_aborts_a_stream_with_a_pipelined_request_behind_it(make_router) -> None:
+    # uvicorn marks only a connection's latest request as disconnected; the
+    # router's own disconnect callback (router/fastpath.py) ends the stream
+    # that a pipelined request follows too
+    router: RouterProcess = make_router(replicas=1, sim=SLOW)
+    path, body = _body("completions", "The ", 1000, stream=True)
+    payload = json.dumps(body).encode()
+    request = (f"POST {path} HTTP/1.1\r\nhost: x\r\nauthorization: Bearer {GOLD}\r\n"
+               f"content-type: application/json\r\ncontent-length: {len(payload)}\r\n\r\n").encode() + payload
+    reader, writer = await asyncio.open_connection("127.0.0.1", router.port)
+    async with httpx.AsyncClient(base_url=router.base_url, headers=AUTH, timeout=30) as http:
+        try:
+            writer.write(request + b"GET /health HTTP/1.1\r\nhost: x\r\n\r\n")
+            got = b""
+            while got.count(b"data: ") < 5:
+                got += await asyncio.wait_for(reader.read(65536), 10)
+            await apoll(
+                lambda: _running_and_inflight(router, http, lambda run, inf: run >= 1 and inf >= 1),
+                3, what="the stream to show as running on sim-0",
+            )
+        finally:
+            writer.close()
+        await apoll(
+            lambda: _running_and_inflight(router, http, lambda run, inf: run == 0 and inf == 0),
+            2.5, what="sim-0 running and router inflight to drop to 0 after the disconnect",
+        )
+        m = await router.ametrics(http)
+        assert m.value("fairstream_requests_total", tenant="gold", outcome="cancelled") == 1
 
 
 async def _running_and_inflight(router: RouterProcess, http: httpx.AsyncClient, ok) -> bool:

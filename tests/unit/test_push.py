@@ -25,15 +25,30 @@ NONE, STOP = FinishReason.NONE, FinishReason.STOP
 
 
 class Socket:
-    """What reaches the client: the chunked writes, de-framed."""
+    """What reaches the client: the chunked writes, de-framed (a write's
+    data chunk, if it has one; ``ended``: the body's end came, and nothing
+    may follow it)."""
 
     def __init__(self) -> None:
         self.writes: list[bytes] = []
+        self.ended = False
+        self.closed = False
 
     def write(self, data: bytes) -> None:
-        size, _, rest = data.partition(b"\r\n")
-        assert int(size, 16) == len(rest) - 2
-        self.writes.append(rest[:-2])
+        assert not self.ended, "a write after the body's end"
+        while data:
+            size, _, data = data.partition(b"\r\n")
+            n = int(size, 16)
+            if n == 0:
+                assert data == b"\r\n"
+                self.ended = True
+                return
+            assert data[n:n + 2] == b"\r\n"
+            self.writes.append(data[:n])
+            data = data[n + 2:]
+
+    def close(self) -> None:
+        self.closed = True
 
     def pause_reading(self) -> None:
         pass
@@ -43,12 +58,19 @@ class Socket:
 
 
 class Cycle:
-    """The parts of uvicorn's RequestResponseCycle the wire reads."""
+    """The parts of uvicorn's RequestResponseCycle the wire reads and sets."""
 
-    def __init__(self) -> None:
+    def __init__(self, keep_alive: bool = True) -> None:
         self.transport = Socket()
         self.flow = FlowControl(self.transport)
         self.disconnected = False
+        self.response_complete = False
+        self.keep_alive = keep_alive
+        self.message_event = asyncio.Event()
+        self.completed = 0  # on_response calls
+
+    def on_response(self) -> None:
+        self.completed += 1
 
 
 class Events:
@@ -84,6 +106,10 @@ async def test_events_queued_behind_a_paused_transport_are_never_overtaken() -> 
     relay.piece("c", 1, STOP)
     await asyncio.wait_for(run, 1)
     assert cycle.transport.writes == [b"a", b"b", b"c[DONE]"]
+    # the last events and the body's end went in one write, and the
+    # response is complete, as uvicorn's send leaves it
+    assert cycle.transport.ended and cycle.response_complete and cycle.completed == 1
+    assert cycle.message_event.is_set() and not cycle.transport.closed
 
 
 async def test_pieces_are_written_at_once_while_the_transport_takes_them() -> None:
@@ -94,8 +120,36 @@ async def test_pieces_are_written_at_once_while_the_transport_takes_them() -> No
     relay.piece("a", 1, NONE)
     assert cycle.transport.writes == [b"a"]  # in the callback, no task switch
     relay.piece("b", 1, STOP)
-    assert cycle.transport.writes == [b"a", b"b[DONE]"]
+    assert cycle.transport.writes == [b"a", b"b[DONE]"] and cycle.transport.ended and cycle.completed == 1
     await asyncio.wait_for(run, 1)
+    await TransportWire(cycle).end(None)  # (what the request task does next: nothing more to write)
+    assert cycle.completed == 1
+
+
+async def test_a_connection_not_kept_alive_is_closed_after_the_last_write() -> None:
+    cycle = Cycle(keep_alive=False)  # (an HTTP/1.0 client, or "connection: close")
+    relay = PushRelay(limit=16)
+    run = asyncio.ensure_future(relay.run(Events(), TransportWire(cycle)))
+    await asyncio.sleep(0)
+    relay.piece("a", 1, STOP)
+    await asyncio.wait_for(run, 1)
+    assert cycle.transport.writes == [b"a[DONE]"] and cycle.transport.ended and cycle.transport.closed
+
+
+async def test_an_error_event_ends_the_body_and_a_gone_client_gets_no_end() -> None:
+    cycle = Cycle()
+    relay = PushRelay()
+    run = asyncio.ensure_future(relay.run(Events(), TransportWire(cycle)))
+    await asyncio.sleep(0)
+    relay.fail(RuntimeError("the replica died"))
+    await asyncio.wait_for(run, 1)
+    assert cycle.transport.writes == [b"error: the replica died"] and cycle.transport.ended
+    assert cycle.completed == 1
+
+    gone = Cycle()
+    gone.disconnected = True
+    TransportWire(gone).finish(b"late")
+    assert gone.transport.writes == [] and not gone.transport.ended and gone.completed == 0
 
 
 async def test_a_failure_on_the_last_piece_ends_the_stream_with_an_error_event() -> None:
@@ -154,3 +208,75 @@ async def test_a_slow_client_that_keeps_taking_its_stream_is_not_given_up() -> N
     relay.piece("g", 1, STOP)
     await asyncio.wait_for(run, 1)
     assert b"".join(cycle.transport.writes) == b"abcdefg[DONE]"
+
+
+class RawSocket(Socket):
+    """A transport that keeps the bytes as written."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.raw = b""
+
+    def write(self, data: bytes) -> None:
+        self.raw += data
+
+    def is_closing(self) -> bool:
+        return self.closed
+
+
+def uvicorn_cycle(keep_alive: bool = True, method: str = "POST"):
+    """uvicorn's own RequestResponseCycle over a RawSocket."""
+    import logging
+
+    from uvicorn.protocols.http.httptools_impl import RequestResponseCycle
+
+    transport = RawSocket()
+    done: list[int] = []
+    cycle = RequestResponseCycle(
+        scope={"type": "http", "method": method, "path": "/v1/completions", "headers": []},  # type: ignore[typeddict-item]
+        transport=transport, flow=FlowControl(transport), logger=logging.getLogger("t"),
+        access_logger=logging.getLogger("t"), access_log=False,
+        default_headers=[(b"date", b"Mon, 30 Nov 2026 16:00:00 GMT"), (b"server", b"uvicorn")],
+        message_event=asyncio.Event(), expect_100_continue=False, keep_alive=keep_alive,
+        on_response=lambda: done.append(1),
+    )
+    return cycle, transport, done
+
+
+@pytest.mark.parametrize("keep_alive", [True, False])
+async def test_the_wire_writes_the_bytes_uvicorns_send_writes(keep_alive: bool) -> None:
+    """Head, events and end as the router writes them (``TransportWire.open``,
+    ``write``, ``finish``) are byte for byte what uvicorn's ``send`` writes
+    for the same response, and leave its cycle in the same state."""
+    headers = {"x-request-id": "abc", "x-ratelimit-limit-requests": "60", "cache-control": "no-cache"}
+    cors = [(b"access-control-allow-origin", b"https://app.example"), (b"vary", b"Origin")]
+
+    ours, ours_socket, ours_done = uvicorn_cycle(keep_alive)
+    wire = TransportWire.open(ours.send, headers, cors)
+    assert wire is not None
+    wire.write(b"data: 1\n\n")
+    wire.finish(b"data: 2\n\ndata: [DONE]\n\n")
+
+    theirs, theirs_socket, theirs_done = uvicorn_cycle(keep_alive)
+    await theirs.send({"type": "http.response.start", "status": 200, "headers": [
+        (b"content-type", b"text/event-stream; charset=utf-8"),
+        *[(k.encode(), v.encode()) for k, v in headers.items()], *cors]})
+    await theirs.send({"type": "http.response.body", "body": b"data: 1\n\n", "more_body": True})
+    await theirs.send({"type": "http.response.body", "body": b"data: 2\n\ndata: [DONE]\n\n", "more_body": True})
+    await theirs.send({"type": "http.response.body", "body": b"", "more_body": False})
+
+    assert ours_socket.raw == theirs_socket.raw
+    for attr in ("response_started", "response_complete", "chunked_encoding", "keep_alive"):
+        assert getattr(ours, attr) == getattr(theirs, attr), attr
+    assert ours.message_event.is_set() and ours_done == theirs_done == [1]
+    assert ours_socket.closed == theirs_socket.closed == (not keep_alive)
+
+
+async def test_the_wire_leaves_the_head_to_uvicorn_when_it_cannot_write_it_itself() -> None:
+    cycle, _, _ = uvicorn_cycle()
+    # a header value uvicorn refuses (a control character in an echoed Origin)
+    assert TransportWire.open(cycle.send, {}, [(b"access-control-allow-origin", b"x\x01y")]) is None
+    cycle.flow.pause_writing()  # a transport that takes no writes now
+    assert TransportWire.open(cycle.send, {}, []) is None
+    assert TransportWire.open(Cycle().on_response, {}, []) is None  # (not uvicorn's httptools cycle)
+    assert not cycle.response_started
