@@ -425,6 +425,13 @@ class UpstreamClient:
         except asyncio.CancelledError:
             raise
         except (HttpError, aiohttp.ClientError, OSError, _Failed, msgspec.DecodeError, ValueError) as e:
+            if isinstance(e.__cause__, ConnectionRefusedError) and self.closed is None:
+                # Nothing listens there: down, as a failed health check would
+                # find within the second. Said now, a failover does not come
+                # straight back here (and use up max_failovers on refusals);
+                # with no other replica ready it waits for this one's restart.
+                self.closed = ReplicaDead(f"upstream {self.name} refused a connection: {e}")
+                log.warning("upstream %s refused a connection; down until it answers again", self.name)
             if not st.done:
                 self._lost(st, f"upstream {self.name} failed: {e or type(e).__name__}")
         except Exception as e:  # noqa: BLE001 - a bug here must not leave the stream hanging

@@ -381,6 +381,42 @@ async def test_upstream_killed_mid_stream_continues_token_exact(kind, tmp_path, 
     await asyncio.to_thread(router.wait_ready, 20)
 
 
+async def test_a_stream_whose_only_upstream_is_killed_waits_for_its_restart(tmp_path, cleanup, aclient_for):
+    # A killed upstream stays "ready" until its next health ping (about a
+    # second); a failover in that second went straight back to it, was
+    # refused, and used up max_failovers in milliseconds (stream_lost). A
+    # refused connection now marks it down at once: the stream waits for the
+    # restart (failover_wait) and continues token-exact.
+    server = SimOpenAI(tmp_path, {"step_base_ms": 15})
+    server.start()
+    cleanup(server)
+    router = upstream_router(tmp_path / "router", server.url, local=0)
+    cleanup(router)
+    router.start()
+    aclient = aclient_for(router)
+    max_tokens = 300
+    expected = await reference(prompt_ids("completion"), max_tokens)
+    got: list[str] = []
+    task = asyncio.create_task(consume(aclient, "completion", max_tokens, got))
+    try:
+        await asyncio.to_thread(poll, lambda: len("".join(got)) >= 40 or task.done(), 20, what="40 characters")
+        assert not task.done(), task.result()
+        server.kill()
+        await asyncio.sleep(1.5)  # longer than the health interval: the stream waits, it does not end
+        assert not task.done(), task.result()
+        server.start(port=server.port)
+        text, finish = await asyncio.wait_for(task, 30)
+    finally:
+        task.cancel()
+    assert text == expected and finish == "length"
+    m = router.metrics()
+    # the death, the refusal that told the router it was down, and perhaps a
+    # connection the dying server still accepted and then reset: within
+    # max_failovers (3), where the refusals alone used to exceed it
+    assert 2 <= m.value("fairstream_failovers_total", replica=UPSTREAM) <= 3
+    assert m.value("fairstream_requests_total", tenant="gold", outcome="ok") == 1
+
+
 async def test_upstream_without_token_ids_retries_before_first_token(tmp_path, cleanup, aclient_for):
     # A slow prefill: the first token comes seconds after the request arrives.
     server = SimOpenAI(tmp_path, {"step_base_ms": 5, "step_per_prefill_token_ms": 300}, token_ids=False)
