@@ -68,6 +68,9 @@ class RouterConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     body_timeout: float = 60.0
     """Seconds a request's body may go without arriving, after its head or between two reads (408 and closed after; nginx's ``client_body_timeout``)."""
 
+    max_connections: int = 0
+    """Client connections one router process serves at once (each worker, with ``--workers``). One more is answered once its request is read: a 503 in OpenAI's error shape (code ``too_many_connections``, ``Retry-After: 1``), then closed; the streams already open go on, and the file descriptors they need for their replicas and upstreams stay free. 0: half the process's open-file limit, which the router raises to its hard limit at start (a stream through a ``url:`` upstream holds two descriptors)."""
+
     metrics_require_admin_key: bool = False
     """When true, ``GET /metrics`` needs an admin key (``Authorization: Bearer KEY``; in Prometheus ``authorization: {credentials: KEY}``). Off, anyone who reaches the port sees every tenant's name and traffic there."""
 
@@ -89,6 +92,8 @@ class RouterConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
                 errors.append(located.error((key,), "must be at least 1"))
         if self.max_failovers < 0:
             errors.append(located.error(("max_failovers",), "must not be negative"))
+        if self.max_connections < 0:
+            errors.append(located.error(("max_connections",), "must not be negative (0: from the open-file limit)"))
         if self.failover_wait < 0:
             errors.append(located.error(("failover_wait",), "must not be negative"))
         for key in ("shutdown_grace", "send_timeout"):

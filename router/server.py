@@ -12,6 +12,12 @@ is cancelled.
 uvicorn would also close every WebSocket at once (code 1012); ``_WebSocket``
 leaves an open one to the router, which lets its requests finish within the
 grace like HTTP streams and then closes it (router/websocket.py).
+
+At start the router raises its open-file limit to the hard limit and serves
+at most router.yaml's ``max_connections`` client connections (by default
+half that limit): one more gets a 503 in OpenAI's error shape once its
+request is read, and is closed, so a flood of connections cannot take the
+descriptors the open streams need for their replicas and upstreams.
 """
 
 from __future__ import annotations
@@ -26,6 +32,7 @@ from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 from uvicorn.protocols.websockets.websockets_sansio_impl import WebSocketsSansIOProtocol
 
 from router.config import SHUTDOWN_MARGIN
+from router.errors import error_body
 from router.fastpath import FastPath
 
 __all__ = ["Server"]
@@ -49,6 +56,25 @@ class _WebSocket(WebSocketsSansIOProtocol):
 
 
 MAX_HEAD_BYTES = 64 * 1024  # request line and headers
+# at most one "too many connections" warning per this many seconds
+OVER_CAP_LOG_INTERVAL = 10.0
+
+
+def open_file_limit() -> int:
+    """Raise the process's open-file limit to its hard limit (as Go's
+    runtime does), and return it (0: unlimited, or no such limit here)."""
+    try:
+        import resource
+    except ImportError:  # pragma: no cover - Windows: no rlimits
+        return 0
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft != hard and hard != resource.RLIM_INFINITY:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+            soft = hard
+        except (ValueError, OSError) as e:  # (a sandbox that forbids it: keep the soft limit)
+            log.warning("could not raise the open-file limit from %d to %d: %s", soft, hard, e)
+    return 0 if soft == resource.RLIM_INFINITY else soft
 
 
 class _Http(HttpToolsProtocol):
@@ -63,6 +89,9 @@ class _Http(HttpToolsProtocol):
 
     head_timeout = 30.0
     body_timeout = 60.0
+    max_connections = 0  # 0: no cap
+    _over_cap_logged = -OVER_CAP_LOG_INTERVAL  # (loop time of the last warning)
+    _over_cap_count = 0  # connections refused since
 
     def connection_made(self, transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
@@ -70,6 +99,8 @@ class _Http(HttpToolsProtocol):
         self._raw = 0  # bytes received since the request began, while its head is incomplete
         self._in_head = True
         self._refused = False
+        # one past max_connections: its request is read, then answered 503
+        self._over = 0 < self.max_connections < len(self.connections)
         self._deadline: asyncio.TimerHandle | None = None
         self._lost: list[Callable[[], None]] = []  # (see on_headers_complete)
         self._limit(self.head_timeout, "Timed out reading the request head.")
@@ -79,18 +110,36 @@ class _Http(HttpToolsProtocol):
             self._deadline.cancel()
         self._deadline = self.loop.call_later(seconds, self._refuse, 408, why) if why else None
 
-    def _refuse(self, status: int, message: str) -> None:
+    def _refuse(self, status: int, message: str, code: str | None = None) -> None:
+        """Answer ``status`` (``code``: as an OpenAI error with that code and
+        ``Retry-After: 1``, else plain text) unless a response is under way,
+        and close the connection."""
         self._limit(0, None)
         if self._refused or self.transport.is_closing():
             return
         self._refused = True
         cycle = self.cycle
         if cycle is None or cycle.response_complete or not cycle.response_started:  # (no response under way)
-            body = message.encode()
-            self.transport.write(b"HTTP/1.1 %d %s\r\ncontent-type: text/plain; charset=utf-8\r\n"
-                                 b"content-length: %d\r\nconnection: close\r\n\r\n%s"
-                                 % (status, HTTPStatus(status).phrase.encode(), len(body), body))
+            if code is None:
+                body, head = message.encode(), b"content-type: text/plain; charset=utf-8\r\n"
+            else:
+                body = error_body(message, "server_error", None, code)
+                head = b"content-type: application/json\r\nretry-after: 1\r\n"
+            self.transport.write(b"HTTP/1.1 %d %s\r\n%scontent-length: %d\r\nconnection: close\r\n\r\n%s"
+                                 % (status, HTTPStatus(status).phrase.encode(), head, len(body), body))
         self.transport.close()
+
+    def _refuse_over_cap(self) -> None:
+        """Answer a connection past ``max_connections`` (its request read)."""
+        cls = type(self)
+        cls._over_cap_count += 1
+        now = self.loop.time()
+        if now - cls._over_cap_logged >= OVER_CAP_LOG_INTERVAL:
+            log.warning("%d connections open, max_connections is %d: %d refused with a 503 since the last "
+                        "warning", len(self.connections) - 1, self.max_connections, cls._over_cap_count)
+            cls._over_cap_logged, cls._over_cap_count = now, 0
+        self._refuse(503, f"The router has too many open connections ({self.max_connections}); retry shortly.",
+                     "too_many_connections")
 
     def _count(self, n: int) -> None:
         self._head += n
@@ -128,6 +177,8 @@ class _Http(HttpToolsProtocol):
         if self._refused:
             return  # (the application never sees the request)
         self._limit(self.body_timeout, "Timed out reading the request body.")
+        if self._over:
+            return  # (read to its end, then answered: on_message_complete)
         super().on_headers_complete()
         if self.cycle is not None:
             # what the request's handler wants called when the connection
@@ -138,16 +189,23 @@ class _Http(HttpToolsProtocol):
         if self._refused:
             return
         self._limit(self.body_timeout, "Timed out reading the request body.")  # (between two reads, as nginx)
-        super().on_body(body)
+        if not self._over:
+            super().on_body(body)
 
     def on_message_complete(self) -> None:
         if self._refused:
             return
         self._limit(0, None)
+        if self._over:
+            self._refuse_over_cap()
+            return
         super().on_message_complete()
 
     def handle_websocket_upgrade(self) -> None:
         self._limit(0, None)  # (the WebSocket protocol takes the connection over)
+        if self._over:
+            self._refuse_over_cap()
+            return
         super().handle_websocket_upgrade()
 
     def connection_lost(self, exc: Exception | None) -> None:
@@ -162,8 +220,13 @@ class Server(uvicorn.Server):
 
     def __init__(self, app: FastPath, **config: Any) -> None:
         self.service = app.svc
-        _Http.head_timeout = app.svc.config.header_timeout  # (one server per process)
-        _Http.body_timeout = app.svc.config.body_timeout
+        cfg = app.svc.config
+        _Http.head_timeout = cfg.header_timeout  # (one server per process)
+        _Http.body_timeout = cfg.body_timeout
+        files = open_file_limit()
+        _Http.max_connections = cfg.max_connections or files // 2
+        log.info("open-file limit %s; serving at most %s client connections", files or "unlimited",
+                 _Http.max_connections or "unlimited")
         super().__init__(uvicorn.Config(
             app,
             loop="router.listener:new_event_loop",

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import socket
 import threading
 import time
@@ -44,9 +45,9 @@ async def app(scope, receive, send):
 
 
 @contextlib.contextmanager
-def serving(head=0.5, body=0.5):
-    old = srv._Http.head_timeout, srv._Http.body_timeout
-    srv._Http.head_timeout, srv._Http.body_timeout = head, body
+def serving(head=0.5, body=0.5, max_connections=0):
+    old = srv._Http.head_timeout, srv._Http.body_timeout, srv._Http.max_connections
+    srv._Http.head_timeout, srv._Http.body_timeout, srv._Http.max_connections = head, body, max_connections
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=PORT, http=srv._Http, loop="asyncio",
                                           lifespan="off", log_level="warning"))
     t = threading.Thread(target=server.run, daemon=True)
@@ -60,7 +61,7 @@ def serving(head=0.5, body=0.5):
     finally:
         server.should_exit = True
         t.join(10)
-        srv._Http.head_timeout, srv._Http.body_timeout = old
+        srv._Http.head_timeout, srv._Http.body_timeout, srv._Http.max_connections = old
 
 
 def conn() -> socket.socket:
@@ -175,3 +176,52 @@ def test_a_body_that_keeps_arriving_is_not_cut_by_body_timeout():
         answer = read_all_until(s, b"got ")
         s.close()
     assert answer.startswith(b"HTTP/1.1 200"), answer
+
+
+def test_a_connection_past_max_connections_gets_a_503_and_the_open_ones_go_on():
+    with serving(head=5, body=5, max_connections=2):
+        streaming, idle = conn(), conn()
+        streaming.sendall(b"GET /slow HTTP/1.1\r\nHost: x\r\n\r\n")  # a long response under way
+        time.sleep(0.2)
+        over = conn()
+        over.sendall(b"POST /echo HTTP/1.1\r\nHost: x\r\nContent-Length: 5\r\n\r\nhello")
+        over.settimeout(5)
+        answer = read_all(over)  # (to the end: the router closes it)
+        over.close()
+        head, _, body = answer.partition(b"\r\n\r\n")
+        assert head.startswith(b"HTTP/1.1 503"), answer
+        assert b"retry-after: 1" in head and b"connection: close" in head and b"application/json" in head
+        error = json.loads(body)["error"]
+        assert error["code"] == "too_many_connections" and error["type"] == "server_error", error
+        assert "(2)" in error["message"]
+
+        upgrade = conn()  # a WebSocket upgrade past the cap too
+        upgrade.sendall(b"GET /ws HTTP/1.1\r\nHost: x\r\nConnection: Upgrade\r\nUpgrade: websocket\r\n"
+                        b"Sec-WebSocket-Version: 13\r\nSec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==\r\n\r\n")
+        upgrade.settimeout(5)
+        assert read_all(upgrade).startswith(b"HTTP/1.1 503")
+        upgrade.close()
+
+        # the open connections were not touched: the stream runs to its end,
+        # and the idle one is served
+        idle.sendall(b"POST /echo HTTP/1.1\r\nHost: x\r\nContent-Length: 2\r\n\r\nhi")
+        assert read_all_until(idle, b"got 2").startswith(b"HTTP/1.1 200")
+        assert b"piece9" in read_all_until(streaming, b"piece9")
+        idle.close()
+        time.sleep(0.2)
+        again = conn()  # one closed: room for one more
+        again.sendall(b"POST /echo HTTP/1.1\r\nHost: x\r\nContent-Length: 2\r\n\r\nhi")
+        assert read_all_until(again, b"got 2").startswith(b"HTTP/1.1 200")
+        again.close()
+        streaming.close()
+
+
+def test_the_open_file_limit_is_raised_to_the_hard_limit():
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard != resource.RLIM_INFINITY:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (max(1024, hard // 2), hard))  # (any process may lower it)
+    limit = srv.open_file_limit()
+    assert resource.getrlimit(resource.RLIMIT_NOFILE)[0] == (soft if hard == resource.RLIM_INFINITY else hard)
+    assert limit == (0 if hard == resource.RLIM_INFINITY else hard)
