@@ -119,6 +119,9 @@ class FastPath:
 
         if callbacks is not None:
             callbacks.append(lost)
+            # A body over uvicorn's high-water mark paused reading, and only
+            # receive() resumes it: unpaused, the client's close is read.
+            cycle.flow.resume_reading()
         else:
             listener = asyncio.get_running_loop().create_task(listen())
         st = es = policy = None

@@ -153,6 +153,36 @@ async def test_client_disconnect_aborts_a_non_streamed_request(make_router) -> N
         )
 
 
+async def test_client_disconnect_aborts_a_request_whose_body_was_over_64_kib(make_router) -> None:
+    # uvicorn stops reading a connection once a body passes its 64 KiB
+    # high-water mark, and only receive() resumes it: without that, the
+    # client's close went unread and the request ran on after it left
+    router: RouterProcess = make_router(replicas=1, sim=SLOW)
+    path, body = _body("completions", "The ", 300)  # 6 s, not streamed
+    payload = json.dumps(body).encode()
+    payload = payload[:-1] + b" " * 100_000 + b"}"  # (whitespace: the same request)
+    head = (f"POST {path} HTTP/1.1\r\nhost: x\r\nauthorization: Bearer {GOLD}\r\n"
+            f"content-type: application/json\r\ncontent-length: {len(payload)}\r\n\r\n").encode()
+    reader, writer = await asyncio.open_connection("127.0.0.1", router.port)
+    async with httpx.AsyncClient(base_url=router.base_url, headers=AUTH, timeout=30) as http:
+        try:
+            writer.write(head)
+            await writer.drain()
+            await asyncio.sleep(0.3)  # the handler now waits in receive() for the body
+            writer.write(payload)  # in one piece, over the mark
+            await writer.drain()
+            await apoll(
+                lambda: _running_and_inflight(router, http, lambda run, inf: run >= 1 and inf >= 1),
+                3, what="the request to show as running on sim-0",
+            )
+        finally:
+            writer.close()
+        await apoll(
+            lambda: _running_and_inflight(router, http, lambda run, inf: run == 0 and inf == 0),
+            2.5, what="the abandoned request to be aborted",
+        )
+
+
 # -- (b) replica crash while idle -----------------------------------------------------
 
 

@@ -15,6 +15,7 @@ import time
 import uvicorn
 
 from router import server as srv
+from router.push import TransportWire
 from tests.helpers import free_port
 
 PORT = free_port()
@@ -31,6 +32,15 @@ async def app(scope, receive, send):
         body += m.get("body", b"")
         if not m.get("more_body"):
             break
+    if scope["path"] == "/wire":  # the router's own head and body's end (router/push.py) on this server
+        wire = TransportWire.open(send, {"x-wire": "own"}, [])
+        if wire is None:
+            await send({"type": "http.response.start", "status": 500, "headers": [(b"content-length", b"0")]})
+            await send({"type": "http.response.body", "body": b""})
+            return
+        wire.write(b"one")
+        wire.finish(b"two")
+        return
     if scope["path"] == "/slow":  # a stream that outlasts the limits
         await send({"type": "http.response.start", "status": 200, "headers": []})
         for i in range(10):
@@ -225,3 +235,18 @@ def test_the_open_file_limit_is_raised_to_the_hard_limit():
     limit = srv.open_file_limit()
     assert resource.getrlimit(resource.RLIMIT_NOFILE)[0] == (soft if hard == resource.RLIM_INFINITY else hard)
     assert limit == (0 if hard == resource.RLIM_INFINITY else hard)
+
+
+def test_the_router_writes_its_own_head_and_end_on_this_server():
+    # (router/push.py's fast path is on under router/server.py's protocol:
+    # were TransportWire.open to decline, the route answers 500)
+    with serving(head=5, body=5):
+        s = conn()
+        for _ in range(2):  # kept alive: the second request is served after the first's end
+            s.sendall(b"POST /wire HTTP/1.1\r\nHost: x\r\nContent-Length: 0\r\n\r\n")
+            answer = read_all_until(s, b"0\r\n\r\n")
+            head, _, body = answer.partition(b"\r\n\r\n")
+            assert head.startswith(b"HTTP/1.1 200") and b"x-wire: own" in head, answer
+            assert b"transfer-encoding: chunked" in head and b"date: " in head
+            assert body == b"3\r\none\r\n3\r\ntwo\r\n0\r\n\r\n", body
+        s.close()
