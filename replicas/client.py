@@ -180,6 +180,7 @@ class ReplicaClient:
         self._ping_ids = itertools.count(1)
         self._on_close = on_close
         self.closed: BaseException | None = None
+        self.refused = False  # (an upstream's: see replicas/upstream.py; never set here)
         self._task = asyncio.get_running_loop().create_task(self._read(), name=f"replica-reader-{name}")
 
     @property

@@ -49,7 +49,7 @@ class ReplicaSlot:
     @property
     def ready(self) -> bool:
         c = self.client
-        return self.state == "ready" and c is not None and c.closed is None
+        return self.state == "ready" and c is not None and c.closed is None and not c.refused
 
     @property
     def model(self) -> str:

@@ -11,6 +11,7 @@ watches its parent pid.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import ctypes
 import json
 import logging
@@ -211,8 +212,10 @@ class Supervisor:
         exited = asyncio.ensure_future(proc.wait()) if proc is not None else None
         progress = Progress(s.health_timeout)
         loop = asyncio.get_running_loop()
+        check_now: asyncio.Event | None = getattr(client, "check_now", None)  # (an upstream's)
         try:
             while client.closed is None and not self._closing:
+                refused = client.refused
                 ping = asyncio.ensure_future(client.ping(s.health_timeout))
                 done, _ = await asyncio.wait({ping, exited} - {None}, return_when=asyncio.FIRST_COMPLETED)
                 if exited is not None and exited in done:
@@ -224,6 +227,10 @@ class Supervisor:
                     raise _Stalled(f"no pong within {s.health_timeout}s (stalled)") from None
                 except ConnectionError:
                     break
+                if refused:  # a connect was refused before this check began, and it answers: chosen again
+                    client.refused = False
+                    log.info("replica %s answers its health check after a refused connection", slot.name)
+                    self.pool.notify_ready()
                 if progress.stuck(pong.load, loop.time()):
                     # (its front end answers, its engine does not: a frozen vLLM engine core)
                     raise _Stalled(f"its engine took no step for {s.health_timeout}s with "
@@ -232,6 +239,11 @@ class Supervisor:
                     done, _ = await asyncio.wait({exited}, timeout=s.health_interval)
                     if done:
                         raise RuntimeError(f"process exited with code {proc.returncode}")
+                elif check_now is not None:  # until the next check, or one asked for now
+                    if not check_now.is_set():
+                        with contextlib.suppress(TimeoutError):
+                            await asyncio.wait_for(check_now.wait(), s.health_interval)
+                    check_now.clear()
                 else:
                     await asyncio.sleep(s.health_interval)
             raise RuntimeError(str(client.closed))

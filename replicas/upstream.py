@@ -212,6 +212,12 @@ class UpstreamClient:
         self.upstream_model = upstream_model
         self.ready = Ready(PROTOCOL_VERSION, model, "openai", max_model_len, 0)
         self.closed: BaseException | None = None
+        # A connect was refused: not chosen for new requests until a health
+        # check begun after it (asked for at once, through ``check_now``)
+        # answers, when the supervisor clears it; the streams it has go on.
+        # A failed check takes it down.
+        self.refused = False
+        self.check_now = asyncio.Event()
         # Whether the upstream returns token ids (None: not known yet).
         self.token_ids: bool | None = {"yes": True, "no": False}.get(spec.token_ids)
         self._require_ids = spec.token_ids == "yes"
@@ -425,13 +431,15 @@ class UpstreamClient:
         except asyncio.CancelledError:
             raise
         except (HttpError, aiohttp.ClientError, OSError, _Failed, msgspec.DecodeError, ValueError) as e:
-            if isinstance(e.__cause__, ConnectionRefusedError) and self.closed is None:
-                # Nothing listens there: down, as a failed health check would
-                # find within the second. Said now, a failover does not come
-                # straight back here (and use up max_failovers on refusals);
-                # with no other replica ready it waits for this one's restart.
-                self.closed = ReplicaDead(f"upstream {self.name} refused a connection: {e}")
-                log.warning("upstream %s refused a connection; down until it answers again", self.name)
+            if isinstance(e.__cause__, ConnectionRefusedError) and not self.refused:
+                # Nothing listens there (it died, or is restarting), or a
+                # proxy in front refused this one connect: not chosen until
+                # the health check, asked for now, tells which. So a failover
+                # does not come straight back here (using up max_failovers on
+                # refusals); with no other replica ready it waits.
+                self.refused = True
+                self.check_now.set()
+                log.warning("upstream %s refused a connection; not chosen until its health check answers", self.name)
             if not st.done:
                 self._lost(st, f"upstream {self.name} failed: {e or type(e).__name__}")
         except Exception as e:  # noqa: BLE001 - a bug here must not leave the stream hanging

@@ -190,6 +190,7 @@ class _Replica(Client):
     """A ready replica connection serving model ``m``; records what it was asked."""
 
     closed = None
+    refused = False
     model = "m"
     load = None
 

@@ -26,6 +26,7 @@ class _Client:
 
     model = MODEL
     closed = None
+    refused = False
     load = LoadReport(0, 0, 0.0)
 
 

@@ -124,3 +124,62 @@ async def test_close_during_a_restart_stop_leaves_no_process_running(monkeypatch
         if proc.returncode is None:
             os.killpg(proc.pid, signal.SIGKILL)
             await proc.wait()
+
+
+class _Upstream:
+    """An upstream client as the supervisor's watch sees it: pings that
+    answer, or fail as ``UpstreamClient.ping`` does (``closed`` set)."""
+
+    model = MODEL
+
+    def __init__(self) -> None:
+        from replicas.protocol import LoadReport
+
+        self.closed: BaseException | None = None
+        self.refused = False
+        self.check_now = asyncio.Event()
+        self.pings = 0
+        self.fail = False
+        self.load = LoadReport(0, 0, 0.0)
+
+    async def ping(self, timeout: float):
+        from replicas.client import ReplicaDead
+        from replicas.protocol import Pong
+
+        self.pings += 1
+        if self.fail:
+            self.closed = ReplicaDead("failed its health check")
+            raise self.closed
+        return Pong(self.pings, self.load)
+
+
+async def test_a_refused_upstream_is_checked_at_once_then_chosen_again_or_taken_down() -> None:
+    # replicas/upstream.py: a refused connect sets ``refused`` (not chosen)
+    # and ``check_now``; the watch pings at once instead of after
+    # health_interval: an answer makes it ready again and wakes the streams
+    # waiting for a replica, a failure takes it down
+    pool = ReplicaPool([ReplicaSpec(name="up", url="http://127.0.0.1:9/v1")])
+    sup = Supervisor(pool, SupervisorSettings(health_interval=30.0))
+    slot = pool.slots[0]
+    client = _Upstream()
+    slot.client, slot.state = client, "ready"  # type: ignore[assignment]
+    woken: list[int] = []
+    watch = asyncio.create_task(sup._watch(slot, client, None))  # type: ignore[arg-type]
+    try:
+        await apoll(lambda: client.pings == 1, 2, what="the first ping")
+        pool.when_ready(lambda: woken.append(1))
+        client.refused = True
+        client.check_now.set()
+        assert not slot.ready  # not chosen meanwhile
+        await apoll(lambda: client.pings == 2, 2, what="a ping at once, not after health_interval (30 s)")
+        await apoll(lambda: slot.ready, 2, what="the upstream chosen again")
+        assert woken == [1] and not client.refused
+
+        client.fail = True
+        client.refused = True
+        client.check_now.set()
+        with pytest.raises(RuntimeError, match="failed its health check"):
+            await asyncio.wait_for(watch, 2)  # (down: _supervise restarts it)
+        assert not slot.ready
+    finally:
+        watch.cancel()
