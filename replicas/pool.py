@@ -120,6 +120,8 @@ class ReplicaPool:
         self.slots = [ReplicaSlot(s) for s in specs]
         self._rng = rng or random.Random()
         self.on_release: Callable[[ReplicaSlot], None] | None = None
+        # called when a replica becomes ready (the scheduler: dispatch what queued)
+        self.on_ready: Callable[[], None] | None = None
         # called once when a replica next becomes ready (``notify_ready``): streams waiting to fail over
         # (a dict: registration order, and forgetting one is O(1))
         self._ready_waiters: dict[Callable[[], None], None] = {}
@@ -157,6 +159,8 @@ class ReplicaPool:
 
     def notify_ready(self) -> None:
         """A replica became ready (the supervisor): call what waited for one."""
+        if self.on_ready is not None:
+            self.on_ready()
         waiting, self._ready_waiters = list(self._ready_waiters), {}
         for callback in waiting:
             try:

@@ -215,7 +215,7 @@ class Supervisor:
         check_now: asyncio.Event | None = getattr(client, "check_now", None)  # (an upstream's)
         try:
             while client.closed is None and not self._closing:
-                refused = client.refused
+                refused, refusals = client.refused, getattr(client, "refusals", 0)
                 ping = asyncio.ensure_future(client.ping(s.health_timeout))
                 done, _ = await asyncio.wait({ping, exited} - {None}, return_when=asyncio.FIRST_COMPLETED)
                 if exited is not None and exited in done:
@@ -227,7 +227,9 @@ class Supervisor:
                     raise _Stalled(f"no pong within {s.health_timeout}s (stalled)") from None
                 except ConnectionError:
                     break
-                if refused:  # a connect was refused before this check began, and it answers: chosen again
+                if refused and client.refusals == refusals:
+                    # a connect was refused before this check began, none
+                    # since, and it answers: chosen again
                     client.refused = False
                     log.info("replica %s answers its health check after a refused connection", slot.name)
                     self.pool.notify_ready()

@@ -217,6 +217,7 @@ class UpstreamClient:
         # answers, when the supervisor clears it; the streams it has go on.
         # A failed check takes it down.
         self.refused = False
+        self.refusals = 0  # (one during a check keeps it refused: the supervisor checks again)
         self.check_now = asyncio.Event()
         # Whether the upstream returns token ids (None: not known yet).
         self.token_ids: bool | None = {"yes": True, "no": False}.get(spec.token_ids)
@@ -301,10 +302,16 @@ class UpstreamClient:
         self._streams.pop(col.rid, None)
 
     async def ping(self, timeout: float) -> Pong:
-        """GET {url}/models; ``ReplicaDead`` if it fails, TimeoutError if slow."""
+        """GET {url}/models; ``ReplicaDead`` if it fails, TimeoutError if slow.
+        After a refused connect it goes on a new connection (the session's
+        kept-alive one would not tell whether new ones are taken)."""
+        session = self._session
+        if self.refused:
+            session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(force_close=True),
+                                            headers=self._session.headers, auto_decompress=False)
         try:
             async with asyncio.timeout(timeout):
-                async with self._session.get(self.url + "/models") as r:
+                async with session.get(self.url + "/models") as r:
                     body = await r.read()
                     if r.status != 200:
                         raise _Failed(f"GET /models: HTTP {r.status}: {_error_text(body)}")
@@ -313,6 +320,9 @@ class UpstreamClient:
         except (aiohttp.ClientError, OSError, _Failed) as e:
             self.closed = ReplicaDead(f"upstream {self.name} failed its health check: {e}")
             raise self.closed from e
+        finally:
+            if session is not self._session:
+                await session.close()
         return Pong(next(self._pings), self.load)
 
     async def close(self) -> None:
@@ -431,15 +441,18 @@ class UpstreamClient:
         except asyncio.CancelledError:
             raise
         except (HttpError, aiohttp.ClientError, OSError, _Failed, msgspec.DecodeError, ValueError) as e:
-            if isinstance(e.__cause__, ConnectionRefusedError) and not self.refused:
+            if isinstance(e.__cause__, ConnectionRefusedError):
                 # Nothing listens there (it died, or is restarting), or a
                 # proxy in front refused this one connect: not chosen until
                 # the health check, asked for now, tells which. So a failover
                 # does not come straight back here (using up max_failovers on
                 # refusals); with no other replica ready it waits.
-                self.refused = True
+                self.refusals += 1
                 self.check_now.set()
-                log.warning("upstream %s refused a connection; not chosen until its health check answers", self.name)
+                if not self.refused:
+                    self.refused = True
+                    log.warning("upstream %s refused a connection; not chosen until a health check on a new "
+                                "connection answers", self.name)
             if not st.done:
                 self._lost(st, f"upstream {self.name} failed: {e or type(e).__name__}")
         except Exception as e:  # noqa: BLE001 - a bug here must not leave the stream hanging

@@ -69,7 +69,7 @@ class RouterConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     """Seconds a request's body may go without arriving, after its head or between two reads (408 and closed after; nginx's ``client_body_timeout``)."""
 
     max_connections: int = 0
-    """Client connections one router process serves at once (each worker, with ``--workers``). One more is answered once its request is read: a 503 in OpenAI's error shape (code ``too_many_connections``, ``Retry-After: 1``), then closed; the streams already open go on, and the file descriptors they need for their replicas and upstreams stay free. 0: half the process's open-file limit, which the router raises to its hard limit at start (a stream through a ``url:`` upstream holds two descriptors)."""
+    """Client connections one router process serves at once (each worker, with ``--workers``). One more is answered once its request is read (at most 2 s after it connects; at once if it waits for ``100 Continue``): a 503 in OpenAI's error shape (code ``too_many_connections``, ``Retry-After: 1``), then closed; the streams already open go on, and the file descriptors they need for their replicas and upstreams stay free. 0: half of the process's open-file limit less 256 (at least 64), the limit being raised to its hard limit at start (a stream through a ``url:`` upstream holds two descriptors)."""
 
     metrics_require_admin_key: bool = False
     """When true, ``GET /metrics`` needs an admin key (``Authorization: Bearer KEY``; in Prometheus ``authorization: {credentials: KEY}``). Off, anyone who reaches the port sees every tenant's name and traffic there."""

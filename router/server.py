@@ -58,6 +58,18 @@ class _WebSocket(WebSocketsSansIOProtocol):
 MAX_HEAD_BYTES = 64 * 1024  # request line and headers
 # at most one "too many connections" warning per this many seconds
 OVER_CAP_LOG_INTERVAL = 10.0
+# seconds a connection past max_connections has to send its request before
+# it is answered anyway (it must not hold a descriptor for the head timeout)
+OVER_CAP_READ = 2.0
+# descriptors kept out of the default cap: listeners, replica and Redis
+# connections, health checks, log files
+FILE_RESERVE = 256
+
+
+def default_max_connections(files: int) -> int:
+    """The cap from the open-file limit (0: none): half of what the reserve
+    leaves, since a stream through a ``url:`` upstream holds two."""
+    return max(64, (files - FILE_RESERVE) // 2) if files else 0
 
 
 def open_file_limit() -> int:
@@ -91,7 +103,8 @@ class _Http(HttpToolsProtocol):
     body_timeout = 60.0
     max_connections = 0  # 0: no cap
     _over_cap_logged = -OVER_CAP_LOG_INTERVAL  # (loop time of the last warning)
-    _over_cap_count = 0  # connections refused since
+    _over_cap_count = 0  # connections refused since, not yet in a warning
+    _over_cap_flush: asyncio.TimerHandle | None = None  # (the warning for the last of them)
 
     def connection_made(self, transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
@@ -103,7 +116,10 @@ class _Http(HttpToolsProtocol):
         self._over = 0 < self.max_connections < len(self.connections)
         self._deadline: asyncio.TimerHandle | None = None
         self._lost: list[Callable[[], None]] = []  # (see on_headers_complete)
-        self._limit(self.head_timeout, "Timed out reading the request head.")
+        if self._over:  # (its request, or not, within OVER_CAP_READ: answered all the same)
+            self._deadline = self.loop.call_later(OVER_CAP_READ, self._refuse_over_cap)
+        else:
+            self._limit(self.head_timeout, "Timed out reading the request head.")
 
     def _limit(self, seconds: float, why: str | None) -> None:
         if self._deadline is not None:
@@ -119,7 +135,9 @@ class _Http(HttpToolsProtocol):
             return
         self._refused = True
         cycle = self.cycle
-        if cycle is None or cycle.response_complete or not cycle.response_started:  # (no response under way)
+        # (no response under way: none started, and no earlier request's
+        # response that this pipelined one waits behind)
+        if (cycle is None or cycle.response_complete or not cycle.response_started) and not self.pipeline:
             if code is None:
                 body, head = message.encode(), b"content-type: text/plain; charset=utf-8\r\n"
             else:
@@ -130,16 +148,30 @@ class _Http(HttpToolsProtocol):
         self.transport.close()
 
     def _refuse_over_cap(self) -> None:
-        """Answer a connection past ``max_connections`` (its request read)."""
+        """Answer a connection past ``max_connections`` (its request read,
+        or ``OVER_CAP_READ`` passed)."""
+        if self._refused or self.transport.is_closing():
+            return
         cls = type(self)
         cls._over_cap_count += 1
-        now = self.loop.time()
-        if now - cls._over_cap_logged >= OVER_CAP_LOG_INTERVAL:
-            log.warning("%d connections open, max_connections is %d: %d refused with a 503 since the last "
-                        "warning", len(self.connections) - 1, self.max_connections, cls._over_cap_count)
-            cls._over_cap_logged, cls._over_cap_count = now, 0
+        wait = cls._over_cap_logged + OVER_CAP_LOG_INTERVAL - self.loop.time()
+        if wait <= 0:
+            self._warn_over_cap(self.loop, len(self.connections))
+        elif cls._over_cap_flush is None:  # (the last of a burst is told too)
+            cls._over_cap_flush = self.loop.call_later(wait, self._warn_over_cap, self.loop, None)
         self._refuse(503, f"The router has too many open connections ({self.max_connections}); retry shortly.",
                      "too_many_connections")
+
+    @classmethod
+    def _warn_over_cap(cls, loop, open_now: int | None) -> None:
+        if cls._over_cap_flush is not None:
+            cls._over_cap_flush.cancel()
+            cls._over_cap_flush = None
+        if cls._over_cap_count:
+            now = f"{open_now} connections open" if open_now is not None else "connections"
+            log.warning("%s past max_connections (%d): %d refused with a 503 since the last warning",
+                        now, cls.max_connections, cls._over_cap_count)
+        cls._over_cap_logged, cls._over_cap_count = loop.time(), 0
 
     def _count(self, n: int) -> None:
         self._head += n
@@ -159,7 +191,7 @@ class _Http(HttpToolsProtocol):
 
     def on_message_begin(self) -> None:
         super().on_message_begin()
-        if not self._in_head:  # a keep-alive connection's next request
+        if not self._in_head and not self._over:  # a keep-alive connection's next request
             self._in_head = True
             self._limit(self.head_timeout, "Timed out reading the request head.")
         self._head = self._raw = 0
@@ -176,9 +208,11 @@ class _Http(HttpToolsProtocol):
         self._in_head = False
         if self._refused:
             return  # (the application never sees the request)
-        self._limit(self.body_timeout, "Timed out reading the request body.")
         if self._over:
+            if self.expect_100_continue:  # (it holds its body back for a 100: answer now, as RFC 9110 allows)
+                self._refuse_over_cap()
             return  # (read to its end, then answered: on_message_complete)
+        self._limit(self.body_timeout, "Timed out reading the request body.")
         super().on_headers_complete()
         if self.cycle is not None:
             # what the request's handler wants called when the connection
@@ -188,17 +222,17 @@ class _Http(HttpToolsProtocol):
     def on_body(self, body: bytes) -> None:
         if self._refused:
             return
-        self._limit(self.body_timeout, "Timed out reading the request body.")  # (between two reads, as nginx)
         if not self._over:
+            self._limit(self.body_timeout, "Timed out reading the request body.")  # (between two reads, as nginx)
             super().on_body(body)
 
     def on_message_complete(self) -> None:
         if self._refused:
             return
-        self._limit(0, None)
         if self._over:
             self._refuse_over_cap()
             return
+        self._limit(0, None)
         super().on_message_complete()
 
     def handle_websocket_upgrade(self) -> None:
@@ -224,7 +258,7 @@ class Server(uvicorn.Server):
         _Http.head_timeout = cfg.header_timeout  # (one server per process)
         _Http.body_timeout = cfg.body_timeout
         files = open_file_limit()
-        _Http.max_connections = cfg.max_connections or files // 2
+        _Http.max_connections = cfg.max_connections or default_max_connections(files)
         log.info("open-file limit %s; serving at most %s client connections", files or "unlimited",
                  _Http.max_connections or "unlimited")
         super().__init__(uvicorn.Config(

@@ -36,6 +36,7 @@ class _FakeClient:
 
         self.model = model
         self.closed = None
+        self.refused = False
         self.load = LoadReport(0, 0, 0.0)
 
 

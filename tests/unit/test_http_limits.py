@@ -250,3 +250,39 @@ def test_the_router_writes_its_own_head_and_end_on_this_server():
             assert b"transfer-encoding: chunked" in head and b"date: " in head
             assert body == b"3\r\none\r\n3\r\ntwo\r\n0\r\n\r\n", body
         s.close()
+
+
+def test_past_max_connections_a_silent_or_expect_100_connection_is_answered_at_once(monkeypatch):
+    monkeypatch.setattr(srv, "OVER_CAP_READ", 0.5)
+    with serving(head=30, body=60, max_connections=1):
+        held = conn()
+        held.sendall(b"GET /slow HTTP/1.1\r\nHost: x\r\n\r\n")
+        time.sleep(0.2)
+        silent = conn()  # sends nothing: answered after OVER_CAP_READ, not the 30 s head timeout
+        t0 = time.monotonic()
+        silent.settimeout(5)
+        assert read_all(silent).startswith(b"HTTP/1.1 503")
+        assert time.monotonic() - t0 < 3
+        silent.close()
+        waiting = conn()  # holds its body back for a 100 Continue: answered now, not after body_timeout
+        waiting.sendall(b"POST /echo HTTP/1.1\r\nHost: x\r\nContent-Length: 5\r\nExpect: 100-continue\r\n\r\n")
+        t0 = time.monotonic()
+        waiting.settimeout(5)
+        answer = read_all(waiting)
+        assert answer.startswith(b"HTTP/1.1 503") and b"100 Continue" not in answer, answer
+        assert time.monotonic() - t0 < 0.4  # (before OVER_CAP_READ)
+        waiting.close()
+        held.close()
+
+
+def test_a_pipelined_request_whose_body_stops_does_not_write_a_408_into_the_stream_before_it():
+    # (the 408 went out while the first response was still streaming: bytes
+    # in the middle of its chunked body; now the connection is only closed)
+    with serving(head=5, body=0.5):
+        s = conn()
+        s.sendall(b"GET /slow HTTP/1.1\r\nHost: x\r\n\r\n"
+                  b"POST /echo HTTP/1.1\r\nHost: x\r\nContent-Length: 10\r\n\r\nab")  # 8 bytes never come
+        s.settimeout(5)
+        answer = read_all(s)
+        s.close()
+    assert answer.startswith(b"HTTP/1.1 200") and answer.count(b"HTTP/1.1 ") == 1, answer

@@ -65,3 +65,25 @@ async def test_stop_all_ends_the_queue_and_refuses_new_requests() -> None:
         await sched.acquire(b, 1, MODEL, 8)
     held.release()
     assert pool.slots[0].inflight == 0
+
+
+async def test_a_request_queued_behind_a_full_replica_goes_to_one_that_becomes_ready() -> None:
+    # (a restart, or an upstream chosen again after a refused connect: the
+    # supervisor's pool.notify_ready wakes the queue, not only a release)
+    pool = ReplicaPool([ReplicaSpec(name="r0", address="127.0.0.1:9"),
+                        ReplicaSpec(name="r1", address="127.0.0.1:10")])
+    for slot in pool.slots:
+        slot.client = _Client()  # type: ignore[assignment]
+    pool.slots[0].state = "ready"  # r1 is restarting
+    sched = Scheduler(pool, Metrics(), SchedulerSettings(),
+                      AimdSettings(enabled=False, initial=1, min_inflight=1, max_inflight=1))
+    held = await sched.acquire(_policy("a"), 1, MODEL, 8)  # r0's one slot
+    waiting = asyncio.create_task(sched.acquire(_policy("a"), 1, MODEL, 8))
+    await asyncio.sleep(0)
+    assert sched.queued("a") == 1
+    pool.slots[1].state = "ready"
+    pool.notify_ready()
+    handle = await asyncio.wait_for(waiting, 1)  # without waiting for r0's release
+    assert handle.slot.name == "r1" and sched.queued("a") == 0
+    handle.release()
+    held.release()

@@ -137,6 +137,7 @@ class _Upstream:
 
         self.closed: BaseException | None = None
         self.refused = False
+        self.refusals = 0
         self.check_now = asyncio.Event()
         self.pings = 0
         self.fail = False
@@ -168,7 +169,7 @@ async def test_a_refused_upstream_is_checked_at_once_then_chosen_again_or_taken_
     try:
         await apoll(lambda: client.pings == 1, 2, what="the first ping")
         pool.when_ready(lambda: woken.append(1))
-        client.refused = True
+        client.refused, client.refusals = True, 1
         client.check_now.set()
         assert not slot.ready  # not chosen meanwhile
         await apoll(lambda: client.pings == 2, 2, what="a ping at once, not after health_interval (30 s)")
