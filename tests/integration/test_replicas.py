@@ -110,27 +110,41 @@ async def test_client_disconnect_aborts_a_stream_with_a_pipelined_request_behind
     router: RouterProcess = make_router(replicas=1, sim=SLOW)
     path, body = _body("completions", "The ", 1000, stream=True)
     payload = json.dumps(body).encode()
-    request = (f"POST {path} HTTP/1.1\r\nhost: x\r\nauthorization: Bearer {GOLD}\r\n"
-               f"content-type: application/json\r\ncontent-length: {len(payload)}\r\n\r\n").encode() + payload
     reader, writer = await asyncio.open_connection("127.0.0.1", router.port)
     async with httpx.AsyncClient(base_url=router.base_url, headers=AUTH, timeout=30) as http:
         try:
-            writer.write(request + b"GET /health HTTP/1.1\r\nhost: x\r\n\r\n")
+            writer.write(_raw_post(path, payload) + payload + b"GET /health HTTP/1.1\r\nhost: x\r\n\r\n")
             got = b""
             while got.count(b"data: ") < 5:
                 got += await asyncio.wait_for(reader.read(65536), 10)
-            await apoll(
-                lambda: _running_and_inflight(router, http, lambda run, inf: run >= 1 and inf >= 1),
-                3, what="the stream to show as running on sim-0",
-            )
-        finally:
+        except BaseException:
             writer.close()
-        await apoll(
-            lambda: _running_and_inflight(router, http, lambda run, inf: run == 0 and inf == 0),
-            2.5, what="sim-0 running and router inflight to drop to 0 after the disconnect",
-        )
+            raise
+        await _aborted_when_closed(router, http, writer)
         m = await router.ametrics(http)
         assert m.value("fairstream_requests_total", tenant="gold", outcome="cancelled") == 1
+
+
+def _raw_post(path: str, payload: bytes) -> bytes:
+    """The head of a POST of ``payload`` with the gold key, for a raw socket."""
+    return (f"POST {path} HTTP/1.1\r\nhost: x\r\nauthorization: Bearer {GOLD}\r\n"
+            f"content-type: application/json\r\ncontent-length: {len(payload)}\r\n\r\n").encode()
+
+
+async def _aborted_when_closed(router: RouterProcess, http: httpx.AsyncClient, writer: asyncio.StreamWriter) -> None:
+    """Once the request runs on sim-0, close its connection: it must be
+    dropped from the replica and the router's count at once."""
+    try:
+        await apoll(
+            lambda: _running_and_inflight(router, http, lambda run, inf: run >= 1 and inf >= 1),
+            3, what="the request to show as running on sim-0",
+        )
+    finally:
+        writer.close()
+    await apoll(
+        lambda: _running_and_inflight(router, http, lambda run, inf: run == 0 and inf == 0),
+        2.5, what="sim-0 running and router inflight to drop to 0 after the disconnect",
+    )
 
 
 async def _running_and_inflight(router: RouterProcess, http: httpx.AsyncClient, ok) -> bool:
@@ -161,26 +175,18 @@ async def test_client_disconnect_aborts_a_request_whose_body_was_over_64_kib(mak
     path, body = _body("completions", "The ", 300)  # 6 s, not streamed
     payload = json.dumps(body).encode()
     payload = payload[:-1] + b" " * 100_000 + b"}"  # (whitespace: the same request)
-    head = (f"POST {path} HTTP/1.1\r\nhost: x\r\nauthorization: Bearer {GOLD}\r\n"
-            f"content-type: application/json\r\ncontent-length: {len(payload)}\r\n\r\n").encode()
     reader, writer = await asyncio.open_connection("127.0.0.1", router.port)
     async with httpx.AsyncClient(base_url=router.base_url, headers=AUTH, timeout=30) as http:
         try:
-            writer.write(head)
+            writer.write(_raw_post(path, payload))
             await writer.drain()
             await asyncio.sleep(0.3)  # the handler now waits in receive() for the body
             writer.write(payload)  # in one piece, over the mark
             await writer.drain()
-            await apoll(
-                lambda: _running_and_inflight(router, http, lambda run, inf: run >= 1 and inf >= 1),
-                3, what="the request to show as running on sim-0",
-            )
-        finally:
+        except BaseException:
             writer.close()
-        await apoll(
-            lambda: _running_and_inflight(router, http, lambda run, inf: run == 0 and inf == 0),
-            2.5, what="the abandoned request to be aborted",
-        )
+            raise
+        await _aborted_when_closed(router, http, writer)
 
 
 # -- (b) replica crash while idle -----------------------------------------------------
