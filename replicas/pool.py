@@ -160,7 +160,10 @@ class ReplicaPool:
     def notify_ready(self) -> None:
         """A replica became ready (the supervisor): call what waited for one."""
         if self.on_ready is not None:
-            self.on_ready()
+            try:
+                self.on_ready()
+            except Exception:  # noqa: BLE001 - the streams waiting below must continue all the same
+                log.exception("dispatching the queue to a ready replica failed")
         waiting, self._ready_waiters = list(self._ready_waiters), {}
         for callback in waiting:
             try:

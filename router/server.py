@@ -106,6 +106,15 @@ class _Http(HttpToolsProtocol):
     _over_cap_count = 0  # connections refused since, not yet in a warning
     _over_cap_flush: asyncio.TimerHandle | None = None  # (the warning for the last of them)
 
+    @classmethod
+    def configure(cls, head_timeout: float, body_timeout: float, max_connections: int) -> None:
+        """The limits of this process's server (one server per process),
+        and a fresh tally of connections refused past the cap."""
+        cls.head_timeout, cls.body_timeout, cls.max_connections = head_timeout, body_timeout, max_connections
+        if cls._over_cap_flush is not None:
+            cls._over_cap_flush.cancel()
+        cls._over_cap_flush, cls._over_cap_count, cls._over_cap_logged = None, 0, -OVER_CAP_LOG_INTERVAL
+
     def connection_made(self, transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
         self._head = 0  # bytes of the request line and headers parsed so far
@@ -214,6 +223,10 @@ class _Http(HttpToolsProtocol):
             return  # (read to its end, then answered: on_message_complete)
         self._limit(self.body_timeout, "Timed out reading the request body.")
         super().on_headers_complete()
+        if self.pipeline:
+            # queued behind a response under way, with reading paused: its
+            # body cannot come yet (on_response_complete starts its time)
+            self._limit(0, None)
         if self.cycle is not None:
             # what the request's handler wants called when the connection
             # is lost (router.fastpath: no waiter task per request)
@@ -223,7 +236,8 @@ class _Http(HttpToolsProtocol):
         if self._refused:
             return
         if not self._over:
-            self._limit(self.body_timeout, "Timed out reading the request body.")  # (between two reads, as nginx)
+            if not self.pipeline:  # (queued: its time starts in on_response_complete)
+                self._limit(self.body_timeout, "Timed out reading the request body.")  # (between two reads, as nginx)
             super().on_body(body)
 
     def on_message_complete(self) -> None:
@@ -234,6 +248,14 @@ class _Http(HttpToolsProtocol):
             return
         self._limit(0, None)
         super().on_message_complete()
+
+    def on_response_complete(self) -> None:
+        super().on_response_complete()
+        cycle = self.cycle
+        if (not self.pipeline and not self._in_head and not self._refused and cycle is not None
+                and cycle.more_body and not cycle.response_complete):
+            # a pipelined request that waited with its body unread starts now
+            self._limit(self.body_timeout, "Timed out reading the request body.")
 
     def handle_websocket_upgrade(self) -> None:
         self._limit(0, None)  # (the WebSocket protocol takes the connection over)
@@ -255,10 +277,9 @@ class Server(uvicorn.Server):
     def __init__(self, app: FastPath, **config: Any) -> None:
         self.service = app.svc
         cfg = app.svc.config
-        _Http.head_timeout = cfg.header_timeout  # (one server per process)
-        _Http.body_timeout = cfg.body_timeout
         files = open_file_limit()
-        _Http.max_connections = cfg.max_connections or default_max_connections(files)
+        _Http.configure(cfg.header_timeout, cfg.body_timeout,
+                        cfg.max_connections or default_max_connections(files))
         log.info("open-file limit %s; serving at most %s client connections", files or "unlimited",
                  _Http.max_connections or "unlimited")
         super().__init__(uvicorn.Config(

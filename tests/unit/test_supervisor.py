@@ -140,6 +140,7 @@ class _Upstream:
         self.refusals = 0
         self.check_now = asyncio.Event()
         self.pings = 0
+        self.during = None
         self.fail = False
         self.load = LoadReport(0, 0, 0.0)
 
@@ -148,6 +149,9 @@ class _Upstream:
         from replicas.protocol import Pong
 
         self.pings += 1
+        if self.during is not None:  # (something that happens while the check is under way)
+            during, self.during = self.during, None
+            during()
         if self.fail:
             self.closed = ReplicaDead("failed its health check")
             raise self.closed
@@ -176,6 +180,16 @@ async def test_a_refused_upstream_is_checked_at_once_then_chosen_again_or_taken_
         await apoll(lambda: slot.ready, 2, what="the upstream chosen again")
         assert woken == [1] and not client.refused
 
+        def refused_again() -> None:  # a second refusal while the check runs: that check does not clear it
+            client.refusals += 1
+            client.check_now.set()
+
+        client.refused, client.refusals, client.during = True, client.refusals + 1, refused_again
+        client.check_now.set()
+        await apoll(lambda: client.pings == 4, 2, what="a second check at once")
+        await apoll(lambda: slot.ready, 2, what="the upstream chosen again after the second check")
+        assert woken == [1]  # (nobody waited this time)
+
         client.fail = True
         client.refused = True
         client.check_now.set()
@@ -184,3 +198,37 @@ async def test_a_refused_upstream_is_checked_at_once_then_chosen_again_or_taken_
         assert not slot.ready
     finally:
         watch.cancel()
+
+
+async def test_the_check_after_a_refused_connect_goes_on_a_new_connection() -> None:
+    # the control session keeps its connection alive: a check on it would
+    # not show whether the upstream (or a proxy before it) takes new ones
+    from aiohttp import web
+
+    from replicas.upstream import open_upstream
+
+    seen: list[tuple[object, str | None]] = []
+
+    async def models(request: web.Request) -> web.Response:
+        seen.append((request.transport.get_extra_info("peername"), request.headers.get("Connection")))
+        return web.json_response({"object": "list", "data": [{"id": MODEL, "object": "model"}]})
+
+    app = web.Application()
+    app.router.add_get("/v1/models", models)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+    client = await open_upstream("up", ReplicaSpec(name="up", url=f"http://127.0.0.1:{port}/v1"))
+    try:
+        await client.ping(5)
+        await client.ping(5)
+        client.refused = True
+        await client.ping(5)
+    finally:
+        await client.close()
+        await runner.cleanup()
+    (_, *kept), refused = seen[:-1], seen[-1]
+    assert len({peer for peer, _ in kept}) == 1  # the session's kept-alive connection
+    assert refused[0] not in {peer for peer, _ in seen[:-1]} and refused[1] == "close", seen
