@@ -202,7 +202,10 @@ class _Http(HttpToolsProtocol):
         super().on_message_begin()
         if not self._in_head and not self._over:  # a keep-alive connection's next request
             self._in_head = True
-            self._limit(self.head_timeout, "Timed out reading the request head.")
+            if self.pipeline:  # (behind a queued request: its time starts in on_response_complete)
+                self._limit(0, None)
+            else:
+                self._limit(self.head_timeout, "Timed out reading the request head.")
         self._head = self._raw = 0
 
     def on_url(self, url: bytes) -> None:
@@ -224,8 +227,9 @@ class _Http(HttpToolsProtocol):
         self._limit(self.body_timeout, "Timed out reading the request body.")
         super().on_headers_complete()
         if self.pipeline:
-            # queued behind a response under way, with reading paused: its
-            # body cannot come yet (on_response_complete starts its time)
+            # queued behind a response under way, reading paused (unless that
+            # request's handler reads): its body may not come yet, so its
+            # time starts when it does (on_response_complete)
             self._limit(0, None)
         if self.cycle is not None:
             # what the request's handler wants called when the connection
@@ -250,11 +254,16 @@ class _Http(HttpToolsProtocol):
         super().on_message_complete()
 
     def on_response_complete(self) -> None:
+        queued = bool(self.pipeline)
         super().on_response_complete()
-        cycle = self.cycle
-        if (not self.pipeline and not self._in_head and not self._refused and cycle is not None
-                and cycle.more_body and not cycle.response_complete):
-            # a pipelined request that waited with its body unread starts now
+        if not queued or self.pipeline or self._refused or self.transport.is_closing():
+            return
+        # The last queued request starts: the time of what it has not sent
+        # yet starts now (behind a response under way it may not have been
+        # read: uvicorn pauses reading while requests queue).
+        if self._in_head:
+            self._limit(self.head_timeout, "Timed out reading the request head.")
+        elif self.cycle is not None and self.cycle.more_body:
             self._limit(self.body_timeout, "Timed out reading the request body.")
 
     def handle_websocket_upgrade(self) -> None:

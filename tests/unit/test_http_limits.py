@@ -304,3 +304,18 @@ def test_a_pipelined_request_whose_body_comes_later_does_not_cut_the_stream_befo
         answer = read_all_until(s, b"got 5")
         s.close()
     assert b"piece9" in answer and b"got 5" in answer, answer
+
+
+def test_a_half_sent_head_behind_a_queued_request_does_not_cut_the_stream_before_it():
+    # the head timer too started while reading was paused behind the stream
+    with serving(head=0.5, body=5):
+        s = conn()
+        s.sendall(b"GET /slow HTTP/1.1\r\nHost: x\r\n\r\n")
+        time.sleep(0.3)
+        s.sendall(b"POST /echo HTTP/1.1\r\nHost: x\r\nContent-Length: 2\r\n\r\nhi"
+                  b"POST /echo HTTP/1.1\r\nHo")  # a queued request, then half of another's head
+        time.sleep(0.1)
+        s.sendall(b"st: x\r\nContent-Length: 3\r\n\r\nabc")
+        answer = read_all_until(s, b"got 3")
+        s.close()
+    assert b"piece9" in answer and b"got 2" in answer and b"got 3" in answer, answer
