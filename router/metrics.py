@@ -28,6 +28,8 @@ _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0
 # label values of fairstream_rate_limited_total's ``limit`` and fairstream_timeouts_total's ``timeout``
 RATE_LIMITS = ("requests", "tokens", "concurrency", "queue", "queue_wait")
 TIMEOUTS = ("first_token", "total")
+# label values of fairstream_http_connections_refused_total's ``reason`` (router/server.py)
+CONNECTION_REFUSALS = ("max_connections", "header_timeout", "body_timeout", "header_too_large")
 _ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.015, 0.02, 0.03, 0.05, 0.075, 0.1, 0.2, 0.5, 1, 2, 5)
 
 
@@ -115,6 +117,17 @@ class Metrics:
         self.resumes = Counter(
             "fairstream_stream_resumes", "Streams resumed by clients with Last-Event-ID.", ["tenant"], registry=r
         )
+        self.connections = Gauge(
+            "fairstream_http_connections", "Client connections open (HTTP and WebSocket).",
+            registry=r, multiprocess_mode="livesum",
+        )
+        self.connections_refused = Counter(
+            "fairstream_http_connections_refused",
+            "Client connections answered and closed before a request reached the router, by reason.",
+            ["reason"], registry=r,
+        )
+        for reason in CONNECTION_REFUSALS:
+            self.connections_refused.labels(reason)
         self.streams_lost = Counter("fairstream_streams_lost", "Streams that had produced output and ended with an error because no replica could continue them.", registry=r)
         self._children: dict[tuple[object, tuple[str, ...]], Any] = {}
 

@@ -34,6 +34,7 @@ from uvicorn.protocols.websockets.websockets_sansio_impl import WebSocketsSansIO
 from router.config import SHUTDOWN_MARGIN
 from router.errors import error_body
 from router.fastpath import FastPath
+from router.metrics import Metrics
 
 __all__ = ["Server"]
 
@@ -44,7 +45,18 @@ class _WebSocket(WebSocketsSansIOProtocol):
     """uvicorn's WebSocket protocol (``ws="auto"`` with websockets installed),
     except that shutdown does not close an open connection: the router's
     handler does, once its requests have ended; uvicorn cancels the handler
-    at its own limit if it has not."""
+    at its own limit if it has not. Counted in ``fairstream_http_connections``
+    from the upgrade on."""
+
+    def connection_made(self, transport) -> None:  # type: ignore[override]
+        super().connection_made(transport)
+        if _Http.metrics is not None:
+            _Http.metrics.connections.inc()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        if _Http.metrics is not None:
+            _Http.metrics.connections.dec()
+        super().connection_lost(exc)
 
     def shutdown(self) -> None:
         if self.handshake_complete and not self.close_sent:
@@ -56,6 +68,10 @@ class _WebSocket(WebSocketsSansIOProtocol):
 
 
 MAX_HEAD_BYTES = 64 * 1024  # request line and headers
+HEAD_TIMEOUT = "Timed out reading the request head."
+BODY_TIMEOUT = "Timed out reading the request body."
+# fairstream_http_connections_refused_total's reason of each refusal
+_REASONS = {HEAD_TIMEOUT: "header_timeout", BODY_TIMEOUT: "body_timeout"}
 # at most one "too many connections" warning per this many seconds
 OVER_CAP_LOG_INTERVAL = 10.0
 # seconds a connection past max_connections has to send its request before
@@ -102,21 +118,27 @@ class _Http(HttpToolsProtocol):
     head_timeout = 30.0
     body_timeout = 60.0
     max_connections = 0  # 0: no cap
+    metrics: Metrics | None = None  # (the router's: open and refused connections)
     _over_cap_logged = -OVER_CAP_LOG_INTERVAL  # (loop time of the last warning)
     _over_cap_count = 0  # connections refused since, not yet in a warning
     _over_cap_flush: asyncio.TimerHandle | None = None  # (the warning for the last of them)
 
     @classmethod
-    def configure(cls, head_timeout: float, body_timeout: float, max_connections: int) -> None:
-        """The limits of this process's server (one server per process),
-        and a fresh tally of connections refused past the cap."""
+    def configure(cls, head_timeout: float, body_timeout: float, max_connections: int,
+                  metrics: Metrics | None = None) -> None:
+        """The limits of this process's server (one server per process), the
+        metrics it counts connections in, and a fresh tally of connections
+        refused past the cap."""
         cls.head_timeout, cls.body_timeout, cls.max_connections = head_timeout, body_timeout, max_connections
+        cls.metrics = metrics
         if cls._over_cap_flush is not None:
             cls._over_cap_flush.cancel()
         cls._over_cap_flush, cls._over_cap_count, cls._over_cap_logged = None, 0, -OVER_CAP_LOG_INTERVAL
 
     def connection_made(self, transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
+        if self.metrics is not None:
+            self.metrics.connections.inc()
         self._head = 0  # bytes of the request line and headers parsed so far
         self._raw = 0  # bytes received since the request began, while its head is incomplete
         self._in_head = True
@@ -128,7 +150,7 @@ class _Http(HttpToolsProtocol):
         if self._over:  # (its request, or not, within OVER_CAP_READ: answered all the same)
             self._deadline = self.loop.call_later(OVER_CAP_READ, self._refuse_over_cap)
         else:
-            self._limit(self.head_timeout, "Timed out reading the request head.")
+            self._limit(self.head_timeout, HEAD_TIMEOUT)
 
     def _limit(self, seconds: float, why: str | None) -> None:
         if self._deadline is not None:
@@ -143,6 +165,9 @@ class _Http(HttpToolsProtocol):
         if self._refused or self.transport.is_closing():
             return
         self._refused = True
+        if self.metrics is not None:
+            reason = "max_connections" if status == 503 else "header_too_large" if status == 431 else _REASONS[message]
+            self.metrics.connections_refused.labels(reason).inc()
         cycle = self.cycle
         # (no response under way: none started, and no earlier request's
         # response that this pipelined one waits behind)
@@ -205,7 +230,7 @@ class _Http(HttpToolsProtocol):
             if self.pipeline:  # (behind a queued request: its time starts in on_response_complete)
                 self._limit(0, None)
             else:
-                self._limit(self.head_timeout, "Timed out reading the request head.")
+                self._limit(self.head_timeout, HEAD_TIMEOUT)
         self._head = self._raw = 0
 
     def on_url(self, url: bytes) -> None:
@@ -224,7 +249,7 @@ class _Http(HttpToolsProtocol):
             if self.expect_100_continue:  # (it holds its body back for a 100: answer now, as RFC 9110 allows)
                 self._refuse_over_cap()
             return  # (read to its end, then answered: on_message_complete)
-        self._limit(self.body_timeout, "Timed out reading the request body.")
+        self._limit(self.body_timeout, BODY_TIMEOUT)
         super().on_headers_complete()
         if self.pipeline:
             # queued behind a response under way, reading paused (unless that
@@ -241,7 +266,7 @@ class _Http(HttpToolsProtocol):
             return
         if not self._over:
             if not self.pipeline:  # (queued: its time starts in on_response_complete)
-                self._limit(self.body_timeout, "Timed out reading the request body.")  # (between two reads, as nginx)
+                self._limit(self.body_timeout, BODY_TIMEOUT)  # (between two reads, as nginx)
             super().on_body(body)
 
     def on_message_complete(self) -> None:
@@ -262,19 +287,23 @@ class _Http(HttpToolsProtocol):
         # yet starts now (behind a response under way it may not have been
         # read: uvicorn pauses reading while requests queue).
         if self._in_head:
-            self._limit(self.head_timeout, "Timed out reading the request head.")
+            self._limit(self.head_timeout, HEAD_TIMEOUT)
         elif self.cycle is not None and self.cycle.more_body:
-            self._limit(self.body_timeout, "Timed out reading the request body.")
+            self._limit(self.body_timeout, BODY_TIMEOUT)
 
     def handle_websocket_upgrade(self) -> None:
         self._limit(0, None)  # (the WebSocket protocol takes the connection over)
         if self._over:
             self._refuse_over_cap()
             return
+        if self.metrics is not None:  # (counted by _WebSocket from here on; this protocol hears no more)
+            self.metrics.connections.dec()
         super().handle_websocket_upgrade()
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._limit(0, None)
+        if self.metrics is not None:
+            self.metrics.connections.dec()
         super().connection_lost(exc)
         for callback in list(self._lost):
             callback()
@@ -288,7 +317,7 @@ class Server(uvicorn.Server):
         cfg = app.svc.config
         files = open_file_limit()
         _Http.configure(cfg.header_timeout, cfg.body_timeout,
-                        cfg.max_connections or default_max_connections(files))
+                        cfg.max_connections or default_max_connections(files), app.svc.metrics)
         log.info("open-file limit %s; serving at most %s client connections", files or "unlimited",
                  _Http.max_connections or "unlimited")
         super().__init__(uvicorn.Config(

@@ -55,11 +55,11 @@ async def app(scope, receive, send):
 
 
 @contextlib.contextmanager
-def serving(head=0.5, body=0.5, max_connections=0):
-    old = srv._Http.head_timeout, srv._Http.body_timeout, srv._Http.max_connections
-    srv._Http.configure(head, body, max_connections)
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=PORT, http=srv._Http, loop="asyncio",
-                                          lifespan="off", log_level="warning"))
+def serving(head=0.5, body=0.5, max_connections=0, metrics=None):
+    old = srv._Http.head_timeout, srv._Http.body_timeout, srv._Http.max_connections, srv._Http.metrics
+    srv._Http.configure(head, body, max_connections, metrics)
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=PORT, http=srv._Http, ws=srv._WebSocket,
+                                          loop="asyncio", lifespan="off", log_level="warning"))
     t = threading.Thread(target=server.run, daemon=True)
     t.start()
     for _ in range(100):
@@ -319,3 +319,41 @@ def test_a_half_sent_head_behind_a_queued_request_does_not_cut_the_stream_before
         answer = read_all_until(s, b"got 3")
         s.close()
     assert b"piece9" in answer and b"got 2" in answer and b"got 3" in answer, answer
+
+
+def test_open_and_refused_connections_are_counted() -> None:
+    from router.metrics import Metrics
+
+    m = Metrics()
+
+    def value(name: str, **labels) -> float:
+        return m.registry.get_sample_value(name, labels) or 0.0
+
+    with serving(head=0.5, body=5, max_connections=2, metrics=m):
+        a, b = conn(), conn()
+        time.sleep(0.1)
+        assert value("fairstream_http_connections") == 2
+        over = conn()
+        over.sendall(b"GET /echo HTTP/1.1\r\nHost: x\r\n\r\n")
+        over.settimeout(5)
+        assert read_all(over).startswith(b"HTTP/1.1 503")
+        over.close()
+        b.sendall(b"GET /echo HTTP/1.1\r\nHost: x\r\nX-Big: " + b"a" * 70_000 + b"\r\n\r\n")
+        b.settimeout(5)
+        assert read_all(b).startswith(b"HTTP/1.1 431")
+        b.close()
+        a.settimeout(5)
+        assert read_all(a).startswith(b"HTTP/1.1 408")  # sent nothing: the head timeout
+        a.close()
+        ws = conn()  # an upgrade: counted by the WebSocket protocol from then on, once
+        ws.sendall(b"GET /ws HTTP/1.1\r\nHost: x\r\nConnection: Upgrade\r\nUpgrade: websocket\r\n"
+                   b"Sec-WebSocket-Version: 13\r\nSec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==\r\n\r\n")
+        ws.settimeout(5)
+        read_all(ws)  # (the small app takes no WebSocket: refused, closed)
+        ws.close()
+        time.sleep(0.3)
+        assert value("fairstream_http_connections") == 0
+    assert value("fairstream_http_connections_refused_total", reason="max_connections") == 1
+    assert value("fairstream_http_connections_refused_total", reason="header_timeout") == 1
+    assert value("fairstream_http_connections_refused_total", reason="header_too_large") == 1
+    assert value("fairstream_http_connections_refused_total", reason="body_timeout") == 0
