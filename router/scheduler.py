@@ -81,7 +81,7 @@ class Scheduler:
             slot.cap_fn = lambda lim=lim: lim.cap
             metrics.replica_cap.labels(slot.name).set(lim.cap)
         pool.on_release = self._on_release
-        pool.on_ready = self._on_ready
+        pool.on_ready = self._wake_queue  # (a replica restarted, or is chosen again after a refused connect)
         # dispatch-rate estimate for Retry-After (EWMA of dispatches per second)
         self._rate = 0.0
         self._rate_ts = now
@@ -224,12 +224,11 @@ class Scheduler:
                 self.metrics.child(self.metrics.queued, w.policy.name, w.policy.priority).dec()
 
     def _on_release(self, slot: ReplicaSlot) -> None:
-        if self._queued:
-            self._schedule_dispatch()
+        self._wake_queue()
 
-    def _on_ready(self) -> None:
-        """A replica became ready (restarted, or chosen again after a refused
-        connect): what queued behind full replicas may go there now."""
+    def _wake_queue(self) -> None:
+        """A replica has room now (a release, or one became ready): what
+        queued may go there."""
         if self._queued:
             self._schedule_dispatch()
 

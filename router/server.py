@@ -157,6 +157,15 @@ class _Http(HttpToolsProtocol):
             self._deadline.cancel()
         self._deadline = self.loop.call_later(seconds, self._refuse, 408, why) if why else None
 
+    def _limit_unless_queued(self, seconds: float, why: str) -> None:
+        """``_limit``, except for a request queued behind a response under way:
+        uvicorn stops reading then, so what it has not sent may not arrive,
+        and its time starts when it does (``on_response_complete``)."""
+        if self.pipeline:
+            self._limit(0, None)
+        else:
+            self._limit(seconds, why)
+
     def _refuse(self, status: int, message: str, code: str | None = None) -> None:
         """Answer ``status`` (``code``: as an OpenAI error with that code and
         ``Retry-After: 1``, else plain text) unless a response is under way,
@@ -227,10 +236,7 @@ class _Http(HttpToolsProtocol):
         super().on_message_begin()
         if not self._in_head and not self._over:  # a keep-alive connection's next request
             self._in_head = True
-            if self.pipeline:  # (behind a queued request: its time starts in on_response_complete)
-                self._limit(0, None)
-            else:
-                self._limit(self.head_timeout, HEAD_TIMEOUT)
+            self._limit_unless_queued(self.head_timeout, HEAD_TIMEOUT)
         self._head = self._raw = 0
 
     def on_url(self, url: bytes) -> None:
@@ -249,13 +255,8 @@ class _Http(HttpToolsProtocol):
             if self.expect_100_continue:  # (it holds its body back for a 100: answer now, as RFC 9110 allows)
                 self._refuse_over_cap()
             return  # (read to its end, then answered: on_message_complete)
-        self._limit(self.body_timeout, BODY_TIMEOUT)
-        super().on_headers_complete()
-        if self.pipeline:
-            # queued behind a response under way, reading paused (unless that
-            # request's handler reads): its body may not come yet, so its
-            # time starts when it does (on_response_complete)
-            self._limit(0, None)
+        super().on_headers_complete()  # (queues it behind a response under way, if one is)
+        self._limit_unless_queued(self.body_timeout, BODY_TIMEOUT)
         if self.cycle is not None:
             # what the request's handler wants called when the connection
             # is lost (router.fastpath: no waiter task per request)
@@ -265,8 +266,7 @@ class _Http(HttpToolsProtocol):
         if self._refused:
             return
         if not self._over:
-            if not self.pipeline:  # (queued: its time starts in on_response_complete)
-                self._limit(self.body_timeout, BODY_TIMEOUT)  # (between two reads, as nginx)
+            self._limit_unless_queued(self.body_timeout, BODY_TIMEOUT)  # (between two reads, as nginx)
             super().on_body(body)
 
     def on_message_complete(self) -> None:
