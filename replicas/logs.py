@@ -13,14 +13,17 @@ formats them itself).
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import os
 import sys
+import threading
 import time
 
 import msgspec
 
-__all__ = ["JsonFormatter", "TextFormatter", "setup_logging", "LOG_FORMAT_ENV", "LOG_LEVEL_ENV", "REPLICA_NAME_ENV"]
+__all__ = ["JsonFormatter", "TextFormatter", "TurnHandler", "setup_logging", "batch_lines",
+           "LOG_FORMAT_ENV", "LOG_LEVEL_ENV", "REPLICA_NAME_ENV"]
 
 LOG_FORMAT_ENV = "FAIRSTREAM_LOG_FORMAT"
 LOG_LEVEL_ENV = "FAIRSTREAM_LOG_LEVEL"
@@ -93,6 +96,91 @@ def _text_value(v: object) -> str:
         return repr(s)
 
 
+class TurnHandler(logging.StreamHandler):
+    """A ``StreamHandler`` that, while it is bound to an event loop (``bind``),
+    writes the lines that loop's thread logs during one turn of the loop
+    together, in one write at the start of the next turn, instead of one write
+    and flush per line.
+
+    The router logs one summary line per request; when a burst of requests
+    ends in the same turn, their lines cost one system call. A line is late by
+    at most one turn of the loop. Lines from other threads, and every line
+    while no loop is bound, are written at once, after the lines waiting for
+    the turn to end (so the order is kept). ``flush`` (``logging.shutdown`` at
+    exit calls it) and ``unbind`` write what waits. A process killed with
+    SIGKILL loses the lines of its last turn."""
+
+    def __init__(self, stream=None) -> None:
+        super().__init__(stream)
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread: int | None = None
+        self._lines: list[str] = []
+        self._last: logging.LogRecord | None = None  # (for handleError on a failed write)
+
+    def bind(self, loop: asyncio.AbstractEventLoop) -> None:
+        """Batch the lines logged on ``loop``'s thread (call from that thread)."""
+        with self.lock:  # type: ignore[union-attr]
+            self._loop, self._thread = loop, threading.get_ident()
+
+    def unbind(self) -> None:
+        """Write what waits; from now on every line is written at once."""
+        with self.lock:  # type: ignore[union-attr]
+            self._loop = self._thread = None
+            self._write_waiting()
+
+    def emit(self, record: logging.LogRecord) -> None:  # (called with the handler's lock held)
+        if self._thread is None or threading.get_ident() != self._thread:
+            if self._lines:
+                self._write_waiting()
+            super().emit(record)
+            return
+        try:
+            line = self.format(record)
+        except RecursionError:
+            raise
+        except Exception:  # noqa: BLE001 - logging's own contract: report, do not raise
+            self.handleError(record)
+            return
+        if not self._lines:
+            try:
+                self._loop.call_soon(self.flush)  # type: ignore[union-attr]
+            except RuntimeError:  # the loop was closed without unbind: write at once from now on
+                self._loop = self._thread = None
+                super().emit(record)
+                return
+        self._lines.append(line)
+        self._last = record
+
+    def flush(self) -> None:
+        with self.lock:  # type: ignore[union-attr]
+            self._write_waiting()
+            super().flush()
+
+    def _write_waiting(self) -> None:
+        if not self._lines:
+            return
+        lines, self._lines = self._lines, []
+        try:
+            self.stream.write(self.terminator.join(lines) + self.terminator)
+            self.stream.flush()
+        except RecursionError:
+            raise
+        except Exception:  # noqa: BLE001 - as StreamHandler.emit: report, do not raise
+            self.handleError(self._last)  # type: ignore[arg-type]
+
+
+def batch_lines(loop: asyncio.AbstractEventLoop | None) -> None:
+    """Bind the root logger's ``TurnHandler`` (``setup_logging``'s) to ``loop``
+    (lines batched per turn), or unbind it with ``None``. No-op when logging
+    was set up otherwise."""
+    for handler in logging.getLogger().handlers:
+        if isinstance(handler, TurnHandler):
+            if loop is None:
+                handler.unbind()
+            else:
+                handler.bind(loop)
+
+
 def setup_logging(level: str = "info", json: bool = True, formatter: logging.Formatter | None = None,
                   text_format: str = "%(asctime)s %(name)s %(levelname)s %(message)s",
                   lean: bool = True) -> None:
@@ -113,7 +201,7 @@ def setup_logging(level: str = "info", json: bool = True, formatter: logging.For
     root = logging.getLogger()
     for h in list(root.handlers):
         root.removeHandler(h)
-    handler = logging.StreamHandler(sys.stderr)
+    handler = TurnHandler(sys.stderr)
     handler.setFormatter((formatter or JsonFormatter()) if json else TextFormatter(text_format))
     root.addHandler(handler)
     root.setLevel(level.upper())

@@ -15,7 +15,9 @@ import logging
 
 from replicas import logs as _logs
 
-__all__ = ["setup_logging", "request_id_var", "JsonFormatter"]
+__all__ = ["setup_logging", "request_id_var", "JsonFormatter", "batch_lines"]
+
+batch_lines = _logs.batch_lines
 
 request_id_var: contextvars.ContextVar[str] = contextvars.ContextVar("request_id", default="")
 

@@ -24,6 +24,7 @@ from replicas.supervisor import Supervisor, SupervisorSettings
 from router.admission import Admission
 from router.auth import bearer
 from router.config import RouterConfig
+from router.logs import batch_lines
 from router.metrics import Metrics
 from router.policy import PolicyRegistry
 from router.resume import ResumeWriter
@@ -132,7 +133,11 @@ class RouterService:
             gauge.set(max(0.0, loop.time() - t - 0.1))
 
     async def start(self) -> None:
-        self._lag_task = asyncio.get_running_loop().create_task(self._watch_loop_lag(), name="loop-lag")
+        loop = asyncio.get_running_loop()
+        # one write per turn of the loop for the lines logged in it (a summary
+        # line per request), not one per line; close() writes what is left
+        batch_lines(loop)
+        self._lag_task = loop.create_task(self._watch_loop_lag(), name="loop-lag")
         await self.resume.start()
         await self.policy.start()
         self.metrics.declare((slot.name for slot in self.pool.slots), self.policy.current.tenants)
@@ -177,14 +182,17 @@ class RouterService:
             self._drain.cancel()
         if self._lag_task is not None:
             self._lag_task.cancel()
-        if self._tasks:
-            await asyncio.wait(list(self._tasks), timeout=5)
-        await self.resume.close()
-        await self.supervisor.close()
-        await self.admission.close()
-        await self.policy.close()
-        await self.store.close()
-        log.info("stopped")
+        try:
+            if self._tasks:
+                await asyncio.wait(list(self._tasks), timeout=5)
+            await self.resume.close()
+            await self.supervisor.close()
+            await self.admission.close()
+            await self.policy.close()
+            await self.store.close()
+            log.info("stopped")
+        finally:
+            batch_lines(None)
 
     def _on_replica_event(self, event: str, slot: ReplicaSlot) -> None:
         if event == "ready":

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import time
@@ -9,6 +10,7 @@ import time
 import pytest
 from prometheus_client import generate_latest
 
+from replicas.logs import TurnHandler
 from router.logs import JsonFormatter
 from router.metrics import Metrics
 
@@ -105,3 +107,60 @@ def test_a_replica_process_keeps_the_process_id_that_vllms_log_format_uses():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=30)
     assert "Logging error" not in out.stderr, out.stderr
     assert out.stdout.startswith("pid=") and "hello" in out.stdout
+
+
+class _Writes:
+    """A stream that keeps each write."""
+
+    def __init__(self) -> None:
+        self.writes: list[str] = []
+
+    def write(self, text: str) -> None:
+        self.writes.append(text)
+
+    def flush(self) -> None:
+        pass
+
+
+def _turn_logger(stream: _Writes) -> tuple[logging.Logger, TurnHandler]:
+    handler = TurnHandler(stream)
+    handler.setFormatter(logging.Formatter("%(message)s"))
+    logger = logging.getLogger(f"test.turn.{id(stream)}")
+    logger.propagate = False
+    logger.setLevel(logging.INFO)
+    logger.addHandler(handler)
+    return logger, handler
+
+
+async def test_lines_logged_in_one_turn_of_the_bound_loop_are_written_together_after_it():
+    stream = _Writes()
+    logger, handler = _turn_logger(stream)
+    handler.bind(asyncio.get_running_loop())
+    try:
+        logger.info("one")
+        logger.info("two")
+        assert stream.writes == []  # not before the turn ends
+        await asyncio.sleep(0)
+        assert stream.writes == ["one\ntwo\n"]
+        # a line from another thread goes at once, after the ones waiting
+        logger.info("three")
+        await asyncio.to_thread(logger.info, "from a thread")
+        assert stream.writes[1:] == ["three\n", "from a thread\n"]
+        logger.info("four")
+    finally:
+        handler.unbind()  # writes what waits
+    assert stream.writes[-1] == "four\n"
+    logger.info("five")  # unbound: at once
+    assert stream.writes[-1] == "five\n"
+
+
+def test_a_line_logged_after_the_bound_loop_closed_is_written_at_once():
+    stream = _Writes()
+    logger, handler = _turn_logger(stream)
+    loop = asyncio.new_event_loop()
+    handler.bind(loop)
+    loop.close()
+    logger.info("after")
+    assert stream.writes == ["after\n"]
+    logger.info("again")
+    assert stream.writes == ["after\n", "again\n"]
