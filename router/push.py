@@ -16,13 +16,14 @@ The transport is reached through uvicorn's httptools protocol
 ``disconnected``, ``chunked_encoding``, ``response_started``,
 ``response_complete``, ``keep_alive``, ``on_response``). On it the router
 writes the whole response itself, as uvicorn's ``send`` would: the head
-(``TransportWire.open``: uvicorn's default headers, then the router's, in one
-write), the chunked events, and the body's end, in the same write as the
-stream's last events when they end it (``TransportWire.finish``), after
-which it completes the cycle as uvicorn does (the connection is kept alive
-or closed, a pipelined request starts). That takes uvicorn's per-message
-work (header checks, a timeout context and a wake-up per ``send``) and one
-system call off every request. Any other server gets ``AsgiWire``.
+(``TransportWire.open``: uvicorn's default headers, then the router's), in
+the same write as the first events, the chunked events, and the body's end,
+in the same write as the stream's last events when they end it
+(``TransportWire.finish``), after which it completes the cycle as uvicorn
+does (the connection is kept alive or closed, a pipelined request starts).
+That takes uvicorn's per-message work (header checks, a timeout context and
+a wake-up per ``send``) and two system calls off every request (a one-token
+stream is one write). Any other server gets ``AsgiWire``.
 """
 
 from __future__ import annotations
@@ -82,22 +83,31 @@ class _Wire:
 
 
 class TransportWire(_Wire):
-    """Chunked body writes straight to uvicorn's transport (httptools)."""
+    """Chunked body writes straight to uvicorn's transport (httptools).
 
-    __slots__ = ("cycle", "transport", "flow")
+    The head ``open`` makes goes out with the first write of the body, in
+    the same system call (the first event follows the head at once: the
+    head is made once the first piece is in), or on its own at the end of
+    the loop's turn if nothing was written by then."""
 
-    def __init__(self, cycle, timeout: float = 0.0) -> None:
+    __slots__ = ("cycle", "transport", "flow", "_head")
+
+    def __init__(self, cycle, timeout: float = 0.0, head: bytes | None = None) -> None:
         super().__init__(timeout)
         self.cycle = cycle
         self.transport = cycle.transport
         self.flow = cycle.flow
+        self._head = head
+        if head is not None:
+            asyncio.get_running_loop().call_soon(self._write_head)
 
     @classmethod
     def open(cls, send, headers: dict[str, str], extra: list[tuple[bytes, bytes]],
              timeout: float = 0.0) -> TransportWire | None:
-        """Write a ``200`` SSE response head (uvicorn's default headers,
-        ``headers``, then ``extra``) straight to the transport of uvicorn's
-        httptools cycle behind ``send``, and return the wire for its body;
+        """Make a ``200`` SSE response head (uvicorn's default headers,
+        ``headers``, then ``extra``) for the transport of uvicorn's httptools
+        cycle behind ``send``, and return the wire for its body (which writes
+        the head with its first write, or at the end of this turn of the loop);
         None if ``send`` is not that cycle's, or it cannot take the head now
         (the caller then sends the head with ``send``). ``headers`` are the
         router's own; ``extra`` (CORS, which may echo the client's Origin)
@@ -123,8 +133,16 @@ class TransportWire(_Wire):
         cycle.response_started = True
         cycle.waiting_for_100_continue = False
         cycle.chunked_encoding = True
-        cycle.transport.write(b"".join(parts))
-        return cls(cycle, timeout)
+        return cls(cycle, timeout, b"".join(parts))
+
+    def _write_head(self) -> None:
+        """The head, if no write of the body took it (a first piece that made
+        no event), and the client is still there."""
+        head = self._head
+        if head is not None:
+            self._head = None
+            if not self.cycle.disconnected and not self.transport.is_closing():
+                self.transport.write(head)
 
     @property
     def writable(self) -> bool:
@@ -137,7 +155,11 @@ class TransportWire(_Wire):
         return self.cycle.disconnected
 
     def write(self, data: bytes) -> None:
-        self.transport.write(b"%x\r\n%s\r\n" % (len(data), data))
+        if self._head is None:
+            self.transport.write(b"%x\r\n%s\r\n" % (len(data), data))
+        else:
+            head, self._head = self._head, None
+            self.transport.write(b"%s%x\r\n%s\r\n" % (head, len(data), data))
 
     def finish(self, data: bytes | None) -> None:
         """Write ``data`` (the stream's last events) and the body's end in
@@ -145,7 +167,11 @@ class TransportWire(_Wire):
         cycle = self.cycle
         if cycle.disconnected or cycle.response_complete:
             return
-        self.transport.write(b"%x\r\n%s\r\n%s" % (len(data), data, _END) if data else _END)
+        out = b"%x\r\n%s\r\n%s" % (len(data), data, _END) if data else _END
+        if self._head is not None:
+            out = self._head + out
+            self._head = None
+        self.transport.write(out)
         cycle.response_complete = True
         cycle.message_event.set()
         if not cycle.keep_alive:

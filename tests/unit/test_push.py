@@ -280,3 +280,43 @@ async def test_the_wire_leaves_the_head_to_uvicorn_when_it_cannot_write_it_itsel
     assert TransportWire.open(cycle.send, {}, []) is None
     assert TransportWire.open(Cycle().on_response, {}, []) is None  # (not uvicorn's httptools cycle)
     assert not cycle.response_started
+
+
+async def test_the_head_goes_out_with_the_first_write_or_alone_at_the_end_of_the_turn() -> None:
+    writes: list[bytes] = []
+    cycle, socket, _ = uvicorn_cycle()
+    socket.write = writes.append  # type: ignore[method-assign]
+    wire = TransportWire.open(cycle.send, {"x-request-id": "abc"}, [])
+    assert wire is not None and writes == []
+    wire.write(b"data: 1\n\n")
+    assert len(writes) == 1 and writes[0].startswith(b"HTTP/1.1 200 OK\r\n")
+    assert writes[0].endswith(b"\r\n\r\n9\r\ndata: 1\n\n\r\n")
+    await asyncio.sleep(0)
+    assert len(writes) == 1  # (not again)
+
+    # a one-token stream: head, event and the body's end in one write
+    writes.clear()
+    cycle, socket, _ = uvicorn_cycle()
+    socket.write = writes.append  # type: ignore[method-assign]
+    wire = TransportWire.open(cycle.send, {}, [])
+    assert wire is not None
+    wire.finish(b"data: [DONE]\n\n")
+    assert len(writes) == 1 and writes[0].startswith(b"HTTP/1.1 200 OK\r\n") and writes[0].endswith(b"0\r\n\r\n")
+
+    # nothing written in this turn: the head alone, once the turn ends
+    writes.clear()
+    cycle, socket, _ = uvicorn_cycle()
+    socket.write = writes.append  # type: ignore[method-assign]
+    assert TransportWire.open(cycle.send, {}, []) is not None
+    assert writes == []
+    await asyncio.sleep(0)
+    assert len(writes) == 1 and writes[0].startswith(b"HTTP/1.1 200 OK\r\n") and writes[0].endswith(b"\r\n\r\n")
+
+    # ... unless the client left meanwhile
+    writes.clear()
+    cycle, socket, _ = uvicorn_cycle()
+    socket.write = writes.append  # type: ignore[method-assign]
+    assert TransportWire.open(cycle.send, {}, []) is not None
+    cycle.disconnected = True
+    await asyncio.sleep(0)
+    assert writes == []
