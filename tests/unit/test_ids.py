@@ -5,6 +5,7 @@ not guessable from another id."""
 from __future__ import annotations
 
 import os
+from concurrent.futures import ThreadPoolExecutor
 
 from router.ids import new_id
 
@@ -23,7 +24,14 @@ def test_an_id_does_not_lead_to_the_next() -> None:
     assert all(abs(int(b, 16) - int(a, 16)) > 1 << 32 for a, b in zip(ids, ids[1:]))
 
 
+def test_ids_drawn_on_many_threads_at_once_are_unique() -> None:
+    with ThreadPoolExecutor(8) as pool:
+        ids = [i for batch in pool.map(lambda _: [new_id() for _ in range(2_000)], range(8)) for i in batch]
+    assert len(set(ids)) == len(ids) == 16_000
+
+
 def test_a_forked_child_draws_its_own_ids() -> None:
+    new_id()  # (ids the parent has drawn and not handed out yet must not reach the child)
     r, w = os.pipe()
     pid = os.fork()
     if pid == 0:  # the child: report its first id and leave at once
