@@ -96,6 +96,8 @@ class Supervisor:
     ) -> None:
         self.pool = pool
         self.settings = settings or SupervisorSettings()
+        # "spawned", "ready", "down"; an upstream's "refused" (a connect
+        # refused: not chosen until a check answers) and "answers" (it did)
         self._on_event = on_event or (lambda event, slot: None)
         self._tasks: list[asyncio.Task[None]] = []
         self._procs: dict[str, asyncio.subprocess.Process] = {}
@@ -216,6 +218,8 @@ class Supervisor:
         try:
             while client.closed is None and not self._closing:
                 refused, refusals = client.refused, getattr(client, "refusals", 0)
+                if refused:  # not chosen until this check clears it (fairstream_replica_up 0 meanwhile)
+                    self._on_event("refused", slot)
                 ping = asyncio.ensure_future(client.ping(s.health_timeout))
                 done, _ = await asyncio.wait({ping, exited} - {None}, return_when=asyncio.FIRST_COMPLETED)
                 if exited is not None and exited in done:
@@ -232,6 +236,7 @@ class Supervisor:
                     # since, and it answers: chosen again
                     client.refused = False
                     log.info("replica %s answers its health check after a refused connection", slot.name)
+                    self._on_event("answers", slot)
                     self.pool.notify_ready()
                 if progress.stuck(pong.load, loop.time()):
                     # (its front end answers, its engine does not: a frozen vLLM engine core)

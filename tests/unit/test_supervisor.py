@@ -163,8 +163,11 @@ async def test_a_refused_upstream_is_checked_at_once_then_chosen_again_or_taken_
     # and ``check_now``; the watch pings at once instead of after
     # health_interval: an answer makes it ready again and wakes the streams
     # waiting for a replica, a failure takes it down
+    # (events: what sets fairstream_replica_up, 0 while refused)
     pool = ReplicaPool([ReplicaSpec(name="up", url="http://127.0.0.1:9/v1")])
-    sup = Supervisor(pool, SupervisorSettings(health_interval=30.0))
+    events: list[tuple[str, bool]] = []
+    sup = Supervisor(pool, SupervisorSettings(health_interval=30.0),
+                     on_event=lambda event, slot: events.append((event, slot.ready)))
     slot = pool.slots[0]
     client = _Upstream()
     slot.client, slot.state = client, "ready"  # type: ignore[assignment]
@@ -179,6 +182,7 @@ async def test_a_refused_upstream_is_checked_at_once_then_chosen_again_or_taken_
         await apoll(lambda: client.pings == 2, 2, what="a ping at once, not after health_interval (30 s)")
         await apoll(lambda: slot.ready, 2, what="the upstream chosen again")
         assert woken == [1] and not client.refused
+        assert events == [("refused", False), ("answers", True)]
 
         def refused_again() -> None:  # a second refusal while the check runs: that check does not clear it
             client.refusals += 1
