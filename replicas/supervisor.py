@@ -3,7 +3,9 @@
 One task per slot runs the slot's life cycle: start the process (local),
 connect (remote) or open an HTTP client (``url`` upstream), wait for
 readiness, health-check with pings, and on death restart with exponential
-backoff. ``close()`` ends every task and process.
+backoff (a replica it does not start, while it cannot be reached: connect
+again every ``reconnect_interval`` at most). ``close()`` ends every task and
+process.
 Local replicas also die with the router: the child gets PR_SET_PDEATHSIG and
 watches its parent pid.
 """
@@ -31,6 +33,7 @@ __all__ = ["Supervisor", "SupervisorSettings", "die_with_parent"]
 log = logging.getLogger("fairstream.supervisor")
 
 _PR_SET_PDEATHSIG = 1
+UNREACHABLE_LOG_EVERY = 30.0  # (s) between warnings about a replica that still cannot be reached
 
 
 def die_with_parent() -> None:
@@ -50,6 +53,7 @@ class SupervisorSettings:
         backoff_initial: float = 0.5,
         backoff_max: float = 30.0,
         healthy_after: float = 30.0,
+        reconnect_interval: float = 1.0,
         run_dir: str | None = None,
     ) -> None:
         self.health_interval = health_interval
@@ -57,6 +61,9 @@ class SupervisorSettings:
         self.backoff_initial = backoff_initial
         self.backoff_max = backoff_max
         self.healthy_after = healthy_after
+        # longest wait between attempts to reach a replica this router does
+        # not start (remote, url) while it cannot be reached
+        self.reconnect_interval = reconnect_interval
         self.run_dir = run_dir
 
 
@@ -145,10 +152,13 @@ class Supervisor:
     async def _supervise(self, slot: ReplicaSlot) -> None:
         s = self.settings
         failures = 0
+        unreachable = 0  # attempts in a row that could not reach a replica this router does not start
+        warned = 0.0
         loop = asyncio.get_running_loop()
         while not self._closing:
             started = loop.time()
             grace = None
+            missed = False  # this attempt could not reach it
             try:
                 await self._run_once(slot)
             except asyncio.CancelledError:
@@ -156,9 +166,22 @@ class Supervisor:
             except ReplicaRefused as e:
                 log.error("replica %s: %s", slot.name, e)
             except Exception as e:  # noqa: BLE001 - any failure means restart
-                log.warning("replica %s failed: %s", slot.name, e)
+                if not slot.spec.local and slot.state == "starting":
+                    # Not there (restarting, or its host is down): try again
+                    # every reconnect_interval at most, and say so every
+                    # UNREACHABLE_LOG_EVERY seconds, not at every attempt.
+                    missed = True
+                    unreachable += 1
+                    if unreachable == 1 or loop.time() - warned >= UNREACHABLE_LOG_EVERY:
+                        warned = loop.time()
+                        log.warning("replica %s cannot be reached: %s (attempt %d; trying again at least every %gs)",
+                                    slot.name, e, unreachable, s.reconnect_interval)
+                else:
+                    log.warning("replica %s failed: %s", slot.name, e)
                 if isinstance(e, _Stalled):
                     grace = 0.0  # it answers nothing (frozen, hung): a graceful stop would only hold it longer
+            if not missed:
+                unreachable = 0
             # down (and said so) before its process is stopped, which may take the grace
             slot.state = "down"
             self._on_event("down", slot)
@@ -171,9 +194,16 @@ class Supervisor:
             if loop.time() - started > s.healthy_after:
                 failures = 0
             delay = min(s.backoff_max, s.backoff_initial * (2**failures))
+            if missed:
+                # (a failed connect costs little: the backoff, meant for a
+                # crashing process, would keep a replica that is back unused
+                # for up to backoff_max, and streams waiting for it past
+                # their failover wait)
+                delay = min(delay, s.reconnect_interval)
             failures += 1
             slot.restarts += 1
-            log.info("replica %s: restarting in %.1fs (restart %d)", slot.name, delay, slot.restarts)
+            log.log(logging.DEBUG if unreachable > 1 else logging.INFO, "replica %s: %s in %.1fs (restart %d)",
+                    slot.name, "restarting" if slot.spec.local else "connecting again", delay, slot.restarts)
             await asyncio.sleep(delay)
 
     async def _run_once(self, slot: ReplicaSlot) -> None:

@@ -47,6 +47,8 @@ class RouterConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     """A replica that does not answer a ping within this is restarted, as is one whose engine takes no step for this long while it has requests (a frozen vLLM engine core behind a front end that still answers)."""
     restart_backoff_max: float = 30.0
     """Longest wait between restarts of a failing replica."""
+    reconnect_interval: float = 1.0
+    """Longest wait between attempts to reach a replica the router does not start (``address:``, ``url:``; with ``--workers``, the parent's replicas) while it cannot be reached. A failed connect costs little, so a replica back from its restart is used again within this, not after the restart backoff (which could outlast ``failover_wait``)."""
     state: StateConfig = msgspec.field(default_factory=StateConfig)
     """Where rate-limit buckets, leases and resume buffers live (memory, or Redis shared by routers)."""
     scheduler: SchedulerSettings = msgspec.field(default_factory=SchedulerSettings)
@@ -99,7 +101,7 @@ class RouterConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
         for key in ("shutdown_grace", "send_timeout"):
             if getattr(self, key) < 0:
                 errors.append(located.error((key,), "must not be negative"))
-        for key in ("header_timeout", "body_timeout"):
+        for key in ("header_timeout", "body_timeout", "reconnect_interval"):
             if getattr(self, key) <= 0:
                 errors.append(located.error((key,), "must be positive"))
         if self.cors.max_age < 0:

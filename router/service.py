@@ -70,6 +70,7 @@ class RouterService:
                 health_interval=config.health_interval,
                 health_timeout=config.health_timeout,
                 backoff_max=config.restart_backoff_max,
+                reconnect_interval=config.reconnect_interval,
             ),
             on_event=self._on_replica_event,
         )

@@ -94,6 +94,7 @@ async def _parent(config: RouterConfig, tenants: Path, host: str, port: int, n: 
             health_interval=config.health_interval,
             health_timeout=config.health_timeout,
             backoff_max=config.restart_backoff_max,
+            reconnect_interval=config.reconnect_interval,
             run_dir=run_dir,
         ),
         on_event=on_event,

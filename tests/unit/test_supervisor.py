@@ -236,3 +236,33 @@ async def test_the_check_after_a_refused_connect_goes_on_a_new_connection() -> N
     (_, *kept), refused = seen[:-1], seen[-1]
     assert len({peer for peer, _ in kept}) == 1  # the session's kept-alive connection
     assert refused[0] not in {peer for peer, _ in seen[:-1]} and refused[1] == "close", seen
+
+
+async def test_a_remote_replica_that_cannot_be_reached_is_tried_every_reconnect_interval(caplog) -> None:
+    # The restart backoff (0.25, 0.5, 1, 2 s ...) is for processes that
+    # crash; a replica this router does not start is connected to again at
+    # least every reconnect_interval, so one back from its restart is used
+    # at once (streams waiting for a replica have failover_wait, 30 s)
+    run_dir = tempfile.mkdtemp(prefix="fst-")
+    path = f"{run_dir}/r.sock"
+    pool = ReplicaPool([ReplicaSpec(name="remote", address="unix:" + path)])
+    downs: list[float] = []
+    loop = asyncio.get_running_loop()
+    sup = Supervisor(pool, SupervisorSettings(health_interval=0.05, backoff_initial=0.25, reconnect_interval=0.3),
+                     on_event=lambda event, slot: downs.append(loop.time()) if event == "down" else None)
+    server = ReplicaServer("sim", {"model": MODEL, "step_base_ms": 1})
+    caplog.set_level("INFO", logger="fairstream.supervisor")
+    await sup.start()
+    try:
+        await asyncio.sleep(2.0)  # nothing there: attempts fail
+        assert len(downs) >= 6, downs  # (with the backoff: 4)
+        await server.start(socket_path=path)
+        back = loop.time()
+        await apoll(lambda: pool.slots[0].ready, 3, what="the replica connected once it is back")
+        assert loop.time() - back < 0.9  # (with the backoff: 1.75 s)
+        warnings = [r for r in caplog.records if "cannot be reached" in r.getMessage()]
+        assert len(warnings) == 1, [r.getMessage() for r in warnings]  # one, not one per attempt
+    finally:
+        await sup.close()
+        await server.close()
+        shutil.rmtree(run_dir, ignore_errors=True)
