@@ -31,6 +31,7 @@ REPLICA_NAME_ENV = "FAIRSTREAM_REPLICA_NAME"
 
 _encode = msgspec.json.Encoder().encode
 _RESERVED = set(vars(logging.makeLogRecord({}))) | {"message", "asctime"}
+_PIPE_BUF = 4096  # bytes a pipe takes in one write, whole, from any number of writers (POSIX: at least 512; Linux 4096)
 
 
 class JsonFormatter(logging.Formatter):
@@ -99,16 +100,21 @@ def _text_value(v: object) -> str:
 class TurnHandler(logging.StreamHandler):
     """A ``StreamHandler`` that, while it is bound to an event loop (``bind``),
     writes the lines that loop's thread logs during one turn of the loop
-    together, in one write at the start of the next turn, instead of one write
-    and flush per line.
+    together, at the start of the next turn, instead of one write and flush
+    per line.
 
     The router logs one summary line per request; when a burst of requests
-    ends in the same turn, their lines cost one system call. A line is late by
-    at most one turn of the loop. Lines from other threads, and every line
-    while no loop is bound, are written at once, after the lines waiting for
-    the turn to end (so the order is kept). ``flush`` (``logging.shutdown`` at
-    exit calls it) and ``unbind`` write what waits. A process killed with
-    SIGKILL loses the lines of its last turn."""
+    ends in the same turn, their lines cost one system call per
+    ``PIPE_BUF`` bytes (4 KiB: a pipe shared with other processes, the
+    workers' and replicas', takes a write that size whole, so lines never
+    interleave). A line is late by at most one turn of the loop. Lines from
+    other threads, and every line while no loop is bound (or once it is
+    closed), are written at once, after the lines waiting for the turn to
+    end (so the order is kept). ``flush`` (``logging.shutdown`` at exit calls
+    it) and ``unbind`` write what waits. A process that dies without
+    running its exit handlers (SIGKILL, a crash) loses the lines of its last
+    turn. A failed write is reported once per batch (``handleError``), as
+    ``StreamHandler`` reports each failed line."""
 
     def __init__(self, stream=None) -> None:
         super().__init__(stream)
@@ -129,7 +135,10 @@ class TurnHandler(logging.StreamHandler):
             self._write_waiting()
 
     def emit(self, record: logging.LogRecord) -> None:  # (called with the handler's lock held)
-        if self._thread is None or threading.get_ident() != self._thread:
+        loop = self._loop
+        if loop is not None and loop.is_closed():  # closed without unbind (a start that failed, a forced exit)
+            self._loop = self._thread = loop = None
+        if loop is None or threading.get_ident() != self._thread:
             if self._lines:
                 self._write_waiting()
             super().emit(record)
@@ -142,14 +151,13 @@ class TurnHandler(logging.StreamHandler):
             self.handleError(record)
             return
         if not self._lines:
-            try:
-                self._loop.call_soon(self.flush)  # type: ignore[union-attr]
-            except RuntimeError:  # the loop was closed without unbind: write at once from now on
-                self._loop = self._thread = None
-                super().emit(record)
-                return
+            loop.call_soon(self._turn_end)
         self._lines.append(line)
         self._last = record
+
+    def _turn_end(self) -> None:
+        with self.lock:  # type: ignore[union-attr]
+            self._write_waiting()
 
     def flush(self) -> None:
         with self.lock:  # type: ignore[union-attr]
@@ -160,13 +168,25 @@ class TurnHandler(logging.StreamHandler):
         if not self._lines:
             return
         lines, self._lines = self._lines, []
+        last, self._last = self._last, None
+        stream, end = self.stream, self.terminator
         try:
-            self.stream.write(self.terminator.join(lines) + self.terminator)
-            self.stream.flush()
+            batch: list[str] = []
+            size = 0
+            for line in lines:
+                n = (len(line) if line.isascii() else len(line.encode())) + 1
+                if batch and size + n > _PIPE_BUF:
+                    stream.write(end.join(batch) + end)
+                    stream.flush()
+                    batch, size = [], 0
+                batch.append(line)
+                size += n
+            stream.write(end.join(batch) + end)
+            stream.flush()
         except RecursionError:
             raise
         except Exception:  # noqa: BLE001 - as StreamHandler.emit: report, do not raise
-            self.handleError(self._last)  # type: ignore[arg-type]
+            self.handleError(last)  # type: ignore[arg-type]
 
 
 def batch_lines(loop: asyncio.AbstractEventLoop | None) -> None:

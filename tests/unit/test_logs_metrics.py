@@ -164,3 +164,61 @@ def test_a_line_logged_after_the_bound_loop_closed_is_written_at_once():
     assert stream.writes == ["after\n"]
     logger.info("again")
     assert stream.writes == ["after\n", "again\n"]
+
+
+async def test_a_stream_that_fails_is_reported_once_per_turn_and_the_loop_goes_on(monkeypatch) -> None:
+    # (a flush on the loop that raised would be logged by the loop's
+    # exception handler, through this handler, which would flush again:
+    # a busy loop)
+    class Broken(_Writes):
+        def write(self, text: str) -> None:
+            raise BrokenPipeError("the log reader is gone")
+
+        def flush(self) -> None:
+            raise BrokenPipeError("the log reader is gone")
+
+    logger, handler = _turn_logger(Broken())
+    reported: list[object] = []
+    monkeypatch.setattr(handler, "handleError", reported.append)
+    loop = asyncio.get_running_loop()
+    handled: list[dict] = []
+    loop.set_exception_handler(lambda _, context: handled.append(context))
+    handler.bind(loop)
+    try:
+        logger.info("one")
+        logger.info("two")
+        for _ in range(5):
+            await asyncio.sleep(0)
+        assert len(reported) == 1 and handled == []
+    finally:
+        loop.set_exception_handler(None)
+        handler.unbind()
+
+
+def test_a_line_logged_in_the_last_turn_of_a_loop_closed_bound_is_not_held_back() -> None:
+    stream = _Writes()
+    logger, handler = _turn_logger(stream)
+    loop = asyncio.new_event_loop()
+    handler.bind(loop)
+    loop.call_soon(loop.stop)
+    loop.call_soon(logger.info, "last turn")  # (its turn's end never comes)
+    loop.run_forever()
+    loop.close()
+    logger.info("after")
+    assert stream.writes == ["last turn\n", "after\n"]
+
+
+async def test_a_turns_lines_go_out_in_writes_a_pipe_takes_whole() -> None:
+    stream = _Writes()
+    logger, handler = _turn_logger(stream)
+    handler.bind(asyncio.get_running_loop())
+    try:
+        lines = [f"{i:03d} " + "x" * 395 for i in range(30)]  # 400 bytes each, with the newline
+        for line in lines:
+            logger.info(line)
+        logger.info("é" * 3000)  # 6,000 bytes: alone, as one line always was
+        await asyncio.sleep(0)
+    finally:
+        handler.unbind()
+    assert "".join(stream.writes) == "".join(f"{line}\n" for line in lines) + "é" * 3000 + "\n"
+    assert [len(w.encode()) for w in stream.writes] == [4000, 4000, 4000, 6001]
