@@ -129,11 +129,11 @@ class ResumeWriter:
         that dies stops renewing, and its claims lapse as before."""
         while True:
             await asyncio.sleep(RENEW_INTERVAL)
-            for sid in list(self.live):
+            if self.live:
                 try:
-                    await self.store.stream_claim(sid, self.owner, CLAIM_TTL)
+                    await self.store.stream_claims(list(self.live), self.owner, CLAIM_TTL)
                 except StoreUnavailable:
-                    break  # the store is down: the next round tries again
+                    pass  # the store is down: the next round tries again
 
     async def open(self, sid: str, meta: ResumeMeta) -> None:
         self.live.add(sid)

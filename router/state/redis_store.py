@@ -20,6 +20,8 @@ from router.state.base import CLAIM_TTL, AdmitRequest, StateStore, StoreUnavaila
 
 __all__ = ["RedisStore"]
 
+CLAIMS_PER_TRIP = 500  # streams whose claims one pipeline renews
+
 
 def _script(name: str) -> str:
     return (Path(__file__).parent / "lua" / name).read_text("utf-8")
@@ -142,6 +144,23 @@ class RedisStore(StateStore):
             return bool(await self._s_claim(keys=self._skeys(sid)[:1], args=[owner, claim_ttl]))
         except RedisError as e:
             raise StoreUnavailable(f"redis: {e}") from e
+
+    async def stream_claims(self, sids: list[str], owner: str, claim_ttl: float) -> list[bool]:
+        """The claim script once per stream, ``CLAIMS_PER_TRIP`` streams to a
+        pipeline (one round trip each): a router with thousands of streams
+        renews them all every few seconds, and one round trip per stream
+        (~0.1 ms on loopback, more across hosts) added up to more than the
+        renewal interval at ~30k streams across a 1 ms link."""
+        out: list[bool] = []
+        try:
+            for at in range(0, len(sids), CLAIMS_PER_TRIP):
+                async with self._redis.pipeline(transaction=False) as pipe:
+                    for sid in sids[at:at + CLAIMS_PER_TRIP]:
+                        await self._s_claim(keys=self._skeys(sid)[:1], args=[owner, claim_ttl], client=pipe)
+                    out += [bool(r) for r in await pipe.execute()]
+        except RedisError as e:
+            raise StoreUnavailable(f"redis: {e}") from e
+        return out
 
     async def stream_release(self, sid: str, owner: str) -> None:
         try:

@@ -66,3 +66,23 @@ async def test_padding_keeps_the_text_length(backend: Backend) -> None:
         assert (snap.total_events, snap.token_ids, snap.text_len) == (3, [10, 11], 5), snap
     finally:
         await writer.close()
+
+
+async def test_claims_renewed_in_bulk_are_each_a_claim(backend: Backend) -> None:
+    # (more streams than one Redis pipeline takes: RedisStore.CLAIMS_PER_TRIP)
+    store = backend.store
+    sids = [sid() for _ in range(1100)]
+    for s in sids:
+        await store.stream_open(s, encode_meta(META), "r1", 60)
+    assert await store.stream_claims(sids, "r1", 10) == [True] * len(sids)  # its own: renewed
+    assert await store.stream_claims(sids[:3], "r2", 10) == [False] * 3  # r1's are live
+    released = sids[1::2]
+    for s in released:
+        await store.stream_release(s, "r1")
+    await store.stream_append(sids[0], [b"[DONE]"], [], 0, True, "r1", 60)
+    gone = sid()
+    got = await store.stream_claims([*sids, gone], "r2", 10)
+    assert got == [s in released for s in sids] + [False]  # finished and missing ones: False
+    assert (await store.stream_read(sids[1], 0)).owner == "r2"
+    assert (await store.stream_read(sids[2], 0)).owner == "r1"
+    assert await store.stream_claims([], "r2", 10) == []
