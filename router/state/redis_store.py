@@ -150,7 +150,7 @@ class RedisStore(StateStore):
         pipeline (one round trip each): a router with thousands of streams
         renews them all every few seconds, and one round trip per stream
         (~0.1 ms on loopback, more across hosts) added up to more than the
-        renewal interval at ~30k streams across a 1 ms link."""
+        renewal interval (3.3 s) at ~3,300 streams across a 1 ms link."""
         out: list[bool] = []
         try:
             for at in range(0, len(sids), CLAIMS_PER_TRIP):
