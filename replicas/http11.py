@@ -122,6 +122,7 @@ class Response:
 
     def _end(self, exc: BaseException | None) -> None:
         self._conn = None
+        self._sink = None  # (a parser whose state refers back to this response: no cycle left)
         release, self._release = self._release, None
         if release is not None:
             release()
@@ -164,6 +165,7 @@ class _Conn(asyncio.Protocol):
         self.closed = True
         self.pool._forget(self)
         self._fail(HttpError(f"connection closed{': ' + str(exc) if exc else ''}"))
+        self.parser = None  # type: ignore[assignment]  # (it holds this protocol's callbacks: no cycle left)
 
     # httptools callbacks
     def on_header(self, name: bytes, value: bytes) -> None:

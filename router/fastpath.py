@@ -124,7 +124,7 @@ class FastPath:
             cycle.flow.resume_reading()
         else:
             listener = asyncio.get_running_loop().create_task(listen())
-        st = es = policy = None
+        st = es = policy = relay = None
         request_id = new_request_id()
         endpoint = "chat" if chat else "completions"
         try:
@@ -183,6 +183,11 @@ class FastPath:
             if es is not None:
                 es.gen.close()  # aborts on the replica unless it finished
                 es.settle()
+            if relay is not None:
+                # (relay -> its event stream -> the generation -> relay: cut,
+                # they go with their last reference, not at the cycle
+                # collector's next run)
+                relay.events = None
 
 
 def _headers_only(send):

@@ -11,6 +11,7 @@ an assertion.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import shutil
 import signal
@@ -178,6 +179,31 @@ def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+@contextlib.contextmanager
+def remote_replica_process(log_path: Path, secret_env: str, secret: str, config: dict[str, Any]) -> Iterator[tuple[int, subprocess.Popen[bytes]]]:
+    """``fairstream replica --listen`` (the sim engine with ``config``) on a
+    free loopback port, its secret in ``secret_env``: (port, process), up;
+    stopped (SIGTERM, then SIGKILL) on exit."""
+    port = free_port()
+    with open(log_path, "wb") as log:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "replicas", "--engine", "sim", "--listen", f"127.0.0.1:{port}",
+             "--secret-env", secret_env, "--config-json", msgspec.json.encode(config).decode()],
+            env=dict(os.environ, **{secret_env: secret}), stdout=log, stderr=subprocess.STDOUT,
+        )
+        try:
+            poll(lambda: b"ready on" in log_path.read_bytes(), 15, what="remote replica up")
+            yield port, proc
+        finally:
+            if proc.poll() is None:
+                proc.terminate()
+            try:
+                proc.wait(10)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
 
 
 # -- metrics -----------------------------------------------------------------

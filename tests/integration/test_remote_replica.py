@@ -3,37 +3,22 @@
 from __future__ import annotations
 
 import os
-import signal
 import subprocess
 import sys
 
 import httpx
 import pytest
 
-from tests.helpers import GOLD, MODEL, RouterProcess, free_port, poll
+from tests.helpers import GOLD, MODEL, RouterProcess, poll, remote_replica_process
 
 SECRET = "s3cret-for-tests"
 
 
 @pytest.fixture
 def remote_replica(tmp_path):
-    port = free_port()
-    env = dict(os.environ, FS_TEST_SECRET=SECRET)
-    log = open(tmp_path / "replica.log", "wb")
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "replicas", "--engine", "sim", "--listen", f"127.0.0.1:{port}",
-         "--secret-env", "FS_TEST_SECRET", "--config-json", '{"model": "%s", "seed": 0}' % MODEL],
-        env=env, stdout=log, stderr=subprocess.STDOUT,
-    )
-    poll(lambda: b"ready on" in (tmp_path / "replica.log").read_bytes(), 15, what="remote replica up")
-    yield port, proc
-    proc.send_signal(signal.SIGTERM)
-    try:
-        proc.wait(10)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait()
-    log.close()
+    with remote_replica_process(tmp_path / "replica.log", "FS_TEST_SECRET", SECRET,
+                                {"model": MODEL, "seed": 0}) as (port, proc):
+        yield port, proc
 
 
 def _router(tmp_path, port: int, secret_env: str | None) -> RouterProcess:

@@ -11,18 +11,15 @@ resume on the other one with Last-Event-ID (the resume buffer is in Redis).
 from __future__ import annotations
 
 import asyncio
-import json
 import os
 import signal
-import subprocess
-import sys
 
 import httpx
 import pytest
 import yaml
 
 from router.auth import hash_key
-from tests.helpers import FREE, GOLD, MODEL, SILVER, RouterProcess, aiter_sse, free_port, poll
+from tests.helpers import FREE, GOLD, MODEL, SILVER, RouterProcess, aiter_sse, remote_replica_process
 from tests.redis_server import RedisServer, require_redis_server
 from tests.sim_openai import SimOpenAI
 
@@ -40,18 +37,8 @@ def redis_server():
 
 @pytest.fixture
 def remote_replica(tmp_path):
-    port = free_port()
-    log = open(tmp_path / "remote.log", "wb")
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "replicas", "--engine", "sim", "--listen", f"127.0.0.1:{port}",
-         "--secret-env", "FS_SCALE_SECRET", "--config-json", json.dumps(SIM)],
-        env=dict(os.environ, FS_SCALE_SECRET=SECRET), stdout=log, stderr=subprocess.STDOUT,
-    )
-    poll(lambda: b"ready on" in (tmp_path / "remote.log").read_bytes(), 15, what="remote replica")
-    yield port
-    proc.terminate()
-    proc.wait(10)
-    log.close()
+    with remote_replica_process(tmp_path / "remote.log", "FS_SCALE_SECRET", SECRET, SIM) as (port, _):
+        yield port
 
 
 @pytest.fixture
