@@ -24,7 +24,7 @@ import sys
 import tempfile
 from collections.abc import Callable
 
-from replicas.client import ReplicaClient, ReplicaRefused, connect
+from replicas.client import ReplicaClient, ReplicaDead, ReplicaRefused, connect
 from replicas.logs import REPLICA_NAME_ENV
 from replicas.pool import ReplicaPool, ReplicaSlot
 
@@ -42,6 +42,15 @@ def die_with_parent() -> None:
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
     except OSError:
         pass
+
+
+def _unreachable(e: BaseException) -> bool:
+    """A connect that did not get through (refused, no route, no socket file,
+    timed out), as opposed to a replica that answered with an error
+    (``ReplicaDead``: a bad handshake, an upstream's 5xx on ``/models``;
+    ``ReplicaRefused``: a wrong secret or key), which keeps the backoff.
+    (aiohttp's connect errors and ``TimeoutError`` are ``OSError`` too.)"""
+    return isinstance(e, OSError) and not isinstance(e, (ReplicaDead, ReplicaRefused))
 
 
 class SupervisorSettings:
@@ -166,7 +175,7 @@ class Supervisor:
             except ReplicaRefused as e:
                 log.error("replica %s: %s", slot.name, e)
             except Exception as e:  # noqa: BLE001 - any failure means restart
-                if not slot.spec.local and slot.state == "starting":
+                if not slot.spec.local and slot.state == "starting" and _unreachable(e):
                     # Not there (restarting, or its host is down): try again
                     # every reconnect_interval at most, and say so every
                     # UNREACHABLE_LOG_EVERY seconds, not at every attempt.
@@ -193,15 +202,18 @@ class Supervisor:
                 return
             if loop.time() - started > s.healthy_after:
                 failures = 0
-            delay = min(s.backoff_max, s.backoff_initial * (2**failures))
             if missed:
                 # (a failed connect costs little: the backoff, meant for a
-                # crashing process, would keep a replica that is back unused
-                # for up to backoff_max, and streams waiting for it past
-                # their failover wait)
-                delay = min(delay, s.reconnect_interval)
-            failures += 1
-            slot.restarts += 1
+                # crashing process or a replica that answers with errors,
+                # would keep a replica that is back unused for up to
+                # backoff_max, and streams waiting for it past their
+                # failover wait; nor do failed connects count as failures
+                # or restarts of the replica)
+                delay = min(s.backoff_max, s.reconnect_interval, s.backoff_initial * (2 ** min(unreachable - 1, 30)))
+            else:
+                delay = min(s.backoff_max, s.backoff_initial * (2 ** min(failures, 30)))
+                failures += 1
+                slot.restarts += 1
             log.log(logging.DEBUG if unreachable > 1 else logging.INFO, "replica %s: %s in %.1fs (restart %d)",
                     slot.name, "restarting" if slot.spec.local else "connecting again", delay, slot.restarts)
             await asyncio.sleep(delay)

@@ -262,7 +262,37 @@ async def test_a_remote_replica_that_cannot_be_reached_is_tried_every_reconnect_
         assert loop.time() - back < 0.9  # (with the backoff: 1.75 s)
         warnings = [r for r in caplog.records if "cannot be reached" in r.getMessage()]
         assert len(warnings) == 1, [r.getMessage() for r in warnings]  # one, not one per attempt
+        assert pool.slots[0].restarts == 0  # (failed connects are not restarts)
+
+        # it restarts at once: the failed connects before did not count as
+        # failures, so the backoff starts again from backoff_initial
+        await server.close()
+        server = ReplicaServer("sim", {"model": MODEL, "step_base_ms": 1})
+        await server.start(socket_path=path)
+        back = loop.time()
+        await apoll(lambda: not pool.slots[0].ready, 3, what="the lost connection noticed")
+        await apoll(lambda: pool.slots[0].ready, 3, what="the replica connected again")
+        assert loop.time() - back < 1.2  # (with the failed connects counted: 0.25 x 2^8 s, capped at 30)
     finally:
         await sup.close()
         await server.close()
         shutil.rmtree(run_dir, ignore_errors=True)
+
+
+def test_only_a_connect_that_did_not_get_through_counts_as_unreachable() -> None:
+    # (an upstream answering 503 or 429 on /models, or a bad handshake,
+    # keeps the restart backoff: it is there, and polling it every second
+    # would only add load)
+    import aiohttp
+    import msgspec
+
+    from replicas.client import ReplicaDead, ReplicaRefused
+    from replicas.supervisor import _unreachable
+
+    connector_error = aiohttp.ClientConnectorError.__new__(aiohttp.ClientConnectorError)  # (what a url: connect raises)
+    for e in (ConnectionRefusedError(111, "refused"), FileNotFoundError(2, "no socket"), TimeoutError(),
+              connector_error):
+        assert _unreachable(e), e
+    for e in (ReplicaDead("upstream up: GET /models: HTTP 503"), ReplicaRefused("bad secret"),
+              msgspec.DecodeError("not JSON"), RuntimeError("process exited")):
+        assert not _unreachable(e), e
