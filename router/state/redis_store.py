@@ -13,7 +13,7 @@ import sys
 from pathlib import Path
 
 import redis.asyncio as aioredis
-from redis.exceptions import RedisError
+from redis.exceptions import NoScriptError, RedisError
 
 from policies.ratelimit import Decision
 from router.state.base import CLAIM_TTL, AdmitRequest, StateStore, StoreUnavailable, StreamSnapshot, TenantUsage
@@ -150,17 +150,28 @@ class RedisStore(StateStore):
         pipeline (one round trip each): a router with thousands of streams
         renews them all every few seconds, and one round trip per stream
         (~0.1 ms on loopback, more across hosts) added up to more than the
-        renewal interval (3.3 s) at ~3,300 streams across a 1 ms link."""
+        renewal interval (3.3 s) at ~3,300 streams across a 1 ms link. The
+        script goes by its hash; a server that does not know it (restarted,
+        flushed) gets it loaded and the batch again (a claim is idempotent)."""
         out: list[bool] = []
         try:
             for at in range(0, len(sids), CLAIMS_PER_TRIP):
-                async with self._redis.pipeline(transaction=False) as pipe:
-                    for sid in sids[at:at + CLAIMS_PER_TRIP]:
-                        await self._s_claim(keys=self._skeys(sid)[:1], args=[owner, claim_ttl], client=pipe)
-                    out += [bool(r) for r in await pipe.execute()]
+                batch = sids[at:at + CLAIMS_PER_TRIP]
+                try:
+                    out += await self._claim_trip(batch, owner, claim_ttl)
+                except NoScriptError:
+                    await self._redis.script_load(self._s_claim.script)
+                    out += await self._claim_trip(batch, owner, claim_ttl)
         except RedisError as e:
             raise StoreUnavailable(f"redis: {e}") from e
         return out
+
+    async def _claim_trip(self, sids: list[str], owner: str, claim_ttl: float) -> list[bool]:
+        async with self._redis.pipeline(transaction=False) as pipe:
+            sha = self._s_claim.sha
+            for sid in sids:
+                pipe.evalsha(sha, 1, self._skeys(sid)[0], owner, claim_ttl)
+            return [bool(r) for r in await pipe.execute()]
 
     async def stream_release(self, sid: str, owner: str) -> None:
         try:
