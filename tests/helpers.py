@@ -185,18 +185,28 @@ def free_port() -> int:
 def remote_replica_process(log_path: Path, secret_env: str, secret: str, config: dict[str, Any]) -> Iterator[tuple[int, subprocess.Popen[bytes]]]:
     """``fairstream replica --listen`` (the sim engine with ``config``) on a
     free loopback port, its secret in ``secret_env``: (port, process), up;
-    stopped (SIGTERM, then SIGKILL) on exit."""
-    port = free_port()
-    with open(log_path, "wb") as log:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "replicas", "--engine", "sim", "--listen", f"127.0.0.1:{port}",
-             "--secret-env", secret_env, "--config-json", msgspec.json.encode(config).decode()],
-            env=dict(os.environ, **{secret_env: secret}), stdout=log, stderr=subprocess.STDOUT,
-        )
-        try:
-            poll(lambda: b"ready on" in log_path.read_bytes(), 15, what="remote replica up")
-            yield port, proc
-        finally:
+    stopped (SIGTERM, then SIGKILL) on exit. A port taken meanwhile by
+    another process (the race of ``free_port``) is tried again on another."""
+    proc: subprocess.Popen[bytes] | None = None
+    try:
+        for attempt in range(3):
+            port = free_port()
+            log_path.write_bytes(b"")
+            with open(log_path, "ab") as log:
+                proc = subprocess.Popen(
+                    [sys.executable, "-m", "replicas", "--engine", "sim", "--listen", f"127.0.0.1:{port}",
+                     "--secret-env", secret_env, "--config-json", msgspec.json.encode(config).decode()],
+                    env=dict(os.environ, **{secret_env: secret}), stdout=log, stderr=subprocess.STDOUT,
+                )
+            poll(lambda: b"ready on" in log_path.read_bytes() or proc.poll() is not None, 15,
+                 what="remote replica up")
+            if proc.poll() is None:
+                break
+            if attempt == 2 or b"in use" not in log_path.read_bytes():
+                raise AssertionError(f"remote replica exited: {log_path.read_text(errors='replace')[-2000:]}")
+        yield port, proc
+    finally:
+        if proc is not None:
             if proc.poll() is None:
                 proc.terminate()
             try:

@@ -16,6 +16,7 @@ the path.
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import socket
 import threading
@@ -38,33 +39,37 @@ def in_process_router(tmp_path, monkeypatch):
     from router import server as srv
     from router.app import create_app
 
-    upstream = SimOpenAI(tmp_path, {"step_base_ms": 1}).start()
     monkeypatch.setenv("FS_GARBAGE_SECRET", SECRET)
-    with remote_replica_process(tmp_path / "replica.log", "FS_GARBAGE_SECRET", SECRET,
-                                {"model": MODEL, "seed": 0, "step_base_ms": 1}) as (replica_port, _):
+    with contextlib.ExitStack() as stack:
+        upstream = SimOpenAI(tmp_path, {"step_base_ms": 1}).start()
+        stack.callback(upstream.stop)
+        replica_port, _ = stack.enter_context(remote_replica_process(
+            tmp_path / "replica.log", "FS_GARBAGE_SECRET", SECRET, {"model": MODEL, "seed": 0, "step_base_ms": 1}))
         (tmp_path / "router.yaml").write_text(yaml.safe_dump({
             "host": "127.0.0.1", "tenants": str(DEMO_TENANTS), "shutdown_grace": 1.0,
             "replicas": [{"name": "remote", "address": f"127.0.0.1:{replica_port}", "secret_env": "FS_GARBAGE_SECRET"},
                          {"name": "up", "url": upstream.url}],
         }))
         config, tenants = load_router_config(tmp_path / "router.yaml")
+        # what the router sets for its whole process, put back afterwards
+        stack.callback(srv._Http.configure, srv._Http.head_timeout, srv._Http.body_timeout,
+                       srv._Http.max_connections, srv._Http.metrics)
+        stack.callback(gc.set_threshold, *gc.get_threshold())
+        stack.callback(gc.unfreeze)  # (it froze what it had at start, this test process's objects with it)
         port = free_port()
-        old = srv._Http.head_timeout, srv._Http.body_timeout, srv._Http.max_connections, srv._Http.metrics
-        thresholds = gc.get_threshold()
         server = srv.Server(create_app(config, tenants), host="127.0.0.1", port=port)
         thread = threading.Thread(target=server.run, daemon=True)
         thread.start()
-        try:
-            poll(lambda: server.started and _get(port, "/ready").startswith(b"HTTP/1.1 200"), 20,
-                 what="the in-process router ready with both replicas")
-            yield port
-        finally:
+
+        def stop() -> None:
             server.should_exit = True
             thread.join(15)
-            srv._Http.configure(*old)
-            gc.unfreeze()  # (the router froze what it had at start, this test process's objects with it)
-            gc.set_threshold(*thresholds)
-            upstream.stop()
+            assert not thread.is_alive(), "the in-process router did not stop"
+
+        stack.callback(stop)
+        poll(lambda: server.started and _get(port, "/ready").startswith(b"HTTP/1.1 200"), 20,
+             what="the in-process router ready with both replicas")
+        yield port
 
 
 def _get(port: int, path: str) -> bytes:
