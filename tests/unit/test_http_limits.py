@@ -357,3 +357,39 @@ def test_open_and_refused_connections_are_counted() -> None:
     assert value("fairstream_http_connections_refused_total", reason="header_timeout") == 1
     assert value("fairstream_http_connections_refused_total", reason="header_too_large") == 1
     assert value("fairstream_http_connections_refused_total", reason="body_timeout") == 0
+
+
+async def test_a_connection_costs_uvicorn_its_own_state_and_little_more() -> None:
+    # (2,000 idle streams hold 2,000 connections: S3's memory per stream.
+    # The router's per-connection state is in slots, so uvicorn's instance
+    # dict keeps its keys shared; uvicorn's empty deques, 624 bytes each,
+    # are lists: its pipeline queue and its two events' waiters)
+    import sys
+
+    from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+    from uvicorn.server import ServerState
+
+    class Transport:
+        def get_extra_info(self, name):
+            return None
+
+        def is_closing(self):
+            return False
+
+        def set_write_buffer_limits(self, **kw):
+            pass
+
+        def close(self):
+            pass
+
+    config = uvicorn.Config(app=app, log_level="warning")
+    config.load()
+    theirs, ours = (cls(config, ServerState(), app_state={}) for cls in (HttpToolsProtocol, srv._Http))
+    for proto in (theirs, ours):
+        proto.connection_made(Transport())
+    assert sys.getsizeof(vars(ours)) == sys.getsizeof(vars(theirs))
+    assert sys.getsizeof(ours.pipeline) < 100 and sys.getsizeof(ours.flow._is_writable_event._waiters) < 100
+    ours.pipeline.appendleft("first")
+    ours.pipeline.appendleft("second")
+    assert ours.pipeline.pop() == "first" and ours.pipeline  # (uvicorn's order: appendleft, pop)
+    ours.connection_lost(None)
