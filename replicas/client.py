@@ -317,7 +317,9 @@ async def connect(
         while not msgs:
             data = await asyncio.wait_for(reader.read(65536), timeout)
             if not data:
-                raise ReplicaDead(f"replica {name} closed the connection during the handshake")
+                # (nothing behind what took the connection: a tunnel or proxy
+                # whose replica is down; the supervisor retries it as unreachable)
+                raise ConnectionResetError(f"replica {name} closed the connection during the handshake")
             msgs = decoder.feed(data)
         first = msgs[0]
         if isinstance(first, Refused):

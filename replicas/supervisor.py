@@ -46,11 +46,16 @@ def die_with_parent() -> None:
 
 def _unreachable(e: BaseException) -> bool:
     """A connect that did not get through (refused, no route, no socket file,
-    timed out), as opposed to a replica that answered with an error
-    (``ReplicaDead``: a bad handshake, an upstream's 5xx on ``/models``;
-    ``ReplicaRefused``: a wrong secret or key), which keeps the backoff.
+    timed out, closed before any answer), as opposed to a replica that
+    answered with an error (``ReplicaDead``: a bad handshake, an upstream's
+    5xx on ``/models``; ``ReplicaRefused``: a wrong secret or key; a TLS
+    failure: a certificate it presented), which keeps the backoff.
     (aiohttp's connect errors and ``TimeoutError`` are ``OSError`` too.)"""
-    return isinstance(e, OSError) and not isinstance(e, (ReplicaDead, ReplicaRefused))
+    import ssl
+
+    from aiohttp import ClientSSLError
+
+    return isinstance(e, OSError) and not isinstance(e, (ReplicaDead, ReplicaRefused, ssl.SSLError, ClientSSLError))
 
 
 class SupervisorSettings:

@@ -791,6 +791,11 @@ async def open_upstream(name: str, spec: ReplicaSpec, *, timeout: float = 10.0) 
         model = str(spec.config.get("model") or card.id)
         http = HttpPool(url, _auth(spec), limit=spec.max_concurrency or 0)
         return UpstreamClient(name, spec, session, http, model, card.id, card.max_model_len or 0)
+    except aiohttp.ServerDisconnectedError as e:
+        await session.close()
+        # (closed before any answer: a tunnel or proxy whose upstream is down;
+        # the supervisor retries it as unreachable, as a refused connect)
+        raise ConnectionResetError(f"upstream {name} closed the connection before answering GET /models") from e
     except BaseException:
         await session.close()
         raise

@@ -129,19 +129,13 @@ class ResumeWriter:
         that dies stops renewing, and its claims lapse as before."""
         while True:
             await asyncio.sleep(RENEW_INTERVAL)
-            if not self.live:
-                continue
-            sids = list(self.live)
-            try:
-                renewed = await self.store.stream_claims(sids, self.owner, CLAIM_TTL)
-                # A stream released while the renewal was on its way (its
-                # client left: it waits for a resume, here or on another
-                # router) may have been claimed again by it: drop that claim,
-                # or a resume elsewhere would wait up to CLAIM_TTL for it.
-                for sid in [sid for sid, ok in zip(sids, renewed) if ok and sid not in self.live]:
-                    await self.store.stream_release(sid, self.owner)
-            except StoreUnavailable:
-                pass  # the store is down: the next round tries again
+            if self.live:
+                try:
+                    # (only claims it still holds: a stream released while
+                    # this was on its way is not taken back)
+                    await self.store.stream_renew(list(self.live), self.owner, CLAIM_TTL)
+                except StoreUnavailable:
+                    pass  # the store is down: the next round tries again
 
     async def open(self, sid: str, meta: ResumeMeta) -> None:
         self.live.add(sid)

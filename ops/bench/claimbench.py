@@ -1,5 +1,6 @@
 """Renewing a router's resume claims in Redis: one round trip per stream
-against one pipeline per ``CLAIMS_PER_TRIP`` streams, side by side.
+(``stream_claim`` each, what the router did before) against
+``stream_renew``, one pipeline per ``CLAIMS_PER_TRIP`` streams, side by side.
 
 A router renews the claim of every stream it generates every
 ``RENEW_INTERVAL`` (CLAIM_TTL / 3, 3.3 s) so that a quiet live stream is not
@@ -45,7 +46,7 @@ async def measure(url: str, streams: int = 2000, rounds: int = 5) -> dict[str, f
             singles = [await store.stream_claim(sid, "bench", CLAIM_TTL) for sid in sids]
             one.append((time.perf_counter() - t) * 1000)
             t = time.perf_counter()
-            bulk = await store.stream_claims(sids, "bench", CLAIM_TTL)
+            bulk = await store.stream_renew(sids, "bench", CLAIM_TTL)
             piped.append((time.perf_counter() - t) * 1000)
         return {"streams": streams, "one_at_a_time_ms": statistics.median(one),
                 "pipelined_ms": statistics.median(piped), "renewed_one_at_a_time": sum(singles),

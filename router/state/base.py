@@ -108,11 +108,13 @@ class StateStore(abc.ABC):
     async def stream_claim(self, sid: str, owner: str, claim_ttl: float) -> bool:
         """Take over generating ``sid`` if no live owner holds it."""
 
-    async def stream_claims(self, sids: list[str], owner: str, claim_ttl: float) -> list[bool]:
-        """``stream_claim`` of each of ``sids`` (a router renewing the claims
-        of the streams it generates); a shared store does them in one round
-        trip per batch."""
-        return [await self.stream_claim(sid, owner, claim_ttl) for sid in sids]
+    @abc.abstractmethod
+    async def stream_renew(self, sids: list[str], owner: str, claim_ttl: float) -> list[bool]:
+        """Extend ``owner``'s claim on each of ``sids`` where it still holds
+        it (a live router renewing the streams it generates; a shared store
+        does them in one round trip per batch). Never takes a stream: one
+        released, finished, claimed by another router or gone is left as it
+        is (False)."""
 
     @abc.abstractmethod
     async def stream_release(self, sid: str, owner: str) -> None:

@@ -188,6 +188,17 @@ class MemoryStore(StateStore):
         st.owner_until = now + claim_ttl
         return True
 
+    async def stream_renew(self, sids: list[str], owner: str, claim_ttl: float) -> list[bool]:
+        now = self._clock()
+        out = []
+        for sid in sids:
+            st = self._stream(sid, now)
+            mine = st is not None and not st.finished and st.owner == owner
+            if mine:
+                st.owner_until = now + claim_ttl
+            out.append(mine)
+        return out
+
     async def stream_release(self, sid: str, owner: str) -> None:
         st = self._streams.get(sid)
         if st is not None and st.owner == owner:

@@ -20,7 +20,7 @@ from router.state.base import CLAIM_TTL, AdmitRequest, StateStore, StoreUnavaila
 
 __all__ = ["RedisStore"]
 
-CLAIMS_PER_TRIP = 500  # streams whose claims one pipeline renews
+CLAIMS_PER_TRIP = 500  # streams whose claims one pipeline renews (stream_renew)
 
 
 def _script(name: str) -> str:
@@ -48,6 +48,7 @@ class RedisStore(StateStore):
         self._s_append = r.register_script(_script("stream_append.lua"))
         self._s_read = r.register_script(_script("stream_read.lua"))
         self._s_claim = r.register_script(_script("stream_claim.lua"))
+        self._s_renew = r.register_script(_script("stream_renew.lua"))
         self._s_release = r.register_script(_script("stream_release.lua"))
 
     def _keys(self, tenant: str) -> list[str]:
@@ -145,30 +146,30 @@ class RedisStore(StateStore):
         except RedisError as e:
             raise StoreUnavailable(f"redis: {e}") from e
 
-    async def stream_claims(self, sids: list[str], owner: str, claim_ttl: float) -> list[bool]:
-        """The claim script once per stream, ``CLAIMS_PER_TRIP`` streams to a
-        pipeline (one round trip each): a router with thousands of streams
+    async def stream_renew(self, sids: list[str], owner: str, claim_ttl: float) -> list[bool]:
+        """The renewal script once per stream, ``CLAIMS_PER_TRIP`` streams to
+        a pipeline (one round trip each): a router with thousands of streams
         renews them all every few seconds, and one round trip per stream
         (~0.1 ms on loopback, more across hosts) added up to more than the
         renewal interval (3.3 s) at ~3,300 streams across a 1 ms link. The
         script goes by its hash; a server that does not know it (restarted,
-        flushed) gets it loaded and the batch again (a claim is idempotent)."""
+        flushed) gets it loaded and the batch again (a renewal is idempotent)."""
         out: list[bool] = []
         try:
             for at in range(0, len(sids), CLAIMS_PER_TRIP):
                 batch = sids[at:at + CLAIMS_PER_TRIP]
                 try:
-                    out += await self._claim_trip(batch, owner, claim_ttl)
+                    out += await self._renew_trip(batch, owner, claim_ttl)
                 except NoScriptError:
-                    await self._redis.script_load(self._s_claim.script)
-                    out += await self._claim_trip(batch, owner, claim_ttl)
+                    await self._redis.script_load(self._s_renew.script)
+                    out += await self._renew_trip(batch, owner, claim_ttl)
         except RedisError as e:
             raise StoreUnavailable(f"redis: {e}") from e
         return out
 
-    async def _claim_trip(self, sids: list[str], owner: str, claim_ttl: float) -> list[bool]:
+    async def _renew_trip(self, sids: list[str], owner: str, claim_ttl: float) -> list[bool]:
         async with self._redis.pipeline(transaction=False) as pipe:
-            sha = self._s_claim.sha
+            sha = self._s_renew.sha
             for sid in sids:
                 pipe.evalsha(sha, 1, self._skeys(sid)[0], owner, claim_ttl)
             return [bool(r) for r in await pipe.execute()]

@@ -149,8 +149,8 @@ class ResilientStore(StateStore):
     async def stream_claim(self, sid, owner, claim_ttl) -> bool:
         return await self._stream_op("stream_claim", lambda s: s.stream_claim(sid, owner, claim_ttl))
 
-    async def stream_claims(self, sids, owner, claim_ttl) -> list[bool]:
-        return await self._stream_op("stream_claims", lambda s: s.stream_claims(sids, owner, claim_ttl))
+    async def stream_renew(self, sids, owner, claim_ttl) -> list[bool]:
+        return await self._stream_op("stream_renew", lambda s: s.stream_renew(sids, owner, claim_ttl))
 
     async def stream_release(self, sid, owner) -> None:
         await self._stream_op("stream_release", lambda s: s.stream_release(sid, owner))

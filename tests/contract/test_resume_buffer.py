@@ -68,24 +68,26 @@ async def test_padding_keeps_the_text_length(backend: Backend) -> None:
         await writer.close()
 
 
-async def test_claims_renewed_in_bulk_are_each_a_claim(backend: Backend) -> None:
+async def test_a_bulk_renewal_extends_only_the_owners_own_claims(backend: Backend) -> None:
     # (more streams than one Redis pipeline takes: RedisStore.CLAIMS_PER_TRIP)
     store = backend.store
     sids = [sid() for _ in range(1100)]
     for s in sids:
         await store.stream_open(s, encode_meta(META), "r1", 60)
-    assert await store.stream_claims(sids, "r1", 10) == [True] * len(sids)  # its own: renewed
-    assert await store.stream_claims(sids[:3], "r2", 10) == [False] * 3  # r1's are live
-    released = sids[1::2]
+    assert await store.stream_renew(sids, "r1", 10) == [True] * len(sids)  # its own: renewed
+    assert await store.stream_renew(sids[:3], "r2", 10) == [False] * 3  # r1's: not taken
+    assert (await store.stream_read(sids[0], 0)).owner == "r1"
+    released = set(sids[1::2])
     for s in released:
         await store.stream_release(s, "r1")
     await store.stream_append(sids[0], [b"[DONE]"], [], 0, True, "r1", 60)
     gone = sid()
-    got = await store.stream_claims([*sids, gone], "r2", 10)
-    assert got == [s in released for s in sids] + [False]  # finished and missing ones: False
-    assert (await store.stream_read(sids[1], 0)).owner == "r2"
-    assert (await store.stream_read(sids[2], 0)).owner == "r1"
-    assert await store.stream_claims([], "r2", 10) == []
+    got = await store.stream_renew([*sids, gone], "r1", 10)
+    # released (its client left: waiting for a resume), finished and missing: False, and left as they are
+    assert got == [s not in released and s != sids[0] for s in sids] + [False]
+    assert (await store.stream_read(sids[1], 0)).owner == ""
+    assert await store.stream_claim(sids[1], "r2", 10)  # a resume elsewhere takes it at once
+    assert await store.stream_renew([], "r1", 10) == []
     if backend.redis is not None:  # a server that lost its scripts (restarted, flushed): loaded again
         await store._redis.script_flush()
-        assert await store.stream_claims(sids[1:4], "r2", 10) == [True, False, True]
+        assert await store.stream_renew(sids[1:4], "r1", 10) == [False, True, False]

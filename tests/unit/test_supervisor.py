@@ -291,8 +291,34 @@ def test_only_a_connect_that_did_not_get_through_counts_as_unreachable() -> None
 
     connector_error = aiohttp.ClientConnectorError.__new__(aiohttp.ClientConnectorError)  # (what a url: connect raises)
     for e in (ConnectionRefusedError(111, "refused"), FileNotFoundError(2, "no socket"), TimeoutError(),
-              connector_error):
+              connector_error, ConnectionResetError("closed the connection during the handshake")):
         assert _unreachable(e), e
+    import ssl
+
+    cert_error = aiohttp.ClientConnectorCertificateError.__new__(aiohttp.ClientConnectorCertificateError)
     for e in (ReplicaDead("upstream up: GET /models: HTTP 503"), ReplicaRefused("bad secret"),
-              msgspec.DecodeError("not JSON"), RuntimeError("process exited")):
+              msgspec.DecodeError("not JSON"), RuntimeError("process exited"),
+              ssl.SSLCertVerificationError("certificate verify failed"), cert_error):
         assert not _unreachable(e), e
+
+
+async def test_an_upstream_that_closes_before_answering_counts_as_unreachable() -> None:
+    # (a tunnel or TCP proxy whose upstream is down takes the connection,
+    # reads the request and closes: retried every reconnect_interval, as a
+    # refused connect is)
+    from replicas.supervisor import _unreachable
+    from replicas.upstream import open_upstream
+
+    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await reader.read(4096)
+        writer.close()
+
+    server = await asyncio.start_server(handle, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    try:
+        with pytest.raises(ConnectionResetError) as caught:
+            await open_upstream("up", ReplicaSpec(name="up", url=f"http://127.0.0.1:{port}/v1"), timeout=5)
+        assert _unreachable(caught.value)
+    finally:
+        server.close()
+        await server.wait_closed()
