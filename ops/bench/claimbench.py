@@ -21,11 +21,12 @@ import asyncio
 import shutil
 import socket
 import statistics
-import subprocess
 import tempfile
 import time
 from contextlib import contextmanager
+from pathlib import Path
 
+from ops.bench.procs import Proc, free_port
 from router.state.base import CLAIM_TTL
 from router.state.redis_store import RedisStore
 
@@ -61,12 +62,10 @@ def _redis_server():
     binary = shutil.which("redis-server")
     if binary is None:
         raise SystemExit("redis-server is not on PATH (apt-get install redis-server), or pass --redis-url")
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     with tempfile.TemporaryDirectory(prefix="claimbench-") as d:
-        proc = subprocess.Popen([binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "",
-                                 "--appendonly", "no", "--dir", d], stdout=subprocess.DEVNULL)
+        proc = Proc("redis-server", [binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "",
+                                     "--appendonly", "no", "--dir", d], Path(d) / "redis.log")
         try:
             deadline = time.monotonic() + 10
             while True:
@@ -74,17 +73,12 @@ def _redis_server():
                     socket.create_connection(("127.0.0.1", port), timeout=0.2).close()
                     break
                 except OSError:
-                    if time.monotonic() > deadline or proc.poll() is not None:
-                        raise SystemExit("redis-server did not start") from None
+                    if time.monotonic() > deadline or not proc.alive():
+                        raise SystemExit(f"redis-server did not start: {proc.tail()}") from None
                     time.sleep(0.05)
             yield f"redis://127.0.0.1:{port}/0"
         finally:
-            proc.terminate()
-            try:
-                proc.wait(5)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+            proc.stop()
 
 
 def main() -> None:
