@@ -122,7 +122,7 @@ class Response:
 
     def _end(self, exc: BaseException | None) -> None:
         self._conn = None
-        self._sink = None  # (a parser whose state refers back to this response: no cycle left)
+        self._sink = None  # (the sink, an SSE reader, refers back to this response: no cycle left)
         release, self._release = self._release, None
         if release is not None:
             release()
