@@ -76,6 +76,8 @@ class Response:
                     self._done = asyncio.get_running_loop().create_future()
                     self._done.set_exception(e)
                 return
+        if self._done.done():
+            self._sink = None  # (it had ended: nothing more comes, and no cycle is left through the sink)
 
     async def finished(self) -> None:
         """Wait for the end of the body (``HttpError`` if the connection broke)."""

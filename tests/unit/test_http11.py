@@ -290,3 +290,62 @@ async def test_a_head_hook_that_fails_ends_the_response_and_its_head_with_an_err
             await sent.response.finished()
         await pool.close()
 
+
+
+@pytest.mark.parametrize("body_later", [False, True])
+async def test_a_response_and_a_closed_connection_leave_nothing_for_the_cycle_collector(body_later: bool) -> None:
+    # (a sink that refers back to its response, as the upstream SSE reader
+    # does, and a connection's parser, which holds the connection's
+    # callbacks, are cut when they end: reference counting frees them;
+    # tests/integration/test_garbage.py checks the whole request path.
+    # This test server's asyncio streams make cycles of their own: only
+    # the client's objects are counted)
+    import gc
+
+    import httptools
+
+    from replicas.http11 import Response, _Conn
+
+    class Reader:
+        def __init__(self, response) -> None:
+            self.response = response
+            self.got: list[bytes] = []
+
+        def feed(self, data: bytes) -> None:
+            self.got.append(data)
+
+    async def script(path, w, r):
+        if body_later:  # (the sink is set before the body comes)
+            w.write(HEAD)
+            await w.drain()
+            await asyncio.sleep(0.02)
+            w.write(chunked(b"data: 1\n\n"))
+        else:  # (the whole body comes with the head: it has ended when the sink is set)
+            w.write(HEAD + chunked(b"data: 1\n\n"))
+        return "close"  # (and the connection is closed after it)
+
+    async with Server(script) as srv:
+        pool = HttpPool(srv.url)
+        gc.collect()
+        gc.disable()
+        try:
+            for _ in range(5):
+                r = await pool.request("POST", "/completions", b"{}")
+                reader = Reader(r)
+                r.stream_to(reader.feed)
+                await r.finished()
+                assert b"".join(reader.got) == b"data: 1\n\n"
+                del r, reader
+                await asyncio.wait_for(srv.closed.wait(), 2)
+                srv.closed.clear()
+                await asyncio.sleep(0.05)  # (the client side's connection_lost)
+            gc.set_debug(gc.DEBUG_SAVEALL)
+            gc.collect()
+            ours = [type(o).__name__ for o in gc.garbage
+                    if isinstance(o, (Response, _Conn, httptools.HttpResponseParser))]
+        finally:
+            gc.set_debug(0)
+            gc.garbage.clear()
+            gc.enable()
+        await pool.close()
+    assert ours == [], f"in reference cycles after 5 responses: {ours}"
