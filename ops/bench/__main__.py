@@ -82,6 +82,13 @@ def _profile_path(args, system: str, scen: str, rnd: int) -> Path | None:
     return None
 
 
+def process_batches(names: list[str], scens: dict) -> list[list[str]]:
+    """The scenarios ``names`` in the processes a system runs them in: those
+    that share one, in order, then each ``fresh`` one in a process of its own."""
+    shared = [s for s in names if not scens[s].fresh]
+    return ([shared] if shared else []) + [[s] for s in names if scens[s].fresh]
+
+
 def _run_round(rnd: int, args, env: Env, mocks: MockPair | None, scens: dict, ms: list[Measurement]) -> None:
     up_systems = [s for s in args.systems if s in UPSTREAM_SYSTEMS]
     sim_systems = [s for s in args.systems if s in SIM_SYSTEMS]
@@ -92,25 +99,26 @@ def _run_round(rnd: int, args, env: Env, mocks: MockPair | None, scens: dict, ms
         if not up_scens:
             break
         t0 = time.monotonic()
-        try:
-            target = start_system(system, env)
-        except (RuntimeError, FileNotFoundError) as e:
-            _log(f"round {rnd}: {system} failed to start: {e}")
-            continue
-        try:
-            mocks.configure({})
-            warmup(target, scens[up_scens[0]])
-            for sc in up_scens:
-                scen = scens[sc]
-                mocks.configure(scen.mock)
-                m = measure(target, scen, rnd, args.workers, mocks.cpu, _profile_path(args, system, sc, rnd))
-                ms.append(m)
-                _log(f"round {rnd} {sc} {system}: {_summary(m)}")
-                _save_partial(args, ms)
-        except Exception as e:  # noqa: BLE001 - one system's failure must not lose the run
-            _log(f"round {rnd} {system} failed: {type(e).__name__}: {e}")
-        finally:
-            target.stop()
+        for batch in process_batches(up_scens, scens):
+            try:
+                target = start_system(system, env)
+            except (RuntimeError, FileNotFoundError) as e:
+                _log(f"round {rnd}: {system} failed to start: {e}")
+                break
+            try:
+                mocks.configure({})
+                warmup(target, scens[batch[0]])
+                for sc in batch:
+                    scen = scens[sc]
+                    mocks.configure(scen.mock)
+                    m = measure(target, scen, rnd, args.workers, mocks.cpu, _profile_path(args, system, sc, rnd))
+                    ms.append(m)
+                    _log(f"round {rnd} {sc} {system}: {_summary(m)}")
+                    _save_partial(args, ms)
+            except Exception as e:  # noqa: BLE001 - one system's failure must not lose the run
+                _log(f"round {rnd} {system} failed: {type(e).__name__}: {e}")
+            finally:
+                target.stop()
         _log(f"round {rnd} {system} done in {time.monotonic() - t0:.0f}s")
     sim_scens = [s for s in args.scenarios if scens[s].on_sim or (s == "S3" and args.sim_idle)]
     if not sim_systems:

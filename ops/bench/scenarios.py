@@ -7,6 +7,10 @@ S2  256 concurrent streams x 64 tokens, 20 ms between tokens.
 S3  2,000 mostly idle open streams: 2 tokens each, the second ``hold``
     seconds after the first; the router's RSS is sampled while they are
     open (RSS per open stream = (peak RSS - RSS before) / open streams).
+    Runs in a fresh process of each system (``fresh``): after S1, S2 and
+    S5 a process's heap has free memory from their requests that the idle
+    streams reuse, and how much depends on what ran before (fairstream:
+    18.0 KB per stream after them, 19.4 KB fresh, in one session).
 S4  1,000 requests at once behind a saturated cluster (sim replicas with
     32 sequences each; fairstream caps each replica at 32 in flight, so
     ~940 wait in its fair queues; direct, they wait in the engines'
@@ -15,8 +19,7 @@ S5  64 concurrent streams x 1 token, 100 requests back to back per virtual
     user: the cost of a request itself (auth, admission, scheduling, the
     upstream request, response head, accounting, log line), which S1 and
     S2 spread over 128 and 64 tokens; the report divides the router's CPU
-    by the requests that completed. Runs before S3 by default, so that
-    its router has not just held 2,000 streams.
+    by the requests that completed.
 
 Budgets bound every run: no new request after ``budget_s``, everything
 still open at ``deadline_s`` is cancelled (and counted as an error).
@@ -45,6 +48,7 @@ class Scenario:
     sim_cap: int | None = None  # fairstream max_concurrency per sim replica
     upstream: bool = True  # runs on the mock-upstream systems
     on_sim: bool = True  # runs on the sim systems
+    fresh: bool = False  # runs in a newly started process of each system, not after the other scenarios
 
 
 def build(waves: int = 6, s2_waves: int = 3, idle_streams: int = 2000, hold_s: float = 8.0,
@@ -63,7 +67,7 @@ def build(waves: int = 6, s2_waves: int = 3, idle_streams: int = 2000, hold_s: f
         ),
         "S3": Scenario(
             "S3", f"{idle_streams} idle open streams (1 token, then {hold_s:g} s)", idle_streams, idle_streams, 2,
-            mock={"delay_ms": 0.0, "hold_ms": hold_s * 1000}, ramp_s=2.0, idle=True,
+            mock={"delay_ms": 0.0, "hold_ms": hold_s * 1000}, ramp_s=2.0, idle=True, fresh=True,
             sim=sim_fast | {"step_base_ms": hold_s * 1000 / 2, "max_num_seqs": 4096},
             budget_s=slow_budget, deadline_s=hold_s + slow_budget + 20, on_sim=False,
         ),
