@@ -88,21 +88,37 @@ def default_max_connections(files: int) -> int:
     return max(64, (files - FILE_RESERVE) // 2) if files else 0
 
 
-def open_file_limit() -> int:
+# what to raise the open-file limit to when its hard limit is unlimited (macOS
+# by default): Linux's default ceiling (fs.nr_open), else macOS's OPEN_MAX
+_UNLIMITED_TARGETS = (1 << 20, 10240)
+
+
+def open_file_limit(res: Any = None) -> int:
     """Raise the process's open-file limit to its hard limit (as Go's
-    runtime does), and return it (0: unlimited, or no such limit here)."""
-    try:
-        import resource
-    except ImportError:  # pragma: no cover - Windows: no rlimits
-        return 0
-    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    if soft != hard and hard != resource.RLIM_INFINITY:
+    runtime does; an unlimited hard limit, macOS's default, to the most of
+    ``_UNLIMITED_TARGETS`` the system takes), and return it (0: unlimited,
+    or no such limit here). ``res``: the ``resource`` module (tests)."""
+    if res is None:
         try:
-            resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
-            soft = hard
-        except (ValueError, OSError) as e:  # (a sandbox that forbids it: keep the soft limit)
-            log.warning("could not raise the open-file limit from %d to %d: %s", soft, hard, e)
-    return 0 if soft == resource.RLIM_INFINITY else soft
+            import resource as res
+        except ImportError:  # pragma: no cover - Windows: no rlimits
+            return 0
+    soft, hard = res.getrlimit(res.RLIMIT_NOFILE)
+    if soft != hard and soft != res.RLIM_INFINITY:
+        targets = (hard,) if hard != res.RLIM_INFINITY else _UNLIMITED_TARGETS
+        error: Exception | None = None
+        for target in (t for t in targets if t > soft):
+            try:
+                res.setrlimit(res.RLIMIT_NOFILE, (target, hard))
+            except (ValueError, OSError) as e:  # (a sandbox that forbids it, or past the system's ceiling)
+                error = e
+                continue
+            soft = target
+            break
+        else:
+            if error is not None:
+                log.warning("could not raise the open-file limit from %d: %s", soft, error)
+    return 0 if soft == res.RLIM_INFINITY else soft
 
 
 class _Pipeline(list):

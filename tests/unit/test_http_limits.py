@@ -237,6 +237,47 @@ def test_the_open_file_limit_is_raised_to_the_hard_limit():
     assert limit == (0 if hard == resource.RLIM_INFINITY else hard)
 
 
+class _Limits:
+    """A ``resource`` module whose open-file limits are (soft, hard), and
+    whose system takes no soft limit above ``ceiling``."""
+
+    RLIMIT_NOFILE = 7
+    RLIM_INFINITY = -1
+
+    def __init__(self, soft: int, hard: int, ceiling: int) -> None:
+        self.limits, self.ceiling, self.tried = (soft, hard), ceiling, []
+
+    def getrlimit(self, which):
+        assert which == self.RLIMIT_NOFILE
+        return self.limits
+
+    def setrlimit(self, which, limits):
+        soft, hard = limits
+        self.tried.append(soft)
+        if hard != self.limits[1] or soft > self.ceiling:
+            raise ValueError("not allowed")
+        self.limits = limits
+
+
+def test_an_unlimited_hard_open_file_limit_raises_the_soft_one_as_far_as_the_system_allows():
+    # macOS: hard limit unlimited, soft 256; setrlimit past OPEN_MAX fails
+    mac = _Limits(256, _Limits.RLIM_INFINITY, ceiling=10240)
+    assert srv.open_file_limit(mac) == 10240
+    assert mac.limits == (10240, _Limits.RLIM_INFINITY) and mac.tried == [1 << 20, 10240]
+    linux = _Limits(1024, _Limits.RLIM_INFINITY, ceiling=1 << 20)  # (root may set an unlimited hard limit)
+    assert srv.open_file_limit(linux) == 1 << 20
+
+
+def test_an_open_file_limit_that_cannot_be_raised_stays_as_it_is(caplog):
+    tight = _Limits(256, _Limits.RLIM_INFINITY, ceiling=512)
+    with caplog.at_level("WARNING", logger="fairstream.router"):
+        assert srv.open_file_limit(tight) == 256
+    assert tight.limits == (256, _Limits.RLIM_INFINITY)
+    assert "could not raise the open-file limit from 256" in caplog.text
+    assert srv.open_file_limit(_Limits(4096, 4096, ceiling=0)) == 4096  # (soft = hard: nothing to do)
+    assert srv.open_file_limit(_Limits(_Limits.RLIM_INFINITY, _Limits.RLIM_INFINITY, ceiling=0)) == 0
+
+
 def test_the_router_writes_its_own_head_and_end_on_this_server():
     # (router/push.py's fast path is on under router/server.py's protocol:
     # were TransportWire.open to decline, the route answers 500)
