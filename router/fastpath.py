@@ -33,7 +33,7 @@ from litestar import Litestar
 from router.completions import new_request_id, open_stream, respond_whole, start_generation
 from router.cors import response_headers
 from router.errors import ApiError, error_body
-from router.push import ClientTooSlow, TransportWire, wire_for
+from router.push import ClientTooSlow, TransportWire, bounded, wire_for
 from router.relay import log_refused
 from router.service import RouterService
 
@@ -71,12 +71,36 @@ class FastPath:
                     elif k == b"x-request-id":
                         client_rid = v.decode("latin-1")
                     elif k == b"x-resume-request-id" or (k == b"last-event-id" and v):
-                        return await self.app(scope, receive, send)
+                        return await self.app(scope, receive, self._bounded(send, scope))
                 cors = response_headers(self.cors, origin) if origin is not None and self.cors is not None else []
                 return await self._completion(receive, send, chat, auth, scope["path"], cors, encoding, client_rid)
         elif scope["type"] == "http" and scope["method"] == "HEAD" and scope["path"] in _HEAD_PATHS:
             return await self.app({**scope, "method": "GET"}, receive, _headers_only(send))
+        if scope["type"] == "http":
+            send = self._bounded(send, scope)
         return await self.app(scope, receive, send)
+
+    def _bounded(self, send, scope):
+        """``send`` for a response the router's own routes make (a resume's
+        stream, a model list, metrics): a message the client takes none of
+        for ``send_timeout`` seconds (its connection's buffers full: it
+        stopped reading) closes the connection, as a completion's stream
+        does. The route then ends as on a disconnect (the server sees the
+        connection lost)."""
+        timeout = self.svc.config.send_timeout
+        cycle = getattr(send, "__self__", None)
+        transport = getattr(cycle, "transport", None)
+        if not timeout or transport is None:
+            return send
+
+        async def bounded_send(message) -> None:
+            try:
+                await bounded(send(message), timeout)
+            except ClientTooSlow as e:
+                log.warning("%s %s: %s; closing its connection", scope["method"], scope["path"][:200], e)
+                transport.abort()  # (the server hears the connection lost; later sends are dropped)
+
+        return bounded_send
 
     async def _completion(self, receive, send, chat: bool, auth: str | None, path: str,
                           cors: list[tuple[bytes, bytes]], encoding: str | None = None,

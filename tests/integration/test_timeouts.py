@@ -338,3 +338,44 @@ async def test_a_client_that_stops_reading_is_dropped_after_send_timeout_and_fre
             assert "took none of its stream for 1.5s; closing its connection" in router.log()
         finally:
             sock.close()
+
+
+async def test_a_resume_whose_client_stops_reading_is_dropped_after_send_timeout(tmp_path) -> None:
+    # A stream of 30,000 tokens is read to its end. A resume of it from the
+    # start (GET /v1/streams/{id}) by a client that reads nothing after the
+    # response head: once every buffer between them is full, the router
+    # waits send_timeout (1.5 s) and closes the connection, as it does for a
+    # completion's stream. Before, the replay waited as long as TCP kept the
+    # connection.
+    tenants = write_tenants(tmp_path / "tenants.yaml", {})
+    sim = {"step_base_ms": 0.0, "step_per_seq_ms": 0.0, "max_model_len": 40000}
+    with RouterProcess(tmp_path / "r", replicas=1, tenants=tenants, sim=sim,
+                       settings={"send_timeout": 1.5}) as router:
+        async with httpx.AsyncClient(base_url=router.base_url, headers=auth(), timeout=60) as http:
+            async with http.stream("POST", "/v1/completions", json=completion(30000, stream=True)) as r:
+                assert r.status_code == 200
+                sid = r.headers["x-request-id"]
+                async for _ in r.aiter_bytes():
+                    pass
+        sock = socket.socket()
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)  # (before connect: a small window)
+        sock.connect(("127.0.0.1", router.port))
+        try:
+            sock.sendall(f"GET /v1/streams/{sid} HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {KEY}\r\n"
+                         "Last-Event-ID: 0\r\n\r\n".encode())
+            assert sock.recv(64).startswith(b"HTTP/1.1 200")  # then it reads nothing more
+            started = time.monotonic()
+            said = "took none of its stream for 1.5s; closing its connection"
+            await apoll(lambda: said in router.log(), 30, interval=0.2, what="the resume to be given up on")
+            assert time.monotonic() - started >= 1.5
+            assert f"GET /v1/streams/{sid}: the client {said}" in router.log()
+            # the router closed it: reading what is left ends, it does not wait
+            sock.settimeout(10)
+            try:
+                while sock.recv(1 << 16):
+                    pass
+            except ConnectionResetError:
+                pass
+        finally:
+            sock.close()
+
