@@ -225,7 +225,8 @@ class ReplicaClient:
         """Forget a finished request."""
         self._streams.pop(col.rid, None)
 
-    async def ping(self, timeout: float) -> Pong:
+    async def ping(self, timeout: float | None) -> Pong:
+        """A pong (the replica's load); TimeoutError after ``timeout`` s (None: no limit)."""
         seq = next(self._ping_ids)
         fut: asyncio.Future[Pong] = asyncio.get_running_loop().create_future()
         self._pings[seq] = fut

@@ -23,6 +23,7 @@ import signal
 import sys
 import tempfile
 from collections.abc import Callable
+from typing import Any
 
 from replicas.client import ReplicaClient, ReplicaDead, ReplicaRefused, connect
 from replicas.logs import REPLICA_NAME_ENV
@@ -34,6 +35,9 @@ log = logging.getLogger("fairstream.supervisor")
 
 _PR_SET_PDEATHSIG = 1
 UNREACHABLE_LOG_EVERY = 30.0  # (s) between warnings about a replica that still cannot be reached
+# (s) the step of a health check's clock; a stall of the router's own event
+# loop counts as at most two steps (``answered_within``)
+PING_TICK = 0.1
 
 
 def die_with_parent() -> None:
@@ -86,6 +90,30 @@ STOP_GRACE = 10.0  # seconds a replica gets to stop after SIGTERM
 
 class _Stalled(RuntimeError):
     """The replica answered no ping within the health timeout."""
+
+
+async def answered_within(aw, timeout: float) -> Any:
+    """``await aw`` (a ping) for at most ``timeout`` seconds in which the
+    router's event loop ran; TimeoutError after that. A stretch in which the
+    loop itself was blocked (a long synchronous call, the machine swapping)
+    counts as at most two ``PING_TICK``s: when the loop runs again its timers
+    fire before it reads its sockets, so a plain timeout would blame the
+    replica for a pong that came while the router was not listening."""
+    loop = asyncio.get_running_loop()
+    task = asyncio.ensure_future(aw)
+    step = min(PING_TICK, timeout)
+    waited = 0.0
+    try:
+        while True:
+            start = loop.time()
+            done, _ = await asyncio.wait((task,), timeout=step)
+            if done:
+                return task.result()
+            waited += min(loop.time() - start, 2 * step)
+            if waited >= timeout:
+                raise TimeoutError
+    finally:
+        task.cancel()  # (done: a no-op)
 
 
 class Progress:
@@ -267,7 +295,7 @@ class Supervisor:
                 refused, refusals = client.refused, getattr(client, "refusals", 0)
                 if refused:  # not chosen until this check clears it (fairstream_replica_up 0 meanwhile)
                     self._on_event("refused", slot)
-                ping = asyncio.ensure_future(client.ping(s.health_timeout))
+                ping = asyncio.ensure_future(answered_within(client.ping(None), s.health_timeout))
                 done, _ = await asyncio.wait({ping, exited} - {None}, return_when=asyncio.FIRST_COMPLETED)
                 if exited is not None and exited in done:
                     ping.cancel()

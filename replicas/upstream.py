@@ -301,8 +301,9 @@ class UpstreamClient:
         """Forget a finished request."""
         self._streams.pop(col.rid, None)
 
-    async def ping(self, timeout: float) -> Pong:
-        """GET {url}/models; ``ReplicaDead`` if it fails, TimeoutError if slow.
+    async def ping(self, timeout: float | None) -> Pong:
+        """GET {url}/models; ``ReplicaDead`` if it fails, TimeoutError after
+        ``timeout`` s (None: no limit).
         After a refused connect it goes on a new connection (the session's
         kept-alive one would not tell whether new ones are taken)."""
         session = self._session

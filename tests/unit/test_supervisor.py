@@ -322,3 +322,66 @@ async def test_an_upstream_that_closes_before_answering_counts_as_unreachable() 
     finally:
         server.close()
         await server.wait_closed()
+
+
+def _pong_during_a_stall(wait) -> object:
+    """A replica (a thread) answers 50 ms after the ping; the router's event
+    loop is blocked for 0.6 s from just after the ping, so the answer is in
+    the socket when the loop runs again. ``wait(future, 0.3)`` awaits it."""
+    import socket
+    import threading
+    import time
+
+    async def main():
+        loop = asyncio.get_running_loop()
+        router_end, replica_end = socket.socketpair()
+        pong = loop.create_future()
+
+        def readable() -> None:
+            loop.remove_reader(router_end)
+            pong.set_result(router_end.recv(16))
+
+        loop.add_reader(router_end, readable)
+        threading.Timer(0.05, replica_end.send, (b"pong",)).start()
+        loop.call_soon(time.sleep, 0.6)  # (the router's own stall)
+        try:
+            return await wait(pong, 0.3)
+        finally:
+            router_end.close()
+            replica_end.close()
+
+    return main
+
+
+@pytest.mark.parametrize("loop_factory", ["asyncio", "uvloop"])
+def test_a_stall_of_the_router_itself_does_not_count_against_a_ping(loop_factory) -> None:
+    import uvloop
+
+    from replicas.supervisor import answered_within
+
+    factory = uvloop.new_event_loop if loop_factory == "uvloop" else asyncio.new_event_loop
+
+    async def plain_timeout(fut, timeout):
+        async with asyncio.timeout(timeout):
+            return await fut
+
+    # (the premise: a plain timeout blames the replica for the router's stall)
+    with asyncio.Runner(loop_factory=factory) as runner, pytest.raises(TimeoutError):
+        runner.run(_pong_during_a_stall(plain_timeout)())
+    with asyncio.Runner(loop_factory=factory) as runner:
+        assert runner.run(_pong_during_a_stall(answered_within)()) == b"pong"
+
+
+def test_a_ping_that_is_not_answered_times_out_after_the_health_timeout() -> None:
+    from replicas.supervisor import answered_within
+
+    async def main():
+        loop = asyncio.get_running_loop()
+        never = loop.create_future()
+        started = loop.time()
+        with pytest.raises(TimeoutError):
+            await answered_within(never, 0.35)
+        assert 0.35 <= loop.time() - started < 1.0
+        assert never.cancelled()  # (the ping is not left waiting)
+
+    asyncio.run(main())
