@@ -185,6 +185,11 @@ class LoadReport(msgspec.Struct, tag=12, array_like=True, gc=False):
     kv_usage: float  # 0..1
     steps: int = 0
     tokens_generated: int = 0
+    # the engine counts its steps in ``steps`` (sim, vLLM; not an upstream's
+    # page): one with requests that takes no step, its first included, is
+    # stuck (replicas.supervisor.Progress). Older replicas send no such
+    # field; their steps are judged from their first on, as before.
+    reports_steps: bool = False
 
 
 class Pong(msgspec.Struct, tag=13, array_like=True, gc=False):

@@ -307,6 +307,7 @@ class SimEngine(Engine):
             kv_usage=1.0 - self._free_blocks / self._total_blocks,
             steps=self._steps,
             tokens_generated=self._generated,
+            reports_steps=True,
         )
 
     async def close(self) -> None:

@@ -120,8 +120,9 @@ class Progress:
     """Whether a replica's engine keeps stepping while it has requests.
 
     ``stuck`` once an engine with requests in it has taken no step for
-    ``limit`` seconds. An engine that reports no steps (an OpenAI-compatible
-    upstream) is never stuck."""
+    ``limit`` seconds, its first step included (an engine core that freezes
+    before it ever stepped, or hangs on its first batch). An engine that
+    counts no steps (an OpenAI-compatible upstream) is never stuck."""
 
     def __init__(self, limit: float) -> None:
         self.limit = limit
@@ -129,7 +130,8 @@ class Progress:
         self.since = 0.0
 
     def stuck(self, load, now: float) -> bool:
-        if load.steps != self.steps or load.steps == 0 or load.running + load.waiting == 0:
+        counted = load.reports_steps or load.steps  # (an older replica: from its first step)
+        if not counted or load.steps != self.steps or load.running + load.waiting == 0:
             self.steps = load.steps
             self.since = now
             return False

@@ -305,6 +305,7 @@ class VllmEngine(Engine):
             kv_usage=s.kv_usage if n else 0.0,
             steps=s.steps,
             tokens_generated=self._tokens_generated,
+            reports_steps=True,  # (one per scheduler stats record: vLLM's engine steps)
         )
 
     async def close(self) -> None:

@@ -44,7 +44,7 @@ class RouterConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     health_interval: float = 1.0
     """Seconds between health pings to each replica."""
     health_timeout: float = 5.0
-    """A replica that does not answer a ping within this is restarted (time in which the router's own event loop was blocked does not count: a pong that came meanwhile is read first), as is one whose engine takes no step for this long while it has requests (a frozen vLLM engine core behind a front end that still answers)."""
+    """A replica that does not answer a ping within this is restarted (time in which the router's own event loop was blocked does not count: a pong that came meanwhile is read first), as is one whose engine takes no step for this long while it has requests, its first step included (a frozen vLLM engine core behind a front end that still answers)."""
     restart_backoff_max: float = 30.0
     """Longest wait between restarts of a failing replica."""
     reconnect_interval: float = 1.0

@@ -98,6 +98,31 @@ def test_an_engine_with_requests_that_takes_no_step_is_stuck() -> None:
     assert not any(q.stuck(LoadReport(3, 1, 0.0), t) for t in (0.0, 10.0, 100.0))
 
 
+def test_an_engine_that_never_took_its_first_step_is_stuck_too() -> None:
+    # an engine core frozen before it ever stepped (or hung on its first
+    # batch) while requests wait in it; before, steps == 0 meant "this engine
+    # counts no steps" and it stayed ready for good
+    from replicas.protocol import LoadReport
+    from replicas.supervisor import Progress
+
+    p = Progress(5.0)
+    fresh = dict(steps=0, reports_steps=True)
+    assert not p.stuck(LoadReport(0, 0, 0.0, **fresh), 0.0)  # idle: nothing to step
+    assert not p.stuck(LoadReport(0, 2, 0.0, **fresh), 1.0)  # requests came: the clock runs from the last idle check
+    assert not p.stuck(LoadReport(0, 2, 0.0, **fresh), 4.9)
+    assert p.stuck(LoadReport(0, 2, 0.0, **fresh), 5.1)
+    q = Progress(5.0)  # the same engine, stepping
+    assert not q.stuck(LoadReport(0, 2, 0.0, **fresh), 0.0)
+    assert not q.stuck(LoadReport(2, 0, 0.0, steps=1, reports_steps=True), 4.0)
+    assert not q.stuck(LoadReport(2, 0, 0.0, steps=40, reports_steps=True), 8.0)
+
+
+async def test_the_sim_engine_counts_its_steps() -> None:
+    from replicas.sim import SimConfig, SimEngine
+
+    assert SimEngine(SimConfig(), lambda *a: None).load().reports_steps
+
+
 async def test_close_during_a_restart_stop_leaves_no_process_running(monkeypatch) -> None:
     import replicas.supervisor
     monkeypatch.setattr(replicas.supervisor, "STOP_GRACE", 1.0)

@@ -278,3 +278,47 @@ async def test_a_replica_whose_engine_core_freezes_is_restarted(vllm_router):
                     pass
     poll(lambda: httpx.get(vllm_router.base_url + "/ready", timeout=2).json()["replicas"][victim] == "ready",
          300, interval=0.5, what=f"{victim} restarted")
+
+
+async def test_an_engine_core_frozen_before_its_first_step_is_restarted(vllm_router):
+    # A replica just (re)started, whose engine core freezes before it ever
+    # took a step (as one that hangs on its first batch): its front end still
+    # answers pings, and it used to count as "reports no steps" (steps 0),
+    # ready for good while every request sent to it waited out first_token.
+    # Now its first step is waited for like any other (health_timeout).
+    poll(lambda: httpx.get(vllm_router.base_url + "/ready", timeout=2).json()["replicas"] ==
+         {"vllm-0": "ready", "vllm-1": "ready"}, 300, what="both vllm replicas ready")
+    headers = {"Authorization": f"Bearer {GOLD}"}
+    admin = {"Authorization": f"Bearer {ADMIN}"}
+    async with httpx.AsyncClient(base_url=vllm_router.base_url, headers=headers, timeout=200) as client:
+        ref = (await client.post("/v1/completions", json=_greedy(32))).json()["choices"][0]["text"]
+        replica = (await client.get("/admin/replicas", headers=admin)).json()["replicas"][1]
+        victim, old_pid = replica["name"], replica["pid"]
+        os.kill(old_pid, signal.SIGKILL)  # a fresh engine: the supervisor starts it again
+
+        async def fresh_and_ready():
+            r = await client.get("/admin/replicas", headers=admin)
+            now = next(x for x in r.json()["replicas"] if x["name"] == victim)
+            return now["state"] == "ready" and now["pid"] != old_pid and now
+
+        pid = (await apoll(fresh_and_ready, 300, interval=0.5, what=f"{victim} started again"))["pid"]
+        m = await vllm_router.ametrics(client)
+        restarts0 = m.value("fairstream_replica_restarts_total", replica=victim)
+        frozen = _descendants(pid)
+        for child in frozen:
+            os.kill(child, signal.SIGSTOP)
+        try:
+            results = await asyncio.gather(*(client.post("/v1/completions", json=_greedy(32)) for _ in range(4)))
+            assert [r.status_code for r in results] == [200] * 4, [r.text for r in results]
+            assert all(r.json()["choices"][0]["text"] == ref for r in results)
+            m = await vllm_router.ametrics(client)
+            # (restarted as stuck: some of the requests were in its engine)
+            assert m.value("fairstream_replica_restarts_total", replica=victim) > restarts0
+        finally:
+            for child in frozen:
+                try:
+                    os.kill(child, signal.SIGCONT)
+                except ProcessLookupError:
+                    pass
+    poll(lambda: httpx.get(vllm_router.base_url + "/ready", timeout=2).json()["replicas"][victim] == "ready",
+         300, interval=0.5, what=f"{victim} restarted")
