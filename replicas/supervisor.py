@@ -127,11 +127,11 @@ class Progress:
     def __init__(self, limit: float) -> None:
         self.limit = limit
         self.steps = 0
-        self.since = 0.0
+        self.since: float | None = None  # (the first report starts the clock)
 
     def stuck(self, load, now: float) -> bool:
         counted = load.reports_steps or load.steps  # (an older replica: from its first step)
-        if not counted or load.steps != self.steps or load.running + load.waiting == 0:
+        if not counted or load.steps != self.steps or load.running + load.waiting == 0 or self.since is None:
             self.steps = load.steps
             self.since = now
             return False

@@ -111,6 +111,10 @@ def test_an_engine_that_never_took_its_first_step_is_stuck_too() -> None:
     assert not p.stuck(LoadReport(0, 2, 0.0, **fresh), 1.0)  # requests came: the clock runs from the last idle check
     assert not p.stuck(LoadReport(0, 2, 0.0, **fresh), 4.9)
     assert p.stuck(LoadReport(0, 2, 0.0, **fresh), 5.1)
+    r = Progress(5.0)  # a connection's first report: its clock starts there, whatever the time
+    assert not r.stuck(LoadReport(0, 1, 0.0, **fresh), 1000.0)
+    assert not r.stuck(LoadReport(0, 1, 0.0, **fresh), 1004.9)
+    assert r.stuck(LoadReport(0, 1, 0.0, **fresh), 1005.1)
     q = Progress(5.0)  # the same engine, stepping
     assert not q.stuck(LoadReport(0, 2, 0.0, **fresh), 0.0)
     assert not q.stuck(LoadReport(2, 0, 0.0, steps=1, reports_steps=True), 4.0)
