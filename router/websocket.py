@@ -1,8 +1,12 @@
 """``/v1/ws``: chat completions over one WebSocket, several at a time.
 
 Auth: an ``Authorization: Bearer KEY`` header on the upgrade, or (browsers
-cannot set headers) a first message ``{"type": "auth", "api_key": KEY}``.
-Then, any number of times:
+cannot set headers) a first message ``{"type": "auth", "api_key": KEY}``,
+within ``header_timeout`` seconds of the upgrade (else the socket is closed,
+code 1008), answered ``{"type": "auth", "ok": true}``. The key is checked
+again against the tenant policy in force at every request: a key revoked by
+a reload closes the socket (code 4401) at the next request, and a reload's
+new limits apply to the socket's next requests. Then, any number of times:
 
 * ``{"type": "chat.completions.create", "id": ID, "body": {...}}`` starts a
   chat completion (the body is the HTTP request body; ``stream`` is implied).
@@ -69,7 +73,7 @@ class _Conn:
     def __init__(self, svc: RouterService, sock: WebSocket) -> None:
         self.svc = svc
         self.sock = sock
-        self.policy: TenantPolicy | None = None
+        self.auth: str | None = None  # the socket's key, as an Authorization header value
         self.running: dict[str, asyncio.Task[None]] = {}
         self._send_lock = asyncio.Lock()
         self.draining = False
@@ -83,8 +87,8 @@ class _Conn:
         if not self.running:
             self._close_soon()
 
-    def start(self, cid: str, body: bytes) -> None:
-        task = asyncio.get_running_loop().create_task(self.run_one(cid, body))
+    def start(self, cid: str, body: bytes, policy: TenantPolicy) -> None:
+        task = asyncio.get_running_loop().create_task(self.run_one(cid, body, policy))
         self.running[cid] = task
         task.add_done_callback(lambda t: self._ended(cid, t))
 
@@ -121,9 +125,8 @@ class _Conn:
                 log.warning("websocket: %s; ending its requests", e)
                 self.gone = True
 
-    async def run_one(self, cid: str, body: bytes) -> None:
-        svc, policy = self.svc, self.policy
-        assert policy is not None
+    async def run_one(self, cid: str, body: bytes, policy: TenantPolicy) -> None:
+        svc = self.svc
         request_id = new_request_id()
         try:
             st = await start_generation(svc, policy, body, True, request_id, "websocket", stream_implied=True)
@@ -155,9 +158,21 @@ async def chat_socket(socket: WebSocket) -> None:
     auth = socket.headers.get("authorization")
     try:
         if auth:
-            conn.policy = svc.tenant(auth)
+            svc.tenant(auth)  # (a bad key: refused now)
+            conn.auth = auth
         while not conn.gone:  # (gone: it took no frame for send_timeout; nothing more is started for it)
-            raw = await socket.receive_data(mode="text")
+            if conn.auth is None:
+                try:
+                    async with asyncio.timeout(svc.config.header_timeout or None):
+                        raw = await socket.receive_data(mode="text")
+                except TimeoutError:
+                    # (as an HTTP connection that sends no request head: it
+                    # would hold a connection for good, with no key)
+                    svc.metrics.connections_refused.labels("header_timeout").inc()
+                    await socket.close(code=1008, reason=f"no auth message within {svc.config.header_timeout:g}s")
+                    return
+            else:
+                raw = await socket.receive_data(mode="text")
             if not raw:  # (a binary frame reads as empty text)
                 await conn.send(_err("", BadRequest("Bad message: send each message as a JSON object in a text frame "
                                                     "(this one was empty or binary).", code="invalid_json")))
@@ -170,13 +185,14 @@ async def chat_socket(socket: WebSocket) -> None:
             except RecursionError:
                 await conn.send(_err("", BadRequest("Bad message: nested too deeply.", code="invalid_json")))
                 continue
-            if conn.policy is None:
+            if conn.auth is None:
                 if msg.type != "auth":
                     await conn.send(_err(msg.id, BadRequest("Authenticate first: send "
                                                             '{"type": "auth", "api_key": KEY}.',
                                                             code="missing_api_key")))
                     continue
-                conn.policy = svc.tenant(f"Bearer {msg.api_key}")
+                svc.tenant(f"Bearer {msg.api_key}")  # (a bad key: refused now)
+                conn.auth = f"Bearer {msg.api_key}"
                 await conn.send(b'{"type":"auth","ok":true}')
                 continue
             if msg.type == "chat.completions.create":
@@ -194,7 +210,9 @@ async def chat_socket(socket: WebSocket) -> None:
                 if not bytes(msg.body):
                     await conn.send(_err(msg.id, BadRequest("Missing 'body'.", param="body")))
                     continue
-                conn.start(msg.id, bytes(msg.body))
+                # the policy in force now: a reload may have revoked the key
+                # (refused: the socket closes) or changed the tenant's limits
+                conn.start(msg.id, bytes(msg.body), svc.tenant(conn.auth))
             elif msg.type == "abort":
                 task = conn.running.pop(msg.id, None)
                 if task is not None:

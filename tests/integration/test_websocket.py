@@ -359,3 +359,64 @@ async def test_concurrency_limit_applies_per_request_on_the_socket(router: Route
         await create(ws, "third", chat_body("Le caf", 10))
         await col.until(lambda: col.finished("third"), what="third to finish")
         assert col.of("third")[-1] == {"id": "third", "done": True}, col.of("third")
+
+
+# -- a reload, and sockets that never authenticate ----------------------------------------------------
+
+
+async def test_a_reload_reaches_open_sockets_a_revoked_key_closes_them(tmp_path: Path) -> None:
+    # The key is checked against the policy in force at each request. Before,
+    # a socket kept the policy it authenticated with: a key revoked by a
+    # reload went on working on it, with the old limits.
+    tenants = tmp_path / "tenants.yaml"
+
+    def write(keys: list[str], max_tokens: int) -> None:
+        tenants.write_text(yaml.safe_dump({
+            "admin_keys": [hash_key(ADMIN)],
+            "tenants": {"a": {"keys": [hash_key(k) for k in keys], "limits": {"max_tokens": max_tokens}}},
+        }, sort_keys=False))
+
+    write([KEY_A, KEY_LIM], 1000)
+    with RouterProcess(tmp_path / "r", replicas=1, tenants=tenants, sim={"step_base_ms": 1}) as r:
+        async with httpx.AsyncClient(base_url=r.base_url, timeout=30) as admin:
+            async def reload() -> None:
+                resp = await admin.post("/admin/reload", headers={"Authorization": f"Bearer {ADMIN}"})
+                assert resp.status_code == 200 and resp.json()["changed"], resp.text
+
+            async with open_ws(r, KEY_A) as keeps, open_ws(r, key=None) as revoked:
+                await revoked.send(json.dumps({"type": "auth", "api_key": KEY_LIM}))
+                assert await recv(revoked) == {"type": "auth", "ok": True}
+                for ws in (keeps, revoked):
+                    col = Collector(ws)
+                    await create(ws, "before", chat_body("hello", 50))
+                    await col.until(lambda: col.finished("before"), what="a request before the reload")
+                write([KEY_A], 20)  # KEY_LIM revoked; max_tokens 20
+                await reload()
+                await create(keeps, "after", chat_body("hello", 50))
+                assert_error(await recv(keeps), "after", param="max_tokens")  # the new limit, on the open socket
+                await create(revoked, "after", chat_body("hello", 5))
+                msg = await recv(revoked)
+                assert set(msg) == {"error"} and msg["error"]["code"] == "invalid_api_key", msg
+                with pytest.raises(ConnectionClosed) as info:
+                    await recv(revoked)
+                assert info.value.rcvd is not None and info.value.rcvd.code == 4401, info.value
+
+
+async def test_a_socket_that_sends_no_auth_within_header_timeout_is_closed(tmp_path: Path) -> None:
+    # As an HTTP connection that sends no request head: without a key it
+    # would hold a connection (one of max_connections) for good.
+    tenants = tmp_path / "tenants.yaml"
+    tenants.write_text(yaml.safe_dump({"admin_keys": [hash_key(ADMIN)], "tenants": {"a": {"keys": [hash_key(KEY_A)]}}}))
+    with RouterProcess(tmp_path / "r", replicas=1, tenants=tenants, settings={"header_timeout": 1.0}) as r:
+        async with open_ws(r, key=None) as silent, open_ws(r, KEY_A) as keyed:
+            with pytest.raises(ConnectionClosed) as info:
+                await recv(silent, timeout=10)
+            assert info.value.rcvd is not None and info.value.rcvd.code == 1008, info.value
+            assert "no auth message within 1s" in info.value.rcvd.reason
+            await asyncio.sleep(0.5)
+            col = Collector(keyed)  # a socket with a key waits for its messages as long as it likes
+            await create(keyed, "late", chat_body("hello", 3))
+            await col.until(lambda: col.finished("late"), what="a request after header_timeout")
+        async with httpx.AsyncClient(base_url=r.base_url, timeout=30) as http:
+            m = await r.ametrics(http)
+        assert m.value("fairstream_http_connections_refused_total", reason="header_timeout") == 1
