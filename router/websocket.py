@@ -40,7 +40,7 @@ from litestar import WebSocket, websocket
 from litestar.exceptions import WebSocketDisconnect
 
 from router.completions import new_request_id, response_id_of, start_generation
-from router.errors import ApiError, BadRequest, RouterShutdown, error_body
+from router.errors import ApiError, BadRequest, PayloadTooLarge, RouterShutdown, error_body
 from router.openai_types import usage_options
 from router.push import ClientTooSlow, bounded
 from router.relay import EventStream, log_refused, relay_stream
@@ -209,6 +209,10 @@ async def chat_socket(socket: WebSocket) -> None:
                     continue
                 if not bytes(msg.body):
                     await conn.send(_err(msg.id, BadRequest("Missing 'body'.", param="body")))
+                    continue
+                if len(msg.body) > svc.config.max_body_bytes:  # (as an HTTP body over it: a 413)
+                    await conn.send(_err(msg.id, PayloadTooLarge(
+                        f"The request body is too large (over {svc.config.max_body_bytes} bytes).", param="body")))
                     continue
                 # the policy in force now: a reload may have revoked the key
                 # (refused: the socket closes) or changed the tenant's limits

@@ -420,3 +420,15 @@ async def test_a_socket_that_sends_no_auth_within_header_timeout_is_closed(tmp_p
         async with httpx.AsyncClient(base_url=r.base_url, timeout=30) as http:
             m = await r.ametrics(http)
         assert m.value("fairstream_http_connections_refused_total", reason="header_timeout") == 1
+
+
+async def test_a_body_over_max_body_bytes_is_refused_as_over_http(router: RouterProcess) -> None:
+    # (before, only uvicorn's 16 MiB frame limit applied: a 6 MB body was
+    # decoded and admitted, refused at most by a token limit)
+    async with open_ws(router) as ws:
+        big = chat_body("x" * (5 * 1024 * 1024), 3)  # over the default 4 MiB
+        await create(ws, "big", big)
+        assert_error(await recv(ws, timeout=30), "big", code="request_too_large", param="body")
+        col = Collector(ws)  # the socket goes on
+        await create(ws, "small", chat_body("hello", 3))
+        await col.until(lambda: col.finished("small"), what="a request after the refused one")
