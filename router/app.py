@@ -43,8 +43,11 @@ async def _complete(request: Request, chat: bool) -> Response:
         if request.headers.get("last-event-id"):  # a reconnect: a new generation would repeat its text
             raise BadRequest("Last-Event-ID resumes a stream: send X-Resume-Request-Id with the stream's "
                              "x-request-id as well, or GET /v1/streams/{id}.", param="X-Resume-Request-Id")
-        # (a fresh request gets here only when this app is served without FastPath in front)
-        return await handle_completion(svc, policy, await request.body(), chat, new_request_id())
+        # (a fresh request gets here when this app is served without FastPath
+        # in front, or on a path FastPath does not match: a trailing slash)
+        body = await request.body()  # (over max_body_bytes: Litestar's 413, below)
+        encoding = ", ".join(request.headers.getall("content-encoding", [])) or None
+        return await handle_completion(svc, policy, body, chat, new_request_id(), content_encoding=encoding)
     pos = parse_last_event_id(request.headers.get("last-event-id"))
     return await handle_resume(svc, policy, resume_id, pos)
 
@@ -150,16 +153,20 @@ _HTTP_TYPES = {401: "invalid_request_error", 404: "invalid_request_error", 405: 
 
 def _http_error(request: Request, exc: HTTPException) -> Response:
     status = exc.status_code
+    code = None
+    headers = exc.headers
     if status == 404:
         message = f"Unknown path {request.url.path}."
     elif status == 405:
         message = f"Method {request.method} is not allowed on {request.url.path}."
-    elif status == 413:
-        message = "The request body is too large."
+    elif status == 413:  # (request_max_body_size: max_body_bytes)
+        message = f"The request body is too large (over {_svc(request).config.max_body_bytes} bytes)."
+        code = "request_too_large"
+        headers = {**(headers or {}), "connection": "close"}  # (the rest of the body is not read)
     else:
         message = str(exc.detail)
     type_ = _HTTP_TYPES.get(status, "invalid_request_error" if status < 500 else "server_error")
-    return Response(error_body(message, type_), status_code=status, headers=exc.headers, media_type=_JSON)
+    return Response(error_body(message, type_, None, code), status_code=status, headers=headers, media_type=_JSON)
 
 
 def _internal_error(request: Request, exc: Exception) -> Response:

@@ -284,9 +284,11 @@ async def open_stream(svc: RouterService, policy: TenantPolicy, st: Started, cha
 
 
 async def handle_completion(
-    svc: RouterService, policy: TenantPolicy, body: bytes, chat: bool, request_id: str
+    svc: RouterService, policy: TenantPolicy, body: bytes, chat: bool, request_id: str,
+    content_encoding: str | None = None,
 ) -> Response:
-    st = await start_generation(svc, policy, body, chat, request_id, "chat" if chat else "completions")
+    st = await start_generation(svc, policy, body, chat, request_id, "chat" if chat else "completions",
+                                content_encoding=content_encoding)
     if st.req.stream:
         es, headers = await open_stream(svc, policy, st, chat, request_id)
         return Stream(relay_stream(es, st.pieces, st.first), media_type="text/event-stream", headers=headers)

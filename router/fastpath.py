@@ -59,7 +59,7 @@ class FastPath:
         if scope["type"] == "http" and scope["method"] == "POST":
             chat = _PATHS.get(scope["path"])
             if chat is not None:
-                auth = origin = encoding = None
+                auth = origin = encoding = length = None
                 client_rid = ""
                 for k, v in scope["headers"]:
                     if k == b"authorization":
@@ -70,10 +70,13 @@ class FastPath:
                         encoding = v.decode("latin-1") if encoding is None else f"{encoding}, {v.decode('latin-1')}"
                     elif k == b"x-request-id":
                         client_rid = v.decode("latin-1")
-                    elif k == b"x-resume-request-id" or (k == b"last-event-id" and v):
+                    elif k == b"content-length":
+                        length = int(v)  # (the server checked it is a number)
+                    elif (k == b"x-resume-request-id" or k == b"last-event-id") and v:
                         return await self.app(scope, receive, self._bounded(send, scope))
                 cors = response_headers(self.cors, origin) if origin is not None and self.cors is not None else []
-                return await self._completion(receive, send, chat, auth, scope["path"], cors, encoding, client_rid)
+                return await self._completion(receive, send, chat, auth, scope["path"], cors, encoding, client_rid,
+                                              length)
         elif scope["type"] == "http" and scope["method"] == "HEAD" and scope["path"] in _HEAD_PATHS:
             return await self.app({**scope, "method": "GET"}, receive, _headers_only(send))
         if scope["type"] == "http":
@@ -104,17 +107,35 @@ class FastPath:
 
     async def _completion(self, receive, send, chat: bool, auth: str | None, path: str,
                           cors: list[tuple[bytes, bytes]], encoding: str | None = None,
-                          client_rid: str = "") -> None:
+                          client_rid: str = "", length: int | None = None) -> None:
         svc = self.svc
+        request_id = new_request_id()
+        endpoint = "chat" if chat else "completions"
+        # The key and the declared size are checked before the body is read
+        # (and before a client that sent ``Expect: 100-continue`` is told to
+        # send it): a refusal then closes the connection, so that a body
+        # nobody will read is not taken in.
+        try:
+            policy = svc.tenant(auth)
+        except ApiError as e:
+            e.headers.setdefault("x-request-id", request_id)
+            log_refused(svc, endpoint, request_id, e, client_rid)
+            await _error(send, cors, e.status, e.body(), {**e.headers, **_close_unless_read(send)})
+            return
         body = b""
         limit = svc.config.max_body_bytes
+        too_large = error_body(f"The request body is too large (over {limit} bytes).", "invalid_request_error",
+                               None, "request_too_large")
+        if length is not None and length > limit:
+            await _error(send, cors, 413, too_large, {"x-request-id": request_id, **_close_unless_read(send)})
+            return
         while True:
             msg = await receive()
             if msg["type"] == "http.disconnect":
                 return
             body += msg.get("body", b"")
             if len(body) > limit:
-                await _error(send, cors, 413, error_body("The request body is too large.", "invalid_request_error"))
+                await _error(send, cors, 413, too_large, {"x-request-id": request_id, **_close_unless_read(send)})
                 return
             if not msg.get("more_body", False):
                 break
@@ -148,12 +169,9 @@ class FastPath:
             cycle.flow.resume_reading()
         else:
             listener = asyncio.get_running_loop().create_task(listen())
-        st = es = policy = relay = None
-        request_id = new_request_id()
-        endpoint = "chat" if chat else "completions"
+        st = es = relay = None
         try:
             try:
-                policy = svc.tenant(auth)
                 st = await start_generation(svc, policy, body, chat, request_id, endpoint,
                                             push=True, client_request_id=client_rid, content_encoding=encoding)
                 if st.relay is not None:
@@ -161,9 +179,6 @@ class FastPath:
                 else:
                     resp = await respond_whole(svc, policy, st, chat, request_id)
             except ApiError as e:
-                if policy is None:  # refused before it had a tenant (401, 403)
-                    e.headers.setdefault("x-request-id", request_id)
-                    log_refused(svc, endpoint, request_id, e, client_rid)
                 await _error(send, cors, e.status, e.body(), e.headers)
                 return
             except asyncio.CancelledError:
@@ -212,6 +227,15 @@ class FastPath:
                 # they go with their last reference, not at the cycle
                 # collector's next run)
                 relay.events = None
+
+
+def _close_unless_read(send) -> dict[str, str]:
+    """``connection: close`` for a response to a request whose body the
+    server has not read to its end (uvicorn then closes the connection
+    after the response instead of reading the rest to find the next
+    request)."""
+    cycle = getattr(send, "__self__", None)
+    return {"connection": "close"} if getattr(cycle, "more_body", True) else {}
 
 
 def _headers_only(send):

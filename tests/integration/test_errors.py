@@ -232,6 +232,62 @@ def test_chunked_body_over_the_limit_is_413(shared_router: RouterProcess) -> Non
     error_of(post(shared_router, COMPLETIONS, content=chunks()), 413)
 
 
+def _head_only(router: RouterProcess, head: str) -> tuple[bytes, bool]:
+    """Send a request head that announces a body (``Expect: 100-continue``)
+    and no body; return what the router answers and whether it then closed
+    the connection (rather than waiting for the body)."""
+    sock = socket.create_connection(("127.0.0.1", router.port), timeout=10)
+    try:
+        sock.sendall(head.encode())
+        answer = b""
+        while b"\r\n\r\n" not in answer:
+            answer += sock.recv(65536)
+        head_part, _, rest = answer.partition(b"\r\n\r\n")
+        length = int(next(line.split(b":")[1] for line in head_part.split(b"\r\n")
+                          if line.lower().startswith(b"content-length:")))
+        while len(rest) < length:
+            rest += sock.recv(65536)
+        try:
+            closed = sock.recv(1) == b""
+        except ConnectionResetError:
+            closed = True
+        return head_part + b"\r\n\r\n" + rest, closed
+    finally:
+        sock.close()
+
+
+@pytest.mark.parametrize("key, status", [(None, 401), (GOLD, 413)], ids=["no-key", "over-the-limit"])
+def test_a_refused_body_is_neither_asked_for_nor_read(shared_router: RouterProcess, key: str | None,
+                                                      status: int) -> None:
+    # A request without a key, or announcing a body over max_body_bytes, is
+    # refused before its body is read: no "100 Continue", and the connection
+    # is closed after the refusal. Before, the router answered 100 Continue,
+    # read the body (200 MB from a client with no key) and kept the
+    # connection open.
+    auth = f"Authorization: Bearer {key}\r\n" if key else ""
+    size = 200_000_000 if key is None else MAX_BODY + 1
+    answer, closed = _head_only(shared_router, f"POST {COMPLETIONS} HTTP/1.1\r\nHost: x\r\n{auth}"
+                                               f"Content-Type: application/json\r\nContent-Length: {size}\r\n"
+                                               "Expect: 100-continue\r\n\r\n")
+    assert answer.startswith(b"HTTP/1.1 %d " % status), answer[:200]
+    assert b"100 Continue" not in answer and b"connection: close" in answer.lower(), answer[:400]
+    assert closed, "the connection stayed open"
+    body = json.loads(answer.partition(b"\r\n\r\n")[2])
+    assert body["error"]["code"] == ("request_too_large" if key else "missing_api_key"), body
+
+
+def test_a_trailing_slash_path_takes_compressed_bodies_and_the_size_limit(shared_router: RouterProcess) -> None:
+    # /v1/chat/completions/ is served by the Litestar route, not the fast
+    # path: it ignored Content-Encoding (a gzip body was "not valid JSON")
+    raw = json.dumps(chat_body()).encode()
+    r = post(shared_router, CHAT + "/", content=gzip.compress(raw),
+             headers={**AUTH, "content-type": "application/json", "content-encoding": "gzip"})
+    assert r.status_code == 200, r.text
+    assert r.json()["usage"]["completion_tokens"] == 4
+    body = {"model": MODEL, "prompt": "x" * (MAX_BODY + 10)}
+    assert error_of(post(shared_router, COMPLETIONS + "/", json=body), 413)["code"] == "request_too_large"
+
+
 def test_body_just_under_the_limit_is_accepted(shared_router: RouterProcess) -> None:
     # A long but legal body: 413 must not trigger early. 3000 prompt tokens fit the context.
     body = {"model": MODEL, "prompt": "x" * 3000, "max_tokens": 2, "user": "u" * (MAX_BODY - 3200)}
