@@ -17,14 +17,20 @@ class ReplicaSpec(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     engine: Literal["sim", "vllm"] = "sim"
     """Engine of a local replica: ``sim`` (simulated) or ``vllm``."""
     config: dict[str, Any] = {}
-    """Engine settings (see SimConfig / VllmEngineConfig in the README)."""
+    """Engine settings: see the tables replicas[].config for
+    [engine: sim](#replicasconfig-for-engine-sim) and
+    [engine: vllm](#replicasconfig-for-engine-vllm) below."""
     address: str | None = None
     """Attach to a replica already running elsewhere (``host:port`` or
-    ``unix:/path``) instead of starting a local process."""
+    ``unix:/path``) instead of starting a local process. Unset: a local
+    process the router starts (unless ``url`` is set)."""
     secret_env: str | None = None
-    """Environment variable holding the replica's shared secret."""
+    """Environment variable holding the replica's shared secret. Unset: an
+    empty secret, which only a replica without a secret accepts (a local
+    replica is started without one)."""
     gpu: int | None = None
-    """GPU index for CUDA_VISIBLE_DEVICES of a local vllm replica."""
+    """GPU index for CUDA_VISIBLE_DEVICES of a local vllm replica. Unset:
+    CUDA_VISIBLE_DEVICES as in the router's environment (or ``env``)."""
     start_timeout: float = 180.0
     """Seconds a local replica may take to become ready before it is restarted."""
     env: dict[str, str] = {}
@@ -33,13 +39,16 @@ class ReplicaSpec(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     """Base URL of an OpenAI-compatible server (``vllm serve``, another
     router, a hosted API) to use as this replica, e.g.
     ``http://10.0.0.7:8000/v1``; see docs/upstreams.md. Excludes ``address``;
-    ``config`` may then hold only ``model``."""
+    ``config`` may then hold only ``model``. Unset: not an upstream (a local
+    process, or ``address``)."""
     api_key_env: str | None = None
     """Environment variable holding the API key sent to the ``url`` upstream
-    (``Authorization: Bearer``)."""
+    (``Authorization: Bearer``). Unset: no ``Authorization`` header (nor when
+    the variable is empty)."""
     upstream_model: str | None = None
-    """Model name sent to the ``url`` upstream; default: the first model its
-    ``/models`` lists. Clients use ``config.model`` if set, else this name."""
+    """Model name sent to the ``url`` upstream. Clients use ``config.model``
+    if set, else this name. Unset: the first model the upstream's
+    ``/models`` lists."""
     token_ids: Literal["auto", "yes", "no"] = "auto"
     """Whether the ``url`` upstream returns token ids (vLLM's
     ``return_token_ids``), which token-exact failover needs: ``auto`` detects
@@ -48,7 +57,9 @@ class ReplicaSpec(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     never asks (its streams can then move only before their first token)."""
     max_concurrency: int | None = None
     """Most requests the router runs on this replica at once (caps the
-    adaptive in-flight limit; for a ``url`` upstream also its connection pool)."""
+    adaptive in-flight limit; for a ``url`` upstream also its connection pool).
+    Unset: only the ``batching`` cap (at most ``batching.max_inflight``), and
+    no limit on a ``url`` upstream's connection pool."""
 
     def __post_init__(self) -> None:
         if self.url is not None:

@@ -56,7 +56,7 @@ class VllmEngineConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True)
     model: str
     """Model directory or Hugging Face name (no downloads on offline hosts)."""
     served_name: str | None = None
-    """Model name reported to the router; default: ``model``."""
+    """Model name reported to the router. Unset: ``model``."""
     seed: int = 0
     """Engine seed. Replicas of one model must share it: with ``load_format=dummy``
     it fixes the random weights, and it fixes unseeded sampling."""

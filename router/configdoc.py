@@ -3,7 +3,11 @@
 Each config struct documents its fields with a string right after the field
 (an attribute docstring). This module reads them with ``ast`` from the source
 of the modules that define the schemas, pairs them with the types and
-defaults msgspec knows, and writes one table per struct. A test fails when
+defaults msgspec knows, and writes one table per struct. A field whose
+default is ``None`` shows "inherited" in the tenants.yaml tables (a tenant
+takes the field from ``defaults``, ``defaults`` from the built-in values);
+elsewhere its docstring ends with ``Unset: ...``, what leaving it out means,
+and that text goes in the default column. A test fails when
 docs/configuration.md differs from what this produces, so the reference
 cannot drift from the code: ``python -m router.configdoc > docs/configuration.md``.
 """
@@ -47,13 +51,23 @@ def _type_name(t: object) -> str:
     return text.replace("typing.", "").replace("NoneType", "None")
 
 
-def _default(info: msgspec.inspect.Field) -> str:
+_UNSET = "Unset: "
+
+
+def _split_unset(doc: str) -> tuple[str, str]:
+    """``doc`` without its trailing ``Unset: ...`` sentence, and that sentence's text."""
+    head, sep, unset = doc.partition(_UNSET)
+    return (head.rstrip(), unset.strip()) if sep else (doc, "")
+
+
+def _default(info: msgspec.inspect.Field, unset: str | None) -> str:
+    """``unset``: what a ``None`` default means (None: inherited)."""
     if info.default is not msgspec.NODEFAULT:
         d = info.default
         if isinstance(d, msgspec.Struct):
             return "(see below)"
         if d is None:
-            return "inherited"
+            return "inherited" if unset is None else "unset: " + unset.rstrip(".")
         return "`" + msgspec.json.encode(d).decode() + "`"
     if info.default_factory is not msgspec.NODEFAULT:
         d = info.default_factory()
@@ -63,7 +77,10 @@ def _default(info: msgspec.inspect.Field) -> str:
     return "required"
 
 
-def _table(title: str, cls: type, intro: str = "") -> str:
+def _table(title: str, cls: type, intro: str = "", *, inherits: bool = False) -> str:
+    """One struct's table. ``inherits``: a ``None`` default means the field is
+    inherited (tenants.yaml); else the field's docstring must say what it
+    means, in a last sentence ``Unset: ...``."""
     docs = _field_docs(cls)
     annotations = {}
     for klass in reversed(cls.__mro__):
@@ -74,8 +91,14 @@ def _table(title: str, cls: type, intro: str = "") -> str:
     lines += ["| key | type | default | meaning |", "| --- | --- | --- | --- |"]
     for f in msgspec.structs.fields(cls):
         typ = _type_name(annotations.get(f.name, f.type)).replace("|", "\\|")
-        default = _default(f)
-        lines.append(f"| `{f.encode_name}` | {typ} | {default} | {docs.get(f.name, '')} |")
+        doc = docs.get(f.name, "")
+        unset = None
+        if f.default is None and not inherits:
+            doc, unset = _split_unset(doc)
+            if not unset:
+                raise ValueError(f"{cls.__name__}.{f.name}: a None default needs a last sentence 'Unset: ...'")
+        default = _default(f, unset)
+        lines.append(f"| `{f.encode_name}` | {typ} | {default} | {doc} |")
     return "\n".join(lines) + "\n"
 
 
@@ -105,11 +128,11 @@ def render() -> str:
         "out from `defaults`, and `defaults` from the built-in values (field by field, also inside",
         "`limits` and `timeouts`). A limit or timeout of 0 means none.",
         "",
-        _table("Top level", TenantsFile),
-        _table("tenants.NAME", TenantSpec, "Any field of `defaults` plus `keys`."),
-        _table("defaults", Defaults),
-        _table("limits", Limits),
-        _table("timeouts", Timeouts),
+        _table("Top level", TenantsFile, inherits=True),
+        _table("tenants.NAME", TenantSpec, "Any field of `defaults` plus `keys`.", inherits=True),
+        _table("defaults", Defaults, inherits=True),
+        _table("limits", Limits, inherits=True),
+        _table("timeouts", Timeouts, inherits=True),
         "Built-in values (what applies when neither the tenant nor `defaults` sets a field):",
         "",
         "```json",
