@@ -41,7 +41,7 @@ class StreamOptions(msgspec.Struct, forbid_unknown_fields=True):
 
 class _Common(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     model: str
-    stream: bool = False
+    stream: bool | None = False  # (null: false, as OpenAI takes it)
     stream_options: StreamOptions | None = None
     max_tokens: Int | None = None
     temperature: float | None = None
@@ -106,10 +106,10 @@ _UNSUPPORTED_NEUTRAL: dict[str, Any] = {
     "suffix": (None, ""),
     "logprobs": (None, False),
     "top_logprobs": (None, 0),
-    "logit_bias": (None,),
+    "logit_bias": (None, {}),
     "tools": (None,),
     "tool_choice": (None, "none"),
-    "parallel_tool_calls": (None,),
+    "parallel_tool_calls": (None, True, False),  # (without tools it asks for nothing)
     "functions": (None,),
     "function_call": (None, "none"),
     "response_format": (None, {"type": "text"}),
@@ -124,7 +124,9 @@ _LOC = re.compile(r" - at `\$\.?([^`]*)`$")
 def _unsupported(req: _Common) -> str | None:
     for name, neutral in _UNSUPPORTED_NEUTRAL.items():
         value = getattr(req, name, None)
-        if value is not None and value not in neutral:
+        # (type and value: a completion's logprobs 0 asks for the sampled
+        # token's logprob, where a chat's false asks for nothing; 0 == False)
+        if value is not None and not any(type(value) is type(n) and value == n for n in neutral):
             return name
     return None
 
@@ -158,6 +160,8 @@ def decode_request(body: bytes, kind: type[ChatRequest] | type[CompletionRequest
     bad = _unsupported(req)
     if bad is not None:
         raise BadRequest(f"'{bad}' is not supported by this server.", param=bad, code="unsupported_parameter")
+    if req.stream is None:
+        req.stream = False
     return req
 
 
@@ -213,7 +217,7 @@ def chat_messages(req: ChatRequest) -> list[dict[str, str]]:
                 f"Invalid value for 'messages[{i}].role': {m.role!r}; expected one of {', '.join(_ROLES)}.",
                 param=f"messages[{i}].role",
             )
-        if m.tool_calls is not None:
+        if m.tool_calls:  # (an empty list asks for nothing)
             raise BadRequest("Tool calls are not supported by this server.", param=f"messages[{i}].tool_calls")
         content = m.content
         if content is None and m.role != "assistant":  # an assistant turn may be all tool calls
