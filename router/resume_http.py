@@ -40,7 +40,7 @@ from router.relay import (
 )
 from router.resume import ResumeMeta, decode_meta
 from router.service import RouterService
-from router.sse import ChunkEncoder
+from router.sse import DONE, ChunkEncoder
 from router.state import StoreUnavailable, StreamSnapshot
 from router.tenants import TenantPolicy
 
@@ -69,11 +69,9 @@ def parse_last_event_id(value: str | None) -> Position:
     if value is None or value == "":
         return Position(0)
     parts = value.split("-")
-    try:
-        nums = [int(p) for p in parts]
-    except ValueError:
-        nums = []
-    if len(nums) not in (1, 3) or any(n < 0 for n in nums):
+    # (digits only: int() also takes "1_0", " 1" and other scripts' digits)
+    nums = [int(p) for p in parts] if all(p.isascii() and p.isdigit() for p in parts) else []
+    if len(nums) not in (1, 3):
         raise BadRequest(f"Last-Event-ID must be an event id this router sent (N or N-T-C); got {value!r}.",
                          param="Last-Event-ID")
     return Position(*nums)
@@ -94,7 +92,8 @@ async def handle_resume(svc: RouterService, policy: TenantPolicy, sid: str, pos:
     meta = decode_meta(snap.meta)
     if meta.tenant != policy.name:
         raise NotFound(_NOT_FOUND.format(clip(sid)), code="stream_not_found")
-    if pos.event >= snap.total_events and snap.finished and await _ended_unbuffered(svc, sid, snap):
+    last = await _last_event(svc, sid, snap) if pos.event >= snap.total_events and snap.finished else None
+    if last is not None and f'"code":"{NOT_RESUMABLE}"'.encode() in last:
         # (the buffer's last event is that error, which the client never got:
         # its live events from there on had plain ids, the same numbers or past them)
         raise BadRequest(f"Stream {sid} cannot be resumed after event {snap.total_events - 1}: its output had no "
@@ -103,11 +102,13 @@ async def handle_resume(svc: RouterService, policy: TenantPolicy, sid: str, pos:
         raise BadRequest(f"Last-Event-ID {pos.event} is past the stream's last stored event "
                          f"({snap.total_events}); send the full id (N-T-C) this router sent.",
                          param="Last-Event-ID")
-    if pos.event > snap.total_events and snap.finished:
+    if snap.finished and (pos.event > snap.total_events or last == DONE):
         # (a full id past the end is a client behind a router that died with
-        # its last events; a finished stream has all of them: a wrong id)
-        raise BadRequest(f"Last-Event-ID {pos.event} is past the end of this stream: it ended with event "
-                         f"{snap.total_events}.", param="Last-Event-ID")
+        # its last events; a finished stream has all of them: a wrong id.
+        # Its last event, [DONE], carries no id: no client has its number.)
+        final = snap.total_events - 1 if last == DONE else snap.total_events
+        raise BadRequest(f"Last-Event-ID {pos.event} is past the end of this stream: its last event id is "
+                         f"{final}.", param="Last-Event-ID")
     svc.metrics.resumes.labels(policy.name).inc()
     headers = {"x-request-id": sid, "cache-control": "no-cache", "x-accel-buffering": "no"}
     return Stream(_resume(svc, policy, sid, meta, snap, pos), media_type="text/event-stream", headers=headers)
@@ -118,14 +119,15 @@ def _store_down(sid: str) -> ServiceUnavailable:
                               code="state_store_unavailable", headers={"retry-after": "1"})
 
 
-async def _ended_unbuffered(svc: RouterService, sid: str, snap: StreamSnapshot) -> bool:
-    """Whether the buffer ended where the stream's output lost its token ids
-    (``EventStream._unbuffer``): its last event is that error."""
+async def _last_event(svc: RouterService, sid: str, snap: StreamSnapshot) -> bytes | None:
+    """A finished buffer's last event: ``[DONE]``, or the error that ended it
+    (``EventStream._unbuffer``'s, when the output lost its token ids); None
+    if it cannot be read now."""
     try:
         last = await svc.store.stream_read(sid, snap.total_events - 1)
     except StoreUnavailable:
-        return False
-    return last is not None and bool(last.events) and f'"code":"{NOT_RESUMABLE}"'.encode() in last.events[-1]
+        return None
+    return last.events[-1] if last is not None and last.events else None
 
 
 async def _resume(svc: RouterService, policy: TenantPolicy, sid: str, meta: ResumeMeta,

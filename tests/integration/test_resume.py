@@ -321,7 +321,7 @@ async def test_other_tenants_unknown_ids_and_bad_event_ids_are_refused(
     # no key at all
     assert (await http.get(f"/v1/streams/{rid}", headers={"Authorization": ""})).status_code == 401
 
-    for bad in ("abc", "1-2", "-1", "1-2-3-4", "1--2", "x-1-1"):
+    for bad in ("abc", "1-2", "-1", "1-2-3-4", "1--2", "x-1-1", "1_0", "+1", "1-2-3_0"):
         r = await http.get(f"/v1/streams/{rid}", headers={"Last-Event-ID": bad})
         assert_openai_error(r, 400, param="Last-Event-ID")
         r = await http.post(path, json=body, headers={"Last-Event-ID": bad, "X-Resume-Request-Id": rid})
@@ -335,6 +335,14 @@ async def test_other_tenants_unknown_ids_and_bad_event_ids_are_refused(
     # nor a full id past the end of a finished stream (an empty 200 would be a silent end)
     r = await http.get(f"/v1/streams/{rid}", headers={"Last-Event-ID": f"{len(events) + 5}-999-999"})
     assert "past the end" in assert_openai_error(r, 400, param="Last-Event-ID")["message"]
+    # the last id sent gets the rest, [DONE]; the number after it was never sent ([DONE] has no id):
+    # it was an empty 200, a silent end
+    last_id = [e.id for e in events if e.id][-1]
+    n = int(last_id.split("-")[0])
+    r = await http.get(f"/v1/streams/{rid}", headers={"Last-Event-ID": last_id})
+    assert r.status_code == 200 and [e.data for e in parse_sse(r.text)] == ["[DONE]"], r.text
+    r = await http.get(f"/v1/streams/{rid}", headers={"Last-Event-ID": str(n + 1)})
+    assert f"its last event id is {n}." in assert_openai_error(r, 400, param="Last-Event-ID")["message"]
 
 
 # -- bugs ------------------------------------------------------------------------------------------
