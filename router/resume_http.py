@@ -132,6 +132,23 @@ async def _last_event(svc: RouterService, sid: str, snap: StreamSnapshot) -> byt
 
 async def _resume(svc: RouterService, policy: TenantPolicy, sid: str, meta: ResumeMeta,
                   snap: StreamSnapshot, pos: Position) -> AsyncIterator[bytes]:
+    """The resume's events. One that continues the generation is counted and
+    logged as the continuation's request (endpoint ``resume``); one that
+    only replays or follows the buffer as a request of endpoint ``replay``,
+    with no tokens of its own."""
+    outcome = Outcome(svc, policy, "replay", time.monotonic(), sid)
+    result = "cancelled"  # (the client left)
+    try:
+        async for chunk in _replay(svc, policy, sid, meta, snap, pos, outcome):
+            yield chunk
+        if not outcome.done:
+            result = "ok"
+    finally:
+        outcome.record(result)  # (once: a continuation recorded its own, and this one is then done)
+
+
+async def _replay(svc: RouterService, policy: TenantPolicy, sid: str, meta: ResumeMeta,
+                  snap: StreamSnapshot, pos: Position, outcome: Outcome) -> AsyncIterator[bytes]:
     me = svc.resume.owner
     cursor = pos.event  # events the client has
     loop = asyncio.get_running_loop()
@@ -153,6 +170,7 @@ async def _resume(svc: RouterService, policy: TenantPolicy, sid: str, meta: Resu
             return
         if svc.scheduler.stopping:  # this router stops: the client goes on elsewhere
             enc = ChunkEncoder(meta.chat, meta.response_id, meta.model, meta.created)
+            outcome.record("shutdown")
             yield shutdown_notice(svc, enc, True)
             return
         behind = have < cursor  # the client has events the buffer lacks
@@ -168,19 +186,21 @@ async def _resume(svc: RouterService, policy: TenantPolicy, sid: str, meta: Resu
             fresh = await _reread(svc, sid, cursor)
             if fresh is None:
                 await svc.resume.release(sid)
+                outcome.record("unavailable")
                 yield _unreadable(meta, sid, cursor)
                 return
             if fresh.total_events > have or fresh.finished:
                 await svc.resume.release(sid)  # appended meanwhile: replay first
                 snap = fresh
                 continue
-            async for chunk in _take_over(svc, policy, sid, meta, fresh, pos, cursor):
+            async for chunk in _take_over(svc, policy, sid, meta, fresh, pos, cursor, outcome):
                 yield chunk
             return
         else:
             await asyncio.sleep(TAIL_POLL)
         nxt = await _reread(svc, sid, cursor)
         if nxt is None:
+            outcome.record("unavailable")
             yield _unreadable(meta, sid, cursor)
             return
         snap = nxt
@@ -212,7 +232,7 @@ def _unreadable(meta: ResumeMeta, sid: str, cursor: int) -> bytes:
 
 
 async def _take_over(svc: RouterService, policy: TenantPolicy, sid: str, meta: ResumeMeta,
-                     snap: StreamSnapshot, pos: Position, cursor: int) -> AsyncIterator[bytes]:
+                     snap: StreamSnapshot, pos: Position, cursor: int, outcome: Outcome) -> AsyncIterator[bytes]:
     enc_error = ChunkEncoder(meta.chat, meta.response_id, meta.model, meta.created, event_id=cursor)
     skip_chars = 0
     tokens, text_len = list(snap.token_ids), snap.text_len
@@ -221,6 +241,7 @@ async def _take_over(svc: RouterService, policy: TenantPolicy, sid: str, meta: R
         assert pos.tokens is not None and pos.chars is not None
         if meta.params.temperature > 0:
             await svc.resume.release(sid)
+            outcome.record("lost")
             yield enc_error.error(error_body(
                 "Events of this stream were lost with the router that produced them, and a sampled "
                 "(temperature > 0) generation cannot be regenerated exactly; retry the request.",
@@ -229,6 +250,7 @@ async def _take_over(svc: RouterService, policy: TenantPolicy, sid: str, meta: R
         skip_chars = pos.chars - text_len
         if skip_chars < 0 or pos.tokens < len(tokens):
             await svc.resume.release(sid)
+            outcome.record("client_error")
             yield enc_error.error(error_body("Last-Event-ID does not match this stream.", "invalid_request_error",
                                              "Last-Event-ID", "resume_mismatch"))
             return
@@ -236,6 +258,7 @@ async def _take_over(svc: RouterService, policy: TenantPolicy, sid: str, meta: R
         svc.resume.pad(sid, cursor - snap.total_events)
         log.warning("stream %s: client is %d events ahead of the buffer (lost with their router); "
                     "regenerating %d characters it already has", sid, cursor - snap.total_events, skip_chars)
+    outcome.done = True  # (the continuation is the request: its own line and count)
     try:
         async with aclosing(_continue(svc, policy, sid, meta, tokens, text_len, cursor, skip_chars)) as chunks:
             async for chunk in _waiting_until_first(chunks):

@@ -278,6 +278,13 @@ async def test_resuming_a_finished_stream_replays_without_generating(
         assert counter(after, name, **labels) == counter(before, name, **labels), name
     assert counter(after, "fairstream_stream_resumes_total", tenant="a") == \
         counter(before, "fairstream_stream_resumes_total", tenant="a") + 5
+    # each replay is a request of its own (endpoint "replay", no tokens), with its log line
+    assert counter(after, "fairstream_requests_total", tenant="a", endpoint="replay", outcome="ok") == \
+        counter(before, "fairstream_requests_total", tenant="a", endpoint="replay", outcome="ok") + 5
+    lines = [rec for rec in map(_json_or_none, router.log().splitlines())
+             if rec and rec.get("logger") == "fairstream.request" and rec.get("request_id") == rid]
+    assert [rec["endpoint"] for rec in lines] == ["completions"] + ["replay"] * 5, lines
+    assert all("completion_tokens" not in rec and rec["outcome"] == "ok" for rec in lines[1:]), lines
     await apoll(lambda: _load_is(router, http, lambda inf, eng: inf == 0 and eng == 0), 2.5,
                 what="the replica to be idle (its load reports lag by up to 0.2 s)")
 
