@@ -202,7 +202,7 @@ class _Http(HttpToolsProtocol):
     def _limit(self, seconds: float, why: str | None) -> None:
         if self._deadline is not None:
             self._deadline.cancel()
-        self._deadline = self.loop.call_later(seconds, self._refuse, 408, why) if why else None
+        self._deadline = self.loop.call_later(seconds, self._refuse, 408, why, _REASONS[why]) if why else None
 
     def _limit_unless_queued(self, seconds: float, why: str) -> None:
         """``_limit``, except for a request queued behind a response under way:
@@ -213,10 +213,10 @@ class _Http(HttpToolsProtocol):
         else:
             self._limit(seconds, why)
 
-    def _refuse(self, status: int, message: str, code: str | None = None) -> None:
-        """Answer ``status`` (``code``: as an OpenAI error with that code and
-        ``Retry-After: 1``, else plain text) unless a response is under way,
-        and close the connection."""
+    def _refuse(self, status: int, message: str, code: str) -> None:
+        """Answer ``status`` as an OpenAI error with that ``code`` (a 503 with
+        ``Retry-After: 1``) unless a response is under way, and close the
+        connection."""
         self._limit(0, None)
         if self._refused or self.transport.is_closing():
             return
@@ -228,11 +228,12 @@ class _Http(HttpToolsProtocol):
         # (no response under way: none started, and no earlier request's
         # response that this pipelined one waits behind)
         if (cycle is None or cycle.response_complete or not cycle.response_started) and not self.pipeline:
-            if code is None:
-                body, head = message.encode(), b"content-type: text/plain; charset=utf-8\r\n"
-            else:
+            if status == 503:
                 body = error_body(message, "server_error", None, code)
                 head = b"content-type: application/json\r\nretry-after: 1\r\n"
+            else:
+                body = error_body(message, "invalid_request_error", None, code)
+                head = b"content-type: application/json\r\n"
             self.transport.write(b"HTTP/1.1 %d %s\r\n%scontent-length: %d\r\nconnection: close\r\n\r\n%s"
                                  % (status, HTTPStatus(status).phrase.encode(), head, len(body), body))
         self.transport.close()
@@ -266,7 +267,7 @@ class _Http(HttpToolsProtocol):
     def _count(self, n: int) -> None:
         self._head += n
         if self._head > MAX_HEAD_BYTES:
-            self._refuse(431, "Request header fields too large.")
+            self._refuse(431, "Request header fields too large.", "header_too_large")
 
     def data_received(self, data: bytes) -> None:
         if self._refused:
@@ -277,7 +278,7 @@ class _Http(HttpToolsProtocol):
             # parser, unseen by on_header
             self._raw += len(data)
             if self._raw > MAX_HEAD_BYTES:
-                self._refuse(431, "Request header fields too large.")
+                self._refuse(431, "Request header fields too large.", "header_too_large")
 
     def on_message_begin(self) -> None:
         super().on_message_begin()

@@ -561,13 +561,18 @@ def test_connections_that_do_not_finish_their_request_in_time_are_closed(tmp_pat
         for _ in range(3):
             trickle.sendall(b"X")
             time.sleep(0.3)
-        for sock, says in ((idle, b"request head"), (trickle, b"request head"), (body, b"request body")):
+        for sock, says, code in ((idle, b"request head", b"header_timeout"),
+                                 (trickle, b"request head", b"header_timeout"),
+                                 (body, b"request body", b"body_timeout")):
             answer = _answer(sock)
             assert answer.startswith(b"HTTP/1.1 408 ") and says in answer, answer
+            # in OpenAI's error shape, as every other error (it was plain text)
+            assert b"content-type: application/json" in answer and b'"code":"%s"' % code in answer, answer
             sock.close()
         big = _raw(router)
         big.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\nX-Big: " + b"a" * 70000 + b"\r\n\r\n")
-        assert _answer(big).startswith(b"HTTP/1.1 431 ")
+        answer = _answer(big)
+        assert answer.startswith(b"HTTP/1.1 431 ") and b'"code":"header_too_large"' in answer, answer
         big.close()
         # a stream that outlasts both limits is not cut (they end with its request's body)
         r = httpx.post(router.base_url + CHAT, headers=AUTH, timeout=30,
