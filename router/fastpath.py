@@ -42,7 +42,8 @@ __all__ = ["FastPath"]
 log = logging.getLogger("fairstream.router")
 
 _PATHS = {"/v1/chat/completions": True, "/v1/completions": False}
-# GET routes that also answer HEAD (load balancers' health checks): headers only
+# GET routes that also answer HEAD (load balancers' health checks), and
+# /v1/models/{model}: headers only
 _HEAD_PATHS = frozenset({"/health", "/ready", "/metrics", "/v1/models"})
 _JSON = (b"content-type", b"application/json")
 
@@ -77,7 +78,8 @@ class FastPath:
                 cors = response_headers(self.cors, origin) if origin is not None and self.cors is not None else []
                 return await self._completion(receive, send, chat, auth, scope["path"], cors, encoding, client_rid,
                                               length)
-        elif scope["type"] == "http" and scope["method"] == "HEAD" and scope["path"] in _HEAD_PATHS:
+        elif scope["type"] == "http" and scope["method"] == "HEAD" and (
+                scope["path"] in _HEAD_PATHS or scope["path"].startswith("/v1/models/")):
             return await self.app({**scope, "method": "GET"}, receive, _headers_only(send))
         if scope["type"] == "http":
             send = self._bounded(send, scope)

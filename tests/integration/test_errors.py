@@ -366,7 +366,7 @@ def test_unknown_path_and_method(shared_router: RouterProcess) -> None:
     error_of(httpx.get(shared_router.base_url + COMPLETIONS, headers=AUTH, timeout=10), 405)
 
 
-@pytest.mark.parametrize("path", ["/health", "/ready", "/metrics", "/v1/models"])
+@pytest.mark.parametrize("path", ["/health", "/ready", "/metrics", "/v1/models", f"/v1/models/{MODEL}"])
 def test_head_answers_like_get_without_a_body(shared_router: RouterProcess, path: str) -> None:
     """(load balancers' health checks use HEAD)"""
     get = httpx.get(shared_router.base_url + path, headers=AUTH, timeout=10)
