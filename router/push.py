@@ -127,13 +127,15 @@ class TransportWire(_Wire):
             parts.append(b"%s: %s\r\n" % (name.encode("latin-1"), text.encode("latin-1")))
         for name, value in extra:
             parts.append(b"%s: %s\r\n" % (name, value))
-        if not cycle.keep_alive:
+        if not cycle.keep_alive:  # (an HTTP/1.0 request's never is)
             parts.append(b"connection: close\r\n")
-        parts.append(b"transfer-encoding: chunked\r\n\r\n")
+        http10 = cycle.scope.get("http_version") == "1.0"
+        # HTTP/1.0 has no chunked encoding: the body ends where the connection does
+        parts.append(b"\r\n" if http10 else b"transfer-encoding: chunked\r\n\r\n")
         cycle.response_started = True
         cycle.waiting_for_100_continue = False
-        cycle.chunked_encoding = True
-        return cls(cycle, timeout, b"".join(parts))
+        cycle.chunked_encoding = not http10
+        return (_Http10Wire if http10 else cls)(cycle, timeout, b"".join(parts))
 
     def _write_head(self) -> None:
         """The head, if no write of the body took it (a first piece that made
@@ -205,6 +207,32 @@ class TransportWire(_Wire):
         """``send`` the stream's last event, with the body's end."""
         await self.drain()
         self.finish(data)
+
+
+class _Http10Wire(TransportWire):
+    """``TransportWire`` for an HTTP/1.0 client: the body as is, not chunked,
+    and its end is the connection's close (``open`` said ``connection:
+    close``)."""
+
+    __slots__ = ()
+
+    def write(self, data: bytes) -> None:
+        if self._head is not None:
+            data, self._head = self._head + data, None
+        self.transport.write(data)
+
+    def finish(self, data: bytes | None) -> None:
+        cycle = self.cycle
+        if cycle.disconnected or cycle.response_complete:
+            return
+        out = (self._head or b"") + (data or b"")
+        self._head = None
+        if out:
+            self.transport.write(out)
+        cycle.response_complete = True
+        cycle.message_event.set()
+        self.transport.close()
+        cycle.on_response()
 
 
 class AsgiWire(_Wire):

@@ -579,3 +579,24 @@ def test_connections_that_do_not_finish_their_request_in_time_are_closed(tmp_pat
                        json=chat_body(max_tokens=200, stream=True, ignore_eos=True))
         assert r.status_code == 200 and r.text.rstrip().endswith("data: [DONE]")
         assert r.elapsed.total_seconds() > 1.0
+
+
+def test_an_http_1_0_client_gets_its_stream_unchunked_and_closed(shared_router: RouterProcess) -> None:
+    # HTTP/1.0 has no chunked encoding (RFC 9112 forbids Transfer-Encoding in
+    # a response to it): the events as they are, ended by the connection's
+    # close. It got a chunked body, which it would read with the chunk sizes
+    # mixed into the events.
+    body = json.dumps(chat_body(max_tokens=5, stream=True)).encode()
+    sock = _raw(shared_router)
+    sock.sendall(b"POST " + CHAT.encode() + b" HTTP/1.0\r\nAuthorization: Bearer " + GOLD.encode()
+                 + b"\r\nContent-Type: application/json\r\nContent-Length: " + str(len(body)).encode()
+                 + b"\r\n\r\n" + body)
+    answer = _answer(sock)  # (returns once the router closed the connection)
+    sock.close()
+    head, _, events = answer.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 200") and b"text/event-stream" in head, head
+    assert b"transfer-encoding" not in head.lower() and b"connection: close" in head.lower(), head
+    assert events.startswith(b"id: 1") and events.endswith(b"data: [DONE]\n\n"), events
+    texts = [json.loads(line[6:])["choices"][0]["delta"].get("content", "")
+             for line in events.split(b"\n") if line.startswith(b"data: {")]
+    assert len("".join(texts)) > 0
