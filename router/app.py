@@ -162,7 +162,8 @@ def _http_error(request: Request, exc: HTTPException) -> Response:
     elif status == 413:  # (request_max_body_size: max_body_bytes)
         message = f"The request body is too large (over {_svc(request).config.max_body_bytes} bytes)."
         code = "request_too_large"
-        headers = {**(headers or {}), "connection": "close"}  # (the rest of the body is not read)
+        if request.scope.get("http_version", "1.1").startswith("1"):  # (HTTP/2 has no such header)
+            headers = {**(headers or {}), "connection": "close"}  # (the rest of the body is not read)
     else:
         message = str(exc.detail)
     type_ = _HTTP_TYPES.get(status, "invalid_request_error" if status < 500 else "server_error")

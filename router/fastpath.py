@@ -72,7 +72,7 @@ class FastPath:
                     elif k == b"x-request-id":
                         client_rid = v.decode("latin-1")
                     elif k == b"content-length":
-                        length = int(v)  # (the server checked it is a number)
+                        length = int(v) if v.isdigit() else None  # (else the body's own length counts)
                     elif (k == b"x-resume-request-id" or k == b"last-event-id") and v:
                         return await self.app(scope, receive, self._bounded(send, scope))
                 cors = response_headers(self.cors, origin) if origin is not None and self.cors is not None else []
@@ -103,7 +103,10 @@ class FastPath:
                 await bounded(send(message), timeout)
             except ClientTooSlow as e:
                 log.warning("%s %s: %s; closing its connection", scope["method"], scope["path"][:200], e)
-                transport.abort()  # (the server hears the connection lost; later sends are dropped)
+                # (uvicorn marks only the connection's latest request gone: a
+                # pipelined one may follow this; its later sends are dropped)
+                cycle.disconnected = True
+                transport.abort()
 
         return bounded_send
 
@@ -126,10 +129,8 @@ class FastPath:
             return
         body = b""
         limit = svc.config.max_body_bytes
-        too_large = error_body(f"The request body is too large (over {limit} bytes).", "invalid_request_error",
-                               None, "request_too_large")
         if length is not None and length > limit:
-            await _error(send, cors, 413, too_large, {"x-request-id": request_id, **_close_unless_read(send)})
+            await _too_large(send, cors, limit, request_id)
             return
         while True:
             msg = await receive()
@@ -137,7 +138,7 @@ class FastPath:
                 return
             body += msg.get("body", b"")
             if len(body) > limit:
-                await _error(send, cors, 413, too_large, {"x-request-id": request_id, **_close_unless_read(send)})
+                await _too_large(send, cors, limit, request_id)
                 return
             if not msg.get("more_body", False):
                 break
@@ -232,12 +233,19 @@ class FastPath:
 
 
 def _close_unless_read(send) -> dict[str, str]:
-    """``connection: close`` for a response to a request whose body the
-    server has not read to its end (uvicorn then closes the connection
-    after the response instead of reading the rest to find the next
-    request)."""
+    """``connection: close`` for a response to a request whose body uvicorn
+    has not read to its end (it then closes the connection after the
+    response instead of reading the rest to find the next request). None on
+    another server, which keeps its own connections (HTTP/2 forbids the
+    header)."""
     cycle = getattr(send, "__self__", None)
-    return {"connection": "close"} if getattr(cycle, "more_body", True) else {}
+    return {"connection": "close"} if getattr(cycle, "more_body", False) else {}
+
+
+async def _too_large(send, cors: list[tuple[bytes, bytes]], limit: int, request_id: str) -> None:
+    body = error_body(f"The request body is too large (over {limit} bytes).", "invalid_request_error", None,
+                      "request_too_large")
+    await _error(send, cors, 413, body, {"x-request-id": request_id, **_close_unless_read(send)})
 
 
 def _headers_only(send):

@@ -69,8 +69,10 @@ def parse_last_event_id(value: str | None) -> Position:
     if value is None or value == "":
         return Position(0)
     parts = value.split("-")
-    # (digits only: int() also takes "1_0", " 1" and other scripts' digits)
-    nums = [int(p) for p in parts] if all(p.isascii() and p.isdigit() for p in parts) else []
+    # (digits only: int() also takes "1_0", " 1" and other scripts' digits;
+    # at most 15: the state store's scripts count in doubles, and a larger
+    # number failed a Redis script as if the store were down)
+    nums = [int(p) for p in parts] if all(p.isascii() and p.isdigit() and len(p) <= 15 for p in parts) else []
     if len(nums) not in (1, 3):
         raise BadRequest(f"Last-Event-ID must be an event id this router sent (N or N-T-C); got {value!r}.",
                          param="Last-Event-ID")
@@ -137,14 +139,13 @@ async def _resume(svc: RouterService, policy: TenantPolicy, sid: str, meta: Resu
     only replays or follows the buffer as a request of endpoint ``replay``,
     with no tokens of its own."""
     outcome = Outcome(svc, policy, "replay", time.monotonic(), sid)
-    result = "cancelled"  # (the client left)
     try:
         async for chunk in _replay(svc, policy, sid, meta, snap, pos, outcome):
             yield chunk
-        if not outcome.done:
-            result = "ok"
-    finally:
-        outcome.record(result)  # (once: a continuation recorded its own, and this one is then done)
+    except BaseException as e:  # (the client left: cancelled; a store that failed: unavailable)
+        outcome.record("unavailable" if isinstance(e, StoreUnavailable) else outcome_of(e), error=e)
+        raise
+    outcome.record("ok")  # (once: a continuation recorded its own, and this one is then done)
 
 
 async def _replay(svc: RouterService, policy: TenantPolicy, sid: str, meta: ResumeMeta,
@@ -183,7 +184,11 @@ async def _replay(svc: RouterService, policy: TenantPolicy, sid: str, meta: Resu
         elif not mine and await svc.resume.claim(sid):
             # (never this router's own live stream, however far behind its
             # buffer: claiming it would start a second generation into it)
-            fresh = await _reread(svc, sid, cursor)
+            try:
+                fresh = await _reread(svc, sid, cursor)
+            except BaseException:  # the client left: the claim goes back (else it is renewed for good)
+                svc.background(svc.resume.release(sid))
+                raise
             if fresh is None:
                 await svc.resume.release(sid)
                 outcome.record("unavailable")

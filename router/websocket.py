@@ -156,6 +156,9 @@ async def chat_socket(socket: WebSocket) -> None:
     if svc.draining:
         conn.drain()
     auth = socket.headers.get("authorization")
+    # one deadline for the auth message, from the upgrade (not per message:
+    # a client sending junk now and then would keep it open for good)
+    auth_by = asyncio.get_running_loop().time() + svc.config.header_timeout if svc.config.header_timeout else None
     try:
         if auth:
             svc.tenant(auth)  # (a bad key: refused now)
@@ -163,7 +166,7 @@ async def chat_socket(socket: WebSocket) -> None:
         while not conn.gone:  # (gone: it took no frame for send_timeout; nothing more is started for it)
             if conn.auth is None:
                 try:
-                    async with asyncio.timeout(svc.config.header_timeout or None):
+                    async with asyncio.timeout_at(auth_by):
                         raw = await socket.receive_data(mode="text")
                 except TimeoutError:
                     # (as an HTTP connection that sends no request head: it

@@ -27,6 +27,9 @@ def _script(name: str) -> str:
     return (Path(__file__).parent / "lua" / name).read_text("utf-8")
 
 
+_MAX_EVENT = 1 << 52  # past any buffer's event count, exact as a double
+
+
 class RedisStore(StateStore):
     name = "redis"
 
@@ -129,7 +132,9 @@ class RedisStore(StateStore):
 
     async def stream_read(self, sid: str, after: int) -> StreamSnapshot | None:
         try:
-            res = await self._s_read(keys=self._skeys(sid), args=[max(0, after)])
+            # (clamped: the script counts in doubles, and past 2**53 LRANGE
+            # refused the number, which read as the store being down)
+            res = await self._s_read(keys=self._skeys(sid), args=[min(max(0, after), _MAX_EVENT)])
         except RedisError as e:
             raise StoreUnavailable(f"redis: {e}") from e
         if not res:

@@ -408,18 +408,29 @@ async def test_a_socket_that_sends_no_auth_within_header_timeout_is_closed(tmp_p
     tenants = tmp_path / "tenants.yaml"
     tenants.write_text(yaml.safe_dump({"admin_keys": [hash_key(ADMIN)], "tenants": {"a": {"keys": [hash_key(KEY_A)]}}}))
     with RouterProcess(tmp_path / "r", replicas=1, tenants=tenants, settings={"header_timeout": 1.0}) as r:
-        async with open_ws(r, key=None) as silent, open_ws(r, KEY_A) as keyed:
-            with pytest.raises(ConnectionClosed) as info:
-                await recv(silent, timeout=10)
-            assert info.value.rcvd is not None and info.value.rcvd.code == 1008, info.value
-            assert "no auth message within 1s" in info.value.rcvd.reason
+        async with open_ws(r, key=None) as silent, open_ws(r, key=None) as chatty, open_ws(r, KEY_A) as keyed:
+            sent = 0  # junk that gets an error reply each time buys no more time
+            while sent < 10:
+                try:
+                    await chatty.send("{}")
+                except ConnectionClosed:
+                    break
+                sent += 1
+                await asyncio.sleep(0.45)
+            assert sent < 6, "junk messages kept an unauthenticated socket open"
+            for ws in (silent, chatty):
+                with pytest.raises(ConnectionClosed) as info:
+                    while True:
+                        await recv(ws, timeout=10)
+                assert info.value.rcvd is not None and info.value.rcvd.code == 1008, info.value
+                assert "no auth message within 1s" in info.value.rcvd.reason
             await asyncio.sleep(0.5)
             col = Collector(keyed)  # a socket with a key waits for its messages as long as it likes
             await create(keyed, "late", chat_body("hello", 3))
             await col.until(lambda: col.finished("late"), what="a request after header_timeout")
         async with httpx.AsyncClient(base_url=r.base_url, timeout=30) as http:
             m = await r.ametrics(http)
-        assert m.value("fairstream_http_connections_refused_total", reason="header_timeout") == 1
+        assert m.value("fairstream_http_connections_refused_total", reason="header_timeout") == 2
 
 
 async def test_a_body_over_max_body_bytes_is_refused_as_over_http(router: RouterProcess) -> None:
