@@ -261,21 +261,32 @@ async def test_a_replica_whose_engine_core_freezes_is_restarted(vllm_router):
                      for n in vllm_router.replica_names}
         replicas = (await client.get("/admin/replicas", headers={"Authorization": f"Bearer {ADMIN}"})).json()
         victim = replicas["replicas"][0]["name"]
-        frozen = _descendants(replicas["replicas"][0]["pid"])
-        for pid in frozen:
-            os.kill(pid, signal.SIGSTOP)
-        try:
-            results = await asyncio.gather(*(client.post("/v1/completions", json=_greedy(32)) for _ in range(4)))
-            assert [r.status_code for r in results] == [200] * 4, [r.text for r in results]
-            assert all(r.json()["choices"][0]["text"] == ref for r in results)
-            m = await vllm_router.ametrics(client)
-            assert m.value("fairstream_replica_restarts_total", replica=victim) > restarts0[victim]
-        finally:
-            for pid in frozen:
-                try:
-                    os.kill(pid, signal.SIGCONT)
-                except ProcessLookupError:
-                    pass
+        await _freeze_engine_core(vllm_router, client, victim, replicas["replicas"][0]["pid"], ref,
+                                  restarts0[victim])
+
+
+async def _freeze_engine_core(vllm_router, client: httpx.AsyncClient, victim: str, pid: int, ref: str,
+                              restarts_before: float) -> None:
+    """Freeze the engine core under replica process ``pid`` (its front end
+    still answers pings) while 4 greedy requests run: they all complete
+    with ``ref``'s text (moved off the frozen replica), and the supervisor
+    restarts it as stuck. Then wait for it to serve again."""
+    frozen = _descendants(pid)
+    for child in frozen:
+        os.kill(child, signal.SIGSTOP)
+    try:
+        results = await asyncio.gather(*(client.post("/v1/completions", json=_greedy(32)) for _ in range(4)))
+        assert [r.status_code for r in results] == [200] * 4, [r.text for r in results]
+        assert all(r.json()["choices"][0]["text"] == ref for r in results)
+        m = await vllm_router.ametrics(client)
+        # (restarted as stuck: some of the requests were in its engine)
+        assert m.value("fairstream_replica_restarts_total", replica=victim) > restarts_before
+    finally:
+        for child in frozen:
+            try:
+                os.kill(child, signal.SIGCONT)
+            except ProcessLookupError:
+                pass
     poll(lambda: httpx.get(vllm_router.base_url + "/ready", timeout=2).json()["replicas"][victim] == "ready",
          300, interval=0.5, what=f"{victim} restarted")
 
@@ -303,22 +314,5 @@ async def test_an_engine_core_frozen_before_its_first_step_is_restarted(vllm_rou
 
         pid = (await apoll(fresh_and_ready, 300, interval=0.5, what=f"{victim} started again"))["pid"]
         m = await vllm_router.ametrics(client)
-        restarts0 = m.value("fairstream_replica_restarts_total", replica=victim)
-        frozen = _descendants(pid)
-        for child in frozen:
-            os.kill(child, signal.SIGSTOP)
-        try:
-            results = await asyncio.gather(*(client.post("/v1/completions", json=_greedy(32)) for _ in range(4)))
-            assert [r.status_code for r in results] == [200] * 4, [r.text for r in results]
-            assert all(r.json()["choices"][0]["text"] == ref for r in results)
-            m = await vllm_router.ametrics(client)
-            # (restarted as stuck: some of the requests were in its engine)
-            assert m.value("fairstream_replica_restarts_total", replica=victim) > restarts0
-        finally:
-            for child in frozen:
-                try:
-                    os.kill(child, signal.SIGCONT)
-                except ProcessLookupError:
-                    pass
-    poll(lambda: httpx.get(vllm_router.base_url + "/ready", timeout=2).json()["replicas"][victim] == "ready",
-         300, interval=0.5, what=f"{victim} restarted")
+        await _freeze_engine_core(vllm_router, client, victim, pid, ref,
+                                  m.value("fairstream_replica_restarts_total", replica=victim))
