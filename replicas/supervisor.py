@@ -113,7 +113,13 @@ async def answered_within(aw, timeout: float) -> Any:
             if waited >= timeout:
                 raise TimeoutError
     finally:
-        task.cancel()  # (done: a no-op)
+        _abandon(task)
+
+
+def _abandon(task: asyncio.Future) -> None:
+    """Cancel a ping no one will wait for (done: its failure, say the
+    connection closed meanwhile, is then not reported as never retrieved)."""
+    task.cancel()
 
 
 class Progress:
@@ -292,6 +298,7 @@ class Supervisor:
         progress = Progress(s.health_timeout)
         loop = asyncio.get_running_loop()
         check_now: asyncio.Event | None = getattr(client, "check_now", None)  # (an upstream's)
+        ping: asyncio.Future | None = None
         try:
             while client.closed is None and not self._closing:
                 refused, refusals = client.refused, getattr(client, "refusals", 0)
@@ -300,7 +307,7 @@ class Supervisor:
                 ping = asyncio.ensure_future(answered_within(client.ping(None), s.health_timeout))
                 done, _ = await asyncio.wait({ping, exited} - {None}, return_when=asyncio.FIRST_COMPLETED)
                 if exited is not None and exited in done:
-                    ping.cancel()
+                    _abandon(ping)
                     raise RuntimeError(f"process exited with code {proc.returncode}")
                 try:
                     pong = ping.result()
@@ -334,6 +341,8 @@ class Supervisor:
         finally:
             if exited is not None:
                 exited.cancel()
+            if ping is not None:  # (under way when this watch ended: the router stops)
+                _abandon(ping)
 
     async def _spawn(self, slot: ReplicaSlot) -> tuple[asyncio.subprocess.Process, str]:
         spec = slot.spec

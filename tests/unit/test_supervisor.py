@@ -414,3 +414,48 @@ def test_a_ping_that_is_not_answered_times_out_after_the_health_timeout() -> Non
         assert never.cancelled()  # (the ping is not left waiting)
 
     asyncio.run(main())
+
+
+
+def test_a_ping_under_way_when_the_supervisor_stops_is_not_reported_as_never_retrieved() -> None:
+    # The router stops (Supervisor.close cancels the watch) while a health
+    # ping waits for its pong; closing the connection then fails that ping.
+    # It was left running and logged "Task exception was never retrieved".
+    import gc
+
+    from replicas.client import ReplicaDead
+    from replicas.supervisor import Supervisor, SupervisorSettings
+
+    reported: list = []
+
+    class _Client:
+        closed = None
+        refused = False
+
+        def __init__(self, loop) -> None:
+            self.pong = loop.create_future()
+
+        async def ping(self, timeout):
+            return await self.pong
+
+        def close(self) -> None:  # (as ReplicaClient.close: the pings still waiting fail)
+            if not self.pong.done():
+                self.pong.set_exception(ReplicaDead("closed by the router"))
+
+    async def main():
+        loop = asyncio.get_running_loop()
+        loop.set_exception_handler(lambda _loop, ctx: reported.append(ctx))
+        sup = Supervisor(ReplicaPool([]), SupervisorSettings(health_timeout=5.0))
+        client = _Client(loop)
+        watch = loop.create_task(sup._watch(None, client, None))
+        await asyncio.sleep(0.05)  # (its ping waits)
+        watch.cancel()
+        await asyncio.gather(watch, return_exceptions=True)
+        client.close()
+        for _ in range(5):
+            await asyncio.sleep(0)
+        gc.collect()
+
+    asyncio.run(main())
+    gc.collect()
+    assert [c["message"] for c in reported] == []

@@ -9,6 +9,7 @@ supervisor brings the replica back into service.
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import signal
 
@@ -255,22 +256,45 @@ async def test_a_replica_whose_engine_core_freezes_is_restarted(vllm_router):
          {"vllm-0": "ready", "vllm-1": "ready"}, 300, what="both vllm replicas ready")
     headers = {"Authorization": f"Bearer {GOLD}"}
     async with httpx.AsyncClient(base_url=vllm_router.base_url, headers=headers, timeout=200) as client:
-        ref = (await client.post("/v1/completions", json=_greedy(32))).json()["choices"][0]["text"]
+        ref, victim = await _reference(vllm_router, client)
         m = await vllm_router.ametrics(client)
-        restarts0 = {n: m.value("fairstream_replica_restarts_total", default=0.0, replica=n)
-                     for n in vllm_router.replica_names}
-        replicas = (await client.get("/admin/replicas", headers={"Authorization": f"Bearer {ADMIN}"})).json()
-        victim = replicas["replicas"][0]["name"]
-        await _freeze_engine_core(vllm_router, client, victim, replicas["replicas"][0]["pid"], ref,
-                                  restarts0[victim])
+        restarts0 = m.value("fairstream_replica_restarts_total", default=0.0, replica=victim)
+        await _freeze_engine_core(vllm_router, client, victim, await _pid(client, victim), ref, restarts0)
+
+
+async def _reference(vllm_router, client: httpx.AsyncClient) -> tuple[str, str]:
+    """The greedy reference text, and the replica that served it: prefix
+    affinity sends the same prompt there again (at most AFFINITY_SLACK more
+    loaded than the other), so a test that freezes that one has requests in
+    it. (Freezing the first replica listed, as before, depended on where the
+    reference had gone.)"""
+    r = await client.post("/v1/completions", json=_greedy(32))
+    assert r.status_code == 200, r.text
+    rid = r.headers["x-request-id"]
+    line = next(rec for rec in map(_json_line, vllm_router.log().splitlines())
+                if rec and rec.get("logger") == "fairstream.request" and rec.get("request_id") == rid)
+    return r.json()["choices"][0]["text"], line["replica"]
+
+
+def _json_line(line: str):
+    try:
+        return json.loads(line)
+    except ValueError:
+        return None
+
+
+async def _pid(client: httpx.AsyncClient, name: str) -> int:
+    replicas = (await client.get("/admin/replicas", headers={"Authorization": f"Bearer {ADMIN}"})).json()
+    return next(r["pid"] for r in replicas["replicas"] if r["name"] == name)
 
 
 async def _freeze_engine_core(vllm_router, client: httpx.AsyncClient, victim: str, pid: int, ref: str,
                               restarts_before: float) -> None:
     """Freeze the engine core under replica process ``pid`` (its front end
-    still answers pings) while 4 greedy requests run: they all complete
-    with ``ref``'s text (moved off the frozen replica), and the supervisor
-    restarts it as stuck. Then wait for it to serve again."""
+    still answers pings) while 4 greedy requests run (the prompt ``victim``
+    served: affinity sends them there): they all complete with ``ref``'s
+    text (moved off the frozen replica), and the supervisor restarts it as
+    stuck. Then wait for it to serve again."""
     frozen = _descendants(pid)
     for child in frozen:
         os.kill(child, signal.SIGSTOP)
@@ -302,9 +326,8 @@ async def test_an_engine_core_frozen_before_its_first_step_is_restarted(vllm_rou
     headers = {"Authorization": f"Bearer {GOLD}"}
     admin = {"Authorization": f"Bearer {ADMIN}"}
     async with httpx.AsyncClient(base_url=vllm_router.base_url, headers=headers, timeout=200) as client:
-        ref = (await client.post("/v1/completions", json=_greedy(32))).json()["choices"][0]["text"]
-        replica = (await client.get("/admin/replicas", headers=admin)).json()["replicas"][1]
-        victim, old_pid = replica["name"], replica["pid"]
+        ref, victim = await _reference(vllm_router, client)
+        old_pid = await _pid(client, victim)
         os.kill(old_pid, signal.SIGKILL)  # a fresh engine: the supervisor starts it again
 
         async def fresh_and_ready():
