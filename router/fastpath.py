@@ -91,14 +91,22 @@ class FastPath:
         for ``send_timeout`` seconds (its connection's buffers full: it
         stopped reading) closes the connection, as a completion's stream
         does. The route then ends as on a disconnect (the server sees the
-        connection lost)."""
+        connection lost). An error answered before the request's body was
+        read (a refused key) closes the connection after it, as the fast
+        path's refusals do: uvicorn would read the rest of the body, however
+        long, to find the next request."""
         timeout = self.svc.config.send_timeout
         cycle = getattr(send, "__self__", None)
         transport = getattr(cycle, "transport", None)
-        if not timeout or transport is None:
+        if transport is None:
             return send
 
         async def bounded_send(message) -> None:
+            if (message["type"] == "http.response.start" and message.get("status", 200) >= 400
+                    and cycle.more_body and not any(k.lower() == b"connection" for k, _ in message.get("headers", ()))):
+                message = {**message, "headers": [*message.get("headers", ()), (b"connection", b"close")]}
+            if not timeout:
+                return await send(message)
             try:
                 await bounded(send(message), timeout)
             except ClientTooSlow as e:

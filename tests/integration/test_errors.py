@@ -276,6 +276,20 @@ def test_a_refused_body_is_neither_asked_for_nor_read(shared_router: RouterProce
     assert body["error"]["code"] == ("request_too_large" if key else "missing_api_key"), body
 
 
+@pytest.mark.parametrize("path", [COMPLETIONS + "/", "/admin/reload"])
+def test_a_refusal_on_the_other_routes_does_not_read_the_body_either(shared_router: RouterProcess,
+                                                                      path: str) -> None:
+    # (the Litestar routes: a trailing-slash completion, admin calls. Their
+    # 401 came with the connection kept alive, so uvicorn read the rest of
+    # the body, however long, to find the next request)
+    answer, closed = _head_only(shared_router, f"POST {path} HTTP/1.1\r\nHost: x\r\n"
+                                               "Content-Type: application/json\r\nContent-Length: 200000000\r\n"
+                                               "Expect: 100-continue\r\n\r\n")
+    assert answer.startswith(b"HTTP/1.1 401 "), answer[:200]
+    assert b"100 Continue" not in answer and b"connection: close" in answer.lower(), answer[:400]
+    assert closed, "the connection stayed open"
+
+
 def test_a_trailing_slash_path_takes_compressed_bodies_and_the_size_limit(shared_router: RouterProcess) -> None:
     # /v1/chat/completions/ is served by the Litestar route, not the fast
     # path: it ignored Content-Encoding (a gzip body was "not valid JSON")
