@@ -177,11 +177,16 @@ async def test_outage_during_concurrent_admissions(harness: Harness) -> None:
     await h.wait_healthy(5.0)
     # Every pooled connection died with the old server; the next burst must
     # still go to Redis and not trip the store back into an outage.
+    started = time.monotonic()
     results = await asyncio.wait_for(asyncio.gather(*(one() for _ in range(30))), 10.0)
     assert set(results) == {"ok"}, results
     assert store.healthy is True and h.changes == [False, True]
     u = await store.primary.usage(t, rpm=1000, tpm=0)
-    assert 1000 - 30 - 1 < u.requests_available <= 1000 - 30 + 1, u  # counted in Redis, not locally
+    # counted in Redis, not locally: 30 taken from the restarted server's full
+    # bucket, which refills 1000 a minute meanwhile (a loaded CI machine took
+    # more than the 60 ms a fixed margin of 1 allowed)
+    refill = (time.monotonic() - started) * 1000 / 60
+    assert 1000 - 30 - 1 < u.requests_available <= 1000 - 30 + 1 + refill, (u, refill)
 
 
 async def test_check_notices_an_outage_while_idle_then_recovers(harness: Harness) -> None:
