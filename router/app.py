@@ -161,9 +161,7 @@ def _http_error(request: Request, exc: HTTPException) -> Response:
         message = f"Method {request.method} is not allowed on {request.url.path}."
     elif status == 413:  # (request_max_body_size: max_body_bytes)
         message = f"The request body is too large (over {_svc(request).config.max_body_bytes} bytes)."
-        code = "request_too_large"
-        if request.scope.get("http_version", "1.1").startswith("1"):  # (HTTP/2 has no such header)
-            headers = {**(headers or {}), "connection": "close"}  # (the rest of the body is not read)
+        code = "request_too_large"  # (the rest of the body is not read: FastPath._bounded closes the connection)
     else:
         message = str(exc.detail)
     type_ = _HTTP_TYPES.get(status, "invalid_request_error" if status < 500 else "server_error")

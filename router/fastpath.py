@@ -102,9 +102,10 @@ class FastPath:
             return send
 
         async def bounded_send(message) -> None:
-            if (message["type"] == "http.response.start" and message.get("status", 200) >= 400
-                    and cycle.more_body and not any(k.lower() == b"connection" for k, _ in message.get("headers", ()))):
-                message = {**message, "headers": [*message.get("headers", ()), (b"connection", b"close")]}
+            if message["type"] == "http.response.start" and message.get("status", 200) >= 400:
+                close = _close_unless_read(send)
+                if close and not any(k.lower() == b"connection" for k, _ in message.get("headers", ())):
+                    message = {**message, "headers": [*message.get("headers", ()), (b"connection", b"close")]}
             if not timeout:
                 return await send(message)
             try:
