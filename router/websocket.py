@@ -164,18 +164,13 @@ async def chat_socket(socket: WebSocket) -> None:
             svc.tenant(auth)  # (a bad key: refused now)
             conn.auth = auth
         while not conn.gone:  # (gone: it took no frame for send_timeout; nothing more is started for it)
-            if conn.auth is None:
-                try:
-                    async with asyncio.timeout_at(auth_by):
-                        raw = await socket.receive_data(mode="text")
-                except TimeoutError:
-                    # (as an HTTP connection that sends no request head: it
-                    # would hold a connection for good, with no key)
-                    svc.metrics.connections_refused.labels("header_timeout").inc()
-                    await socket.close(code=1008, reason=f"no auth message within {svc.config.header_timeout:g}s")
-                    return
-            else:
-                raw = await socket.receive_data(mode="text")
+            try:
+                async with asyncio.timeout_at(auth_by if conn.auth is None else None):
+                    raw = await socket.receive_data(mode="text")
+            except TimeoutError:  # (no auth message: as an HTTP connection that sends no request head)
+                svc.metrics.connections_refused.labels("header_timeout").inc()
+                await socket.close(code=1008, reason=f"no auth message within {svc.config.header_timeout:g}s")
+                return
             if not raw:  # (a binary frame reads as empty text)
                 await conn.send(_err("", BadRequest("Bad message: send each message as a JSON object in a text frame "
                                                     "(this one was empty or binary).", code="invalid_json")))
