@@ -16,7 +16,7 @@ grace like HTTP streams and then closes it (router/websocket.py).
 At start the router raises its open-file limit to the hard limit and serves
 at most router.yaml's ``max_connections`` client connections (by default
 half that limit): one more gets a 503 in OpenAI's error shape once its
-request is read, and is closed, so a flood of connections cannot take the
+request is read, and is closed (after a lingering close: ``_Http._linger``), so a flood of connections cannot take the
 descriptors the open streams need for their replicas and upstreams.
 """
 
@@ -77,6 +77,9 @@ OVER_CAP_LOG_INTERVAL = 10.0
 # seconds a connection past max_connections has to send its request before
 # it is answered anyway (it must not hold a descriptor for the head timeout)
 OVER_CAP_READ = 2.0
+# seconds a refused connection is read (and what it sends dropped) after its
+# answer, before it is closed: router/server.py _Http._linger
+LINGER = 2.0
 # descriptors kept out of the default cap: listeners, replica and Redis
 # connections, health checks, log files
 FILE_RESERVE = 256
@@ -236,7 +239,26 @@ class _Http(HttpToolsProtocol):
                 head = b"content-type: application/json\r\n"
             self.transport.write(b"HTTP/1.1 %d %s\r\n%scontent-length: %d\r\nconnection: close\r\n\r\n%s"
                                  % (status, HTTPStatus(status).phrase.encode(), head, len(body), body))
+            if self._linger():
+                return
         self.transport.close()
+
+    def _linger(self) -> bool:
+        """Close the connection's sending side after a refusal and discard
+        what the client still sends, until it closes its side or ``LINGER``
+        seconds pass (nginx's lingering close). Closed at once, a socket with
+        unread bytes, or bytes still arriving, is reset, and a client that
+        sends its whole request before it reads (most do) then sees the reset
+        instead of the answer: a header too large, a body past the head's
+        timeout, a pipelined request past ``max_connections``. False where the
+        transport cannot half-close (TLS)."""
+        transport = self.transport
+        if not transport.can_write_eof():
+            return False
+        transport.write_eof()  # (after what is buffered; data_received drops what comes in)
+        self.flow.resume_reading()  # (uvicorn pauses reading while requests queue)
+        self._deadline = self.loop.call_later(LINGER, transport.close)
+        return True
 
     def _refuse_over_cap(self) -> None:
         """Answer a connection past ``max_connections`` (its request read,

@@ -226,6 +226,45 @@ def test_a_connection_past_max_connections_gets_a_503_and_the_open_ones_go_on():
         streaming.close()
 
 
+def test_a_refused_client_that_sends_its_whole_request_first_reads_the_answer_not_a_reset():
+    # Most clients write the whole request before they read. Closed at once
+    # with bytes still arriving, the socket was reset: their write failed
+    # (EPIPE, ECONNRESET) and the 431 or 503 was never read. The router now
+    # half-closes and drops what comes until the client closes (LINGER).
+    big_head = b"GET /b HTTP/1.1\r\nHost: x\r\nX-Big: " + b"a" * 4_000_000 + b"\r\n\r\n"
+    pipelined = (b"POST /echo HTTP/1.1\r\nHost: x\r\nContent-Length: 5\r\n\r\nhello"
+                 b"POST /echo HTTP/1.1\r\nHost: x\r\nContent-Length: 4000000\r\n\r\n" + b"a" * 4_000_000)
+    for cap, request, status in ((0, big_head, b"431"), (1, pipelined, b"503")):
+        with serving(head=5, body=5, max_connections=cap):
+            held = conn()  # (the one connection the cap allows, if there is a cap)
+            for _ in range(3):
+                s = conn()
+                s.sendall(request)  # (raised BrokenPipeError or ConnectionResetError before)
+                s.settimeout(5)
+                answer = read_all(s)
+                s.close()
+                assert answer.startswith(b"HTTP/1.1 " + status) and answer.endswith(b"}"), answer[:200]
+            held.close()
+
+
+def test_a_refused_connection_whose_client_stays_is_closed_after_the_linger():
+    with serving(head=0.3, body=5):
+        s = conn()
+        s.settimeout(5)
+        start = time.monotonic()
+        assert s.recv(65536).startswith(b"HTTP/1.1 408")  # (no head within 0.3 s)
+        assert s.recv(65536) == b""  # the router's side is closed with the answer...
+        s.sendall(b"GET / HTTP/1.1\r\n")  # (dropped)
+        time.sleep(srv.LINGER + 0.5)
+        with contextlib.suppress(OSError):  # ...and the connection, LINGER seconds on: a reset now
+            s.sendall(b"more")
+            time.sleep(0.1)
+            s.sendall(b"more")
+            raise AssertionError("the connection is still open")
+        assert time.monotonic() - start < srv.LINGER + 2
+        s.close()
+
+
 def test_the_open_file_limit_is_raised_to_the_hard_limit():
     import resource
 
