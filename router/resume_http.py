@@ -111,7 +111,6 @@ async def handle_resume(svc: RouterService, policy: TenantPolicy, sid: str, pos:
         final = snap.total_events - 1 if last == DONE else snap.total_events
         raise BadRequest(f"Last-Event-ID {pos.event} is past the end of this stream: its last event id is "
                          f"{final}.", param="Last-Event-ID")
-    svc.metrics.resumes.labels(policy.name).inc()
     headers = {"x-request-id": sid, "cache-control": "no-cache", "x-accel-buffering": "no"}
     return Stream(_resume(svc, policy, sid, meta, snap, pos), media_type="text/event-stream", headers=headers)
 
@@ -137,7 +136,10 @@ async def _resume(svc: RouterService, policy: TenantPolicy, sid: str, meta: Resu
     """The resume's events. One that continues the generation is counted and
     logged as the continuation's request (endpoint ``resume``); one that
     only replays or follows the buffer as a request of endpoint ``replay``,
-    with no tokens of its own."""
+    with no tokens of its own. Counted in ``fairstream_stream_resumes_total``
+    here, where its line is sure to follow (a client that left before its
+    response started is neither)."""
+    svc.metrics.resumes.labels(policy.name).inc()
     outcome = Outcome(svc, policy, "replay", time.monotonic(), sid)
     try:
         async for chunk in _replay(svc, policy, sid, meta, snap, pos, outcome):
