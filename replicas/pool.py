@@ -128,14 +128,20 @@ class ReplicaPool:
         self._affinity: OrderedDict[int, str] = OrderedDict()  # prefix hash -> replica (LRU)
 
     def models(self) -> list[str]:
-        """Models served by ready replicas; when none is ready, the models the
-        replicas served last or are configured to serve (a request for them
-        then gets a 503 to retry, not a 404)."""
-        seen = {s.model for s in self.slots if s.ready}
-        if not seen:
-            seen = {s.model for s in self.slots}
-            seen.discard("")
+        """Models the replicas serve, served last or are configured to serve,
+        ready or not: a request for a model whose replicas are all
+        restarting gets a 503 to retry, not a 404 (which clients do not
+        retry), and the model stays in ``/v1/models``."""
+        seen = {s.model for s in self.slots}
+        seen.discard("")
         return sorted(seen)
+
+    def max_model_len(self, model: str) -> int | None:
+        """The context length a ready replica of ``model`` reports (the
+        smallest, if they differ); None when none is ready or says."""
+        lens = [s.client.ready.max_model_len for s in self.ready_slots(model)  # type: ignore[union-attr]
+                if s.client.ready.max_model_len > 0]  # type: ignore[union-attr]
+        return min(lens) if lens else None
 
     def ready_slots(self, model: str | None = None, exclude: set[str] | None = None) -> list[ReplicaSlot]:
         out = []

@@ -71,11 +71,21 @@ async def resume_stream(request: Request, request_id: str) -> Response:
     return await handle_resume(svc, policy, request_id, parse_last_event_id(raw))
 
 
-class _Model(msgspec.Struct):
+class _Model(msgspec.Struct, omit_defaults=True):
+    """A model card as vLLM's ``/v1/models`` makes it (``max_model_len``
+    when a ready replica reports it)."""
+
     id: str
     object: str
     created: int
     owned_by: str
+    root: str
+    max_model_len: int | None = None  # (omitted when unknown)
+
+
+def _card(svc: RouterService, model: str) -> _Model:
+    # (created: when this router started, a stable time for every model it serves)
+    return _Model(model, "model", svc.started, "fairstream", model, svc.pool.max_model_len(model))
 
 
 class _ModelList(msgspec.Struct):
@@ -87,7 +97,7 @@ class _ModelList(msgspec.Struct):
 async def models(request: Request) -> Response:
     svc = _svc(request)
     policy = svc.tenant(request.headers.get("authorization"))
-    data = [_Model(m, "model", 0, "fairstream") for m in svc.pool.models() if policy.allows_model(m)]
+    data = [_card(svc, m) for m in svc.pool.models() if policy.allows_model(m)]
     return Response(msgspec.json.encode(_ModelList("list", data)), media_type=_JSON)
 
 
@@ -98,7 +108,7 @@ async def model(request: Request, model: str) -> Response:
     policy = svc.tenant(request.headers.get("authorization"))
     name = model.removeprefix("/")
     check_model(svc, policy, name)
-    return Response(msgspec.json.encode(_Model(name, "model", 0, "fairstream")), media_type=_JSON)
+    return Response(msgspec.json.encode(_card(svc, name)), media_type=_JSON)
 
 
 @get("/health")

@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import gc
 import logging
+import time
 from collections.abc import Coroutine
 from pathlib import Path
 from typing import Any, Protocol
@@ -47,6 +48,7 @@ log = logging.getLogger("fairstream.router")
 class RouterService:
     def __init__(self, config: RouterConfig, tenants_path: Path) -> None:
         self.config = config
+        self.started = int(time.time())  # (the ``created`` of the models it lists)
         self.metrics = Metrics()
         m = self.metrics
         self.policy = PolicyRegistry(tenants_path, on_reload=self._on_reload)

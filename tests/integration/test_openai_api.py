@@ -69,8 +69,15 @@ def stream_completion(client: openai.OpenAI, prompt: str, **kw) -> tuple[list[st
 
 
 def test_models_lists_the_sim_model(client: openai.OpenAI) -> None:
-    ids = [m.id for m in client.models.list()]
-    assert MODEL in ids
+    import time
+
+    models = list(client.models.list())
+    assert MODEL in [m.id for m in models]
+    card = client.models.retrieve(MODEL)
+    # a real time, as vLLM's and OpenAI's cards have (it was 0, 1970), and
+    # the context length vLLM's cards carry
+    assert 0 < time.time() - card.created < 3600 and card.owned_by == "fairstream", card
+    assert card.model_extra["max_model_len"] == 4096 and card.model_extra["root"] == MODEL, card
 
 
 def test_chat_stream_arrives_in_several_chunks(client: openai.OpenAI) -> None:

@@ -349,6 +349,32 @@ async def test_replica_lost_before_the_first_token_without_a_spare_is_a_503(make
     router.wait_ready(15)
 
 
+async def test_a_model_whose_replicas_are_all_restarting_gets_a_503_not_a_404(make_router) -> None:
+    """Two models, one replica each: while the second model's replica
+    restarts, the first still answers, and a request for the second is a 503
+    to retry (it was a 404, model_not_found, which clients do not retry, and
+    the model left /v1/models for the restart)."""
+    other = "other-model"
+    router: RouterProcess = make_router(settings={"replicas": [
+        {"name": "sim-0", "engine": "sim", "config": {"model": MODEL, "seed": 0}},
+        {"name": "sim-1", "engine": "sim", "config": {"model": other, "seed": 0}},
+    ]})
+    chat = {"max_tokens": 2, "messages": [{"role": "user", "content": "hi"}]}
+    async with httpx.AsyncClient(base_url=router.base_url, headers=AUTH, timeout=30) as http:
+        router.kill_replica("sim-1", signal.SIGKILL)
+        await apoll(lambda: httpx.get(router.base_url + "/ready").json()["replicas"]["sim-1"] != "ready", 10,
+                    what="the router to see sim-1 gone")
+        r = await http.post("/v1/chat/completions", json={"model": other, **chat})
+        models = [m["id"] for m in (await http.get("/v1/models")).json()["data"]]
+        served = await http.post("/v1/chat/completions", json={"model": MODEL, **chat})
+        router.wait_ready(15)
+        back = await http.post("/v1/chat/completions", json={"model": other, **chat})
+    assert r.status_code == 503, r.text
+    assert r.json()["error"]["code"] == "no_replica_available" and r.headers["retry-after"] == "1"
+    assert sorted(models) == sorted([other, MODEL]), models
+    assert served.status_code == 200 and back.status_code == 200, (served.text, back.text)
+
+
 # -- (d) router crash -------------------------------------------------------------------
 
 
