@@ -263,7 +263,7 @@ class Admission:
             raise RateLimited(
                 f"Request needs {cost_tokens} tokens, more than the tenant's limit of "
                 f"{tpm} tokens per minute; {cut}.",
-                retry_after=60.0, code="tokens_exceed_limit", headers=ratelimit_headers(policy, decision),
+                retry_after=None, code="tokens_exceed_limit", headers=ratelimit_headers(policy, decision),
             )
 
     def _refused(self, policy: TenantPolicy, decision: Decision) -> RateLimited:

@@ -33,6 +33,7 @@ from router.openai_types import (
     chat_messages,
     completion_prompt,
     decode_request,
+    max_tokens_param,
     to_params,
     usage_options,
 )
@@ -150,9 +151,10 @@ def _job(svc: RouterService, policy: TenantPolicy, body: bytes, chat: bool, stre
     default = min(svc.config.default_max_tokens, cap) if cap else svc.config.default_max_tokens
     params = to_params(req, default)
     if cap and params.max_tokens > cap:
+        name = max_tokens_param(req)
         raise BadRequest(
-            f"'max_tokens' is {params.max_tokens}; this tenant may ask for at most {cap}.",
-            param="max_tokens", code="max_tokens_exceeded",
+            f"'{name}' is {params.max_tokens}; this tenant may ask for at most {cap}.",
+            param=name, code="max_tokens_exceeded",
         )
     if isinstance(req, ChatRequest):
         messages = chat_messages(req)

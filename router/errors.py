@@ -103,10 +103,15 @@ class RateLimited(ApiError):
     code = "rate_limit_exceeded"
     recoverable = True
 
-    def __init__(self, message: str, retry_after: float, **kw) -> None:
+    def __init__(self, message: str, retry_after: float | None, **kw) -> None:
+        """``retry_after`` None: retrying cannot help (the request never
+        fits); the answer says so to the SDK (``x-should-retry: false``)
+        instead of naming a time."""
         super().__init__(message, **kw)
-        self.retry_after = retry_after
-        self.headers.setdefault("retry-after", str(max(1, int(retry_after + 0.999))))
+        if retry_after is None:
+            self.headers["x-should-retry"] = "false"
+        else:
+            self.headers.setdefault("retry-after", str(max(1, int(retry_after + 0.999))))
 
 
 class ServiceUnavailable(ApiError):

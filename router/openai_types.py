@@ -37,6 +37,7 @@ MAX_TOKEN_ID = 2**32 - 1
 class StreamOptions(msgspec.Struct, forbid_unknown_fields=True):
     include_usage: bool = False
     continuous_usage_stats: bool = False  # vLLM: usage so far on every chunk too
+    include_obfuscation: bool | None = None  # (OpenAI pads chunks against side channels; accepted, no padding)
 
 
 class _Common(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
@@ -89,6 +90,13 @@ class ChatRequest(_Common, kw_only=True):
     prediction: Any = None
     reasoning_effort: Any = None
     web_search_options: Any = None
+    verbosity: Any = None
+    moderation: Any = None
+    # hints for OpenAI's own service, accepted and ignored as ``user`` is
+    safety_identifier: str | None = None
+    prompt_cache_key: str | None = None
+    prompt_cache_retention: Any = None
+    prompt_cache_options: Any = None
 
 
 class CompletionRequest(_Common, kw_only=True):
@@ -117,6 +125,8 @@ _UNSUPPORTED_NEUTRAL: dict[str, Any] = {
     "audio": (None,),
     "prediction": (None,),
     "web_search_options": (None,),
+    "verbosity": (None, "medium"),  # (OpenAI's default)
+    "moderation": (None,),
 }
 _LOC = re.compile(r" - at `\$\.?([^`]*)`$")
 
@@ -182,25 +192,41 @@ def _check_range(name: str, value: float | int | None, lo: float, hi: float) -> 
 
 def to_params(req: ChatRequest | CompletionRequest, default_max_tokens: int) -> SamplingParams:
     """Sampling parameters for the replica; ``BadRequest`` on out-of-range values."""
-    max_tokens = req.max_tokens
-    if isinstance(req, ChatRequest) and req.max_completion_tokens is not None:
-        max_tokens = req.max_completion_tokens
+    max_tokens, name = req.max_tokens, max_tokens_param(req)
+    if name == "max_completion_tokens":
+        max_tokens = req.max_completion_tokens  # type: ignore[union-attr]
     if max_tokens is None:
         max_tokens = default_max_tokens
     if max_tokens < 1:
-        raise BadRequest(f"'max_tokens' must be at least 1; got {max_tokens}.", param="max_tokens")
+        raise BadRequest(f"'{name}' must be at least 1; got {max_tokens}.", param=name)
     _check_range("temperature", req.temperature, 0.0, 2.0)
     _check_range("top_p", req.top_p, 0.0, 1.0)
     _check_range("presence_penalty", req.presence_penalty, -2.0, 2.0)
     _check_range("frequency_penalty", req.frequency_penalty, -2.0, 2.0)
     if req.top_p is not None and req.top_p == 0.0:
         raise BadRequest("'top_p' must be greater than 0.", param="top_p")
+    # vLLM's own checks of its extensions (SamplingParams._verify_args)
+    if req.top_k is not None and req.top_k < -1:
+        raise BadRequest(f"'top_k' must be -1 or 0 (no limit) or at least 1; got {req.top_k}.", param="top_k")
+    if req.repetition_penalty is not None and not 0.0 < req.repetition_penalty <= 1e6:
+        raise BadRequest(f"'repetition_penalty' must be greater than 0; got {req.repetition_penalty}.",
+                         param="repetition_penalty")
+    if req.min_tokens is not None and not 0 <= req.min_tokens <= max_tokens:
+        raise BadRequest(f"'min_tokens' must be between 0 and max_tokens ({max_tokens}); got {req.min_tokens}.",
+                         param="min_tokens")
     stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
     if len(stop) > MAX_STOP:
         raise BadRequest(f"'stop' takes at most {MAX_STOP} sequences.", param="stop")
     if any(not s for s in stop):
         raise BadRequest("'stop' sequences must not be empty.", param="stop")
     return SamplingParams.from_openai(req, max_tokens, stop)
+
+
+def max_tokens_param(req: ChatRequest | CompletionRequest) -> str:
+    """The field the client set its token limit with, for errors to name."""
+    if isinstance(req, ChatRequest) and req.max_completion_tokens is not None:
+        return "max_completion_tokens"
+    return "max_tokens"
 
 
 _ROLES = ("system", "developer", "user", "assistant", "tool")
@@ -232,7 +258,7 @@ def chat_messages(req: ChatRequest) -> list[dict[str, str]]:
                 if not isinstance(part.get("text"), str):
                     raise BadRequest(f"Missing required parameter: '{at}.text' (a string).", param=f"{at}.text")
                 parts.append(part["text"])
-            content = "".join(parts)
+            content = "\n".join(parts)  # (as vLLM joins a message's text parts)
         out.append({"role": m.role, "content": content or ""})
     return out
 

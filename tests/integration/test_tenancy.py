@@ -84,6 +84,8 @@ def test_tokens_are_reserved_then_settled_with_real_usage(tmp_path):
         r = httpx.post(url, headers=auth(KEY_A), json=body(2000), timeout=20)
         assert r.status_code == 429 and r.json()["error"]["code"] == "tokens_exceed_limit"
         assert "lower max_tokens" in r.json()["error"]["message"]
+        # no time to wait names: the SDK is told not to retry (with Retry-After: 60 it waited 2 x 60 s)
+        assert r.headers["x-should-retry"] == "false" and "retry-after" not in r.headers, r.headers
         # ... and one whose prompt alone is over the budget says so (max_tokens cannot help)
         r = httpx.post(url, headers=auth(KEY_A), json={**body(1), "prompt": "x" * 1200}, timeout=20)
         assert r.status_code == 429 and "its prompt alone is about" in r.json()["error"]["message"], r.text

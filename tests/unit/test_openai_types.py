@@ -5,7 +5,7 @@ import json
 import pytest
 
 from router.errors import BadRequest
-from router.openai_types import ChatRequest, CompletionRequest, chat_messages, decode_request
+from router.openai_types import ChatRequest, CompletionRequest, StreamOptions, chat_messages, decode_request, to_params
 
 MSG = [{"role": "user", "content": "hi"}]
 
@@ -21,7 +21,11 @@ def completion(**kw):
 @pytest.mark.parametrize("kw", [
     {"stream": None}, {"logit_bias": {}}, {"parallel_tool_calls": False}, {"parallel_tool_calls": True},
     {"logprobs": False}, {"top_logprobs": 0}, {"n": 1}, {"tools": None}, {"tool_choice": "none"},
-    {"response_format": {"type": "text"}},
+    {"response_format": {"type": "text"}}, {"verbosity": "medium"},
+    # OpenAI's service hints: nothing this server does changes with them
+    {"safety_identifier": "u-1"}, {"prompt_cache_key": "k"}, {"prompt_cache_retention": "24h"},
+    {"prompt_cache_options": {"ttl": "24h"}},
+    {"stream": True, "stream_options": {"include_usage": True, "include_obfuscation": False}},
 ], ids=lambda kw: json.dumps(kw))
 def test_values_that_ask_for_nothing_are_accepted(kw):
     # (OpenAI takes them; SDKs and frameworks send some of them by default)
@@ -43,6 +47,8 @@ def test_a_null_stream_does_not_stream():
     (completion, {"logprobs": 3}, "logprobs"),
     (completion, {"echo": True}, "echo"),
     (completion, {"best_of": 2}, "best_of"),
+    (chat, {"verbosity": "low"}, "verbosity"),
+    (chat, {"moderation": {"model": "omni-moderation-latest"}}, "moderation"),
 ], ids=lambda v: json.dumps(v) if isinstance(v, dict) else getattr(v, "__name__", str(v)))
 def test_options_this_server_cannot_honour_are_a_400_naming_them(make, kw, name):
     with pytest.raises(BadRequest) as info:
@@ -60,3 +66,48 @@ def test_an_assistant_message_with_no_tool_calls_is_a_message():
     with pytest.raises(BadRequest) as info:
         chat_messages(req)
     assert info.value.param == "messages[1].tool_calls"
+
+
+def _sdk_keys(params) -> set[str]:
+    keys: set[str] = set()
+    for base in params.__mro__:
+        keys |= set(getattr(base, "__annotations__", {}))
+    return keys
+
+
+def test_every_argument_of_the_installed_sdk_is_a_declared_field():
+    # An argument the SDK sends that is not declared is a 400 "Unrecognized
+    # request argument" for every client that uses it (safety_identifier,
+    # verbosity, prompt_cache_key and stream_options.include_obfuscation were).
+    from openai.types import completion_create_params as completion_params
+    from openai.types.chat import ChatCompletionStreamOptionsParam
+    from openai.types.chat import completion_create_params as chat_params
+
+    for params, kind in ((chat_params.CompletionCreateParamsBase, ChatRequest),
+                         (completion_params.CompletionCreateParamsBase, CompletionRequest),
+                         (ChatCompletionStreamOptionsParam, StreamOptions)):
+        assert not _sdk_keys(params) - set(kind.__struct_fields__), (kind.__name__, _sdk_keys(params))
+
+
+def test_text_parts_are_joined_as_vllm_joins_them():
+    req = chat(messages=[{"role": "user", "content": [{"type": "text", "text": "ab"}, {"type": "text", "text": "cd"}]}])
+    assert chat_messages(req)[0]["content"] == "ab\ncd"
+
+
+@pytest.mark.parametrize("kw, name", [
+    ({"top_k": -5}, "top_k"), ({"repetition_penalty": 0}, "repetition_penalty"),
+    ({"repetition_penalty": -1.0}, "repetition_penalty"), ({"min_tokens": -1}, "min_tokens"),
+    ({"min_tokens": 9, "max_tokens": 8}, "min_tokens"),
+    ({"max_completion_tokens": 0}, "max_completion_tokens"), ({"max_tokens": 0}, "max_tokens"),
+], ids=lambda v: json.dumps(v) if isinstance(v, dict) else v)
+def test_out_of_range_values_are_a_400_naming_the_field_the_client_set(kw, name):
+    # (vLLM's SamplingParams refuses these; they reached the engines as sent)
+    with pytest.raises(BadRequest) as info:
+        to_params(chat(**kw), 16)
+    assert info.value.param == name, info.value
+
+
+@pytest.mark.parametrize("kw", [{"top_k": -1}, {"top_k": 0}, {"top_k": 5}, {"repetition_penalty": 1.2},
+                                {"min_tokens": 8, "max_tokens": 8}], ids=json.dumps)
+def test_in_range_vllm_extensions_pass(kw):
+    assert to_params(chat(**kw), 16).max_tokens in (8, 16)
