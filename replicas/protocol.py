@@ -21,6 +21,10 @@ __all__ = [
     "PROTOCOL_VERSION",
     "FinishReason",
     "SamplingParams",
+    "UNSET_TEMPERATURE",
+    "UNSET_TOP_P",
+    "UNSET_TOP_K",
+    "UNSET_REPETITION_PENALTY",
     "Hello",
     "Generate",
     "Abort",
@@ -59,6 +63,11 @@ class FinishReason(enum.IntEnum):
         return _OPENAI_FINISH[self]
 
 
+# SamplingParams.unset: the fields a model's generation config may default
+UNSET_TEMPERATURE, UNSET_TOP_P, UNSET_TOP_K, UNSET_REPETITION_PENALTY = 1, 2, 4, 8
+_UNSET_FIELDS = ((UNSET_TEMPERATURE, "temperature"), (UNSET_TOP_P, "top_p"), (UNSET_TOP_K, "top_k"),
+                 (UNSET_REPETITION_PENALTY, "repetition_penalty"))
+
 _OPENAI_FINISH = {
     FinishReason.NONE: None,
     FinishReason.STOP: "stop",
@@ -83,12 +92,29 @@ class SamplingParams(msgspec.Struct, array_like=True, omit_defaults=True, gc=Fal
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
     min_tokens: int = 0
+    # max_tokens is the router's default, not the client's: the replica
+    # lowers it to what the model's context leaves after the prompt, as
+    # vLLM's OpenAI server does for an unset max_tokens, instead of refusing
+    # the request. (Last: an older replica ignores it, msgspec drops
+    # trailing array items it does not know.)
+    max_tokens_default: bool = False
+    # the sampling fields the client left unset (UNSET_* bits; their values
+    # above are then the neutral ones): an engine that knows the model's own
+    # defaults (vLLM's, from its generation_config.json) uses those, as
+    # ``vllm serve`` does, and an upstream is not sent them
+    unset: int = 0
 
     @classmethod
-    def from_openai(cls, req, max_tokens: int, stop: list[str]) -> SamplingParams:
+    def from_openai(cls, req, max_tokens: int, stop: list[str], max_tokens_default: bool = False) -> SamplingParams:
         """From an OpenAI-style request object (fields as in the API, None when
         unset); ``max_tokens`` and ``stop`` already resolved by the caller."""
+        unset = 0
+        for bit, name in _UNSET_FIELDS:
+            if getattr(req, name, None) is None:
+                unset |= bit
         return cls(
+            unset=unset,
+            max_tokens_default=max_tokens_default,
             max_tokens=max_tokens,
             temperature=1.0 if req.temperature is None else req.temperature,
             top_p=1.0 if req.top_p is None else req.top_p,

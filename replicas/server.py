@@ -233,6 +233,11 @@ class ReplicaServer:
             else:
                 raise EngineError("request has no prompt")
             params = msg.params
+            if params.max_tokens_default and len(prompt_ids) < eng.max_model_len:
+                # (the router's default, not the client's: what the context leaves)
+                room = eng.max_model_len - len(prompt_ids)
+                if params.max_tokens > room:
+                    params = msgspec.structs.replace(params, max_tokens=room)
             if len(prompt_ids) + params.max_tokens > eng.max_model_len:
                 raise EngineError(
                     f"This model's maximum context length is {eng.max_model_len} tokens. However, you "

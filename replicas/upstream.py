@@ -36,7 +36,19 @@ import msgspec
 
 from replicas.client import Collector, ReplicaDead, ReplicaRefused
 from replicas.http11 import HttpError, HttpPool, Response, Sent, sse_data
-from replicas.protocol import PROTOCOL_VERSION, Delta, FinishReason, LoadReport, Pong, Ready, SamplingParams
+from replicas.protocol import (
+    PROTOCOL_VERSION,
+    UNSET_REPETITION_PENALTY,
+    UNSET_TEMPERATURE,
+    UNSET_TOP_K,
+    UNSET_TOP_P,
+    Delta,
+    FinishReason,
+    LoadReport,
+    Pong,
+    Ready,
+    SamplingParams,
+)
 from replicas.spec import ReplicaSpec
 
 __all__ = ["UpstreamClient", "open_upstream", "METRICS_INTERVAL"]
@@ -349,11 +361,17 @@ class UpstreamClient:
             "model": self.upstream_model,
             "stream": True,
             "max_tokens": params.max_tokens - len(prefix),
-            "temperature": params.temperature,
         }
-        if params.top_p != 1.0:
+        # What the client set, and only that: an upstream vLLM fills the rest
+        # from the model's generation config, as it would for the client.
+        # (top_k and repetition_penalty, vLLM's own, only when they ask for
+        # something or were set, for upstreams that do not know them.)
+        unset = params.unset
+        if not unset & UNSET_TEMPERATURE:
+            body["temperature"] = params.temperature
+        if not unset & UNSET_TOP_P:
             body["top_p"] = params.top_p
-        if params.top_k > 0:
+        if params.top_k > 0 or not unset & UNSET_TOP_K:
             body["top_k"] = params.top_k
         if params.seed is not None:
             body["seed"] = params.seed
@@ -369,7 +387,7 @@ class UpstreamClient:
             body["presence_penalty"] = params.presence_penalty
         if params.frequency_penalty:
             body["frequency_penalty"] = params.frequency_penalty
-        if params.repetition_penalty != 1.0:
+        if params.repetition_penalty != 1.0 or not unset & UNSET_REPETITION_PENALTY:
             body["repetition_penalty"] = params.repetition_penalty
         if ask_ids:
             body["return_token_ids"] = True

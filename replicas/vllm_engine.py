@@ -32,7 +32,15 @@ from typing import Any
 import msgspec
 
 from replicas.engine import Engine, EngineDead, EngineError, OutputSink, Tokenizer
-from replicas.protocol import FinishReason, LoadReport, SamplingParams
+from replicas.protocol import (
+    UNSET_REPETITION_PENALTY,
+    UNSET_TEMPERATURE,
+    UNSET_TOP_K,
+    UNSET_TOP_P,
+    FinishReason,
+    LoadReport,
+    SamplingParams,
+)
 
 __all__ = ["VllmEngine", "VllmEngineConfig", "HfTokenizer"]
 
@@ -48,6 +56,36 @@ _FINISH = {
     "error": FinishReason.ERROR,
     "repetition": FinishReason.STOP,
 }
+
+
+
+_DEFAULTED = (("temperature", UNSET_TEMPERATURE), ("top_p", UNSET_TOP_P), ("top_k", UNSET_TOP_K),
+              ("repetition_penalty", UNSET_REPETITION_PENALTY))
+
+
+def model_sampling_defaults(model_config: Any) -> dict[str, float]:
+    """The sampling values the model's generation config sets that differ
+    from vLLM's own (``ModelConfig.get_diff_sampling_param``, what ``vllm
+    serve`` applies to a request's unset fields), of the fields the replica
+    protocol carries; {} if this vLLM has no such call."""
+    diff = getattr(model_config, "get_diff_sampling_param", None)
+    if diff is None:
+        return {}
+    values = diff() or {}
+    return {name: values[name] for name, _ in _DEFAULTED if values.get(name) is not None}
+
+
+def with_model_defaults(p: SamplingParams, defaults: dict[str, float]) -> tuple[float, float, int, float]:
+    """(temperature, top_p, top_k, repetition_penalty) of ``p``, the model's
+    default for each the client left unset."""
+    values = {"temperature": p.temperature, "top_p": p.top_p, "top_k": p.top_k,
+              "repetition_penalty": p.repetition_penalty}
+    if p.unset and defaults:
+        for name, bit in _DEFAULTED:
+            if p.unset & bit and name in defaults:
+                values[name] = defaults[name]
+    return (float(values["temperature"]), float(values["top_p"]), int(values["top_k"]),
+            float(values["repetition_penalty"]))
 
 
 class VllmEngineConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
@@ -136,6 +174,7 @@ class VllmEngine(Engine):
         self.max_model_len = config.max_model_len
         self._llm: Any = None
         self._vllm: Any = None  # the vllm names start() imports
+        self._defaults: dict[str, float] = {}  # the model's sampling defaults (model_sampling_defaults)
         self._tasks: dict[int, asyncio.Task[None]] = {}
         self._req_ids: dict[int, str] = {}
         self._aborts: set[asyncio.Task[None]] = set()
@@ -201,6 +240,10 @@ class VllmEngine(Engine):
             raise EngineError(f"vLLM failed to start: {type(e).__name__}: {e}") from e
         self.tokenizer: Tokenizer = HfTokenizer(self._llm.get_tokenizer())
         self.max_model_len = self._llm.model_config.max_model_len
+        self._defaults = model_sampling_defaults(self._llm.model_config)
+        if self._defaults:
+            log.info("the model's sampling defaults (generation config), for fields a request leaves unset: %s",
+                     self._defaults)
         self.start_seconds = time.monotonic() - t0
         log.info("vLLM engine for %s ready in %.1f s", cfg.model, self.start_seconds)
 
@@ -231,20 +274,21 @@ class VllmEngine(Engine):
 
     def _sampling_params(self, p: SamplingParams) -> Any:
         VllmSamplingParams, _, RequestOutputKind, _ = self._vllm
+        temperature, top_p, top_k, repetition_penalty = with_model_defaults(p, self._defaults)
         try:
             return VllmSamplingParams(
                 n=1,
                 max_tokens=p.max_tokens,
-                temperature=p.temperature,
-                top_p=p.top_p,
-                top_k=p.top_k if p.top_k > 0 else 0,
+                temperature=temperature,
+                top_p=top_p,
+                top_k=top_k if top_k > 0 else 0,
                 seed=p.seed,
                 stop_token_ids=list(p.stop_token_ids) or None,
                 ignore_eos=p.ignore_eos,
                 min_tokens=p.min_tokens,
                 presence_penalty=p.presence_penalty,
                 frequency_penalty=p.frequency_penalty,
-                repetition_penalty=p.repetition_penalty,
+                repetition_penalty=repetition_penalty,
                 detokenize=False,
                 output_kind=RequestOutputKind.DELTA,
             )

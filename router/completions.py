@@ -97,6 +97,9 @@ def check_model(svc: RouterService, policy: TenantPolicy, model: str) -> None:
                        param="model", code="model_not_found")
 
 
+# max_tokens of a /v1/completions request that does not set it, as OpenAI's
+# legacy completions and vLLM's have it (a chat's is default_max_tokens)
+COMPLETIONS_DEFAULT_MAX_TOKENS = 16
 MAX_GZIP_MEMBERS = 16
 
 
@@ -148,7 +151,11 @@ def _job(svc: RouterService, policy: TenantPolicy, body: bytes, chat: bool, stre
         raise BadRequest("'stream_options' is only allowed when 'stream' is true.", param="stream_options")
     check_model(svc, policy, req.model)
     cap = policy.limits.max_tokens
-    default = min(svc.config.default_max_tokens, cap) if cap else svc.config.default_max_tokens
+    default = svc.config.default_max_tokens
+    if not chat:  # (OpenAI's and vLLM's default for a completions request)
+        default = min(default, COMPLETIONS_DEFAULT_MAX_TOKENS)
+    if cap:
+        default = min(default, cap)
     params = to_params(req, default)
     if cap and params.max_tokens > cap:
         name = max_tokens_param(req)

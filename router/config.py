@@ -32,7 +32,7 @@ class RouterConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     replicas: list[ReplicaSpec]
     """Replicas to supervise (local) or attach to (``address``)."""
     default_max_tokens: int = 256
-    """``max_tokens`` for requests that do not set it."""
+    """``max_tokens`` of a chat request that does not set it, lowered by its replica to what the model's context leaves after the prompt (a request that fits is not refused for a limit it did not ask for). A ``/v1/completions`` request that does not set it gets 16, as OpenAI's and vLLM's do (or this, if smaller). The tenant's ``max_tokens`` caps both."""
     max_body_bytes: int = 4 * 1024 * 1024
     """Largest request body accepted (413 above)."""
     max_failovers: int = 3

@@ -195,7 +195,8 @@ def to_params(req: ChatRequest | CompletionRequest, default_max_tokens: int) -> 
     max_tokens, name = req.max_tokens, max_tokens_param(req)
     if name == "max_completion_tokens":
         max_tokens = req.max_completion_tokens  # type: ignore[union-attr]
-    if max_tokens is None:
+    defaulted = max_tokens is None
+    if defaulted:
         max_tokens = default_max_tokens
     if max_tokens < 1:
         raise BadRequest(f"'{name}' must be at least 1; got {max_tokens}.", param=name)
@@ -219,7 +220,7 @@ def to_params(req: ChatRequest | CompletionRequest, default_max_tokens: int) -> 
         raise BadRequest(f"'stop' takes at most {MAX_STOP} sequences.", param="stop")
     if any(not s for s in stop):
         raise BadRequest("'stop' sequences must not be empty.", param="stop")
-    return SamplingParams.from_openai(req, max_tokens, stop)
+    return SamplingParams.from_openai(req, max_tokens, stop, defaulted)
 
 
 def max_tokens_param(req: ChatRequest | CompletionRequest) -> str:

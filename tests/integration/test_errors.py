@@ -214,6 +214,31 @@ def test_prompt_plus_max_tokens_over_the_context_is_400(shared_router: RouterPro
     assert "4200" in err["message"]
 
 
+def test_an_unset_max_tokens_is_what_the_context_leaves_not_a_400(make_router) -> None:
+    # vLLM's OpenAI server takes an unset max_tokens as the context's
+    # remainder. The router's default (256 for a chat, 16 for a completion)
+    # is lowered by the replica to what the prompt leaves; it was a 400
+    # quoting tokens the client never asked for.
+    router = make_router(replicas=1, sim={"max_model_len": 512})
+    for path, body in ((CHAT, {"messages": [{"role": "user", "content": "x" * 400}]}),  # (+ the chat template's)
+                       (COMPLETIONS, {"prompt": "x" * 500})):
+        r = post(router, path, json={"model": MODEL, "ignore_eos": True, **body})
+        assert r.status_code == 200, r.text
+        usage, choice = r.json()["usage"], r.json()["choices"][0]
+        assert usage["prompt_tokens"] + usage["completion_tokens"] == 512, usage
+        assert choice["finish_reason"] == "length"
+        # the client's own max_tokens is still held to the context
+        err = error_of(post(router, path, json={"model": MODEL, "max_tokens": 100, **body}), 400)
+        assert "maximum context length is 512 tokens" in err["message"]
+
+
+def test_a_completion_without_max_tokens_gets_16_as_openai_and_vllm_give(shared_router: RouterProcess) -> None:
+    r = post(shared_router, COMPLETIONS, json={"model": MODEL, "prompt": "hi", "ignore_eos": True})
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 16, r.text
+    r = post(shared_router, CHAT, json={**chat_body(ignore_eos=True), "max_tokens": None})
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 256, r.text  # (default_max_tokens)
+
+
 def test_body_over_the_limit_is_413(shared_router: RouterProcess) -> None:
     body = {"model": MODEL, "prompt": "x" * (MAX_BODY + 10)}
     err = error_of(post(shared_router, COMPLETIONS, json=body), 413)

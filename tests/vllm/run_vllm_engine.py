@@ -19,7 +19,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from replicas.engine import EngineError  # noqa: E402
-from replicas.protocol import FinishReason, SamplingParams  # noqa: E402
+from replicas.protocol import UNSET_TOP_K, FinishReason, SamplingParams  # noqa: E402
+from replicas.tinymodel import ensure_tiny_model  # noqa: E402
 from replicas.vllm_engine import VllmEngine, VllmEngineConfig  # noqa: E402
 
 MAX_TOKENS = 16
@@ -53,6 +54,11 @@ class Collector:
 async def main(model_dir: str) -> dict:
     res: dict = {}
     sink = Collector()
+    # A model whose generation config has a sampling default (top_k 1:
+    # greedy), which vLLM applies to the fields a request leaves unset
+    ensure_tiny_model(model_dir)
+    gen = Path(model_dir) / "generation_config.json"
+    gen.write_text(json.dumps({**json.loads(gen.read_text()), "do_sample": True, "top_k": 1}))
     cfg = VllmEngineConfig(model=model_dir, tiny=True, seed=0, max_model_len=2048)
     engine = VllmEngine(cfg, sink)
     t0 = time.monotonic()
@@ -146,6 +152,17 @@ async def main(model_dir: str) -> dict:
         await asyncio.wait_for(sink.done[10].wait(), 60)
         res["stop_token"] = [sink.tokens[10], sink.finish[10].name,
                              sink.tokens[1][: sink.tokens[1].index(stop_at) + 1]]
+
+        # --- the model's sampling defaults fill only the fields a request left unset
+        res["model_defaults"] = engine._defaults
+        sampled = {"max_tokens": MAX_TOKENS, "temperature": 1.0, "seed": 1, "ignore_eos": True}
+        sink.expect(11)
+        engine.add(11, prompts[0], SamplingParams(**sampled, unset=UNSET_TOP_K))  # top_k: the model's, 1
+        sink.expect(12)
+        engine.add(12, prompts[0], SamplingParams(**sampled))  # top_k -1, set by the client: no limit
+        await asyncio.wait_for(asyncio.gather(sink.done[11].wait(), sink.done[12].wait()), 60)
+        res["default_top_k_greedy"] = sink.tokens[11] == sink.tokens[1]
+        res["explicit_top_k_sampled"] = sink.tokens[12] != sink.tokens[1]
 
         # --- throughput: 4 concurrent x 64 tokens
         many = SamplingParams(max_tokens=64, temperature=0.0, ignore_eos=True)

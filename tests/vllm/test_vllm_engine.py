@@ -95,3 +95,10 @@ def test_errors_and_stop_tokens(result: dict) -> None:
     assert finish == "ERROR" and "vocabulary" in error
     tokens, finish, expected = result["stop_token"]
     assert finish == "STOP" and tokens == expected
+
+
+def test_the_models_sampling_defaults_fill_the_fields_a_request_left_unset(result: dict) -> None:
+    # as ``vllm serve`` does (get_diff_sampling_param); a value the client set wins
+    assert result["model_defaults"] == {"top_k": 1}
+    assert result["default_top_k_greedy"], "top_k unset: the model's 1, greedy at temperature 1"
+    assert result["explicit_top_k_sampled"], "top_k set to -1 by the client: sampled"
