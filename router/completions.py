@@ -229,7 +229,7 @@ async def start_generation(
     gen = Generation(
         svc.pool, job, svc.metrics, svc.config.max_failovers,
         Deadlines(lim.first_token, lim.stall, lim.total, start=started),
-        scheduler=svc.scheduler, policy=policy, rank=svc.rank(policy), failover_wait=svc.config.failover_wait,
+        scheduler=svc.scheduler, policy=policy, rank=policy.rank, failover_wait=svc.config.failover_wait,
     )
     relay = PushRelay(gen.chunk_tokens) if push and req.stream else None
     pieces = gen.stream() if relay is None else None

@@ -312,7 +312,7 @@ async def _continue(svc: RouterService, policy: TenantPolicy, sid: str, meta: Re
     gen = Generation(
         svc.pool, job, svc.metrics, svc.config.max_failovers,
         Deadlines(lim.first_token, lim.stall, lim.total, start=started),
-        scheduler=svc.scheduler, policy=policy, rank=svc.rank(policy), failover_wait=svc.config.failover_wait,
+        scheduler=svc.scheduler, policy=policy, rank=policy.rank, failover_wait=svc.config.failover_wait,
     )
     gen.completion_ids = tokens
     gen.text_len = text_len

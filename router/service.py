@@ -105,10 +105,6 @@ class RouterService:
         snap = self.policy.current
         return snap.tenants[snap.keys.tenant(bearer(authorization))]
 
-    def rank(self, policy: TenantPolicy) -> int:
-        """Index of the tenant's priority class (0 = highest)."""
-        return self.policy.current.file.priority_classes.index(policy.priority)
-
     def check_admin(self, authorization: str | None) -> None:
         self.policy.current.keys.admin(bearer(authorization))
 

@@ -132,7 +132,7 @@ class TenantsFile(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
         return errors
 
     def policies(self) -> dict[str, TenantPolicy]:
-        return {name: _resolve(name, spec, self.defaults) for name, spec in self.tenants.items()}
+        return {name: _resolve(name, spec, self.defaults, self.priority_classes) for name, spec in self.tenants.items()}
 
 
 def _check_fields(spec: _PolicyFields, at: tuple, classes: list[str], err) -> None:
@@ -175,6 +175,10 @@ class TenantPolicy(msgspec.Struct, frozen=True, kw_only=True):
 
     name: str
     priority: str
+    rank: int
+    """Index of ``priority`` in the file's ``priority_classes`` (0 = highest),
+    fixed with this snapshot: a reload that renames the classes does not
+    touch a request that holds the old policy."""
     weight: float
     models: list[str]
     queue_depth: int
@@ -211,7 +215,7 @@ def _pick(field: str, *layers):
     raise AssertionError(f"no value for {field}")
 
 
-def _resolve(name: str, spec: TenantSpec, defaults: Defaults) -> TenantPolicy:
+def _resolve(name: str, spec: TenantSpec, defaults: Defaults, classes: list[str]) -> TenantPolicy:
     layers = (spec, defaults, BUILTIN)
     lim = tuple(x.limits for x in layers)
     tmo = tuple(x.timeouts for x in layers)
@@ -219,6 +223,7 @@ def _resolve(name: str, spec: TenantSpec, defaults: Defaults) -> TenantPolicy:
     return TenantPolicy(
         name=name,
         priority=priority,
+        rank=classes.index(priority),
         weight=float(_pick("weight", *layers)),
         models=list(_pick("models", *layers)),
         queue_depth=_pick("queue_depth", *layers),

@@ -47,7 +47,7 @@ def _policies(n: int):
     out = []
     for i in range(n):
         out.append(TenantPolicy(
-            name=f"t{i}", priority=classes[i % 3], weight=float(1 + i % 4), models=["*"], queue_depth=100_000,
+            name=f"t{i}", priority=classes[i % 3], rank=i % 3, weight=float(1 + i % 4), models=["*"], queue_depth=100_000,
             chunk_tokens=16, on_limit="queue", log_content=False,
             limits=ResolvedLimits(requests_per_minute=0, tokens_per_minute=0, max_concurrent=0, max_prompt_tokens=0,
                                   max_tokens=0, queue_wait=0.0, first_token=0.0, stall=0.0, total=0.0),
@@ -75,15 +75,14 @@ async def _measure(waiters: int, tenants: int, decisions: int, cap: int) -> dict
         s.state = "ready"
     sched = Scheduler(pool, Metrics(), SchedulerSettings(), AimdSettings(enabled=False, max_inflight=cap))
     pols = _policies(tenants)
-    ranks = {"high": 0, "normal": 1, "low": 2}
     held = []
     for i in range(2 * cap):  # fill both replicas to their caps (fast path)
         p = pols[i % tenants]
-        held.append(await sched.acquire(p, ranks[p.priority], model, 64))
+        held.append(await sched.acquire(p, p.rank, model, 64))
     n_added = 0
 
     async def waiter(p) -> None:
-        held.append(await sched.acquire(p, ranks[p.priority], model, 64))
+        held.append(await sched.acquire(p, p.rank, model, 64))
 
     tasks = set()
 
@@ -120,7 +119,7 @@ async def _measure(waiters: int, tenants: int, decisions: int, cap: int) -> dict
     assert sched.queued() == waiters, sched.queued()
 
     now = time.monotonic()
-    heads = [Head(p.name, ranks[p.priority], now - (i % 50) * 0.01) for i, p in enumerate(pols)]
+    heads = [Head(p.name, p.rank, now - (i % 50) * 0.01) for i, p in enumerate(pols)]
     pick_times = []
     for _ in range(2000):
         t0 = time.perf_counter_ns()

@@ -193,6 +193,38 @@ async def test_reload_by_file_watch_and_sighup_applies_lowered_limit_at_once(tmp
         router.stop()
 
 
+async def test_a_reload_that_renames_the_priority_classes_spares_a_request_waiting_in_its_line(tmp_path):
+    # A request waiting for its tenant's concurrency slot holds the old
+    # snapshot's class name ("normal"); looked up in the new file's classes
+    # once admitted, it was a 500, and its lease was never given back: the
+    # tenant stayed at its concurrency limit until the router restarted.
+    t = tmp_path / "tenants.yaml"
+    tenants_yaml(t, conc=1, on_limit="queue")
+    router = RouterProcess(tmp_path / "r", tenants=t, sim={"step_base_ms": 10}).start()
+    try:
+        async with httpx.AsyncClient(base_url=router.base_url, timeout=60) as client:
+            first = asyncio.create_task(client.post("/v1/completions", headers=auth(KEY_A), json=body(60)))
+            await apoll(lambda: router.inflight("sim-0") + router.inflight("sim-1") == 1, 10, what="the first")
+            waiting = asyncio.create_task(client.post("/v1/completions", headers=auth(KEY_A), json=body(4)))
+            await asyncio.sleep(0.3)  # (in the tenant's line)
+            doc = yaml.safe_load(t.read_text())
+            doc["priority_classes"] = ["p0", "p1", "p2"]
+            doc["defaults"]["priority"] = "p1"
+            doc["tenants"]["b"]["priority"] = "p2"
+            t.write_text(yaml.safe_dump(doc, sort_keys=False))
+            await apoll(lambda: _version(router) == 2, 10, what="the reload")
+            assert (await first).status_code == 200
+            r = await waiting
+            assert r.status_code == 200, r.text
+            # the slot came back: the tenant's next request is served at once
+            r = await client.post("/v1/completions", headers=auth(KEY_A), json=body(2))
+            assert r.status_code == 200, r.text
+            tenants = (await client.get("/admin/tenants", headers=auth(ADMIN))).json()
+            assert tenants["tenants"]["a"]["usage"]["active_streams"] == 0, tenants
+    finally:
+        router.stop()
+
+
 def _version(router) -> int:
     return httpx.get(router.base_url + "/admin/tenants", headers=auth(ADMIN), timeout=5).json()["version"]
 

@@ -32,7 +32,7 @@ class _Client:
 
 def _policy(name: str) -> TenantPolicy:
     return TenantPolicy(
-        name=name, priority="normal", weight=1.0, models=["*"], queue_depth=10, chunk_tokens=16,
+        name=name, priority="normal", rank=1, weight=1.0, models=["*"], queue_depth=10, chunk_tokens=16,
         on_limit="queue", log_content=False,
         limits=ResolvedLimits(requests_per_minute=0, tokens_per_minute=0, max_concurrent=0, max_prompt_tokens=0,
                               max_tokens=0, queue_wait=0.0, first_token=0.0, stall=0.0, total=0.0),
