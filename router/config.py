@@ -12,6 +12,7 @@ from router.cors import CorsSettings
 from policies.batching import AimdSettings
 from router.scheduler_settings import SchedulerSettings
 from router.state import StateConfig
+from router.state.base import CLAIM_TTL
 
 __all__ = ["RouterConfig", "load_router_config", "SHUTDOWN_MARGIN"]
 
@@ -54,7 +55,7 @@ class RouterConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     scheduler: SchedulerSettings = msgspec.field(default_factory=SchedulerSettings)
     """Queue order: priority classes with aging and weighted fair share, or FIFO."""
     resume_retention: float = 300.0
-    """Seconds a stream's events stay resumable (Last-Event-ID) after its last event."""
+    """Seconds a stream's events stay resumable (Last-Event-ID) after its last event; longer than 10 s (the claim of a router that died, which a resume waits out)."""
     batching: AimdSettings = msgspec.field(default_factory=AimdSettings)
     """Adaptive per-replica in-flight caps."""
     cors: CorsSettings = msgspec.field(default_factory=CorsSettings)
@@ -89,6 +90,13 @@ class RouterConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
             seen.add(r.name)
             if r.local:
                 errors.extend(_check_engine_config(r, ("replicas", i, "config"), located))
+        for key in self.__struct_fields__:
+            value = getattr(self, key)
+            if isinstance(value, float) and value != value:  # NaN: passes every range check below
+                errors.append(located.error((key,), "must be a number, not NaN"))
+        if self.resume_retention <= CLAIM_TTL:
+            errors.append(located.error(("resume_retention",), f"must be longer than {CLAIM_TTL:g} s, the time a "
+                                        "router that died holds its streams' claim (a resume waits that out)"))
         for key in ("default_max_tokens", "max_body_bytes"):
             if getattr(self, key) < 1:
                 errors.append(located.error((key,), "must be at least 1"))

@@ -152,8 +152,8 @@ def _check_fields(spec: _PolicyFields, at: tuple, classes: list[str], err) -> No
             continue
         for field in value.__struct_fields__:
             v = getattr(value, field)
-            if v is not None and v < 0:
-                err(at + (group, field), "must not be negative (0 means no limit)")
+            if v is not None and not v >= 0:  # (NaN too: every comparison with it is false)
+                err(at + (group, field), "must not be negative (0 means no limit)" if v < 0 else "must be a number")
 
 
 class ResolvedLimits(msgspec.Struct, frozen=True, kw_only=True):
