@@ -44,7 +44,7 @@ def _serve(args: argparse.Namespace) -> int:
         return 1
     setup_logging(args.log_level, json=args.log_format == "json")
     host = args.host or config.host
-    port = args.port or config.port
+    port = config.port if args.port is None else args.port
     if args.workers > 1:
         from router.workers import serve_workers
 
@@ -52,7 +52,10 @@ def _serve(args: argparse.Namespace) -> int:
         return serve_workers(config, tenants, host, port, args.workers, log_args)
     from router.server import Server
 
-    Server(app, host=host, port=port, backlog=4096).run()
+    try:
+        Server(app, host=host, port=port, backlog=4096).run()
+    except KeyboardInterrupt:  # (uvicorn raises Ctrl-C's signal again once it has shut down)
+        return 130
     return 0
 
 
@@ -85,8 +88,10 @@ def _config_kind(path: str) -> type:
             head = yaml.safe_load(f)
     except (OSError, ValueError, yaml.YAMLError):  # (ValueError: not UTF-8)
         return RouterConfig
-    if isinstance(head, dict) and (
-        isinstance(head.get("tenants"), dict) or "admin_keys" in head or "defaults" in head
+    # (router.yaml's ``tenants`` names a file and it must list replicas; a
+    # tenants file's ``tenants`` is a mapping, or a mistake in one)
+    if isinstance(head, dict) and "replicas" not in head and (
+        "tenants" in head or "admin_keys" in head or "defaults" in head or "priority_classes" in head
     ):
         return TenantsFile
     return RouterConfig
@@ -131,6 +136,27 @@ def _version() -> str:
         return "unknown (not installed)"
 
 
+def _integer(text: str) -> int:
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+
+
+def _port(text: str) -> int:
+    n = _integer(text)
+    if not 0 <= n <= 65535:
+        raise argparse.ArgumentTypeError(f"{n} is not a port (0-65535)")
+    return n
+
+
+def _at_least_one(text: str) -> int:
+    n = _integer(text)
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, not {n}")
+    return n
+
+
 def _parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParser]]:
     """The parser and its commands' parsers, by name."""
     p = argparse.ArgumentParser(prog="fairstream", description="Multi-tenant streaming router for vLLM")
@@ -142,8 +168,8 @@ def _parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParse
     s.add_argument("--config", default="configs/router.yaml", metavar="FILE", help="router config file (default: %(default)s)")
     s.add_argument("--tenants", metavar="FILE", help="tenant policy file (default: the one router.yaml names)")
     s.add_argument("--host", help="address to listen on (default: host in router.yaml)")
-    s.add_argument("--port", type=int, help="port to listen on (default: port in router.yaml)")
-    s.add_argument("--workers", type=int, default=1, metavar="N",
+    s.add_argument("--port", type=_port, help="port to listen on, 0 for any free one (default: port in router.yaml)")
+    s.add_argument("--workers", type=_at_least_one, default=1, metavar="N",
                    help="router processes sharing the port (needs Redis) (default: %(default)s)")
     s.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"],
                    help="least severe level logged (default: %(default)s)")

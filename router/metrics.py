@@ -105,6 +105,8 @@ class Metrics:
             registry=r, multiprocess_mode="livemax",
         )
         self.reloads = Counter("fairstream_config_reloads", "Tenant policy reloads by result.", ["result"], registry=r)
+        for result in ("success", "failure"):  # (at 0 from the start: the first failure is an increase)
+            self.reloads.labels(result)
         self.reload_ok = Gauge(
             "fairstream_config_last_reload_successful", "1 if the last tenant policy reload succeeded.", registry=r, multiprocess_mode="livemin"
         )

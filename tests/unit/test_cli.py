@@ -65,7 +65,7 @@ def test_no_command_names_the_commands() -> None:
         ("serve", [
             "--config FILE router config file (default: configs/router.yaml)",
             "--host HOST address to listen on (default: host in router.yaml)",
-            "--port PORT port to listen on (default: port in router.yaml)",
+            "--port PORT port to listen on, 0 for any free one (default: port in router.yaml)",
             "--workers N router processes sharing the port (needs Redis) (default: 1)",
             "least severe level logged (default: info)",
         ]),
@@ -237,3 +237,27 @@ def test_a_replica_that_cannot_start_says_why_in_one_log_line() -> None:
     assert ("model directory /nonexistent/model-dir does not exist" in failed[0]["msg"]
             or "vllm is not installed" in failed[0]["msg"]), failed
     assert "Traceback" not in proc.stderr
+
+
+@pytest.mark.parametrize(("args", "error"), [
+    (["--port", "99999"], "argument --port: 99999 is not a port (0-65535)"),  # (it wrapped round to 34463)
+    (["--port", "-1"], "argument --port: -1 is not a port (0-65535)"),
+    (["--port", "http"], "argument --port: 'http' is not an integer"),
+    (["--workers", "0"], "argument --workers: must be at least 1, not 0"),  # (taken as 1)
+])
+def test_serve_refuses_a_port_or_worker_count_out_of_range(args: list[str], error: str) -> None:
+    proc = _cli("serve", *args)
+    assert proc.returncode == 2 and proc.stderr.splitlines()[-1] == f"fairstream serve: error: {error}", proc.stderr
+
+
+@pytest.mark.parametrize(("text", "kind"), [
+    ("tenants:\n", "tenants"), ("tenants: [gold]\n", "tenants"), ("priority_classes: [a]\n", "tenants"),
+    ("tenants: t.yaml\nreplicas: []\n", "router"), ("port: 1\n", "router"),
+])
+def test_check_config_tells_a_broken_tenants_file_by_its_keys(tmp_path, text: str, kind: str) -> None:
+    from router.config import RouterConfig
+    from router.tenants import TenantsFile
+
+    path = tmp_path / "f.yaml"
+    path.write_text(text)
+    assert cli._config_kind(str(path)) is (TenantsFile if kind == "tenants" else RouterConfig)

@@ -222,3 +222,10 @@ async def test_a_turns_lines_go_out_in_writes_a_pipe_takes_whole() -> None:
         handler.unbind()
     assert "".join(stream.writes) == "".join(f"{line}\n" for line in lines) + "é" * 3000 + "\n"
     assert [len(w.encode()) for w in stream.writes] == [4000, 4000, 4000, 6001]
+
+
+def test_reload_results_are_exported_at_zero_before_the_first_reload():
+    # (with no series until then, increase() over the first failure counted 0)
+    text = generate_latest(Metrics().registry).decode()
+    assert 'fairstream_config_reloads_total{result="success"} 0.0' in text
+    assert 'fairstream_config_reloads_total{result="failure"} 0.0' in text
