@@ -11,6 +11,11 @@ __all__ = ["main"]
 
 
 def _serve(args: argparse.Namespace) -> int:
+    import signal
+
+    # (a SIGHUP, systemd's reload, while the router starts must not kill it:
+    # the tenants file is read as it starts, and its handler comes with it)
+    signal.signal(signal.SIGHUP, signal.SIG_IGN)
     # (router.app and router.server import prometheus-client, which picks its
     # multiprocess mode when first imported: --workers sets that up first)
     from router.config import load_router_config

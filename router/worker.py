@@ -6,6 +6,7 @@ import argparse
 import os
 import signal
 import socket
+import sys
 import threading
 from pathlib import Path
 
@@ -28,7 +29,11 @@ def _exit_with_parent() -> None:
 
 
 def main() -> None:
+    # (until the router's own handler is in: a SIGHUP, systemd's reload, must
+    # not kill a starting worker; it reads the tenants file as it starts)
+    signal.signal(signal.SIGHUP, signal.SIG_IGN)
     from router.app import create_app
+    from router.configfile import ConfigError
     from router.logs import setup_logging
     from router.server import Server
 
@@ -42,7 +47,11 @@ def main() -> None:
     args = p.parse_args()
     setup_logging(args.log_level, json=args.log_format == "json")
     config = msgspec.json.decode(Path(args.config_json).read_bytes(), type=RouterConfig)
-    app = create_app(config, Path(args.tenants))
+    try:
+        app = create_app(config, Path(args.tenants))
+    except ConfigError as e:  # (the tenants file broke after the parent checked it)
+        print("\n".join(e.errors), file=sys.stderr)
+        raise SystemExit(1) from None
     family = socket.AF_INET6 if ":" in args.host else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)

@@ -24,7 +24,9 @@ import logging
 import os
 import shutil
 import signal
+import socket
 import sys
+import time
 import tempfile
 from pathlib import Path
 
@@ -37,6 +39,10 @@ from router.config import SHUTDOWN_MARGIN, RouterConfig
 __all__ = ["serve_workers", "worker_config"]
 
 log = logging.getLogger("fairstream.workers")
+
+# a worker that exits sooner than this after its start is restarted after a
+# doubling wait (up to restart_backoff_max), not at once
+WORKER_SETTLE = 10.0
 
 
 def worker_config(config: RouterConfig, run_dir: str) -> RouterConfig:
@@ -59,6 +65,14 @@ def serve_workers(config: RouterConfig, tenants: Path, host: str, port: int, wor
             file=sys.stderr,
         )
         return 1
+    if port == 0:
+        print("fairstream serve: --workers needs a fixed port (each worker would get its own)", file=sys.stderr)
+        return 1
+    try:
+        holder = hold_port(host, port)
+    except OSError as e:
+        print(f"fairstream serve: cannot listen on {host}:{port}: {e}", file=sys.stderr)
+        return 3  # (as a single router: uvicorn's startup failure)
     metrics_dir = tempfile.mkdtemp(prefix="fairstream-metrics-")
     os.environ["PROMETHEUS_MULTIPROC_DIR"] = metrics_dir
     run_dir = tempfile.mkdtemp(prefix="fairstream-")
@@ -67,8 +81,30 @@ def serve_workers(config: RouterConfig, tenants: Path, host: str, port: int, wor
 
         return uvloop.run(_parent(config, tenants, host, port, workers, run_dir, log_args))
     finally:
+        holder.close()
         shutil.rmtree(metrics_dir, ignore_errors=True)
         shutil.rmtree(run_dir, ignore_errors=True)
+
+
+def hold_port(host: str, port: int) -> socket.socket:
+    """Check that nothing listens on ``host:port`` and hold it for the
+    workers: a socket bound without SO_REUSEPORT fails on a port any other
+    socket holds (the workers' SO_REUSEPORT binds would not: a second
+    ``serve --workers`` on the same port would silently share it), and the
+    returned socket, bound with SO_REUSEPORT and never listening, makes a
+    later check fail the same way while it lets the workers bind."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # (a closed router's TIME_WAITs)
+        probe.bind((host, port))
+    holder = socket.socket(family, socket.SOCK_STREAM)
+    holder.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+    try:
+        holder.bind((host, port))
+    except OSError:
+        holder.close()
+        raise
+    return holder
 
 
 async def _parent(config: RouterConfig, tenants: Path, host: str, port: int, n: int, run_dir: str,
@@ -99,41 +135,65 @@ async def _parent(config: RouterConfig, tenants: Path, host: str, port: int, n: 
         ),
         on_event=on_event,
     )
-    await supervisor.start()
-    if local and not await supervisor.wait_ready(config.ready_timeout, minimum=1):
-        log.error("no local replica became ready within %.0fs", config.ready_timeout)
-    cfg_path = Path(run_dir) / "worker.json"
-    cfg_path.write_bytes(msgspec.json.encode(worker_config(config, run_dir)))
-    cmd = [
-        sys.executable, "-m", "router.worker", "--config-json", str(cfg_path), "--tenants", str(tenants),
-        "--host", host, "--port", str(port), *log_args,
-    ]
+    # (signals first: a SIGHUP, systemd's reload, or a SIGTERM while the
+    # replicas start must not kill the parent with its default action)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     procs: dict[int, asyncio.subprocess.Process] = {}
 
-    async def spawn(i: int) -> None:
-        procs[i] = await asyncio.create_subprocess_exec(*cmd, preexec_fn=die_with_parent)
-        log.info("worker %d started (pid %d)", i, procs[i].pid)
-
-    def forward_hup() -> None:
+    def forward_hup() -> None:  # (workers not started yet read the file when they start)
         for p in procs.values():
             if p.returncode is None:
                 p.send_signal(signal.SIGHUP)
 
     loop.add_signal_handler(signal.SIGHUP, forward_hup)
-    for i in range(n):
-        await spawn(i)
+    await supervisor.start()
     try:
+        if local:
+            ready = asyncio.ensure_future(supervisor.wait_ready(config.ready_timeout, minimum=1))
+            stopped = asyncio.ensure_future(stop.wait())
+            await asyncio.wait((ready, stopped), return_when=asyncio.FIRST_COMPLETED)
+            stopped.cancel()
+            ready.cancel()
+            if not stop.is_set() and not ready.result():
+                log.error("no local replica became ready within %.0fs", config.ready_timeout)
+        cfg_path = Path(run_dir) / "worker.json"
+        cfg_path.write_bytes(msgspec.json.encode(worker_config(config, run_dir)))
+        cmd = [
+            sys.executable, "-m", "router.worker", "--config-json", str(cfg_path), "--tenants", str(tenants),
+            "--host", host, "--port", str(port), *log_args,
+        ]
+        started: dict[int, float] = {}
+        backoff: dict[int, float] = {}
+        respawn_at: dict[int, float] = {}
+
+        async def spawn(i: int) -> None:
+            procs[i] = await asyncio.create_subprocess_exec(*cmd, preexec_fn=die_with_parent)
+            started[i] = time.monotonic()
+            log.info("worker %d started (pid %d)", i, procs[i].pid)
+
+        for i in range(n):
+            if not stop.is_set():
+                await spawn(i)
         while not stop.is_set():
+            now = time.monotonic()
             for i, p in list(procs.items()):
-                if p.returncode is not None:
+                if p.returncode is not None and i not in respawn_at:
                     from prometheus_client import multiprocess
 
                     multiprocess.mark_process_dead(p.pid)
-                    log.warning("worker %d (pid %d) exited with %s; restarting", i, p.pid, p.returncode)
+                    # one that dies soon after it started (a tenants file
+                    # broken since, say) is started again ever later
+                    quick = now - started[i] < WORKER_SETTLE
+                    backoff[i] = min(max(backoff.get(i, 0.0) * 2, 0.5), config.restart_backoff_max) if quick else 0.0
+                    respawn_at[i] = now + backoff[i]
+                    log.warning("worker %d (pid %d) exited with %s; restarting%s", i, p.pid, p.returncode,
+                                f" in {backoff[i]:.1f}s" if backoff[i] else "")
+            for i, at in list(respawn_at.items()):
+                if at <= now:
+                    del respawn_at[i]
                     await spawn(i)
             try:
                 await asyncio.wait_for(stop.wait(), 0.5)

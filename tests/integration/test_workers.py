@@ -137,3 +137,46 @@ async def test_a_dead_worker_is_restarted(tmp_path, redis_server):
         proc.send_signal(signal.SIGTERM)
         proc.wait(30)
         poll(lambda: not any(alive(p) for p in kids), 15, what="workers and replicas exit")
+
+
+def test_a_second_instance_on_the_same_port_is_refused_and_a_sighup_while_starting_is_harmless(
+        tmp_path, redis_server):
+    # The workers bind with SO_REUSEPORT, so a second `serve --workers` on
+    # the same port bound it too and silently shared its clients; and a
+    # SIGHUP (systemd's reload) in the first seconds killed the parent or
+    # its starting workers.
+    first = tmp_path / "first"
+    first.mkdir()
+    log = open(tmp_path / "first.log", "wb")
+    tenants = tmp_path / "tenants.yaml"
+    tenants.write_text(DEMO_TENANTS.read_text())
+    port = free_port()
+    config = {"host": "127.0.0.1", "port": port, "tenants": str(tenants),
+              "state": {"backend": "redis", "url": redis_server.url},
+              "replicas": [{"name": "sim-0", "engine": "sim", "config": {"model": MODEL}}]}
+    (tmp_path / "router.yaml").write_text(yaml.safe_dump(config))
+    cmd = [sys.executable, "-c", "from router.cli import main; main()", "serve", "--config",
+           str(tmp_path / "router.yaml"), "--workers", "2"]
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=dict(os.environ, PYTHONUNBUFFERED="1"))
+    base = f"http://127.0.0.1:{port}"
+    try:
+        for _ in range(6):  # while the replica and then the workers start
+            time.sleep(0.25)
+            os.kill(proc.pid, signal.SIGHUP)
+            for p in descendants(proc.pid):
+                with open(f"/proc/{p}/cmdline", "rb") as f:
+                    if b"router.worker" in f.read():
+                        os.kill(p, signal.SIGHUP)
+        poll(lambda: httpx.get(base + "/ready", timeout=2).status_code == 200
+             if proc.poll() is None else pytest.fail((tmp_path / "first.log").read_text()[-3000:]),
+             30, what="workers ready")
+        assert "exited with" not in (tmp_path / "first.log").read_text()  # (no worker died of it)
+        second = subprocess.run(cmd, capture_output=True, text=True, timeout=30)
+        assert second.returncode == 3, second.stderr
+        assert f"cannot listen on 127.0.0.1:{port}" in second.stderr and "in use" in second.stderr, second.stderr
+        assert httpx.get(base + "/ready", timeout=2).status_code == 200
+    finally:
+        kids = descendants(proc.pid)
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(30)
+        poll(lambda: not any(alive(p) for p in kids), 15, what="workers and replicas exit")
