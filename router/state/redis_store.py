@@ -13,6 +13,9 @@ import sys
 from pathlib import Path
 
 import redis.asyncio as aioredis
+from redis.asyncio.retry import Retry
+from redis.backoff import NoBackoff
+from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import NoScriptError, RedisError
 
 from policies.ratelimit import Decision
@@ -40,6 +43,13 @@ class RedisStore(StateStore):
             socket_connect_timeout=timeout,
             health_check_interval=0,
             retry_on_timeout=False,
+            # A pooled connection that a restarted Redis closed fails once, when
+            # it is next used: one retry on a new connection, at once, so that
+            # each idle connection left from before a restart does not count
+            # as an outage of its own (seconds of them, each one a 503 in
+            # fail-closed mode). A timeout is not retried: a hung Redis is an
+            # outage after ``timeout``, not after twice that.
+            retry=Retry(NoBackoff(), 1, supported_errors=(RedisConnectionError,)),
         )
         self._prefix = prefix
         r = self._redis

@@ -189,6 +189,23 @@ async def test_outage_during_concurrent_admissions(harness: Harness) -> None:
     assert 1000 - 30 - 1 < u.requests_available <= 1000 - 30 + 1 + refill, (u, refill)
 
 
+async def test_a_restart_between_two_bursts_is_no_outage(harness: Harness) -> None:
+    """Redis restarts while the router is idle: the pooled connections of
+    the first burst are all closed by then, and each failed once when next
+    used, each time an outage of its own (503s in fail-closed mode) while
+    Redis was up. One retry on a new connection takes them through."""
+    h, store = harness, harness.store
+    t = f"idle-{uuid.uuid4().hex[:8]}"
+    results = await asyncio.gather(*(store.admit(t, req(rpm=1000)) for _ in range(20)))
+    assert all(d.ok for d in results)
+    h.server.kill()
+    h.server.restart()
+    for _ in range(3):
+        results = await asyncio.gather(*(store.admit(t, req(rpm=1000)) for _ in range(20)))
+        assert all(d.ok for d in results)
+    assert store.healthy and h.changes == [] and h.errors == [], (h.changes, h.errors)
+
+
 async def test_check_notices_an_outage_while_idle_then_recovers(harness: Harness) -> None:
     """``/ready`` and ``/metrics`` call ``check``: an idle router's outage shows there."""
     h, store = harness, harness.store
