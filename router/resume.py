@@ -76,9 +76,10 @@ def decode_meta(data: bytes) -> ResumeMeta:
 
 
 class _Pending:
-    __slots__ = ("events", "token_ids", "text_len", "finished")
+    __slots__ = ("first", "events", "token_ids", "text_len", "finished")
 
-    def __init__(self) -> None:
+    def __init__(self, first: int) -> None:
+        self.first = first  # events this router put in the buffer before these (-1: unknown)
         self.events: list[bytes] = []
         self.token_ids: list[int] = []
         self.text_len: int | None = None
@@ -101,6 +102,10 @@ class ResumeWriter:
         # resume that reaches this router follows their buffer, never claims them
         self.live: set[str] = set()
         self._now = getattr(store, "append_now", None)  # in-process store: no batching
+        # events put in each buffer this router writes (opened or taken over),
+        # so the store can tell a buffer that misses some (stream_append's ``first``)
+        self._written: dict[str, int] = {}
+        self._refused: set[str] = set()  # buffers the store refused an append of (warned once)
 
     async def start(self) -> None:
         loop = asyncio.get_running_loop()
@@ -139,6 +144,8 @@ class ResumeWriter:
 
     async def open(self, sid: str, meta: ResumeMeta) -> None:
         self.live.add(sid)
+        if self._now is None:  # (an in-process store cannot miss events)
+            self._written[sid] = 0
         try:
             await self.store.stream_open(sid, encode_meta(meta), self.owner, self.retention)
         except StoreUnavailable as e:
@@ -150,9 +157,17 @@ class ResumeWriter:
         self.live.add(sid)
         return True
 
+    def continue_at(self, sid: str, events: int) -> None:
+        """This router continues ``sid`` (claimed) after the buffer's first
+        ``events`` events: its appends follow those."""
+        if self._now is None:
+            self._written[sid] = events
+
     async def release(self, sid: str) -> None:
         """Drop this router's claim on ``sid`` (it no longer generates it)."""
         self.live.discard(sid)
+        self._written.pop(sid, None)
+        self._refused.discard(sid)
         try:
             await self.store.stream_release(sid, self.owner)
         except StoreUnavailable:
@@ -196,9 +211,12 @@ class ResumeWriter:
             self._now(sid, events, token_ids, text_len, finished, self.owner, self.retention)
             return
         p = self._pending.get(sid)
+        written = self._written.get(sid, -1)
         if p is None:
-            p = self._pending[sid] = _Pending()
+            p = self._pending[sid] = _Pending(written)
             self._wake.set()
+        if written >= 0 and events:
+            self._written[sid] = written + len(events)
         p.events.extend(events)
         if token_ids:
             p.token_ids.extend(token_ids)
@@ -227,8 +245,15 @@ class ResumeWriter:
             if p is None:
                 return
             try:
-                await self.store.stream_append(
-                    sid, p.events, p.token_ids, p.text_len, p.finished, self.owner, self.retention
+                done = await self.store.stream_append(
+                    sid, p.events, p.token_ids, p.text_len, p.finished, self.owner, self.retention, p.first
                 )
             except StoreUnavailable as e:
                 log.warning("resume buffer append for %s failed: %s", sid, e)
+                return
+            if not done and sid not in self._refused:
+                self._refused.add(sid)
+                log.warning("resume buffer of %s not appended to: it is another router's now (it took the "
+                            "stream over), finished, or broken (events of it went to this router's local "
+                            "fallback during a state store outage); a resume of it gets an error, never "
+                            "a wrong text", sid)

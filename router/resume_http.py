@@ -94,6 +94,8 @@ async def handle_resume(svc: RouterService, policy: TenantPolicy, sid: str, pos:
     meta = decode_meta(snap.meta)
     if meta.tenant != policy.name:
         raise NotFound(_NOT_FOUND.format(clip(sid)), code="stream_not_found")
+    if snap.broken:
+        raise BadRequest(_BROKEN.format(sid), code=NOT_RESUMABLE)
     last = await _last_event(svc, sid, snap) if pos.event >= snap.total_events and snap.finished else None
     if last is not None and f'"code":"{NOT_RESUMABLE}"'.encode() in last:
         # (the buffer's last event is that error, which the client never got:
@@ -113,6 +115,10 @@ async def handle_resume(svc: RouterService, policy: TenantPolicy, sid: str, pos:
                          f"{final}.", param="Last-Event-ID")
     headers = {"x-request-id": sid, "cache-control": "no-cache", "x-accel-buffering": "no"}
     return Stream(_resume(svc, policy, sid, meta, snap, pos), media_type="text/event-stream", headers=headers)
+
+
+_BROKEN = ("Stream {} cannot be resumed: its buffer misses events written while the state store was unavailable "
+           "(a resume would give a wrong text); retry the request.")
 
 
 def _store_down(sid: str) -> ServiceUnavailable:
@@ -191,10 +197,14 @@ async def _replay(svc: RouterService, policy: TenantPolicy, sid: str, meta: Resu
             except BaseException:  # the client left: the claim goes back (else it is renewed for good)
                 svc.background(svc.resume.release(sid))
                 raise
-            if fresh is None:
+            if fresh is None or fresh.broken:
                 await svc.resume.release(sid)
                 outcome.record("unavailable")
-                yield _unreadable(meta, sid, cursor)
+                if fresh is None:
+                    yield _unreadable(meta, sid, cursor)
+                else:
+                    enc = ChunkEncoder(meta.chat, meta.response_id, meta.model, meta.created)
+                    yield enc.notice(error_body(_BROKEN.format(sid), "server_error", None, NOT_RESUMABLE))
                 return
             if fresh.total_events > have or fresh.finished:
                 await svc.resume.release(sid)  # appended meanwhile: replay first
@@ -209,6 +219,11 @@ async def _replay(svc: RouterService, policy: TenantPolicy, sid: str, meta: Resu
         if nxt is None:
             outcome.record("unavailable")
             yield _unreadable(meta, sid, cursor)
+            return
+        if nxt.broken:  # (while this client followed it: what it has is right, the rest cannot be told)
+            outcome.record("unavailable")
+            enc = ChunkEncoder(meta.chat, meta.response_id, meta.model, meta.created)
+            yield enc.notice(error_body(_BROKEN.format(sid), "server_error", None, NOT_RESUMABLE))
             return
         snap = nxt
 
@@ -243,6 +258,7 @@ async def _take_over(svc: RouterService, policy: TenantPolicy, sid: str, meta: R
     enc_error = ChunkEncoder(meta.chat, meta.response_id, meta.model, meta.created, event_id=cursor)
     skip_chars = 0
     tokens, text_len = list(snap.token_ids), snap.text_len
+    svc.resume.continue_at(sid, snap.total_events)  # (what this router appends follows the buffer's events)
     if cursor > snap.total_events:
         # The client is ahead of the buffer: regenerate what it has, silently.
         assert pos.tokens is not None and pos.chars is not None

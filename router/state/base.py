@@ -59,6 +59,7 @@ class StreamSnapshot(msgspec.Struct):
     total_events: int
     finished: bool
     owner: str
+    broken: bool = False  # (it misses events: see ``stream_append``; it cannot be resumed)
 
 
 class StateStore(abc.ABC):
@@ -94,10 +95,15 @@ class StateStore(abc.ABC):
     @abc.abstractmethod
     async def stream_append(
         self, sid: str, events: list[bytes], token_ids: list[int], text_len: int | None, finished: bool,
-        owner: str, ttl: float,
-    ) -> None:
+        owner: str, ttl: float, first: int = -1,
+    ) -> bool:
         """Append events and delivered tokens; set the text length (None:
-        unchanged); renew the owner's claim and the buffer's retention."""
+        unchanged); renew the owner's claim and the buffer's retention.
+        ``first``: how many events the writer put in the buffer before these
+        (-1: unchecked); a buffer that holds another number misses some (they
+        went elsewhere: the local fallback during an outage) and is marked
+        broken, for good. False when nothing was written: broken, finished,
+        or another router's now (it took the stream over from this one)."""
 
     @abc.abstractmethod
     async def stream_read(self, sid: str, after: int) -> StreamSnapshot | None:

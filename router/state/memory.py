@@ -123,8 +123,10 @@ class MemoryStore(StateStore):
         self._expire(now)
         self._streams[sid] = _Stream(meta, owner, now + CLAIM_TTL, now + ttl)
 
-    async def stream_append(self, sid, events, token_ids, text_len, finished, owner, ttl) -> None:
+    async def stream_append(self, sid, events, token_ids, text_len, finished, owner, ttl, first=-1) -> bool:
+        # (one process writes it: nothing can go elsewhere, ``first`` is not checked)
         self.append_now(sid, events, token_ids, text_len, finished, owner, ttl)
+        return True
 
     def append_now(self, sid, events, token_ids, text_len, finished, owner, ttl) -> None:
         """``stream_append`` without an await: this store is in-process, so

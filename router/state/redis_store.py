@@ -129,16 +129,17 @@ class RedisStore(StateStore):
         except RedisError as e:
             raise StoreUnavailable(f"redis: {e}") from e
 
-    async def stream_append(self, sid, events, token_ids, text_len, finished, owner, ttl) -> None:
+    async def stream_append(self, sid, events, token_ids, text_len, finished, owner, ttl, first=-1) -> bool:
         try:
-            await self._s_append(
+            done = await self._s_append(
                 keys=self._skeys(sid),
                 # (text_len -1: unchanged)
                 args=[owner, ttl, CLAIM_TTL, -1 if text_len is None else text_len, 1 if finished else 0,
-                      _pack(token_ids), *events],
+                      _pack(token_ids), first, *events],
             )
         except RedisError as e:
             raise StoreUnavailable(f"redis: {e}") from e
+        return done in (0, 1)  # (0: no such buffer, as ever; 2 broken, 3 not this router's)
 
     async def stream_read(self, sid: str, after: int) -> StreamSnapshot | None:
         try:
@@ -149,10 +150,11 @@ class RedisStore(StateStore):
             raise StoreUnavailable(f"redis: {e}") from e
         if not res:
             return None
-        meta, toks, text_len, events, total, finished, owner = res
+        meta, toks, text_len, events, total, finished, owner, broken = res
         return StreamSnapshot(
             bytes(meta), _unpack(toks or b""), int(text_len), [bytes(e) for e in events], int(total),
             finished in (b"1", "1", 1), owner.decode() if isinstance(owner, bytes) else str(owner or ""),
+            broken in (b"1", "1", 1),
         )
 
     async def stream_claim(self, sid: str, owner: str, claim_ttl: float) -> bool:

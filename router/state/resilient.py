@@ -138,9 +138,10 @@ class ResilientStore(StateStore):
     async def stream_open(self, sid, meta, owner, ttl) -> None:
         await self._stream_op("stream_open", lambda s: s.stream_open(sid, meta, owner, ttl))
 
-    async def stream_append(self, sid, events, token_ids, text_len, finished, owner, ttl) -> None:
-        await self._stream_op(
-            "stream_append", lambda s: s.stream_append(sid, events, token_ids, text_len, finished, owner, ttl)
+    async def stream_append(self, sid, events, token_ids, text_len, finished, owner, ttl, first=-1) -> bool:
+        return await self._stream_op(
+            "stream_append",
+            lambda s: s.stream_append(sid, events, token_ids, text_len, finished, owner, ttl, first),
         )
 
     async def stream_read(self, sid, after):

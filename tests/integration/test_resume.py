@@ -476,3 +476,41 @@ async def test_a_continuation_dropped_while_it_waits_leaves_the_stream_resumable
     assert asyncio.get_running_loop().time() - started < 5
     ref, prompt_tokens = await reference(http, True, prompt, max_tokens)
     check_whole_stream(events + rest, True, ref, prompt_tokens, max_tokens)
+
+
+async def test_a_buffer_that_missed_events_during_a_redis_hang_is_refused_not_replayed_wrong(tmp_path) -> None:
+    # Redis stops answering for 2.5 s mid-stream: the router serves on (fail-
+    # open), its appends go to the local fallback meanwhile, and the stream
+    # ends right for its client. Its Redis buffer then lacks those events:
+    # a replay of it was a 200 with a silently shorter text (a chaos review).
+    import signal as _signal
+
+    from tests.redis_server import RedisServer, require_redis_server
+
+    require_redis_server()
+    with RedisServer() as redis:
+        router = RouterProcess(tmp_path / "r", replicas=1, sim={"step_base_ms": 10},
+                               settings={"state": {"backend": "redis", "url": redis.url, "timeout": 0.3}}).start()
+        try:
+            async with httpx.AsyncClient(base_url=router.base_url, headers={"Authorization": "Bearer fs-demo-gold"},
+                                         timeout=30) as client:
+                path, body = request(False, "Le caf", 200, stream=True)
+                async with client.stream("POST", path, json=body) as r:
+                    assert r.status_code == 200
+                    rid = r.headers["x-request-id"]
+                    events = []
+                    async for ev in aiter_sse(r):
+                        events.append(ev)
+                        if len(events) == 20:
+                            redis.proc.send_signal(_signal.SIGSTOP)
+                            await asyncio.sleep(1.0)
+                            redis.proc.send_signal(_signal.SIGCONT)
+                assert events[-1].data == "[DONE]"
+                await apoll(lambda: httpx.get(router.base_url + "/ready", timeout=2).status_code == 200, 10,
+                            what="the store back")
+                r = await client.get(f"/v1/streams/{rid}", headers={"Last-Event-ID": "0"})
+            assert r.status_code == 400, r.text
+            err = r.json()["error"]
+            assert err["code"] == "not_resumable" and "state store was unavailable" in err["message"], err
+        finally:
+            router.stop()
