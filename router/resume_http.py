@@ -102,6 +102,13 @@ async def handle_resume(svc: RouterService, policy: TenantPolicy, sid: str, pos:
         # its live events from there on had plain ids, the same numbers or past them)
         raise BadRequest(f"Stream {sid} cannot be resumed after event {snap.total_events - 1}: its output had no "
                          "token ids from there on; retry the request.", param="Last-Event-ID", code=NOT_RESUMABLE)
+    if last is not None and last != DONE and b'"error"' in last:
+        # (it ended with that error, which the client has: there is nothing
+        # after it, and an empty 200 left an EventSource reconnecting for good)
+        code = _error_code(last)
+        raise BadRequest(f"Stream {sid} ended with an error ({code}) at event {snap.total_events - 1}; there is "
+                         "nothing after it to resume: retry the request.", param="Last-Event-ID",
+                         code="stream_ended")
     if pos.event > snap.total_events and (pos.tokens is None or pos.chars is None):
         raise BadRequest(f"Last-Event-ID {pos.event} is past the stream's last stored event "
                          f"({snap.total_events}); send the full id (N-T-C) this router sent.",
@@ -119,6 +126,15 @@ async def handle_resume(svc: RouterService, policy: TenantPolicy, sid: str, pos:
 
 _BROKEN = ("Stream {} cannot be resumed: its buffer misses events written while the state store was unavailable "
            "(a resume would give a wrong text); retry the request.")
+
+
+def _error_code(event: bytes) -> str:
+    """The ``code`` of an SSE error event's OpenAI error."""
+    data = b"".join(line[6:] for line in event.split(b"\n") if line.startswith(b"data: "))
+    try:
+        return str(msgspec.json.decode(data)["error"]["code"])
+    except (msgspec.DecodeError, KeyError, TypeError):
+        return "unknown"
 
 
 def _store_down(sid: str) -> ServiceUnavailable:
@@ -165,10 +181,16 @@ async def _replay(svc: RouterService, policy: TenantPolicy, sid: str, meta: Resu
     sent_at = loop.time()
     while True:
         for event in snap.events:  # the stored events after ``cursor``
+            if not event:  # a placeholder for events lost with a router (the client that was ahead had them)
+                outcome.record("lost")
+                enc = ChunkEncoder(meta.chat, meta.response_id, meta.model, meta.created)
+                yield enc.notice(error_body(
+                    f"Events from {cursor + 1} on of stream {sid} were lost with the router that produced them "
+                    "and cannot be replayed; retry the request.", "server_error", None, "resume_gap"))
+                return
             cursor += 1
-            if event:  # empty: a placeholder for events lost with a router
-                yield event
-                sent_at = loop.time()
+            yield event
+            sent_at = loop.time()
         if loop.time() - sent_at >= KEEPALIVE:
             # (e.g. up to CLAIM_TTL while a crashed router's claim runs out:
             # an SSE comment, which clients skip, keeps proxies and read timeouts content)
@@ -248,7 +270,8 @@ async def _reread(svc: RouterService, sid: str, after: int) -> StreamSnapshot | 
 def _unreadable(meta: ResumeMeta, sid: str, cursor: int) -> bytes:
     """The error event that ends a resume whose buffer could not be read again."""
     enc = ChunkEncoder(meta.chat, meta.response_id, meta.model, meta.created, event_id=cursor)
-    return enc.error(error_body(
+    # (no id of its own: the client resumes with the last one it has, as it is told)
+    return enc.notice(error_body(
         f"Stream {sid} cannot be read now (the state store is unavailable, or the stream's buffer expired); "
         "resume again with the same Last-Event-ID.", "server_error", None, "resume_unavailable"))
 
@@ -287,7 +310,9 @@ async def _take_over(svc: RouterService, policy: TenantPolicy, sid: str, meta: R
             async for chunk in _waiting_until_first(chunks):
                 yield chunk
     except ApiError as e:  # (refused before any output: ``_continue`` gave the claim back)
-        yield enc_error.error(e.body())
+        # no id of its own: the stream stays resumable from the client's last
+        # one (a numbered error made that resume a 400, one past the buffer)
+        yield enc_error.notice(e.body())
 
 
 async def _waiting_until_first(chunks: AsyncIterator[bytes]) -> AsyncIterator[bytes]:

@@ -70,6 +70,9 @@ async def test_a_continuation_refused_for_want_of_a_replica_leaves_the_stream_re
     out = await resume(svc, policy())
     await asyncio.gather(*svc.tasks)
     assert b'"code":"no_replica_available"' in out[-1]  # the client is told
+    # with no id of its own: the client resumes from the last one it has (a
+    # numbered error, one past the buffer, made that resume a 400)
+    assert not any(line.startswith(b"id:") for line in out[-1].split(b"\n")), out[-1]
     after = await svc.store.stream_read("s1", 0)
     assert not after.finished and after.total_events == 1, after.events
     assert after.owner == "" and "s1" not in svc.resume.live  # the claim is given back
@@ -259,3 +262,35 @@ async def test_a_stream_released_while_its_renewal_is_on_the_way_is_not_left_cla
     finally:
         arrived.set()
         await writer.close()
+
+
+async def test_a_resume_past_a_final_error_is_a_400_not_an_empty_stream() -> None:
+    # (a stream that ended with stream_lost: its error event was numbered, and
+    # a resume with that id was a 200 with nothing in it, over and over)
+    from router.errors import BadRequest
+    from router.resume_http import handle_resume
+
+    svc = await service()
+    meta = ResumeMeta("t", False, "m", "cmpl-s2", 0, False, SamplingParams(max_tokens=8), [1, 2])
+    await svc.resume.open("s2", meta)
+    svc.resume.append("s2", b"id: 1-2-5\ndata: {}\n\n", [10, 11], 5)
+    error = b'id: 2\ndata: {"error":{"message":"lost","type":"server_error","param":null,"code":"stream_lost"}}\n\n'
+    await svc.resume.finish("s2", error, 5)
+    with pytest.raises(BadRequest) as info:
+        await handle_resume(svc, policy(), "s2", Position(2, None, None))
+    assert info.value.code == "stream_ended" and "stream_lost" in info.value.message, info.value.message
+
+
+async def test_a_replay_that_reaches_events_lost_with_a_router_says_so() -> None:
+    # The placeholders a continuation pads with (events only the client that
+    # was ahead had) were skipped: a replay from before them had a hole.
+    svc = await service()
+    meta = ResumeMeta("t", False, "m", "cmpl-s3", 0, False, SamplingParams(max_tokens=8), [1, 2])
+    await svc.resume.open("s3", meta)
+    svc.resume.append("s3", b"id: 1-1-2\ndata: {}\n\n", [10], 2)
+    svc.resume.pad("s3", 2)
+    svc.resume.append("s3", b"id: 4-4-8\ndata: {}\n\n", [11, 12, 13], 8)
+    await svc.resume.finish("s3", b"data: [DONE]\n\n", 8)
+    snap = await svc.store.stream_read("s3", 0)
+    out = [chunk async for chunk in _resume(svc, policy(), "s3", decode_meta(snap.meta), snap, Position(0, None, None))]
+    assert out[0].startswith(b"id: 1-1-2") and b'"code":"resume_gap"' in out[-1] and len(out) == 2, out
