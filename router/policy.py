@@ -127,25 +127,31 @@ class PolicyRegistry:
         from watchfiles import awatch
 
         # Watch the directory: editors replace files by rename, and
-        # Kubernetes ConfigMaps swap a symlink.
-        target = self.path.resolve()
+        # Kubernetes ConfigMaps swap a symlink. A symlink to a file in another
+        # directory: that one too (an edit there changes nothing here).
         directory = self.path.parent
-        wanted = {self.path.name, target.name}
-
-        def relevant(change, path: str) -> bool:
-            # only our file (or a ConfigMap's ..data swap), never e.g. a log
-            # file written next to it
-            name = Path(path).name
-            return name in wanted or name.startswith("..")
-
         while not self._stop.is_set():
+            target = self.path.resolve()
+            dirs = [directory]
+            if target.parent != directory and directory not in target.parents:  # (not a ConfigMap's ..data)
+                dirs.append(target.parent)
+            wanted = {self.path.name, target.name}
+
+            def relevant(change, path: str, wanted=wanted) -> bool:
+                # only our file (or a ConfigMap's ..data swap), never e.g. a
+                # log file written next to it
+                name = Path(path).name
+                return name in wanted or name.startswith("..")
+
             try:
-                async for _changes in awatch(directory, stop_event=self._stop, debounce=200, step=50,
+                async for _changes in awatch(*dirs, stop_event=self._stop, debounce=200, step=50,
                                              watch_filter=relevant):
                     await self.reload()
+                    if self.path.resolve() != target:
+                        break  # (the link points elsewhere now: watch there)
             except (OSError, RuntimeError) as e:
-                log.warning("watching %s failed (%s); retrying", directory, e)
+                log.warning("watching %s failed (%s); retrying", ", ".join(map(str, dirs)), e)
                 await asyncio.sleep(1.0)
             except Exception:  # noqa: BLE001 - a bug must not end live reload for good
-                log.exception("watching %s failed; retrying", directory)
+                log.exception("watching %s failed; retrying", ", ".join(map(str, dirs)))
                 await asyncio.sleep(1.0)

@@ -1,0 +1,56 @@
+"""router/policy.py: live reload follows the file however it is deployed:
+a symlink into another directory, a Kubernetes ConfigMap's ``..data`` swap."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+from pathlib import Path
+
+from router.policy import PolicyRegistry
+from tests.helpers import DEMO_TENANTS, apoll
+
+TEXT = DEMO_TENANTS.read_text()
+CHANGED = TEXT.replace("weight: 3", "weight: 4", 1)
+assert CHANGED != TEXT
+
+
+async def _reloads(registry: PolicyRegistry, change) -> None:
+    await registry.start()
+    try:
+        await asyncio.sleep(0.5)  # (the watcher sets itself up)
+        change()
+        await apoll(lambda: registry.current.version == 2, 10, what="the reload")
+    finally:
+        await registry.close()
+
+
+async def test_a_symlink_to_a_file_in_another_directory_is_followed(tmp_path: Path) -> None:
+    # (only the link's directory was watched: an edit of the file it points
+    # to was never seen, until a SIGHUP)
+    (tmp_path / "real").mkdir()
+    (tmp_path / "link").mkdir()
+    real = tmp_path / "real" / "tenants.yaml"
+    real.write_text(TEXT)
+    link = tmp_path / "link" / "tenants.yaml"
+    link.symlink_to(real)
+    await _reloads(PolicyRegistry(link), lambda: real.write_text(CHANGED))
+
+
+async def test_a_configmap_swap_is_followed(tmp_path: Path) -> None:
+    # tenants.yaml -> ..data/tenants.yaml, ..data -> ..2026_11_30_1; kubelet
+    # writes a new timestamped directory and renames a new ..data link over the old
+    first = tmp_path / "..2026_11_30_1"
+    first.mkdir()
+    (first / "tenants.yaml").write_text(TEXT)
+    (tmp_path / "..data").symlink_to(first.name)
+    (tmp_path / "tenants.yaml").symlink_to("..data/tenants.yaml")
+
+    def swap() -> None:
+        second = tmp_path / "..2026_11_30_2"
+        second.mkdir()
+        (second / "tenants.yaml").write_text(CHANGED)
+        (tmp_path / "..data_tmp").symlink_to(second.name)
+        os.replace(tmp_path / "..data_tmp", tmp_path / "..data")
+
+    await _reloads(PolicyRegistry(tmp_path / "tenants.yaml"), swap)
