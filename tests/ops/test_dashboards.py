@@ -233,3 +233,26 @@ def test_every_metric_named_exists_on_a_router(ops_router: RouterProcess) -> Non
 def test_promtool(args: list[str]) -> None:
     p = subprocess.run([promtool(), *args], cwd=PROM_DIR, capture_output=True, text=True, timeout=60)
     assert p.returncode == 0, p.stdout + p.stderr
+
+
+def test_the_kubernetes_scrape_config_finds_the_router_pods_in_the_job_the_alerts_match() -> None:
+    # (the manifests are scraped through prometheus.io annotations, whose job
+    # is the discovery job: FairstreamRouterDown matched nothing there)
+    import yaml
+
+    config = yaml.safe_load((PROM_DIR / "prometheus-k8s.yml").read_text())
+    [job] = config["scrape_configs"]
+    assert job["job_name"] == "fairstream" and 'job="fairstream"' in (PROM_DIR / "alerts.yml").read_text()
+    deploy = next(d for d in yaml.safe_load_all((PROM_DIR.parent / "deploy" / "k8s" / "router.yaml").read_text())
+                  if d and d.get("kind") == "Deployment")
+    labels = deploy["spec"]["template"]["metadata"]["labels"]
+    ports = [str(p["containerPort"]) for c in deploy["spec"]["template"]["spec"]["containers"] for p in c["ports"]]
+    meta = {"__meta_kubernetes_pod_label_" + re.sub(r"[^a-zA-Z0-9_]", "_", k): v for k, v in labels.items()}
+    for rule in job["relabel_configs"]:
+        if rule.get("action") != "keep":
+            continue
+        if rule["source_labels"] == ["__meta_kubernetes_pod_container_port_number"]:
+            assert any(re.fullmatch(rule["regex"], p) for p in ports), (rule, ports)
+        else:
+            value = ";".join(meta.get(name, "") for name in rule["source_labels"])
+            assert re.fullmatch(rule["regex"], value), (rule, value)
