@@ -122,6 +122,11 @@ def _abandon(task: asyncio.Future) -> None:
     task.cancel()
 
 
+# a wait between health checks that overruns by this much: the router's own
+# event loop was stalled (Progress does not blame the engine for it)
+LOOP_STALL = 1.0
+
+
 class Progress:
     """Whether a replica's engine keeps stepping while it has requests.
 
@@ -135,9 +140,14 @@ class Progress:
         self.steps = 0
         self.since: float | None = None  # (the first report starts the clock)
 
-    def stuck(self, load, now: float) -> bool:
+    def stuck(self, load, now: float, paused: bool = False) -> bool:
+        """``paused``: the router's own loop did not run for a while since
+        the last report (a long stall, a SIGSTOP); nor did it read the
+        replica's output then, which holds the engine back, so the clock
+        starts again instead of blaming the engine."""
         counted = load.reports_steps or load.steps  # (an older replica: from its first step)
-        if not counted or load.steps != self.steps or load.running + load.waiting == 0 or self.since is None:
+        if (not counted or load.steps != self.steps or load.running + load.waiting == 0 or self.since is None
+                or paused):
             self.steps = load.steps
             self.since = now
             return False
@@ -296,6 +306,7 @@ class Supervisor:
         s = self.settings
         exited = asyncio.ensure_future(proc.wait()) if proc is not None else None
         progress = Progress(s.health_timeout)
+        paused = False  # (the last wait between checks overran: the router's loop stalled)
         loop = asyncio.get_running_loop()
         check_now: asyncio.Event | None = getattr(client, "check_now", None)  # (an upstream's)
         ping: asyncio.Future | None = None
@@ -322,10 +333,11 @@ class Supervisor:
                     log.info("replica %s answers its health check after a refused connection", slot.name)
                     self._on_event("answers", slot)
                     self.pool.notify_ready()
-                if progress.stuck(pong.load, loop.time()):
+                if progress.stuck(pong.load, loop.time(), paused):
                     # (its front end answers, its engine does not: a frozen vLLM engine core)
                     raise _Stalled(f"its engine took no step for {s.health_timeout}s with "
                                    f"{pong.load.running + pong.load.waiting} requests in it (stalled)")
+                rest = loop.time()
                 if exited is not None:
                     done, _ = await asyncio.wait({exited}, timeout=s.health_interval)
                     if done:
@@ -337,6 +349,7 @@ class Supervisor:
                     check_now.clear()
                 else:
                     await asyncio.sleep(s.health_interval)
+                paused = loop.time() - rest > s.health_interval + LOOP_STALL
             raise RuntimeError(str(client.closed))
         finally:
             if exited is not None:

@@ -459,3 +459,19 @@ def test_a_ping_under_way_when_the_supervisor_stops_is_not_reported_as_never_ret
     asyncio.run(main())
     gc.collect()
     assert [c["message"] for c in reported] == []
+
+
+def test_a_stall_of_the_routers_own_loop_restarts_the_clock_instead_of_blaming_the_engine() -> None:
+    # A router frozen (SIGSTOP) past health_timeout read none of its
+    # replica's output meanwhile, which held the engine back; at the first
+    # check after it, the engine looked stuck and a healthy replica was
+    # restarted (a chaos review).
+    from replicas.protocol import LoadReport
+    from replicas.supervisor import Progress
+
+    p = Progress(5.0)
+    busy = dict(steps=9, reports_steps=True)
+    assert not p.stuck(LoadReport(1, 0, 0.0, **busy), 0.0)
+    assert not p.stuck(LoadReport(1, 0, 0.0, **busy), 15.0, paused=True)  # the router was stopped 14 s
+    assert not p.stuck(LoadReport(1, 0, 0.0, **busy), 19.9)
+    assert p.stuck(LoadReport(1, 0, 0.0, **busy), 20.1)  # a real stall is still found, 5 s on
