@@ -30,7 +30,8 @@ def _exit_with_parent() -> None:
 
 def main() -> None:
     # (until the router's own handler is in: a SIGHUP, systemd's reload, must
-    # not kill a starting worker; it reads the tenants file as it starts)
+    # not kill a starting worker; it reads the tenants file as it starts. The
+    # parent starts it so already: router.workers._worker_preexec)
     signal.signal(signal.SIGHUP, signal.SIG_IGN)
     from router.app import create_app
     from router.configfile import ConfigError

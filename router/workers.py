@@ -20,11 +20,13 @@ SIGINT; workers and replicas also exit when the parent dies.
 from __future__ import annotations
 
 import asyncio
+import errno
 import logging
 import os
 import shutil
 import signal
 import socket
+import subprocess
 import sys
 import time
 import tempfile
@@ -86,6 +88,15 @@ def serve_workers(config: RouterConfig, tenants: Path, host: str, port: int, wor
         shutil.rmtree(run_dir, ignore_errors=True)
 
 
+def _worker_preexec() -> None:
+    """In a worker, before it runs: it exits with the parent, and starts
+    with SIGHUP ignored (an ignored signal stays ignored across exec) until
+    its router installs its reload handler, so that a reload while it starts
+    does not kill it."""
+    die_with_parent()
+    signal.signal(signal.SIGHUP, signal.SIG_IGN)
+
+
 def hold_port(host: str, port: int) -> socket.socket:
     """Check that nothing listens on ``host:port`` and hold it for the
     workers: a socket bound without SO_REUSEPORT fails on a port any other
@@ -97,14 +108,22 @@ def hold_port(host: str, port: int) -> socket.socket:
     with socket.socket(family, socket.SOCK_STREAM) as probe:
         probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # (a closed router's TIME_WAITs)
         probe.bind((host, port))
-    holder = socket.socket(family, socket.SOCK_STREAM)
-    holder.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
-    try:
-        holder.bind((host, port))
-    except OSError:
-        holder.close()
-        raise
-    return holder
+    for reuse_addr in (False, True):
+        holder = socket.socket(family, socket.SOCK_STREAM)
+        holder.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+        if reuse_addr:
+            # (the probe bound: nothing else holds the port but the TIME_WAITs
+            # of a closed server without SO_REUSEPORT, which a bind without
+            # SO_REUSEADDR conflicts with)
+            holder.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            holder.bind((host, port))
+            return holder
+        except OSError as e:
+            holder.close()
+            if reuse_addr or e.errno != errno.EADDRINUSE:
+                raise
+    raise AssertionError("unreachable")
 
 
 async def _parent(config: RouterConfig, tenants: Path, host: str, port: int, n: int, run_dir: str,
@@ -141,11 +160,11 @@ async def _parent(config: RouterConfig, tenants: Path, host: str, port: int, n: 
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
-    procs: dict[int, asyncio.subprocess.Process] = {}
+    procs: dict[int, subprocess.Popen[bytes]] = {}
 
     def forward_hup() -> None:  # (workers not started yet read the file when they start)
         for p in procs.values():
-            if p.returncode is None:
+            if p.poll() is None:
                 p.send_signal(signal.SIGHUP)
 
     loop.add_signal_handler(signal.SIGHUP, forward_hup)
@@ -170,7 +189,9 @@ async def _parent(config: RouterConfig, tenants: Path, host: str, port: int, n: 
         respawn_at: dict[int, float] = {}
 
         async def spawn(i: int) -> None:
-            procs[i] = await asyncio.create_subprocess_exec(*cmd, preexec_fn=die_with_parent)
+            # (subprocess.Popen, not the loop's: uvloop's children start with
+            # every signal reset, the SIGHUP that _worker_preexec ignores too)
+            procs[i] = subprocess.Popen(cmd, preexec_fn=_worker_preexec)
             started[i] = time.monotonic()
             log.info("worker %d started (pid %d)", i, procs[i].pid)
 
@@ -180,7 +201,7 @@ async def _parent(config: RouterConfig, tenants: Path, host: str, port: int, n: 
         while not stop.is_set():
             now = time.monotonic()
             for i, p in list(procs.items()):
-                if p.returncode is not None and i not in respawn_at:
+                if p.poll() is not None and i not in respawn_at:
                     from prometheus_client import multiprocess
 
                     multiprocess.mark_process_dead(p.pid)
@@ -201,16 +222,16 @@ async def _parent(config: RouterConfig, tenants: Path, host: str, port: int, n: 
                 pass
     finally:
         for p in procs.values():
-            if p.returncode is None:
+            if p.poll() is None:
                 p.terminate()
         # the workers have their shutdown grace for the requests in flight (all
         # at once), then end them
-        waits = [asyncio.ensure_future(p.wait()) for p in procs.values()]
-        if waits:
-            await asyncio.wait(waits, timeout=config.shutdown_grace + SHUTDOWN_MARGIN + 5)
+        until = time.monotonic() + config.shutdown_grace + SHUTDOWN_MARGIN + 5
+        while any(p.poll() is None for p in procs.values()) and time.monotonic() < until:
+            await asyncio.sleep(0.05)
         for p in procs.values():
-            if p.returncode is None:
+            if p.poll() is None:
                 p.kill()
-                await p.wait()
+                p.wait()
         await supervisor.close()
     return 0

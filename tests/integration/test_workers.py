@@ -160,13 +160,30 @@ def test_a_second_instance_on_the_same_port_is_refused_and_a_sighup_while_starti
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=dict(os.environ, PYTHONUNBUFFERED="1"))
     base = f"http://127.0.0.1:{port}"
     try:
-        for _ in range(6):  # while the replica and then the workers start
-            time.sleep(0.25)
+        def ready() -> bool:
+            try:
+                return httpx.get(base + "/ready", timeout=2).status_code == 200
+            except httpx.HTTPError:
+                return False
+
+        def hup_handled(pid: int) -> bool:  # (ignored or caught: from `serve`'s first lines, not the interpreter's)
+            status = open(f"/proc/{pid}/status").read()
+            masks = [int(line.split()[1], 16) for line in status.splitlines() if line.startswith(("SigIgn", "SigCgt"))]
+            return any(m & 1 for m in masks)
+
+        poll(lambda: hup_handled(proc.pid), 10, what="serve to start")
+        deadline = time.monotonic() + 30
+        while not ready() and time.monotonic() < deadline:  # all the time the replica and the workers start
+            assert proc.poll() is None, (tmp_path / "first.log").read_text()[-3000:]
+            time.sleep(0.1)
             os.kill(proc.pid, signal.SIGHUP)
             for p in descendants(proc.pid):
-                with open(f"/proc/{p}/cmdline", "rb") as f:
-                    if b"router.worker" in f.read():
-                        os.kill(p, signal.SIGHUP)
+                try:
+                    with open(f"/proc/{p}/cmdline", "rb") as f:
+                        if b"router.worker" in f.read():
+                            os.kill(p, signal.SIGHUP)
+                except (FileNotFoundError, ProcessLookupError):
+                    pass  # (a short-lived child, gone meanwhile)
         poll(lambda: httpx.get(base + "/ready", timeout=2).status_code == 200
              if proc.poll() is None else pytest.fail((tmp_path / "first.log").read_text()[-3000:]),
              30, what="workers ready")
