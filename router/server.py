@@ -220,9 +220,9 @@ class _Http(HttpToolsProtocol):
         """Answer ``status`` as an OpenAI error with that ``code`` (a 503 with
         ``Retry-After: 1``) unless a response is under way, and close the
         connection."""
-        self._limit(0, None)
         if self._refused or self.transport.is_closing():
-            return
+            return  # (answered already: its linger's close stays armed)
+        self._limit(0, None)
         self._refused = True
         if self.metrics is not None:
             reason = "max_connections" if status == 503 else "header_too_large" if status == 431 else _REASONS[message]
@@ -257,6 +257,13 @@ class _Http(HttpToolsProtocol):
             return False
         transport.write_eof()  # (after what is buffered; data_received drops what comes in)
         self.flow.resume_reading()  # (uvicorn pauses reading while requests queue)
+        cycle = self.cycle
+        if cycle is not None and not cycle.response_complete:
+            # (an earlier request's handler that has not answered yet: its
+            # writes now would follow the end of the stream, which uvloop
+            # refuses; as for a closed connection, it hears a disconnect)
+            cycle.disconnected = True
+            cycle.message_event.set()
         self._deadline = self.loop.call_later(LINGER, transport.close)
         return True
 
@@ -303,6 +310,10 @@ class _Http(HttpToolsProtocol):
                 self._refuse(431, "Request header fields too large.", "header_too_large")
 
     def on_message_begin(self) -> None:
+        if self._refused:
+            # (a request pipelined behind the refused one, in the same read:
+            # never served, and its head timer must not replace the linger's)
+            return
         super().on_message_begin()
         if not self._in_head and not self._over:  # a keep-alive connection's next request
             self._in_head = True
@@ -365,6 +376,8 @@ class _Http(HttpToolsProtocol):
             self._limit(self.body_timeout, BODY_TIMEOUT)
 
     def handle_websocket_upgrade(self) -> None:
+        if self._refused:
+            return  # (an upgrade pipelined behind a refused request: the connection is closing)
         self._limit(0, None)  # (the WebSocket protocol takes the connection over)
         if self._over:
             self._refuse_over_cap()

@@ -247,6 +247,16 @@ def test_a_refused_client_that_sends_its_whole_request_first_reads_the_answer_no
             held.close()
 
 
+def _closed_after_the_linger(s: socket.socket, start: float) -> None:
+    time.sleep(srv.LINGER + 0.5)
+    with contextlib.suppress(OSError):  # LINGER seconds on, the connection is gone: a reset now
+        s.sendall(b"more")
+        time.sleep(0.1)
+        s.sendall(b"more")
+        raise AssertionError("the connection is still open")
+    assert time.monotonic() - start < srv.LINGER + 2
+
+
 def test_a_refused_connection_whose_client_stays_is_closed_after_the_linger():
     with serving(head=0.3, body=5):
         s = conn()
@@ -255,13 +265,21 @@ def test_a_refused_connection_whose_client_stays_is_closed_after_the_linger():
         assert s.recv(65536).startswith(b"HTTP/1.1 408")  # (no head within 0.3 s)
         assert s.recv(65536) == b""  # the router's side is closed with the answer...
         s.sendall(b"GET / HTTP/1.1\r\n")  # (dropped)
-        time.sleep(srv.LINGER + 0.5)
-        with contextlib.suppress(OSError):  # ...and the connection, LINGER seconds on: a reset now
-            s.sendall(b"more")
-            time.sleep(0.1)
-            s.sendall(b"more")
-            raise AssertionError("the connection is still open")
-        assert time.monotonic() - start < srv.LINGER + 2
+        _closed_after_the_linger(s, start)  # ...and the connection soon after
+        s.close()
+
+
+def test_a_request_pipelined_behind_a_refused_one_does_not_keep_the_connection():
+    # (its head timer replaced the linger's close, and the refusal's timer then
+    # found the connection refused already: it stayed open until the client left)
+    with serving(head=0.5, body=5):
+        s = conn()
+        s.settimeout(5)
+        start = time.monotonic()
+        s.sendall(b"GET /a HTTP/1.1\r\nHost: x\r\nX-Big: " + b"a" * 70_000 + b"\r\n\r\n"
+                  b"GET /b HTTP/1.1\r\nHost: x\r\n\r\n")
+        assert read_all_until(s, b"}").startswith(b"HTTP/1.1 431")
+        _closed_after_the_linger(s, start)
         s.close()
 
 
