@@ -95,7 +95,7 @@ def _config_kind(path: str) -> type:
         return RouterConfig
     # (router.yaml's ``tenants`` names a file and it must list replicas; a
     # tenants file's ``tenants`` is a mapping, or a mistake in one)
-    if isinstance(head, dict) and "replicas" not in head and (
+    if isinstance(head, dict) and "replicas" not in head and not isinstance(head.get("tenants"), str) and (
         "tenants" in head or "admin_keys" in head or "defaults" in head or "priority_classes" in head
     ):
         return TenantsFile

@@ -90,10 +90,8 @@ class RouterConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
             seen.add(r.name)
             if r.local:
                 errors.extend(_check_engine_config(r, ("replicas", i, "config"), located))
-        for key in self.__struct_fields__:
-            value = getattr(self, key)
-            if isinstance(value, float) and value != value:  # NaN: passes every range check below
-                errors.append(located.error((key,), "must be a number, not NaN"))
+        for at in _nan_fields(self, ()):  # NaN: it passes every range check below
+            errors.append(located.error(at, "must be a number, not NaN"))
         if self.resume_retention <= CLAIM_TTL:
             errors.append(located.error(("resume_retention",), f"must be longer than {CLAIM_TTL:g} s, the time a "
                                         "router that died holds its streams' claim (a resume waits that out)"))
@@ -118,6 +116,23 @@ class RouterConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
             if not origin.strip():
                 errors.append(located.error(("cors", "allow_origins", i), "must not be empty"))
         return errors
+
+
+def _nan_fields(value, at: tuple):
+    """Where a NaN is in a config: every float field, in nested settings and
+    lists of them too."""
+    if isinstance(value, float):
+        if value != value:
+            yield at
+    elif isinstance(value, msgspec.Struct):
+        for key in value.__struct_fields__:
+            yield from _nan_fields(getattr(value, key), at + (key,))
+    elif isinstance(value, (list, tuple)):
+        for i, item in enumerate(value):
+            yield from _nan_fields(item, at + (i,))
+    elif isinstance(value, dict):
+        for key, item in value.items():
+            yield from _nan_fields(item, at + (key,))
 
 
 def _check_engine_config(spec: ReplicaSpec, at: tuple, located: Located) -> list[str]:

@@ -197,7 +197,8 @@ def to_params(req: ChatRequest | CompletionRequest, default_max_tokens: int) -> 
         max_tokens = req.max_completion_tokens  # type: ignore[union-attr]
     defaulted = max_tokens is None
     if defaulted:
-        max_tokens = default_max_tokens
+        # (never below the client's min_tokens: vLLM's unset max_tokens is the context's remainder)
+        max_tokens = max(default_max_tokens, req.min_tokens or 0)
     if max_tokens < 1:
         raise BadRequest(f"'{name}' must be at least 1; got {max_tokens}.", param=name)
     _check_range("temperature", req.temperature, 0.0, 2.0)

@@ -144,8 +144,9 @@ class PolicyRegistry:
                 return name in wanted or name.startswith("..")
 
             try:
+                # (not recursive: a link into /etc or $HOME must not watch all below it)
                 async for _changes in awatch(*dirs, stop_event=self._stop, debounce=200, step=50,
-                                             watch_filter=relevant):
+                                             watch_filter=relevant, recursive=False):
                     await self.reload()
                     if self.path.resolve() != target:
                         break  # (the link points elsewhere now: watch there)

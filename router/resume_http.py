@@ -96,6 +96,9 @@ async def handle_resume(svc: RouterService, policy: TenantPolicy, sid: str, pos:
         raise NotFound(_NOT_FOUND.format(clip(sid)), code="stream_not_found")
     if snap.broken:
         raise BadRequest(_BROKEN.format(sid), code=NOT_RESUMABLE)
+    if b"" in snap.events:  # (before its stream starts: an error event then left an EventSource retrying)
+        raise BadRequest(_GAP.format(pos.event + snap.events.index(b"") + 1, sid), param="Last-Event-ID",
+                         code="resume_gap")
     last = await _last_event(svc, sid, snap) if pos.event >= snap.total_events and snap.finished else None
     if last is not None and f'"code":"{NOT_RESUMABLE}"'.encode() in last:
         # (the buffer's last event is that error, which the client never got:
@@ -124,6 +127,8 @@ async def handle_resume(svc: RouterService, policy: TenantPolicy, sid: str, pos:
     return Stream(_resume(svc, policy, sid, meta, snap, pos), media_type="text/event-stream", headers=headers)
 
 
+_GAP = ("Events from {} on of stream {} were lost with the router that produced them and cannot be replayed; "
+        "retry the request.")
 _BROKEN = ("Stream {} cannot be resumed: its buffer misses events written while the state store was unavailable "
            "(a resume would give a wrong text); retry the request.")
 
@@ -184,9 +189,7 @@ async def _replay(svc: RouterService, policy: TenantPolicy, sid: str, meta: Resu
             if not event:  # a placeholder for events lost with a router (the client that was ahead had them)
                 outcome.record("lost")
                 enc = ChunkEncoder(meta.chat, meta.response_id, meta.model, meta.created)
-                yield enc.notice(error_body(
-                    f"Events from {cursor + 1} on of stream {sid} were lost with the router that produced them "
-                    "and cannot be replayed; retry the request.", "server_error", None, "resume_gap"))
+                yield enc.notice(error_body(_GAP.format(cursor + 1, sid), "server_error", None, "resume_gap"))
                 return
             cursor += 1
             yield event

@@ -129,6 +129,10 @@ class TenantsFile(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
             for i, digest in enumerate(spec.keys):
                 check_key(digest, at + ("keys", i))
             _check_fields(spec, at, self.priority_classes, err)
+            if spec.priority is None and self.defaults.priority is None and BUILTIN.priority not in self.priority_classes:
+                # (the built-in default class, which these classes do not have)
+                err(at, f"sets no priority, and neither does `defaults`: the built-in {BUILTIN.priority!r} is not "
+                        f"one of priority_classes ({', '.join(self.priority_classes)})")
         return errors
 
     def policies(self) -> dict[str, TenantPolicy]:

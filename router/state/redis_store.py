@@ -48,8 +48,12 @@ class RedisStore(StateStore):
             # each idle connection left from before a restart does not count
             # as an outage of its own (seconds of them, each one a 503 in
             # fail-closed mode). A timeout is not retried: a hung Redis is an
-            # outage after ``timeout``, not after twice that.
+            # outage after ``timeout``, not after twice that. (A reply lost after
+            # the command ran runs it twice: an admission counted twice, an
+            # append that then marks its resume buffer broken. Rare, and on
+            # the safe side: a limit reached early, a resume refused.)
             retry=Retry(NoBackoff(), 1, supported_errors=(RedisConnectionError,)),
+            retry_on_error=[RedisConnectionError],  # (redis-py 5 retries only what this lists)
         )
         self._prefix = prefix
         r = self._redis

@@ -479,7 +479,7 @@ async def test_a_continuation_dropped_while_it_waits_leaves_the_stream_resumable
 
 
 async def test_a_buffer_that_missed_events_during_a_redis_hang_is_refused_not_replayed_wrong(tmp_path) -> None:
-    # Redis stops answering for 2.5 s mid-stream: the router serves on (fail-
+    # Redis stops answering for 1 s mid-stream (timeout 0.3 s): the router serves on (fail-
     # open), its appends go to the local fallback meanwhile, and the stream
     # ends right for its client. Its Redis buffer then lacks those events:
     # a replay of it was a 200 with a silently shorter text (a chaos review).

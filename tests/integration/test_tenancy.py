@@ -203,7 +203,8 @@ async def test_a_reload_that_renames_the_priority_classes_spares_a_request_waiti
     router = RouterProcess(tmp_path / "r", tenants=t, sim={"step_base_ms": 10}).start()
     try:
         async with httpx.AsyncClient(base_url=router.base_url, timeout=60) as client:
-            first = asyncio.create_task(client.post("/v1/completions", headers=auth(KEY_A), json=body(60)))
+            # (2 s long: the reload lands while the second request waits behind it)
+            first = asyncio.create_task(client.post("/v1/completions", headers=auth(KEY_A), json=body(200)))
             await apoll(lambda: router.inflight("sim-0") + router.inflight("sim-1") == 1, 10, what="the first")
             waiting = asyncio.create_task(client.post("/v1/completions", headers=auth(KEY_A), json=body(4)))
             await asyncio.sleep(0.3)  # (in the tenant's line)

@@ -252,7 +252,7 @@ def test_serve_refuses_a_port_or_worker_count_out_of_range(args: list[str], erro
 
 @pytest.mark.parametrize(("text", "kind"), [
     ("tenants:\n", "tenants"), ("tenants: [gold]\n", "tenants"), ("priority_classes: [a]\n", "tenants"),
-    ("tenants: t.yaml\nreplicas: []\n", "router"), ("port: 1\n", "router"),
+    ("tenants: t.yaml\nreplicas: []\n", "router"), ("port: 1\n", "router"), ("tenants: t.yaml\n", "router"),
 ])
 def test_check_config_tells_a_broken_tenants_file_by_its_keys(tmp_path, text: str, kind: str) -> None:
     from router.config import RouterConfig

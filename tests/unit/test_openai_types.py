@@ -111,3 +111,10 @@ def test_out_of_range_values_are_a_400_naming_the_field_the_client_set(kw, name)
                                 {"min_tokens": 8, "max_tokens": 8}], ids=json.dumps)
 def test_in_range_vllm_extensions_pass(kw):
     assert to_params(chat(**kw), 16).max_tokens in (8, 16)
+
+
+def test_an_unset_max_tokens_is_never_below_min_tokens():
+    # (vLLM takes an unset max_tokens as the context's remainder: min_tokens
+    # 300 with no max_tokens is fine there; the router's default was a 400)
+    p = to_params(chat(min_tokens=300), 16)
+    assert p.max_tokens == 300 and p.min_tokens == 300 and p.max_tokens_default

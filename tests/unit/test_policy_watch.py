@@ -18,7 +18,7 @@ assert CHANGED != TEXT
 async def _reloads(registry: PolicyRegistry, change) -> None:
     await registry.start()
     try:
-        await asyncio.sleep(0.5)  # (the watcher sets itself up)
+        await asyncio.sleep(1.0)  # (the watcher sets itself up)
         change()
         await apoll(lambda: registry.current.version == 2, 10, what="the reload")
     finally:

@@ -294,3 +294,13 @@ async def test_a_replay_that_reaches_events_lost_with_a_router_says_so() -> None
     snap = await svc.store.stream_read("s3", 0)
     out = [chunk async for chunk in _resume(svc, policy(), "s3", decode_meta(snap.meta), snap, Position(0, None, None))]
     assert out[0].startswith(b"id: 1-1-2") and b'"code":"resume_gap"' in out[-1] and len(out) == 2, out
+    # asked for before the stream starts, a 400 (an error event, with no id,
+    # left an EventSource reconnecting to the same gap for ever)
+    from router.errors import BadRequest
+    from router.resume_http import handle_resume
+
+    with pytest.raises(BadRequest) as info:
+        await handle_resume(svc, policy(), "s3", Position(1, None, None))
+    assert info.value.code == "resume_gap" and "from 2 on" in info.value.message, info.value.message
+    # past the gap: the rest replays
+    assert (await handle_resume(svc, policy(), "s3", Position(3, None, None))) is not None  # (a Stream)
