@@ -225,9 +225,12 @@ def to_params(req: ChatRequest | CompletionRequest, default_max_tokens: int) -> 
 
 
 def max_tokens_param(req: ChatRequest | CompletionRequest) -> str:
-    """The field the client set its token limit with, for errors to name."""
+    """The field the client set its token limit with, for errors to name
+    (``min_tokens`` when only that raised the default)."""
     if isinstance(req, ChatRequest) and req.max_completion_tokens is not None:
         return "max_completion_tokens"
+    if req.max_tokens is None and req.min_tokens:
+        return "min_tokens"
     return "max_tokens"
 
 

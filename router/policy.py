@@ -102,6 +102,9 @@ class PolicyRegistry:
         except (NotImplementedError, RuntimeError, ValueError):
             log.warning("SIGHUP reload unavailable on this platform")
         self._watch = loop.create_task(self._watch_file(), name="policy-watch")
+        # A change (or a SIGHUP) between the first read and now, before the
+        # handler and the watcher were in, would be lost for good: read again.
+        await self.reload()
 
     def _reload_soon(self) -> None:
         task = asyncio.get_running_loop().create_task(self.reload(), name="policy-reload")
@@ -133,8 +136,8 @@ class PolicyRegistry:
         while not self._stop.is_set():
             target = self.path.resolve()
             dirs = [directory]
-            if target.parent != directory and directory not in target.parents:  # (not a ConfigMap's ..data)
-                dirs.append(target.parent)
+            if target.parent != directory and not _configmap_data(directory, target):
+                dirs.append(target.parent)  # (another directory, or one below this)
             wanted = {self.path.name, target.name}
 
             def relevant(change, path: str, wanted=wanted) -> bool:
@@ -156,3 +159,13 @@ class PolicyRegistry:
             except Exception:  # noqa: BLE001 - a bug must not end live reload for good
                 log.exception("watching %s failed; retrying", ", ".join(map(str, dirs)))
                 await asyncio.sleep(1.0)
+
+
+def _configmap_data(directory: Path, target: Path) -> bool:
+    """``target`` is in a Kubernetes ConfigMap's ``..<timestamp>`` directory
+    under ``directory`` (its ``..data`` link's swap shows in ``directory``)."""
+    try:
+        first = target.relative_to(directory).parts[0]
+    except (ValueError, IndexError):
+        return False
+    return first.startswith("..")

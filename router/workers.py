@@ -118,6 +118,8 @@ def hold_port(host: str, port: int) -> socket.socket:
             holder.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             holder.bind((host, port))
+            if reuse_addr:  # (bound: off again, or a later check would bind beside it)
+                holder.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 0)
             return holder
         except OSError as e:
             holder.close()

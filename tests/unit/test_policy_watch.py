@@ -54,3 +54,26 @@ async def test_a_configmap_swap_is_followed(tmp_path: Path) -> None:
         os.replace(tmp_path / "..data_tmp", tmp_path / "..data")
 
     await _reloads(PolicyRegistry(tmp_path / "tenants.yaml"), swap)
+
+
+async def test_a_symlink_into_a_subdirectory_is_followed(tmp_path: Path) -> None:
+    # (with the link's directory watched without recursion, an edit below it went unseen)
+    (tmp_path / "envs").mkdir()
+    real = tmp_path / "envs" / "tenants.yaml"
+    real.write_text(TEXT)
+    (tmp_path / "tenants.yaml").symlink_to(real)
+    await _reloads(PolicyRegistry(tmp_path / "tenants.yaml"), lambda: real.write_text(CHANGED))
+
+
+async def test_a_change_before_the_watcher_started_is_read_at_start(tmp_path: Path) -> None:
+    # (the file is read when the registry is made; a change, or a SIGHUP,
+    # before its watcher and handler were in was lost for good)
+    path = tmp_path / "tenants.yaml"
+    path.write_text(TEXT)
+    registry = PolicyRegistry(path)
+    path.write_text(CHANGED)
+    await registry.start()
+    try:
+        assert registry.current.version == 2
+    finally:
+        await registry.close()
