@@ -78,14 +78,10 @@ def model_sampling_defaults(model_config: Any) -> dict[str, float]:
 def with_model_defaults(p: SamplingParams, defaults: dict[str, float]) -> tuple[float, float, int, float]:
     """(temperature, top_p, top_k, repetition_penalty) of ``p``, the model's
     default for each the client left unset."""
-    values = {"temperature": p.temperature, "top_p": p.top_p, "top_k": p.top_k,
-              "repetition_penalty": p.repetition_penalty}
-    if p.unset and defaults:
-        for name, bit in _DEFAULTED:
-            if p.unset & bit and name in defaults:
-                values[name] = defaults[name]
-    return (float(values["temperature"]), float(values["top_p"]), int(values["top_k"]),
-            float(values["repetition_penalty"]))
+    if not (p.unset and defaults):
+        return p.temperature, p.top_p, p.top_k, p.repetition_penalty
+    values = [defaults[name] if p.unset & bit and name in defaults else getattr(p, name) for name, bit in _DEFAULTED]
+    return float(values[0]), float(values[1]), int(values[2]), float(values[3])
 
 
 class VllmEngineConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):

@@ -188,8 +188,7 @@ async def _replay(svc: RouterService, policy: TenantPolicy, sid: str, meta: Resu
         for event in snap.events:  # the stored events after ``cursor``
             if not event:  # a placeholder for events lost with a router (the client that was ahead had them)
                 outcome.record("lost")
-                enc = ChunkEncoder(meta.chat, meta.response_id, meta.model, meta.created)
-                yield enc.notice(error_body(_GAP.format(cursor + 1, sid), "server_error", None, "resume_gap"))
+                yield _notice(meta, _GAP.format(cursor + 1, sid), "resume_gap")
                 return
             cursor += 1
             yield event
@@ -225,11 +224,7 @@ async def _replay(svc: RouterService, policy: TenantPolicy, sid: str, meta: Resu
             if fresh is None or fresh.broken:
                 await svc.resume.release(sid)
                 outcome.record("unavailable")
-                if fresh is None:
-                    yield _unreadable(meta, sid, cursor)
-                else:
-                    enc = ChunkEncoder(meta.chat, meta.response_id, meta.model, meta.created)
-                    yield enc.notice(error_body(_BROKEN.format(sid), "server_error", None, NOT_RESUMABLE))
+                yield _cannot_go_on(meta, sid, fresh)
                 return
             if fresh.total_events > have or fresh.finished:
                 await svc.resume.release(sid)  # appended meanwhile: replay first
@@ -241,14 +236,9 @@ async def _replay(svc: RouterService, policy: TenantPolicy, sid: str, meta: Resu
         else:
             await asyncio.sleep(TAIL_POLL)
         nxt = await _reread(svc, sid, cursor)
-        if nxt is None:
+        if nxt is None or nxt.broken:  # (broken while this client followed it: what it has is right)
             outcome.record("unavailable")
-            yield _unreadable(meta, sid, cursor)
-            return
-        if nxt.broken:  # (while this client followed it: what it has is right, the rest cannot be told)
-            outcome.record("unavailable")
-            enc = ChunkEncoder(meta.chat, meta.response_id, meta.model, meta.created)
-            yield enc.notice(error_body(_BROKEN.format(sid), "server_error", None, NOT_RESUMABLE))
+            yield _cannot_go_on(meta, sid, nxt)
             return
         snap = nxt
 
@@ -270,13 +260,21 @@ async def _reread(svc: RouterService, sid: str, after: int) -> StreamSnapshot | 
         await asyncio.sleep(REREAD_INTERVAL)
 
 
-def _unreadable(meta: ResumeMeta, sid: str, cursor: int) -> bytes:
-    """The error event that ends a resume whose buffer could not be read again."""
-    enc = ChunkEncoder(meta.chat, meta.response_id, meta.model, meta.created, event_id=cursor)
-    # (no id of its own: the client resumes with the last one it has, as it is told)
-    return enc.notice(error_body(
-        f"Stream {sid} cannot be read now (the state store is unavailable, or the stream's buffer expired); "
-        "resume again with the same Last-Event-ID.", "server_error", None, "resume_unavailable"))
+def _notice(meta: ResumeMeta, message: str, code: str) -> bytes:
+    """An error event that ends a resume, with no id of its own: the client
+    keeps the last one it has (one past the buffer would make its next
+    resume a 400)."""
+    enc = ChunkEncoder(meta.chat, meta.response_id, meta.model, meta.created)
+    return enc.notice(error_body(message, "server_error", None, code))
+
+
+def _cannot_go_on(meta: ResumeMeta, sid: str, snap: StreamSnapshot | None) -> bytes:
+    """The error event that ends a resume whose buffer could not be read
+    again (None: resume again later) or was found broken."""
+    if snap is None:
+        return _notice(meta, f"Stream {sid} cannot be read now (the state store is unavailable, or the stream's "
+                       "buffer expired); resume again with the same Last-Event-ID.", "resume_unavailable")
+    return _notice(meta, _BROKEN.format(sid), NOT_RESUMABLE)
 
 
 async def _take_over(svc: RouterService, policy: TenantPolicy, sid: str, meta: ResumeMeta,

@@ -29,10 +29,8 @@ def _exit_with_parent() -> None:
 
 
 def main() -> None:
-    # (until the router's own handler is in: a SIGHUP, systemd's reload, must
-    # not kill a starting worker; it reads the tenants file as it starts. The
-    # parent starts it so already: router.workers._worker_preexec)
-    signal.signal(signal.SIGHUP, signal.SIG_IGN)
+    # (it starts with SIGHUP ignored, router.workers._worker_preexec, until
+    # its router's reload handler is in)
     from router.app import create_app
     from router.configfile import ConfigError
     from router.logs import setup_logging
