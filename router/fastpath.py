@@ -101,7 +101,18 @@ class FastPath:
         if transport is None:
             return send
 
+        http10 = scope.get("http_version") == "1.0"
+        wire: TransportWire | None = None
+
         async def bounded_send(message) -> None:
+            nonlocal wire
+            if http10 and wire is None and message["type"] == "http.response.start":
+                wire = _http10_stream(send, message, timeout)
+                if wire is not None:
+                    return
+            if wire is not None:  # (a body message of that stream)
+                await _wire_body(wire, message, timeout, scope)
+                return
             if message["type"] == "http.response.start" and message.get("status", 200) >= 400:
                 close = _close_unless_read(send)
                 if close and not any(k.lower() == b"connection" for k, _ in message.get("headers", ())):
@@ -239,6 +250,34 @@ class FastPath:
                 # they go with their last reference, not at the cycle
                 # collector's next run)
                 relay.events = None
+
+
+def _http10_stream(send, start, timeout: float) -> TransportWire | None:
+    """The wire for a stream (a resume's) answered to an HTTP/1.0 request:
+    its events as they are, ended by the connection's close. uvicorn's
+    ``send`` chunks every body without a length, whatever the request's
+    version, and HTTP/1.0 has no chunked encoding (RFC 9112). None for any
+    other response (those have a length), or when the transport cannot
+    take the head now (uvicorn's ``send`` then)."""
+    headers = start.get("headers", ())
+    if start.get("status", 200) != 200 or any(k.lower() == b"content-length" for k, _ in headers):
+        return None
+    if not any(k.lower() == b"content-type" and v.startswith(b"text/event-stream") for k, v in headers):
+        return None
+    return TransportWire.open(send, {}, [(k, v) for k, v in headers if k.lower() != b"content-type"], timeout)
+
+
+async def _wire_body(wire: TransportWire, message, timeout: float, scope) -> None:
+    body = message.get("body", b"")
+    try:
+        if message.get("more_body", False):
+            if body:
+                await wire.send(body)
+        else:
+            await wire.send_last(body or None)
+    except ClientTooSlow as e:
+        log.warning("%s %s: %s; closing its connection", scope["method"], scope["path"][:200], e)
+        wire.abort()
 
 
 def _close_unless_read(send) -> dict[str, str]:

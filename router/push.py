@@ -114,7 +114,7 @@ class TransportWire(_Wire):
         are checked as uvicorn checks every header."""
         cycle = getattr(send, "__self__", None)
         if (_HttptoolsCycle is None or type(cycle) is not _HttptoolsCycle or cycle.response_started
-                or cycle.disconnected or cycle.flow.write_paused or cycle.scope["method"] != "POST"):
+                or cycle.disconnected or cycle.flow.write_paused or cycle.scope["method"] not in ("POST", "GET")):
             return None
         for _, value in extra:
             if _BAD_VALUE.search(value):

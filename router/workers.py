@@ -45,6 +45,8 @@ log = logging.getLogger("fairstream.workers")
 # a worker that exits sooner than this after its start is restarted after a
 # doubling wait (up to restart_backoff_max), not at once
 WORKER_SETTLE = 10.0
+# how long the parent waits for a worker it SIGKILLed before it gives up on it
+KILL_WAIT = 5.0
 
 
 def worker_config(config: RouterConfig, run_dir: str) -> RouterConfig:
@@ -234,6 +236,10 @@ async def _parent(config: RouterConfig, tenants: Path, host: str, port: int, n: 
         for p in procs.values():
             if p.poll() is None:
                 p.kill()
-                p.wait()
+        for p in procs.values():
+            try:
+                p.wait(KILL_WAIT)
+            except subprocess.TimeoutExpired:  # stuck in the kernel (D state): the replicas still stop
+                log.error("worker pid %d did not exit %.0fs after SIGKILL; leaving it", p.pid, KILL_WAIT)
         await supervisor.close()
     return 0

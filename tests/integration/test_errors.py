@@ -639,3 +639,15 @@ def test_an_http_1_0_client_gets_its_stream_unchunked_and_closed(shared_router: 
     texts = [json.loads(line[6:])["choices"][0]["delta"].get("content", "")
              for line in events.split(b"\n") if line.startswith(b"data: {")]
     assert len("".join(texts)) > 0
+    # its resume too (a Litestar stream, which uvicorn chunked whatever the version)
+    rid = next(line.split(b": ", 1)[1] for line in head.split(b"\r\n") if line.lower().startswith(b"x-request-id"))
+    first_id = events.split(b"\n", 1)[0][4:]
+    sock = _raw(shared_router)
+    sock.sendall(b"GET /v1/streams/" + rid + b" HTTP/1.0\r\nAuthorization: Bearer " + GOLD.encode()
+                 + b"\r\nLast-Event-ID: " + first_id + b"\r\n\r\n")
+    answer = _answer(sock)
+    sock.close()
+    head, _, rest = answer.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 200") and b"text/event-stream" in head, head
+    assert b"transfer-encoding" not in head.lower() and b"connection: close" in head.lower(), head
+    assert rest == events.split(b"\n\n", 1)[1], rest
