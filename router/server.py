@@ -264,6 +264,8 @@ class _Http(HttpToolsProtocol):
             # refuses; as for a closed connection, it hears a disconnect)
             cycle.disconnected = True
             cycle.message_event.set()
+        for callback in list(self._lost):  # (a fast-path handler still generating stops now, not at the close)
+            callback()
         self._deadline = self.loop.call_later(LINGER, transport.close)
         return True
 

@@ -19,6 +19,7 @@ from router.push import TransportWire
 from tests.helpers import free_port
 
 PORT = free_port()
+HELD_LOST = threading.Event()
 
 
 async def app(scope, receive, send):
@@ -40,6 +41,15 @@ async def app(scope, receive, send):
             return
         wire.write(b"one")
         wire.finish(b"two")
+        return
+    if scope["path"] == "/held":  # a handler that has not answered yet, told of a lost connection as the fast path is
+        cycle = send.__self__
+        task = asyncio.current_task()
+        cycle.lost_callbacks.append(task.cancel)
+        try:
+            await asyncio.sleep(30)
+        except asyncio.CancelledError:
+            HELD_LOST.set()
         return
     if scope["path"] == "/slow":  # a stream that outlasts the limits
         await send({"type": "http.response.start", "status": 200, "headers": []})
@@ -266,6 +276,24 @@ def test_a_refused_connection_whose_client_stays_is_closed_after_the_linger():
         assert s.recv(65536) == b""  # the router's side is closed with the answer...
         s.sendall(b"GET / HTTP/1.1\r\n")  # (dropped)
         _closed_after_the_linger(s, start)  # ...and the connection soon after
+        s.close()
+
+
+def test_a_refusal_that_lingers_stops_the_handler_of_the_request_before_it_at_once(monkeypatch):
+    # A request's handler has not answered yet (a completion before its first
+    # token) when the next request's head grows too large: the 431 is sent and
+    # the connection lingers. The handler went on generating, its writes
+    # dropped, until the close LINGER seconds later; it is now told at once.
+    monkeypatch.setattr(srv, "LINGER", 30.0)
+    HELD_LOST.clear()
+    with serving(head=5, body=5):
+        s = conn()
+        s.settimeout(10)
+        s.sendall(b"GET /held HTTP/1.1\r\nHost: x\r\n\r\n")
+        time.sleep(0.3)  # (its handler is waiting)
+        s.sendall(b"GET /b HTTP/1.1\r\nHost: x\r\nX-Big: " + b"a" * 70_000 + b"\r\n\r\n")
+        assert read_all_until(s, b"}").startswith(b"HTTP/1.1 431")
+        assert HELD_LOST.wait(5), "the held request's handler was not told while the connection lingered"
         s.close()
 
 
