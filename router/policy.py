@@ -55,10 +55,11 @@ class ReloadResult(msgspec.Struct):
 class PolicyRegistry:
     def __init__(self, path: Path, on_reload: Callable[[bool], None] | None = None) -> None:
         self.path = Path(path)
-        file, _ = load_yaml(self.path, TenantsFile)  # a bad file at start is fatal
+        # (one read: the text compared at start() is the text in force)
+        self._text = read_text(self.path)
+        file, _ = load_yaml(self.path, TenantsFile, self._text)  # a bad file at start is fatal
         self.current = PolicySnapshot(file, 1)
         self.last_errors: list[str] = []
-        self._text = read_text(self.path)
         self._on_reload = on_reload or (lambda ok: None)
         self._watch: asyncio.Task[None] | None = None
         self._signalled: set[asyncio.Task[ReloadResult]] = set()  # reloads SIGHUP started
@@ -113,8 +114,10 @@ class PolicyRegistry:
 
     async def close(self) -> None:
         self._stop.set()
-        for task in list(self._signalled):
+        signalled = list(self._signalled)
+        for task in signalled:
             task.cancel()
+        await asyncio.gather(*signalled, return_exceptions=True)
         try:
             asyncio.get_running_loop().remove_signal_handler(signal.SIGHUP)
         except (NotImplementedError, RuntimeError, ValueError):

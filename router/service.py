@@ -182,8 +182,15 @@ class RouterService:
         if self._lag_task is not None:
             self._lag_task.cancel()
         try:
-            if self._tasks:
-                await asyncio.wait(list(self._tasks), timeout=5)
+            if self._lag_task is not None:
+                await asyncio.gather(self._lag_task, return_exceptions=True)
+            if self._tasks:  # settlements: 5 s to finish, then cancelled (the store closes next)
+                _, late = await asyncio.wait(list(self._tasks), timeout=5)
+                if late:
+                    log.warning("%d settlement tasks were still running at shutdown; cancelled", len(late))
+                    for task in late:
+                        task.cancel()
+                    await asyncio.gather(*late, return_exceptions=True)
             await self.resume.close()
             await self.supervisor.close()
             await self.admission.close()
