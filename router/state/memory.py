@@ -29,7 +29,7 @@ SWEEP_INTERVAL = 1.0  # expired leases and buffers are swept at most this often 
 
 
 class _Stream:
-    __slots__ = ("meta", "token_ids", "text_len", "events", "finished", "owner", "owner_until", "expires")
+    __slots__ = ("meta", "token_ids", "text_len", "events", "finished", "owner", "owner_until", "expires", "broken")
 
     def __init__(self, meta: bytes, owner: str, owner_until: float, expires: float) -> None:
         self.meta = meta
@@ -40,6 +40,7 @@ class _Stream:
         self.owner = owner
         self.owner_until = owner_until
         self.expires = expires
+        self.broken = False
 
 
 class MemoryStore(StateStore):
@@ -124,7 +125,18 @@ class MemoryStore(StateStore):
         self._streams[sid] = _Stream(meta, owner, now + CLAIM_TTL, now + ttl)
 
     async def stream_append(self, sid, events, token_ids, text_len, finished, owner, ttl, first=-1) -> bool:
-        # (one process writes it: nothing can go elsewhere, ``first`` is not checked)
+        # (the same checks as stream_append.lua: this store is also the
+        # local fallback of a shared one, written by the batched writer)
+        now = self._clock()
+        st = self._stream(sid, now)
+        if st is None:
+            return False
+        if (st.owner and st.owner != owner) or st.finished:
+            return False
+        if st.broken or (first >= 0 and len(st.events) != first):
+            st.broken = True
+            st.expires = now + ttl
+            return False
         self.append_now(sid, events, token_ids, text_len, finished, owner, ttl)
         return True
 
@@ -176,7 +188,7 @@ class MemoryStore(StateStore):
         owner = st.owner if st.owner and st.owner_until > now else ""
         return StreamSnapshot(
             st.meta, list(st.token_ids), st.text_len, st.events[max(0, after):], len(st.events),
-            st.finished, owner,
+            st.finished, owner, st.broken,
         )
 
     async def stream_claim(self, sid: str, owner: str, claim_ttl: float) -> bool:
