@@ -11,7 +11,7 @@ from litestar import Litestar, Request, Response, get, post
 from litestar.exceptions import HTTPException
 
 from router.admin import admin_routes
-from router.completions import check_model, handle_completion, new_request_id
+from router.completions import check_model, new_request_id
 from router.config import RouterConfig
 from router.cors import cors_config
 from router.errors import ApiError, BadRequest, error_body
@@ -34,20 +34,16 @@ def _svc(request: Request) -> RouterService:
 
 async def _complete(request: Request, chat: bool) -> Response:
     """The Litestar side of the completion endpoints: resumed streams
-    (``X-Resume-Request-Id``). Fresh requests never get here: the raw ASGI
-    fast path in front (router/fastpath.py) serves them."""
+    (``X-Resume-Request-Id``), and a reconnect that sent only
+    ``Last-Event-ID``. Fresh requests never get here: the raw ASGI fast path
+    in front (router/fastpath.py) serves them, and sends here only requests
+    with one of those headers."""
     svc = _svc(request)
     policy = svc.tenant(request.headers.get("authorization"))
     resume_id = request.headers.get("x-resume-request-id")
-    if not resume_id:
-        if request.headers.get("last-event-id"):  # a reconnect: a new generation would repeat its text
-            raise BadRequest("Last-Event-ID resumes a stream: send X-Resume-Request-Id with the stream's "
-                             "x-request-id as well, or GET /v1/streams/{id}.", param="X-Resume-Request-Id")
-        # (a fresh request gets here when this app is served without FastPath
-        # in front, or on a path FastPath does not match: a trailing slash)
-        body = await request.body()  # (over max_body_bytes: Litestar's 413, below)
-        encoding = ", ".join(request.headers.getall("content-encoding", [])) or None
-        return await handle_completion(svc, policy, body, chat, new_request_id(), content_encoding=encoding)
+    if not resume_id:  # a reconnect: a new generation would repeat its text
+        raise BadRequest("Last-Event-ID resumes a stream: send X-Resume-Request-Id with the stream's "
+                         "x-request-id as well, or GET /v1/streams/{id}.", param="X-Resume-Request-Id")
     pos = parse_last_event_id(request.headers.get("last-event-id"))
     return await handle_resume(svc, policy, resume_id, pos)
 

@@ -20,7 +20,6 @@ from contextlib import aclosing
 
 import msgspec
 from litestar import Response
-from litestar.response import Stream
 
 from replicas.protocol import FinishReason
 from router.admission import Ticket
@@ -40,12 +39,12 @@ from router.openai_types import (
 from router.service import RouterService
 from router.logs import request_id_var
 from router.push import PushRelay
-from router.relay import EventStream, Outcome, error_before_output, outcome_of, relay_stream
+from router.relay import EventStream, Outcome, error_before_output, outcome_of
 from router.resume import ResumeMeta
 from router.sse import ChunkEncoder, Usage
 from router.tenants import TenantPolicy
 
-__all__ = ["check_model", "handle_completion", "start_generation", "open_stream", "respond_whole", "Started",
+__all__ = ["check_model", "start_generation", "open_stream", "respond_whole", "Started",
            "new_request_id", "response_id_of"]
 
 log = logging.getLogger("fairstream.router")
@@ -290,18 +289,6 @@ async def open_stream(svc: RouterService, policy: TenantPolicy, st: Started, cha
     headers = {"x-request-id": request_id, **st.ticket.headers, "cache-control": "no-cache",
                "x-accel-buffering": "no"}
     return es, headers
-
-
-async def handle_completion(
-    svc: RouterService, policy: TenantPolicy, body: bytes, chat: bool, request_id: str,
-    content_encoding: str | None = None,
-) -> Response:
-    st = await start_generation(svc, policy, body, chat, request_id, "chat" if chat else "completions",
-                                content_encoding=content_encoding)
-    if st.req.stream:
-        es, headers = await open_stream(svc, policy, st, chat, request_id)
-        return Stream(relay_stream(es, st.pieces, st.first), media_type="text/event-stream", headers=headers)
-    return await respond_whole(svc, policy, st, chat, request_id)
 
 
 async def respond_whole(svc: RouterService, policy: TenantPolicy, st: Started, chat: bool,

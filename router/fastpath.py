@@ -41,7 +41,10 @@ __all__ = ["FastPath"]
 
 log = logging.getLogger("fairstream.router")
 
-_PATHS = {"/v1/chat/completions": True, "/v1/completions": False}
+# (with a trailing slash too, which Litestar's router would match: every
+# fresh completion takes this one path)
+_PATHS = {"/v1/chat/completions": True, "/v1/completions": False,
+          "/v1/chat/completions/": True, "/v1/completions/": False}
 # GET routes that also answer HEAD (load balancers' health checks), and
 # /v1/models/{model}: headers only
 _HEAD_PATHS = frozenset({"/health", "/ready", "/metrics", "/v1/models"})

@@ -47,6 +47,13 @@ def test_request_log_lines(tmp_path):
         rec = by_id[rid]
         assert rec["tenant"] == "gold" and rec["outcome"] == "ok" and rec["level"] == "info"
         assert rec["client_request_id"] == "gw-trace-7" and rid != "gw-trace-7"  # the caller's id, beside ours
+        # a trailing slash takes the same path (it went through a drifted copy that dropped the caller's id)
+        slash = httpx.post(url + "/", headers={"Authorization": f"Bearer {GOLD}", "X-Request-Id": "gw-trace-8"},
+                           json=body, timeout=20)
+        assert slash.status_code == 200, slash.text
+        rec8 = poll(lambda: next((r for r in _request_lines(router)
+                                  if r["request_id"] == slash.headers["x-request-id"]), None), 10, what="its line")
+        assert rec8["client_request_id"] == "gw-trace-8" and rec8["completion_tokens"] == 8, rec8
         assert rec["completion_tokens"] == 8 and rec["prompt_tokens"] > 0 and rec["replica"].startswith("sim-")
         assert "prompt" not in rec and "completion" not in rec
         refused = by_id[bad.headers["x-request-id"]]
