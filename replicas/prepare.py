@@ -1,9 +1,11 @@
 """Turning one request into engine input: limits, resumed prefixes, output processing.
 
-Pure and synchronous. ``replicas.openai_server`` uses it; it applies the same
-rules as ``ReplicaServer._generate`` (context length, ``max_tokens`` left after
-a resumed prefix, an ``OutputProcessor`` that knows the prefix), so both front
-ends of an engine reject and continue requests alike.
+Pure and synchronous. Both front ends of an engine use it
+(``ReplicaServer._generate`` for the replica protocol,
+``replicas.openai_server`` for the OpenAI API), so they reject and continue
+requests alike: the router's default ``max_tokens`` lowered to what the
+context leaves, the context length, ``max_tokens`` left after a resumed
+prefix, an ``OutputProcessor`` that knows the prefix.
 """
 
 from __future__ import annotations
@@ -50,6 +52,10 @@ def prepare(
     ``EngineError`` (or ``ValueError`` for a bad prefix) when the request
     cannot run.
     """
+    room = engine.max_model_len - len(prompt_ids)
+    if params.max_tokens_default and 0 < room < params.max_tokens:
+        # (the router's default, not the client's: what the context leaves, as vLLM's server does)
+        params = msgspec.structs.replace(params, max_tokens=room)
     if len(prompt_ids) + params.max_tokens > engine.max_model_len:
         raise context_error(engine, len(prompt_ids), params.max_tokens)
     remaining = params.max_tokens - len(prefix_token_ids)

@@ -20,6 +20,7 @@ import msgspec
 
 from replicas.engine import Engine, EngineDead, EngineError
 from replicas.output import OutputProcessor
+from replicas.prepare import prepare
 from replicas.protocol import (
     PROTOCOL_VERSION,
     Abort,
@@ -232,33 +233,11 @@ class ReplicaServer:
                 prompt_ids = eng.tokenizer.encode(msg.prompt)
             else:
                 raise EngineError("request has no prompt")
-            params = msg.params
-            if params.max_tokens_default and len(prompt_ids) < eng.max_model_len:
-                # (the router's default, not the client's: what the context leaves)
-                room = eng.max_model_len - len(prompt_ids)
-                if params.max_tokens > room:
-                    params = msgspec.structs.replace(params, max_tokens=room)
-            if len(prompt_ids) + params.max_tokens > eng.max_model_len:
-                raise EngineError(
-                    f"This model's maximum context length is {eng.max_model_len} tokens. However, you "
-                    f"requested {len(prompt_ids) + params.max_tokens} tokens ({len(prompt_ids)} in the "
-                    f"prompt, {params.max_tokens} in the completion). Please reduce the length of the "
-                    "prompt or max_tokens."
-                )
-            remaining = params.max_tokens - len(msg.prefix_token_ids)
-            if remaining <= 0:
-                raise EngineError("max_tokens already reached by the resumed prefix")
-            proc = OutputProcessor(eng.tokenizer, params.stop, msg.prefix_token_ids, msg.prefix_text_len)
-            if params.max_tokens != remaining or msg.prefix_token_ids:
-                params = msgspec.structs.replace(
-                    params,
-                    max_tokens=remaining,
-                    min_tokens=max(0, params.min_tokens - len(msg.prefix_token_ids)),
-                )
+            ids, params, proc = prepare(eng, prompt_ids, msg.params, msg.prefix_token_ids, msg.prefix_text_len)
             erid = next(self._ids)
             self._requests[erid] = _Request(conn, msg.rid, proc, prompt_ids)
             conn.requests[msg.rid] = erid
-            eng.add(erid, prompt_ids + msg.prefix_token_ids, params)
+            eng.add(erid, ids, params)
         except EngineDead:
             return  # no answer: ``serve`` drops the connection and the router fails the request over
         except (EngineError, ValueError) as e:
