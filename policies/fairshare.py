@@ -32,7 +32,7 @@ from collections.abc import Callable, Iterable, Sequence
 
 import msgspec
 
-__all__ = ["Head", "HeadIndex", "VirtualCounters", "pick", "effective_rank", "vtc_bound", "W_IN", "W_OUT"]
+__all__ = ["Head", "HeadIndex", "VirtualCounters", "pick", "aged_rank", "vtc_bound", "W_IN", "W_OUT"]
 
 W_IN = 1.0  # weight of a prompt token in the counter (the paper's w_p)
 W_OUT = 2.0  # weight of a completion token (the paper's w_q)
@@ -46,10 +46,13 @@ class Head(msgspec.Struct, frozen=True, gc=False):
     enqueued: float  # when the request was queued
 
 
-def effective_rank(head: Head, now: float, aging: float) -> int:
+def aged_rank(rank: int, since: float, now: float, aging: float) -> int:
+    """A class's rank lifted one step per ``aging`` seconds waited since
+    ``since`` (its oldest head's enqueue time), down to 0; ``aging`` <= 0:
+    strict priority."""
     if aging <= 0:
-        return head.rank
-    return max(0, head.rank - int((now - head.enqueued) / aging))
+        return rank
+    return max(0, rank - int((now - since) / aging))
 
 
 class VirtualCounters:
@@ -114,7 +117,7 @@ def pick(heads: Sequence[Head], counters: VirtualCounters, now: float, aging: fl
     best = -1
     best_key: tuple[int, float, float] | None = None
     for i, h in enumerate(heads):
-        rank = h.rank if aging <= 0 else max(0, h.rank - int((now - oldest[h.rank]) / aging))
+        rank = aged_rank(h.rank, oldest[h.rank], now, aging)
         key = (rank, counters.get(h.tenant), h.enqueued)
         if best_key is None or key < best_key:
             best, best_key = i, key
@@ -185,10 +188,7 @@ class HeadIndex:
                 top = self._top(heap, 1, skip, held)
                 if top is None:
                     continue
-                eff = rank
-                if self.aging > 0:
-                    eff = max(0, rank - int((now - top[0]) / self.aging))
-                ranks.append((eff, rank))
+                ranks.append((aged_rank(rank, top[0], now, self.aging), rank))
             if not ranks:
                 return None
             first = min(eff for eff, _ in ranks)

@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from policies.fairshare import W_IN, W_OUT, Head, HeadIndex, VirtualCounters, effective_rank, pick, vtc_bound
+from policies.fairshare import W_IN, W_OUT, Head, HeadIndex, VirtualCounters, aged_rank, pick, vtc_bound
 
 # -- the simulation ------------------------------------------------------------
 
@@ -385,7 +385,7 @@ def test_low_priority_head_is_served_within_two_agings_and_one_service(
         sim.step()
     assert req.started - req.enqueued <= 2 * aging + l_out + 1
     # and not before its aging made it rank 0 (strict priority holds until then)
-    assert effective_rank(Head("low", 2, req.enqueued), req.started, aging) == 0
+    assert aged_rank(2, req.enqueued, req.started, aging) == 0
     assert req.started - req.enqueued >= 2 * aging - 1e-9
 
 
@@ -513,8 +513,8 @@ def test_pick_always_chooses_one_of_the_heads(heads, values, now, aging) -> None
     i = pick(heads, counters, now, aging)
     assert 0 <= i < len(heads)
     # the chosen head's class holds a head of the most urgent effective rank
-    top = min(effective_rank(h, now, aging) for h in heads)
-    assert any(effective_rank(h, now, aging) == top for h in heads if h.rank == heads[i].rank)
+    top = min(aged_rank(h.rank, h.enqueued, now, aging) for h in heads)
+    assert any(aged_rank(h.rank, h.enqueued, now, aging) == top for h in heads if h.rank == heads[i].rank)
     if aging == 0:  # plain strict priority, then the smallest counter, then FIFO
         key = lambda h: (h.rank, counters.get(h.tenant), h.enqueued)  # noqa: E731
         assert key(heads[i]) == min(key(h) for h in heads)
