@@ -53,7 +53,7 @@ class ChaosConfig:
     max_tokens: int = 200
     kill_every: float = 3.0
     freeze: float = 7.0  # above the router's default health_timeout (5 s): a freeze is noticed
-    mode: str = "kill"  # kill | freeze | mixed
+    mode: str = "mixed"  # kill | freeze | mixed (as the command line)
     seed: int = 0
     max_requests: int = 10_000
 

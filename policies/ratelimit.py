@@ -33,11 +33,7 @@ __all__ = [
     "admit",
     "settle",
     "prune_leases",
-    "UNLIMITED",
 ]
-
-UNLIMITED = 0  # a limit of 0 means "no limit"
-
 
 class Bucket(msgspec.Struct, gc=False):
     """Level (units available) at time ``ts``."""

@@ -78,7 +78,7 @@ def run(args: argparse.Namespace) -> None:
         if not secret and not _loopback(host):
             logging.getLogger("fairstream.replica").warning(
                 "listening on %s without a secret (%s is not set): anyone who reaches this address can use the "
-                "replica", host or "every interface", args.secret_env)
+                "replica", host, args.secret_env)
     elif not args.socket:
         sys.exit("fairstream replica: give --socket PATH, --listen HOST:PORT or --openai HOST:PORT")
     try:

@@ -25,9 +25,9 @@ from replicas.protocol import FinishReason
 
 __all__ = ["OutputProcessor"]
 
+_STUCK = 8  # undecodable tokens before _unstick cuts the window
 # How many tokens before the undecoded ones to re-decode for context; enough
 # for byte-level and sentencepiece tokenizers (vLLM uses 5).
-_STUCK = 8  # undecodable tokens before _unstick cuts the window
 _CONTEXT = 6
 _REPLACEMENT = "\ufffd"
 

@@ -75,8 +75,7 @@ class _Request:
 class _Connection:
     """One router connection: its requests, its outbox and its writer."""
 
-    def __init__(self, server: ReplicaServer, writer: asyncio.StreamWriter) -> None:
-        self.server = server
+    def __init__(self, writer: asyncio.StreamWriter) -> None:
         self.writer = writer
         self.requests: dict[int, int] = {}  # router rid -> engine rid
         self.outbox: list[Delta] = []
@@ -160,7 +159,7 @@ class ReplicaServer:
     # -- connections -------------------------------------------------------
 
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        conn = _Connection(self, writer)
+        conn = _Connection(writer)
         decoder = FrameDecoder(router_decoder())
         self._conns.add(conn)
         reporter: asyncio.Task[None] | None = None

@@ -227,12 +227,11 @@ def _chain() -> _Chain:
 
 
 class _Seq:
-    __slots__ = ("rid", "tokens", "prompt_len", "params", "computed", "generated", "blocks", "key", "restricted")
+    __slots__ = ("rid", "tokens", "params", "computed", "generated", "blocks", "key", "restricted")
 
     def __init__(self, rid: int, tokens: list[int], params: SamplingParams, key: int, restricted: bool) -> None:
         self.rid = rid
         self.tokens = tokens
-        self.prompt_len = len(tokens)
         self.params = params
         self.computed = 0  # tokens with KV computed
         self.generated = 0

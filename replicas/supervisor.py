@@ -117,8 +117,13 @@ async def answered_within(aw, timeout: float) -> Any:
 
 
 def _abandon(task: asyncio.Future) -> None:
-    """Cancel a ping no one will wait for (done: its failure, say the
-    connection closed meanwhile, is then not reported as never retrieved)."""
+    """Cancel a ping no one will wait for; one already done has its failure
+    (say the connection closed meanwhile) retrieved, so that it is not
+    reported as never retrieved."""
+    if task.done():
+        if not task.cancelled():
+            task.exception()
+        return
     task.cancel()
 
 
@@ -188,9 +193,6 @@ class Supervisor:
                 return True
             await asyncio.sleep(0.05)
         return False
-
-    def process(self, name: str) -> asyncio.subprocess.Process | None:
-        return self._procs.get(name)
 
     async def close(self) -> None:
         self._closing = True

@@ -13,7 +13,7 @@ __all__ = ["admin_routes"]
 _JSON = "application/json"
 
 
-def _svc(request: Request) -> RouterService:
+def _admin_svc(request: Request) -> RouterService:
     svc: RouterService = request.app.state.service
     svc.check_admin(request.headers.get("authorization"))
     return svc
@@ -23,14 +23,14 @@ def _svc(request: Request) -> RouterService:
 async def reload_policy(request: Request) -> Response:
     """Re-read tenants.yaml now. 200 with the new version, or 422 with the
     errors (the old policy stays in force)."""
-    result = await _svc(request).policy.reload()
+    result = await _admin_svc(request).policy.reload()
     return Response(msgspec.json.encode(result), media_type=_JSON, status_code=200 if result.ok else 422)
 
 
 @get("/admin/tenants")
 async def tenants(request: Request) -> Response:
     """Effective policy and live usage per tenant (no key material)."""
-    svc = _svc(request)
+    svc = _admin_svc(request)
     snap = svc.policy.current
     out = {}
     for name, pol in snap.tenants.items():
@@ -58,7 +58,7 @@ async def tenants(request: Request) -> Response:
 @get("/admin/replicas")
 async def replicas(request: Request) -> Response:
     """Each replica's state, process id (local ones), restarts, load and cap."""
-    svc = _svc(request)
+    svc = _admin_svc(request)
     out = []
     for slot in svc.pool.slots:
         client = slot.client

@@ -48,7 +48,6 @@ class ApiError(Exception):
     status = 500
     type = "server_error"
     code: str | None = None
-    recoverable = False  # worth retrying later as is
 
     def __init__(self, message: str, *, param: str | None = None, code: str | None = None,
                  headers: dict[str, str] | None = None) -> None:
@@ -101,7 +100,6 @@ class RateLimited(ApiError):
     status = 429
     type = "rate_limit_error"
     code = "rate_limit_exceeded"
-    recoverable = True
 
     def __init__(self, message: str, retry_after: float | None, **kw) -> None:
         """``retry_after`` None: retrying cannot help (the request never
@@ -118,7 +116,6 @@ class ServiceUnavailable(ApiError):
     status = 503
     type = "server_error"
     code = "service_unavailable"
-    recoverable = True
 
 
 class GatewayTimeout(ApiError):
@@ -127,7 +124,6 @@ class GatewayTimeout(ApiError):
     status = 504
     type = "timeout"
     code = "timeout"
-    recoverable = True
 
 
 class RouterShutdown(ServiceUnavailable):

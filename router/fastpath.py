@@ -286,7 +286,7 @@ async def _wire_body(wire: TransportWire, message, timeout: float, scope) -> Non
 def _close_unless_read(send) -> dict[str, str]:
     """``connection: close`` for a response to a request whose body uvicorn
     has not read to its end (it then closes the connection after the
-    response instead of reading the rest to find the next request). None on
+    response instead of reading the rest to find the next request). Empty on
     another server, which keeps its own connections (HTTP/2 forbids the
     header)."""
     cycle = getattr(send, "__self__", None)

@@ -25,7 +25,7 @@ from router.sse import ChunkEncoder, Usage
 from router.tenants import TenantPolicy
 
 __all__ = ["Outcome", "EventStream", "relay_stream", "outcome_of", "shutdown_notice", "error_fields", "log_refused",
-           "NOT_RESUMABLE"]
+           "NOT_RESUMABLE", "error_before_output"]
 
 log = logging.getLogger("fairstream.relay")
 

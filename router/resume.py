@@ -87,7 +87,8 @@ class _Pending:
 
 
 class ResumeWriter:
-    """Owns the flush task; ``close()`` flushes what is pending and stops it."""
+    """Owns the flush task and the claim-renewal task; ``close()`` flushes
+    what is pending and stops both."""
 
     def __init__(self, store: StateStore, retention: float) -> None:
         self.store = store

@@ -50,7 +50,7 @@ log = logging.getLogger("fairstream.resume")
 
 TAIL_POLL = 0.02
 CATCH_UP = 2.0  # seconds to wait for a live owner's buffer to reach the client
-KEEPALIVE = 2.0  # seconds without an event after which the resume sends an SSE comment
+COMMENT_EVERY = 2.0  # seconds without an event after which the resume sends an SSE comment
 WAITING = b": waiting for the stream\n\n"  # that comment; clients skip it
 REREAD_GRACE = 5.0  # seconds a resume tries to read its buffer again before it gives up
 REREAD_INTERVAL = 0.1
@@ -193,7 +193,7 @@ async def _replay(svc: RouterService, policy: TenantPolicy, sid: str, meta: Resu
             cursor += 1
             yield event
             sent_at = loop.time()
-        if loop.time() - sent_at >= KEEPALIVE:
+        if loop.time() - sent_at >= COMMENT_EVERY:
             # (e.g. up to CLAIM_TTL while a crashed router's claim runs out:
             # an SSE comment, which clients skip, keeps proxies and read timeouts content)
             yield WAITING
@@ -317,7 +317,7 @@ async def _take_over(svc: RouterService, policy: TenantPolicy, sid: str, meta: R
 
 
 async def _waiting_until_first(chunks: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
-    """``chunks``, with ``WAITING`` every ``KEEPALIVE`` seconds until the
+    """``chunks``, with ``WAITING`` every ``COMMENT_EVERY`` seconds until the
     first one comes. A continuation waits for the tenant's limits and for a
     first token (up to ``queue_wait`` and ``first_token``) on a response whose
     head is sent; the comments keep proxies' read timeouts content. The first
@@ -325,7 +325,7 @@ async def _waiting_until_first(chunks: AsyncIterator[bytes]) -> AsyncIterator[by
     cancelling it); the rest in the caller's."""
     first = asyncio.ensure_future(anext(chunks))
     try:
-        while not (await asyncio.wait((first,), timeout=KEEPALIVE))[0]:
+        while not (await asyncio.wait((first,), timeout=COMMENT_EVERY))[0]:
             yield WAITING
     except BaseException:  # the client left, or this task is cancelled
         first.cancel()

@@ -1,4 +1,4 @@
-"""The scheduling loop: per-tenant queues in front of the replicas' in-flight caps.
+"""The scheduler: per-tenant queues in front of the replicas' in-flight caps.
 
 A request that has passed admission asks ``Scheduler.acquire`` for a replica.
 If nothing is queued and a replica is under its cap, it is dispatched at
@@ -30,7 +30,7 @@ from router.metrics import Metrics
 from router.scheduler_settings import SchedulerSettings
 from router.tenants import TenantPolicy
 
-__all__ = ["Scheduler", "SchedulerSettings"]
+__all__ = ["Scheduler"]
 
 log = logging.getLogger("fairstream.scheduler")
 
@@ -170,9 +170,9 @@ class Scheduler:
 
     def observe(self, slot: ReplicaSlot, *, itl: float | None = None, ttft: float | None = None) -> None:
         """A latency sample from a stream on ``slot`` for its in-flight cap."""
-        lim = self._limiters.get(slot.name)
-        if lim is None or not lim.adaptive:  # a fixed cap learns nothing from samples
+        if not self.adapts(slot):  # a fixed cap learns nothing from samples
             return
+        lim = self._limiters[slot.name]
         if itl is not None:
             lim.observe_itl(itl)
         if ttft is not None:

@@ -15,7 +15,7 @@ grace like HTTP streams and then closes it (router/websocket.py).
 
 At start the router raises its open-file limit to the hard limit and serves
 at most router.yaml's ``max_connections`` client connections (by default
-half that limit): one more gets a 503 in OpenAI's error shape once its
+about half that limit: ``default_max_connections``): one more gets a 503 in OpenAI's error shape once its
 request is read, and is closed (after a lingering close: ``_Http._linger``), so a flood of connections cannot take the
 descriptors the open streams need for their replicas and upstreams.
 """

@@ -37,7 +37,7 @@ def main() -> None:
     from router.server import Server
 
     p = argparse.ArgumentParser(prog="fairstream-worker")
-    p.add_argument("--config-json", required=True)
+    p.add_argument("--config-file", required=True, help="the router config as JSON, in this file")
     p.add_argument("--tenants", required=True)
     p.add_argument("--host", required=True)
     p.add_argument("--port", type=int, required=True)
@@ -45,7 +45,7 @@ def main() -> None:
     p.add_argument("--log-format", default="json")
     args = p.parse_args()
     setup_logging(args.log_level, json=args.log_format == "json")
-    config = msgspec.json.decode(Path(args.config_json).read_bytes(), type=RouterConfig)
+    config = msgspec.json.decode(Path(args.config_file).read_bytes(), type=RouterConfig)
     try:
         app = create_app(config, Path(args.tenants))
     except ConfigError as e:  # (the tenants file broke after the parent checked it)

@@ -185,7 +185,7 @@ async def _parent(config: RouterConfig, tenants: Path, host: str, port: int, n: 
         cfg_path = Path(run_dir) / "worker.json"
         cfg_path.write_bytes(msgspec.json.encode(worker_config(config, run_dir)))
         cmd = [
-            sys.executable, "-m", "router.worker", "--config-json", str(cfg_path), "--tenants", str(tenants),
+            sys.executable, "-m", "router.worker", "--config-file", str(cfg_path), "--tenants", str(tenants),
             "--host", host, "--port", str(port), *log_args,
         ]
         started: dict[int, float] = {}

@@ -66,7 +66,8 @@ async def _measure(waiters: int, tenants: int, decisions: int, cap: int) -> dict
     from replicas.pool import ReplicaPool
     from replicas.spec import ReplicaSpec
     from router.metrics import Metrics
-    from router.scheduler import Scheduler, SchedulerSettings
+    from router.scheduler import Scheduler
+    from router.scheduler_settings import SchedulerSettings
 
     model = "m"
     pool = ReplicaPool([ReplicaSpec(name=f"r{i}", address=f"127.0.0.1:{9000 + i}") for i in range(2)])

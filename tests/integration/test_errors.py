@@ -15,7 +15,7 @@ import httpx
 import openai
 import pytest
 
-from tests.helpers import ADMIN, GOLD, MODEL, RouterProcess, aiter_sse
+from tests.helpers import ADMIN, GOLD, MODEL, RouterProcess, aiter_sse, poll
 
 MAX_BODY = 64 * 1024
 SHARED_ROUTER = {"settings": {"max_body_bytes": MAX_BODY}}
@@ -517,8 +517,13 @@ def test_metrics_after_traffic(shared_router: RouterProcess, client: openai.Open
     assert after.value("fairstream_tokens_total", tenant="gold", direction="completion") >= 40
     for name in ("sim-0", "sim-1"):
         assert after.value("fairstream_replica_up", replica=name) == 1
-        assert after.value("fairstream_replica_running_requests", replica=name) >= 0
-        assert after.value("fairstream_replica_inflight_requests", replica=name) >= 0
+    # the streams are over: nothing is left in flight, by the router's count and the replicas' reports
+    # (a report lags by its interval)
+    def idle():
+        m = shared_router.metrics()
+        return all(m.value("fairstream_replica_running_requests", replica=n) == 0
+                   and m.value("fairstream_replica_inflight_requests", replica=n) == 0 for n in ("sim-0", "sim-1"))
+    poll(idle, 10, what="no request left in flight")
 
 
 # -- isolation -------------------------------------------------------------------

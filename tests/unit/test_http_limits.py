@@ -455,7 +455,7 @@ def test_open_and_refused_connections_are_counted() -> None:
     def value(name: str, **labels) -> float:
         return m.registry.get_sample_value(name, labels) or 0.0
 
-    with serving(head=0.5, body=5, max_connections=2, metrics=m):
+    with serving(head=2.0, body=5, max_connections=2, metrics=m):  # (b's head must beat it on a loaded box)
         a, b = conn(), conn()
         time.sleep(0.1)
         assert value("fairstream_http_connections") == 2
