@@ -53,6 +53,25 @@ class _WebSocket(WebSocketsSansIOProtocol):
         if _Http.metrics is not None:
             _Http.metrics.connections.inc()
 
+    def handle_connect(self, event) -> None:
+        super().handle_connect(event)
+        scope = getattr(self, "scope", None)
+        if scope is not None:  # (accepted: the handler can reach its connection)
+            scope["extensions"][SOCKET_EXTENSION] = self
+
+    def abort(self) -> None:
+        """Drop the connection now, whatever waits in its buffers: a client
+        that stopped reading never lets a close (which waits for them) end."""
+        self.transport.abort()
+
+    def limit_message_size(self, size: int) -> None:
+        """The largest message the client may send from now on (decompressed;
+        websockets closes with 1009 past it)."""
+        if hasattr(self.conn, "max_message_size"):  # (websockets 15 and later)
+            self.conn.max_message_size = size
+        else:
+            self.conn.max_size = size
+
     def connection_lost(self, exc: Exception | None) -> None:
         if _Http.metrics is not None:
             _Http.metrics.connections.dec()
@@ -66,6 +85,17 @@ class _WebSocket(WebSocketsSansIOProtocol):
             return
         super().shutdown()
 
+
+# the WebSocket scope's extension through which the handler reaches its connection (_WebSocket)
+SOCKET_EXTENSION = "fairstream.socket"
+# the largest WebSocket message, once authenticated: twice max_body_bytes plus
+# this much (a request body over max_body_bytes, up to twice it, is refused
+# and the socket goes on; past that, websockets closes the socket with 1009)
+WS_ENVELOPE = 64 * 1024
+
+
+def ws_max_message(max_body_bytes: int) -> int:
+    return 2 * max_body_bytes + WS_ENVELOPE
 
 MAX_HEAD_BYTES = 64 * 1024  # request line and headers
 HEAD_TIMEOUT = "Timed out reading the request head."
@@ -413,6 +443,7 @@ class Server(uvicorn.Server):
             loop="router.listener:new_event_loop",
             http=_Http,
             ws=_WebSocket,
+            ws_max_size=ws_max_message(cfg.max_body_bytes),  # (router/websocket.py lowers it until auth)
             lifespan="on",
             log_level="warning",
             log_config=None,  # uvicorn's own lines go through the process's handlers (router.logs): JSON too

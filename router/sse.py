@@ -120,7 +120,9 @@ class ChunkEncoder:
     def notice(self, error_json: bytes) -> bytes:
         """An error event with no number of its own, for a stream that can
         still be resumed from its last numbered event: over SSE it has no
-        ``id:`` line, so a client keeps the last id it had."""
+        ``id:`` line, so a client keeps the last id it had. A WebSocket
+        stream cannot be resumed: there it is an error with the next number
+        (a client that drops repeated numbers would drop it)."""
         if self._frame is _sse_frame:
             return b"data: " + error_json + b"\n\n"
-        return self._error_frame(str(self.event_id).encode(), error_json)
+        return self.error(error_json)

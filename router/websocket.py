@@ -44,6 +44,7 @@ from router.errors import ApiError, BadRequest, PayloadTooLarge, RouterShutdown,
 from router.openai_types import usage_options
 from router.push import ClientTooSlow, bounded
 from router.relay import EventStream, log_refused, relay_stream
+from router.server import SOCKET_EXTENSION, ws_max_message
 from router.service import RouterService
 from router.sse import ChunkEncoder
 from router.tenants import TenantPolicy
@@ -53,6 +54,9 @@ __all__ = ["chat_socket"]
 log = logging.getLogger("fairstream.websocket")
 
 MAX_PARALLEL = 64  # generations one socket may run at once
+AUTH_MESSAGE_SIZE = 16 * 1024  # the largest message before authentication (an auth message is small)
+CLOSE_WAIT = 1.0  # seconds a close frame may wait for a client that reads nothing; then the connection is dropped
+MAX_ID = 128  # characters of a request's id (it is repeated in every message)
 
 
 class _Msg(msgspec.Struct, forbid_unknown_fields=True):
@@ -65,16 +69,22 @@ class _Msg(msgspec.Struct, forbid_unknown_fields=True):
 _decode = msgspec.json.Decoder(_Msg).decode
 
 
-def _err(cid: str, e: ApiError) -> bytes:
-    return b'{"id":' + msgspec.json.encode(cid) + b',"error":' + e.body()[len(b'{"error":'):-1] + b"}"
+def _err(cid: str, e: ApiError, request_id: str = "") -> bytes:
+    """``{"id": cid, "error": ...}`` (with the router's ``request_id`` once
+    it has one: the request's log line carries it)."""
+    rid = b',"request_id":"' + request_id.encode() + b'"' if request_id else b""
+    return b'{"id":' + msgspec.json.encode(cid) + rid + b',"error":' + e.body()[len(b'{"error":'):-1] + b"}"
 
 
 class _Conn:
     def __init__(self, svc: RouterService, sock: WebSocket) -> None:
         self.svc = svc
         self.sock = sock
+        # its connection (router/server.py _WebSocket; None on another server)
+        self.link = sock.scope.get("extensions", {}).get(SOCKET_EXTENSION)
         self.auth: str | None = None  # the socket's key, as an Authorization header value
-        self.running: dict[str, asyncio.Task[None]] = {}
+        self.running: dict[str, asyncio.Task[None]] = {}  # by the client's id, until its last message is out
+        self.tasks: set[asyncio.Task[None]] = set()  # every generation's task, until it ends
         self._send_lock = asyncio.Lock()
         self.draining = False
         self.gone = False
@@ -90,13 +100,40 @@ class _Conn:
     def start(self, cid: str, body: bytes, policy: TenantPolicy) -> None:
         task = asyncio.get_running_loop().create_task(self.run_one(cid, body, policy))
         self.running[cid] = task
+        self.tasks.add(task)
         task.add_done_callback(lambda t: self._ended(cid, t))
 
     def _ended(self, cid: str, task: asyncio.Task[None]) -> None:
+        """``cid``'s last message is out (or its task ended): an abort of it
+        gets no answer, its id may run again."""
+        if task.done():
+            self.tasks.discard(task)
         if self.running.get(cid) is task:  # (an aborted one's id may run again already)
             del self.running[cid]
         if self.draining and not self.running:
             self._close_soon()
+
+    def limit_messages(self) -> None:
+        """Authenticated: messages up to a request body's limit."""
+        if self.link is not None:
+            self.link.limit_message_size(ws_max_message(self.svc.config.max_body_bytes))
+
+    async def close(self, code: int, reason: str) -> None:
+        """Close with ``code``; a client that takes no frame for
+        ``CLOSE_WAIT`` seconds has its connection dropped (a close waits for
+        the buffers to drain, which a client that stopped reading never
+        lets happen)."""
+        try:
+            await bounded(self.sock.close(code=code, reason=reason), CLOSE_WAIT)
+        except ClientTooSlow:
+            self.abort()
+        except (WebSocketDisconnect, RuntimeError, OSError):  # the client went first
+            pass
+
+    def abort(self) -> None:
+        self.gone = True
+        if self.link is not None:
+            self.link.abort()
 
     def _close_soon(self) -> None:
         if self.closing is None:
@@ -104,10 +141,7 @@ class _Conn:
 
     async def _close(self) -> None:
         async with self._send_lock:
-            try:
-                await self.sock.close(code=1012, reason="router shutting down")
-            except (WebSocketDisconnect, RuntimeError, OSError):  # the client went first
-                pass
+            await self.close(1012, "router shutting down")
 
     async def send(self, data: bytes) -> None:
         """Send a frame; nothing if the socket is closed or the client gone
@@ -120,10 +154,10 @@ class _Conn:
             except (WebSocketDisconnect, RuntimeError, OSError):  # the client went mid-send
                 self.gone = True
             except ClientTooSlow as e:
-                # its requests end (their leases free); the socket stays until
-                # the client or TCP closes it
-                log.warning("websocket: %s; ending its requests", e)
-                self.gone = True
+                # its requests end (their leases free), and its connection is
+                # dropped: a close would wait for buffers it does not read
+                log.warning("websocket: %s; ending its requests and dropping the connection", e)
+                self.abort()
 
     async def run_one(self, cid: str, body: bytes, policy: TenantPolicy) -> None:
         svc = self.svc
@@ -131,11 +165,11 @@ class _Conn:
         try:
             st = await start_generation(svc, policy, body, True, request_id, "websocket", stream_implied=True)
         except ApiError as e:
-            await self.send(_err(cid, e))
+            await self.send(_err(cid, e, request_id))
             return
         except Exception as e:  # noqa: BLE001 - answer this request, keep the connection's others
             log.exception("websocket request %s failed", request_id, exc_info=e)
-            await self.send(_err(cid, ApiError("Internal server error.")))
+            await self.send(_err(cid, ApiError("Internal server error."), request_id))
             return
         req, gen = st.req, st.gen
         enc = ChunkEncoder(True, response_id_of(True, request_id), req.model, st.created, channel=cid)
@@ -145,53 +179,75 @@ class _Conn:
                 await self.send(frame)
                 if self.gone:
                     break  # (closing the relay settles the request as cancelled)
+                if frame is es.final:  # (done, or its error: an abort now gets no answer)
+                    self._ended(cid, asyncio.current_task())
+
+
+def _read(raw: str) -> _Msg | ApiError:
+    """The message in ``raw``, or the error that answers it."""
+    if not raw:  # (a binary frame reads as empty text)
+        return BadRequest("Bad message: send each message as a JSON object in a text frame "
+                          "(this one was empty or binary).", code="invalid_json")
+    try:
+        msg = _decode(raw)
+    except msgspec.DecodeError as e:
+        return BadRequest(f"Bad message: {e}", code="invalid_json")
+    except RecursionError:
+        return BadRequest("Bad message: nested too deeply.", code="invalid_json")
+    if len(msg.id) > MAX_ID:
+        return BadRequest(f"An 'id' is at most {MAX_ID} characters.", param="id")
+    return msg
+
+
+async def _authenticate(conn: _Conn, raw: str) -> None:
+    """A message before authentication: the auth message, or an error."""
+    msg = _read(raw)
+    if isinstance(msg, ApiError):
+        await conn.send(_err("", msg))
+    elif msg.type != "auth":
+        await conn.send(_err(msg.id, BadRequest('Authenticate first: send {"type": "auth", "api_key": KEY}.',
+                                                code="missing_api_key")))
+    else:
+        conn.svc.tenant(f"Bearer {msg.api_key}")  # (a bad key: refused now)
+        conn.auth = f"Bearer {msg.api_key}"
+        conn.limit_messages()
+        await conn.send(b'{"type":"auth","ok":true}')
 
 
 @websocket("/v1/ws")
 async def chat_socket(socket: WebSocket) -> None:
     svc: RouterService = socket.app.state.service
-    await socket.accept()
     conn = _Conn(svc, socket)
+    if conn.link is not None:  # (until it authenticates, a client sends small messages or none)
+        conn.link.limit_message_size(AUTH_MESSAGE_SIZE)
+    await socket.accept()
     svc.sockets.add(conn)
     if svc.draining:
         conn.drain()
     auth = socket.headers.get("authorization")
-    # one deadline for the auth message, from the upgrade (not per message:
-    # a client sending junk now and then would keep it open for good)
+    # one deadline for authenticating, from the upgrade, over the reads and
+    # the answers alike (not per message: a client sending junk now and then,
+    # or not reading the answers, would keep it open for good)
     auth_by = asyncio.get_running_loop().time() + svc.config.header_timeout if svc.config.header_timeout else None
     try:
         if auth:
             svc.tenant(auth)  # (a bad key: refused now)
             conn.auth = auth
+            conn.limit_messages()
         while not conn.gone:  # (gone: it took no frame for send_timeout; nothing more is started for it)
             try:
                 async with asyncio.timeout_at(auth_by if conn.auth is None else None):
                     raw = await socket.receive_data(mode="text")
+                    if conn.auth is None:
+                        await _authenticate(conn, raw)
+                        continue
             except TimeoutError:  # (no auth message: as an HTTP connection that sends no request head)
                 svc.metrics.connections_refused.labels("header_timeout").inc()
-                await socket.close(code=1008, reason=f"no auth message within {svc.config.header_timeout:g}s")
+                await conn.close(1008, f"no auth message within {svc.config.header_timeout:g}s")
                 return
-            if not raw:  # (a binary frame reads as empty text)
-                await conn.send(_err("", BadRequest("Bad message: send each message as a JSON object in a text frame "
-                                                    "(this one was empty or binary).", code="invalid_json")))
-                continue
-            try:
-                msg = _decode(raw)
-            except msgspec.DecodeError as e:
-                await conn.send(_err("", BadRequest(f"Bad message: {e}", code="invalid_json")))
-                continue
-            except RecursionError:
-                await conn.send(_err("", BadRequest("Bad message: nested too deeply.", code="invalid_json")))
-                continue
-            if conn.auth is None:
-                if msg.type != "auth":
-                    await conn.send(_err(msg.id, BadRequest("Authenticate first: send "
-                                                            '{"type": "auth", "api_key": KEY}.',
-                                                            code="missing_api_key")))
-                    continue
-                svc.tenant(f"Bearer {msg.api_key}")  # (a bad key: refused now)
-                conn.auth = f"Bearer {msg.api_key}"
-                await conn.send(b'{"type":"auth","ok":true}')
+            msg = _read(raw)
+            if isinstance(msg, ApiError):
+                await conn.send(_err("", msg))
                 continue
             if msg.type == "chat.completions.create":
                 if conn.draining:
@@ -203,7 +259,8 @@ async def chat_socket(socket: WebSocket) -> None:
                                                             param="id")))
                     continue
                 if len(conn.running) >= MAX_PARALLEL:
-                    await conn.send(_err(msg.id, BadRequest(f"At most {MAX_PARALLEL} requests at once per socket.")))
+                    await conn.send(_err(msg.id, BadRequest(f"At most {MAX_PARALLEL} requests at once per socket.",
+                                                            code="too_many_parallel_requests")))
                     continue
                 if not bytes(msg.body):
                     await conn.send(_err(msg.id, BadRequest("Missing 'body'.", param="body")))
@@ -220,17 +277,20 @@ async def chat_socket(socket: WebSocket) -> None:
                 if task is not None:
                     task.cancel()
                     await conn.send(b'{"id":' + msgspec.json.encode(msg.id) + b',"aborted":true}')
+            elif msg.type == "auth":
+                await conn.send(_err(msg.id, BadRequest("This socket is authenticated already; its key is the one "
+                                                        "it authenticated with.", param="type")))
             else:
                 await conn.send(_err(msg.id, BadRequest(f"Unknown message type {msg.type!r}.", param="type")))
     except ApiError as e:  # bad key: say why, then close
         log_refused(svc, "websocket", new_request_id(), e)
         await conn.send(error_body(e.message, e.type, e.param, e.code))
-        await socket.close(code=4401 if e.status == 401 else 4403, reason=e.message[:120])
+        await conn.close(4401 if e.status == 401 else 4403, e.message[:120])
     except WebSocketDisconnect:
         pass
     finally:
         svc.sockets.discard(conn)
-        tasks = [*conn.running.values(), *([conn.closing] if conn.closing else [])]
+        tasks = [*conn.tasks, *([conn.closing] if conn.closing else [])]
         for task in tasks:
             task.cancel()
         if tasks:

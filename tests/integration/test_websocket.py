@@ -5,8 +5,13 @@ abort, protocol errors without closing, close aborts everything, tenant limits."
 from __future__ import annotations
 
 import asyncio
+import base64
+import contextlib
 import itertools
 import json
+import os
+import socket
+import struct
 from pathlib import Path
 from typing import Any
 
@@ -443,3 +448,85 @@ async def test_a_body_over_max_body_bytes_is_refused_as_over_http(router: Router
         col = Collector(ws)  # the socket goes on
         await create(ws, "small", chat_body("hello", 3))
         await col.until(lambda: col.finished("small"), what="a request after the refused one")
+
+
+def _raw_ws(router: RouterProcess, key: str | None) -> socket.socket:
+    """A WebSocket client that reads nothing after the handshake (a small
+    receive window, so the router's writes back up soon)."""
+    sock = socket.socket()
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)  # (before connect)
+    sock.connect(("127.0.0.1", router.port))
+    auth = f"Authorization: Bearer {key}\r\n" if key else ""
+    sock.sendall(f"GET /v1/ws HTTP/1.1\r\nHost: x\r\nUpgrade: websocket\r\nConnection: Upgrade\r\n"
+                 f"Sec-WebSocket-Key: {base64.b64encode(os.urandom(16)).decode()}\r\n"
+                 f"Sec-WebSocket-Version: 13\r\n{auth}\r\n".encode())
+    head = b""
+    while b"\r\n\r\n" not in head:
+        head += sock.recv(1)
+    assert head.startswith(b"HTTP/1.1 101"), head
+    return sock
+
+
+def _frame(text: str) -> bytes:
+    """A masked text frame, as a client sends it."""
+    data, mask = text.encode(), os.urandom(4)
+    n = len(data)
+    size = bytes([0x80 | n]) if n < 126 else bytes([0x80 | 126]) + struct.pack("!H", n) if n < 65536 \
+        else bytes([0x80 | 127]) + struct.pack("!Q", n)
+    return b"\x81" + size + mask + bytes(b ^ mask[i % 4] for i, b in enumerate(data))
+
+
+async def test_a_socket_whose_client_stops_reading_is_dropped(tmp_path: Path) -> None:
+    # Its requests ended after send_timeout, but the connection stayed open
+    # for good: a close waits for buffers the client never drains. Before
+    # authenticating, junk messages whose error replies it never read held
+    # it open past header_timeout too: six such sockets locked every client
+    # out (max_connections). The router now drops such connections.
+    tenants = tmp_path / "tenants.yaml"
+    # (one token per message: a stream of them outgrows every buffer between them)
+    tenants.write_text(yaml.safe_dump({"admin_keys": [hash_key(ADMIN)],
+                                       "tenants": {"a": {"keys": [hash_key(KEY_A)], "chunk_tokens": 1}}}))
+    sim = {"step_base_ms": 0.0, "step_per_seq_ms": 0.0, "max_model_len": 40000}
+    with RouterProcess(tmp_path / "r", replicas=1, tenants=tenants, sim=sim,
+                       settings={"send_timeout": 1.5, "header_timeout": 1.0}) as r:
+        async with httpx.AsyncClient(base_url=r.base_url, timeout=30) as http:
+            async def open_connections() -> float:
+                return (await r.ametrics(http)).value("fairstream_http_connections")  # (this client's own too)
+
+            base = await open_connections()
+            keyed = _raw_ws(r, KEY_A)
+            body = chat_body("hello", 30000)
+            keyed.sendall(_frame(json.dumps({"type": "chat.completions.create", "id": "x", "body": body})))
+            junk = _raw_ws(r, None)
+            junk.settimeout(0.5)
+            with contextlib.suppress(OSError):  # (until the router stops reading it, or drops it)
+                for _ in range(20):
+                    junk.sendall(_frame("{}") * 2000)
+            await apoll(lambda: _equal(open_connections(), base), 30, interval=0.5,
+                        what="both stuck sockets to be dropped")
+            assert "ending its requests and dropping the connection" in r.log()
+            m = await r.ametrics(http)
+            assert m.value("fairstream_requests_total", tenant="a", endpoint="websocket", outcome="cancelled") == 1
+            assert m.value("fairstream_http_connections_refused_total", reason="header_timeout") == 1
+            keyed.close()
+            junk.close()
+
+
+async def _equal(value, expected: float) -> bool:
+    return await value == expected
+
+
+async def test_a_large_message_before_authentication_closes_the_socket(router: RouterProcess) -> None:
+    # (uvicorn's 16 MiB frame limit applied before the key was known: two
+    # dozen sockets sending one such message each took ~900 MB of memory)
+    async with open_ws(router, key=None) as ws:
+        await ws.send(json.dumps({"type": "auth", "api_key": "k" * 100_000}))
+        with pytest.raises(ConnectionClosed) as info:
+            await recv(ws)
+        assert info.value.rcvd is not None and info.value.rcvd.code == 1009, info.value
+    async with open_ws(router, key=None) as ws:  # an auth message as it should be: then large ones are fine
+        await ws.send(json.dumps({"type": "auth", "api_key": KEY_A}))
+        assert await recv(ws) == {"type": "auth", "ok": True}
+        await create(ws, "big", chat_body("x" * 100_000, 3))
+        msg = await recv(ws, timeout=30)
+        assert msg["id"] == "big" and ("chunk" in msg or "error" in msg), msg

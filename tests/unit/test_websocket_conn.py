@@ -3,15 +3,21 @@
 from __future__ import annotations
 
 import asyncio
+import json
 from types import SimpleNamespace
 
 from litestar.exceptions import WebSocketDisconnect
 
-from router.websocket import _Conn
+from replicas.protocol import FinishReason
+from router.errors import RouterShutdown
+from router.sse import ChunkEncoder
+from router.websocket import CLOSE_WAIT, _Conn
 
 
 class GoneSocket:
     """A socket whose client disconnected: every send fails, as uvicorn's does."""
+
+    scope: dict = {}
 
     def __init__(self) -> None:
         self.sends = 0
@@ -39,6 +45,8 @@ async def test_a_send_to_a_gone_client_is_dropped_not_raised() -> None:
 class FullSocket:
     """A socket whose client reads nothing: a send waits for room forever."""
 
+    scope: dict = {}
+
     async def send_data(self, data: str, mode: str) -> None:
         await asyncio.Event().wait()
 
@@ -48,3 +56,52 @@ async def test_a_client_that_takes_no_frame_for_send_timeout_is_given_up() -> No
     conn = _Conn(service(0.1), FullSocket())  # type: ignore[arg-type]
     await asyncio.wait_for(conn.send(b'{"id":"a"}'), 2)
     assert conn.gone
+
+
+class Link:
+    """The connection behind a socket (router/server.py ``_WebSocket``)."""
+
+    def __init__(self) -> None:
+        self.aborted = False
+        self.max_size: int | None = None
+
+    def abort(self) -> None:
+        self.aborted = True
+
+    def limit_message_size(self, size: int) -> None:
+        self.max_size = size
+
+
+class StuckSocket(FullSocket):
+    """A client that reads nothing: a close frame never goes out either."""
+
+    def __init__(self, link: Link) -> None:
+        self.scope = {"extensions": {"fairstream.socket": link}}
+
+    async def close(self, code: int, reason: str) -> None:
+        await asyncio.Event().wait()
+
+
+async def test_a_client_that_stops_reading_has_its_connection_dropped() -> None:
+    # Its requests ended, but the socket stayed open for good: uvicorn's close
+    # waits for buffers the client never drains (one held max_connections
+    # slots, unauthenticated ones locked the router out, shutdown waited
+    # shutdown_grace for it)
+    link = Link()
+    conn = _Conn(service(0.1), StuckSocket(link))  # type: ignore[arg-type]
+    await asyncio.wait_for(conn.send(b'{"id":"a"}'), 2)
+    assert conn.gone and link.aborted
+    link2 = Link()
+    closing = _Conn(service(60), StuckSocket(link2))  # type: ignore[arg-type]
+    await asyncio.wait_for(closing.close(1012, "router shutting down"), 1 + CLOSE_WAIT)  # (at shutdown)
+    assert link2.aborted
+
+
+def test_a_websocket_stream_ended_by_shutdown_numbers_its_error_as_the_next_event() -> None:
+    # (it repeated the last chunk's number, and a client that drops repeated
+    # numbers dropped the error; a WebSocket stream is never resumed)
+    enc = ChunkEncoder(True, "chatcmpl-x", "m", 0, channel="c1")
+    enc.delta("hi", FinishReason.NONE)
+    last = json.loads(enc.delta(" there", FinishReason.NONE))["event"]
+    notice = json.loads(enc.notice(RouterShutdown().body()))
+    assert notice["event"] == last + 1 and notice["error"]["code"] == "router_shutdown", notice
