@@ -5,12 +5,21 @@ replica server feeds new token ids in and gets text out.
 
 Text contract: the concatenation of every emitted ``text`` equals
 ``tokenizer.decode(all completion tokens)`` (truncated before a matched stop
-string), whatever the chunking and whichever replica produced which tokens.
-Two things are held back until they are settled:
+string), whatever the chunking and whichever replica produced which tokens,
+except at the end, as vLLM's detokenizer has it: the bytes of a character
+the sequence ended inside (at most ``_INCOMPLETE`` tokens held) are dropped,
+not emitted as U+FFFD, and a stop
+token's text is not emitted (the server leaves it out). Two things are held
+back until they are settled:
 
 * bytes of a multi-byte character that is not complete yet;
 * when stop strings are set, the last ``len(longest stop) - 1`` characters,
   since they could be the start of a stop string (vLLM does the same).
+
+Stop strings are looked for only once more than ``min_tokens`` completion
+tokens exist, and only where they end in text decoded since the last look
+(vLLM's rule: a stop string inside the first ``min_tokens`` tokens' text
+ends nothing).
 
 A request resumed on another replica passes the tokens and the number of
 characters the client already has (``prefix_text_len``); the processor rebuilds
@@ -26,6 +35,7 @@ from replicas.protocol import FinishReason
 __all__ = ["OutputProcessor"]
 
 _STUCK = 8  # undecodable tokens before _unstick cuts the window
+_INCOMPLETE = 3  # tokens a character can end inside at the most (its first 3 of 4 bytes)
 # How many tokens before the undecoded ones to re-decode for context; enough
 # for byte-level and sentencepiece tokenizers (vLLM uses 5).
 _CONTEXT = 6
@@ -41,6 +51,9 @@ class OutputProcessor:
         "_pending",
         "_stop",
         "_hold",
+        "_min_tokens",
+        "_looked",
+        "_emitted",
         "finished",
     )
 
@@ -50,27 +63,39 @@ class OutputProcessor:
         stop: list[str],
         prefix_token_ids: list[int] = (),  # type: ignore[assignment]
         prefix_text_len: int = 0,
+        min_tokens: int = 0,
     ) -> None:
         self._tok = tokenizer
         self._ids: list[int] = list(prefix_token_ids)
         self._stop = [s for s in stop if s]
         self._hold = max((len(s) for s in self._stop), default=1) - 1
+        self._min_tokens = min_tokens  # (completion tokens, a resumed prefix's included)
         self.finished = False
         # Text decoded so far but not yet emitted.
         self._pending = ""
+        self._looked = 0  # characters of _pending a stop string can no longer end in
+        self._emitted = prefix_text_len  # characters of text out so far (before _pending)
         if self._ids:
             # Find the longest prefix of tokens whose text is complete; the
             # tokens after it stay undecoded until a later token completes them.
+            # (Never below the text the client has: a U+FFFD already emitted,
+            # from bytes that are no UTF-8, is text like any other.)
             read = len(self._ids)
             text = tokenizer.decode(self._ids)
             while read > 0 and text.endswith(_REPLACEMENT):
+                shorter = tokenizer.decode(self._ids[: read - 1])
+                if len(shorter) < prefix_text_len:
+                    break
                 read -= 1
-                text = tokenizer.decode(self._ids[:read])
+                text = shorter
             if prefix_text_len > len(text):
                 raise ValueError(
                     f"prefix_text_len {prefix_text_len} exceeds the prefix text ({len(text)} chars)"
                 )
             self._pending = text[prefix_text_len:]
+            # (looking at all of it finds only what the first replica could
+            # not have seen yet, as it would have stopped; min_tokens' text
+            # is left out when looking: _min_boundary)
             self._read_offset = read
             self._prefix_offset = max(0, read - _CONTEXT)
         else:
@@ -109,19 +134,35 @@ class OutputProcessor:
             elif len(ids) - self._read_offset > _STUCK:
                 self._unstick(ids, prefix_text, full)
         if finish != FinishReason.NONE and self._read_offset < len(ids):
-            # The sequence ends inside a character: emit what decode gives.
+            # A sequence that ends inside a character: the bytes of that
+            # character are dropped, as vLLM drops them, not emitted as
+            # U+FFFD. Bytes that are no UTF-8 at all are text as decode gives
+            # it, as _unstick would have emitted them.
             tok = self._tok
             prefix_text = tok.decode(ids[self._prefix_offset : self._read_offset])
-            full = tok.decode(ids[self._prefix_offset :])
-            self._pending += full[len(prefix_text) :]
+            end = len(ids)
+            for cut in range(len(ids) - 1, max(self._read_offset, len(ids) - _INCOMPLETE) - 1, -1):
+                if tok.decode(ids[self._prefix_offset : cut + 1]).endswith(_REPLACEMENT):
+                    end = cut  # (without that token)
+                else:
+                    break
+            text = tok.decode(ids[self._prefix_offset : end])
+            if text.endswith(_REPLACEMENT):  # (more than one character's end: bytes that are no UTF-8)
+                text = tok.decode(ids[self._prefix_offset :])
+            self._pending += text[len(prefix_text) :]
             self._read_offset = len(ids)
         pending = self._pending
-        if self._stop and pending:
-            hit = _find_stop(pending, self._stop)
-            if hit >= 0:
-                self._pending = ""
-                self.finished = True
-                return pending[:hit], FinishReason.STOP
+        if self._stop and len(pending) > self._looked:
+            if len(ids) > self._min_tokens:
+                after = self._looked
+                if self._min_tokens:
+                    after = max(after, self._min_boundary())
+                hit = _find_stop(pending, self._stop, after)
+                if hit >= 0:
+                    self._pending = ""
+                    self.finished = True
+                    return pending[:hit], FinishReason.STOP
+            self._looked = len(pending)
         if finish != FinishReason.NONE:
             self._pending = ""
             self.finished = True
@@ -129,11 +170,24 @@ class OutputProcessor:
         hold = self._hold
         if hold and len(pending) > hold:
             self._pending = pending[-hold:]
+            self._looked = min(self._looked, hold)
+            self._emitted += len(pending) - hold
             return pending[:-hold], finish
         if hold:
             return "", finish
         self._pending = ""
+        self._looked = 0
+        self._emitted += len(pending)
         return pending, finish
+
+    def _min_boundary(self) -> int:
+        """Characters at the start of ``_pending`` that are the text of the
+        first ``min_tokens`` completion tokens: a stop string ending there
+        ends nothing (vLLM looks for stop strings only past min_tokens)."""
+        text = self._tok.decode(self._ids[: self._min_tokens])
+        while text.endswith(_REPLACEMENT):  # (a character they end inside ends past them)
+            text = text[:-1]
+        return len(text) - self._emitted
 
 
     def _unstick(self, ids: list[int], prefix_text: str, full: str) -> None:
@@ -153,13 +207,14 @@ class OutputProcessor:
                 return
 
 
-def _find_stop(text: str, stops: list[str]) -> int:
+def _find_stop(text: str, stops: list[str], after: int = 0) -> int:
     """Start of the stop string that completes first in ``text`` (as it would
-    token by token), the longest on a tie; -1 if none. Completion order, not
-    start order, makes the cut independent of how the text was chunked."""
+    token by token), the longest on a tie, among those that end past the
+    first ``after`` characters; -1 if none. Completion order, not start
+    order, makes the cut independent of how the text was chunked."""
     best_end = best_start = -1
     for s in stops:
-        i = text.find(s)
+        i = text.find(s, max(0, after - len(s) + 1))
         if i < 0:
             continue
         end = i + len(s)

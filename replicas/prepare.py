@@ -16,7 +16,7 @@ from replicas.engine import Engine, EngineError, Tokenizer
 from replicas.output import OutputProcessor
 from replicas.protocol import SamplingParams
 
-__all__ = ["prepare", "context_error"]
+__all__ = ["prepare", "context_error", "prompt_error"]
 
 # Prompt tokens an output processor sees as context when it is primed with the
 # prompt: enough to hold the start of one unfinished UTF-8 character.
@@ -24,8 +24,17 @@ _PRIME_TOKENS = 8
 _REPLACEMENT = "\ufffd"
 
 
+def prompt_error(engine: Engine, prompt_len: int) -> EngineError:
+    """A prompt that leaves no room for a completion token."""
+    return EngineError(
+        f"This model's maximum context length is {engine.max_model_len} tokens. However, your prompt "
+        f"contains {prompt_len} input tokens, which leaves no room for a completion. Please reduce the "
+        "length of the prompt."
+    )
+
+
 def context_error(engine: Engine, prompt_len: int, max_tokens: int) -> EngineError:
-    """vLLM's wording for a request over the context length."""
+    """vLLM's wording for a ``max_tokens`` over the context length."""
     return EngineError(
         f"This model's maximum context length is {engine.max_model_len} tokens. However, you "
         f"requested {prompt_len + max_tokens} tokens ({prompt_len} in the prompt, {max_tokens} "
@@ -53,16 +62,19 @@ def prepare(
     cannot run.
     """
     room = engine.max_model_len - len(prompt_ids)
-    if params.max_tokens_default and 0 < room < params.max_tokens:
-        # (the router's default, not the client's: what the context leaves, as vLLM's server does)
-        params = msgspec.structs.replace(params, max_tokens=room)
-    if len(prompt_ids) + params.max_tokens > engine.max_model_len:
+    if room <= 0:
+        raise prompt_error(engine, len(prompt_ids))
+    if params.max_tokens > engine.max_model_len:
         raise context_error(engine, len(prompt_ids), params.max_tokens)
+    if params.max_tokens > room:
+        # what the context leaves after the prompt, the client's max_tokens
+        # as the router's default, as vLLM's server does (get_max_tokens)
+        params = msgspec.structs.replace(params, max_tokens=room, min_tokens=min(params.min_tokens, room))
     remaining = params.max_tokens - len(prefix_token_ids)
     if remaining <= 0:
         raise EngineError("max_tokens already reached by the resumed prefix")
     if prefix_token_ids:
-        proc = OutputProcessor(engine.tokenizer, params.stop, prefix_token_ids, prefix_text_len)
+        proc = OutputProcessor(engine.tokenizer, params.stop, prefix_token_ids, prefix_text_len, params.min_tokens)
         params = msgspec.structs.replace(
             params,
             max_tokens=remaining,
@@ -70,9 +82,10 @@ def prepare(
         )
     elif prime and prompt_ids:
         tail = prompt_ids[-_PRIME_TOKENS:]
-        proc = OutputProcessor(engine.tokenizer, params.stop, tail, _complete_text_len(engine.tokenizer, tail))
+        proc = OutputProcessor(engine.tokenizer, params.stop, tail, _complete_text_len(engine.tokenizer, tail),
+                               params.min_tokens + len(tail))
     else:
-        proc = OutputProcessor(engine.tokenizer, params.stop)
+        proc = OutputProcessor(engine.tokenizer, params.stop, min_tokens=params.min_tokens)
     return prompt_ids + list(prefix_token_ids), params, proc
 
 

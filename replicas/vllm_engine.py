@@ -315,7 +315,8 @@ class VllmEngine(Engine):
             self.die(f"vLLM engine is dead: {e}")
         except Exception as e:
             cause = e.__cause__ or e
-            sink(rid, [], FinishReason.ERROR, f"{type(cause).__name__}: {cause}")
+            # (vLLM's own message, as its server gives it; the class name only when there is none)
+            sink(rid, [], FinishReason.ERROR, str(cause) or type(cause).__name__)
         finally:
             if self._req_ids.get(rid) == req_id:
                 del self._req_ids[rid]

@@ -431,3 +431,18 @@ def test_streamed_responses_on_the_wire_keep_alive_pipelined_and_http10(shared_r
         assert b"\r\nconnection: close\r\n" in head + b"\r\n", head
         assert b"transfer-encoding" not in head, head  # (HTTP/1.0 has no chunks: the body as is)
         assert parse_sse(body.decode())[-1].data == "[DONE]"
+
+
+def test_a_stop_token_ends_the_text_without_its_own_text_as_vllm(client: openai.OpenAI) -> None:
+    # (its text was output: vLLM's detokenizer leaves the stop token out, and
+    # counts it as a completion token)
+    kw = dict(max_tokens=80, temperature=0, extra_body=IGNORE_EOS)
+    reference = client.completions.create(model=MODEL, prompt="Le caf", **kw).choices[0].text
+    ch = next(c for c in reference[3:] if c.isascii() and c.isalpha())  # (the sim's tokens are bytes)
+    stop_at = reference.index(ch, 3)
+    extra = {**IGNORE_EOS, "stop_token_ids": [ord(ch)], "min_tokens": 3}
+    r = client.completions.create(model=MODEL, prompt="Le caf", max_tokens=80, temperature=0, extra_body=extra)
+    assert (r.choices[0].text, r.choices[0].finish_reason) == (reference[:stop_at], "stop"), (reference, ch)
+    assert r.usage.completion_tokens == len(reference[: stop_at + 1].encode())
+    pieces, finish, _ = stream_completion(client, "Le caf", max_tokens=80, temperature=0, extra_body=extra)
+    assert ("".join(pieces), finish) == (reference[:stop_at], "stop")
