@@ -268,3 +268,13 @@ def test_no_stop_string_ends_in_the_text_of_the_first_min_tokens(min_tokens: int
     assert (out, finish) == ("xx", STOP)  # ("b", the 4th token, ends it: past min_tokens)
     out, finish = feed(OutputProcessor(TOK, ["ab"], min_tokens=4), split(ids, points(raw, len(ids))), LENGTH)
     assert (out, finish) == ("xxabxx", LENGTH)
+
+
+def test_a_resume_inside_a_run_of_replacement_characters_the_client_has_continues() -> None:
+    # (real U+FFFD characters in the text, as models copy them from mojibake:
+    # the resumed processor cut every trailing token whose text ends in one,
+    # below the text the client had, and raised: the stream was lost)
+    ids = TOK.encode("caf\ufffd\ufffd\ufffd\ufffd au lait")
+    whole = feed(OutputProcessor(TOK, []), [[i] for i in ids], LENGTH)
+    for k in range(1, len(ids)):
+        assert run_with_resume(ids, list(range(1, len(ids))), k, []) == whole, k
