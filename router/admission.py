@@ -148,10 +148,7 @@ class Admission:
     async def close(self) -> None:
         if self._keeper is not None:
             self._keeper.cancel()
-            try:
-                await self._keeper
-            except asyncio.CancelledError:
-                pass
+            await asyncio.gather(self._keeper, return_exceptions=True)
 
     async def admit(self, policy: TenantPolicy, cost_tokens: int, *, count_request: bool = True,
                     prompt_tokens: int = 0) -> Ticket:
@@ -332,3 +329,12 @@ class Admission:
                     await self.store.renew(tenant, ids, LEASE_TTL)
                 except StoreUnavailable as e:
                     log.warning("lease renewal failed for %s: %s", tenant, e)
+                    continue
+                # (renewing adds back a lease the store lost; one whose stream
+                # ended while the renewal was on its way must not stay)
+                for lid in ids:
+                    if lid not in self._leases:
+                        try:
+                            await self.store.release(tenant, lid)
+                        except StoreUnavailable:
+                            pass  # (it expires by itself)

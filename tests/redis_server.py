@@ -69,8 +69,10 @@ def _ping(port: int, timeout: float = 0.5) -> bool:
 class RedisServer:
     """One ``redis-server`` child process. Use as a context manager or call start()/stop()."""
 
-    def __init__(self, binary: str | None = None, *, start_timeout: float = 10.0, stop_timeout: float = 5.0) -> None:
+    def __init__(self, binary: str | None = None, *, start_timeout: float = 10.0, stop_timeout: float = 5.0,
+                 persist: bool = False) -> None:
         self.binary = binary or require_redis_server()
+        self.persist = persist  # an append-only file, synced at every write: a restart keeps the data
         self.start_timeout = start_timeout
         self.stop_timeout = stop_timeout
         self.port = 0
@@ -106,7 +108,8 @@ class RedisServer:
         with open(self.log_path, "ab") as log:
             self.proc = subprocess.Popen(
                 [self.binary, "--port", str(self.port), "--bind", "127.0.0.1",
-                 "--save", "", "--appendonly", "no", "--dir", str(self.dir)],
+                 "--save", "", "--appendonly", "yes" if self.persist else "no", "--appendfsync", "always",
+                 "--dir", str(self.dir)],
                 cwd=self.dir, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
             )
 
@@ -143,6 +146,15 @@ class RedisServer:
     def kill(self) -> None:
         """An outage: SIGKILL the server (no shutdown). The port is kept for ``restart()``."""
         self._terminate(signal.SIGKILL)
+
+    def pause(self) -> None:
+        """A partition or a hang: SIGSTOP (its clients' commands time out); ``resume()`` ends it."""
+        assert self.proc is not None
+        self.proc.send_signal(signal.SIGSTOP)
+
+    def resume(self) -> None:
+        assert self.proc is not None
+        self.proc.send_signal(signal.SIGCONT)
 
     def restart(self) -> RedisServer:
         """Start again on the same port (after ``kill()``), empty."""

@@ -76,7 +76,10 @@ class StateStore(abc.ABC):
 
     @abc.abstractmethod
     async def renew(self, tenant: str, lease_ids: list[str], ttl: float) -> None:
-        """Extend live leases so they outlast the next renewal."""
+        """Extend the leases of streams the caller still runs, so they
+        outlast the next renewal. A lease the store no longer holds (it
+        expired while its router was frozen; Redis restarted or was flushed)
+        is added again: the stream it counts is still running."""
 
     @abc.abstractmethod
     async def release(self, tenant: str, lease_id: str) -> None:

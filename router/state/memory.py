@@ -88,8 +88,7 @@ class MemoryStore(StateStore):
         now = self._clock()
         t = self._t(tenant)
         for lid in lease_ids:
-            if lid in t.leases and t.leases[lid] > now:
-                t.leases[lid] = now + ttl
+            t.leases[lid] = now + ttl
 
     async def release(self, tenant: str, lease_id: str) -> None:
         self._t(tenant).leases.pop(lease_id, None)

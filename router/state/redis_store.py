@@ -9,6 +9,7 @@ share a Redis Cluster slot.
 from __future__ import annotations
 
 import array
+import asyncio
 import sys
 from pathlib import Path
 
@@ -32,6 +33,18 @@ def _script(name: str) -> str:
 
 _MAX_EVENT = 1 << 52  # past any buffer's event count, exact as a double
 
+
+
+def _unavailable(e: Exception) -> BaseException:
+    """``StoreUnavailable`` for a Redis error; but a ``CancelledError`` when
+    the task is being cancelled: redis-py's own timeout (``asyncio.timeout``
+    on 3.11) can turn a cancel that arrives as it expires into a timeout,
+    and a loop that outlives store outages (the lease keeper) then swallowed
+    its own cancel and ran on, holding the router's shutdown for good."""
+    task = asyncio.current_task()
+    if task is not None and task.cancelling():
+        return asyncio.CancelledError()
+    return StoreUnavailable(f"redis: {e}")
 
 class RedisStore(StateStore):
     name = "redis"
@@ -79,7 +92,7 @@ class RedisStore(StateStore):
                 args=[req.rpm, req.tpm, req.max_concurrent, req.cost_tokens, req.lease_id, req.lease_ttl],
             )
         except RedisError as e:
-            raise StoreUnavailable(f"redis: {e}") from e
+            raise _unavailable(e) from e
         ok, reason, wait, rem_req, rem_tok, rst_req, rst_tok = res
         retry = float(wait)
         return Decision(
@@ -98,7 +111,7 @@ class RedisStore(StateStore):
         try:
             await self._settle(keys=[self._keys(tenant)[1]], args=[tpm, reserved, used])
         except RedisError as e:
-            raise StoreUnavailable(f"redis: {e}") from e
+            raise _unavailable(e) from e
 
     async def renew(self, tenant: str, lease_ids: list[str], ttl: float) -> None:
         if not lease_ids:
@@ -106,19 +119,19 @@ class RedisStore(StateStore):
         try:
             await self._renew(keys=[self._keys(tenant)[2]], args=[ttl, *lease_ids])
         except RedisError as e:
-            raise StoreUnavailable(f"redis: {e}") from e
+            raise _unavailable(e) from e
 
     async def release(self, tenant: str, lease_id: str) -> None:
         try:
             await self._redis.zrem(self._keys(tenant)[2], lease_id)
         except RedisError as e:
-            raise StoreUnavailable(f"redis: {e}") from e
+            raise _unavailable(e) from e
 
     async def usage(self, tenant: str, *, rpm: int, tpm: int) -> TenantUsage:
         try:
             req, tok, leases = await self._usage(keys=self._keys(tenant), args=[rpm, tpm])
         except RedisError as e:
-            raise StoreUnavailable(f"redis: {e}") from e
+            raise _unavailable(e) from e
         return TenantUsage(float(req), float(tok), int(leases))
 
     # -- stream resume buffers ----------------------------------------------
@@ -131,7 +144,7 @@ class RedisStore(StateStore):
         try:
             await self._s_open(keys=self._skeys(sid), args=[meta, owner, ttl, CLAIM_TTL])
         except RedisError as e:
-            raise StoreUnavailable(f"redis: {e}") from e
+            raise _unavailable(e) from e
 
     async def stream_append(self, sid, events, token_ids, text_len, finished, owner, ttl, first=-1) -> bool:
         try:
@@ -142,7 +155,7 @@ class RedisStore(StateStore):
                       _pack(token_ids), first, *events],
             )
         except RedisError as e:
-            raise StoreUnavailable(f"redis: {e}") from e
+            raise _unavailable(e) from e
         return done in (0, 1)  # (0: no such buffer, as ever; 2 broken, 3 not this router's)
 
     async def stream_read(self, sid: str, after: int) -> StreamSnapshot | None:
@@ -151,7 +164,7 @@ class RedisStore(StateStore):
             # refused the number, which read as the store being down)
             res = await self._s_read(keys=self._skeys(sid), args=[min(max(0, after), _MAX_EVENT)])
         except RedisError as e:
-            raise StoreUnavailable(f"redis: {e}") from e
+            raise _unavailable(e) from e
         if not res:
             return None
         meta, toks, text_len, events, total, finished, owner, broken = res
@@ -165,7 +178,7 @@ class RedisStore(StateStore):
         try:
             return bool(await self._s_claim(keys=self._skeys(sid)[:1], args=[owner, claim_ttl]))
         except RedisError as e:
-            raise StoreUnavailable(f"redis: {e}") from e
+            raise _unavailable(e) from e
 
     async def stream_renew(self, sids: list[str], owner: str, claim_ttl: float) -> list[bool]:
         """The renewal script once per stream, ``CLAIMS_PER_TRIP`` streams to
@@ -185,7 +198,7 @@ class RedisStore(StateStore):
                     await self._redis.script_load(self._s_renew.script)
                     out += await self._renew_trip(batch, owner, claim_ttl)
         except RedisError as e:
-            raise StoreUnavailable(f"redis: {e}") from e
+            raise _unavailable(e) from e
         return out
 
     async def _renew_trip(self, sids: list[str], owner: str, claim_ttl: float) -> list[bool]:
@@ -199,13 +212,13 @@ class RedisStore(StateStore):
         try:
             await self._s_release(keys=self._skeys(sid)[:1], args=[owner])
         except RedisError as e:
-            raise StoreUnavailable(f"redis: {e}") from e
+            raise _unavailable(e) from e
 
     async def ping(self) -> None:
         try:
             await self._redis.ping()
         except RedisError as e:
-            raise StoreUnavailable(f"redis: {e}") from e
+            raise _unavailable(e) from e
 
     async def close(self) -> None:
         await self._redis.aclose()

@@ -7,15 +7,21 @@ into 503. Either way the outage is logged once, counted in metrics, shown by
 ``/ready``, and a background probe reconnects by itself.
 
 Leases and reservations remember which store took them, so a stream admitted
-during an outage is released and settled where it was counted.
+during an outage is released and settled where it was counted. Once Redis is
+back, the leases the fallback took move to it with their next renewal (within
+a third of the lease TTL), so every router counts those streams again; the
+releases and settlements Redis missed during the outage are made when it
+returns (at most ``MAX_OWED``; a lease whose release is dropped still expires
+with its TTL).
 """
 
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextvars
 import logging
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 
 from policies.ratelimit import Decision
 from router.state.base import AdmitRequest, StateStore, StoreUnavailable, TenantUsage
@@ -24,6 +30,8 @@ from router.state.memory import MemoryStore
 __all__ = ["ResilientStore"]
 
 log = logging.getLogger("fairstream.state")
+
+MAX_OWED = 10_000  # releases and settlements kept for Redis's return
 
 
 class ResilientStore(StateStore):
@@ -46,6 +54,8 @@ class ResilientStore(StateStore):
         self._on_error = on_error or (lambda op: None)
         self._probe: asyncio.Task[None] | None = None
         self._lease_store: dict[str, StateStore] = {}
+        # what Redis missed while it was down, made when it answers again
+        self._owed: collections.deque[Callable[[StateStore], Awaitable[None]]] = collections.deque(maxlen=MAX_OWED)
 
     def _down(self, op: str, err: Exception) -> None:
         self._on_error(op)
@@ -65,12 +75,28 @@ class ResilientStore(StateStore):
             await asyncio.sleep(self._probe_interval)
             try:
                 await self.primary.ping()
+                await self._pay_back()
             except StoreUnavailable:
                 continue
             self.healthy = True
             log.warning("state store %s is back", self.name)
             self._on_change(True)
             return
+
+    async def _pay_back(self) -> None:
+        """Make the releases and settlements Redis missed, oldest first;
+        ``StoreUnavailable`` leaves the rest for the next try."""
+        if self._owed:
+            log.warning("state store %s: making %d releases and settlements it missed", self.name, len(self._owed))
+        while self._owed:
+            await self._owed[0](self.primary)
+            self._owed.popleft()
+
+    def _owe(self, op: Callable[[StateStore], Awaitable[None]]) -> None:
+        if len(self._owed) == MAX_OWED:
+            log.warning("state store %s: over %d releases and settlements missed; the oldest is dropped",
+                        self.name, MAX_OWED)
+        self._owed.append(op)
 
     def _current(self) -> StateStore:
         if self.healthy:
@@ -97,17 +123,27 @@ class ResilientStore(StateStore):
             await store.settle(tenant, tpm=tpm, reserved=reserved, used=used)
         except StoreUnavailable as e:
             self._down("settle", e)
+            self._owe(lambda s: s.settle(tenant, tpm=tpm, reserved=reserved, used=used))
 
     async def renew(self, tenant: str, lease_ids: list[str], ttl: float) -> None:
         by_store: dict[int, tuple[StateStore, list[str]]] = {}
+        moving: list[str] = []
         for lid in lease_ids:
             store = self._lease_store.get(lid, self.primary)
+            if store is self.fallback and self.healthy:  # (taken during the outage: Redis counts it from now on)
+                store = self.primary
+                moving.append(lid)
             by_store.setdefault(id(store), (store, []))[1].append(lid)
         for store, ids in by_store.values():
             try:
                 await store.renew(tenant, ids, ttl)
             except StoreUnavailable as e:
                 self._down("renew", e)
+                return
+        for lid in moving:
+            if lid in self._lease_store:  # (not released meanwhile)
+                self._lease_store[lid] = self.primary
+            await self.fallback.release(tenant, lid)
 
     async def release(self, tenant: str, lease_id: str) -> None:
         store = self._lease_store.pop(lease_id, self.primary)
@@ -115,6 +151,7 @@ class ResilientStore(StateStore):
             await store.release(tenant, lease_id)
         except StoreUnavailable as e:
             self._down("release", e)
+            self._owe(lambda s: s.release(tenant, lease_id))
 
     async def usage(self, tenant: str, *, rpm: int, tpm: int) -> TenantUsage:
         store = self.primary if self.healthy else self.fallback

@@ -217,3 +217,42 @@ async def test_check_notices_an_outage_while_idle_then_recovers(harness: Harness
     h.server.restart()
     await h.wait_healthy(5.0)
     assert h.changes == [False, True]
+
+
+async def test_leases_taken_during_an_outage_count_in_redis_once_it_is_back(open_harness: Harness) -> None:
+    # (they stayed in the local fallback for good: after Redis returned,
+    # another router admitted past max_concurrent while they ran)
+    h, store = open_harness, open_harness.store
+    t = f"move-{uuid.uuid4().hex[:8]}"
+    h.server.kill()
+    lid = uuid.uuid4().hex
+    assert (await store.admit(t, req(max_concurrent=1, lease=lid))).ok  # (counted locally)
+    h.server.restart()
+    await h.wait_healthy(5.0)
+    await store.renew(t, [lid], 30.0)  # (the lease keeper's next round)
+    d = await store.primary.admit(t, req(max_concurrent=1))  # another router's admission
+    assert (d.ok, d.reason) == (False, "concurrency"), d
+    await store.release(t, lid)  # released where it is counted now
+    assert (await store.primary.usage(t, rpm=0, tpm=0)).active_streams == 0
+    assert (await store.fallback.usage(t, rpm=0, tpm=0)).active_streams == 0
+
+
+@pytest.mark.parametrize("fail_open", [True, False], ids=["fail_open", "fail_closed"])
+async def test_a_release_redis_missed_is_made_when_it_returns(fail_open: bool) -> None:
+    # (it was dropped: the tenant's slot stayed taken in Redis until the
+    # lease's TTL, 30 s, and every router refused the tenant meanwhile.
+    # A server that keeps its data over the restart, as one that was only
+    # out of reach does.)
+    with RedisServer(require_redis_server(), persist=True) as server:
+        async for h in _harness(server, fail_open):
+            store = h.store
+            t = f"owed-{uuid.uuid4().hex[:8]}"
+            lid = uuid.uuid4().hex
+            assert (await store.admit(t, req(max_concurrent=1, lease=lid))).ok
+            server.kill()
+            await store.release(t, lid)  # (cannot reach it: owed)
+            assert store.healthy is False
+            server.restart()
+            await h.wait_healthy(10.0)
+            assert (await store.primary.usage(t, rpm=0, tpm=0)).active_streams == 0
+            assert (await store.primary.admit(t, req(max_concurrent=1))).ok
