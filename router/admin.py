@@ -48,6 +48,7 @@ async def tenants(request: Request) -> Response:
         out[name] = {"policy": policy, "usage": live}
     body = {
         "version": snap.version,
+        "digest": snap.digest,
         "loaded_at": snap.loaded_at,
         "last_reload_errors": svc.policy.last_errors,
         "tenants": out,

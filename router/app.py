@@ -123,6 +123,7 @@ async def ready(request: Request) -> Response:
         "ready": ok,
         "replicas": replicas,
         "state_store": {"backend": svc.store.name, "healthy": svc.store_healthy},
+        "tenants_digest": svc.policy.current.digest,
     })
     return Response(body, media_type=_JSON, status_code=200 if ok else 503)
 

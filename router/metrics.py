@@ -169,7 +169,8 @@ class Metrics:
             c = self._children[key] = metric.labels(*values)
         return c
 
-    def expose(self, pool) -> bytes:
+    def update_pool(self, pool) -> None:
+        """The replica gauges from this process's view of ``pool``."""
         for slot in pool.slots:
             self.replica_up.labels(slot.name).set(1 if slot.ready else 0)
             self.replica_inflight.labels(slot.name).set(slot.inflight)
@@ -177,6 +178,9 @@ class Metrics:
             self.replica_running.labels(slot.name).set(load.running if load else 0)
             self.replica_waiting.labels(slot.name).set(load.waiting if load else 0)
             self.replica_kv.labels(slot.name).set(load.kv_usage if load else 0)
+
+    def expose(self, pool) -> bytes:
+        self.update_pool(pool)
         if self.multiprocess:
             from prometheus_client import multiprocess
 

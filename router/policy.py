@@ -11,6 +11,7 @@ records why. Reloads come from file changes (watchfiles), SIGHUP and
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import logging
 import signal
 import time
@@ -30,14 +31,17 @@ logging.getLogger("watchfiles").setLevel(logging.WARNING)  # it logs every chang
 
 
 class PolicySnapshot:
-    __slots__ = ("file", "tenants", "keys", "loaded_at", "version")
+    __slots__ = ("file", "tenants", "keys", "loaded_at", "version", "digest")
 
-    def __init__(self, file: TenantsFile, version: int) -> None:
+    def __init__(self, file: TenantsFile, version: int, text: str = "") -> None:
         self.file = file
         self.tenants: dict[str, TenantPolicy] = file.policies()
         self.keys = KeyIndex(file)
         self.loaded_at = time.time()
-        self.version = version
+        self.version = version  # (this process's count of reloads)
+        # the file's own fingerprint: routers sharing a state store must show
+        # the same one (each admits with its own limits against shared buckets)
+        self.digest = hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
 class ReloadResult(msgspec.Struct):
@@ -58,7 +62,7 @@ class PolicyRegistry:
         # (one read: the text compared at start() is the text in force)
         self._text = read_text(self.path)
         file, _ = load_yaml(self.path, TenantsFile, self._text)  # a bad file at start is fatal
-        self.current = PolicySnapshot(file, 1)
+        self.current = PolicySnapshot(file, 1, self._text)
         self.last_errors: list[str] = []
         self._on_reload = on_reload or (lambda ok: None)
         self._watch: asyncio.Task[None] | None = None
@@ -81,11 +85,11 @@ class PolicyRegistry:
             return self._swap(file, text)
 
     def _swap(self, file: TenantsFile, text: str) -> ReloadResult:
-        self.current = PolicySnapshot(file, self.current.version + 1)
+        self.current = PolicySnapshot(file, self.current.version + 1, text)
         self._text = text
         self.last_errors = []
-        log.info("tenant policy reloaded from %s (version %d, %d tenants)",
-                 self.path, self.current.version, len(self.current.tenants))
+        log.info("tenant policy reloaded from %s (version %d, digest %s, %d tenants)",
+                 self.path, self.current.version, self.current.digest, len(self.current.tenants))
         self._on_reload(True)
         return ReloadResult(True, self.current.version)
 

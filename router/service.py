@@ -126,10 +126,17 @@ class RouterService:
     async def _watch_loop_lag(self) -> None:
         loop = asyncio.get_running_loop()
         gauge = self.metrics.loop_lag
+        turns = 0
         while True:
             t = loop.time()
             await asyncio.sleep(0.1)
             gauge.set(max(0.0, loop.time() - t - 0.1))
+            turns += 1
+            if self.metrics.multiprocess and turns % 10 == 0:
+                # (--workers: a scrape reaches one worker and sums every
+                # worker's replica gauges, which each sets only when it is
+                # scraped: refreshed every second, they are never stale)
+                self.metrics.update_pool(self.pool)
 
     async def start(self) -> None:
         self._lag_task = asyncio.get_running_loop().create_task(self._watch_loop_lag(), name="loop-lag")

@@ -4,6 +4,7 @@ headers, exact limits across two routers on one Redis, Redis outages."""
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import os
 import signal
 
@@ -162,6 +163,9 @@ async def test_bad_reload_while_20_streams_run_keeps_old_policy(tmp_path):
             assert m.value("fairstream_config_reloads_total", result="failure") >= 1
             view = (await client.get("/admin/tenants", headers=auth(ADMIN))).json()
             assert view["version"] == 1 and view["last_reload_errors"]
+            # the digest of the file in force (routers sharing Redis compare it), in /ready too
+            digest = hashlib.sha256(good.encode()).hexdigest()[:16]
+            assert view["digest"] == digest and (await client.get("/ready")).json()["tenants_digest"] == digest
     finally:
         router.stop()
 
