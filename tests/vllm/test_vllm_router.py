@@ -271,8 +271,10 @@ async def _reference(vllm_router, client: httpx.AsyncClient) -> tuple[str, str]:
     r = await client.post("/v1/completions", json=_greedy(32))
     assert r.status_code == 200, r.text
     rid = r.headers["x-request-id"]
-    line = next(rec for rec in map(_json_line, vllm_router.log().splitlines())
-                if rec and rec.get("logger") == "fairstream.request" and rec.get("request_id") == rid)
+    # (the request's log line is written as it settles, which may be just after its response)
+    line = poll(lambda: next((rec for rec in map(_json_line, vllm_router.log().splitlines())
+                              if rec and rec.get("logger") == "fairstream.request" and rec.get("request_id") == rid),
+                             None), 10, what="the reference request's log line")
     return r.json()["choices"][0]["text"], line["replica"]
 
 
