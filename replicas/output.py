@@ -54,6 +54,7 @@ class OutputProcessor:
         "_min_tokens",
         "_looked",
         "_emitted",
+        "_min_chars",
         "finished",
     )
 
@@ -75,6 +76,7 @@ class OutputProcessor:
         self._pending = ""
         self._looked = 0  # characters of _pending a stop string can no longer end in
         self._emitted = prefix_text_len  # characters of text out so far (before _pending)
+        self._min_chars = -1  # characters of the first min_tokens tokens' text (-1: not known yet)
         if self._ids:
             # Find the longest prefix of tokens whose text is complete; the
             # tokens after it stay undecoded until a later token completes them.
@@ -117,10 +119,15 @@ class OutputProcessor:
 
         The finish reason is ``STOP`` when a stop string matched (the text is
         cut before it), else ``finish`` as given. After a finish the processor
-        emits everything it still holds.
+        emits everything it still holds. ``finish`` ``STOP`` from the engine
+        means its last new token is a stop token (EOS, or one of
+        ``stop_token_ids``): it counts, but its text is not output, as vLLM's
+        detokenizer has it.
         """
         if self.finished:
             return "", finish
+        if finish == FinishReason.STOP and new_ids:
+            new_ids = new_ids[:-1]
         ids = self._ids
         if new_ids:
             ids.extend(new_ids)
@@ -155,8 +162,8 @@ class OutputProcessor:
         if self._stop and len(pending) > self._looked:
             if len(ids) > self._min_tokens:
                 after = self._looked
-                if self._min_tokens:
-                    after = max(after, self._min_boundary())
+                if self._min_tokens and self._emitted < self._min_chars_known():
+                    after = max(after, self._min_chars - self._emitted)
                 hit = _find_stop(pending, self._stop, after)
                 if hit >= 0:
                     self._pending = ""
@@ -180,14 +187,16 @@ class OutputProcessor:
         self._emitted += len(pending)
         return pending, finish
 
-    def _min_boundary(self) -> int:
-        """Characters at the start of ``_pending`` that are the text of the
-        first ``min_tokens`` completion tokens: a stop string ending there
-        ends nothing (vLLM looks for stop strings only past min_tokens)."""
-        text = self._tok.decode(self._ids[: self._min_tokens])
-        while text.endswith(_REPLACEMENT):  # (a character they end inside ends past them)
-            text = text[:-1]
-        return len(text) - self._emitted
+    def _min_chars_known(self) -> int:
+        """Characters of the text of the first ``min_tokens`` completion
+        tokens (decoded once): a stop string ending in them ends nothing
+        (vLLM looks for stop strings only past min_tokens)."""
+        if self._min_chars < 0:
+            text = self._tok.decode(self._ids[: self._min_tokens])
+            while text.endswith(_REPLACEMENT):  # (a character they end inside ends past them)
+                text = text[:-1]
+            self._min_chars = len(text)
+        return self._min_chars
 
 
     def _unstick(self, ids: list[int], prefix_text: str, full: str) -> None:

@@ -143,9 +143,7 @@ class ReplicaServer:
         req = self._requests.get(erid)
         if req is None or req.done:
             return
-        # (the engine's own stop is a stop token, EOS or one of stop_token_ids:
-        # its text is not output, as vLLM's detokenizer has it)
-        text, finish_out = req.proc.process(new_ids[:-1] if finish == FinishReason.STOP else new_ids, finish)
+        text, finish_out = req.proc.process(new_ids, finish)
         if finish_out != FinishReason.NONE:
             req.done = True
             del self._requests[erid]

@@ -105,8 +105,9 @@ class StateStore(abc.ABC):
         ``first``: how many events the writer put in the buffer before these
         (-1: unchecked); a buffer that holds another number misses some (they
         went elsewhere: the local fallback during an outage) and is marked
-        broken, for good. False when nothing was written: broken, finished,
-        or another router's now (it took the stream over from this one)."""
+        broken, for good. False when the buffer refused the append: broken,
+        finished, or another router's now (it took the stream over from this
+        one); True otherwise (also when there is no such buffer)."""
 
     @abc.abstractmethod
     async def stream_read(self, sid: str, after: int) -> StreamSnapshot | None:

@@ -53,7 +53,8 @@ class ResilientStore(StateStore):
         self._on_change = on_change or (lambda up: None)
         self._on_error = on_error or (lambda op: None)
         self._probe: asyncio.Task[None] | None = None
-        self._lease_store: dict[str, StateStore] = {}
+        self._lease_store: dict[str, StateStore] = {}  # where each live lease is counted (it may move)
+        self._reserve_store: dict[str, StateStore] = {}  # where each reservation was taken (it never moves)
         # what Redis missed while it was down, made when it answers again
         self._owed: collections.deque[Callable[[StateStore], Awaitable[None]]] = collections.deque(maxlen=MAX_OWED)
 
@@ -115,10 +116,11 @@ class ResilientStore(StateStore):
             decision = await store.admit(tenant, req)
         if decision.ok:
             self._lease_store[req.lease_id] = store
+            self._reserve_store[req.lease_id] = store
         return decision
 
     async def settle(self, tenant: str, *, tpm: int, reserved: int, used: int, lease_id: str = "") -> None:
-        store = self._lease_store.get(lease_id, self.primary) if lease_id else self.primary
+        store = self._reserve_store.pop(lease_id, self.primary) if lease_id else self.primary
         try:
             await store.settle(tenant, tpm=tpm, reserved=reserved, used=used)
         except StoreUnavailable as e:
@@ -135,17 +137,21 @@ class ResilientStore(StateStore):
                 moving.append(lid)
             by_store.setdefault(id(store), (store, []))[1].append(lid)
         for store, ids in by_store.values():
+            # (not one released while an earlier group's renewal was on its way)
+            ids = [lid for lid in ids if lid in self._lease_store]
             try:
                 await store.renew(tenant, ids, ttl)
             except StoreUnavailable as e:
-                self._down("renew", e)
-                return
-        for lid in moving:
-            if lid in self._lease_store:  # (not released meanwhile)
-                self._lease_store[lid] = self.primary
-            await self.fallback.release(tenant, lid)
+                self._down("renew", e)  # (the other groups are renewed all the same)
+                continue
+            if store is self.primary:
+                for lid in moving:
+                    if lid in self._lease_store:  # (not released meanwhile)
+                        self._lease_store[lid] = self.primary
+                        await self.fallback.release(tenant, lid)
 
     async def release(self, tenant: str, lease_id: str) -> None:
+        self._reserve_store.pop(lease_id, None)  # (settled before, or nothing to settle: tpm 0)
         store = self._lease_store.pop(lease_id, self.primary)
         try:
             await store.release(tenant, lease_id)

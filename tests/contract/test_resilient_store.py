@@ -256,3 +256,34 @@ async def test_a_release_redis_missed_is_made_when_it_returns(fail_open: bool) -
             await h.wait_healthy(10.0)
             assert (await store.primary.usage(t, rpm=0, tpm=0)).active_streams == 0
             assert (await store.primary.admit(t, req(max_concurrent=1))).ok
+
+
+async def test_in_an_outage_the_fallbacks_leases_are_renewed_and_settled_where_they_were_taken(
+        open_harness: Harness) -> None:
+    # (a review of the first version: one failed Redis renewal skipped the
+    # fallback's, so leases of running streams expired locally after 30 s;
+    # and a lease moved to Redis took its settlement along, refunding tokens
+    # Redis never reserved)
+    h, store = open_harness, open_harness.store
+    t = f"groups-{uuid.uuid4().hex[:8]}"
+    on_redis, local = uuid.uuid4().hex, uuid.uuid4().hex
+    assert (await store.admit(t, req(max_concurrent=5, lease=on_redis))).ok
+    h.server.kill()
+    tokens = AdmitRequest(rpm=0, tpm=10_000, max_concurrent=5, cost_tokens=4000, lease_id=local, lease_ttl=0.5)
+    assert (await store.admit(t, tokens)).ok  # (the fallback's, reserving 4000 tokens there)
+    await asyncio.sleep(0.3)
+    await store.renew(t, [on_redis, local], 30.0)  # (Redis's group fails first)
+    await asyncio.sleep(0.4)  # past the local lease's first TTL
+    assert (await store.fallback.usage(t, rpm=0, tpm=0)).active_streams == 1, "the fallback's lease expired"
+    h.server.restart()
+    await h.wait_healthy(5.0)
+    await store.renew(t, [on_redis, local], 30.0)  # (moves the local lease to Redis)
+    taken = AdmitRequest(rpm=0, tpm=10_000, max_concurrent=0, cost_tokens=5000, lease_id=uuid.uuid4().hex,
+                         lease_ttl=30.0)
+    assert (await store.primary.admit(t, taken)).ok  # (Redis's bucket at 5000, not full: a refund would show)
+    await store.settle(t, tpm=10_000, reserved=4000, used=10, lease_id=local)
+    assert (await store.primary.usage(t, rpm=0, tpm=10_000)).tokens_available < 6000  # (5000 and a refill)
+    assert (await store.fallback.usage(t, rpm=0, tpm=10_000)).tokens_available > 9000  # refunded where reserved
+    await store.release(t, local)
+    await store.release(t, on_redis)
+    assert store._reserve_store == {} and store._lease_store == {}

@@ -278,3 +278,12 @@ def test_a_resume_inside_a_run_of_replacement_characters_the_client_has_continue
     whole = feed(OutputProcessor(TOK, []), [[i] for i in ids], LENGTH)
     for k in range(1, len(ids)):
         assert run_with_resume(ids, list(range(1, len(ids))), k, []) == whole, k
+
+
+def test_the_engines_stop_token_counts_but_its_text_is_not_output() -> None:
+    # (in the processor, so both front ends of an engine have it: the OpenAI
+    # one still output it after the replica protocol's stopped)
+    ids = TOK.encode("hello,")
+    proc = OutputProcessor(TOK, [])
+    assert proc.process(ids[:3], NONE) == ("hel", NONE)
+    assert proc.process(ids[3:], STOP) == ("lo", STOP)  # (",": the stop token)
