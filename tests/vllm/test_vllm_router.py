@@ -219,6 +219,7 @@ async def test_replica_death_mid_stream_is_token_exact(vllm_router, sig):
         async def stream():
             parts = []
             async with client.stream("POST", "/v1/completions", json={**_greedy(3000), "stream": True}) as r:
+                assert r.status_code == 200, (r.status_code, (await r.aread())[:500])
                 async for ev in aiter_sse(r):
                     if ev.data == "[DONE]":
                         return "".join(parts)
