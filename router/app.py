@@ -124,6 +124,8 @@ async def ready(request: Request) -> Response:
         "replicas": replicas,
         "state_store": {"backend": svc.store.name, "healthy": svc.store_healthy},
         "tenants_digest": svc.policy.current.digest,
+        # (other routers on the same state store whose tenants.yaml differs: router -> digest)
+        "tenants_differ": svc.peers.differ,
     })
     return Response(body, media_type=_JSON, status_code=200 if ok else 503)
 

@@ -82,6 +82,11 @@ class Metrics:
         self.timeouts = Counter(
             "fairstream_timeouts", "Requests ended by a tenant time limit.", ["tenant", "timeout"], registry=r,
         )
+        self.tenants_files_differ = Gauge(
+            "fairstream_tenants_files_differ",
+            "Live routers sharing the state store whose tenants.yaml differs from this router's (0: all the same).",
+            registry=r, multiprocess_mode="livemax",
+        )
         self.queued = Gauge(
             "fairstream_queue_depth", "Admitted requests waiting in the scheduler's queue for a replica.", ["tenant", "priority"], registry=r, multiprocess_mode="livesum",
         )

@@ -27,6 +27,7 @@ from router.auth import bearer
 from router.config import RouterConfig
 from router.logs import batch_lines
 from router.metrics import Metrics
+from router.peers import PolicyPeers
 from router.policy import PolicyRegistry
 from router.resume import ResumeWriter
 from router.scheduler import Scheduler
@@ -59,6 +60,7 @@ class RouterService:
         )
         self.admission = Admission(self.store, m)
         self.resume = ResumeWriter(self.store, config.resume_retention)
+        self.peers = PolicyPeers(self.store, self.policy, m, self.resume.owner)
         self._tasks: set[asyncio.Task[None]] = set()
         self._lag_task: asyncio.Task[None] | None = None
         self._drain: asyncio.TimerHandle | None = None
@@ -83,6 +85,7 @@ class RouterService:
         m.reload_ok.set(1 if ok else 0)
         if ok:
             m.declare((), self.policy.current.tenants)
+            self.peers.soon()
             self._warn_unserved_models()
 
     def _warn_unserved_models(self) -> None:
@@ -142,6 +145,7 @@ class RouterService:
         self._lag_task = asyncio.get_running_loop().create_task(self._watch_loop_lag(), name="loop-lag")
         await self.resume.start()
         await self.policy.start()
+        await self.peers.start()
         self.metrics.declare((slot.name for slot in self.pool.slots), self.policy.current.tenants)
         await self.admission.start()
         await self.supervisor.start()
@@ -201,6 +205,7 @@ class RouterService:
             await self.resume.close()
             await self.supervisor.close()
             await self.admission.close()
+            await self.peers.close()
             await self.policy.close()
             await self.store.close()
             log.info("stopped")

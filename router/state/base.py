@@ -130,6 +130,13 @@ class StateStore(abc.ABC):
     async def stream_release(self, sid: str, owner: str) -> None:
         """Drop ``owner``'s claim (the buffer itself stays for its retention)."""
 
+    async def peers(self, router: str, digest: str, ttl: float) -> dict[str, str]:
+        """Publish ``router``'s tenants-file digest for ``ttl`` seconds and
+        return the digest of every router that published one within its
+        ``ttl`` (``router`` included). Routers sharing a store must run the
+        same file: each admits with its own limits against shared buckets."""
+        return {router: digest}  # (an in-process store has one router)
+
     async def ping(self) -> None:
         """Raise ``StoreUnavailable`` if the store cannot be reached."""
 

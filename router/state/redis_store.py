@@ -79,6 +79,7 @@ class RedisStore(StateStore):
         self._s_read = r.register_script(_script("stream_read.lua"))
         self._s_claim = r.register_script(_script("stream_claim.lua"))
         self._s_renew = r.register_script(_script("stream_renew.lua"))
+        self._peers = r.register_script(_script("peers.lua"))
         self._s_release = r.register_script(_script("stream_release.lua"))
 
     def _keys(self, tenant: str) -> list[str]:
@@ -213,6 +214,14 @@ class RedisStore(StateStore):
             await self._s_release(keys=self._skeys(sid)[:1], args=[owner])
         except RedisError as e:
             raise _unavailable(e) from e
+
+    async def peers(self, router: str, digest: str, ttl: float) -> dict[str, str]:
+        try:
+            flat = await self._peers(keys=[f"{self._prefix}:policy-peers"], args=[router, digest, ttl])
+        except RedisError as e:
+            raise _unavailable(e) from e
+        out = [v.decode() if isinstance(v, bytes) else str(v) for v in flat]
+        return dict(zip(out[::2], out[1::2]))
 
     async def ping(self) -> None:
         try:

@@ -199,6 +199,16 @@ class ResilientStore(StateStore):
     async def stream_release(self, sid, owner) -> None:
         await self._stream_op("stream_release", lambda s: s.stream_release(sid, owner))
 
+    async def peers(self, router: str, digest: str, ttl: float) -> dict[str, str]:
+        # (the other routers are in Redis only: while it is down, none is known)
+        if not self.healthy:
+            raise StoreUnavailable(f"state store {self.name} is unavailable")
+        try:
+            return await self.primary.peers(router, digest, ttl)
+        except StoreUnavailable as e:
+            self._down("peers", e)
+            raise
+
     async def ping(self) -> None:
         await self.primary.ping()
 

@@ -376,3 +376,21 @@ async def test_two_redis_stores_share_one_limit(redis_server) -> None:
     finally:
         await a.close()
         await b.close()
+
+
+# -- routers and their tenants files --------------------------------------------------------------------------
+
+
+async def test_peers_lists_the_live_routers_digests(backend: Backend) -> None:
+    router = f"r-{uuid.uuid4().hex[:8]}"
+    mine = await backend.store.peers(router, "d1", 30.0)
+    assert mine.get(router) == "d1"
+    if backend.name == "memory":
+        assert mine == {router: "d1"}  # (one process: no other router)
+        return
+    other = f"r-{uuid.uuid4().hex[:8]}"
+    both = await backend.store.peers(other, "d2", 0.3)  # (a router that stops publishing)
+    assert both[router] == "d1" and both[other] == "d2"
+    await backend.sleep(0.6)
+    after = await backend.store.peers(router, "d1", 30.0)
+    assert other not in after and after[router] == "d1"  # gone once its ttl passed

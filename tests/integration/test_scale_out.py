@@ -19,7 +19,7 @@ import pytest
 import yaml
 
 from router.auth import hash_key
-from tests.helpers import FREE, GOLD, MODEL, SILVER, RouterProcess, aiter_sse, remote_replica_process
+from tests.helpers import FREE, GOLD, MODEL, SILVER, RouterProcess, aiter_sse, poll, remote_replica_process
 from tests.redis_server import RedisServer, require_redis_server
 from tests.sim_openai import SimOpenAI
 
@@ -161,3 +161,27 @@ async def test_two_routers_one_redis_four_replica_kinds(tmp_path, redis_server, 
         a.stop(check=False)  # killed: its local replicas exit by themselves (checked below)
         assert not a.wait_replicas_gone(10), "replicas of the killed router outlived it"
         b.stop()
+
+
+async def test_routers_on_one_redis_with_different_tenants_files_say_so(tmp_path, redis_server) -> None:
+    # (each admits with its own file's limits against the shared buckets:
+    # two files silently meant two limits on one bucket)
+    first, second = tmp_path / "a.yaml", tmp_path / "b.yaml"
+    _tenants(first)
+    demo = yaml.safe_load(first.read_text())
+    demo["tenants"]["limited"]["limits"]["requests_per_minute"] = 100
+    second.write_text(yaml.safe_dump(demo, sort_keys=False))
+    settings = {"state": {"backend": "redis", "url": redis_server.url}}
+    with RouterProcess(tmp_path / "a", replicas=1, tenants=first, settings=settings) as a, \
+            RouterProcess(tmp_path / "b", replicas=1, tenants=second, settings=settings) as b:
+        def differ(r: RouterProcess) -> dict:
+            return httpx.get(r.base_url + "/ready", timeout=5).json()["tenants_differ"]
+
+        b_digest = httpx.get(b.base_url + "/ready", timeout=5).json()["tenants_digest"]
+        got = poll(lambda: differ(a), 25, what="router a to see b's other file")
+        assert list(got.values()) == [b_digest], got
+        assert a.metrics().value("fairstream_tenants_files_differ") == 1
+        assert "tenants.yaml differs between routers sharing the state store" in a.log()
+        second.write_text(first.read_text())  # the same file on both: b reloads it (file watch)
+        poll(lambda: not differ(a) and not differ(b), 30, what="both routers to see the same file")
+        assert a.metrics().value("fairstream_tenants_files_differ") == 0
