@@ -97,7 +97,7 @@ class OutputProcessor:
             self._pending = text[prefix_text_len:]
             # (looking at all of it finds only what the first replica could
             # not have seen yet, as it would have stopped; min_tokens' text
-            # is left out when looking: _min_boundary)
+            # is left out when looking: _min_chars_known)
             self._read_offset = read
             self._prefix_offset = max(0, read - _CONTEXT)
         else:

@@ -37,6 +37,7 @@ class PolicyPeers:
         self.router = router
         self.differ: dict[str, str] = {}  # live routers whose file differs: router -> digest
         self._said: tuple[str, frozenset] | None = None
+        self._last: tuple[str, frozenset] | None = None  # the previous check's answer
         self._wake = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
 
@@ -52,6 +53,10 @@ class PolicyPeers:
         if self._task is not None:
             self._task.cancel()
             await asyncio.gather(self._task, return_exceptions=True)
+            try:  # (leave: a router started next with another file must not see this one for PEERS_TTL)
+                await self.store.peers(self.router, "", 0)
+            except StoreUnavailable:
+                pass  # (its entry expires after PEERS_TTL)
 
     async def _run(self) -> None:
         while True:
@@ -71,7 +76,11 @@ class PolicyPeers:
         self.differ = {r: d for r, d in peers.items() if r != self.router and d != digest}
         self.metrics.tenants_files_differ.set(len(self.differ))
         said = (digest, frozenset(self.differ.items()))
-        if said == self._said:
+        last, self._last = self._last, said
+        # (logged once the same answer came twice: routers that watch one
+        # file reload it a moment apart, and the first to check sees the
+        # others' old digest)
+        if said == self._said or said != last:
             return
         if self.differ:
             log.error("tenants.yaml differs between routers sharing the state store: this router's digest is %s, "

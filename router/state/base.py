@@ -133,9 +133,10 @@ class StateStore(abc.ABC):
     async def peers(self, router: str, digest: str, ttl: float) -> dict[str, str]:
         """Publish ``router``'s tenants-file digest for ``ttl`` seconds and
         return the digest of every router that published one within its
-        ``ttl`` (``router`` included). Routers sharing a store must run the
-        same file: each admits with its own limits against shared buckets."""
-        return {router: digest}  # (an in-process store has one router)
+        ``ttl`` (``router`` included; ``ttl`` 0: ``router`` leaves, and is
+        not). Routers sharing a store must run the same file: each admits
+        with its own limits against shared buckets."""
+        return {router: digest} if ttl > 0 else {}  # (an in-process store has one router)
 
     async def ping(self) -> None:
         """Raise ``StoreUnavailable`` if the store cannot be reached."""

@@ -143,6 +143,10 @@ class ResilientStore(StateStore):
                 await store.renew(tenant, ids, ttl)
             except StoreUnavailable as e:
                 self._down("renew", e)  # (the other groups are renewed all the same)
+                if store is self.primary:  # (those on their way from the fallback stay counted there)
+                    staying = [lid for lid in moving if lid in self._lease_store]
+                    if staying:
+                        await self.fallback.renew(tenant, staying, ttl)
                 continue
             if store is self.primary:
                 for lid in moving:

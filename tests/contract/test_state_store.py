@@ -388,9 +388,14 @@ async def test_peers_lists_the_live_routers_digests(backend: Backend) -> None:
     if backend.name == "memory":
         assert mine == {router: "d1"}  # (one process: no other router)
         return
-    other = f"r-{uuid.uuid4().hex[:8]}"
-    both = await backend.store.peers(other, "d2", 0.3)  # (a router that stops publishing)
-    assert both[router] == "d1" and both[other] == "d2"
-    await backend.sleep(0.6)
-    after = await backend.store.peers(router, "d1", 30.0)
-    assert other not in after and after[router] == "d1"  # gone once its ttl passed
+    other, leaving = f"r-{uuid.uuid4().hex[:8]}", f"r-{uuid.uuid4().hex[:8]}"
+    await backend.store.peers(router, "d1", 1.0)
+    await backend.store.peers(leaving, "d1", 1.0)
+    both = await backend.store.peers(other, "d2", 1.0)  # (a router that then stops publishing)
+    assert both[router] == "d1" and both[other] == "d2" and both[leaving] == "d1"
+    assert leaving not in await backend.store.peers(leaving, "", 0)  # (one that stops and says so)
+    await backend.sleep(0.7)
+    await backend.store.peers(router, "d1", 1.0)
+    await backend.sleep(0.7)  # (past other's entry, not past router's: the key itself must outlive both)
+    after = await backend.store.peers(router, "d1", 1.0)
+    assert after == {router: "d1"}, after  # other gone once its ttl passed, leaving at once
