@@ -100,7 +100,10 @@ async def test_no_waiter_waits_much_past_its_queue_wait_under_overload() -> None
         tasks.append(asyncio.create_task(one()))
         await asyncio.sleep(0.004)
     await asyncio.gather(*tasks)
-    assert max(waits) <= 0.2 + DEADLINE_SLACK + 0.1, max(waits)
+    # (a waiter used to wait out a whole retry period, 1 s, past its
+    # queue_wait; 0.25 s covers the event loop's own lag on a loaded CI box,
+    # where 0.1 s was exceeded once by 23 ms)
+    assert max(waits) <= 0.2 + DEADLINE_SLACK + 0.25, max(waits)
 
 
 async def test_a_stream_that_ends_lets_the_next_in_at_once() -> None:
