@@ -46,12 +46,15 @@ class Decision(msgspec.Struct, gc=False):
     """The outcome of one admission attempt."""
 
     ok: bool
-    reason: str = ""  # "requests" | "tokens" | "concurrency" | "too_large" when refused
+    reason: str = ""  # "requests" | "tokens" | "concurrency" | "queued" | "too_large" when refused
     retry_after: float = 0.0  # seconds until the request would fit (inf: never)
     remaining_requests: float = 0.0
     remaining_tokens: float = 0.0
     reset_requests: float = 0.0  # seconds until the requests bucket is full
     reset_tokens: float = 0.0
+
+
+QUEUED_RETRY = 0.25  # seconds; when a request waiting behind others of its tenant asks again
 
 
 def level(bucket: Bucket | None, per_minute: int, now: float) -> float:
@@ -84,11 +87,15 @@ def admit(
     max_concurrent: int,
     cost_tokens: int,
     now: float,
+    behind: bool = False,
 ) -> tuple[Decision, Bucket | None, Bucket | None]:
     """Try to admit one request reserving ``cost_tokens``.
 
-    ``leases`` is the number of live concurrency leases. Returns the decision
-    and the new bucket states (unchanged when refused).
+    ``leases`` is the number of live concurrency leases; ``behind``: other
+    requests of the tenant wait ahead of this one, so it is refused
+    (``queued``, to ask again in ``QUEUED_RETRY``) even where its limits
+    pass. Returns the decision and the new bucket states (unchanged when
+    refused).
     """
     req_level = level(requests, rpm, now) if rpm else math.inf
     tok_level = level(tokens, tpm, now) if tpm else math.inf
@@ -100,6 +107,8 @@ def admit(
     refused = [(r, w) for r, w in waits if w > 0]
     if max_concurrent and leases >= max_concurrent:
         refused.append(("concurrency", 1.0))
+    if behind:
+        refused.append(("queued", QUEUED_RETRY))
     rem_req = req_level if rpm else 0.0
     rem_tok = tok_level if tpm else 0.0
     if refused:

@@ -7,7 +7,10 @@ bucket. With ``on_limit: queue`` it waits instead, up to the tenant's
 ``queue_wait``, in the tenant's line (first come, first served in this
 process; at most ``queue_depth`` long). Only the line's head asks the state
 store again, when its limit should have freed or one of the tenant's streams
-ends, and hands the turn on when it leaves. ``finish`` settles the
+ends, and hands the turn on when it leaves. The store keeps a line too, of
+the heads of every router's line (``StateStore.admit``), so routers sharing
+Redis take turns: a busy router's line cannot take every slot that frees
+while another router's waits. ``finish`` settles the
 reservation with the real usage and releases the lease; the lease keeper
 renews every live lease so a crashed router's leases expire on their own.
 """
@@ -19,7 +22,7 @@ import collections
 import logging
 import math
 
-from policies.ratelimit import Decision
+from policies.ratelimit import QUEUED_RETRY, Decision
 from router.errors import RateLimited, RouterShutdown, ServiceUnavailable
 from router.ids import new_id
 from router.metrics import Metrics
@@ -93,6 +96,7 @@ _REASONS = {
     "requests": "requests per minute",
     "tokens": "tokens per minute",
     "concurrency": "concurrent streams",
+    "queued": "its line (earlier requests of the tenant wait on other routers)",
 }
 
 
@@ -166,6 +170,7 @@ class Admission:
             cost_tokens=cost_tokens,
             lease_id=new_id(),
             lease_ttl=LEASE_TTL,
+            line=policy.on_limit == "queue",
         )
         loop = asyncio.get_running_loop()
         started = loop.time()
@@ -182,14 +187,18 @@ class Admission:
             decision = await self._admit_once(name, req)
             if decision.ok:
                 return self._ticket(policy, req, cost_tokens, decision)
-            self._check_fits(policy, decision, cost_tokens, prompt_tokens)
-            line = self._lines.get(name)  # (the await may have made or ended the line)
-            if policy.on_limit != "queue" or loop.time() + min(decision.retry_after, 0.05) >= deadline:
-                raise self._refused(policy, decision)
-            if line is not None and len(line) >= policy.queue_depth:
-                raise self._line_full(policy)
-            if self._stopped.is_set():
-                raise RouterShutdown()
+            try:
+                self._check_fits(policy, decision, cost_tokens, prompt_tokens)
+                line = self._lines.get(name)  # (the await may have made or ended the line)
+                if policy.on_limit != "queue" or loop.time() + min(decision.retry_after, 0.05) >= deadline:
+                    raise self._refused(policy, decision)
+                if line is not None and len(line) >= policy.queue_depth:
+                    raise self._line_full(policy)
+                if self._stopped.is_set():
+                    raise RouterShutdown()
+            except BaseException:
+                await self._leave(name, req, decision)
+                raise
         # Wait in the tenant's line. Only its head asks the store, when its
         # limit should have freed or when one of the tenant's streams ends; a
         # request admitted or given up hands the turn to the next at once.
@@ -220,6 +229,9 @@ class Admission:
                     if self._stopped.is_set():
                         raise RouterShutdown()
                     wait = decision.retry_after
+                    if decision.reason == "concurrency":
+                        # (a stream ending on another router wakes nothing here: look again soon)
+                        wait = min(wait, QUEUED_RETRY)
                     if now + wait > deadline + DEADLINE_SLACK:  # (a limit that frees just after the deadline is waited for)
                         if now >= deadline:
                             raise self._refused(policy, decision)
@@ -240,6 +252,16 @@ class Admission:
                     del self._lines[name]
             elif head:
                 line[0].wake()
+            await self._leave(name, req, decision)
+
+    async def _leave(self, tenant: str, req: AdmitRequest, last: Decision | None) -> None:
+        """Take a request that gives up (refused, cancelled, shut down) out
+        of the store's line, where its last refusal put it."""
+        if req.line and last is not None and not last.ok and last.reason != "too_large":
+            try:
+                await self.store.leave(tenant, req.lease_id)
+            except StoreUnavailable:
+                pass  # (its place expires within seconds)
 
     def _ticket(self, policy: TenantPolicy, req: AdmitRequest, cost_tokens: int, decision: Decision,
                 waited_since: float | None = None) -> Ticket:

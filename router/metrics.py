@@ -26,7 +26,7 @@ __all__ = ["Metrics", "HistogramBatch"]
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1, 1.5, 2, 3, 5, 10, 30, 60,
                     120, 300, 600, 900)
 # label values of fairstream_rate_limited_total's ``limit`` and fairstream_timeouts_total's ``timeout``
-RATE_LIMITS = ("requests", "tokens", "concurrency", "queue", "queue_wait")
+RATE_LIMITS = ("requests", "tokens", "concurrency", "queued", "queue", "queue_wait")
 TIMEOUTS = ("first_token", "total")
 # label values of fairstream_http_connections_refused_total's ``reason`` (router/server.py)
 CONNECTION_REFUSALS = ("max_connections", "header_timeout", "body_timeout", "header_too_large")

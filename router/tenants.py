@@ -71,7 +71,7 @@ class _PolicyFields(msgspec.Struct, forbid_unknown_fields=True, kw_only=True, om
     on_limit: Literal["reject", "queue"] | None = None
     """Over a rate or concurrency limit: ``reject`` answers 429 at once;
     ``queue`` waits until the request fits, up to ``timeouts.queue_wait``, first come first served
-    (per router process; the first in line holds back later ones, even smaller ones)."""
+    (the first in line holds back later ones, even smaller ones; routers sharing Redis take turns)."""
     log_content: bool | None = None
     """Log prompts and completions of this tenant (off by default)."""
 

@@ -13,10 +13,11 @@ import msgspec
 
 from policies.ratelimit import Decision
 
-__all__ = ["StateStore", "AdmitRequest", "TenantUsage", "StoreUnavailable", "StreamSnapshot"]
+__all__ = ["StateStore", "AdmitRequest", "LINE_SLACK", "TenantUsage", "StoreUnavailable", "StreamSnapshot"]
 
 
 CLAIM_TTL = 10.0  # a stream's generating router loses its claim if it stops appending this long
+LINE_SLACK = 2.0  # a waiting request stays in its tenant's line this long past its retry_after
 
 
 class StoreUnavailable(ConnectionError):
@@ -32,6 +33,9 @@ class AdmitRequest(msgspec.Struct, frozen=True, gc=False):
     cost_tokens: int
     lease_id: str
     lease_ttl: float
+    # The tenant queues (``on_limit: queue``): the store keeps its line of
+    # waiting requests across routers (see ``StateStore.admit``).
+    line: bool = False
 
 
 class TenantUsage(msgspec.Struct, frozen=True):
@@ -68,7 +72,22 @@ class StateStore(abc.ABC):
     @abc.abstractmethod
     async def admit(self, tenant: str, req: AdmitRequest) -> Decision:
         """Atomically check every limit and, if all pass, take one request,
-        reserve ``cost_tokens`` and take a concurrency lease."""
+        reserve ``cost_tokens`` and take a concurrency lease.
+
+        With ``req.line`` the tenant's line of waiting requests comes first,
+        shared by every router on the store: a request not in the line is
+        refused while anyone waits in it, one in the line while anyone waits
+        ahead of it (reason ``queued`` when its limits alone would pass). A
+        refused request joins the line's end (unless it can never fit), and
+        stays for ``retry_after`` plus ``LINE_SLACK`` seconds, each refusal
+        renewing it; an admitted one leaves it. A router puts only the head
+        of its own line there, so the routers with waiting requests take
+        turns, and a line on a crashed router blocks the others a few
+        seconds at most."""
+
+    @abc.abstractmethod
+    async def leave(self, tenant: str, lease_id: str) -> None:
+        """Take a request out of the tenant's line (it gave up; idempotent)."""
 
     @abc.abstractmethod
     async def settle(self, tenant: str, *, tpm: int, reserved: int, used: int, lease_id: str = "") -> None:

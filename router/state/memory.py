@@ -10,19 +10,20 @@ from collections.abc import Callable
 
 from policies import ratelimit
 from policies.ratelimit import Bucket, Decision
-from router.state.base import CLAIM_TTL, AdmitRequest, StateStore, StreamSnapshot, TenantUsage
+from router.state.base import CLAIM_TTL, LINE_SLACK, AdmitRequest, StateStore, StreamSnapshot, TenantUsage
 
 __all__ = ["MemoryStore"]
 
 
 class _Tenant:
-    __slots__ = ("requests", "tokens", "leases", "next_prune")
+    __slots__ = ("requests", "tokens", "leases", "next_prune", "line")
 
     def __init__(self) -> None:
         self.requests: Bucket | None = None
         self.tokens: Bucket | None = None
         self.leases: dict[str, float] = {}
         self.next_prune = 0.0
+        self.line: dict[str, float] = {}  # waiting lease id -> until when; in arrival order
 
 
 SWEEP_INTERVAL = 1.0  # expired leases and buffers are swept at most this often (O(n) each)
@@ -66,6 +67,11 @@ class MemoryStore(StateStore):
             # may still count; leases are released explicitly at stream end.
             t.leases = ratelimit.prune_leases(t.leases, now)
             t.next_prune = now + SWEEP_INTERVAL
+        blocked = False
+        if req.line and t.line:
+            for lid in [k for k, until in t.line.items() if until <= now]:
+                del t.line[lid]
+            blocked = bool(t.line) and next(iter(t.line)) != req.lease_id
         decision, t.requests, t.tokens = ratelimit.admit(
             t.requests,
             t.tokens,
@@ -75,10 +81,19 @@ class MemoryStore(StateStore):
             max_concurrent=req.max_concurrent,
             cost_tokens=req.cost_tokens,
             now=now,
+            behind=blocked,
         )
         if decision.ok:
             t.leases[req.lease_id] = now + req.lease_ttl
+            t.line.pop(req.lease_id, None)
+        elif req.line and decision.reason != "too_large":
+            t.line[req.lease_id] = now + decision.retry_after + LINE_SLACK
         return decision
+
+    async def leave(self, tenant: str, lease_id: str) -> None:
+        t = self._tenants.get(tenant)
+        if t is not None:
+            t.line.pop(lease_id, None)
 
     async def settle(self, tenant: str, *, tpm: int, reserved: int, used: int, lease_id: str = "") -> None:
         t = self._t(tenant)

@@ -19,8 +19,8 @@ from redis.backoff import NoBackoff
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import NoScriptError, RedisError
 
-from policies.ratelimit import Decision
-from router.state.base import CLAIM_TTL, AdmitRequest, StateStore, StoreUnavailable, StreamSnapshot, TenantUsage
+from policies.ratelimit import QUEUED_RETRY, Decision
+from router.state.base import CLAIM_TTL, LINE_SLACK, AdmitRequest, StateStore, StoreUnavailable, StreamSnapshot, TenantUsage
 
 __all__ = ["RedisStore"]
 
@@ -84,13 +84,14 @@ class RedisStore(StateStore):
 
     def _keys(self, tenant: str) -> list[str]:
         base = f"{self._prefix}:{{{tenant}}}"
-        return [f"{base}:rq", f"{base}:tk", f"{base}:leases"]
+        return [f"{base}:rq", f"{base}:tk", f"{base}:leases", f"{base}:line", f"{base}:line-until"]
 
     async def admit(self, tenant: str, req: AdmitRequest) -> Decision:
         try:
             res = await self._admit(
                 keys=self._keys(tenant),
-                args=[req.rpm, req.tpm, req.max_concurrent, req.cost_tokens, req.lease_id, req.lease_ttl],
+                args=[req.rpm, req.tpm, req.max_concurrent, req.cost_tokens, req.lease_id, req.lease_ttl,
+                      int(req.line), QUEUED_RETRY, LINE_SLACK],
             )
         except RedisError as e:
             raise _unavailable(e) from e
@@ -105,6 +106,14 @@ class RedisStore(StateStore):
             float(rst_req),
             float(rst_tok),
         )
+
+    async def leave(self, tenant: str, lease_id: str) -> None:
+        keys = self._keys(tenant)
+        try:
+            async with self._redis.pipeline(transaction=True) as p:
+                await p.zrem(keys[3], lease_id).zrem(keys[4], lease_id).execute()
+        except RedisError as e:
+            raise _unavailable(e) from e
 
     async def settle(self, tenant: str, *, tpm: int, reserved: int, used: int, lease_id: str = "") -> None:
         if not tpm:
@@ -130,7 +139,7 @@ class RedisStore(StateStore):
 
     async def usage(self, tenant: str, *, rpm: int, tpm: int) -> TenantUsage:
         try:
-            req, tok, leases = await self._usage(keys=self._keys(tenant), args=[rpm, tpm])
+            req, tok, leases = await self._usage(keys=self._keys(tenant)[:3], args=[rpm, tpm])
         except RedisError as e:
             raise _unavailable(e) from e
         return TenantUsage(float(req), float(tok), int(leases))

@@ -119,6 +119,14 @@ class ResilientStore(StateStore):
             self._reserve_store[req.lease_id] = store
         return decision
 
+    async def leave(self, tenant: str, lease_id: str) -> None:
+        await self.fallback.leave(tenant, lease_id)  # (it may have waited there during an outage)
+        if self.healthy:
+            try:
+                await self.primary.leave(tenant, lease_id)
+            except StoreUnavailable as e:
+                self._down("leave", e)  # (its place in the line expires within seconds)
+
     async def settle(self, tenant: str, *, tpm: int, reserved: int, used: int, lease_id: str = "") -> None:
         store = self._reserve_store.pop(lease_id, self.primary) if lease_id else self.primary
         try:

@@ -17,11 +17,12 @@ from router.state import AdmitRequest, StateStore
 from tests.contract.conftest import Backend
 
 def req(
-    *, rpm: int = 0, tpm: int = 0, max_concurrent: int = 0, cost: int = 0, ttl: float = 30.0, lease: str = ""
+    *, rpm: int = 0, tpm: int = 0, max_concurrent: int = 0, cost: int = 0, ttl: float = 30.0, lease: str = "",
+    line: bool = False,
 ) -> AdmitRequest:
     return AdmitRequest(
         rpm=rpm, tpm=tpm, max_concurrent=max_concurrent, cost_tokens=cost,
-        lease_id=lease or uuid.uuid4().hex, lease_ttl=ttl,
+        lease_id=lease or uuid.uuid4().hex, lease_ttl=ttl, line=line,
     )
 
 
@@ -349,6 +350,118 @@ async def test_concurrent_burst_takes_exactly_max_concurrent_leases(backend: Bac
     assert sum(d.ok for d in results) == 7
     assert {d.reason for d in results if not d.ok} == {"concurrency"}
     assert await active(backend.store, t) == 7
+
+
+# -- the tenant's line (on_limit: queue) ---------------------------------------------------------------------
+
+
+async def test_a_refused_request_in_line_holds_back_later_ones(backend: Backend) -> None:
+    """The first refused takes the first free slot; one that comes later is
+    refused (``queued``) though its limits pass, and takes nothing."""
+    s, t = backend.store, backend.tenant()
+    running = req(max_concurrent=1, line=True)
+    assert (await s.admit(t, running)).ok
+    first = req(max_concurrent=1, line=True)
+    d = await s.admit(t, first)
+    assert not d.ok and d.reason == "concurrency"
+    await s.release(t, running.lease_id)
+    later = await s.admit(t, req(rpm=10, max_concurrent=1, line=True))
+    assert not later.ok and later.reason == "queued" and 0 < later.retry_after <= 1.0, later
+    assert await active(s, t) == 0
+    assert between((await s.usage(t, rpm=10, tpm=0)).requests_available, backend.level_range(10, 10))
+    assert (await s.admit(t, first)).ok  # its turn
+    assert await active(s, t) == 1
+
+
+async def test_the_line_keeps_its_order_and_an_admitted_request_leaves_it(backend: Backend) -> None:
+    s, t = backend.store, backend.tenant()
+    holder = req(max_concurrent=1, line=True)
+    assert (await s.admit(t, holder)).ok
+    a, b = req(max_concurrent=1, line=True), req(max_concurrent=1, line=True)
+    assert not (await s.admit(t, a)).ok
+    assert not (await s.admit(t, b)).ok
+    await s.release(t, holder.lease_id)
+    d = await s.admit(t, b)
+    assert not d.ok and d.reason == "queued"  # a is ahead
+    assert (await s.admit(t, a)).ok
+    await s.release(t, a.lease_id)
+    assert (await s.admit(t, b)).ok  # a left the line when admitted
+    await s.release(t, b.lease_id)
+    assert (await s.admit(t, req(max_concurrent=1, line=True))).ok  # and b too: the line is empty
+
+
+async def test_a_request_that_leaves_the_line_holds_nobody_back(backend: Backend) -> None:
+    s, t = backend.store, backend.tenant()
+    holder = req(max_concurrent=1, line=True)
+    assert (await s.admit(t, holder)).ok
+    gone = req(max_concurrent=1, line=True)
+    assert not (await s.admit(t, gone)).ok
+    await s.leave(t, gone.lease_id)
+    await s.leave(t, gone.lease_id)  # (idempotent)
+    await s.release(t, holder.lease_id)
+    assert (await s.admit(t, req(max_concurrent=1, line=True))).ok
+
+
+async def test_a_place_in_the_line_expires_after_its_retry(backend: Backend) -> None:
+    """A waiting request whose router stopped asking (it crashed) holds the
+    others back for its retry_after plus LINE_SLACK at most."""
+    from router.state.base import LINE_SLACK
+
+    s, t = backend.store, backend.tenant()
+    holder = req(max_concurrent=1, line=True)
+    assert (await s.admit(t, holder)).ok
+    crashed = await s.admit(t, req(max_concurrent=1, line=True))
+    assert not crashed.ok
+    await s.release(t, holder.lease_id)
+    assert (await s.admit(t, req(max_concurrent=1, line=True))).reason == "queued"
+    await backend.sleep(crashed.retry_after + LINE_SLACK + backend.slack)
+    assert (await s.admit(t, req(max_concurrent=1, line=True))).ok
+
+
+async def test_without_a_line_a_request_ignores_the_line(backend: Backend) -> None:
+    """A tenant that does not queue (``line`` False) is not held back, and
+    a refused request of it does not join."""
+    s, t = backend.store, backend.tenant()
+    holder = req(max_concurrent=1, line=True)
+    assert (await s.admit(t, holder)).ok
+    assert not (await s.admit(t, req(max_concurrent=1, line=True))).ok
+    await s.release(t, holder.lease_id)
+    assert (await s.admit(t, req(max_concurrent=1))).ok
+    t2 = backend.tenant()
+    holder = req(max_concurrent=1)
+    assert (await s.admit(t2, holder)).ok
+    assert not (await s.admit(t2, req(max_concurrent=1))).ok
+    await s.release(t2, holder.lease_id)
+    assert (await s.admit(t2, req(max_concurrent=1, line=True))).ok
+
+
+async def test_a_request_too_large_for_the_tenant_never_joins_the_line(backend: Backend) -> None:
+    s, t = backend.store, backend.tenant()
+    d = await s.admit(t, req(tpm=100, cost=101, line=True))
+    assert not d.ok and d.reason == "too_large"
+    assert (await s.admit(t, req(tpm=100, cost=50, line=True))).ok
+
+
+@pytest.mark.redis
+async def test_two_redis_stores_share_one_line(redis_server) -> None:
+    """A request refused on one router is first to the slot that a stream on
+    the other frees: the other router's next request is refused."""
+    from router.state.redis_store import RedisStore
+
+    a = RedisStore(redis_server.url, prefix="fs-test", timeout=2.0)
+    b = RedisStore(redis_server.url, prefix="fs-test", timeout=2.0)
+    try:
+        t = Backend.tenant("line")
+        running = req(max_concurrent=1, line=True)
+        assert (await a.admit(t, running)).ok
+        waiting = req(max_concurrent=1, line=True)
+        assert not (await b.admit(t, waiting)).ok
+        await a.release(t, running.lease_id)
+        assert (await a.admit(t, req(max_concurrent=1, line=True))).reason == "queued"
+        assert (await b.admit(t, waiting)).ok
+    finally:
+        await a.close()
+        await b.close()
 
 
 @pytest.mark.redis

@@ -26,6 +26,7 @@ from tests.sim_openai import SimOpenAI
 SECRET = "scale-out-secret"
 SIM = {"model": MODEL, "seed": 0, "step_base_ms": 12}
 LIMITED = "limited-tenant-key"
+QUEUED = "queued-tenant-key"
 
 
 @pytest.fixture
@@ -187,3 +188,53 @@ async def test_routers_on_one_redis_with_different_tenants_files_say_so(tmp_path
         second.write_text(first.read_text())  # the same file on both: b reloads it (file watch)
         poll(lambda: not differ(a) and not differ(b), 30, what="both routers to see the same file")
         assert a.metrics().value("fairstream_tenants_files_differ") == 0
+
+
+async def test_a_tenants_line_is_shared_by_the_routers_on_one_redis(tmp_path, redis_server) -> None:
+    """``on_limit: queue`` with one concurrent stream: three clients keep
+    one router's line busy while two requests wait on the other. Each line
+    was per router, and the busy router's head (woken at once by its own
+    streams' ends) took every slot that freed before the quiet router's head
+    looked again: the quiet router's requests waited out ``queue_wait`` and
+    got 429s. Now the routers take turns."""
+    tenants = tmp_path / "tenants.yaml"
+    demo = yaml.safe_load(open("configs/tenants.yaml"))
+    demo["tenants"]["queued"] = {
+        "keys": [hash_key(QUEUED)], "on_limit": "queue", "queue_depth": 8,
+        "limits": {"max_concurrent": 1}, "timeouts": {"queue_wait": 12},
+    }
+    tenants.write_text(yaml.safe_dump(demo, sort_keys=False))
+    settings = {"state": {"backend": "redis", "url": redis_server.url}}
+    sim = {"step_base_ms": 10}
+    body = {"model": MODEL, "prompt": "The cluster", "max_tokens": 20, "stream": True}
+    headers = {"Authorization": f"Bearer {QUEUED}"}
+    with RouterProcess(tmp_path / "busy", replicas=1, sim=sim, tenants=tenants, settings=settings) as busy, \
+            RouterProcess(tmp_path / "quiet", replicas=1, sim=sim, tenants=tenants, settings=settings) as quiet:
+        stop = asyncio.Event()
+        served = {"busy": 0}
+
+        async def client(http: httpx.AsyncClient) -> None:
+            while not stop.is_set():
+                r = await http.post(busy.base_url + "/v1/completions", json=body, headers=headers)
+                assert r.status_code == 200, r.text
+                served["busy"] += 1
+
+        async def waiting(http: httpx.AsyncClient) -> tuple[int, float]:
+            t0 = asyncio.get_running_loop().time()
+            r = await http.post(quiet.base_url + "/v1/completions", json=body, headers=headers)
+            assert "data: [DONE]" in r.text or r.status_code != 200, r.text
+            return r.status_code, asyncio.get_running_loop().time() - t0
+
+        async with httpx.AsyncClient(timeout=30) as http:
+            clients = [asyncio.create_task(client(http)) for _ in range(3)]
+            try:
+                await asyncio.sleep(1.0)  # (the busy router's line is full by now)
+                assert served["busy"] >= 2
+                got = await asyncio.gather(waiting(http), waiting(http))
+            finally:
+                stop.set()
+                await asyncio.gather(*clients)
+        assert [status for status, _ in got] == [200, 200], got
+        # each waited for about a turn or two of a stream (~0.3 s each), not for queue_wait
+        assert max(took for _, took in got) < 6.0, got
+        assert served["busy"] >= 4  # (and the busy router's clients were served too)

@@ -194,3 +194,43 @@ async def test_a_waiter_cancelled_as_it_is_woken_stays_cancelled() -> None:
     with pytest.raises(asyncio.CancelledError):
         await waiting
     assert adm.queued("t") == 0 and not adm._leases
+
+
+async def test_routers_sharing_a_store_take_turns() -> None:
+    """Two routers (two ``Admission`` on one store). A stream ending on the
+    first wakes its own waiter at once; the other router's waiter came first
+    and gets the slot all the same, within a poll of the line."""
+    policy = _policy(5.0, rpm=0, concurrent=1)
+    store = MemoryStore()
+    busy, quiet = Admission(store, Metrics()), Admission(store, Metrics())
+    held = await busy.admit(policy, 1)
+    first = asyncio.create_task(quiet.admit(policy, 1))
+    await asyncio.sleep(0.05)
+    second = asyncio.create_task(busy.admit(policy, 1))
+    await asyncio.sleep(0.05)
+    await busy.finish(held, 1)
+    ticket = await asyncio.wait_for(first, 1)
+    await asyncio.sleep(0.3)
+    assert not second.done()  # (it asked when woken, and again after a poll: refused, queued)
+    await quiet.finish(ticket, 1)
+    await asyncio.wait_for(second, 1)
+
+
+@pytest.mark.parametrize("how", ["gives up", "is cancelled"])
+async def test_a_waiter_that_leaves_holds_no_other_router_back(how: str) -> None:
+    policy = _policy(0.3 if how == "gives up" else 5.0, rpm=0, concurrent=1)
+    store = MemoryStore()
+    one, other = Admission(store, Metrics()), Admission(store, Metrics())
+    held = await one.admit(policy, 1)
+    waiting = asyncio.create_task(one.admit(policy, 1))
+    await asyncio.sleep(0.05)
+    if how == "is cancelled":
+        waiting.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await waiting
+    else:
+        with pytest.raises(RateLimited):
+            await asyncio.wait_for(waiting, 2)
+    await one.finish(held, 1)
+    # (at once: its place, kept for retry_after plus LINE_SLACK, would hold this back 3 s)
+    assert await asyncio.wait_for(other.admit(policy, 1), 0.2) is not None

@@ -1,8 +1,14 @@
 -- Atomic admission: requests bucket, tokens bucket and concurrency leases.
 -- Same arithmetic as policies/ratelimit.py (admit); time is the Redis
 -- server's, so every router process shares one clock.
--- KEYS: 1 requests bucket (hash), 2 tokens bucket (hash), 3 leases (zset)
--- ARGV: rpm, tpm, max_concurrent, cost_tokens, lease_id, lease_ttl
+-- With a line (the tenant queues), the tenant's waiting requests come first:
+-- one not in the line is refused while anyone waits, one in it while anyone
+-- waits ahead (reason 'queued' where its limits pass); a refused one joins
+-- the line's end (unless it can never fit) until its retry plus a slack.
+-- KEYS: 1 requests bucket (hash), 2 tokens bucket (hash), 3 leases (zset),
+--       4 line (zset: lease id -> arrival), 5 line expiry (zset: lease id -> until)
+-- ARGV: rpm, tpm, max_concurrent, cost_tokens, lease_id, lease_ttl, line (0/1),
+--       queued retry, line slack
 local t = redis.call('TIME')
 local now = tonumber(t[1]) + tonumber(t[2]) / 1000000
 local rpm = tonumber(ARGV[1])
@@ -11,6 +17,7 @@ local maxc = tonumber(ARGV[3])
 local cost = tonumber(ARGV[4])
 local lease_id = ARGV[5]
 local ttl = tonumber(ARGV[6])
+local in_line = ARGV[7] == '1'
 local INF = 1e300
 
 local function level(key, per_min)
@@ -45,6 +52,17 @@ local tok_level = INF
 if rpm > 0 then req_level = level(KEYS[1], rpm) end
 if tpm > 0 then tok_level = level(KEYS[2], tpm) end
 
+local behind = false
+if in_line then
+  local gone = redis.call('ZRANGEBYSCORE', KEYS[5], '-inf', now)
+  if #gone > 0 then
+    redis.call('ZREM', KEYS[4], unpack(gone))
+    redis.call('ZREM', KEYS[5], unpack(gone))
+  end
+  local first = redis.call('ZRANGE', KEYS[4], 0, 0)
+  behind = first[1] ~= nil and first[1] ~= lease_id
+end
+
 local reason = ''
 local worst = 0
 if rpm > 0 then
@@ -58,6 +76,10 @@ end
 if maxc > 0 and leases >= maxc and worst < 1 then
   worst = 1; reason = 'concurrency'
 end
+if behind then
+  local poll = tonumber(ARGV[8])
+  if poll > worst then worst = poll; reason = 'queued' end
+end
 if worst >= INF then reason = 'too_large' end
 
 local rem_req = 0
@@ -67,7 +89,21 @@ local rst_tok = 0
 if reason ~= '' then
   if rpm > 0 then rem_req = req_level; rst_req = reset(req_level, rpm) end
   if tpm > 0 then rem_tok = tok_level; rst_tok = reset(tok_level, tpm) end
+  if in_line and reason ~= 'too_large' then
+    local until_ = now + worst + tonumber(ARGV[9])
+    -- (its place: the arrival of its first refusal; one the server lost rejoins at the end)
+    redis.call('ZADD', KEYS[4], 'NX', now, lease_id)
+    redis.call('ZADD', KEYS[5], until_, lease_id)
+    local last = redis.call('ZRANGE', KEYS[5], -1, -1, 'WITHSCORES')
+    local ms = math.ceil((tonumber(last[2]) - now) * 1000) + 1000
+    redis.call('PEXPIRE', KEYS[4], ms)
+    redis.call('PEXPIRE', KEYS[5], ms)
+  end
   return {0, reason, tostring(worst), tostring(rem_req), tostring(rem_tok), tostring(rst_req), tostring(rst_tok)}
+end
+if in_line then
+  redis.call('ZREM', KEYS[4], lease_id)
+  redis.call('ZREM', KEYS[5], lease_id)
 end
 if rpm > 0 then
   rem_req = req_level - 1; rst_req = reset(rem_req, rpm); store(KEYS[1], rem_req, rpm)
