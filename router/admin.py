@@ -5,6 +5,7 @@ from __future__ import annotations
 import msgspec
 from litestar import Request, Response, get, post
 
+from router.auth import authorization
 from router.service import RouterService
 from router.state import StoreUnavailable
 
@@ -15,7 +16,7 @@ _JSON = "application/json"
 
 def _admin_svc(request: Request) -> RouterService:
     svc: RouterService = request.app.state.service
-    svc.check_admin(request.headers.get("authorization"))
+    svc.check_admin(authorization(request.headers))
     return svc
 
 

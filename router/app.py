@@ -11,6 +11,7 @@ from litestar import Litestar, Request, Response, get, post
 from litestar.exceptions import HTTPException
 
 from router.admin import admin_routes
+from router.auth import authorization
 from router.completions import check_model, new_request_id
 from router.config import RouterConfig
 from router.cors import cors_config
@@ -39,7 +40,7 @@ async def _complete(request: Request, chat: bool) -> Response:
     in front (router/fastpath.py) serves them, and sends here only requests
     with one of those headers."""
     svc = _svc(request)
-    policy = svc.tenant(request.headers.get("authorization"))
+    policy = svc.tenant(authorization(request.headers))
     resume_id = request.headers.get("x-resume-request-id")
     if not resume_id:  # a reconnect: a new generation would repeat its text
         raise BadRequest("Last-Event-ID resumes a stream: send X-Resume-Request-Id with the stream's "
@@ -62,7 +63,7 @@ async def completions(request: Request) -> Response:
 async def resume_stream(request: Request, request_id: str) -> Response:
     """Resume a stream: events after Last-Event-ID, then the rest of it."""
     svc = _svc(request)
-    policy = svc.tenant(request.headers.get("authorization"))
+    policy = svc.tenant(authorization(request.headers))
     raw = request.headers.get("last-event-id") or request.query_params.get("last_event_id")
     return await handle_resume(svc, policy, request_id, parse_last_event_id(raw))
 
@@ -92,7 +93,7 @@ class _ModelList(msgspec.Struct):
 @get("/v1/models")
 async def models(request: Request) -> Response:
     svc = _svc(request)
-    policy = svc.tenant(request.headers.get("authorization"))
+    policy = svc.tenant(authorization(request.headers))
     data = [_card(svc, m) for m in svc.pool.models() if policy.allows_model(m)]
     return Response(msgspec.json.encode(_ModelList("list", data)), media_type=_JSON)
 
@@ -101,7 +102,7 @@ async def models(request: Request) -> Response:
 async def model(request: Request, model: str) -> Response:
     """One model (``client.models.retrieve``); a model id may contain slashes."""
     svc = _svc(request)
-    policy = svc.tenant(request.headers.get("authorization"))
+    policy = svc.tenant(authorization(request.headers))
     name = model.removeprefix("/")
     check_model(svc, policy, name)
     return Response(msgspec.json.encode(_card(svc, name)), media_type=_JSON)
@@ -134,7 +135,7 @@ async def ready(request: Request) -> Response:
 async def metrics(request: Request) -> Response:
     svc = _svc(request)
     if svc.config.metrics_require_admin_key:
-        svc.check_admin(request.headers.get("authorization"))
+        svc.check_admin(authorization(request.headers))
     await svc.store.check()  # (so that fairstream_state_store_up drops while the router is idle too)
     return Response(svc.metrics.expose(svc.pool), media_type="text/plain; version=0.0.4")  # (Litestar adds the charset)
 

@@ -7,15 +7,31 @@ import hashlib
 from router.errors import Forbidden, Unauthorized
 from router.tenants import TenantsFile
 
-__all__ = ["KeyIndex", "hash_key", "bearer"]
+__all__ = ["KeyIndex", "hash_key", "bearer", "authorization", "SEVERAL"]
+
+# The Authorization "value" of a request that sent the header more than
+# once (a NUL: never in a value that reached the router). Which one to use
+# is no choice to make: a gateway that adds its own without removing the
+# client's would otherwise authenticate by whichever a route happened to read.
+SEVERAL = "\x00several"
 
 
 def hash_key(key: str) -> str:
     return hashlib.sha256(key.encode("utf-8")).hexdigest()
 
 
+def authorization(headers) -> str | None:
+    """The Authorization header of a request's (Litestar) ``headers``;
+    ``SEVERAL`` when it came more than once."""
+    values = headers.getall("authorization", [])
+    return SEVERAL if len(values) > 1 else values[0] if values else None
+
+
 def bearer(authorization: str | None) -> str:
-    """The key in an ``Authorization: Bearer KEY`` header; 401 if absent."""
+    """The key in an ``Authorization: Bearer KEY`` header; 401 if absent,
+    malformed or sent more than once."""
+    if authorization == SEVERAL:
+        raise Unauthorized("The request has more than one Authorization header; send one.")
     if not authorization:
         raise Unauthorized(
             "You didn't provide an API key. Send it as 'Authorization: Bearer YOUR_KEY'.",

@@ -93,6 +93,8 @@ def _config_kind(path: str) -> type:
             head = yaml.safe_load(f)
     except (OSError, ValueError, yaml.YAMLError):  # (ValueError: not UTF-8)
         return RouterConfig
+    if head is None:  # (empty, or comments only: nothing tells but its name)
+        return TenantsFile if "tenant" in os.path.basename(path).lower() else RouterConfig
     # (router.yaml's ``tenants`` names a file and it must list replicas; a
     # tenants file's ``tenants`` is a mapping, or a mistake in one)
     if isinstance(head, dict) and "replicas" not in head and not isinstance(head.get("tenants"), str) and (

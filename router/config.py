@@ -27,7 +27,7 @@ class RouterConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     host: str = "127.0.0.1"
     """Address to listen on."""
     port: int = 8080
-    """Port to listen on."""
+    """Port to listen on (0: any free one; the router logs ``listening on http://...``)."""
     tenants: str = "tenants.yaml"
     """Path of the tenant policy file, relative to router.yaml."""
     replicas: list[ReplicaSpec]
@@ -79,8 +79,8 @@ class RouterConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
 
     def validate(self, located: Located) -> list[str]:
         errors = []
-        if not (0 < self.port < 65536):
-            errors.append(located.error(("port",), "must be between 1 and 65535"))
+        if not (0 <= self.port < 65536):  # (0: any free one, as --port 0; the log says which)
+            errors.append(located.error(("port",), "must be between 0 and 65535"))
         if not self.replicas:
             errors.append(located.error(("replicas",), "at least one replica is needed"))
         seen: set[str] = set()

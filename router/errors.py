@@ -44,6 +44,9 @@ def clip(text: str, n: int = 100) -> str:
     return text if len(text) <= n else text[:n] + f"... ({len(text)} characters)"
 
 
+MAX_PARAM = 200  # characters of an error's ``param`` (a field name the client sent)
+
+
 class ApiError(Exception):
     status = 500
     type = "server_error"
@@ -53,7 +56,7 @@ class ApiError(Exception):
                  headers: dict[str, str] | None = None) -> None:
         super().__init__(message)
         self.message = message
-        self.param = param
+        self.param = clip(param, MAX_PARAM) if param else param  # (a client's field name: could be megabytes)
         if code is not None:
             self.code = code
         self.headers = headers or {}

@@ -27,9 +27,11 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import re
 
 from litestar import Litestar
 
+from router.auth import SEVERAL
 from router.completions import new_request_id, open_stream, respond_whole, start_generation
 from router.cors import response_headers
 from router.errors import ApiError, error_body
@@ -49,6 +51,7 @@ _PATHS = {"/v1/chat/completions": True, "/v1/completions": False,
 # /v1/models/{model}: headers only
 _HEAD_PATHS = frozenset({"/health", "/ready", "/metrics", "/v1/models"})
 _JSON = (b"content-type", b"application/json")
+_SLASHES = re.compile("//+")
 
 
 class FastPath:
@@ -62,12 +65,14 @@ class FastPath:
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] == "http" and scope["method"] == "POST":
             chat = _PATHS.get(scope["path"])
+            if chat is None and "//" in scope["path"]:  # (Litestar's router squeezes them too)
+                chat = _PATHS.get(_SLASHES.sub("/", scope["path"]))
             if chat is not None:
                 auth = origin = encoding = length = None
                 client_rid = ""
                 for k, v in scope["headers"]:
                     if k == b"authorization":
-                        auth = v.decode("latin-1")
+                        auth = v.decode("latin-1") if auth is None else SEVERAL
                     elif k == b"origin":
                         origin = v.decode("latin-1")
                     elif k == b"content-encoding":  # (several headers: one list)

@@ -14,7 +14,7 @@ from typing import Annotated, Any
 import msgspec
 
 from replicas.protocol import SamplingParams
-from router.errors import BadRequest
+from router.errors import BadRequest, clip
 
 __all__ = [
     "ChatRequest",
@@ -157,12 +157,12 @@ def decode_request(body: bytes, kind: type[ChatRequest] | type[CompletionRequest
         unknown = re.match(r"Object contains unknown field `([^`]+)`", reason)
         if unknown:
             name = (param + "." if param else "") + unknown.group(1)
-            raise BadRequest(f"Unrecognized request argument supplied: {name}", param=name) from e
+            raise BadRequest(f"Unrecognized request argument supplied: {clip(name)}", param=name) from e
         missing = re.match(r"Object missing required field `([^`]+)`", reason)
         if missing:
             name = (param + "." if param else "") + missing.group(1)
-            raise BadRequest(f"Missing required parameter: '{name}'.", param=name) from e
-        raise BadRequest(f"Invalid value for '{param}': {reason}.", param=param) from e
+            raise BadRequest(f"Missing required parameter: '{clip(name)}'.", param=name) from e
+        raise BadRequest(f"Invalid value for '{clip(param or '')}': {clip(reason, 300)}.", param=param) from e
     except msgspec.DecodeError as e:
         raise BadRequest(f"The request body is not valid JSON: {e}", code="invalid_json") from e
     except RecursionError as e:
@@ -245,7 +245,7 @@ def chat_messages(req: ChatRequest) -> list[dict[str, str]]:
     for i, m in enumerate(req.messages):
         if m.role not in _ROLES:
             raise BadRequest(
-                f"Invalid value for 'messages[{i}].role': {m.role!r}; expected one of {', '.join(_ROLES)}.",
+                f"Invalid value for 'messages[{i}].role': {clip(repr(m.role))}; expected one of {', '.join(_ROLES)}.",
                 param=f"messages[{i}].role",
             )
         if m.tool_calls:  # (an empty list asks for nothing)
@@ -259,7 +259,7 @@ def chat_messages(req: ChatRequest) -> list[dict[str, str]]:
                 at = f"messages[{i}].content[{j}]"
                 if part.get("type") != "text":
                     raise BadRequest(f"Only text content parts are supported; '{at}' has type "
-                                     f"{part.get('type')!r}.", param=f"{at}.type")
+                                     f"{clip(repr(part.get('type')))}.", param=f"{at}.type")
                 if not isinstance(part.get("text"), str):
                     raise BadRequest(f"Missing required parameter: '{at}.text' (a string).", param=f"{at}.text")
                 parts.append(part["text"])

@@ -74,7 +74,7 @@ def parse_last_event_id(value: str | None) -> Position:
     # number failed a Redis script as if the store were down)
     nums = [int(p) for p in parts] if all(p.isascii() and p.isdigit() and len(p) <= 15 for p in parts) else []
     if len(nums) not in (1, 3):
-        raise BadRequest(f"Last-Event-ID must be an event id this router sent (N or N-T-C); got {value!r}.",
+        raise BadRequest(f"Last-Event-ID must be an event id this router sent (N or N-T-C); got {clip(repr(value))}.",
                          param="Last-Event-ID")
     return Position(*nums)
 

@@ -11,6 +11,7 @@ keeps it in sync.
 
 from __future__ import annotations
 
+import math
 import re
 from typing import Literal
 
@@ -20,6 +21,7 @@ from router.configfile import Located
 
 __all__ = ["Limits", "Timeouts", "TenantSpec", "Defaults", "TenantsFile", "TenantPolicy", "ResolvedLimits"]
 
+MAX_COUNT = 2**53  # largest limit, timeout or count: exact in a double (Redis's Lua scripts count in them)
 _SHA256 = re.compile(r"^[0-9a-f]{64}$")
 _NAME = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
 
@@ -102,7 +104,9 @@ class TenantsFile(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     def validate(self, located: Located) -> list[str]:
         errors: list[str] = []
         err = lambda at, reason: errors.append(located.error(at, reason))  # noqa: E731
-        if not self.priority_classes or len(set(self.priority_classes)) != len(self.priority_classes):
+        if not self.priority_classes:
+            err(("priority_classes",), "must list at least one class name")
+        elif len(set(self.priority_classes)) != len(self.priority_classes):
             err(("priority_classes",), "must list distinct class names")
         owner: dict[str, tuple] = {}
 
@@ -142,12 +146,16 @@ class TenantsFile(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
 def _check_fields(spec: _PolicyFields, at: tuple, classes: list[str], err) -> None:
     if spec.priority is not None and spec.priority not in classes:
         err(at + ("priority",), f"unknown priority class {spec.priority!r} (known: {', '.join(classes)})")
-    if spec.weight is not None and not spec.weight > 0:
-        err(at + ("weight",), "must be greater than 0")
+    if spec.weight is not None and not 0 < spec.weight < math.inf:
+        # (an infinite weight was never charged in the fair-share counters)
+        err(at + ("weight",), "must be greater than 0" if not spec.weight > 0 else "must be finite")
     if spec.queue_depth is not None and spec.queue_depth < 0:
         err(at + ("queue_depth",), "must not be negative")
     if spec.chunk_tokens is not None and spec.chunk_tokens < 1:
         err(at + ("chunk_tokens",), "must be at least 1")
+    for field in ("queue_depth", "chunk_tokens"):
+        if (getattr(spec, field) or 0) > MAX_COUNT:
+            err(at + (field,), f"must be at most {MAX_COUNT}")
     if spec.models is not None and not spec.models:
         err(at + ("models",), 'must list at least one model (use ["*"] for all)')
     for group in ("limits", "timeouts"):
@@ -158,6 +166,8 @@ def _check_fields(spec: _PolicyFields, at: tuple, classes: list[str], err) -> No
             v = getattr(value, field)
             if v is not None and not v >= 0:  # (NaN too: every comparison with it is false)
                 err(at + (group, field), "must not be negative (0 means no limit)" if v < 0 else "must be a number")
+            elif v is not None and v > MAX_COUNT:  # (.inf too; limits are counted in Redis's doubles)
+                err(at + (group, field), f"must be at most {MAX_COUNT} (0 means no limit)")
 
 
 class ResolvedLimits(msgspec.Struct, frozen=True, kw_only=True):

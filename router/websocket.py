@@ -39,8 +39,9 @@ import msgspec
 from litestar import WebSocket, websocket
 from litestar.exceptions import WebSocketDisconnect
 
+from router.auth import authorization
 from router.completions import new_request_id, response_id_of, start_generation
-from router.errors import ApiError, BadRequest, PayloadTooLarge, RouterShutdown, error_body
+from router.errors import ApiError, BadRequest, PayloadTooLarge, RouterShutdown, clip, error_body
 from router.openai_types import usage_options
 from router.push import ClientTooSlow, bounded
 from router.relay import EventStream, log_refused, relay_stream
@@ -224,7 +225,7 @@ async def chat_socket(socket: WebSocket) -> None:
     svc.sockets.add(conn)
     if svc.draining:
         conn.drain()
-    auth = socket.headers.get("authorization")
+    auth = authorization(socket.headers)
     # one deadline for authenticating, from the upgrade, over the reads and
     # the answers alike (not per message: a client sending junk now and then,
     # or not reading the answers, would keep it open for good)
@@ -281,7 +282,7 @@ async def chat_socket(socket: WebSocket) -> None:
                 await conn.send(_err(msg.id, BadRequest("This socket is authenticated already; its key is the one "
                                                         "it authenticated with.", param="type")))
             else:
-                await conn.send(_err(msg.id, BadRequest(f"Unknown message type {msg.type!r}.", param="type")))
+                await conn.send(_err(msg.id, BadRequest(f"Unknown message type {clip(repr(msg.type))}.", param="type")))
     except ApiError as e:  # bad key: say why, then close
         log_refused(svc, "websocket", new_request_id(), e)
         await conn.send(error_body(e.message, e.type, e.param, e.code))

@@ -261,3 +261,16 @@ def test_check_config_tells_a_broken_tenants_file_by_its_keys(tmp_path, text: st
     path = tmp_path / "f.yaml"
     path.write_text(text)
     assert cli._config_kind(str(path)) is (TenantsFile if kind == "tenants" else RouterConfig)
+
+
+@pytest.mark.parametrize(("name", "kind"), [("tenants.yaml", "tenants"), ("my-Tenants.yml", "tenants"),
+                                            ("router.yaml", "router"), ("x.yaml", "router")])
+def test_check_config_tells_an_empty_file_by_its_name(tmp_path, name: str, kind: str) -> None:
+    # (an empty tenants.yaml was checked as a router file: "missing required
+    # key replicas", where a reload of it says "missing required key tenants")
+    from router.config import RouterConfig
+    from router.tenants import TenantsFile
+
+    path = tmp_path / name
+    path.write_text("# nothing yet\n")
+    assert cli._config_kind(str(path)) is (TenantsFile if kind == "tenants" else RouterConfig)

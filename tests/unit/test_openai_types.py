@@ -118,3 +118,18 @@ def test_an_unset_max_tokens_is_never_below_min_tokens():
     # 300 with no max_tokens is fine there; the router's default was a 400)
     p = to_params(chat(min_tokens=300), 16)
     assert p.max_tokens == 300 and p.min_tokens == 300 and p.max_tokens_default
+
+
+@pytest.mark.parametrize("body", [
+    {"model": "m", "messages": MSG, "k" * 1_000_000: 1},
+    {"model": "m", "messages": [{"role": "r" * 1_000_000, "content": "hi"}]},
+    {"model": "m", "messages": [{"role": "user", "content": [{"type": "t" * 1_000_000}]}]},
+    {"model": "m", "messages": MSG, "stream_options": {"k" * 1_000_000: True}},
+], ids=["top-level field", "role", "content part type", "nested field"])
+def test_an_error_echoes_at_most_a_clip_of_what_the_client_sent(body):
+    # (a 1 MB field name came back whole in the message and the param, and
+    # in the request's log line: a 2 MB answer and a 1 MB log line each)
+    with pytest.raises(BadRequest) as e:
+        chat_messages(decode_request(json.dumps(body).encode(), ChatRequest))
+    assert len(e.value.message) < 1000 and len(e.value.param or "") < 300, (len(e.value.message), e.value.param)
+    assert len(e.value.body()) < 2000
