@@ -33,7 +33,7 @@ import msgspec
 from litestar import Response
 from litestar.response import Stream
 
-from router.errors import ApiError, BadRequest, NotFound, ServiceUnavailable, clip, error_body
+from router.errors import ApiError, BadRequest, NotFound, RateLimited, ServiceUnavailable, clip, error_body
 from router.generation import Deadlines, Generation, Job
 from router.relay import (
     NOT_RESUMABLE, EventStream, Outcome, error_before_output, outcome_of, relay_stream, shutdown_notice,
@@ -54,6 +54,12 @@ COMMENT_EVERY = 2.0  # seconds without an event after which the resume sends an 
 WAITING = b": waiting for the stream\n\n"  # that comment; clients skip it
 REREAD_GRACE = 5.0  # seconds a resume tries to read its buffer again before it gives up
 REREAD_INTERVAL = 0.1
+# Resumes of one stream that may run at once on a router. A client needs
+# one (two while its old connection is not yet seen gone); each follower of
+# a live stream reads the buffer every TAIL_POLL, and hundreds of them on one
+# stream took a core (counting them against max_concurrent instead would
+# refuse a tenant at its limit the resume of its own stream).
+MAX_READERS = 4
 
 
 class Position(msgspec.Struct, frozen=True):
@@ -94,6 +100,8 @@ async def handle_resume(svc: RouterService, policy: TenantPolicy, sid: str, pos:
     meta = decode_meta(snap.meta)
     if meta.tenant != policy.name:
         raise NotFound(_NOT_FOUND.format(clip(sid)), code="stream_not_found")
+    if svc.resume.readers.get(sid, 0) >= MAX_READERS:
+        raise _too_many(sid)
     if snap.broken:
         raise BadRequest(_BROKEN.format(sid), code=NOT_RESUMABLE)
     if b"" in snap.events:  # (before its stream starts: an error event then left an EventSource retrying)
@@ -142,6 +150,11 @@ def _error_code(event: bytes) -> str:
         return "unknown"
 
 
+def _too_many(sid: str) -> RateLimited:
+    return RateLimited(f"{MAX_READERS} resumes of stream {sid} are running on this router; close one first.",
+                       retry_after=1.0, code="too_many_resumes")
+
+
 def _store_down(sid: str) -> ServiceUnavailable:
     return ServiceUnavailable(f"Stream {sid} cannot be resumed now: the state store is unavailable; retry shortly.",
                               code="state_store_unavailable", headers={"retry-after": "1"})
@@ -168,12 +181,25 @@ async def _resume(svc: RouterService, policy: TenantPolicy, sid: str, meta: Resu
     response started is neither)."""
     svc.metrics.resumes.labels(policy.name).inc()
     outcome = Outcome(svc, policy, "replay", time.monotonic(), sid)
+    readers = svc.resume.readers
+    n = readers.get(sid, 0)
+    if n >= MAX_READERS:  # (resumes that arrived together all passed handle_resume's check)
+        err = _too_many(sid)
+        outcome.record("rate_limited", error=err)
+        yield _notice(meta, err.message, err.code)
+        return
+    readers[sid] = n + 1
     try:
         async for chunk in _replay(svc, policy, sid, meta, snap, pos, outcome):
             yield chunk
     except BaseException as e:  # (the client left: cancelled; a store that failed: unavailable)
         outcome.record("unavailable" if isinstance(e, StoreUnavailable) else outcome_of(e), error=e)
         raise
+    finally:
+        if readers[sid] > 1:
+            readers[sid] -= 1
+        else:
+            del readers[sid]
     outcome.record("ok")  # (once: a continuation recorded its own, and this one is then done)
 
 
@@ -235,7 +261,7 @@ async def _replay(svc: RouterService, policy: TenantPolicy, sid: str, meta: Resu
             return
         else:
             await asyncio.sleep(TAIL_POLL)
-        nxt = await _reread(svc, sid, cursor)
+        nxt = await _reread(svc, sid, cursor, tokens=False)  # (a take-over reads them again)
         if nxt is None or nxt.broken:  # (broken while this client followed it: what it has is right)
             outcome.record("unavailable")
             yield _cannot_go_on(meta, sid, nxt)
@@ -243,7 +269,7 @@ async def _replay(svc: RouterService, policy: TenantPolicy, sid: str, meta: Resu
         snap = nxt
 
 
-async def _reread(svc: RouterService, sid: str, after: int) -> StreamSnapshot | None:
+async def _reread(svc: RouterService, sid: str, after: int, tokens: bool = True) -> StreamSnapshot | None:
     """The buffer again, mid-resume. It was there a moment ago: a read that
     fails (a Redis timeout under load; a fail-open store answers from its
     local fallback, which lacks it) is tried again for ``REREAD_GRACE``
@@ -252,7 +278,7 @@ async def _reread(svc: RouterService, sid: str, after: int) -> StreamSnapshot | 
     until = loop.time() + REREAD_GRACE
     while True:
         try:
-            snap = await svc.store.stream_read(sid, after)
+            snap = await svc.store.stream_read(sid, after, tokens)
         except StoreUnavailable:
             snap = None
         if snap is not None or loop.time() >= until:

@@ -129,9 +129,12 @@ class StateStore(abc.ABC):
         one); True otherwise (also when there is no such buffer)."""
 
     @abc.abstractmethod
-    async def stream_read(self, sid: str, after: int) -> StreamSnapshot | None:
+    async def stream_read(self, sid: str, after: int, tokens: bool = True) -> StreamSnapshot | None:
         """The buffer with the events numbered after ``after`` (events are
-        numbered from 1); None when it does not exist or has expired."""
+        numbered from 1); None when it does not exist or has expired.
+        ``tokens`` False: ``token_ids`` is left empty (a client following a
+        stream needs its events only, and a long stream's ids are read
+        again at every poll)."""
 
     @abc.abstractmethod
     async def stream_claim(self, sid: str, owner: str, claim_ttl: float) -> bool:

@@ -194,14 +194,14 @@ class MemoryStore(StateStore):
 
         return append
 
-    async def stream_read(self, sid: str, after: int) -> StreamSnapshot | None:
+    async def stream_read(self, sid: str, after: int, tokens: bool = True) -> StreamSnapshot | None:
         now = self._clock()
         st = self._stream(sid, now)
         if st is None:
             return None
         owner = st.owner if st.owner and st.owner_until > now else ""
         return StreamSnapshot(
-            st.meta, list(st.token_ids), st.text_len, st.events[max(0, after):], len(st.events),
+            st.meta, list(st.token_ids) if tokens else [], st.text_len, st.events[max(0, after):], len(st.events),
             st.finished, owner, st.broken,
         )
 

@@ -168,11 +168,11 @@ class RedisStore(StateStore):
             raise _unavailable(e) from e
         return done in (0, 1)  # (0: no such buffer, as ever; 2 broken, 3 not this router's)
 
-    async def stream_read(self, sid: str, after: int) -> StreamSnapshot | None:
+    async def stream_read(self, sid: str, after: int, tokens: bool = True) -> StreamSnapshot | None:
         try:
             # (clamped: the script counts in doubles, and past 2**53 LRANGE
             # refused the number, which read as the store being down)
-            res = await self._s_read(keys=self._skeys(sid), args=[min(max(0, after), _MAX_EVENT)])
+            res = await self._s_read(keys=self._skeys(sid), args=[min(max(0, after), _MAX_EVENT), int(tokens)])
         except RedisError as e:
             raise _unavailable(e) from e
         if not res:

@@ -199,8 +199,8 @@ class ResilientStore(StateStore):
             lambda s: s.stream_append(sid, events, token_ids, text_len, finished, owner, ttl, first),
         )
 
-    async def stream_read(self, sid, after):
-        return await self._stream_op("stream_read", lambda s: s.stream_read(sid, after))
+    async def stream_read(self, sid, after, tokens=True):
+        return await self._stream_op("stream_read", lambda s: s.stream_read(sid, after, tokens))
 
     async def stream_claim(self, sid, owner, claim_ttl) -> bool:
         return await self._stream_op("stream_claim", lambda s: s.stream_claim(sid, owner, claim_ttl))

@@ -137,11 +137,11 @@ async def test_a_resume_that_loses_its_buffer_mid_way_ends_with_an_error_event_n
     snap = await svc.store.stream_read("s1", 0)
     real_read, misses = svc.store.stream_read, [3]
 
-    async def flaky_read(sid, after):
+    async def flaky_read(sid, after, tokens=True):
         if misses[0]:
             misses[0] -= 1
             return None
-        return await real_read(sid, after)
+        return await real_read(sid, after, tokens)
 
     monkeypatch.setattr(svc.store, "stream_read", flaky_read)
     await svc.resume.finish("s1", b"[DONE]", 5)
