@@ -37,6 +37,8 @@ class StateConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     """Redis down: ``open`` keeps serving with per-process limits; ``closed`` answers 503."""
     timeout: float = 0.5
     """Seconds a Redis call may take before it counts as an outage."""
+    max_connections: int = 128
+    """Redis connections one router process keeps open at most (each request's admission, lease and buffer calls take one for a moment); a call that finds them all busy waits for one, up to ``timeout``."""
 
 
 def create_store(config: StateConfig, **hooks) -> StateStore:
@@ -45,7 +47,7 @@ def create_store(config: StateConfig, **hooks) -> StateStore:
     from router.state.redis_store import RedisStore
 
     return ResilientStore(
-        RedisStore(config.url, config.prefix, config.timeout),
+        RedisStore(config.url, config.prefix, config.timeout, config.max_connections),
         fail_open=config.on_outage == "open",
         **hooks,
     )

@@ -127,6 +127,10 @@ class MemoryStore(StateStore):
             return None
         return st
 
+    def drop_streams(self) -> None:
+        """Forget every resume buffer (a fallback's, once the store it stood in for is back)."""
+        self._streams.clear()
+
     def _expire(self, now: float) -> None:
         if len(self._streams) > 64 and now >= self._next_sweep:
             self._next_sweep = now + SWEEP_INTERVAL

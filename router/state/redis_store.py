@@ -49,9 +49,14 @@ def _unavailable(e: Exception) -> BaseException:
 class RedisStore(StateStore):
     name = "redis"
 
-    def __init__(self, url: str, prefix: str = "fs", timeout: float = 1.0) -> None:
-        self._redis = aioredis.Redis.from_url(
+    def __init__(self, url: str, prefix: str = "fs", timeout: float = 1.0, max_connections: int = 128) -> None:
+        # (a capped pool: redis-py's default one grows to the most calls ever
+        # in flight at once and keeps every connection for good; a burst of
+        # 150 requests left a router with 100 connections to Redis)
+        pool = aioredis.BlockingConnectionPool.from_url(
             url,
+            max_connections=max_connections,
+            timeout=timeout,
             socket_timeout=timeout,
             socket_connect_timeout=timeout,
             health_check_interval=0,
@@ -68,6 +73,7 @@ class RedisStore(StateStore):
             retry=Retry(NoBackoff(), 1, supported_errors=(RedisConnectionError,)),
             retry_on_error=[RedisConnectionError],  # (redis-py 5 retries only what this lists)
         )
+        self._redis = aioredis.Redis.from_pool(pool)  # (closes the pool with the client)
         self._prefix = prefix
         r = self._redis
         self._admit = r.register_script(_script("admit.lua"))

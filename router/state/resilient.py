@@ -80,6 +80,9 @@ class ResilientStore(StateStore):
             except StoreUnavailable:
                 continue
             self.healthy = True
+            # (the resume buffers the fallback took cannot be read from now on:
+            # resumes read Redis. Kept, they stayed in memory for good.)
+            self.fallback.drop_streams()
             log.warning("state store %s is back", self.name)
             self._on_change(True)
             return

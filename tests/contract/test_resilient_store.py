@@ -108,11 +108,16 @@ async def test_fail_open_admits_with_local_limits_then_recovers(open_harness: Ha
     # Releasing the lease Redis holds cannot reach it: no exception.
     await store.release(t, on_redis)
     await store.settle(t, tpm=100, reserved=10, used=5, lease_id=on_redis)
+    # A resume buffer opened now lives in the fallback.
+    await store.stream_open("s-outage", b"meta", "me", 60.0)
+    assert await store.stream_read("s-outage", 0) is not None
 
     h.server.restart()
     took = await h.wait_healthy(5.0)
     assert took < 5.0
     assert h.changes == [False, True]
+    # ... and is dropped with Redis back: resumes read Redis, and it stayed in memory for good
+    assert await store.fallback.stream_read("s-outage", 0) is None
 
     # Back on Redis (empty after the restart): admissions count there again.
     assert (await store.admit(t, req(rpm=3))).ok

@@ -465,6 +465,27 @@ async def test_two_redis_stores_share_one_line(redis_server) -> None:
 
 
 @pytest.mark.redis
+async def test_a_redis_store_keeps_at_most_max_connections(redis_server) -> None:
+    """A burst of calls waits for the pool's connections instead of opening
+    one each (redis-py's default pool kept every one it ever opened)."""
+    import redis.asyncio as aioredis
+
+    from router.state.redis_store import RedisStore
+
+    store = RedisStore(redis_server.url, prefix="fs-test", timeout=5.0, max_connections=4)
+    probe = aioredis.Redis.from_url(redis_server.url)
+    try:
+        t = Backend.tenant("pool")
+        results = await asyncio.gather(*(store.admit(t, req(rpm=1000)) for _ in range(150)))
+        assert all(d.ok for d in results)
+        clients = (await probe.info("clients"))["connected_clients"]
+        assert clients <= 4 + 1, clients  # (+1: the probe)
+    finally:
+        await probe.aclose()
+        await store.close()
+
+
+@pytest.mark.redis
 async def test_two_redis_stores_share_one_limit(redis_server) -> None:
     """Two routers (two RedisStore instances, two connection pools) on one tenant."""
     from router.state.redis_store import RedisStore
