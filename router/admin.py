@@ -70,13 +70,15 @@ async def replicas(request: Request) -> Response:
             "state": slot.state,
             "ready": slot.ready,
             "local": slot.spec.local,
-            "pid": (client.ready.pid if client is not None and slot.ready else slot.pid),
+            # (None for a replica with no process of its own here: a url: upstream)
+            "pid": (client.ready.pid if client is not None and slot.ready else slot.pid) or None,
             "restarts": slot.restarts,
             "inflight": slot.inflight,
             "cap": slot.cap,
             "served": slot.served,
             "model": client.model if client is not None else None,
-            "load": msgspec.to_builtins(load) if load is not None else None,
+            # (by name: the replica protocol's struct is an array)
+            "load": {f: getattr(load, f) for f in load.__struct_fields__} if load is not None else None,
         })
     return Response(msgspec.json.encode({"replicas": out}), media_type=_JSON)
 

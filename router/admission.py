@@ -104,11 +104,12 @@ class _Waiter:
     """A request in its tenant's admission line: ``sleep`` until woken (its
     turn, a stream of the tenant ended, the router stops) or a timeout."""
 
-    __slots__ = ("_wake", "_woken")
+    __slots__ = ("_wake", "_woken", "error")
 
     def __init__(self) -> None:
         self._wake: asyncio.Future[None] | None = None
         self._woken = False  # woken while not asleep: the next sleep returns at once
+        self.error: BaseException | None = None  # set: it ends with this when it wakes
 
     def wake(self) -> None:
         self._woken = True
@@ -214,8 +215,7 @@ class Admission:
                 now = loop.time()
                 if line[0] is not me:
                     await me.sleep(deadline - now)
-                    if self._stopped.is_set():
-                        raise RouterShutdown()
+                    self._raise_if_ended(me)
                     if line[0] is not me:
                         if loop.time() < deadline:
                             continue
@@ -226,8 +226,7 @@ class Admission:
                             raise self._refused(policy, decision)
                         return self._ticket(policy, req, cost_tokens, decision, started)
                 elif decision is not None:  # the head, refused: until the limit frees
-                    if self._stopped.is_set():
-                        raise RouterShutdown()
+                    self._raise_if_ended(me)
                     wait = decision.retry_after
                     if decision.reason == "concurrency":
                         # (a stream ending on another router wakes nothing here: look again soon)
@@ -237,8 +236,7 @@ class Admission:
                             raise self._refused(policy, decision)
                         wait = deadline - now  # one more try at the deadline (or when a stream ends)
                     await me.sleep(max(0.01, wait))
-                    if self._stopped.is_set():
-                        raise RouterShutdown()
+                    self._raise_if_ended(me)
                 decision = await self._admit_once(name, req)
                 if decision.ok:
                     return self._ticket(policy, req, cost_tokens, decision, started)
@@ -300,6 +298,21 @@ class Admission:
             f"Too many requests of tenant {policy.name!r} wait for its limits (queue depth {policy.queue_depth}); "
             "retry later.", retry_after=1.0, code="queue_full",
         )
+
+    def _raise_if_ended(self, me: _Waiter) -> None:
+        if self._stopped.is_set():
+            raise RouterShutdown()
+        if me.error is not None:
+            raise me.error
+
+    def fail_tenant(self, tenant: str, error: BaseException) -> int:
+        """End every request of ``tenant`` waiting for its limits with
+        ``error`` (a reload removed the tenant); return how many."""
+        line = self._lines.get(tenant, ())
+        for w in line:
+            w.error = error
+            w.wake()
+        return len(line)
 
     def fail_waiting(self) -> int:
         """End every request waiting for its tenant's limits, and refuse new

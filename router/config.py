@@ -70,12 +70,14 @@ class RouterConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     """Seconds a connection may take to send a request's head (request line and headers), from its start or the request's first byte: a connection that sends nothing, or trickles its head, gets a 408 and is closed (nginx's ``client_header_timeout``). Heads over 64 KiB are a 431."""
     body_timeout: float = 60.0
     """Seconds a request's body may go without arriving, after its head or between two reads (408 and closed after; nginx's ``client_body_timeout``)."""
+    ws_idle_timeout: float = 300.0
+    """Seconds an authenticated WebSocket may stay open with no request running and no message from its client; then the router closes it (code 1000, reason ``idle``). uvicorn's pings keep a silent socket alive, so without this one client could hold connection slots for good. 0: no limit."""
 
     max_connections: int = 0
     """Client connections one router process serves at once (each worker, with ``--workers``). One more is answered once its request is read (at most 2 s after it connects; at once if it waits for ``100 Continue``): a 503 in OpenAI's error shape (code ``too_many_connections``, ``Retry-After: 1``), then closed; the streams already open go on, and the file descriptors they need for their replicas and upstreams stay free. 0: (the process's open-file limit - 256) / 2, rounded down, and at least 64 (256 descriptors are kept for listeners, replicas, Redis and health checks; half of the rest, since a stream through a ``url:`` upstream holds two), the limit being raised to its hard limit at start (an unlimited one, macOS's default, to 1,048,576 or else 10,240)."""
 
     metrics_require_admin_key: bool = False
-    """When true, ``GET /metrics`` needs an admin key (``Authorization: Bearer KEY``; in Prometheus ``authorization: {credentials: KEY}``). Off, anyone who reaches the port sees every tenant's name and traffic there."""
+    """When true, ``GET /metrics`` needs an admin key (``Authorization: Bearer KEY``; in Prometheus ``authorization: {credentials_file: FILE}``, a file holding the key). Off, anyone who reaches the port sees every tenant's name and traffic there."""
 
     def validate(self, located: Located) -> list[str]:
         errors = []
@@ -106,7 +108,7 @@ class RouterConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
             errors.append(located.error(("max_connections",), "must not be negative (0: from the open-file limit)"))
         if self.failover_wait < 0:
             errors.append(located.error(("failover_wait",), "must not be negative"))
-        for key in ("shutdown_grace", "send_timeout"):
+        for key in ("shutdown_grace", "send_timeout", "ws_idle_timeout"):
             if getattr(self, key) < 0:
                 errors.append(located.error((key,), "must not be negative"))
         for key in ("header_timeout", "body_timeout", "reconnect_interval"):

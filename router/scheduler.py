@@ -183,6 +183,15 @@ class Scheduler:
             if self._queued:
                 self._schedule_dispatch()
 
+    def fail_tenant(self, tenant: str, error: BaseException) -> int:
+        """End every queued request of ``tenant`` with ``error`` (a reload
+        removed the tenant); return how many."""
+        waiters = list(self._queues.get(tenant, ()))
+        for w in waiters:
+            self._remove(w)
+            w.future.set_exception(error)
+        return len(waiters)
+
     def stop_all(self) -> tuple[int, int]:
         """The router is stopping: end every running generation and every
         queued request with ``RouterShutdown``, and refuse new ones; return

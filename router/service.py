@@ -25,6 +25,7 @@ from replicas.supervisor import Supervisor, SupervisorSettings
 from router.admission import Admission
 from router.auth import bearer
 from router.config import RouterConfig
+from router.errors import Unauthorized
 from router.logs import batch_lines
 from router.metrics import Metrics
 from router.peers import PolicyPeers
@@ -53,6 +54,7 @@ class RouterService:
         self.metrics = Metrics()
         m = self.metrics
         self.policy = PolicyRegistry(tenants_path, on_reload=self._on_reload)
+        self._tenants = set(self.policy.current.tenants)  # (a reload that removes one refuses its waiting requests)
         self.store = create_store(
             config.state,
             on_change=lambda up: m.store_up.set(1 if up else 0),
@@ -85,8 +87,22 @@ class RouterService:
         m.reload_ok.set(1 if ok else 0)
         if ok:
             m.declare((), self.policy.current.tenants)
+            self._refuse_removed()
             self.peers.soon()
             self._warn_unserved_models()
+
+    def _refuse_removed(self) -> None:
+        """Requests still waiting (for their limits or a replica) of tenants
+        the reload removed get 401, as a new request of theirs does; their
+        running streams go on (as do those of a key removed from a tenant
+        that stays)."""
+        names = set(self.policy.current.tenants)
+        for name in self._tenants - names:
+            error = Unauthorized(f"Tenant {name!r} was removed from the tenant policy while this request waited.")
+            n = self.admission.fail_tenant(name, error) + self.scheduler.fail_tenant(name, error)
+            if n:
+                log.warning("tenant %s removed by the reload: %d waiting requests refused (401)", name, n)
+        self._tenants = names
 
     def _warn_unserved_models(self) -> None:
         """Log (once each) the tenants' model names no replica serves: a typo

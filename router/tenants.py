@@ -40,6 +40,8 @@ class Limits(msgspec.Struct, forbid_unknown_fields=True, kw_only=True, omit_defa
     """Longest prompt accepted, in tokens (checked on the real token count)."""
     max_tokens: int | None = None
     """Largest ``max_tokens`` a request may ask for."""
+    max_sockets: int | None = None
+    """WebSockets (``/v1/ws``) of the tenant open at once on one router process; one more is closed at authentication (code 4429, ``too_many_sockets``)."""
 
 
 class Timeouts(msgspec.Struct, forbid_unknown_fields=True, kw_only=True, omit_defaults=True):
@@ -67,7 +69,7 @@ class _PolicyFields(msgspec.Struct, forbid_unknown_fields=True, kw_only=True, om
     timeouts: Timeouts | None = None
     """See Timeouts."""
     queue_depth: int | None = None
-    """Requests that may wait at once, more get 429: this many in the queue for a replica, and (``on_limit: queue``) this many waiting for the tenant's limits, a separate queue before it."""
+    """Requests that may wait at once, more get 429: this many in the queue for a replica, and (``on_limit: queue``) this many waiting for the tenant's limits, a separate queue before it. 0: none may wait (unlike the limits, where 0 means none)."""
     chunk_tokens: int | None = None
     """Most tokens merged into one SSE event (a slow client gets up to this many per event)."""
     on_limit: Literal["reject", "queue"] | None = None
@@ -178,6 +180,7 @@ class ResolvedLimits(msgspec.Struct, frozen=True, kw_only=True):
     max_concurrent: int
     max_prompt_tokens: int
     max_tokens: int
+    max_sockets: int
     queue_wait: float
     first_token: float
     stall: float
@@ -210,7 +213,8 @@ BUILTIN = Defaults(
     weight=1.0,
     models=["*"],
     limits=Limits(
-        requests_per_minute=0, tokens_per_minute=0, max_concurrent=0, max_prompt_tokens=0, max_tokens=0
+        requests_per_minute=0, tokens_per_minute=0, max_concurrent=0, max_prompt_tokens=0, max_tokens=0,
+        max_sockets=0,
     ),
     timeouts=Timeouts(queue_wait=30.0, first_token=120.0, stall=60.0, total=900.0),
     queue_depth=64,
@@ -250,6 +254,7 @@ def _resolve(name: str, spec: TenantSpec, defaults: Defaults, classes: list[str]
             max_concurrent=_pick("max_concurrent", *lim),
             max_prompt_tokens=_pick("max_prompt_tokens", *lim),
             max_tokens=_pick("max_tokens", *lim),
+            max_sockets=_pick("max_sockets", *lim),
             queue_wait=float(_pick("queue_wait", *tmo)),
             first_token=float(_pick("first_token", *tmo)),
             stall=float(_pick("stall", *tmo)),

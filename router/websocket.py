@@ -5,8 +5,13 @@ cannot set headers) a first message ``{"type": "auth", "api_key": KEY}``,
 within ``header_timeout`` seconds of the upgrade (else the socket is closed,
 code 1008), answered ``{"type": "auth", "ok": true}``. The key is checked
 again against the tenant policy in force at every request: a key revoked by
-a reload closes the socket (code 4401) at the next request, and a reload's
-new limits apply to the socket's next requests. Then, any number of times:
+a reload refuses the socket's next request (its error, ``invalid_api_key``)
+and every one after it; the requests already running go on, as HTTP streams
+do, and the socket closes (code 4401) once they have ended. A reload's new
+limits apply to the socket's next requests. An authenticated socket with no
+request running that sends nothing for ``ws_idle_timeout`` seconds is closed
+(code 1000, ``idle``); a tenant's ``max_sockets`` caps its open sockets
+(one more is closed at authentication, code 4429). Then, any number of times:
 
 * ``{"type": "chat.completions.create", "id": ID, "body": {...}}`` starts a
   chat completion (the body is the HTTP request body; ``stream`` is implied).
@@ -41,7 +46,7 @@ from litestar.exceptions import WebSocketDisconnect
 
 from router.auth import authorization
 from router.completions import new_request_id, response_id_of, start_generation
-from router.errors import ApiError, BadRequest, PayloadTooLarge, RouterShutdown, clip, error_body
+from router.errors import ApiError, BadRequest, PayloadTooLarge, RateLimited, RouterShutdown, clip, error_body
 from router.openai_types import usage_options
 from router.push import ClientTooSlow, bounded
 from router.relay import EventStream, log_refused, relay_stream
@@ -84,10 +89,14 @@ class _Conn:
         # its connection (router/server.py _WebSocket; None on another server)
         self.link = sock.scope.get("extensions", {}).get(SOCKET_EXTENSION)
         self.auth: str | None = None  # the socket's key, as an Authorization header value
+        self.tenant = ""  # its tenant, once authenticated
+        self.active = asyncio.get_running_loop().time()  # its last message, or its last request's end
         self.running: dict[str, asyncio.Task[None]] = {}  # by the client's id, until its last message is out
         self.tasks: set[asyncio.Task[None]] = set()  # every generation's task, until it ends
         self._send_lock = asyncio.Lock()
         self.draining = False
+        self.revoked: ApiError | None = None
+        self._close_code = (1012, "router shutting down")
         self.gone = False
         self.closing: asyncio.Task[None] | None = None
 
@@ -95,6 +104,16 @@ class _Conn:
         """The router is shutting down: take no new requests, and close the
         socket (1012) once the running ones have ended."""
         self.draining = True
+        if not self.running:
+            self._close_soon()
+
+    def revoke(self, e: ApiError) -> None:
+        """A reload revoked the socket's key (``e``: the refusal): new
+        requests get ``e``; the running ones go on, as HTTP streams do, and
+        the socket closes (4401) once they have ended."""
+        self.revoked = e
+        self.draining = True
+        self._close_code = (4000 + e.status if e.status in (401, 403) else 4400, e.message[:120])
         if not self.running:
             self._close_soon()
 
@@ -111,11 +130,21 @@ class _Conn:
             self.tasks.discard(task)
         if self.running.get(cid) is task:  # (an aborted one's id may run again already)
             del self.running[cid]
+            self.active = asyncio.get_running_loop().time()
         if self.draining and not self.running:
             self._close_soon()
 
-    def limit_messages(self) -> None:
-        """Authenticated: messages up to a request body's limit."""
+    def authenticated(self, auth: str) -> None:
+        """``auth`` is a key of a tenant with room for one more socket (else
+        ``ApiError``): the socket is that tenant's, and takes messages up to
+        a request body's limit."""
+        policy = self.svc.tenant(auth)
+        cap = policy.limits.max_sockets
+        if cap and sum(c.tenant == policy.name for c in self.svc.sockets) >= cap:
+            raise RateLimited(f"Tenant {policy.name!r} has {cap} WebSockets open on this router, its limit; close "
+                              "one first.", retry_after=1.0, code="too_many_sockets")
+        self.auth = auth
+        self.tenant = policy.name
         if self.link is not None:
             self.link.limit_message_size(ws_max_message(self.svc.config.max_body_bytes))
 
@@ -142,7 +171,7 @@ class _Conn:
 
     async def _close(self) -> None:
         async with self._send_lock:
-            await self.close(1012, "router shutting down")
+            await self.close(*self._close_code)
 
     async def send(self, data: bytes) -> None:
         """Send a frame; nothing if the socket is closed or the client gone
@@ -209,9 +238,7 @@ async def _authenticate(conn: _Conn, raw: str) -> None:
         await conn.send(_err(msg.id, BadRequest('Authenticate first: send {"type": "auth", "api_key": KEY}.',
                                                 code="missing_api_key")))
     else:
-        conn.svc.tenant(f"Bearer {msg.api_key}")  # (a bad key: refused now)
-        conn.auth = f"Bearer {msg.api_key}"
-        conn.limit_messages()
+        conn.authenticated(f"Bearer {msg.api_key}")  # (a bad key: refused now)
         await conn.send(b'{"type":"auth","ok":true}')
 
 
@@ -232,25 +259,36 @@ async def chat_socket(socket: WebSocket) -> None:
     auth_by = asyncio.get_running_loop().time() + svc.config.header_timeout if svc.config.header_timeout else None
     try:
         if auth:
-            svc.tenant(auth)  # (a bad key: refused now)
-            conn.auth = auth
-            conn.limit_messages()
+            conn.authenticated(auth)  # (a bad key: refused now)
+        idle = svc.config.ws_idle_timeout
+        loop = asyncio.get_running_loop()
         while not conn.gone:  # (gone: it took no frame for send_timeout; nothing more is started for it)
             try:
-                async with asyncio.timeout_at(auth_by if conn.auth is None else None):
+                # (idle: checked again when the time is up, a request may have run meanwhile)
+                until = auth_by if conn.auth is None else conn.active + idle if idle else None
+                async with asyncio.timeout_at(until):
                     raw = await socket.receive_data(mode="text")
+                    conn.active = loop.time()
                     if conn.auth is None:
                         await _authenticate(conn, raw)
                         continue
-            except TimeoutError:  # (no auth message: as an HTTP connection that sends no request head)
-                svc.metrics.connections_refused.labels("header_timeout").inc()
-                await conn.close(1008, f"no auth message within {svc.config.header_timeout:g}s")
+            except TimeoutError:
+                if conn.auth is None:  # (no auth message: as an HTTP connection that sends no request head)
+                    svc.metrics.connections_refused.labels("header_timeout").inc()
+                    await conn.close(1008, f"no auth message within {svc.config.header_timeout:g}s")
+                    return
+                if conn.running or loop.time() < conn.active + idle:
+                    continue
+                await conn.close(1000, "idle")
                 return
             msg = _read(raw)
             if isinstance(msg, ApiError):
                 await conn.send(_err("", msg))
                 continue
             if msg.type == "chat.completions.create":
+                if conn.revoked is not None:
+                    await conn.send(_err(msg.id, conn.revoked))
+                    continue
                 if conn.draining:
                     await conn.send(_err(msg.id, RouterShutdown(
                         "The router is shutting down; send new requests on a new connection.")))
@@ -271,8 +309,15 @@ async def chat_socket(socket: WebSocket) -> None:
                         f"The request body is too large (over {svc.config.max_body_bytes} bytes).", param="body")))
                     continue
                 # the policy in force now: a reload may have revoked the key
-                # (refused: the socket closes) or changed the tenant's limits
-                conn.start(msg.id, bytes(msg.body), svc.tenant(conn.auth))
+                # or changed the tenant's limits
+                try:
+                    policy = svc.tenant(conn.auth)
+                except ApiError as e:
+                    log_refused(svc, "websocket", new_request_id(), e)
+                    await conn.send(_err(msg.id, e))
+                    conn.revoke(e)
+                    continue
+                conn.start(msg.id, bytes(msg.body), policy)
             elif msg.type == "abort":
                 task = conn.running.pop(msg.id, None)
                 if task is not None:
@@ -286,7 +331,7 @@ async def chat_socket(socket: WebSocket) -> None:
     except ApiError as e:  # bad key: say why, then close
         log_refused(svc, "websocket", new_request_id(), e)
         await conn.send(error_body(e.message, e.type, e.param, e.code))
-        await conn.close(4401 if e.status == 401 else 4403, e.message[:120])
+        await conn.close(4000 + e.status if e.status in (401, 403, 429) else 4400, e.message[:120])
     except WebSocketDisconnect:
         pass
     finally:

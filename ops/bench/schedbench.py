@@ -50,7 +50,7 @@ def _policies(n: int):
             name=f"t{i}", priority=classes[i % 3], rank=i % 3, weight=float(1 + i % 4), models=["*"], queue_depth=100_000,
             chunk_tokens=16, on_limit="queue", log_content=False,
             limits=ResolvedLimits(requests_per_minute=0, tokens_per_minute=0, max_concurrent=0, max_prompt_tokens=0,
-                                  max_tokens=0, queue_wait=0.0, first_token=0.0, stall=0.0, total=0.0),
+                                  max_tokens=0, max_sockets=0, queue_wait=0.0, first_token=0.0, stall=0.0, total=0.0),
         ))
     return out
 

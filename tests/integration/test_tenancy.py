@@ -230,6 +230,39 @@ async def test_a_reload_that_renames_the_priority_classes_spares_a_request_waiti
         router.stop()
 
 
+async def test_a_reload_that_removes_a_tenant_refuses_its_waiting_requests(tmp_path):
+    # (requests keep the snapshot they started with: one waiting in the
+    # removed tenant's line was admitted after the removal and streamed all
+    # its tokens, up to queue_wait later. Running streams go on.)
+    t = tmp_path / "tenants.yaml"
+    tenants_yaml(t, conc=1, on_limit="queue")
+    router = RouterProcess(tmp_path / "r", tenants=t, sim={"step_base_ms": 10}).start()
+    try:
+        async with httpx.AsyncClient(base_url=router.base_url, timeout=60) as client:
+            first = asyncio.create_task(client.post("/v1/completions", headers=auth(KEY_A), json=body(200)))
+            await apoll(lambda: router.inflight("sim-0") + router.inflight("sim-1") == 1, 10, what="the first")
+            waiting = asyncio.create_task(client.post("/v1/completions", headers=auth(KEY_A), json=body(4)))
+            await apoll(lambda: _waiting(router, "a") == 1, 10, what="the second in the tenant's line")
+            doc = yaml.safe_load(t.read_text())
+            del doc["tenants"]["a"]
+            t.write_text(yaml.safe_dump(doc, sort_keys=False))
+            r = await asyncio.wait_for(waiting, 10)
+            assert r.status_code == 401, r.text
+            assert "was removed from the tenant policy" in r.json()["error"]["message"]
+            assert not first.done()  # (refused at the reload, not when the slot freed)
+            assert (await first).status_code == 200  # the running stream went on
+            r = await client.post("/v1/completions", headers=auth(KEY_A), json=body(2))
+            assert r.status_code == 401, r.text
+        assert "tenant a removed by the reload: 1 waiting requests refused (401)" in router.log()
+    finally:
+        router.stop()
+
+
+def _waiting(router, tenant: str) -> int:
+    tenants = httpx.get(router.base_url + "/admin/tenants", headers=auth(ADMIN), timeout=5).json()["tenants"]
+    return tenants[tenant]["usage"]["waiting_for_limits"] if tenant in tenants else -1
+
+
 def _version(router) -> int:
     return httpx.get(router.base_url + "/admin/tenants", headers=auth(ADMIN), timeout=5).json()["version"]
 

@@ -372,7 +372,10 @@ async def test_concurrency_limit_applies_per_request_on_the_socket(router: Route
 async def test_a_reload_reaches_open_sockets_a_revoked_key_closes_them(tmp_path: Path) -> None:
     # The key is checked against the policy in force at each request. Before,
     # a socket kept the policy it authenticated with: a key revoked by a
-    # reload went on working on it, with the old limits.
+    # reload went on working on it, with the old limits. Then the socket was
+    # closed at the next request and its running ones were cancelled with no
+    # message (logged as if the client had left); they now end as HTTP
+    # streams of a revoked key do, and the socket closes after them.
     tenants = tmp_path / "tenants.yaml"
 
     def write(keys: list[str], max_tokens: int) -> None:
@@ -395,16 +398,62 @@ async def test_a_reload_reaches_open_sockets_a_revoked_key_closes_them(tmp_path:
                     col = Collector(ws)
                     await create(ws, "before", chat_body("hello", 50))
                     await col.until(lambda: col.finished("before"), what="a request before the reload")
+                col = Collector(revoked)
+                await create(revoked, "long", chat_body("hello", 900))  # (~1 s at 1 ms a token)
+                await col.until(lambda: col.of("long"), what="the long request's first chunk")
                 write([KEY_A], 20)  # KEY_LIM revoked; max_tokens 20
                 await reload()
                 await create(keeps, "after", chat_body("hello", 50))
                 assert_error(await recv(keeps), "after", param="max_tokens")  # the new limit, on the open socket
                 await create(revoked, "after", chat_body("hello", 5))
-                msg = await recv(revoked)
-                assert set(msg) == {"error"} and msg["error"]["code"] == "invalid_api_key", msg
+                await col.until(lambda: col.of("after"), what="the refusal")
+                assert_error(col.of("after")[0], "after", code="invalid_api_key")
+                await create(revoked, "again", chat_body("hello", 5))
+                await col.until(lambda: col.finished("long") and col.of("again"), what="the long request's end")
+                assert_error(col.of("again")[0], "again", code="invalid_api_key")
+                assert col.of("long")[-1] == {"id": "long", "done": True}, col.of("long")[-1]
+                assert sum("chunk" in m for m in col.of("long")) >= 2
                 with pytest.raises(ConnectionClosed) as info:
                     await recv(revoked)
                 assert info.value.rcvd is not None and info.value.rcvd.code == 4401, info.value
+
+
+async def test_an_idle_socket_is_closed_and_a_tenant_has_at_most_max_sockets(tmp_path: Path) -> None:
+    # (uvicorn's pings kept a silent authenticated socket open for good: 20
+    # of them held every connection slot of a router with max_connections 20)
+    tenants = tmp_path / "tenants.yaml"
+    tenants.write_text(yaml.safe_dump({"admin_keys": [hash_key(ADMIN)], "tenants": {
+        "a": {"keys": [hash_key(KEY_A)], "limits": {"max_sockets": 2}}}}))
+    with RouterProcess(tmp_path / "r", replicas=1, tenants=tenants, sim={"step_base_ms": 5},
+                       settings={"ws_idle_timeout": 1.0}) as r:
+        loop = asyncio.get_running_loop()
+        async with open_ws(r, KEY_A) as busy, open_ws(r, key=None) as silent:
+            await silent.send(json.dumps({"type": "auth", "api_key": KEY_A}))
+            assert await recv(silent) == {"type": "auth", "ok": True}
+            async with open_ws(r, KEY_A) as third:  # (a third of the tenant's: refused)
+                msg = await recv(third)
+                assert_error(msg, None, type_="rate_limit_error", code="too_many_sockets")
+                with pytest.raises(ConnectionClosed) as info:
+                    await recv(third)
+                assert info.value.rcvd is not None and info.value.rcvd.code == 4429, info.value
+            col = Collector(busy)
+            started = loop.time()
+            await create(busy, "long", chat_body("hello", 400))  # (~2 s at 5 ms a token: past the idle time)
+            with pytest.raises(ConnectionClosed) as info:
+                await recv(silent, timeout=5)
+            assert info.value.rcvd is not None and (info.value.rcvd.code, info.value.rcvd.reason) == (1000, "idle")
+            await col.until(lambda: col.finished("long"), what="the long request")
+            assert col.of("long")[-1] == {"id": "long", "done": True}
+            assert loop.time() - started > 1.5  # (it ran past the idle time, and its socket stayed)
+            ended = loop.time()
+            with pytest.raises(ConnectionClosed) as info:
+                await recv(busy, timeout=5)
+            assert info.value.rcvd is not None and info.value.rcvd.code == 1000
+            assert 0.5 < loop.time() - ended < 3, loop.time() - ended  # (idle from its request's end)
+        async with open_ws(r, KEY_A) as again:  # (the closed ones made room)
+            await create(again, "x", chat_body("hello", 3))
+            col = Collector(again)
+            await col.until(lambda: col.finished("x"), what="a request on a new socket")
 
 
 async def test_a_socket_that_sends_no_auth_within_header_timeout_is_closed(tmp_path: Path) -> None:

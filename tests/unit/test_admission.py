@@ -24,7 +24,7 @@ def _policy(queue_wait: float, rpm: int = RPM, concurrent: int = 0, depth: int =
         name="t", priority="normal", rank=1, weight=1.0, models=["*"], queue_depth=depth, chunk_tokens=16,
         on_limit="queue", log_content=False,
         limits=ResolvedLimits(requests_per_minute=rpm, tokens_per_minute=0, max_concurrent=concurrent,
-                              max_prompt_tokens=0, max_tokens=0, queue_wait=queue_wait, first_token=0.0, stall=0.0,
+                              max_prompt_tokens=0, max_tokens=0, max_sockets=0, queue_wait=queue_wait, first_token=0.0, stall=0.0,
                               total=0.0),
     )
 

@@ -33,7 +33,7 @@ def policy(on_limit: str = "reject", max_concurrent: int = 0) -> TenantPolicy:
         name="t", priority="normal", rank=1, weight=1.0, models=["*"], queue_depth=10, chunk_tokens=16,
         on_limit=on_limit, log_content=False,
         limits=ResolvedLimits(requests_per_minute=0, tokens_per_minute=0, max_concurrent=max_concurrent,
-                              max_prompt_tokens=0, max_tokens=0, queue_wait=30.0, first_token=0.0, stall=0.0,
+                              max_prompt_tokens=0, max_tokens=0, max_sockets=0, queue_wait=30.0, first_token=0.0, stall=0.0,
                               total=0.0),
     )
 

@@ -35,7 +35,7 @@ def _policy(name: str) -> TenantPolicy:
         name=name, priority="normal", rank=1, weight=1.0, models=["*"], queue_depth=10, chunk_tokens=16,
         on_limit="queue", log_content=False,
         limits=ResolvedLimits(requests_per_minute=0, tokens_per_minute=0, max_concurrent=0, max_prompt_tokens=0,
-                              max_tokens=0, queue_wait=0.0, first_token=0.0, stall=0.0, total=0.0),
+                              max_tokens=0, max_sockets=0, queue_wait=0.0, first_token=0.0, stall=0.0, total=0.0),
     )
 
 
@@ -87,3 +87,29 @@ async def test_a_request_queued_behind_a_full_replica_goes_to_one_that_becomes_r
     assert handle.slot.name == "r1" and sched.queued("a") == 0
     handle.release()
     held.release()
+
+
+async def test_fail_tenant_ends_only_that_tenants_queued_requests() -> None:
+    # (a reload that removes a tenant: its queued requests got a replica
+    # later and ran, up to queue_wait after the removal)
+    from router.errors import Unauthorized
+
+    pool = ReplicaPool([ReplicaSpec(name="r0", address="127.0.0.1:9")])
+    pool.slots[0].client = _Client()  # type: ignore[assignment]
+    pool.slots[0].state = "ready"
+    metrics = Metrics()
+    sched = Scheduler(pool, metrics, SchedulerSettings(),
+                      AimdSettings(enabled=False, initial=1, min_inflight=1, max_inflight=1))
+    a, b = _policy("a"), _policy("b")
+    held = await sched.acquire(a, 1, MODEL, 8)
+    removed = [asyncio.create_task(sched.acquire(a, 1, MODEL, 8)) for _ in range(2)]
+    stays = asyncio.create_task(sched.acquire(b, 1, MODEL, 8))
+    await asyncio.sleep(0)
+    assert sched.fail_tenant("a", Unauthorized("removed")) == 2
+    for task in removed:
+        with pytest.raises(Unauthorized):
+            await task
+    assert sched.queued("a") == 0 and sched.queued("b") == 1
+    assert metrics.queued.labels("a", "normal")._value.get() == 0
+    held.release()
+    (await asyncio.wait_for(stays, 1)).release()
