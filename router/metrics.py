@@ -29,7 +29,7 @@ _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0
 RATE_LIMITS = ("requests", "tokens", "concurrency", "queued", "queue", "queue_wait")
 TIMEOUTS = ("first_token", "total")
 # label values of fairstream_http_connections_refused_total's ``reason`` (router/server.py)
-CONNECTION_REFUSALS = ("max_connections", "header_timeout", "body_timeout", "header_too_large")
+CONNECTION_REFUSALS = ("max_connections", "header_timeout", "body_timeout", "header_too_large", "invalid_http")
 _ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.015, 0.02, 0.03, 0.05, 0.075, 0.1, 0.2, 0.5, 1, 2, 5)
 
 

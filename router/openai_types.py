@@ -164,7 +164,10 @@ def decode_request(body: bytes, kind: type[ChatRequest] | type[CompletionRequest
             raise BadRequest(f"Missing required parameter: '{clip(name)}'.", param=name) from e
         raise BadRequest(f"Invalid value for '{clip(param or '')}': {clip(reason, 300)}.", param=param) from e
     except msgspec.DecodeError as e:
-        raise BadRequest(f"The request body is not valid JSON: {e}", code="invalid_json") from e
+        why = str(e)
+        if why == "Input data was truncated":  # (msgspec's words for an unpaired surrogate escape too)
+            why += " (it ends early, or a string holds an unpaired surrogate escape such as \\ud800)"
+        raise BadRequest(f"The request body is not valid JSON: {why}", code="invalid_json") from e
     except RecursionError as e:
         raise BadRequest("The request body is nested too deeply.", code="invalid_json") from e
     bad = _unsupported(req)

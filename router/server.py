@@ -330,6 +330,17 @@ class _Http(HttpToolsProtocol):
         if self._head > MAX_HEAD_BYTES:
             self._refuse(431, "Request header fields too large.", "header_too_large")
 
+    def send_400_response(self, msg: str) -> None:
+        """uvicorn's answer to bytes that are not HTTP/1.1 (a smuggling
+        attempt, a NUL in a header), in OpenAI's error shape instead of its
+        plain text."""
+        if self.metrics is not None:
+            self.metrics.connections_refused.labels("invalid_http").inc()
+        body = error_body(f"{msg} It is not valid HTTP/1.1.", "invalid_request_error", None, "invalid_http_request")
+        self.transport.write(b"HTTP/1.1 400 Bad Request\r\ncontent-type: application/json\r\ncontent-length: %d\r\n"
+                             b"connection: close\r\n\r\n%s" % (len(body), body))
+        self.transport.close()
+
     def data_received(self, data: bytes) -> None:
         if self._refused:
             return

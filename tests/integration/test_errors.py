@@ -681,3 +681,20 @@ def test_doubled_slashes_reach_the_completion(shared_router: RouterProcess, path
     r = post(shared_router, path, json=body)
     assert r.status_code == 200, r.text
     assert r.json()["usage"]["completion_tokens"] == 4
+
+
+@pytest.mark.parametrize("request_bytes", [
+    b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 4\r\nTransfer-Encoding: chunked\r\n\r\n0\r\n\r\n",
+    b"GET /v1/models HTTP/1.1\r\nHost: x\r\nX-A: a\x00b\r\n\r\n",
+], ids=["length and chunked", "NUL in a header"])
+def test_bytes_that_are_not_http_get_an_openai_error(shared_router: RouterProcess, request_bytes: bytes) -> None:
+    # (uvicorn answered them with its plain text "Invalid HTTP request received.")
+    with socket.create_connection(("127.0.0.1", shared_router.port), timeout=10) as s:
+        s.sendall(request_bytes)
+        answer = b""
+        while chunk := s.recv(65536):
+            answer += chunk
+    head, _, body = answer.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 400 ") and b"application/json" in head.lower(), answer[:300]
+    err = json.loads(body)["error"]
+    assert err["code"] == "invalid_http_request" and err["type"] == "invalid_request_error", err
