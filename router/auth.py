@@ -79,4 +79,7 @@ class KeyIndex:
 
 
 def _redact(key: str) -> str:
-    return key[:3] + "*" * 4 + key[-4:] if len(key) > 8 else "****"
+    """A wrong key as its error and the log show it: its ends, as OpenAI
+    shows them, only when they are a small part of it (of a 9-character
+    key they were 7)."""
+    return key[:3] + "*" * 4 + key[-4:] if len(key) >= 24 else "****"

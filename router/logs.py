@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextvars
 import logging
+import os
 
 from replicas import logs as _logs
 
@@ -31,5 +32,7 @@ class JsonFormatter(_logs.JsonFormatter):
         return out
 
 
-def setup_logging(level: str = "info", json: bool = True) -> None:
-    _logs.setup_logging(level, json, JsonFormatter())
+def setup_logging(level: str = "info", json: bool = True, worker: bool = False) -> None:
+    """``worker``: a worker of ``serve --workers`` (its JSON lines carry its
+    ``pid``: the workers log the same things, a reload each, say)."""
+    _logs.setup_logging(level, json, JsonFormatter({"pid": os.getpid()} if worker else None))

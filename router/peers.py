@@ -87,6 +87,6 @@ class PolicyPeers:
                       "%s; each admits with its own limits against the shared buckets, so run the same file",
                       digest, ", ".join(f"{r} has {d}" for r, d in sorted(self.differ.items())))
         elif self._said is not None and self._said[1]:
-            log.warning("tenants.yaml is the same again on the %d routers sharing the state store (digest %s)",
+            log.info("tenants.yaml is the same again on the %d routers sharing the state store (digest %s)",
                         len(peers), digest)
         self._said = said

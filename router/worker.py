@@ -44,7 +44,7 @@ def main() -> None:
     p.add_argument("--log-level", default="info")
     p.add_argument("--log-format", default="json")
     args = p.parse_args()
-    setup_logging(args.log_level, json=args.log_format == "json")
+    setup_logging(args.log_level, json=args.log_format == "json", worker=True)
     config = msgspec.json.decode(Path(args.config_file).read_bytes(), type=RouterConfig)
     try:
         app = create_app(config, Path(args.tenants))

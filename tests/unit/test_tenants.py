@@ -144,3 +144,11 @@ def test_demo_tenants_file_loads() -> None:
     assert free.priority == "low"
     order = file.priority_classes
     assert order.index(gold.priority) < order.index(free.priority)
+
+
+@pytest.mark.parametrize("key, shown", [("abcdefghi", "****"), ("x" * 23, "****"),
+                                        ("sk-" + "a" * 20 + "wxyz", "sk-****wxyz")])
+def test_a_wrong_key_is_shown_only_by_a_small_part(key: str, shown: str) -> None:
+    from router.auth import _redact
+
+    assert _redact(key) == shown
