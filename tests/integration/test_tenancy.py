@@ -203,15 +203,10 @@ async def test_a_reload_that_renames_the_priority_classes_spares_a_request_waiti
     # once admitted, it was a 500, and its lease was never given back: the
     # tenant stayed at its concurrency limit until the router restarted.
     t = tmp_path / "tenants.yaml"
-    tenants_yaml(t, conc=1, on_limit="queue")
-    router = RouterProcess(tmp_path / "r", tenants=t, sim={"step_base_ms": 10}).start()
+    router = _one_at_a_time(tmp_path, t)
     try:
         async with httpx.AsyncClient(base_url=router.base_url, timeout=60) as client:
-            # (2 s long: the reload lands while the second request waits behind it)
-            first = asyncio.create_task(client.post("/v1/completions", headers=auth(KEY_A), json=body(200)))
-            await apoll(lambda: router.inflight("sim-0") + router.inflight("sim-1") == 1, 10, what="the first")
-            waiting = asyncio.create_task(client.post("/v1/completions", headers=auth(KEY_A), json=body(4)))
-            await asyncio.sleep(0.3)  # (in the tenant's line)
+            first, waiting = await _one_running_one_waiting(router, client)
             doc = yaml.safe_load(t.read_text())
             doc["priority_classes"] = ["p0", "p1", "p2"]
             doc["defaults"]["priority"] = "p1"
@@ -235,14 +230,10 @@ async def test_a_reload_that_removes_a_tenant_refuses_its_waiting_requests(tmp_p
     # removed tenant's line was admitted after the removal and streamed all
     # its tokens, up to queue_wait later. Running streams go on.)
     t = tmp_path / "tenants.yaml"
-    tenants_yaml(t, conc=1, on_limit="queue")
-    router = RouterProcess(tmp_path / "r", tenants=t, sim={"step_base_ms": 10}).start()
+    router = _one_at_a_time(tmp_path, t)
     try:
         async with httpx.AsyncClient(base_url=router.base_url, timeout=60) as client:
-            first = asyncio.create_task(client.post("/v1/completions", headers=auth(KEY_A), json=body(200)))
-            await apoll(lambda: router.inflight("sim-0") + router.inflight("sim-1") == 1, 10, what="the first")
-            waiting = asyncio.create_task(client.post("/v1/completions", headers=auth(KEY_A), json=body(4)))
-            await apoll(lambda: _waiting(router, "a") == 1, 10, what="the second in the tenant's line")
+            first, waiting = await _one_running_one_waiting(router, client)
             doc = yaml.safe_load(t.read_text())
             del doc["tenants"]["a"]
             t.write_text(yaml.safe_dump(doc, sort_keys=False))
@@ -256,6 +247,21 @@ async def test_a_reload_that_removes_a_tenant_refuses_its_waiting_requests(tmp_p
         assert "tenant a removed by the reload: 1 waiting requests refused (401)" in router.log()
     finally:
         router.stop()
+
+
+def _one_at_a_time(tmp_path, tenants) -> RouterProcess:
+    """A router whose tenant ``a`` runs one stream at a time, more waiting in its line."""
+    tenants_yaml(tenants, conc=1, on_limit="queue")
+    return RouterProcess(tmp_path / "r", tenants=tenants, sim={"step_base_ms": 10}).start()
+
+
+async def _one_running_one_waiting(router, client):
+    """Tenant ``a``'s stream of ~2 s, running, and a request waiting behind it (tasks)."""
+    first = asyncio.create_task(client.post("/v1/completions", headers=auth(KEY_A), json=body(200)))
+    await apoll(lambda: router.inflight("sim-0") + router.inflight("sim-1") == 1, 10, what="the first")
+    waiting = asyncio.create_task(client.post("/v1/completions", headers=auth(KEY_A), json=body(4)))
+    await apoll(lambda: _waiting(router, "a") == 1, 10, what="the second in the tenant's line")
+    return first, waiting
 
 
 def _waiting(router, tenant: str) -> int:

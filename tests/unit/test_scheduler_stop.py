@@ -39,13 +39,19 @@ def _policy(name: str) -> TenantPolicy:
     )
 
 
-async def test_stop_all_ends_the_queue_and_refuses_new_requests() -> None:
+def _one_slot() -> tuple[ReplicaPool, Metrics, Scheduler]:
+    """A scheduler over one ready replica that takes one request at a time."""
     pool = ReplicaPool([ReplicaSpec(name="r0", address="127.0.0.1:9")])
     pool.slots[0].client = _Client()  # type: ignore[assignment]
     pool.slots[0].state = "ready"
     metrics = Metrics()
     sched = Scheduler(pool, metrics, SchedulerSettings(),
                       AimdSettings(enabled=False, initial=1, min_inflight=1, max_inflight=1))
+    return pool, metrics, sched
+
+
+async def test_stop_all_ends_the_queue_and_refuses_new_requests() -> None:
+    pool, metrics, sched = _one_slot()
     a, b = _policy("a"), _policy("b")
     held = await sched.acquire(a, 1, MODEL, 8)  # the one slot
     waiting = asyncio.create_task(sched.acquire(a, 1, MODEL, 8))
@@ -94,12 +100,7 @@ async def test_fail_tenant_ends_only_that_tenants_queued_requests() -> None:
     # later and ran, up to queue_wait after the removal)
     from router.errors import Unauthorized
 
-    pool = ReplicaPool([ReplicaSpec(name="r0", address="127.0.0.1:9")])
-    pool.slots[0].client = _Client()  # type: ignore[assignment]
-    pool.slots[0].state = "ready"
-    metrics = Metrics()
-    sched = Scheduler(pool, metrics, SchedulerSettings(),
-                      AimdSettings(enabled=False, initial=1, min_inflight=1, max_inflight=1))
+    pool, metrics, sched = _one_slot()
     a, b = _policy("a"), _policy("b")
     held = await sched.acquire(a, 1, MODEL, 8)
     removed = [asyncio.create_task(sched.acquire(a, 1, MODEL, 8)) for _ in range(2)]
