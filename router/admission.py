@@ -21,6 +21,7 @@ import asyncio
 import collections
 import logging
 import math
+from collections.abc import Callable, Iterable
 
 from policies.ratelimit import QUEUED_RETRY, Decision
 from router.errors import RateLimited, RouterShutdown, ServiceUnavailable
@@ -38,6 +39,10 @@ LEASE_TTL = 30.0  # seconds; renewed every LEASE_TTL / 3 while the stream lives
 
 # how far past its queue_wait a waiting request may wait for a limit that frees by then
 DEADLINE_SLACK = 0.05
+# longest sleep of a line's head between two asks, by the reason it was
+# refused: a stream that ends or tokens given back on another router wake
+# nothing here, and the store's line holds the other routers' heads behind it
+HEAD_POLL = {"concurrency": QUEUED_RETRY, "queued": QUEUED_RETRY, "": 1.0}
 
 
 def fmt_duration(seconds: float) -> str:
@@ -104,12 +109,11 @@ class _Waiter:
     """A request in its tenant's admission line: ``sleep`` until woken (its
     turn, a stream of the tenant ended, the router stops) or a timeout."""
 
-    __slots__ = ("_wake", "_woken", "error")
+    __slots__ = ("_wake", "_woken")
 
     def __init__(self) -> None:
         self._wake: asyncio.Future[None] | None = None
         self._woken = False  # woken while not asleep: the next sleep returns at once
-        self.error: BaseException | None = None  # set: it ends with this when it wakes
 
     def wake(self) -> None:
         self._woken = True
@@ -142,6 +146,7 @@ class Admission:
         self._ends: dict[str, int] = {}  # per tenant: streams ended (a refusal older than that is stale)
         self._keeper: asyncio.Task[None] | None = None
         self._stopped = asyncio.Event()  # set: requests waiting for a limit get RouterShutdown
+        self._gone: dict[str, Callable[[], BaseException]] = {}  # tenants a reload removed: their refusal
 
     def queued(self, tenant: str) -> int:
         line = self._lines.get(tenant)
@@ -185,7 +190,11 @@ class Admission:
             raise self._line_full(policy)  # (not a try at the store: it could take the head's turn)
         if policy.on_limit != "queue" or not line or too_large:
             # nobody of this tenant waits here (or the tenant does not queue): try now
-            decision = await self._admit_once(name, req)
+            try:
+                decision = await self._admit_once(name, req)
+            except BaseException:
+                await self._leave(name, req)  # (cancelled: the store may have put it in its line)
+                raise
             if decision.ok:
                 return self._ticket(policy, req, cost_tokens, decision)
             try:
@@ -193,13 +202,16 @@ class Admission:
                 line = self._lines.get(name)  # (the await may have made or ended the line)
                 if policy.on_limit != "queue" or loop.time() + min(decision.retry_after, 0.05) >= deadline:
                     raise self._refused(policy, decision)
-                if line is not None and len(line) >= policy.queue_depth:
+                if len(line or ()) >= policy.queue_depth:
                     raise self._line_full(policy)
-                if self._stopped.is_set():
-                    raise RouterShutdown()
+                self._raise_if_gone(name)
             except BaseException:
-                await self._leave(name, req, decision)
+                await self._leave(name, req)
                 raise
+            if line:
+                # (others of this router came first, while the store answered:
+                # only a router's head waits in the store's line, in its order)
+                await self._leave(name, req)
         # Wait in the tenant's line. Only its head asks the store, when its
         # limit should have freed or when one of the tenant's streams ends; a
         # request admitted or given up hands the turn to the next at once.
@@ -210,12 +222,13 @@ class Admission:
         if self._ends.get(name, 0) != ends:
             me.wake()  # a stream ended while the store answered: try again at once
         self.metrics.admission_waiting.labels(name).inc()
+        admitted = False
         try:
             while True:
                 now = loop.time()
                 if line[0] is not me:
                     await me.sleep(deadline - now)
-                    self._raise_if_ended(me)
+                    self._raise_if_gone(name)
                     if line[0] is not me:
                         if loop.time() < deadline:
                             continue
@@ -224,22 +237,23 @@ class Admission:
                         if not decision.ok:
                             self._check_fits(policy, decision, cost_tokens, prompt_tokens)
                             raise self._refused(policy, decision)
-                        return self._ticket(policy, req, cost_tokens, decision, started)
+                        admitted = True
+                        return await self._waited(policy, req, cost_tokens, decision, started)
                 elif decision is not None:  # the head, refused: until the limit frees
-                    self._raise_if_ended(me)
-                    wait = decision.retry_after
-                    if decision.reason == "concurrency":
-                        # (a stream ending on another router wakes nothing here: look again soon)
-                        wait = min(wait, QUEUED_RETRY)
+                    self._raise_if_gone(name)
+                    # (a stream ending on another router, or tokens it gives
+                    # back, wake nothing here: look again soon)
+                    wait = min(decision.retry_after, HEAD_POLL.get(decision.reason, HEAD_POLL[""]))
                     if now + wait > deadline + DEADLINE_SLACK:  # (a limit that frees just after the deadline is waited for)
                         if now >= deadline:
                             raise self._refused(policy, decision)
                         wait = deadline - now  # one more try at the deadline (or when a stream ends)
                     await me.sleep(max(0.01, wait))
-                    self._raise_if_ended(me)
+                    self._raise_if_gone(name)
                 decision = await self._admit_once(name, req)
                 if decision.ok:
-                    return self._ticket(policy, req, cost_tokens, decision, started)
+                    admitted = True
+                    return await self._waited(policy, req, cost_tokens, decision, started)
                 self._check_fits(policy, decision, cost_tokens, prompt_tokens)
         finally:
             head = line[0] is me
@@ -250,12 +264,26 @@ class Admission:
                     del self._lines[name]
             elif head:
                 line[0].wake()
-            await self._leave(name, req, decision)
+            if not admitted:
+                await self._leave(name, req)
 
-    async def _leave(self, tenant: str, req: AdmitRequest, last: Decision | None) -> None:
-        """Take a request that gives up (refused, cancelled, shut down) out
-        of the store's line, where its last refusal put it."""
-        if req.line and last is not None and not last.ok and last.reason != "too_large":
+    async def _waited(self, policy: TenantPolicy, req: AdmitRequest, cost_tokens: int, decision: Decision,
+                      started: float) -> Ticket:
+        """The ticket of a request admitted after a wait; the reload's
+        refusal instead if its tenant was removed meanwhile (while the store
+        answered)."""
+        ticket = self._ticket(policy, req, cost_tokens, decision, started)
+        gone = self._gone.get(policy.name)
+        if gone is not None:
+            await self.finish(ticket, 0)
+            raise gone()
+        return ticket
+
+    async def _leave(self, tenant: str, req: AdmitRequest) -> None:
+        """Take a request that was not admitted (refused, cancelled, shut
+        down, or waiting behind another of this router) out of the store's
+        line, where a refusal put it."""
+        if req.line:
             try:
                 await self.store.leave(tenant, req.lease_id)
             except StoreUnavailable:
@@ -299,20 +327,28 @@ class Admission:
             "retry later.", retry_after=1.0, code="queue_full",
         )
 
-    def _raise_if_ended(self, me: _Waiter) -> None:
+    def _raise_if_gone(self, tenant: str) -> None:
+        """The router stops (``RouterShutdown``), or a reload removed ``tenant``."""
         if self._stopped.is_set():
             raise RouterShutdown()
-        if me.error is not None:
-            raise me.error
+        gone = self._gone.get(tenant)
+        if gone is not None:
+            raise gone()
 
-    def fail_tenant(self, tenant: str, error: BaseException) -> int:
-        """End every request of ``tenant`` waiting for its limits with
-        ``error`` (a reload removed the tenant); return how many."""
+    def fail_tenant(self, tenant: str, error: Callable[[], BaseException]) -> int:
+        """A reload removed ``tenant``: its requests waiting for its limits,
+        and those that would wait from now on, end with ``error()`` (until a
+        reload adds it again: ``restore``); return how many were waiting."""
+        self._gone[tenant] = error
         line = self._lines.get(tenant, ())
         for w in line:
-            w.error = error
             w.wake()
         return len(line)
+
+    def restore(self, tenants: Iterable[str]) -> None:
+        """These tenants are in the policy again (see ``fail_tenant``)."""
+        for name in tenants:
+            self._gone.pop(name, None)
 
     def fail_waiting(self) -> int:
         """End every request waiting for its tenant's limits, and refuse new

@@ -102,8 +102,8 @@ class ResumeWriter:
         # streams this router is generating now (its own or taken over): a
         # resume that reaches this router follows their buffer, never claims them
         self.live: set[str] = set()
-        # resumes of each stream running on this router (router/resume_http.py caps them)
-        self.readers: dict[str, int] = {}
+        # resumes of each stream running on this router, oldest first (router/resume_http.py caps them)
+        self.readers: dict[str, list] = {}
         self._now = getattr(store, "append_now", None)  # in-process store: no batching
         # events put in each buffer this router writes (opened or taken over),
         # so the store can tell a buffer that misses some (stream_append's ``first``)

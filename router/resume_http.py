@@ -33,7 +33,7 @@ import msgspec
 from litestar import Response
 from litestar.response import Stream
 
-from router.errors import ApiError, BadRequest, NotFound, RateLimited, ServiceUnavailable, clip, error_body
+from router.errors import ApiError, BadRequest, NotFound, ServiceUnavailable, clip, error_body
 from router.generation import Deadlines, Generation, Job
 from router.relay import (
     NOT_RESUMABLE, EventStream, Outcome, error_before_output, outcome_of, relay_stream, shutdown_notice,
@@ -54,12 +54,23 @@ COMMENT_EVERY = 2.0  # seconds without an event after which the resume sends an 
 WAITING = b": waiting for the stream\n\n"  # that comment; clients skip it
 REREAD_GRACE = 5.0  # seconds a resume tries to read its buffer again before it gives up
 REREAD_INTERVAL = 0.1
-# Resumes of one stream that may run at once on a router. A client needs
-# one (two while its old connection is not yet seen gone); each follower of
-# a live stream reads the buffer every TAIL_POLL, and hundreds of them on one
-# stream took a core (counting them against max_concurrent instead would
-# refuse a tenant at its limit the resume of its own stream).
+# Resumes of one stream that may run at once on a router; one more ends the
+# oldest. A client needs one (two while its old connection is not yet seen
+# gone, which a connection dropped without a word can take minutes to be);
+# each follower of a live stream reads the buffer every TAIL_POLL, and
+# hundreds on one stream took a core. (Counting them against max_concurrent
+# would refuse a tenant at its limit the resume of its own stream; refusing
+# the newest, a client whose old connections died silently.)
 MAX_READERS = 4
+
+
+class _Reader:
+    """One resume of a stream, running; ``superseded``: a newer one ended it."""
+
+    __slots__ = ("superseded",)
+
+    def __init__(self) -> None:
+        self.superseded = False
 
 
 class Position(msgspec.Struct, frozen=True):
@@ -100,8 +111,6 @@ async def handle_resume(svc: RouterService, policy: TenantPolicy, sid: str, pos:
     meta = decode_meta(snap.meta)
     if meta.tenant != policy.name:
         raise NotFound(_NOT_FOUND.format(clip(sid)), code="stream_not_found")
-    if svc.resume.readers.get(sid, 0) >= MAX_READERS:
-        raise _too_many(sid)
     if snap.broken:
         raise BadRequest(_BROKEN.format(sid), code=NOT_RESUMABLE)
     if b"" in snap.events:  # (before its stream starts: an error event then left an EventSource retrying)
@@ -150,11 +159,6 @@ def _error_code(event: bytes) -> str:
         return "unknown"
 
 
-def _too_many(sid: str) -> RateLimited:
-    return RateLimited(f"{MAX_READERS} resumes of stream {sid} are running on this router; close one first.",
-                       retry_after=1.0, code="too_many_resumes")
-
-
 def _store_down(sid: str) -> ServiceUnavailable:
     return ServiceUnavailable(f"Stream {sid} cannot be resumed now: the state store is unavailable; retry shortly.",
                               code="state_store_unavailable", headers={"retry-after": "1"})
@@ -181,36 +185,38 @@ async def _resume(svc: RouterService, policy: TenantPolicy, sid: str, meta: Resu
     response started is neither)."""
     svc.metrics.resumes.labels(policy.name).inc()
     outcome = Outcome(svc, policy, "replay", time.monotonic(), sid)
-    readers = svc.resume.readers
-    n = readers.get(sid, 0)
-    if n >= MAX_READERS:  # (resumes that arrived together all passed handle_resume's check)
-        err = _too_many(sid)
-        outcome.record("rate_limited", error=err)
-        yield _notice(meta, err.message, err.code)
-        return
-    readers[sid] = n + 1
+    readers = svc.resume.readers.setdefault(sid, [])
+    if len(readers) >= MAX_READERS:
+        readers.pop(0).superseded = True
+    reader = _Reader()
+    readers.append(reader)
     try:
-        async for chunk in _replay(svc, policy, sid, meta, snap, pos, outcome):
+        async for chunk in _replay(svc, policy, sid, meta, snap, pos, outcome, reader):
             yield chunk
     except BaseException as e:  # (the client left: cancelled; a store that failed: unavailable)
         outcome.record("unavailable" if isinstance(e, StoreUnavailable) else outcome_of(e), error=e)
         raise
     finally:
-        if readers[sid] > 1:
-            readers[sid] -= 1
-        else:
-            del readers[sid]
+        if reader in readers:
+            readers.remove(reader)
+        if not readers and svc.resume.readers.get(sid) is readers:
+            del svc.resume.readers[sid]
     outcome.record("ok")  # (once: a continuation recorded its own, and this one is then done)
 
 
 async def _replay(svc: RouterService, policy: TenantPolicy, sid: str, meta: ResumeMeta,
-                  snap: StreamSnapshot, pos: Position, outcome: Outcome) -> AsyncIterator[bytes]:
+                  snap: StreamSnapshot, pos: Position, outcome: Outcome, reader: _Reader) -> AsyncIterator[bytes]:
     me = svc.resume.owner
     cursor = pos.event  # events the client has
     loop = asyncio.get_running_loop()
     catch_up_until = loop.time() + CATCH_UP
     sent_at = loop.time()
     while True:
+        if reader.superseded:
+            outcome.record("cancelled")  # (its client has most likely gone: it came back on another connection)
+            yield _notice(meta, f"A newer resume of stream {sid} ended this one: at most {MAX_READERS} run at once.",
+                          "resume_superseded")
+            return
         for event in snap.events:  # the stored events after ``cursor``
             if not event:  # a placeholder for events lost with a router (the client that was ahead had them)
                 outcome.record("lost")

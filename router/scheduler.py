@@ -21,7 +21,7 @@ import asyncio
 import logging
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from policies.batching import AimdLimiter, AimdSettings
 from policies.fairshare import HeadIndex, VirtualCounters
 from replicas.pool import LoadHandle, NoReplica, ReplicaPool, ReplicaSlot
@@ -73,6 +73,7 @@ class Scheduler:
         # removes them); ``stop_all`` ends them and refuses new ones
         self.running: set = set()
         self.stopping = False
+        self._gone: dict[str, Callable[[], BaseException]] = {}  # tenants a reload removed: their refusal
         self._limiters: dict[str, AimdLimiter] = {}
         now = clock()
         for slot in pool.slots:
@@ -106,6 +107,9 @@ class Scheduler:
         cancellation leaves the queue."""
         if self.stopping:
             raise RouterShutdown()
+        gone = self._gone.get(policy.name)
+        if gone is not None:
+            raise gone()
         if not self._queued:
             try:
                 handle = self.pool.try_choose(model, tokens, affinity)
@@ -183,14 +187,21 @@ class Scheduler:
             if self._queued:
                 self._schedule_dispatch()
 
-    def fail_tenant(self, tenant: str, error: BaseException) -> int:
-        """End every queued request of ``tenant`` with ``error`` (a reload
-        removed the tenant); return how many."""
+    def fail_tenant(self, tenant: str, error: Callable[[], BaseException]) -> int:
+        """A reload removed ``tenant``: its queued requests, and those that
+        would queue from now on, end with ``error()`` (until a reload adds
+        it again: ``restore``); return how many were queued."""
+        self._gone[tenant] = error
         waiters = list(self._queues.get(tenant, ()))
         for w in waiters:
             self._remove(w)
-            w.future.set_exception(error)
+            w.future.set_exception(error())
         return len(waiters)
+
+    def restore(self, tenants: Iterable[str]) -> None:
+        """These tenants are in the policy again (see ``fail_tenant``)."""
+        for name in tenants:
+            self._gone.pop(name, None)
 
     def stop_all(self) -> tuple[int, int]:
         """The router is stopping: end every running generation and every

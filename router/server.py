@@ -255,7 +255,8 @@ class _Http(HttpToolsProtocol):
         self._limit(0, None)
         self._refused = True
         if self.metrics is not None:
-            reason = "max_connections" if status == 503 else "header_too_large" if status == 431 else _REASONS[message]
+            reason = ("max_connections" if status == 503 else "header_too_large" if status == 431
+                      else "invalid_http" if status == 400 else _REASONS[message])
             self.metrics.connections_refused.labels(reason).inc()
         cycle = self.cycle
         # (no response under way: none started, and no earlier request's
@@ -332,14 +333,10 @@ class _Http(HttpToolsProtocol):
 
     def send_400_response(self, msg: str) -> None:
         """uvicorn's answer to bytes that are not HTTP/1.1 (a smuggling
-        attempt, a NUL in a header), in OpenAI's error shape instead of its
-        plain text."""
-        if self.metrics is not None:
-            self.metrics.connections_refused.labels("invalid_http").inc()
-        body = error_body(f"{msg} It is not valid HTTP/1.1.", "invalid_request_error", None, "invalid_http_request")
-        self.transport.write(b"HTTP/1.1 400 Bad Request\r\ncontent-type: application/json\r\ncontent-length: %d\r\n"
-                             b"connection: close\r\n\r\n%s" % (len(body), body))
-        self.transport.close()
+        attempt, a NUL in a header): a refusal in OpenAI's error shape
+        instead of its plain text, and never written into a response under
+        way (a pipelined request's bad head cut a stream with it)."""
+        self._refuse(400, f"{msg} It is not valid HTTP/1.1.", "invalid_http_request")
 
     def data_received(self, data: bytes) -> None:
         if self._refused:

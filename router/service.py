@@ -97,8 +97,12 @@ class RouterService:
         running streams go on (as do those of a key removed from a tenant
         that stays)."""
         names = set(self.policy.current.tenants)
+        self.admission.restore(names)
+        self.scheduler.restore(names)
         for name in self._tenants - names:
-            error = Unauthorized(f"Tenant {name!r} was removed from the tenant policy while this request waited.")
+            def error(name=name) -> Unauthorized:  # (one each: an exception raised in many tasks shares its traceback)
+                return Unauthorized(f"Tenant {name!r} was removed from the tenant policy while this request waited.")
+
             n = self.admission.fail_tenant(name, error) + self.scheduler.fail_tenant(name, error)
             if n:
                 log.warning("tenant %s removed by the reload: %d waiting requests refused (401)", name, n)

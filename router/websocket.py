@@ -277,7 +277,10 @@ async def chat_socket(socket: WebSocket) -> None:
                     svc.metrics.connections_refused.labels("header_timeout").inc()
                     await conn.close(1008, f"no auth message within {svc.config.header_timeout:g}s")
                     return
-                if conn.running or loop.time() < conn.active + idle:
+                if conn.running:  # (idle from now at the soonest: its next check comes in ``idle``)
+                    conn.active = loop.time()
+                    continue
+                if loop.time() < conn.active + idle:
                     continue
                 await conn.close(1000, "idle")
                 return

@@ -38,7 +38,7 @@ class StateConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     timeout: float = 0.5
     """Seconds a Redis call may take before it counts as an outage."""
     max_connections: int = 128
-    """Redis connections one router process keeps open at most (each request's admission, lease and buffer calls take one for a moment); a call that finds them all busy waits for one, up to ``timeout``."""
+    """Redis connections one router process keeps open at most (each request's admission, lease and buffer calls take one for a moment); a call that finds them all busy waits for one, up to ``timeout``, and then counts as an outage (as a Redis that does not answer)."""
 
 
 def create_store(config: StateConfig, **hooks) -> StateStore:

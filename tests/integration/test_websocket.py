@@ -438,13 +438,16 @@ async def test_an_idle_socket_is_closed_and_a_tenant_has_at_most_max_sockets(tmp
                 assert info.value.rcvd is not None and info.value.rcvd.code == 4429, info.value
             col = Collector(busy)
             started = loop.time()
-            await create(busy, "long", chat_body("hello", 400))  # (~2 s at 5 ms a token: past the idle time)
+            cpu = _cpu_seconds(r.pid)
+            await create(busy, "long", chat_body("hello", 600))  # (~3 s at 5 ms a token: past the idle time)
             with pytest.raises(ConnectionClosed) as info:
                 await recv(silent, timeout=5)
             assert info.value.rcvd is not None and (info.value.rcvd.code, info.value.rcvd.reason) == (1000, "idle")
             await col.until(lambda: col.finished("long"), what="the long request")
             assert col.of("long")[-1] == {"id": "long", "done": True}
-            assert loop.time() - started > 1.5  # (it ran past the idle time, and its socket stayed)
+            assert loop.time() - started > 2.5  # (it ran past the idle time, and its socket stayed)
+            # (and the router waited meanwhile: past the idle time its read loop spun, a whole core)
+            assert _cpu_seconds(r.pid) - cpu < 1.0, _cpu_seconds(r.pid) - cpu
             ended = loop.time()
             with pytest.raises(ConnectionClosed) as info:
                 await recv(busy, timeout=5)
@@ -454,6 +457,11 @@ async def test_an_idle_socket_is_closed_and_a_tenant_has_at_most_max_sockets(tmp
             await create(again, "x", chat_body("hello", 3))
             col = Collector(again)
             await col.until(lambda: col.finished("x"), what="a request on a new socket")
+
+
+def _cpu_seconds(pid: int) -> float:
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # (utime, stime)
 
 
 async def test_a_socket_that_sends_no_auth_within_header_timeout_is_closed(tmp_path: Path) -> None:

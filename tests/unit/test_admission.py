@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 
+import msgspec
 import pytest
 
 from router.admission import DEADLINE_SLACK, Admission
@@ -234,3 +235,100 @@ async def test_a_waiter_that_leaves_holds_no_other_router_back(how: str) -> None
     await one.finish(held, 1)
     # (at once: its place, kept for retry_after plus LINE_SLACK, would hold this back 3 s)
     assert await asyncio.wait_for(other.admit(policy, 1), 0.2) is not None
+
+
+class ReplyReversedStore(MemoryStore):
+    """Decides in call order but answers the later calls first, as pooled
+    Redis connections can."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.delay = 0.05
+
+    async def admit(self, tenant, req):
+        decision = await super().admit(tenant, req)
+        self.delay = max(0.0, self.delay - 0.01)
+        await asyncio.sleep(self.delay)
+        return decision
+
+
+async def test_a_burst_whose_answers_come_back_out_of_order_leaves_only_the_head_in_the_stores_line() -> None:
+    # (every request of the burst joined the store's line; the router's head
+    # was then behind one of its own waiters that never asks, and the slot
+    # stayed free for that one's retry_after plus LINE_SLACK: 2.8 s)
+    policy = _policy(10.0, rpm=0, concurrent=1)
+    store = ReplyReversedStore()
+    adm = Admission(store, Metrics())
+    held = await adm.admit(policy, 1)
+    store.delay = 0.05
+    tasks = [asyncio.create_task(adm.admit(policy, 1)) for _ in range(3)]
+    await asyncio.sleep(0.2)
+    loop = asyncio.get_running_loop()
+    t = loop.time()
+    await adm.finish(held, 1)
+    done, _ = await asyncio.wait(tasks, timeout=5, return_when=asyncio.FIRST_COMPLETED)
+    assert done and loop.time() - t < 0.5, loop.time() - t
+    for task in tasks:
+        task.cancel()
+    await asyncio.gather(*tasks, return_exceptions=True)
+
+
+async def test_tokens_given_back_on_another_router_reach_the_head_within_a_second() -> None:
+    # (a head refused for tokens slept its whole retry_after, up to a minute,
+    # while every other router's waiters were refused behind it)
+    def tokens_policy(wait: float) -> TenantPolicy:
+        p = _policy(wait, rpm=0)
+        return msgspec.structs.replace(p, limits=msgspec.structs.replace(p.limits, tokens_per_minute=600))
+
+    policy = tokens_policy(20.0)
+    store = MemoryStore()
+    a, b = Admission(store, Metrics()), Admission(store, Metrics())
+    held = [await a.admit(policy, 300) for _ in range(2)]
+    first = asyncio.create_task(b.admit(policy, 300))  # refused for tokens: ~30 s to refill
+    await asyncio.sleep(0.05)
+    loop = asyncio.get_running_loop()
+    t = loop.time()
+    for ticket in held:
+        await a.finish(ticket, 10)  # (used 10 of 300 each: 580 back)
+    await asyncio.wait_for(first, 3)
+    assert loop.time() - t < 1.5, loop.time() - t
+
+
+async def test_a_request_cancelled_in_its_first_store_call_holds_no_other_router_back() -> None:
+    policy = _policy(5.0, rpm=0, concurrent=1)
+    store = ReplyReversedStore()  # (it decides, then answers later)
+    one, other = Admission(store, Metrics()), Admission(store, Metrics())
+    held = await one.admit(policy, 1)
+    store.delay = 0.05
+    asking = asyncio.create_task(one.admit(policy, 1))
+    await asyncio.sleep(0.01)  # (in the store call: the store has put it in its line already)
+    asking.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await asking
+    await one.finish(held, 1)
+    assert await asyncio.wait_for(other.admit(policy, 1), 0.3) is not None
+
+
+async def test_queue_depth_zero_lets_no_request_wait() -> None:
+    policy = msgspec.structs.replace(_policy(5.0, rpm=0, concurrent=1), queue_depth=0)
+    adm = Admission(MemoryStore(), Metrics())
+    await adm.admit(policy, 1)
+    with pytest.raises(RateLimited) as full:
+        await asyncio.wait_for(adm.admit(policy, 1), 1)
+    assert full.value.code == "queue_full"
+
+
+async def test_a_request_of_a_tenant_removed_while_the_store_answered_does_not_wait() -> None:
+    from router.errors import Unauthorized
+
+    policy = _policy(5.0, rpm=0, concurrent=1)
+    adm = Admission(SlowStore(), Metrics())
+    held = await adm.admit(policy, 1)
+    asking = asyncio.create_task(adm.admit(policy, 1))
+    await asyncio.sleep(0.001)
+    assert adm.fail_tenant("t", lambda: Unauthorized("removed")) == 0  # (not in the line yet)
+    with pytest.raises(Unauthorized):
+        await asyncio.wait_for(asking, 1)
+    adm.restore(["t"])
+    await adm.finish(held, 1)
+    assert await asyncio.wait_for(adm.admit(policy, 1), 1) is not None

@@ -106,11 +106,15 @@ async def test_fail_tenant_ends_only_that_tenants_queued_requests() -> None:
     removed = [asyncio.create_task(sched.acquire(a, 1, MODEL, 8)) for _ in range(2)]
     stays = asyncio.create_task(sched.acquire(b, 1, MODEL, 8))
     await asyncio.sleep(0)
-    assert sched.fail_tenant("a", Unauthorized("removed")) == 2
+    assert sched.fail_tenant("a", lambda: Unauthorized("removed")) == 2
     for task in removed:
         with pytest.raises(Unauthorized):
             await task
     assert sched.queued("a") == 0 and sched.queued("b") == 1
     assert metrics.queued.labels("a", "normal")._value.get() == 0
+    with pytest.raises(Unauthorized):  # (one that queues after the reload too)
+        await sched.acquire(a, 1, MODEL, 8)
     held.release()
     (await asyncio.wait_for(stays, 1)).release()
+    sched.restore(["a"])  # (added back by a later reload)
+    (await sched.acquire(a, 1, MODEL, 8)).release()
