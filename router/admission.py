@@ -154,6 +154,14 @@ class Admission:
 
     async def start(self) -> None:
         self._keeper = asyncio.get_running_loop().create_task(self._keep_leases(), name="lease-keeper")
+        self.store.watch(self._turn)
+
+    def _turn(self, tenant: str) -> None:
+        """Another router freed ``tenant``'s limits or moved its line: the
+        head of its line here asks again at once."""
+        line = self._lines.get(tenant)
+        if line:
+            line[0].wake()
 
     async def close(self) -> None:
         if self._keeper is not None:

@@ -8,6 +8,7 @@ the same contract suite (tests/contract).
 from __future__ import annotations
 
 import abc
+from collections.abc import Callable
 
 import msgspec
 
@@ -159,6 +160,11 @@ class StateStore(abc.ABC):
         not). Routers sharing a store must run the same file: each admits
         with its own limits against shared buckets."""
         return {router: digest} if ttl > 0 else {}  # (an in-process store has one router)
+
+    def watch(self, on_turn: Callable[[str], None]) -> None:
+        """Call ``on_turn(tenant)`` when another router frees the limits of
+        a tenant whose requests wait in the store's line, or its line moves
+        (a shared store; an in-process one has no other router to hear)."""
 
     async def ping(self) -> None:
         """Raise ``StoreUnavailable`` if the store cannot be reached."""

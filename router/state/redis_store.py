@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import array
 import asyncio
+import logging
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import redis.asyncio as aioredis
@@ -23,6 +25,8 @@ from policies.ratelimit import QUEUED_RETRY, Decision
 from router.state.base import CLAIM_TTL, LINE_SLACK, AdmitRequest, StateStore, StoreUnavailable, StreamSnapshot, TenantUsage
 
 __all__ = ["RedisStore"]
+
+log = logging.getLogger("fairstream.state")
 
 CLAIMS_PER_TRIP = 500  # streams whose claims one pipeline renews (stream_renew)
 
@@ -86,6 +90,10 @@ class RedisStore(StateStore):
         self._s_claim = r.register_script(_script("stream_claim.lua"))
         self._s_renew = r.register_script(_script("stream_renew.lua"))
         self._peers = r.register_script(_script("peers.lua"))
+        self._turn = r.register_script(_script("turn.lua"))
+        # where the scripts say a tenant's waiting requests should ask again
+        self._channel = f"{prefix}:turns"
+        self._watcher: asyncio.Task[None] | None = None
         self._s_release = r.register_script(_script("stream_release.lua"))
 
     def _keys(self, tenant: str) -> list[str]:
@@ -97,7 +105,7 @@ class RedisStore(StateStore):
             res = await self._admit(
                 keys=self._keys(tenant),
                 args=[req.rpm, req.tpm, req.max_concurrent, req.cost_tokens, req.lease_id, req.lease_ttl,
-                      int(req.line), QUEUED_RETRY, LINE_SLACK],
+                      int(req.line), QUEUED_RETRY, LINE_SLACK, self._channel, tenant],
             )
         except RedisError as e:
             raise _unavailable(e) from e
@@ -114,10 +122,12 @@ class RedisStore(StateStore):
         )
 
     async def leave(self, tenant: str, lease_id: str) -> None:
+        await self._turn_op("leave", tenant, lease_id)
+
+    async def _turn_op(self, op: str, tenant: str, lease_id: str) -> None:
         keys = self._keys(tenant)
         try:
-            async with self._redis.pipeline(transaction=True) as p:
-                await p.zrem(keys[3], lease_id).zrem(keys[4], lease_id).execute()
+            await self._turn(keys=keys[2:], args=[op, lease_id, self._channel, tenant])
         except RedisError as e:
             raise _unavailable(e) from e
 
@@ -125,7 +135,8 @@ class RedisStore(StateStore):
         if not tpm:
             return
         try:
-            await self._settle(keys=[self._keys(tenant)[1]], args=[tpm, reserved, used])
+            keys = self._keys(tenant)
+            await self._settle(keys=[keys[1], keys[3]], args=[tpm, reserved, used, self._channel, tenant])
         except RedisError as e:
             raise _unavailable(e) from e
 
@@ -138,10 +149,7 @@ class RedisStore(StateStore):
             raise _unavailable(e) from e
 
     async def release(self, tenant: str, lease_id: str) -> None:
-        try:
-            await self._redis.zrem(self._keys(tenant)[2], lease_id)
-        except RedisError as e:
-            raise _unavailable(e) from e
+        await self._turn_op("release", tenant, lease_id)
 
     async def usage(self, tenant: str, *, rpm: int, tpm: int) -> TenantUsage:
         try:
@@ -244,7 +252,29 @@ class RedisStore(StateStore):
         except RedisError as e:
             raise _unavailable(e) from e
 
+    def watch(self, on_turn: Callable[[str], None]) -> None:
+        if self._watcher is None:
+            self._watcher = asyncio.get_running_loop().create_task(self._watch(on_turn), name="state-turns")
+
+    async def _watch(self, on_turn: Callable[[str], None]) -> None:
+        """Subscribed to the channel the scripts publish turns on, for
+        good: a lost connection is made again (a turn missed meanwhile is
+        found by the heads' polls)."""
+        while True:
+            try:
+                async with self._redis.pubsub(ignore_subscribe_messages=True) as ps:
+                    await ps.subscribe(self._channel)
+                    async for msg in ps.listen():
+                        if msg["type"] == "message":
+                            on_turn(msg["data"].decode())
+            except (RedisError, OSError) as e:
+                log.debug("turns subscription lost (%s); again in 1 s", e)
+            await asyncio.sleep(1.0)
+
     async def close(self) -> None:
+        if self._watcher is not None:
+            self._watcher.cancel()
+            await asyncio.gather(self._watcher, return_exceptions=True)
         await self._redis.aclose()
 
 

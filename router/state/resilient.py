@@ -224,6 +224,9 @@ class ResilientStore(StateStore):
             self._down("peers", e)
             raise
 
+    def watch(self, on_turn: Callable[[str], None]) -> None:
+        self.primary.watch(on_turn)
+
     async def ping(self) -> None:
         await self.primary.ping()
 

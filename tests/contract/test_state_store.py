@@ -486,6 +486,39 @@ async def test_a_redis_store_keeps_at_most_max_connections(redis_server) -> None
 
 
 @pytest.mark.redis
+async def test_a_redis_store_hears_the_turns_of_a_tenant_with_a_line(redis_server) -> None:
+    """A lease released, tokens given back, a request that leaves or is
+    admitted from the line: the other routers hear it while the tenant has
+    a line (and only then: a tenant nobody waits for costs no message)."""
+    from router.state.redis_store import RedisStore
+
+    a = RedisStore(redis_server.url, prefix="fs-test", timeout=2.0)
+    b = RedisStore(redis_server.url, prefix="fs-test", timeout=2.0)
+    heard: list[str] = []
+    try:
+        b.watch(heard.append)
+        await asyncio.sleep(0.2)  # (subscribed)
+        t, quiet = Backend.tenant("turns"), Backend.tenant("no-line")
+        running = req(max_concurrent=1, tpm=1000, cost=100, line=True)
+        assert (await a.admit(t, running)).ok
+        lone = req(max_concurrent=1)
+        assert (await a.admit(quiet, lone)).ok
+        await a.release(quiet, lone.lease_id)  # (no line: nothing said)
+        waiting = req(max_concurrent=1, tpm=1000, cost=100, line=True)
+        assert not (await a.admit(t, waiting)).ok  # (now the tenant has a line)
+        await a.settle(t, tpm=1000, reserved=100, used=10, lease_id=running.lease_id)
+        await a.release(t, running.lease_id)
+        later = req(max_concurrent=1, tpm=1000, cost=100, line=True)
+        assert not (await a.admit(t, later)).ok  # (behind the waiting one)
+        await a.leave(t, waiting.lease_id)  # (gives up: later is the front)
+        await asyncio.sleep(0.3)
+        assert heard == [t, t, t], heard
+    finally:
+        await a.close()
+        await b.close()
+
+
+@pytest.mark.redis
 async def test_two_redis_stores_share_one_limit(redis_server) -> None:
     """Two routers (two RedisStore instances, two connection pools) on one tenant."""
     from router.state.redis_store import RedisStore

@@ -8,7 +8,9 @@
 -- KEYS: 1 requests bucket (hash), 2 tokens bucket (hash), 3 leases (zset),
 --       4 line (zset: lease id -> arrival), 5 line expiry (zset: lease id -> until)
 -- ARGV: rpm, tpm, max_concurrent, cost_tokens, lease_id, lease_ttl, line (0/1),
---       queued retry, line slack
+--       queued retry, line slack, channel, tenant (a request admitted from the
+--       line with others behind it: the routers are told, the next one's
+--       router asks again at once)
 local t = redis.call('TIME')
 local now = tonumber(t[1]) + tonumber(t[2]) / 1000000
 local rpm = tonumber(ARGV[1])
@@ -101,9 +103,11 @@ if reason ~= '' then
   end
   return {0, reason, tostring(worst), tostring(rem_req), tostring(rem_tok), tostring(rst_req), tostring(rst_tok)}
 end
-if in_line then
-  redis.call('ZREM', KEYS[4], lease_id)
+if in_line and redis.call('ZREM', KEYS[4], lease_id) == 1 then
   redis.call('ZREM', KEYS[5], lease_id)
+  if redis.call('EXISTS', KEYS[4]) == 1 then
+    redis.call('PUBLISH', ARGV[10], ARGV[11])
+  end
 end
 if rpm > 0 then
   rem_req = req_level - 1; rst_req = reset(rem_req, rpm); store(KEYS[1], rem_req, rpm)

@@ -1,5 +1,6 @@
 -- Correct the tokens bucket with the real usage (policies/ratelimit.py settle).
--- KEYS: 1 tokens bucket; ARGV: tpm, reserved, used
+-- KEYS: 1 tokens bucket, 2 the tenant's line; ARGV: tpm, reserved, used,
+-- channel, tenant (tokens given back while requests wait: tell the routers)
 local t = redis.call('TIME')
 local now = tonumber(t[1]) + tonumber(t[2]) / 1000000
 local tpm = tonumber(ARGV[1])
@@ -12,4 +13,7 @@ end
 lvl = math.min(tpm, lvl + delta)
 redis.call('HSET', KEYS[1], 'tokens', tostring(lvl), 'ts', tostring(now))
 redis.call('PEXPIRE', KEYS[1], math.ceil(math.max(0, (tpm - lvl) * 60 / tpm) * 1000) + 1000)
+if delta > 0 and redis.call('EXISTS', KEYS[2]) == 1 then
+  redis.call('PUBLISH', ARGV[4], ARGV[5])
+end
 return 1
