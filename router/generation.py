@@ -202,7 +202,8 @@ class Generation:
     __slots__ = ("pool", "scheduler", "policy", "rank", "deadlines", "job", "metrics", "max_failovers",
                  "prompt_token_ids", "completion_ids", "text_len", "failovers", "text_parts", "finish", "replica",
                  "sink", "ended", "_base", "_col", "_client", "_handle", "_dog", "_died_at", "_exclude", "_dispatched",
-                 "_charged_prompt", "uncounted", "prompt_count", "failover_wait", "_waiting")
+                 "_charged_prompt", "uncounted", "prompt_count", "failover_wait", "_waiting", "_attached_at",
+                 "_free_retries", "_charged")
 
     def __init__(self, pool: ReplicaPool, job: Job, metrics: Metrics, max_failovers: int,
                  deadlines: Deadlines | None = None, scheduler: Scheduler | None = None,
@@ -235,6 +236,9 @@ class Generation:
         self._died_at: float | None = None
         self._exclude: set[str] | None = None  # replicas that failed this generation
         self._dispatched = 0.0
+        self._attached_at = 0  # completion tokens the stream had when it went to its replica
+        self._free_retries = len(pool.slots)  # moves off a replica that gave no token, not charged
+        self._charged = 0  # failovers charged to max_failovers
         self._charged_prompt = False
         # seconds a failover may wait for a replica to become ready when none is (0: none)
         self.failover_wait = failover_wait
@@ -357,6 +361,7 @@ class Generation:
         self._handle = handle
         self._dog = _Watchdog(self.deadlines, col, bool(self.completion_ids), slot.name)
         self._dispatched = self._dog.last_token
+        self._attached_at = len(self.completion_ids)
         self._charged_prompt = self.prompt_token_ids is not None and bool(self.completion_ids)
 
     def _detach(self, finished: bool) -> None:
@@ -505,11 +510,19 @@ class Generation:
         if self._exclude is None:
             self._exclude = set()
         self._exclude.add(name)
-        self.failovers += 1
-        m.failovers.labels(name).inc()
-        if self.failovers > self.max_failovers:
+        if len(self.completion_ids) == self._attached_at and self._free_retries:
+            # (it gave this attempt no token: most often found dead when the
+            # stream came to it, one of several killed at once. Not charged,
+            # up to one per replica: a stream survives max_failovers deaths
+            # of the replicas that serve it)
+            self._free_retries -= 1
+        elif self._charged >= self.max_failovers:
             self._give_up(f"gave up after {self.max_failovers} failovers: {e}")
             return
+        else:
+            self._charged += 1
+        self.failovers += 1
+        m.failovers.labels(name).inc()
         m.resumed_tokens.inc(len(self.completion_ids))
         try:
             # A failover continues at once, past the queues and caps: its

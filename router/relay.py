@@ -317,7 +317,7 @@ class EventStream:
         elif isinstance(e, ApiError):
             body = e.body()
         else:
-            log.warning("stream %s lost after %d tokens: %s", self.sid, self.gen.completion_tokens, e)
+            log.warning("stream %s lost after %d tokens: %s", self.outcome.request_id, self.gen.completion_tokens, e)
             body = error_body(f"The stream was interrupted and could not be resumed: {e}",
                               "server_error", None, "stream_lost")
         self.final = self.enc.error(body)

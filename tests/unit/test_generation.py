@@ -283,3 +283,26 @@ async def test_with_no_failover_wait_a_stream_without_a_ready_replica_is_lost_at
     slot.state = "down"
     col.fail(ReplicaDead("replica r0 closed the connection"))
     assert isinstance(sink.failure, StreamLost)
+
+
+async def test_replicas_found_dead_on_the_way_do_not_use_up_the_failovers() -> None:
+    # (all replicas killed at once: the stream went to one already dead, not
+    # yet seen down, and that death counted as a failover too. A stream with
+    # max_failovers 1 was lost at the second death of a replica serving it.)
+    pool = ReplicaPool([ReplicaSpec(name=f"r{i}") for i in range(3)])
+    for slot in pool.slots:
+        slot.client, slot.state = _Replica(), "ready"  # type: ignore[assignment]
+    sink, metrics = Sink(), Metrics()
+    job = Job("m", SamplingParams(max_tokens=8), prompt="p", prompt_token_ids=[1, 2])
+    gen = Generation(pool, job, metrics, 1, None, failover_wait=0.0)
+    gen.sink = sink
+    gen._attach(pool.choose("m", 8))
+    gen._col.put(Delta(1, [5], "a", NONE))
+    gen._col.fail(ReplicaDead("killed"))  # a death with output: failover 1 of 1
+    gen._col.fail(ReplicaDead("connection reset"))  # the next one was dead already: not charged
+    assert not gen.ended and gen.failovers == 2
+    gen._col.put(Delta(1, [6], "b", NONE))
+    gen._col.fail(ReplicaDead("killed"))  # a second death with output: past max_failovers
+    assert gen.ended and sink.failure is not None and "gave up after 1 failovers" in str(sink.failure)
+    assert gen.failovers == 2  # (moves: the give-up is none; the log said 3 here, "after 1")
+    assert sum(metrics.failovers.labels(s.name)._value.get() for s in pool.slots) == 2
