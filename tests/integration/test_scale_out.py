@@ -190,6 +190,29 @@ async def test_routers_on_one_redis_with_different_tenants_files_say_so(tmp_path
         assert a.metrics().value("fairstream_tenants_files_differ") == 0
 
 
+QUEUED_AUTH = {"Authorization": f"Bearer {QUEUED}"}
+
+
+def _queueing_routers(tmp_path, redis_url: str, names: tuple[str, ...], *, concurrent: int, depth: int,
+                      queue_wait: float, step_ms: int) -> list[RouterProcess]:
+    """Routers (not started) on one Redis, one sim replica each, whose
+    tenant ``queued`` (key QUEUED) waits in line over ``concurrent`` streams."""
+    tenants = tmp_path / "tenants.yaml"
+    demo = yaml.safe_load(open("configs/tenants.yaml"))
+    demo["tenants"]["queued"] = {
+        "keys": [hash_key(QUEUED)], "on_limit": "queue", "queue_depth": depth,
+        "limits": {"max_concurrent": concurrent}, "timeouts": {"queue_wait": queue_wait},
+    }
+    tenants.write_text(yaml.safe_dump(demo, sort_keys=False))
+    settings = {"state": {"backend": "redis", "url": redis_url}}
+    return [RouterProcess(tmp_path / name, replicas=1, sim={"step_base_ms": step_ms}, tenants=tenants,
+                          settings=settings) for name in names]
+
+
+def _queued_request(max_tokens: int) -> dict:
+    return {"model": MODEL, "prompt": "The cluster", "max_tokens": max_tokens, "stream": True}
+
+
 async def test_a_tenants_line_is_shared_by_the_routers_on_one_redis(tmp_path, redis_server) -> None:
     """``on_limit: queue`` with one concurrent stream: three clients keep
     one router's line busy while two requests wait on the other. Each line
@@ -197,19 +220,10 @@ async def test_a_tenants_line_is_shared_by_the_routers_on_one_redis(tmp_path, re
     streams' ends) took every slot that freed before the quiet router's head
     looked again: the quiet router's requests waited out ``queue_wait`` and
     got 429s. Now the routers take turns."""
-    tenants = tmp_path / "tenants.yaml"
-    demo = yaml.safe_load(open("configs/tenants.yaml"))
-    demo["tenants"]["queued"] = {
-        "keys": [hash_key(QUEUED)], "on_limit": "queue", "queue_depth": 8,
-        "limits": {"max_concurrent": 1}, "timeouts": {"queue_wait": 12},
-    }
-    tenants.write_text(yaml.safe_dump(demo, sort_keys=False))
-    settings = {"state": {"backend": "redis", "url": redis_server.url}}
-    sim = {"step_base_ms": 10}
-    body = {"model": MODEL, "prompt": "The cluster", "max_tokens": 20, "stream": True}
-    headers = {"Authorization": f"Bearer {QUEUED}"}
-    with RouterProcess(tmp_path / "busy", replicas=1, sim=sim, tenants=tenants, settings=settings) as busy, \
-            RouterProcess(tmp_path / "quiet", replicas=1, sim=sim, tenants=tenants, settings=settings) as quiet:
+    busy, quiet = _queueing_routers(tmp_path, redis_server.url, ("busy", "quiet"), concurrent=1, depth=8,
+                                    queue_wait=12, step_ms=10)
+    body, headers = _queued_request(20), QUEUED_AUTH
+    with busy, quiet:
         stop = asyncio.Event()
         served = {"busy": 0}
 
@@ -248,19 +262,10 @@ async def test_a_tenants_line_split_over_routers_keeps_its_throughput(tmp_path, 
     against 1014), its slots idle while requests waited. The routers now
     hear a turn through Redis (a lease released, tokens given back, a
     request that leaves the line) and their heads ask at once."""
-    tenants = tmp_path / "tenants.yaml"
-    demo = yaml.safe_load(open("configs/tenants.yaml"))
-    demo["tenants"]["queued"] = {
-        "keys": [hash_key(QUEUED)], "on_limit": "queue", "queue_depth": 16,
-        "limits": {"max_concurrent": 2}, "timeouts": {"queue_wait": 20},
-    }
-    tenants.write_text(yaml.safe_dump(demo, sort_keys=False))
-    settings = {"state": {"backend": "redis", "url": redis_server.url}}
-    sim = {"step_base_ms": 5}
-    body = {"model": MODEL, "prompt": "The cluster", "max_tokens": 8, "stream": True}
-    headers = {"Authorization": f"Bearer {QUEUED}"}
-    with RouterProcess(tmp_path / "a", replicas=1, sim=sim, tenants=tenants, settings=settings) as a, \
-            RouterProcess(tmp_path / "b", replicas=1, sim=sim, tenants=tenants, settings=settings) as b:
+    a, b = _queueing_routers(tmp_path, redis_server.url, ("a", "b"), concurrent=2, depth=16, queue_wait=20,
+                             step_ms=5)
+    body, headers = _queued_request(8), QUEUED_AUTH
+    with a, b:
         async def served(routers: list[RouterProcess], seconds: float) -> int:
             stop = asyncio.Event()
             done = [0]
