@@ -4,6 +4,7 @@ headers, exact limits across two routers on one Redis, Redis outages."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
 import os
 import signal
@@ -203,26 +204,21 @@ async def test_a_reload_that_renames_the_priority_classes_spares_a_request_waiti
     # once admitted, it was a 500, and its lease was never given back: the
     # tenant stayed at its concurrency limit until the router restarted.
     t = tmp_path / "tenants.yaml"
-    router = _one_at_a_time(tmp_path, t)
-    try:
-        async with httpx.AsyncClient(base_url=router.base_url, timeout=60) as client:
-            first, waiting = await _one_running_one_waiting(router, client)
-            doc = yaml.safe_load(t.read_text())
-            doc["priority_classes"] = ["p0", "p1", "p2"]
-            doc["defaults"]["priority"] = "p1"
-            doc["tenants"]["b"]["priority"] = "p2"
-            t.write_text(yaml.safe_dump(doc, sort_keys=False))
-            await apoll(lambda: _version(router) == 2, 10, what="the reload")
-            assert (await first).status_code == 200
-            r = await waiting
-            assert r.status_code == 200, r.text
-            # the slot came back: the tenant's next request is served at once
-            r = await client.post("/v1/completions", headers=auth(KEY_A), json=body(2))
-            assert r.status_code == 200, r.text
-            tenants = (await client.get("/admin/tenants", headers=auth(ADMIN))).json()
-            assert tenants["tenants"]["a"]["usage"]["active_streams"] == 0, tenants
-    finally:
-        router.stop()
+    async with _one_running_one_waiting(tmp_path, t) as (router, client, first, waiting):
+        doc = yaml.safe_load(t.read_text())
+        doc["priority_classes"] = ["p0", "p1", "p2"]
+        doc["defaults"]["priority"] = "p1"
+        doc["tenants"]["b"]["priority"] = "p2"
+        t.write_text(yaml.safe_dump(doc, sort_keys=False))
+        await apoll(lambda: _version(router) == 2, 10, what="the reload")
+        assert (await first).status_code == 200
+        r = await waiting
+        assert r.status_code == 200, r.text
+        # the slot came back: the tenant's next request is served at once
+        r = await client.post("/v1/completions", headers=auth(KEY_A), json=body(2))
+        assert r.status_code == 200, r.text
+        tenants = (await client.get("/admin/tenants", headers=auth(ADMIN))).json()
+        assert tenants["tenants"]["a"]["usage"]["active_streams"] == 0, tenants
 
 
 async def test_a_reload_that_removes_a_tenant_refuses_its_waiting_requests(tmp_path):
@@ -230,38 +226,36 @@ async def test_a_reload_that_removes_a_tenant_refuses_its_waiting_requests(tmp_p
     # removed tenant's line was admitted after the removal and streamed all
     # its tokens, up to queue_wait later. Running streams go on.)
     t = tmp_path / "tenants.yaml"
-    router = _one_at_a_time(tmp_path, t)
+    async with _one_running_one_waiting(tmp_path, t) as (router, client, first, waiting):
+        doc = yaml.safe_load(t.read_text())
+        del doc["tenants"]["a"]
+        t.write_text(yaml.safe_dump(doc, sort_keys=False))
+        r = await asyncio.wait_for(waiting, 10)
+        assert r.status_code == 401, r.text
+        assert "was removed from the tenant policy" in r.json()["error"]["message"]
+        assert not first.done()  # (refused at the reload, not when the slot freed)
+        assert (await first).status_code == 200  # the running stream went on
+        r = await client.post("/v1/completions", headers=auth(KEY_A), json=body(2))
+        assert r.status_code == 401, r.text
+        assert "tenant a removed by the reload: 1 waiting requests refused (401)" in router.log()
+
+
+@contextlib.asynccontextmanager
+async def _one_running_one_waiting(tmp_path, tenants):
+    """A router whose tenant ``a`` (its file written at ``tenants``) runs one
+    stream at a time: (router, client, a ~2 s stream running, a request
+    waiting behind it in the tenant's line) as tasks; the router stops after."""
+    tenants_yaml(tenants, conc=1, on_limit="queue")
+    router = RouterProcess(tmp_path / "r", tenants=tenants, sim={"step_base_ms": 10}).start()
     try:
         async with httpx.AsyncClient(base_url=router.base_url, timeout=60) as client:
-            first, waiting = await _one_running_one_waiting(router, client)
-            doc = yaml.safe_load(t.read_text())
-            del doc["tenants"]["a"]
-            t.write_text(yaml.safe_dump(doc, sort_keys=False))
-            r = await asyncio.wait_for(waiting, 10)
-            assert r.status_code == 401, r.text
-            assert "was removed from the tenant policy" in r.json()["error"]["message"]
-            assert not first.done()  # (refused at the reload, not when the slot freed)
-            assert (await first).status_code == 200  # the running stream went on
-            r = await client.post("/v1/completions", headers=auth(KEY_A), json=body(2))
-            assert r.status_code == 401, r.text
-        assert "tenant a removed by the reload: 1 waiting requests refused (401)" in router.log()
+            first = asyncio.create_task(client.post("/v1/completions", headers=auth(KEY_A), json=body(200)))
+            await apoll(lambda: router.inflight("sim-0") + router.inflight("sim-1") == 1, 10, what="the first")
+            waiting = asyncio.create_task(client.post("/v1/completions", headers=auth(KEY_A), json=body(4)))
+            await apoll(lambda: _waiting(router, "a") == 1, 10, what="the second in the tenant's line")
+            yield router, client, first, waiting
     finally:
         router.stop()
-
-
-def _one_at_a_time(tmp_path, tenants) -> RouterProcess:
-    """A router whose tenant ``a`` runs one stream at a time, more waiting in its line."""
-    tenants_yaml(tenants, conc=1, on_limit="queue")
-    return RouterProcess(tmp_path / "r", tenants=tenants, sim={"step_base_ms": 10}).start()
-
-
-async def _one_running_one_waiting(router, client):
-    """Tenant ``a``'s stream of ~2 s, running, and a request waiting behind it (tasks)."""
-    first = asyncio.create_task(client.post("/v1/completions", headers=auth(KEY_A), json=body(200)))
-    await apoll(lambda: router.inflight("sim-0") + router.inflight("sim-1") == 1, 10, what="the first")
-    waiting = asyncio.create_task(client.post("/v1/completions", headers=auth(KEY_A), json=body(4)))
-    await apoll(lambda: _waiting(router, "a") == 1, 10, what="the second in the tenant's line")
-    return first, waiting
 
 
 def _waiting(router, tenant: str) -> int:
