@@ -270,20 +270,26 @@ class PushRelay(PieceQueue):
     """Sink of one streamed generation; ``run`` writes what waits and returns
     when the stream has ended (``[DONE]`` or an error event written)."""
 
-    __slots__ = ("events", "wire", "finished")
+    __slots__ = ("events", "wire", "finished", "_tail")
 
     def __init__(self, limit: int = 0) -> None:
         super().__init__(limit)
         self.events: EventStream | None = None
         self.wire: TransportWire | AsgiWire | None = None
         self.finished = False
+        # the stream's tail (usage, ``[DONE]``, the body's end) is left to
+        # ``run``, to go out once the ticket is settled (``EventStream.release_first``)
+        self._tail = False
 
     def piece(self, text: str, n: int, finish: FinishReason) -> None:
         wire = self.wire
         if wire is not None and wire.writable and not self._pending:  # (a TransportWire)
             data = self._encode(text, n, finish)
             if self.finished:
-                wire.finish(data)
+                if not self._tail:
+                    wire.finish(data)
+                elif data:
+                    wire.write(data)
                 self._wake()
             elif data:
                 wire.write(data)
@@ -316,19 +322,36 @@ class PushRelay(PieceQueue):
         try:
             return self._encode(*self._take())
         except Exception as e:  # noqa: BLE001 - this stream only
-            log.exception("stream relay failed encoding its output")
             self._pending.clear()
-            assert self.events is not None
-            self.events.gen.close()
-            self._exc = StreamLost(f"internal error relaying the stream: {e!r}")
+            self._exc = self._broken(e)
             return None
+
+    def _encode_tail(self) -> bytes:
+        """The stream's tail, left to ``run`` (``_tail``); its error event
+        if encoding it fails."""
+        events = self.events
+        assert events is not None
+        try:
+            return b"".join(events.tail())
+        except Exception as e:  # noqa: BLE001 - this stream only
+            return events.failed(self._broken(e))
+
+    def _broken(self, e: Exception) -> StreamLost:
+        """A bug encoding this stream's output: it stops, its client is told."""
+        log.exception("stream relay failed encoding its output", exc_info=e)
+        assert self.events is not None
+        self.events.gen.close()
+        return StreamLost(f"internal error relaying the stream: {e!r}")
 
     def _encode(self, text: str, n: int, finish: FinishReason) -> bytes | None:
         events = self.events
         assert events is not None
         data = events.event(text, n, finish)
         if finish != FinishReason.NONE:
-            data = (data or b"") + b"".join(events.tail())
+            if events.release_first:
+                self._tail = True
+            else:
+                data = (data or b"") + b"".join(events.tail())
             self.finished = True
         return data
 
@@ -351,16 +374,22 @@ class PushRelay(PieceQueue):
                     await wire.drain()  # pieces keep queueing behind what waits
                     continue
                 data = self._encode_waiting()  # and written with no await between
-                if self.finished:
+                if self.finished and not self._tail:
                     wire.finish(data)
                 elif data:
                     wire.write(data)
                 continue
             if self.finished:
+                if self._tail:  # (nothing can come after the last piece: an await is safe here)
+                    self._tail = False
+                    await events.release()
+                    await wire.send_last(self._encode_tail())
                 return
             if self._exc is not None:
                 data = events.failed(self._exc)
                 self.finished = True
+                if events.release_first:
+                    await events.release()
                 await wire.send_last(data)
                 return
             await self._until_ready()

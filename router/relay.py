@@ -323,6 +323,32 @@ class EventStream:
         self.final = self.enc.error(body)
         return self.final
 
+    @property
+    def release_first(self) -> bool:
+        """Whether the ticket is to be settled before the stream's last bytes
+        go out (``release``). On a shared store (Redis) settling is a round
+        trip or two, and a client whose next request follows ``[DONE]`` at
+        once (the openai SDK, a tenant with ``max_concurrent: 1`` and
+        ``on_limit: reject``) would find its lease still held: a 429. An
+        in-process store settles in the background task's first step, before
+        the client's next request can be read, so the last bytes need not
+        wait for it."""
+        ticket = self.ticket
+        return ticket is not None and not ticket.done and self.svc.admission.store.shared
+
+    async def release(self) -> None:
+        """Settle the ticket now (its usage is final: the last piece is in);
+        ``settle`` then leaves it. Shielded: a client leaving meanwhile does
+        not cut the release short (the lease would be held until it expires)."""
+        if self.ticket is not None:
+            await asyncio.shield(self.svc.background(self.svc.admission.finish(self.ticket, self._used())))
+
+    def _used(self) -> int:
+        """The tokens this request is charged: the stream's, less those an
+        earlier request of the same stream was charged for."""
+        gen = self.gen
+        return max(0, gen.prompt_tokens + gen.completion_tokens - sum(self.outcome.counted))
+
     def settle(self) -> None:
         """Count the request once and settle its buffer and ticket (in the
         background: on disconnect this runs where every await is cancelled)."""
@@ -330,12 +356,9 @@ class EventStream:
         if self.tokens > self.sent_ids:
             self.writer.append(self.sid, None, gen.completion_ids[self.sent_ids:self.tokens], self.chars)
             self.sent_ids = self.tokens
-        outcome = self.outcome
-        outcome.record(self.result, gen, self.error)
-        # tokens an earlier request of this stream was already charged for
-        used = gen.prompt_tokens + gen.completion_tokens - sum(outcome.counted)
+        self.outcome.record(self.result, gen, self.error)
         self.svc.background(_settle(self.svc, self.writer, self.sid or "", self.result, self.final, self.chars,
-                                    self.ticket, used))
+                                    self.ticket, self._used()))
 
 
 async def relay_stream(es: EventStream, pieces: AsyncIterator[Piece], first: Piece | None) -> AsyncIterator[bytes]:
@@ -351,9 +374,13 @@ async def relay_stream(es: EventStream, pieces: AsyncIterator[Piece], first: Pie
                 if piece[2] != FinishReason.NONE:
                     break
                 piece = await pieces.__anext__()
+            if es.release_first:
+                await es.release()
             for event in es.tail():
                 yield event
     except (StreamLost, StreamTimeout, ApiError) as e:
+        if es.release_first:
+            await es.release()
         yield es.failed(e)
     finally:
         es.settle()
@@ -368,7 +395,7 @@ async def _settle(svc, writer, sid: str, result: str, final: bytes | None, chars
     else:
         await writer.finish(sid, final, chars)
     if ticket is not None:
-        await svc.admission.finish(ticket, max(0, used))
+        await svc.admission.finish(ticket, used)  # (once: a no-op after ``EventStream.release``)
 
 
 class _NoBuffer:

@@ -135,11 +135,13 @@ class RouterService:
     def store_healthy(self) -> bool:
         return getattr(self.store, "healthy", True)
 
-    def background(self, coro: Coroutine[Any, Any, None]) -> None:
-        """Run cleanup work that must finish even if its caller was cancelled."""
+    def background(self, coro: Coroutine[Any, Any, None]) -> asyncio.Task[None]:
+        """Run cleanup work that must finish even if its caller was cancelled
+        (a caller may await the task it returns through ``asyncio.shield``)."""
         task = asyncio.get_running_loop().create_task(coro)
         self._tasks.add(task)
         task.add_done_callback(self._task_done)
+        return task
 
     def _task_done(self, task: asyncio.Task[None]) -> None:
         self._tasks.discard(task)

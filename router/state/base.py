@@ -69,6 +69,9 @@ class StreamSnapshot(msgspec.Struct):
 
 class StateStore(abc.ABC):
     name: str
+    # other routers read and change this state (Redis); False: this process's
+    # own (memory), where a call completes before anything else runs
+    shared: bool = False
 
     @abc.abstractmethod
     async def admit(self, tenant: str, req: AdmitRequest) -> Decision:

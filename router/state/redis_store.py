@@ -52,6 +52,7 @@ def _unavailable(e: Exception) -> BaseException:
 
 class RedisStore(StateStore):
     name = "redis"
+    shared = True
 
     def __init__(self, url: str, prefix: str = "fs", timeout: float = 1.0, max_connections: int = 128) -> None:
         # (a capped pool: redis-py's default one grows to the most calls ever

@@ -48,6 +48,7 @@ class ResilientStore(StateStore):
         self.fallback = MemoryStore()
         self.fail_open = fail_open
         self.name = primary.name
+        self.shared = primary.shared
         self.healthy = True
         self._probe_interval = probe_interval
         self._on_change = on_change or (lambda up: None)

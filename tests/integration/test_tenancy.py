@@ -6,12 +6,15 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hashlib
+import json
 import os
 import signal
 
 import httpx
+import openai
 import pytest
 import yaml
+from websockets.asyncio.client import connect
 
 from router.auth import hash_key
 from tests.helpers import ADMIN, GOLD, MODEL, RouterProcess, aiter_sse, apoll
@@ -272,6 +275,54 @@ def redis_server():
     require_redis_server()
     with RedisServer() as server:
         yield server
+
+
+def test_a_request_right_after_a_stream_ends_finds_its_lease_free_on_redis(tmp_path, redis_server):
+    """The official SDK sends the next request as soon as it reads
+    ``[DONE]``: with ``max_concurrent: 1`` and ``on_limit: reject`` that
+    request must not find the stream before it still holding the lease. (On
+    Redis the lease used to be released after the last byte: about half of
+    such requests got 429.)"""
+    t = tmp_path / "tenants.yaml"
+    tenants_yaml(t, conc=1)
+    settings = {"state": {"backend": "redis", "url": redis_server.url}}
+    with RouterProcess(tmp_path / "r", tenants=t, settings=settings) as router, \
+            openai.OpenAI(base_url=router.base_url + "/v1", api_key=KEY_A, max_retries=0, timeout=20) as client:
+        refused = []
+        for i in range(30):
+            try:
+                if i % 2:
+                    stream = client.chat.completions.create(
+                        model=MODEL, messages=[{"role": "user", "content": "Le caf"}], max_tokens=4, stream=True,
+                        stream_options={"include_usage": True})
+                else:
+                    stream = client.completions.create(model=MODEL, prompt="Le caf", max_tokens=4, stream=True)
+                assert [c for c in stream]
+            except openai.RateLimitError as e:
+                refused.append((i, e.message))
+        assert refused == []
+
+
+async def test_a_websocket_request_right_after_done_finds_its_lease_free_on_redis(tmp_path, redis_server):
+    """The same over ``/v1/ws``: the next request goes as soon as ``done``
+    arrives. (With a tokens-per-minute limit the settlement is two round
+    trips, settle and release, which the next request's admission overtook.)"""
+    t = tmp_path / "tenants.yaml"
+    tenants_yaml(t, conc=1, tpm=10**6)
+    settings = {"state": {"backend": "redis", "url": redis_server.url}}
+    with RouterProcess(tmp_path / "r", tenants=t, settings=settings) as router:
+        url = router.base_url.replace("http://", "ws://") + "/v1/ws"
+        async with connect(url, additional_headers=auth(KEY_A), proxy=None, open_timeout=10) as ws:
+            ends = []
+            for i in range(30):
+                await ws.send(json.dumps({"type": "chat.completions.create", "id": f"r{i}", "body": {
+                    "model": MODEL, "messages": [{"role": "user", "content": "Le caf"}], "max_tokens": 4}}))
+                while True:
+                    msg = json.loads(await asyncio.wait_for(ws.recv(), 20))
+                    if msg.get("done") or "error" in msg:
+                        ends.append(msg.get("error", {}).get("code", "done"))
+                        break
+        assert ends == ["done"] * 30
 
 
 async def test_two_routers_on_one_redis_admit_exactly_the_limit(tmp_path, redis_server):

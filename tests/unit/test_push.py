@@ -74,11 +74,26 @@ class Cycle:
 
 
 class Events:
-    """EventStream's interface: an event is its text, the tail ``[DONE]``."""
+    """EventStream's interface: an event is its text, the tail ``[DONE]``.
+    ``release_first``: the ticket is settled (``release``, held until
+    ``released`` is set) before the tail goes out, as on a shared store;
+    ``writes_at_release`` is what the client had then."""
 
-    def __init__(self, fail_on_tail: bool = False, gen=None) -> None:
+    def __init__(self, fail_on_tail: bool = False, gen=None, release_first: bool = False,
+                 socket: Socket | None = None) -> None:
         self.fail_on_tail = fail_on_tail
         self.gen = gen
+        self.release_first = release_first
+        self.socket = socket
+        self.released = asyncio.Event()
+        self.writes_at_release: list[bytes] | None = None
+
+    async def release(self) -> None:
+        assert self.release_first
+        self.release_first = False  # (the ticket is done)
+        await self.released.wait()
+        assert self.socket is not None
+        self.writes_at_release = list(self.socket.writes)
 
     def event(self, text: str, n: int, finish: FinishReason) -> bytes | None:
         return text.encode() if text or finish != NONE else None
@@ -180,6 +195,56 @@ async def test_a_failure_on_a_last_piece_queued_behind_a_slow_client_ends_the_st
     await asyncio.wait_for(run, 1)
     assert cycle.transport.writes[-1].startswith(b"error: internal error"), cycle.transport.writes
     assert slot.inflight == 0 and client.released == [1]
+
+
+async def test_on_a_shared_store_the_tail_waits_for_the_release_and_the_last_piece_does_not() -> None:
+    # (a client's next request follows [DONE] at once: the lease must be free by then)
+    cycle = Cycle()
+    relay = PushRelay(limit=16)
+    events = Events(release_first=True, socket=cycle.transport)
+    run = asyncio.ensure_future(relay.run(events, TransportWire(cycle)))
+    await asyncio.sleep(0)
+    relay.piece("a", 1, NONE)
+    relay.piece("b", 1, STOP)
+    assert cycle.transport.writes == [b"a", b"b"]  # the last piece's text at once, in the callback
+    for _ in range(3):
+        await asyncio.sleep(0)
+    assert not cycle.transport.ended and cycle.completed == 0  # the tail waits for the release
+    events.released.set()
+    await asyncio.wait_for(run, 1)
+    assert events.writes_at_release == [b"a", b"b"]
+    assert cycle.transport.writes == [b"a", b"b", b"[DONE]"] and cycle.transport.ended and cycle.completed == 1
+
+
+@pytest.mark.parametrize("how", ["error", "tail fails", "paused"])
+async def test_on_a_shared_store_every_end_of_the_stream_comes_after_the_release(how: str) -> None:
+    cycle = Cycle()
+    relay = PushRelay(limit=16)
+    events = Events(release_first=True, socket=cycle.transport, fail_on_tail=how == "tail fails")
+    if how == "tail fails":
+        events.gen = started(relay, max_tokens=4)[0]
+    run = asyncio.ensure_future(relay.run(events, TransportWire(cycle)))
+    await asyncio.sleep(0)
+    if how == "paused":
+        cycle.flow.pause_writing()
+    relay.piece("a", 1, NONE)
+    if how == "error":
+        relay.fail(RuntimeError("the replica died"))
+    else:
+        relay.piece("b", 1, STOP)
+    if how == "paused":
+        await asyncio.sleep(0)
+        cycle.flow.resume_writing()
+    for _ in range(3):
+        await asyncio.sleep(0)
+    assert not cycle.transport.ended
+    events.released.set()
+    await asyncio.wait_for(run, 1)
+    assert cycle.transport.ended and cycle.completed == 1
+    last = cycle.transport.writes[-1]
+    assert events.writes_at_release == cycle.transport.writes[:-1], (events.writes_at_release, last)
+    expected = {"error": b"error: the replica died", "paused": b"[DONE]"}.get(how)
+    assert last == expected if expected else last.startswith(b"error: internal error"), last
 
 
 async def test_a_client_that_takes_nothing_for_send_timeout_is_given_up() -> None:
