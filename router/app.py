@@ -59,9 +59,13 @@ async def completions(request: Request) -> Response:
     return await _complete(request, False)
 
 
+# (path parameters are read from ``request.path_params``: a parameter in the
+# handler's signature is Litestar 2.25's deprecated "inferred style", and its
+# replacement, ``FromPath``, is not in the Litestar versions this project allows)
 @get("/v1/streams/{request_id:str}")
-async def resume_stream(request: Request, request_id: str) -> Response:
+async def resume_stream(request: Request) -> Response:
     """Resume a stream: events after Last-Event-ID, then the rest of it."""
+    request_id: str = request.path_params["request_id"]
     svc = _svc(request)
     policy = svc.tenant(authorization(request.headers))
     raw = request.headers.get("last-event-id") or request.query_params.get("last_event_id")
@@ -99,8 +103,9 @@ async def models(request: Request) -> Response:
 
 
 @get("/v1/models/{model:path}")
-async def model(request: Request, model: str) -> Response:
+async def model(request: Request) -> Response:
     """One model (``client.models.retrieve``); a model id may contain slashes."""
+    model: str = request.path_params["model"]
     svc = _svc(request)
     policy = svc.tenant(authorization(request.headers))
     name = model.removeprefix("/")
