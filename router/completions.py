@@ -251,8 +251,8 @@ async def start_generation(
         else:
             gen.close()
         await svc.admission.finish(ticket, gen.prompt_tokens + gen.completion_tokens)
-        outcome.record(outcome_of(e), error=e)
         told = error_before_output(svc.metrics, policy.name, e, {"x-request-id": request_id, **ticket.headers})
+        outcome.record(outcome_of(e), error=told)  # (its line has the status the client gets)
         if told is e:
             raise
         raise told from e
@@ -318,11 +318,11 @@ async def _collect(svc, gen: Generation, pieces, first: Piece, model: str, chat:
                 piece = None if finish != FinishReason.NONE else await pieces.__anext__()
         result = "ok"
     except StreamLost as e:
-        result, error = "lost", e
-        raise ApiError(f"The generation failed and could not be resumed: {e}", code="stream_lost") from e
+        result, error = "lost", ApiError(f"The generation failed and could not be resumed: {e}", code="stream_lost")
+        raise error from e
     except StreamTimeout as e:
-        result, error = f"timeout_{e.which}", e
-        raise error_before_output(m, policy.name, e, {}) from e
+        result, error = f"timeout_{e.which}", error_before_output(m, policy.name, e, {})
+        raise error from e
     except ApiError as e:
         result, error = outcome_of(e), e
         raise

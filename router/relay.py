@@ -53,9 +53,12 @@ class Outcome:
         # the caller's own X-Request-Id (an API gateway's trace id), logged beside ours
         self.client_request_id = client_request_id
 
-    def record(self, outcome: str, gen: Generation | None = None, error: BaseException | None = None) -> None:
+    def record(self, outcome: str, gen: Generation | None = None, error: BaseException | None = None,
+               *, streamed: bool = False) -> None:
         """Count the request in metrics and log its summary line (once); an
-        ``error`` that ended it is named there (code, status, message)."""
+        ``error`` that ended it is named there (code, status, message).
+        ``streamed``: the error came as the stream's last event, after the
+        response's 200 (or a WebSocket's first message): its ``status`` is 200."""
         if self.done:
             return
         self.done = True
@@ -64,6 +67,8 @@ class Outcome:
         m.child(m.requests, tenant, self.endpoint, outcome).inc()
         elapsed = time.monotonic() - self.started
         extra = _line_fields(self.request_id, tenant, self.endpoint, outcome, self.client_request_id, error)
+        if streamed and error is not None:
+            extra["status"] = 200
         extra["priority"] = self.policy.priority
         extra["duration_s"] = round(elapsed, 4)
         if gen is not None:
@@ -356,7 +361,7 @@ class EventStream:
         if self.tokens > self.sent_ids:
             self.writer.append(self.sid, None, gen.completion_ids[self.sent_ids:self.tokens], self.chars)
             self.sent_ids = self.tokens
-        self.outcome.record(self.result, gen, self.error)
+        self.outcome.record(self.result, gen, self.error, streamed=True)
         self.svc.background(_settle(self.svc, self.writer, self.sid or "", self.result, self.final, self.chars,
                                     self.ticket, self._used()))
 

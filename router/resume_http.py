@@ -409,9 +409,9 @@ async def _continue(svc: RouterService, policy: TenantPolicy, sid: str, meta: Re
         if ticket is not None:
             used = gen.prompt_tokens + gen.completion_tokens - sum(outcome.counted)
             await svc.admission.finish(ticket, max(0, used))
-        outcome.record(outcome_of(e), gen, e)
-        svc.background(svc.resume.release(sid))
         told = error_before_output(svc.metrics, policy.name, e, {})
+        outcome.record(outcome_of(e), gen, told)
+        svc.background(svc.resume.release(sid))
         if told is e:
             raise
         raise told from e

@@ -51,6 +51,19 @@ def write_tenants(path: Path, timeouts: dict[str, float], limits: dict[str, int]
     return path
 
 
+async def request_line(router: RouterProcess, rid: str) -> dict[str, Any]:
+    """The ``fairstream.request`` log line of request ``rid``."""
+    def line() -> dict[str, Any] | None:
+        for text in router.log().splitlines():
+            if rid in text and text.startswith("{"):
+                rec = json.loads(text)
+                if rec.get("logger") == "fairstream.request" and rec.get("request_id") == rid:
+                    return rec
+        return None
+
+    return await apoll(line, 10, what=f"the log line of {rid}")
+
+
 def auth(key: str = KEY) -> dict[str, str]:
     return {"Authorization": f"Bearer {key}"}
 
@@ -146,6 +159,9 @@ async def test_first_token_timeout_is_504_before_headers_and_aborts_the_request(
             assert m.value("fairstream_timeouts_total", tenant="t", timeout="first_token") == 1
             assert m.value("fairstream_requests_total", tenant="t", outcome="timeout_first_token") == 1
             assert m.value("fairstream_tokens_total", 0.0, tenant="t", direction="completion") == 0
+            # its log line has the status the client got
+            rec = await request_line(router, headers["x-request-id"])
+            assert rec["status"] == 504 and rec["error_code"] == "first_token_timeout", rec
 
 
 # -- total -------------------------------------------------------------------------------
@@ -202,6 +218,10 @@ async def test_total_timeout_mid_stream_is_an_error_event_without_done(total_rou
         r = await http.get(f"/v1/streams/{rid}", headers={**auth(), "Last-Event-ID": events[-2].id})
         assert r.status_code == 200, r.text
         assert r.text.strip() == f"id: {last.id}\ndata: {last.data}"
+        # its log line has the status the client got: the 200 the stream began with
+        rec = await request_line(router, rid)
+        assert rec["outcome"] == "timeout_total" and rec["error_code"] == "total_timeout", rec
+        assert rec["status"] == 200, rec
 
 
 async def test_total_timeout_raises_api_error_in_the_openai_sdk(total_router: RouterProcess) -> None:
