@@ -382,8 +382,9 @@ class PushRelay(PieceQueue):
             if self.finished:
                 if self._tail:  # (nothing can come after the last piece: an await is safe here)
                     self._tail = False
+                    data = self._encode_tail()  # (first: a client leaving now still has a finished stream)
                     await events.release()
-                    await wire.send_last(self._encode_tail())
+                    await wire.send_last(data)
                 return
             if self._exc is not None:
                 data = events.failed(self._exc)

@@ -32,6 +32,9 @@ log = logging.getLogger("fairstream.relay")
 # the error code that ends a resume buffer where the output lost its token ids
 # (router.resume_http recognises that buffer by it)
 NOT_RESUMABLE = "not_resumable"
+# the longest a stream's ending waits for its ticket's settlement on a shared
+# store (``EventStream.release``); then it goes out, the settlement goes on
+RELEASE_WAIT = 0.25
 request_log = logging.getLogger("fairstream.request")
 
 
@@ -339,14 +342,22 @@ class EventStream:
         the client's next request can be read, so the last bytes need not
         wait for it."""
         ticket = self.ticket
-        return ticket is not None and not ticket.done and self.svc.admission.store.shared
+        if ticket is None or ticket.done:
+            return False
+        store = self.svc.admission.store
+        return store.shared and store.healthy
 
     async def release(self) -> None:
         """Settle the ticket now (its usage is final: the last piece is in);
-        ``settle`` then leaves it. Shielded: a client leaving meanwhile does
-        not cut the release short (the lease would be held until it expires)."""
+        ``settle`` then leaves it. Call it after encoding the stream's ending
+        (``tail`` or ``failed``: a client that leaves meanwhile then still has
+        a finished stream) and before sending it. The settlement runs in the
+        background (a client leaving does not cut it short) and is waited
+        for at most ``RELEASE_WAIT``: a store that hangs does not hold every
+        stream's end for its timeout."""
         if self.ticket is not None:
-            await asyncio.shield(self.svc.background(self.svc.admission.finish(self.ticket, self._used())))
+            task = self.svc.background(self.svc.admission.finish(self.ticket, self._used()))
+            await asyncio.wait((task,), timeout=RELEASE_WAIT)
 
     def _used(self) -> int:
         """The tokens this request is charged: the stream's, less those an
@@ -379,14 +390,18 @@ async def relay_stream(es: EventStream, pieces: AsyncIterator[Piece], first: Pie
                 if piece[2] != FinishReason.NONE:
                     break
                 piece = await pieces.__anext__()
-            if es.release_first:
+            release = es.release_first
+            tail = es.tail()  # (the stream is done from here on, whatever happens to the client)
+            if release:
                 await es.release()
-            for event in es.tail():
+            for event in tail:
                 yield event
     except (StreamLost, StreamTimeout, ApiError) as e:
-        if es.release_first:
+        release = es.release_first
+        event = es.failed(e)
+        if release:
             await es.release()
-        yield es.failed(e)
+        yield event
     finally:
         es.settle()
 

@@ -72,6 +72,7 @@ class StateStore(abc.ABC):
     # other routers read and change this state (Redis); False: this process's
     # own (memory), where a call completes before anything else runs
     shared: bool = False
+    healthy: bool = True  # (ResilientStore: False while the store is down)
 
     @abc.abstractmethod
     async def admit(self, tenant: str, req: AdmitRequest) -> Decision:

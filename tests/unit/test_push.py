@@ -12,13 +12,17 @@ from __future__ import annotations
 
 import asyncio
 import time
+from types import SimpleNamespace
 
 from uvicorn.protocols.http.flow_control import FlowControl
 
 from replicas.protocol import Delta, FinishReason
 import pytest
 
+from router.metrics import Metrics
 from router.push import ClientTooSlow, PushRelay, TransportWire
+from router.relay import RELEASE_WAIT, EventStream
+from router.sse import ChunkEncoder
 from tests.unit.generations import started
 
 NONE, STOP = FinishReason.NONE, FinishReason.STOP
@@ -87,9 +91,11 @@ class Events:
         self.socket = socket
         self.released = asyncio.Event()
         self.writes_at_release: list[bytes] | None = None
+        self.calls: list[str] = []
 
     async def release(self) -> None:
         assert self.release_first
+        self.calls.append("release")
         self.release_first = False  # (the ticket is done)
         await self.released.wait()
         assert self.socket is not None
@@ -99,11 +105,13 @@ class Events:
         return text.encode() if text or finish != NONE else None
 
     def tail(self) -> list[bytes]:
+        self.calls.append("tail")
         if self.fail_on_tail:
             raise RuntimeError("encoding the tail failed")
         return [b"[DONE]"]
 
     def failed(self, e: BaseException) -> bytes:
+        self.calls.append("failed")
         return b"error: " + str(e).encode()
 
 
@@ -214,6 +222,9 @@ async def test_on_a_shared_store_the_tail_waits_for_the_release_and_the_last_pie
     await asyncio.wait_for(run, 1)
     assert events.writes_at_release == [b"a", b"b"]
     assert cycle.transport.writes == [b"a", b"b", b"[DONE]"] and cycle.transport.ended and cycle.completed == 1
+    # the ending was encoded before the release: a client that leaves during
+    # it still has a finished stream (the tail sets the outcome "ok")
+    assert events.calls == ["tail", "release"]
 
 
 @pytest.mark.parametrize("how", ["error", "tail fails", "paused"])
@@ -245,6 +256,75 @@ async def test_on_a_shared_store_every_end_of_the_stream_comes_after_the_release
     assert events.writes_at_release == cycle.transport.writes[:-1], (events.writes_at_release, last)
     expected = {"error": b"error: the replica died", "paused": b"[DONE]"}.get(how)
     assert last == expected if expected else last.startswith(b"error: internal error"), last
+    assert events.calls == {"error": ["failed", "release"], "paused": ["tail", "release"],
+                            "tail fails": ["tail", "failed", "release"]}[how]
+
+
+class _Admission:
+    """``Admission`` on a shared store whose settlement hangs until ``done`` is set."""
+
+    def __init__(self) -> None:
+        self.store = SimpleNamespace(shared=True, healthy=True)
+        self.done = asyncio.Event()
+        self.finished: list[int] = []
+
+    async def finish(self, ticket, used: int) -> None:
+        ticket.done = True
+        self.finished.append(used)
+        await self.done.wait()
+
+
+def _event_stream(relay: PushRelay) -> tuple[EventStream, _Admission, list[asyncio.Task]]:
+    """A real ``EventStream`` of a real generation, on a hanging shared store."""
+    tasks: list[asyncio.Task] = []
+
+    def background(coro) -> asyncio.Task:
+        tasks.append(asyncio.ensure_future(coro))
+        return tasks[-1]
+
+    admission = _Admission()
+    svc = SimpleNamespace(metrics=Metrics(), admission=admission, background=background)
+    gen = started(relay, max_tokens=4)[0]
+    outcome = SimpleNamespace(started=time.monotonic(), counted=(0, 0), record=lambda *a, **kw: None)
+    es = EventStream(svc, gen, ChunkEncoder(False, "cmpl-x", "m", 0), (False, False),  # type: ignore[arg-type]
+                     SimpleNamespace(name="t", priority="normal"), SimpleNamespace(done=False),  # type: ignore[arg-type]
+                     outcome, None)  # type: ignore[arg-type]
+    return es, admission, tasks
+
+
+async def test_a_store_that_hangs_holds_a_streams_end_no_longer_than_release_wait() -> None:
+    cycle = Cycle()
+    relay = PushRelay(limit=16)
+    es, admission, tasks = _event_stream(relay)
+    run = asyncio.ensure_future(relay.run(es, TransportWire(cycle)))
+    await asyncio.sleep(0)
+    began = time.monotonic()
+    relay.piece("a", 1, STOP)
+    await asyncio.wait_for(run, 5)
+    waited = time.monotonic() - began
+    assert RELEASE_WAIT <= waited < RELEASE_WAIT + 0.5, waited
+    assert cycle.transport.ended and cycle.transport.writes[-1].endswith(b"data: [DONE]\n\n")
+    assert len(admission.finished) == 1 and not tasks[0].done()  # the settlement goes on in the background
+    admission.done.set()
+    await asyncio.gather(*tasks)
+
+
+async def test_a_client_that_leaves_during_the_release_still_has_a_finished_stream() -> None:
+    cycle = Cycle()
+    relay = PushRelay(limit=16)
+    es, admission, tasks = _event_stream(relay)
+    run = asyncio.ensure_future(relay.run(es, TransportWire(cycle)))
+    await asyncio.sleep(0)
+    relay.piece("a", 1, STOP)
+    await asyncio.sleep(0.05)  # the request task waits for the release
+    assert admission.finished and not run.done()
+    cycle.disconnected = True
+    run.cancel()  # (what the router does when the client's connection goes)
+    with pytest.raises(asyncio.CancelledError):
+        await run
+    assert es.result == "ok" and es.final is not None  # settled as finished, not as "cancelled"
+    admission.done.set()
+    await asyncio.gather(*tasks)
 
 
 async def test_a_client_that_takes_nothing_for_send_timeout_is_given_up() -> None:
