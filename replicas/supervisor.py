@@ -21,13 +21,13 @@ import os
 import shutil
 import signal
 import sys
-import tempfile
 from collections.abc import Callable
 from typing import Any
 
 from replicas.client import ReplicaClient, ReplicaDead, ReplicaRefused, connect
 from replicas.logs import REPLICA_NAME_ENV
 from replicas.pool import ReplicaPool, ReplicaSlot
+from replicas.rundirs import make_run_dir, sweep
 
 __all__ = ["Supervisor", "SupervisorSettings", "die_with_parent"]
 
@@ -362,7 +362,11 @@ class Supervisor:
     async def _spawn(self, slot: ReplicaSlot) -> tuple[asyncio.subprocess.Process, str]:
         spec = slot.spec
         if self._run_dir is None:
-            self._run_dir = tempfile.mkdtemp(prefix="fairstream-")
+            # (synchronous: once, before the first replica starts, and quick:
+            # a listing of the temp dir and the removal of what a killed
+            # router left there)
+            sweep()
+            self._run_dir = make_run_dir()
         path = os.path.join(self._run_dir, f"{spec.name}.sock")
         try:
             os.unlink(path)

@@ -29,12 +29,12 @@ import socket
 import subprocess
 import sys
 import time
-import tempfile
 from pathlib import Path
 
 import msgspec
 
 from replicas.pool import ReplicaPool, ReplicaSlot
+from replicas.rundirs import make_run_dir, sweep
 from replicas.supervisor import Supervisor, SupervisorSettings, die_with_parent
 from router.config import SHUTDOWN_MARGIN, RouterConfig
 
@@ -77,9 +77,10 @@ def serve_workers(config: RouterConfig, tenants: Path, host: str, port: int, wor
     except OSError as e:
         print(f"fairstream serve: cannot listen on {host}:{port}: {e}", file=sys.stderr)
         return 3  # (as a single router: uvicorn's startup failure)
-    metrics_dir = tempfile.mkdtemp(prefix="fairstream-metrics-")
+    sweep()  # the run and metrics dirs of routers that were killed
+    metrics_dir = make_run_dir("fairstream-metrics-")
     os.environ["PROMETHEUS_MULTIPROC_DIR"] = metrics_dir
-    run_dir = tempfile.mkdtemp(prefix="fairstream-")
+    run_dir = make_run_dir()
     try:
         import uvloop
 

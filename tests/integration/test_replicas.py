@@ -388,6 +388,34 @@ def test_replicas_exit_when_the_router_is_killed(router: RouterProcess) -> None:
     assert left == [], f"orphaned replicas after the router was SIGKILLed: {left}"
 
 
+def test_a_router_removes_the_run_dir_a_killed_router_left(tmp_path) -> None:
+    """A SIGKILLed router cannot remove its run dir (replica sockets); the
+    next router on the same temp dir does, and keeps its own."""
+    first = RouterProcess(tmp_path / "first", replicas=1)
+    second = RouterProcess(tmp_path / "second", replicas=1)
+    try:
+        first.start()
+        assert first.tmpdir is not None
+        [left] = first.tmpdir.glob("fairstream-*")
+        replicas = list(first.replica_pids().values())
+        os.kill(first.pid, signal.SIGKILL)
+        for pid in replicas:
+            os.kill(pid, signal.SIGKILL)
+        assert first.proc is not None
+        first.proc.wait(5)
+        assert first.wait_replicas_gone(5.0) == []
+        assert left.is_dir(), "the killed router's run dir is gone already"
+
+        second.tmpdir = first.tmpdir  # (the same TMPDIR)
+        second.start()
+        assert not left.exists(), "the second router left the killed router's run dir"
+        [now] = first.tmpdir.glob("fairstream-*")
+        assert (now / "sim-0.sock").exists()
+    finally:
+        second.stop()  # (first: it removes the shared TMPDIR)
+        first.stop()
+
+
 # -- shutdown -----------------------------------------------------------------------------
 
 
