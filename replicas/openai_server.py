@@ -10,7 +10,7 @@ It lets fairstream (or anything else) treat a ``sim`` replica like a
   ``vllm:kv_cache_usage_perc`` gauges and ``vllm:generation_tokens_total``;
 * ``POST /v1/completions`` (text or token-id prompt) and
   ``POST /v1/chat/completions``, streamed (SSE) or not, with ``max_tokens``,
-  ``temperature``, ``top_p``, ``top_k``, ``seed``, ``stop``,
+  ``temperature``, ``top_p``, ``top_k``, ``min_p``, ``seed``, ``stop``,
   ``stop_token_ids``, ``ignore_eos``, ``min_tokens`` and vLLM's
   ``return_token_ids`` (``prompt_token_ids`` in the first chunk, ``token_ids``
   per chunk);
@@ -71,6 +71,7 @@ class _Sampling(msgspec.Struct, kw_only=True):
     temperature: float | None = None
     top_p: float | None = None
     top_k: int | None = None
+    min_p: float | None = None
     seed: int | None = None
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None
@@ -340,6 +341,8 @@ class OpenAIServer:
                 max_tokens = max(1, eng.max_model_len - len(prompt_ids))
             if max_tokens < 1:
                 raise _BadRequest("max_tokens must be at least 1", param="max_tokens")
+            if req.min_p is not None and not 0.0 <= req.min_p <= 1.0:  # (the sim would take it as 0 or 1)
+                raise _BadRequest(f"min_p must be in [0, 1], got {req.min_p}.", param="min_p")
             stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
             params = SamplingParams.from_openai(req, max_tokens, stop)
             ids, params, proc = prepare(eng, prompt_ids, params, prime=True)

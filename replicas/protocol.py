@@ -25,6 +25,7 @@ __all__ = [
     "UNSET_TOP_P",
     "UNSET_TOP_K",
     "UNSET_REPETITION_PENALTY",
+    "UNSET_MIN_P",
     "Hello",
     "Generate",
     "Abort",
@@ -64,9 +65,9 @@ class FinishReason(enum.IntEnum):
 
 
 # SamplingParams.unset: the fields a model's generation config may default
-UNSET_TEMPERATURE, UNSET_TOP_P, UNSET_TOP_K, UNSET_REPETITION_PENALTY = 1, 2, 4, 8
+UNSET_TEMPERATURE, UNSET_TOP_P, UNSET_TOP_K, UNSET_REPETITION_PENALTY, UNSET_MIN_P = 1, 2, 4, 8, 16
 _UNSET_FIELDS = ((UNSET_TEMPERATURE, "temperature"), (UNSET_TOP_P, "top_p"), (UNSET_TOP_K, "top_k"),
-                 (UNSET_REPETITION_PENALTY, "repetition_penalty"))
+                 (UNSET_REPETITION_PENALTY, "repetition_penalty"), (UNSET_MIN_P, "min_p"))
 
 _OPENAI_FINISH = {
     FinishReason.NONE: None,
@@ -103,6 +104,9 @@ class SamplingParams(msgspec.Struct, array_like=True, omit_defaults=True, gc=Fal
     # defaults (vLLM's, from its generation_config.json) uses those, as
     # ``vllm serve`` does, and an upstream is not sent them
     unset: int = 0
+    # vLLM's min_p (0: off). After ``unset``, for the reason given at
+    # ``max_tokens_default``: an older replica ignores it (and its UNSET bit).
+    min_p: float = 0.0
 
     @classmethod
     def from_openai(cls, req, max_tokens: int, stop: list[str], max_tokens_default: bool = False) -> SamplingParams:
@@ -127,6 +131,7 @@ class SamplingParams(msgspec.Struct, array_like=True, omit_defaults=True, gc=Fal
             frequency_penalty=req.frequency_penalty or 0.0,
             repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
             min_tokens=req.min_tokens or 0,
+            min_p=0.0 if req.min_p is None else req.min_p,
         )
 
 

@@ -11,14 +11,18 @@ Good enough to demo, test and plan capacity with, on machines without a GPU:
   continues with exactly the same tokens.
 * **Sampling.** ``temperature`` 0 is greedy: the token drawn with key 0, the
   same for every request. Otherwise the draw is weighted by the chain's counts;
-  the temperature's value does not reshape them. ``top_k`` and ``top_p``
-  restrict the draw to a prefix of the candidates ranked as the model sees
-  them: the greedy token first, then the others by count (ties by token id).
-  ``top_k`` keeps the first k; ``top_p`` the fewest (within ``top_k``) whose
-  counts reach ``top_p`` of the kept mass. So ``top_k=1`` or a tiny ``top_p``
-  is greedy at any temperature, and a restriction that keeps every candidate
-  changes nothing. ``presence_penalty``, ``frequency_penalty`` and
-  ``repetition_penalty`` are ignored.
+  the temperature's value does not reshape them. ``min_p``, ``top_k`` and
+  ``top_p`` restrict the draw to a prefix of the candidates ranked as the
+  model sees them: the greedy token first, then the others by count (ties by
+  token id). ``min_p`` keeps the greedy token and the others whose count
+  exceeds ``min_p`` times the top count (strictly: the greedy token, the
+  model's most likely, ranks above any count tie, so ``min_p=1`` keeps it
+  alone, as vLLM's does); ``top_k`` keeps the first k; ``top_p`` the fewest
+  of those whose counts reach ``top_p`` of their mass: vLLM's order (min_p,
+  then top_k, then top_p over what they leave). So ``top_k=1``, ``min_p=1``
+  or a tiny ``top_p`` is greedy at any temperature, and a restriction that
+  keeps every candidate changes nothing. ``presence_penalty``,
+  ``frequency_penalty`` and ``repetition_penalty`` are ignored.
 * **Time.** One engine step costs ``step_base_ms + step_per_seq_ms * decodes +
   step_per_prefill_token_ms * prefill_tokens``; prefill is chunked under a
   token budget per step (``max_num_batched_tokens``), as in vLLM.
@@ -169,14 +173,17 @@ class _Chain:
         return toks[bisect.bisect_right(cum, r)]
 
     def next_within(
-        self, context: list[int], key: int, greedy_key: int, allow_eos: bool, top_k: int, top_p: float
+        self, context: list[int], key: int, greedy_key: int, allow_eos: bool, top_k: int, top_p: float,
+        min_p: float = 0.0,
     ) -> int:
-        """``next(context, key, allow_eos)`` restricted by ``top_k`` then ``top_p``.
+        """``next(context, key, allow_eos)`` restricted by ``min_p`` and ``top_k``,
+        then ``top_p``.
 
         Candidates rank as ``next(context, greedy_key, allow_eos)`` (the greedy
-        token) first, then by count. ``top_k <= 0`` and ``top_p >= 1`` keep all;
-        when every candidate is kept the answer is exactly ``next``'s. Beyond the
-        context lookup it only bisects the precomputed lists: no allocation.
+        token) first, then by count. ``top_k <= 0``, ``top_p >= 1`` and
+        ``min_p <= 0`` keep all; when every candidate is kept the answer is
+        exactly ``next``'s. Beyond the context lookup it only bisects the
+        precomputed lists: no allocation.
         """
         entry = self._entry(context)
         toks, cum = entry[0], entry[1]
@@ -196,6 +203,17 @@ class _Chain:
         # The kept set is the first m of [g, *ranked without g]: ranked[:m] when
         # pos < m, else g plus ranked[:m - 1]. Its mass grows with m.
         m = n if top_k <= 0 else min(top_k, n)
+        if min_p > 0.0:
+            # The candidates whose count exceeds min_p * the top count are
+            # ranked[:lo] (counts fall along it); g is kept in any case.
+            threshold, lo, hi = min_p * rcum[0], 0, n
+            while lo < hi:
+                mid = (lo + hi) // 2
+                if rcum[mid] - (rcum[mid - 1] if mid else 0) > threshold:
+                    lo = mid + 1
+                else:
+                    hi = mid
+            m = min(m, lo if pos < lo else lo + 1)
         if top_p < 1.0:
             target = top_p * (rcum[m - 1] if pos < m else cg + (rcum[m - 2] if m > 1 else 0))
             if cg >= target:
@@ -237,7 +255,7 @@ class _Seq:
         self.generated = 0
         self.blocks = 0
         self.key = key
-        self.restricted = restricted  # sampled with top_k > 1 or top_p < 1
+        self.restricted = restricted  # sampled with top_k > 1, top_p < 1 or min_p > 0
 
 
 class SimEngine(Engine):
@@ -272,15 +290,15 @@ class SimEngine(Engine):
             )
         if self._blocks_for(len(token_ids) + 1) > self._total_blocks:
             raise EngineError("prompt does not fit in the KV cache")
-        # Greedy is key 0. As in vLLM, temperature 0 ignores top_k/top_p, and
-        # top_k=1 is greedy at any temperature.
+        # Greedy is key 0. As in vLLM, temperature 0 ignores top_k/top_p/min_p,
+        # and top_k=1 or min_p=1 is greedy at any temperature.
         restricted = False
-        if params.temperature <= 0 or params.top_k == 1:
+        if params.temperature <= 0 or params.top_k == 1 or params.min_p >= 1.0:
             key = 0
         else:
             # (seed -1 would be key 0, the greedy draw)
             key = (params.seed + 1 or 1 << 63) if params.seed is not None else random.getrandbits(62) + 1
-            restricted = params.top_k > 1 or params.top_p < 1.0
+            restricted = params.top_k > 1 or params.top_p < 1.0 or params.min_p > 0.0
         seq = _Seq(rid, list(token_ids), params, key, restricted)
         self._by_rid[rid] = seq
         self._waiting.append(seq)
@@ -415,7 +433,7 @@ class SimEngine(Engine):
                     n, tail = len(toks), toks[-ORDER:]
                     tok = chain.next_within(
                         toks, hash((seed, seq.key, n, *tail)), hash((seed, 0, n, *tail)),
-                        allow_eos, params.top_k, params.top_p,
+                        allow_eos, params.top_k, params.top_p, params.min_p,
                     )
                 else:
                     tok = chain.next(toks, hash((seed, seq.key, len(toks), *toks[-ORDER:])), allow_eos)

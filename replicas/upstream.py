@@ -38,6 +38,7 @@ from replicas.client import Collector, ReplicaDead, ReplicaRefused
 from replicas.http11 import HttpError, HttpPool, Response, Sent, sse_data
 from replicas.protocol import (
     PROTOCOL_VERSION,
+    UNSET_MIN_P,
     UNSET_REPETITION_PENALTY,
     UNSET_TEMPERATURE,
     UNSET_TOP_K,
@@ -364,8 +365,8 @@ class UpstreamClient:
         }
         # What the client set, and only that: an upstream vLLM fills the rest
         # from the model's generation config, as it would for the client.
-        # (top_k and repetition_penalty, vLLM's own, only when they ask for
-        # something or were set, for upstreams that do not know them.)
+        # (top_k, min_p and repetition_penalty, vLLM's own, only when they ask
+        # for something or were set, for upstreams that do not know them.)
         unset = params.unset
         if not unset & UNSET_TEMPERATURE:
             body["temperature"] = params.temperature
@@ -373,6 +374,8 @@ class UpstreamClient:
             body["top_p"] = params.top_p
         if params.top_k > 0 or not unset & UNSET_TOP_K:
             body["top_k"] = params.top_k
+        if params.min_p > 0 or not unset & UNSET_MIN_P:
+            body["min_p"] = params.min_p
         if params.seed is not None:
             body["seed"] = params.seed
         if params.stop:

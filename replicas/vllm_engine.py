@@ -33,6 +33,7 @@ import msgspec
 
 from replicas.engine import Engine, EngineDead, EngineError, OutputSink, Tokenizer
 from replicas.protocol import (
+    UNSET_MIN_P,
     UNSET_REPETITION_PENALTY,
     UNSET_TEMPERATURE,
     UNSET_TOP_K,
@@ -60,7 +61,7 @@ _FINISH = {
 
 
 _DEFAULTED = (("temperature", UNSET_TEMPERATURE), ("top_p", UNSET_TOP_P), ("top_k", UNSET_TOP_K),
-              ("repetition_penalty", UNSET_REPETITION_PENALTY))
+              ("repetition_penalty", UNSET_REPETITION_PENALTY), ("min_p", UNSET_MIN_P))
 
 
 def model_sampling_defaults(model_config: Any) -> dict[str, float]:
@@ -75,13 +76,13 @@ def model_sampling_defaults(model_config: Any) -> dict[str, float]:
     return {name: values[name] for name, _ in _DEFAULTED if values.get(name) is not None}
 
 
-def with_model_defaults(p: SamplingParams, defaults: dict[str, float]) -> tuple[float, float, int, float]:
-    """(temperature, top_p, top_k, repetition_penalty) of ``p``, the model's
-    default for each the client left unset."""
+def with_model_defaults(p: SamplingParams, defaults: dict[str, float]) -> tuple[float, float, int, float, float]:
+    """(temperature, top_p, top_k, repetition_penalty, min_p) of ``p``, the
+    model's default for each the client left unset."""
     if not (p.unset and defaults):
-        return p.temperature, p.top_p, p.top_k, p.repetition_penalty
+        return p.temperature, p.top_p, p.top_k, p.repetition_penalty, p.min_p
     values = [defaults[name] if p.unset & bit and name in defaults else getattr(p, name) for name, bit in _DEFAULTED]
-    return float(values[0]), float(values[1]), int(values[2]), float(values[3])
+    return float(values[0]), float(values[1]), int(values[2]), float(values[3]), float(values[4])
 
 
 class VllmEngineConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
@@ -270,7 +271,7 @@ class VllmEngine(Engine):
 
     def _sampling_params(self, p: SamplingParams) -> Any:
         VllmSamplingParams, _, RequestOutputKind, _ = self._vllm
-        temperature, top_p, top_k, repetition_penalty = with_model_defaults(p, self._defaults)
+        temperature, top_p, top_k, repetition_penalty, min_p = with_model_defaults(p, self._defaults)
         try:
             return VllmSamplingParams(
                 n=1,
@@ -278,6 +279,7 @@ class VllmEngine(Engine):
                 temperature=temperature,
                 top_p=top_p,
                 top_k=top_k if top_k > 0 else 0,
+                min_p=min_p,
                 seed=p.seed,
                 stop_token_ids=list(p.stop_token_ids) or None,
                 ignore_eos=p.ignore_eos,

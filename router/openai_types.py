@@ -57,6 +57,7 @@ class _Common(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     user: str | None = None
     # vLLM extensions the router passes on
     top_k: Int | None = None
+    min_p: float | None = None
     min_tokens: Int | None = None
     ignore_eos: bool | None = None
     repetition_penalty: float | None = None
@@ -213,6 +214,8 @@ def to_params(req: ChatRequest | CompletionRequest, default_max_tokens: int) -> 
     # vLLM's own checks of its extensions (SamplingParams._verify_args)
     if req.top_k is not None and req.top_k < -1:
         raise BadRequest(f"'top_k' must be -1 or 0 (no limit) or at least 1; got {req.top_k}.", param="top_k")
+    if req.min_p is not None and not 0.0 <= req.min_p <= 1.0:
+        raise BadRequest(f"'min_p' must be in [0, 1]; got {req.min_p}.", param="min_p")
     if req.repetition_penalty is not None and not 0.0 < req.repetition_penalty <= 1e6:
         raise BadRequest(f"'repetition_penalty' must be greater than 0; got {req.repetition_penalty}.",
                          param="repetition_penalty")

@@ -184,6 +184,23 @@ def test_seeded_sampling_is_reproducible(client: openai.OpenAI) -> None:
     assert a == run(7)
 
 
+def test_vllms_min_p_from_the_sdks_extra_body(client: openai.OpenAI) -> None:
+    # (it was a 400, an unknown field, for every client that sends it)
+    def run(temperature: float, **extra: object) -> str:
+        return client.completions.create(model=MODEL, prompt="The ", max_tokens=48, temperature=temperature, seed=7,
+                                         extra_body={**IGNORE_EOS, **extra}).choices[0].text
+
+    greedy = run(0)
+    assert run(1.0, min_p=1.0) == greedy, "min_p 1 keeps only the most likely token"
+    assert run(1.0, min_p=0) == run(1.0) != greedy, "min_p 0 is off"
+    pieces, finish, _ = stream_chat(client, "Tell me", max_tokens=16, temperature=1.0,
+                                    extra_body={**IGNORE_EOS, "min_p": 0.05})
+    assert "".join(pieces) and finish == "length"
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model=MODEL, messages=_chat("Hi"), max_tokens=4, extra_body={"min_p": 1.5})
+    assert e.value.param == "min_p" and "must be in [0, 1]" in e.value.message
+
+
 @pytest.mark.parametrize("prompt", ["東京の", "Le caf", "Über"])
 def test_multibyte_text_is_never_garbled_mid_stream(client: openai.OpenAI, prompt: str) -> None:
     kw = dict(max_tokens=60, temperature=0, extra_body=IGNORE_EOS)

@@ -181,7 +181,23 @@ def test_streams_through_upstream_with_token_ids(only_upstream):
         out = client.completions.create(model=MODEL, prompt=PROMPT, stop=["quietly"], **greedy(200))
         assert out.choices[0].text == ref and out.choices[0].finish_reason == "stop"
 
+        # So does vLLM's min_p: 1 keeps only the most likely token, greedy at any temperature.
+        sampled = {**greedy(48), "temperature": 1.0, "seed": 5}
+        out = client.completions.create(model=MODEL, prompt=PROMPT, **sampled)
+        assert out.choices[0].text != asyncio.run(reference(prompt_ids("completion"), 48))
+        sampled["extra_body"] = {**sampled["extra_body"], "min_p": 1.0}
+        out = client.completions.create(model=MODEL, prompt=PROMPT, **sampled)
+        assert out.choices[0].text == asyncio.run(reference(prompt_ids("completion"), 48))
+
     assert router.metrics().value("fairstream_replica_up", replica=UPSTREAM) == 1
+
+
+def test_the_sim_openai_server_refuses_min_p_out_of_range_as_vllm_serve(only_upstream):
+    # (as vllm serve does; the sim engine alone would take 1.5 as 1)
+    _, server = only_upstream
+    r = httpx.post(server.url + "/completions", headers={"Authorization": "Bearer upstream-secret"},
+                   json={"model": MODEL, "prompt": PROMPT, "max_tokens": 4, "min_p": 1.5})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "min_p", r.text
 
 
 def only_this_upstream(tmp_path: Path, cleanup, sim: dict[str, Any]) -> tuple[SimOpenAI, RouterProcess]:

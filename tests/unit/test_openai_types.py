@@ -95,7 +95,8 @@ def test_text_parts_are_joined_as_vllm_joins_them():
 
 
 @pytest.mark.parametrize("kw, name", [
-    ({"top_k": -5}, "top_k"), ({"repetition_penalty": 0}, "repetition_penalty"),
+    ({"top_k": -5}, "top_k"), ({"min_p": -0.1}, "min_p"), ({"min_p": 1.5}, "min_p"),
+    ({"repetition_penalty": 0}, "repetition_penalty"),
     ({"repetition_penalty": -1.0}, "repetition_penalty"), ({"min_tokens": -1}, "min_tokens"),
     ({"min_tokens": 9, "max_tokens": 8}, "min_tokens"),
     ({"max_completion_tokens": 0}, "max_completion_tokens"), ({"max_tokens": 0}, "max_tokens"),
@@ -108,9 +109,26 @@ def test_out_of_range_values_are_a_400_naming_the_field_the_client_set(kw, name)
 
 
 @pytest.mark.parametrize("kw", [{"top_k": -1}, {"top_k": 0}, {"top_k": 5}, {"repetition_penalty": 1.2},
-                                {"min_tokens": 8, "max_tokens": 8}], ids=json.dumps)
+                                {"min_tokens": 8, "max_tokens": 8}, {"min_p": 0}, {"min_p": 0.05}, {"min_p": 1}],
+                         ids=json.dumps)
 def test_in_range_vllm_extensions_pass(kw):
     assert to_params(chat(**kw), 16).max_tokens in (8, 16)
+
+
+def test_min_p_reaches_the_replica_and_its_range_is_vllms():
+    # (vLLM's extension, sent as the openai SDK's extra_body; it was a 400 as
+    # an unknown field)
+    assert to_params(chat(min_p=0.05), 16).min_p == 0.05
+    assert to_params(completion(min_p=0.05), 16).min_p == 0.05
+    assert to_params(chat(), 16).min_p == 0.0
+    with pytest.raises(BadRequest) as info:
+        to_params(chat(min_p=1.5), 16)
+    assert (str(info.value), info.value.param) == ("'min_p' must be in [0, 1]; got 1.5.", "min_p")
+    for raw in (b"1e999", b'"0.1"', b"true"):  # (not a finite number: JSON has no NaN)
+        with pytest.raises(BadRequest) as info:
+            decode_request(b'{"model": "m", "messages": [{"role": "user", "content": "hi"}], "min_p": ' + raw + b"}",
+                           ChatRequest)
+        assert info.value.param == "min_p", raw
 
 
 def test_an_unset_max_tokens_is_never_below_min_tokens():

@@ -43,6 +43,7 @@ params = st.builds(
     temperature=st.floats(0, 2),
     top_p=st.floats(0, 1),
     top_k=st.integers(-1, 1000),
+    min_p=st.floats(0, 1),
     seed=st.none() | u64,
     stop=st.lists(text, max_size=4),
     stop_token_ids=token_ids,
