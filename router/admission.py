@@ -229,7 +229,7 @@ class Admission:
         line.append(me)
         if self._ends.get(name, 0) != ends:
             me.wake()  # a stream ended while the store answered: try again at once
-        self.metrics.admission_waiting.labels(name).inc()
+        self.metrics.gauge_up(self.metrics.admission_waiting, name)
         admitted = False
         try:
             while True:
@@ -266,7 +266,7 @@ class Admission:
         finally:
             head = line[0] is me
             line.remove(me)
-            self.metrics.admission_waiting.labels(name).dec()
+            self.metrics.gauge_down(self.metrics.admission_waiting, name)
             if not line:
                 if self._lines.get(name) is line:
                     del self._lines[name]
@@ -300,7 +300,7 @@ class Admission:
     def _ticket(self, policy: TenantPolicy, req: AdmitRequest, cost_tokens: int, decision: Decision,
                 waited_since: float | None = None) -> Ticket:
         if waited_since is not None:
-            self.metrics.admission_wait.labels(policy.name, policy.priority).observe(
+            self.metrics.child(self.metrics.admission_wait, policy.name, policy.priority).observe(
                 asyncio.get_running_loop().time() - waited_since)
         ticket = Ticket(policy, req.lease_id, cost_tokens, decision)
         self._leases[req.lease_id] = ticket

@@ -9,6 +9,12 @@ starts: every process writes its values to files there and any worker's
 ``/metrics`` aggregates all of them (counters and histograms summed; each
 gauge with the mode named at its definition, e.g. ``livesum`` for in-flight
 counts, ``livemax`` for replica reports).
+
+A tenant a reload removes is retired (``retire``): its series leave
+/metrics at once, those of gauges still counting its requests once they are
+back to 0, and nothing counted for it later is exported (see ``retire``).
+prometheus-client cannot remove series in multiprocess mode: there they stay
+until the router restarts.
 """
 
 from __future__ import annotations
@@ -19,6 +25,7 @@ from collections.abc import Iterable
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.metrics import MetricWrapperBase
 
 __all__ = ["Metrics", "HistogramBatch"]
 
@@ -40,26 +47,34 @@ class Metrics:
         self.multiprocess = bool(os.environ.get("PROMETHEUS_MULTIPROC_DIR"))
         # In multiprocess mode values live in files; /metrics collects them all.
         r = self.registry = None if self.multiprocess else CollectorRegistry()
-        self.requests = Counter(
-            "fairstream_requests", "Requests by tenant, endpoint and outcome.",
-            ["tenant", "endpoint", "outcome"], registry=r,
+        # the families labelled by tenant (first label) -> their label names
+        self.by_tenant: dict[MetricWrapperBase, tuple[str, ...]] = {}
+        # each one's twin that no registry holds: where a retired tenant's counts go
+        self._unexported: dict[MetricWrapperBase, MetricWrapperBase] = {}
+        self._retired: set[str] = set()  # tenants removed by a reload, not added again
+        # (gauge, label values) of retired tenants still counting requests: removed at 0
+        self._draining: set[tuple[MetricWrapperBase, tuple[str, ...]]] = set()
+        tenant = self._per_tenant
+        self.requests = tenant(
+            Counter, "fairstream_requests", "Requests by tenant, endpoint and outcome.",
+            ["tenant", "endpoint", "outcome"],
         )
-        self.ttft = Histogram(
-            "fairstream_time_to_first_token_seconds", "Time from request arrival to its first token.",
-            ["tenant", "priority"], buckets=_LATENCY_BUCKETS, registry=r,
+        self.ttft = tenant(
+            Histogram, "fairstream_time_to_first_token_seconds", "Time from request arrival to its first token.",
+            ["tenant", "priority"], buckets=_LATENCY_BUCKETS,
         )
-        self.itl = Histogram(
-            "fairstream_inter_token_latency_seconds",
+        self.itl = tenant(
+            Histogram, "fairstream_inter_token_latency_seconds",
             "Time between tokens delivered to the client (an event's gap spread over its tokens).",
-            ["tenant", "priority"], buckets=_ITL_BUCKETS, registry=r,
+            ["tenant", "priority"], buckets=_ITL_BUCKETS,
         )
-        self.e2e = Histogram(
-            "fairstream_request_duration_seconds", "Time from request arrival to its last byte.",
-            ["tenant", "priority"], buckets=_LATENCY_BUCKETS, registry=r,
+        self.e2e = tenant(
+            Histogram, "fairstream_request_duration_seconds", "Time from request arrival to its last byte.",
+            ["tenant", "priority"], buckets=_LATENCY_BUCKETS,
         )
-        self.tokens = Counter(
-            "fairstream_tokens", "Tokens by tenant and direction (prompt, completion).",
-            ["tenant", "direction"], registry=r,
+        self.tokens = tenant(
+            Counter, "fairstream_tokens", "Tokens by tenant and direction (prompt, completion).",
+            ["tenant", "direction"],
         )
         self.replica_up = Gauge("fairstream_replica_up", "1 when the replica is connected and ready.", ["replica"], registry=r, multiprocess_mode="livemax")
         self.replica_restarts = Counter("fairstream_replica_restarts", "Replica restarts by the supervisor.", ["replica"], registry=r)
@@ -75,35 +90,36 @@ class Metrics:
             "fairstream_failover_latency_seconds", "From a replica's death to the stream's next token.",
             buckets=_LATENCY_BUCKETS, registry=r,
         )
-        self.rate_limited = Counter(
-            "fairstream_rate_limited", "Requests refused by a tenant limit or a full queue.",
-            ["tenant", "limit"], registry=r,
+        self.rate_limited = tenant(
+            Counter, "fairstream_rate_limited", "Requests refused by a tenant limit or a full queue.",
+            ["tenant", "limit"],
         )
-        self.timeouts = Counter(
-            "fairstream_timeouts", "Requests ended by a tenant time limit.", ["tenant", "timeout"], registry=r,
+        self.timeouts = tenant(
+            Counter, "fairstream_timeouts", "Requests ended by a tenant time limit.", ["tenant", "timeout"],
         )
         self.tenants_files_differ = Gauge(
             "fairstream_tenants_files_differ",
             "Live routers sharing the state store whose tenants.yaml differs from this router's (0: all the same).",
             registry=r, multiprocess_mode="livemax",
         )
-        self.queued = Gauge(
-            "fairstream_queue_depth", "Admitted requests waiting in the scheduler's queue for a replica.", ["tenant", "priority"], registry=r, multiprocess_mode="livesum",
+        self.queued = tenant(
+            Gauge, "fairstream_queue_depth", "Admitted requests waiting in the scheduler's queue for a replica.",
+            ["tenant", "priority"], multiprocess_mode="livesum",
         )
-        self.queue_wait = Histogram(
-            "fairstream_queue_wait_seconds", "Time a request waited in its tenant's queue for a replica.",
-            ["tenant", "priority"], buckets=_LATENCY_BUCKETS, registry=r,
+        self.queue_wait = tenant(
+            Histogram, "fairstream_queue_wait_seconds", "Time a request waited in its tenant's queue for a replica.",
+            ["tenant", "priority"], buckets=_LATENCY_BUCKETS,
         )
         self.replica_cap = Gauge(
             "fairstream_replica_inflight_cap", "Adaptive in-flight cap of the replica.", ["replica"], registry=r, multiprocess_mode="livesum"
         )
-        self.admission_waiting = Gauge(
-            "fairstream_admission_waiting", "Requests waiting for a tenant limit (on_limit: queue).",
-            ["tenant"], registry=r, multiprocess_mode="livesum",
+        self.admission_waiting = tenant(
+            Gauge, "fairstream_admission_waiting", "Requests waiting for a tenant limit (on_limit: queue).",
+            ["tenant"], multiprocess_mode="livesum",
         )
-        self.admission_wait = Histogram(
-            "fairstream_admission_wait_seconds", "Time a request waited for a tenant limit before admission.",
-            ["tenant", "priority"], buckets=_LATENCY_BUCKETS, registry=r,
+        self.admission_wait = tenant(
+            Histogram, "fairstream_admission_wait_seconds", "Time a request waited for a tenant limit before admission.",
+            ["tenant", "priority"], buckets=_LATENCY_BUCKETS,
         )
         self.loop_lag = Gauge(
             "fairstream_event_loop_lag_seconds", "How late the router's event loop ran a 100 ms timer.",
@@ -121,8 +137,8 @@ class Metrics:
         self.store_errors = Counter(
             "fairstream_state_store_errors", "State store operations that failed.", ["op"], registry=r
         )
-        self.resumes = Counter(
-            "fairstream_stream_resumes", "Streams resumed by clients with Last-Event-ID.", ["tenant"], registry=r
+        self.resumes = tenant(
+            Counter, "fairstream_stream_resumes", "Streams resumed by clients with Last-Event-ID.", ["tenant"],
         )
         self.connections = Gauge(
             "fairstream_http_connections", "Client connections open (HTTP and WebSocket).",
@@ -138,39 +154,104 @@ class Metrics:
         self.streams_lost = Counter("fairstream_streams_lost", "Streams that had produced output and ended with an error because no replica could continue them.", registry=r)
         self._children: dict[tuple[object, tuple[str, ...]], Any] = {}
 
+    def _per_tenant(self, cls: type[MetricWrapperBase], name: str, documentation: str, labels: list[str],
+                    **kwargs: Any) -> Any:
+        """A family labelled by tenant first, that ``retire`` knows."""
+        assert labels[0] == "tenant", labels
+        family = cls(name, documentation, labels, registry=self.registry, **kwargs)
+        self.by_tenant[family] = tuple(labels)
+        if not self.multiprocess:  # (there a family with no registry still writes its files, which are read)
+            self._unexported[family] = cls(name, documentation, labels, registry=None, **kwargs)
+        return family
+
     def declare(self, replicas: Iterable[str], tenants: Iterable[str]) -> None:
         """Export the event counters of these replicas and tenants at 0, so
         that ``rate()`` and ``increase()`` count their first event (a series
-        that appears at 1 counts from there)."""
+        that appears at 1 counts from there). A retired tenant named here is
+        counted and exported again."""
         for name in replicas:
             self.replica_restarts.labels(name)
             self.failovers.labels(name)
         for name in tenants:
+            if name in self._retired:
+                self._retired.discard(name)
+                self._draining = {k for k in self._draining if k[1][0] != name}  # (now plain gauges again)
             for limit in RATE_LIMITS:
-                self.rate_limited.labels(name, limit)
+                self.child(self.rate_limited, name, limit)
             for which in TIMEOUTS:
-                self.timeouts.labels(name, which)
+                self.child(self.timeouts, name, which)
+
+    def retire(self, tenant: str) -> None:
+        """A reload removed ``tenant``: its series leave /metrics now, except
+        a gauge's while it still counts requests of the tenant (its waiting
+        requests are refused just after the reload, asynchronously); that
+        one goes when ``gauge_down`` brings it back to 0. From now on what is
+        counted for the tenant (those refusals, the ends of its streams still
+        running) goes to children no registry exports, so no series comes
+        back, until ``declare`` names the tenant again. (A stream that kept a
+        child from before keeps counting into it, exported nowhere.)
+
+        In multiprocess mode nothing happens: prometheus-client cannot
+        remove a series whose values are in files, and the series stay until
+        the router restarts."""
+        if self.multiprocess:
+            return
+        self._retired.add(tenant)
+        for family, names in self.by_tenant.items():
+            gauge = isinstance(family, Gauge)
+            for values, value in _series(family, names, tenant).items():
+                if gauge and value:
+                    self._draining.add((family, values))
+                    # (``gauge_down`` must reach the exported child, even one made without ``child``)
+                    self._children[(family, values)] = family.labels(*values)
+                else:
+                    family.remove(*values)
+        for key in [k for k in self._children if k[0] in self.by_tenant and k[1][0] == tenant
+                    and k not in self._draining]:
+            del self._children[key]
+
+    def gauge_up(self, gauge: Gauge, *values: str) -> None:
+        """One more request counted in a tenant's gauge (``queued``,
+        ``admission_waiting``)."""
+        self.child(gauge, *values).inc()
+
+    def gauge_down(self, gauge: Gauge, *values: str) -> None:
+        """One request less in a tenant's gauge; the last one of a retired
+        tenant takes the series out."""
+        c = self.child(gauge, *values)
+        c.dec()
+        key = (gauge, values)
+        if self._draining and key in self._draining and not c.collect()[0].samples[0].value:
+            self._draining.discard(key)
+            del self._children[key]
+            gauge.remove(*values)
 
     def limited(self, tenant: str, limit: str) -> None:
         """Count a request refused by ``limit``, one of ``RATE_LIMITS`` (the
         values ``declare`` exports at 0)."""
         assert limit in RATE_LIMITS, limit
-        self.rate_limited.labels(tenant, limit).inc()
+        self.child(self.rate_limited, tenant, limit).inc()
 
     def timed_out(self, tenant: str, which: str) -> None:
         """Count a request ended by the time limit ``which``, one of ``TIMEOUTS``."""
         assert which in TIMEOUTS, which
-        self.timeouts.labels(tenant, which).inc()
+        self.child(self.timeouts, tenant, which).inc()
 
     def child(self, metric: Any, *values: str) -> Any:
         """``metric.labels(*values)``, remembered: ``labels`` validates the
         values and takes the family's lock on every call (~1.2 us), and the
         request path asks for the same few children once per request.
-        Children are never removed, so a remembered one stays the one the
-        family exports."""
+        ``retire`` forgets a tenant's children as it removes them from their
+        families, so a remembered one is always the one the family exports.
+        A retired tenant's is a child exported nowhere, not remembered."""
         key = (metric, values)
         c = self._children.get(key)
         if c is None:
+            if self._retired and values and values[0] in self._retired and metric in self.by_tenant:
+                twin = self._unexported[metric]
+                c = twin.labels(*values)
+                twin.remove(*values)  # (the twin keeps nothing: counts of a removed tenant are dropped)
+                return c
             c = self._children[key] = metric.labels(*values)
         return c
 
@@ -193,6 +274,17 @@ class Metrics:
             multiprocess.MultiProcessCollector(registry)
             return generate_latest(registry)
         return generate_latest(self.registry)
+
+
+def _series(family: MetricWrapperBase, names: tuple[str, ...], tenant: str) -> dict[tuple[str, ...], float]:
+    """The label values of ``family``'s children of ``tenant``, with the
+    value of each one's first sample (a gauge's value)."""
+    found: dict[tuple[str, ...], float] = {}
+    for metric in family.collect():
+        for sample in metric.samples:
+            if sample.labels.get("tenant") == tenant:
+                found.setdefault(tuple(sample.labels[n] for n in names), sample.value)
+    return found
 
 
 class HistogramBatch:

@@ -183,7 +183,7 @@ async def _resume(svc: RouterService, policy: TenantPolicy, sid: str, meta: Resu
     with no tokens of its own. Counted in ``fairstream_stream_resumes_total``
     here, where its line is sure to follow (a client that left before its
     response started is neither)."""
-    svc.metrics.resumes.labels(policy.name).inc()
+    svc.metrics.child(svc.metrics.resumes, policy.name).inc()
     outcome = Outcome(svc, policy, "replay", time.monotonic(), sid)
     readers = svc.resume.readers.setdefault(sid, [])
     if len(readers) >= MAX_READERS:

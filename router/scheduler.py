@@ -141,7 +141,7 @@ class Scheduler:
             self._head_changed(policy.name, q)
         self._by_model[model] = self._by_model.get(model, 0) + 1
         self._queued += 1
-        self.metrics.child(self.metrics.queued, policy.name, policy.priority).inc()
+        self.metrics.gauge_up(self.metrics.queued, policy.name, policy.priority)
         self._dispatch()
         wait = policy.limits.queue_wait
         if wait:
@@ -241,7 +241,7 @@ class Scheduler:
                     self._head_changed(w.policy.name, q)
                 self._by_model[w.model] -= 1
                 self._queued -= 1
-                self.metrics.child(self.metrics.queued, w.policy.name, w.policy.priority).dec()
+                self.metrics.gauge_down(self.metrics.queued, w.policy.name, w.policy.priority)
 
     def _on_release(self, slot: ReplicaSlot) -> None:
         self._wake_queue()
@@ -298,7 +298,7 @@ class Scheduler:
             self._head_changed(tenant, q)
             self._by_model[w.model] -= 1
             self._queued -= 1
-            self.metrics.child(self.metrics.queued, w.policy.name, w.policy.priority).dec()
+            self.metrics.gauge_down(self.metrics.queued, w.policy.name, w.policy.priority)
             self._dispatched(w.policy, now - w.enqueued)
             w.future.set_result(handle)
 

@@ -95,7 +95,7 @@ class RouterService:
         """Requests still waiting (for their limits or a replica) of tenants
         the reload removed get 401, as a new request of theirs does; their
         running streams go on (as do those of a key removed from a tenant
-        that stays)."""
+        that stays). Their metric series go (``Metrics.retire``)."""
         names = set(self.policy.current.tenants)
         self.admission.restore(names)
         self.scheduler.restore(names)
@@ -106,6 +106,7 @@ class RouterService:
             n = self.admission.fail_tenant(name, error) + self.scheduler.fail_tenant(name, error)
             if n:
                 log.warning("tenant %s removed by the reload: %d waiting requests refused (401)", name, n)
+            self.metrics.retire(name)
         self._tenants = names
 
     def _warn_unserved_models(self) -> None:

@@ -243,6 +243,35 @@ async def test_a_reload_that_removes_a_tenant_refuses_its_waiting_requests(tmp_p
         assert "tenant a removed by the reload: 1 waiting requests refused (401)" in router.log()
 
 
+async def test_a_reload_that_removes_a_tenant_takes_its_series_out_of_metrics(tmp_path):
+    # (they stayed exported until the router restarted: about 100 series per
+    # tenant name ever removed or renamed, /metrics growing without bound)
+    t = tmp_path / "tenants.yaml"
+    async with _one_running_one_waiting(tmp_path, t) as (router, client, first, waiting):
+        r = await client.post("/v1/completions", headers=auth(KEY_B), json=body(2))
+        assert r.status_code == 200, r.text
+        m = await router.ametrics(client)
+        assert m.value("fairstream_admission_waiting", tenant="a") == 1
+        b_before = _series(m, "b")
+        assert _series(m, "a") and b_before
+        doc = yaml.safe_load(t.read_text())
+        del doc["tenants"]["a"]
+        t.write_text(yaml.safe_dump(doc, sort_keys=False))
+        assert (await asyncio.wait_for(waiting, 10)).status_code == 401  # (it waited in a's line: the gauge was 1)
+        assert _series(await router.ametrics(client), "a") == set()
+        # the stream running across the reload ends: its counts bring back no series
+        assert (await first).status_code == 200
+        m = await router.ametrics(client)
+        assert _series(m, "a") == set()
+        assert _series(m, "b") == b_before
+        assert m.value("fairstream_requests_total", tenant="b", outcome="ok") == 1
+
+
+def _series(m, tenant: str) -> set[tuple[str, tuple[tuple[str, str], ...]]]:
+    """The series of ``tenant`` in a scrape (name and labels)."""
+    return {(name, tuple(sorted(labels.items()))) for name, labels, _ in m.samples if labels.get("tenant") == tenant}
+
+
 @contextlib.asynccontextmanager
 async def _one_running_one_waiting(tmp_path, tenants):
     """A router whose tenant ``a`` (its file written at ``tenants``) runs one

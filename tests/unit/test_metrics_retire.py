@@ -1,0 +1,163 @@
+"""A tenant removed by a reload leaves /metrics (Metrics.retire): its series
+go, its in-flight gauges once back to 0, nothing counted for it later comes
+back, and a tenant added again is exported as a new one."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+from prometheus_client import Gauge, generate_latest
+from prometheus_client.metrics import MetricWrapperBase
+
+from router.metrics import HistogramBatch, Metrics
+
+
+@pytest.fixture
+def m(monkeypatch) -> Metrics:
+    monkeypatch.delenv("PROMETHEUS_MULTIPROC_DIR", raising=False)  # an own registry to read back
+    return Metrics()
+
+
+def _lines(m: Metrics, tenant: str) -> list[str]:
+    return [line for line in generate_latest(m.registry).decode().splitlines() if f'tenant="{tenant}"' in line]
+
+
+def _values(family: MetricWrapperBase, tenant: str) -> tuple[str, ...]:
+    """Label values of one child of ``family`` for ``tenant``."""
+    return (tenant, *(f"v{i}" for i in range(len(family._labelnames) - 1)))  # (test-only: the label count)
+
+
+def _traffic(m: Metrics, tenant: str) -> None:
+    """One of everything counted per tenant, with the in-flight gauges back at 0."""
+    m.declare([], [tenant])
+    for family in m.by_tenant:
+        values = _values(family, tenant)
+        if isinstance(family, Gauge):
+            m.gauge_up(family, *values)
+            m.gauge_down(family, *values)
+        elif hasattr(family, "observe"):
+            m.child(family, *values).observe(0.2)
+        else:
+            m.child(family, *values).inc()
+    m.limited(tenant, "queue")
+    m.timed_out(tenant, "total")
+
+
+def test_every_family_labelled_by_tenant_is_known_to_retire(m):
+    # (a family labelled by tenant that ``retire`` did not know would keep a
+    # removed tenant's series: the leak this guards against)
+    families = [v for v in vars(m).values() if isinstance(v, MetricWrapperBase)]
+    labelled = {f for f in families if "tenant" in f._labelnames}
+    assert labelled == set(m.by_tenant)
+    assert all(f._labelnames[0] == "tenant" for f in labelled)
+
+
+def test_a_retired_tenant_leaves_metrics_and_the_others_stay(m):
+    _traffic(m, "gone")
+    _traffic(m, "stays")
+    before = _lines(m, "stays")
+    assert len(_lines(m, "gone")) == len(before) > 100  # (every family has a child of each)
+    m.retire("gone")
+    assert _lines(m, "gone") == []
+    assert _lines(m, "stays") == before
+    # no remembered child of the tenant is left behind
+    assert not [k for k in m._children if k[0] in m.by_tenant and k[1][0] == "gone"]
+    assert [k for k in m._children if k[0] in m.by_tenant and k[1][0] == "stays"]
+
+
+def test_what_is_counted_for_a_retired_tenant_later_is_exported_nowhere(m):
+    # (its waiting requests are refused with 401 just after the reload, and
+    # its running streams end later: neither brings a series back)
+    _traffic(m, "gone")
+    kept = m.child(m.itl, "gone", "normal")  # a stream running across the reload holds its children
+    m.retire("gone")
+    m.child(m.requests, "gone", "completions", "unauthorized").inc()
+    m.child(m.tokens, "gone", "completion").inc(7)
+    m.child(m.e2e, "gone", "normal").observe(1.5)
+    m.limited("gone", "queue")
+    m.timed_out("gone", "total")
+    kept.observe(0.01)
+    batch = HistogramBatch(m.child(m.itl, "gone", "normal"))  # (a new stream's token lane works on it too)
+    batch.add(0.02)
+    batch.flush()
+    assert _lines(m, "gone") == []
+    # and nothing piles up behind the scenes
+    assert all(not list(f.collect()[0].samples) for f in m._unexported.values())
+    assert not [k for k in m._children if k[0] in m.by_tenant and k[1][0] == "gone"]
+
+
+def test_a_gauge_still_counting_requests_stays_until_it_is_back_to_0(m):
+    m.declare([], ["gone"])
+    m.gauge_up(m.admission_waiting, "gone")
+    m.gauge_up(m.admission_waiting, "gone")
+    m.gauge_up(m.queued, "gone", "normal")
+    m.gauge_up(m.queued, "gone", "low")
+    m.gauge_down(m.queued, "gone", "low")  # (at 0: goes with the rest)
+    m.retire("gone")
+    assert sorted(_lines(m, "gone")) == [
+        'fairstream_admission_waiting{tenant="gone"} 2.0',
+        'fairstream_queue_depth{priority="normal",tenant="gone"} 1.0',
+    ]
+    # a request that started before the reload enters late: still counted there
+    m.gauge_up(m.admission_waiting, "gone")
+    m.gauge_down(m.queued, "gone", "normal")
+    assert _lines(m, "gone") == ['fairstream_admission_waiting{tenant="gone"} 3.0']
+    m.gauge_down(m.admission_waiting, "gone")
+    m.gauge_down(m.admission_waiting, "gone")
+    assert _lines(m, "gone") == ['fairstream_admission_waiting{tenant="gone"} 1.0']
+    m.gauge_down(m.admission_waiting, "gone")
+    assert _lines(m, "gone") == []
+    # once gone, a late request's up and down show nowhere (and never below 0)
+    m.gauge_up(m.queued, "gone", "normal")
+    m.gauge_down(m.queued, "gone", "normal")
+    m.gauge_down(m.admission_waiting, "gone")
+    assert _lines(m, "gone") == []
+    assert not m._draining
+
+
+def test_a_tenant_added_again_is_exported_from_0(m):
+    _traffic(m, "back")
+    m.child(m.requests, "back", "chat", "ok").inc(5)
+    m.retire("back")
+    m.declare([], ["back"])
+    lines = _lines(m, "back")
+    # the event counters at 0, as for a new tenant; nothing of its old counts
+    assert 'fairstream_rate_limited_total{limit="queue",tenant="back"} 0.0' in lines
+    assert 'fairstream_timeouts_total{tenant="back",timeout="total"} 0.0' in lines
+    assert not [line for line in lines if "fairstream_requests" in line]
+    # and counted again, through remembered children the family exports
+    c = m.child(m.requests, "back", "chat", "ok")
+    c.inc()
+    assert m.child(m.requests, "back", "chat", "ok") is c
+    assert 'fairstream_requests_total{endpoint="chat",outcome="ok",tenant="back"} 1.0' in _lines(m, "back")
+
+
+def test_a_tenant_added_again_while_its_gauge_drains_keeps_the_gauge(m):
+    m.declare([], ["t"])
+    m.gauge_up(m.admission_waiting, "t")
+    m.gauge_up(m.admission_waiting, "t")
+    m.retire("t")
+    m.declare([], ["t"])  # back before its waiting requests left
+    m.gauge_down(m.admission_waiting, "t")
+    m.gauge_down(m.admission_waiting, "t")
+    # an ordinary gauge again: at 0, exported
+    assert 'fairstream_admission_waiting{tenant="t"} 0.0' in _lines(m, "t")
+    m.gauge_up(m.admission_waiting, "t")
+    assert 'fairstream_admission_waiting{tenant="t"} 1.0' in _lines(m, "t")
+
+
+def test_in_multiprocess_mode_retire_keeps_the_series_quietly(monkeypatch, tmp_path):
+    # prometheus-client cannot remove a series whose values are in files
+    # (``remove`` warns there); they stay until the router restarts
+    monkeypatch.setenv("PROMETHEUS_MULTIPROC_DIR", str(tmp_path))
+    m = Metrics()
+    assert m.multiprocess
+    m.declare([], ["gone"])
+    c = m.child(m.requests, "gone", "chat", "ok")
+    m.gauge_up(m.admission_waiting, "gone")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        m.retire("gone")
+        m.gauge_down(m.admission_waiting, "gone")
+    assert m.child(m.requests, "gone", "chat", "ok") is c
