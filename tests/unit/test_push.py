@@ -274,8 +274,12 @@ class _Admission:
         await self.done.wait()
 
 
-def _event_stream(relay: PushRelay) -> tuple[EventStream, _Admission, list[asyncio.Task]]:
-    """A real ``EventStream`` of a real generation, on a hanging shared store."""
+async def _relayed_on_a_hanging_store() -> tuple[Cycle, PushRelay, EventStream, _Admission, list[asyncio.Task],
+                                                   asyncio.Future]:
+    """A push relay running a real ``EventStream`` of a real generation, on a
+    shared store whose settlement hangs; the background tasks, and the relay's."""
+    cycle = Cycle()
+    relay = PushRelay(limit=16)
     tasks: list[asyncio.Task] = []
 
     def background(coro) -> asyncio.Task:
@@ -289,15 +293,13 @@ def _event_stream(relay: PushRelay) -> tuple[EventStream, _Admission, list[async
     es = EventStream(svc, gen, ChunkEncoder(False, "cmpl-x", "m", 0), (False, False),  # type: ignore[arg-type]
                      SimpleNamespace(name="t", priority="normal"), SimpleNamespace(done=False),  # type: ignore[arg-type]
                      outcome, None)  # type: ignore[arg-type]
-    return es, admission, tasks
+    run = asyncio.ensure_future(relay.run(es, TransportWire(cycle)))
+    await asyncio.sleep(0)
+    return cycle, relay, es, admission, tasks, run
 
 
 async def test_a_store_that_hangs_holds_a_streams_end_no_longer_than_release_wait() -> None:
-    cycle = Cycle()
-    relay = PushRelay(limit=16)
-    es, admission, tasks = _event_stream(relay)
-    run = asyncio.ensure_future(relay.run(es, TransportWire(cycle)))
-    await asyncio.sleep(0)
+    cycle, relay, es, admission, tasks, run = await _relayed_on_a_hanging_store()
     began = time.monotonic()
     relay.piece("a", 1, STOP)
     await asyncio.wait_for(run, 5)
@@ -310,11 +312,7 @@ async def test_a_store_that_hangs_holds_a_streams_end_no_longer_than_release_wai
 
 
 async def test_a_client_that_leaves_during_the_release_still_has_a_finished_stream() -> None:
-    cycle = Cycle()
-    relay = PushRelay(limit=16)
-    es, admission, tasks = _event_stream(relay)
-    run = asyncio.ensure_future(relay.run(es, TransportWire(cycle)))
-    await asyncio.sleep(0)
+    cycle, relay, es, admission, tasks, run = await _relayed_on_a_hanging_store()
     relay.piece("a", 1, STOP)
     await asyncio.sleep(0.05)  # the request task waits for the release
     assert admission.finished and not run.done()
