@@ -206,13 +206,9 @@ class _Chain:
         if min_p > 0.0:
             # The candidates whose count exceeds min_p * the top count are
             # ranked[:lo] (counts fall along it); g is kept in any case.
-            threshold, lo, hi = min_p * rcum[0], 0, n
-            while lo < hi:
-                mid = (lo + hi) // 2
-                if rcum[mid] - (rcum[mid - 1] if mid else 0) > threshold:
-                    lo = mid + 1
-                else:
-                    hi = mid
+            # (bisect over the negated counts, which rise along ``ranked``)
+            lo = bisect.bisect_left(range(n), -min_p * rcum[0],
+                                    key=lambda i: -(rcum[i] - (rcum[i - 1] if i else 0)))
             m = min(m, lo if pos < lo else lo + 1)
         if top_p < 1.0:
             target = top_p * (rcum[m - 1] if pos < m else cg + (rcum[m - 2] if m > 1 else 0))

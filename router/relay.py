@@ -24,7 +24,7 @@ from router.generation import Generation, Piece, StreamLost, StreamTimeout
 from router.sse import ChunkEncoder, Usage
 from router.tenants import TenantPolicy
 
-__all__ = ["Outcome", "EventStream", "relay_stream", "outcome_of", "shutdown_notice", "error_fields", "log_refused",
+__all__ = ["Outcome", "EventStream", "charged_tokens", "relay_stream", "outcome_of", "shutdown_notice", "error_fields", "log_refused",
            "NOT_RESUMABLE", "error_before_output"]
 
 log = logging.getLogger("fairstream.relay")
@@ -194,6 +194,12 @@ def outcome_of(e: BaseException) -> str:
     return "error"  # a bug: the client got a 500
 
 
+def charged_tokens(gen: Generation, counted: tuple[int, int]) -> int:
+    """The tokens a request of ``gen``'s stream is charged: the stream's, less
+    those an earlier request of it was charged for (``Outcome.counted``)."""
+    return max(0, gen.prompt_tokens + gen.completion_tokens - sum(counted))
+
+
 def error_before_output(metrics, tenant: str, e: BaseException, headers: dict[str, str]) -> BaseException:
     """What the client is told of ``e``, which ended a request before any of
     its output was sent (the response not started): a tenant time limit is a
@@ -360,10 +366,7 @@ class EventStream:
             await asyncio.wait((task,), timeout=RELEASE_WAIT)
 
     def _used(self) -> int:
-        """The tokens this request is charged: the stream's, less those an
-        earlier request of the same stream was charged for."""
-        gen = self.gen
-        return max(0, gen.prompt_tokens + gen.completion_tokens - sum(self.outcome.counted))
+        return charged_tokens(self.gen, self.outcome.counted)
 
     def settle(self) -> None:
         """Count the request once and settle its buffer and ticket (in the

@@ -36,7 +36,7 @@ from litestar.response import Stream
 from router.errors import ApiError, BadRequest, NotFound, ServiceUnavailable, clip, error_body
 from router.generation import Deadlines, Generation, Job
 from router.relay import (
-    NOT_RESUMABLE, EventStream, Outcome, error_before_output, outcome_of, relay_stream, shutdown_notice,
+    NOT_RESUMABLE, EventStream, Outcome, charged_tokens, error_before_output, outcome_of, relay_stream, shutdown_notice,
 )
 from router.resume import ResumeMeta, decode_meta
 from router.service import RouterService
@@ -407,8 +407,7 @@ async def _continue(svc: RouterService, policy: TenantPolicy, sid: str, meta: Re
         if pieces is not None:
             await pieces.aclose()
         if ticket is not None:
-            used = gen.prompt_tokens + gen.completion_tokens - sum(outcome.counted)
-            await svc.admission.finish(ticket, max(0, used))
+            await svc.admission.finish(ticket, charged_tokens(gen, outcome.counted))
         told = error_before_output(svc.metrics, policy.name, e, {})
         outcome.record(outcome_of(e), gen, told)
         svc.background(svc.resume.release(sid))
