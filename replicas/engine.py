@@ -81,10 +81,13 @@ class Engine(abc.ABC):
         """Load the model; return when requests can be served."""
 
     @abc.abstractmethod
-    def add(self, rid: int, token_ids: list[int], params: SamplingParams) -> None:
+    def add(self, rid: int, token_ids: list[int], params: SamplingParams, generated: int = 0) -> None:
         """Start generating after ``token_ids``. ``params.max_tokens`` counts
-        new tokens only. Output goes to ``sink``; the last call for ``rid``
-        has a finish reason other than NONE (unless ``abort`` was called)."""
+        new tokens only. The last ``generated`` of ``token_ids`` are the
+        request's own output from before a splice (a failover or a resume):
+        penalties over a request's output count them too. Output goes to
+        ``sink``; the last call for ``rid`` has a finish reason other than
+        NONE (unless ``abort`` was called)."""
 
     @abc.abstractmethod
     def abort(self, rid: int) -> None:

@@ -236,7 +236,7 @@ class ReplicaServer:
             erid = next(self._ids)
             self._requests[erid] = _Request(conn, msg.rid, proc, prompt_ids)
             conn.requests[msg.rid] = erid
-            eng.add(erid, ids, params)
+            eng.add(erid, ids, params, len(msg.prefix_token_ids))
         except EngineDead:
             return  # no answer: ``serve`` drops the connection and the router fails the request over
         except (EngineError, ValueError) as e:

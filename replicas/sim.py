@@ -277,7 +277,7 @@ class SimEngine(Engine):
         _chain()
         self._task = asyncio.get_running_loop().create_task(self._run(), name="sim-engine")
 
-    def add(self, rid: int, token_ids: list[int], params: SamplingParams) -> None:
+    def add(self, rid: int, token_ids: list[int], params: SamplingParams, generated: int = 0) -> None:
         if rid in self._by_rid:
             raise EngineError(f"request {rid} already running")
         if len(token_ids) >= self.max_model_len:

@@ -43,11 +43,17 @@ from replicas.protocol import (
     SamplingParams,
 )
 
-__all__ = ["VllmEngine", "VllmEngineConfig", "HfTokenizer"]
+__all__ = ["VllmEngine", "VllmEngineConfig", "HfTokenizer", "splice_penalties", "SPLICE_KEY", "LOGITS_PROCESSOR"]
 
 log = logging.getLogger(__name__)
 
 _GIB = 1 << 30
+
+# A continued request's penalties (replicas.vllm_penalties): the key of
+# SamplingParams.extra_args that carries them, and the logits processor,
+# by name, that vLLM loads in its engine core to apply them.
+SPLICE_KEY = "fairstream_splice"
+LOGITS_PROCESSOR = "replicas.vllm_penalties:SplicedPenalties"
 
 # vLLM's CompletionOutput.finish_reason strings -> our codes.
 _FINISH = {
@@ -83,6 +89,19 @@ def with_model_defaults(p: SamplingParams, defaults: dict[str, float]) -> tuple[
         return p.temperature, p.top_p, p.top_k, p.repetition_penalty, p.min_p
     values = [defaults[name] if p.unset & bit and name in defaults else getattr(p, name) for name, bit in _DEFAULTED]
     return float(values[0]), float(values[1]), int(values[2]), float(values[3]), float(values[4])
+
+
+def splice_penalties(presence: float, frequency: float, repetition: float,
+                     generated: int) -> tuple[float, float, float, dict[str, Any] | None]:
+    """(presence, frequency, repetition, extra_args) for vLLM's
+    ``SamplingParams`` of a request whose prompt ends with ``generated`` of
+    its own output tokens. vLLM counts the first two over the output only, so
+    where they are set the three go to ``SplicedPenalties``
+    (replicas/vllm_penalties.py), which counts that output too, and vLLM's
+    own are left neutral."""
+    if generated <= 0 or (presence == 0.0 and frequency == 0.0):
+        return presence, frequency, repetition, None
+    return 0.0, 0.0, 1.0, {SPLICE_KEY: [presence, frequency, repetition, generated]}
 
 
 class VllmEngineConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
@@ -225,6 +244,7 @@ class VllmEngine(Engine):
         if cfg.kv_cache_gib is not None:
             kwargs["kv_cache_memory_bytes"] = int(cfg.kv_cache_gib * _GIB)
         kwargs.update(cfg.extra)
+        kwargs["logits_processors"] = [*(kwargs.get("logits_processors") or ()), LOGITS_PROCESSOR]
         args = AsyncEngineArgs(**kwargs)
         factory = _stat_logger_factory(self._load)
         # Building the engine blocks for the whole model load (~30 s for the
@@ -244,7 +264,7 @@ class VllmEngine(Engine):
         self.start_seconds = time.monotonic() - t0
         log.info("vLLM engine for %s ready in %.1f s", cfg.model, self.start_seconds)
 
-    def add(self, rid: int, token_ids: list[int], params: SamplingParams) -> None:
+    def add(self, rid: int, token_ids: list[int], params: SamplingParams, generated: int = 0) -> None:
         llm = self._llm
         if llm is None:
             raise EngineError("engine not started")
@@ -260,7 +280,7 @@ class VllmEngine(Engine):
                 f"prompt has {len(token_ids)} tokens; this model takes at most "
                 f"{self.max_model_len - 1} (max_model_len {self.max_model_len})"
             )
-        sp = self._sampling_params(params)
+        sp = self._sampling_params(params, generated)
         # Unique per attempt: a rid may be reused right after an abort, before
         # vLLM has dropped the old request.
         req_id = f"{rid}-{next(self._seq)}"
@@ -269,9 +289,11 @@ class VllmEngine(Engine):
             self._run(rid, req_id, list(token_ids), sp), name=f"vllm-{req_id}"
         )
 
-    def _sampling_params(self, p: SamplingParams) -> Any:
+    def _sampling_params(self, p: SamplingParams, generated: int = 0) -> Any:
         VllmSamplingParams, _, RequestOutputKind, _ = self._vllm
         temperature, top_p, top_k, repetition_penalty, min_p = with_model_defaults(p, self._defaults)
+        presence, frequency, repetition, extra = splice_penalties(p.presence_penalty, p.frequency_penalty,
+                                                                   repetition_penalty, generated)
         try:
             return VllmSamplingParams(
                 n=1,
@@ -284,9 +306,10 @@ class VllmEngine(Engine):
                 stop_token_ids=list(p.stop_token_ids) or None,
                 ignore_eos=p.ignore_eos,
                 min_tokens=p.min_tokens,
-                presence_penalty=p.presence_penalty,
-                frequency_penalty=p.frequency_penalty,
-                repetition_penalty=repetition_penalty,
+                presence_penalty=presence,
+                frequency_penalty=frequency,
+                repetition_penalty=repetition,
+                extra_args=extra,
                 detokenize=False,
                 output_kind=RequestOutputKind.DELTA,
             )

@@ -187,6 +187,31 @@ async def main(model_dir: str) -> dict:
                        SamplingParams(max_tokens=64 - k, temperature=0.0, ignore_eos=True))
         await asyncio.wait_for(asyncio.gather(*(sink.done[100 + k].wait() for k in splits)), 120)
         res["resume_splits"] = {k: sink.tokens[100 + k] == long[k:] for k in splits}
+
+        # --- penalties over the output across a splice: the continuation says
+        # how many of its prompt's tokens are its own output (``generated``),
+        # concurrently with a request without penalties in the same batch
+        penal = {"temperature": 0.0, "ignore_eos": True, "presence_penalty": 1.5, "frequency_penalty": 1.0,
+                 "repetition_penalty": 1.2}
+        sink.expect(200)
+        engine.add(200, prompts[1], SamplingParams(max_tokens=48, **penal))
+        await asyncio.wait_for(sink.done[200].wait(), 120)
+        penalized = sink.tokens[200]
+        res["penalized_changes_output"] = penalized != sink.tokens[22][:48]  # prompts[1], no penalties
+        cuts = (1, 12, 30, 47)
+        for k in cuts:
+            sink.expect(200 + k)
+            engine.add(200 + k, prompts[1] + penalized[:k], SamplingParams(max_tokens=48 - k, **penal), k)
+            # the same continuation as vLLM alone would count it: from the splice on
+            sink.expect(300 + k)
+            engine.add(300 + k, prompts[1] + penalized[:k], SamplingParams(max_tokens=48 - k, **penal))
+        sink.expect(299)
+        engine.add(299, prompts[0] + long[:17], SamplingParams(max_tokens=64 - 17, temperature=0.0, ignore_eos=True))
+        rids = [200 + k for k in cuts] + [300 + k for k in cuts] + [299]
+        await asyncio.wait_for(asyncio.gather(*(sink.done[r].wait() for r in rids)), 300)
+        res["penalty_splits"] = {k: sink.tokens[200 + k] == penalized[k:] for k in cuts}
+        res["penalty_splits_uncounted"] = {k: sink.tokens[300 + k] == penalized[k:] for k in cuts}
+        res["penalty_neighbour_exact"] = sink.tokens[299] == long[17:]
     finally:
         t0 = time.monotonic()
         await engine.close()

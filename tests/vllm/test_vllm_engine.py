@@ -78,6 +78,15 @@ def test_resume_is_token_exact(result: dict) -> None:
     assert result["resume_splits"] == {k: True for k in ("1", "17", "40", "63")}
 
 
+def test_penalties_count_the_output_before_a_splice(result: dict) -> None:
+    # presence and frequency penalties change this greedy output, and a
+    # continuation that counted only its own new tokens would differ
+    assert result["penalized_changes_output"]
+    assert not all(result["penalty_splits_uncounted"].values())
+    assert result["penalty_splits"] == {k: True for k in ("1", "12", "30", "47")}
+    assert result["penalty_neighbour_exact"]  # a request without penalties in the same batch
+
+
 def test_abort(result: dict) -> None:
     running, _, kv = result["abort_load_before"]
     assert running == 1 and kv > 0

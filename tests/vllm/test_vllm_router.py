@@ -205,20 +205,31 @@ def _descendants(pid: int) -> list[int]:
     return out
 
 
+# presence and frequency penalties, which vLLM counts over a request's
+# output: the continuation counts the tokens delivered before the splice too
+PENALTIES = {"presence_penalty": 1.5, "frequency_penalty": 1.0, "repetition_penalty": 1.2}
+
+
 # SIGKILL / SIGSTOP: the replica process; "engine": vLLM's engine core under
 # it dies (as when the OOM killer picks it) while the replica process lives
-@pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGSTOP, "engine"])
-async def test_replica_death_mid_stream_is_token_exact(vllm_router, sig):
+@pytest.mark.parametrize("sig,extra", [(signal.SIGKILL, {}), (signal.SIGSTOP, {}), ("engine", {}),
+                                       (signal.SIGKILL, PENALTIES)],
+                         ids=["SIGKILL", "SIGSTOP", "engine", "SIGKILL-penalties"])
+async def test_replica_death_mid_stream_is_token_exact(vllm_router, sig, extra):
     # both replicas up and serving before the chaos
     poll(lambda: httpx.get(vllm_router.base_url + "/ready", timeout=2).json()["replicas"] ==
          {"vllm-0": "ready", "vllm-1": "ready"}, 300, what="both vllm replicas ready")
     headers = {"Authorization": f"Bearer {GOLD}"}
     async with httpx.AsyncClient(base_url=vllm_router.base_url, headers=headers, timeout=120) as client:
-        ref = (await client.post("/v1/completions", json=_greedy(3000))).json()["choices"][0]["text"]
+        body = {**_greedy(3000), **extra}
+        ref = (await client.post("/v1/completions", json=body)).json()["choices"][0]["text"]
+        if extra:  # the penalties change this output
+            plain = (await client.post("/v1/completions", json=_greedy(200))).json()["choices"][0]["text"]
+            assert not ref.startswith(plain)
 
         async def stream():
             parts = []
-            async with client.stream("POST", "/v1/completions", json={**_greedy(3000), "stream": True}) as r:
+            async with client.stream("POST", "/v1/completions", json={**body, "stream": True}) as r:
                 assert r.status_code == 200, (r.status_code, (await r.aread())[:500])
                 async for ev in aiter_sse(r):
                     if ev.data == "[DONE]":
