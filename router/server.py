@@ -34,6 +34,7 @@ from uvicorn.protocols.websockets.websockets_sansio_impl import WebSocketsSansIO
 from router.config import SHUTDOWN_MARGIN
 from router.errors import error_body
 from router.fastpath import FastPath
+from router.handshake import Handshake
 from router.metrics import Metrics
 
 __all__ = ["Server"]
@@ -46,10 +47,16 @@ class _WebSocket(WebSocketsSansIOProtocol):
     except that shutdown does not close an open connection: the router's
     handler does, once its requests have ended; uvicorn cancels the handler
     at its own limit if it has not. Counted in ``fairstream_http_connections``
-    from the upgrade on."""
+    from the upgrade on. A handshake it refuses (no ``Sec-WebSocket-Key``, a
+    bad ``Sec-WebSocket-Version``, ...) is answered in OpenAI's error shape
+    (router/handshake.py), not with websockets' plain text."""
 
     def connection_made(self, transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
+        # uvicorn builds websockets' ServerProtocol itself (in __init__);
+        # Handshake only overrides its ``reject``, no state of its own, so the
+        # instance takes that class as it is: nothing is rebuilt per connection
+        self.conn.__class__ = Handshake
         if _Http.metrics is not None:
             _Http.metrics.connections.inc()
 

@@ -49,11 +49,24 @@ def test_preflight_of_a_listed_origin(shared_router: RouterProcess, origin: str)
     assert r.headers["access-control-max-age"] == "120"
 
 
-def test_preflight_of_another_origin_is_refused(shared_router: RouterProcess) -> None:
-    r = httpx.options(shared_router.base_url + CHAT, timeout=10, headers={
-        "origin": "https://evil.example.net", "access-control-request-method": "POST"})
-    assert r.status_code == 400
-    assert "access-control-allow-origin" not in r.headers
+@pytest.mark.parametrize("origin, method, code, says", [
+    ("https://evil.example.net", "POST", "cors_origin_not_allowed", "the origin https://evil.example.net is not allowed"),
+    ("https://evil.example.net", None, "cors_origin_not_allowed", "the origin https://evil.example.net is not allowed"),
+    (APP, "PUT", "cors_method_not_allowed", "the method PUT is not allowed"),
+], ids=["origin", "origin, no method", "method"])
+def test_a_refused_preflight_gets_an_openai_error(shared_router: RouterProcess, origin: str, method: str | None,
+                                                  code: str, says: str) -> None:
+    # (Litestar answered them with its plain text "Disallowed CORS Origin")
+    headers = {"origin": origin, **({"access-control-request-method": method} if method else {})}
+    r = httpx.options(shared_router.base_url + CHAT, timeout=10, headers=headers)
+    assert r.status_code == 400, r.text
+    assert r.headers["content-type"] == "application/json" and int(r.headers["content-length"]) == len(r.content)
+    assert not any(k.startswith("access-control-") for k in r.headers), dict(r.headers)
+    body = r.json()
+    assert set(body) == {"error"} and set(body["error"]) == {"message", "type", "param", "code"}, body
+    err = body["error"]
+    assert (err["type"], err["param"], err["code"]) == ("invalid_request_error", None, code), err
+    assert says in err["message"], err
 
 
 def test_streamed_completion_carries_the_headers(shared_router: RouterProcess) -> None:

@@ -399,7 +399,7 @@ def test_admin_key_cannot_call_inference(shared_router: RouterProcess) -> None:
 def test_unknown_path_and_method(shared_router: RouterProcess) -> None:
     error_of(httpx.get(shared_router.base_url + "/v1/nothing", headers=AUTH, timeout=10), 404)
     error_of(httpx.get(shared_router.base_url + COMPLETIONS, headers=AUTH, timeout=10), 405)
-    # the WebSocket endpoint without an upgrade (README, "Known limitations", says so)
+    # the WebSocket endpoint without an upgrade (README, the WebSocket entry, says so)
     err = error_of(httpx.get(shared_router.base_url + "/v1/ws", headers=AUTH, timeout=10), 405)
     assert "/v1/ws" in err["message"], err
 

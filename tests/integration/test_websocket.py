@@ -587,3 +587,41 @@ async def test_a_large_message_before_authentication_closes_the_socket(router: R
         await create(ws, "big", chat_body("x" * 100_000, 3))
         msg = await recv(ws, timeout=30)
         assert msg["id"] == "big" and ("chunk" in msg or "error" in msg), msg
+
+
+_GOOD_KEY = "Sec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==\r\n"
+
+
+@pytest.mark.parametrize("request_line, headers, status, code, says", [
+    ("GET /v1/ws", "Sec-WebSocket-Version: 13\r\n", 400, "invalid_websocket_handshake",
+     "missing Sec-WebSocket-Key header"),
+    ("GET /v1/ws", "Sec-WebSocket-Key: abc\r\nSec-WebSocket-Version: 13\r\n", 400, "invalid_websocket_handshake",
+     "invalid Sec-WebSocket-Key header: abc"),
+    ("GET /v1/ws", _GOOD_KEY + "Sec-WebSocket-Version: 8\r\n", 400, "invalid_websocket_handshake",
+     "invalid Sec-WebSocket-Version header: 8"),
+    ("POST /v1/ws", _GOOD_KEY + "Sec-WebSocket-Version: 13\r\nContent-Length: 0\r\n", 405,
+     "invalid_websocket_handshake", "unsupported HTTP method: POST"),
+    ("GET /v1/nowhere", _GOOD_KEY + "Sec-WebSocket-Version: 13\r\n", 403, "forbidden", "/v1/ws"),
+], ids=["no key", "malformed key", "version 8", "POST", "no WebSocket route"])
+def test_a_refused_handshake_gets_an_openai_error(router: RouterProcess, request_line: str, headers: str,
+                                                  status: int, code: str, says: str) -> None:
+    # (the websockets library answered them in plain text, and uvicorn an
+    # upgrade to a path with no WebSocket route with an empty 403)
+    with socket.create_connection(("127.0.0.1", router.port), timeout=10) as s:
+        s.sendall(f"{request_line} HTTP/1.1\r\nHost: x\r\nUpgrade: websocket\r\nConnection: Upgrade\r\n"
+                  f"{headers}\r\n".encode())
+        answer = b""
+        while chunk := s.recv(65536):  # (to the end: the router closes the connection)
+            answer += chunk
+    head, _, body = answer.partition(b"\r\n\r\n")
+    lines = head.decode("latin-1").split("\r\n")
+    assert lines[0].startswith(f"HTTP/1.1 {status} "), answer[:300]
+    fields = {k.lower(): v.strip() for k, _, v in (line.partition(":") for line in lines[1:])}
+    assert fields["content-type"] == "application/json" and int(fields["content-length"]) == len(body), fields
+    assert fields["connection"] == "close"
+    if status == 405:
+        assert fields["allow"] == "GET"
+    err = json.loads(body)["error"]
+    assert set(err) == {"message", "type", "param", "code"} and err["param"] is None, err
+    assert err["type"] == "invalid_request_error" and err["code"] == code, err
+    assert says in err["message"], err
