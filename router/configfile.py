@@ -3,6 +3,12 @@
 PyYAML's node tree keeps a line for every key and value; msgspec's validation
 errors carry a JSON path (``$.tenants.gold.limits.rpm``). ``load_yaml`` maps the
 one onto the other so every error names the file, the line and the key.
+
+A bad file reports every error found in one go, in file order, up to
+``MAX_ERRORS`` lines (then one line counts the rest): each key defined twice,
+every schema error (``router.schema_errors``), and the struct's own checks
+(``validate``) over the parts whose schema is right, where the struct says
+those checks can do without the failed parts (``separable``).
 """
 
 from __future__ import annotations
@@ -14,13 +20,16 @@ from typing import Any, TypeVar
 import msgspec
 import yaml
 
-__all__ = ["ConfigError", "load_yaml", "read_text", "Located", "parse_validation_error"]
+from router.schema_errors import KeyPath, entries_of, schema_errors
+
+__all__ = ["ConfigError", "load_yaml", "read_text", "Located", "MAX_ERRORS"]
 
 T = TypeVar("T")
 
 # libyaml's parser when PyYAML has it (about 10x faster), with the safe constructor
 _Loader = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
 MAX_VALUES = 1_000_000  # values in one file, YAML aliases expanded
+MAX_ERRORS = 20  # errors listed for one file; one more line counts the rest
 
 
 class ConfigError(ValueError):
@@ -39,6 +48,7 @@ class Located:
         self.lines: dict[tuple[Any, ...], int] = {}
         self.key_lines: dict[tuple[Any, ...], int] = {}
         self.duplicates: list[str] = []
+        self.duplicated: list[KeyPath] = []  # the paths of ``duplicates``
         self._left = MAX_VALUES
         if root is not None:
             self._walk(root, ())
@@ -57,8 +67,9 @@ class Located:
                 first = self.key_lines.get(at + (key,))
                 if first is not None:
                     # YAML would silently keep the last one (and drop, say, a tenant's keys)
-                    dotted = ".".join(str(p) for p in at + (key,))
-                    self.duplicates.append(f"{self.path}:{line}: {dotted}: defined twice (first at line {first})")
+                    self.duplicates.append(f"{self.path}:{line}: {_dotted(at + (key,))}: defined twice "
+                                           f"(first at line {first})")
+                    self.duplicated.append(at + (key,))
                     continue
                 self.key_lines[at + (key,)] = line
                 self._walk(v, at + (key,))
@@ -72,101 +83,118 @@ class Located:
                 return self.key_lines[at]
             if at in self.lines:
                 return self.lines[at]
+            # (a key YAML typed, `123:` or `true:`, is looked up as written)
+            named = at[:-1] + (str(at[-1]),)
+            if not isinstance(at[-1], str) and named in self.key_lines:
+                return self.key_lines[named]
             at = at[:-1]
         return self.lines.get((), 1)
 
     def error(self, at: tuple[Any, ...], reason: str) -> str:
-        key = ".".join(str(p) for p in at) or "(top level)"
-        return f"{self.path}:{self.line(at)}: {key}: {reason}"
+        return f"{self.path}:{self.line(at)}: {_dotted(at)}: {reason}"
 
 
-_ANY = object()  # a dict entry msgspec reports as `[...]`
-_PATH_RE = re.compile(r" - at `\$(.*)`$")
-_PART_RE = re.compile(r"\.([^.\[]+)|\[(\d+|\.\.\.)\]")
-_UNKNOWN_RE = re.compile(r"Object contains unknown field `([^`]+)`")
-_MISSING_RE = re.compile(r"Object missing required field `([^`]+)`")
+def _dotted(at: KeyPath) -> str:
+    return ".".join(str(p) for p in at) or "(top level)"
 
 
-def _parse_error(err: str) -> tuple[tuple[Any, ...], str]:
-    m = _PATH_RE.search(err)
-    reason = err[: m.start()] if m else err
-    at: tuple[Any, ...] = ()
-    if m:
-        for name, idx in _PART_RE.findall(m.group(1)):
-            if name:
-                at += (name,)
-            elif idx == "...":
-                at += (_ANY,)
-            else:
-                at += (int(idx),)
-    u = _UNKNOWN_RE.match(reason)
-    if u:
-        return at + (u.group(1),), "unknown key"
-    mm = _MISSING_RE.match(reason)
-    if mm:
-        return at, f"missing required key `{mm.group(1)}`"
-    return at, reason
+class _SetAside(Located):
+    """``Located`` for ``validate()`` run on a document whose failed parts
+    were set aside: an item of a list that lost items is numbered as in the
+    file, and what ``validate()`` says about a part set aside, or about what
+    holds one ("at least one tenant is needed" once the only tenant was set
+    aside), goes into ``left_out``."""
+
+    def __init__(self, located: Located, numbering: dict[Any, list[int]], aside: list[KeyPath]) -> None:
+        self.path, self.lines, self.key_lines = located.path, located.lines, located.key_lines
+        self.duplicates, self.duplicated = located.duplicates, located.duplicated
+        self._numbering = numbering  # list field -> the file's index of each item kept
+        self._aside = aside
+        self.left_out: set[str] = set()
+
+    def _in_file(self, at: KeyPath) -> KeyPath:
+        kept = self._numbering.get(at[0]) if len(at) > 1 and isinstance(at[1], int) else None
+        return (at[0], kept[at[1]]) + at[2:] if kept is not None else at
+
+    def line(self, at: KeyPath) -> int:
+        return Located.line(self, self._in_file(at))
+
+    def error(self, at: KeyPath, reason: str) -> str:
+        at = self._in_file(at)
+        text = f"{self.path}:{Located.line(self, at)}: {_dotted(at)}: {reason}"
+        if any(at[: len(a)] == a or a[: len(at)] == at for a in self._aside):
+            self.left_out.add(text)
+        return text
 
 
-def _name_dict_entry(data: Any, type_: type, at: tuple[Any, ...], err: str) -> tuple[Any, ...]:
-    """msgspec names a failing dict entry ``[...]``: find which key it is by
-    validating the document with that dict cut down to one entry at a time."""
-    i = at.index(_ANY)
-    prefix = at[:i]
-    container: Any = data
+def _set_aside(data: Any, type_: Any, failed: list[KeyPath], located: Located) -> tuple[Any, _SetAside] | None:
+    """The document without its ``failed`` parts, as ``type_``, for the
+    struct's own checks; None when a failed part is one those checks cannot
+    do without.
+
+    ``type_.separable`` names the top-level fields that ``validate()`` checks
+    each on its own (a dict's or list's entries each on its own, but for
+    duplicates across them): a failed entry of one is left out, a failed
+    value of one takes its default. An unknown top-level key is dropped when
+    every field is separable (else it may be a misspelt one the checks need).
+    Anything else failed (the top level, a field that is not separable, a
+    required one) leaves nothing sound to check.
+    """
+    separable = getattr(type_, "separable", frozenset())
+    if not separable or not isinstance(data, dict):
+        return None
+    fields = {f.encode_name: f for f in msgspec.structs.fields(type_)}
+    doc = dict(data)
+    entries: dict[Any, set[Any]] = {}
+    aside: list[KeyPath] = []
+    for at in failed:
+        key = at[0] if at else None
+        if key is None or (key in fields and key not in separable):
+            return None
+        if key not in fields:
+            if not set(fields) <= separable:
+                return None
+            doc.pop(key, None)
+        elif len(at) > 1 and entries_of(fields[key].type, data[key]):
+            entries.setdefault(key, set()).add(at[1])
+        elif fields[key].required:
+            return None
+        else:
+            doc.pop(key, None)
+            aside.append((key,))
+    numbering: dict[Any, list[int]] = {}
+    for key, bad in entries.items():
+        if key not in doc:
+            continue  # (its whole value was set aside too)
+        aside += [(key, entry) for entry in bad]
+        value = data[key]
+        if isinstance(value, dict):
+            doc[key] = {k: v for k, v in value.items() if k not in bad}
+        else:
+            numbering[key] = [i for i in range(len(value)) if i not in bad]
+            doc[key] = [value[i] for i in numbering[key]]
     try:
-        for p in prefix:
-            container = container[p]
-    except (KeyError, IndexError, TypeError):
-        return prefix + tuple(p for p in at[i + 1 :] if p is not _ANY)
-    rest = tuple(p for p in at[i + 1 :] if p is not _ANY)
-    if isinstance(container, dict):
-        for key, value in container.items():
-            trial = _replace_at(data, prefix, {key: value})
-            try:
-                msgspec.convert(trial, type_, strict=True)
-            except msgspec.ValidationError as e:
-                if str(e) == err:
-                    return prefix + (key,) + rest
-    return prefix + rest
+        return msgspec.convert(doc, type_, strict=True), _SetAside(located, numbering, aside)
+    except msgspec.ValidationError:
+        return None  # (what failed was not all set aside: check nothing rather than guess)
 
 
-def _replace_at(data: Any, path: tuple[Any, ...], value: Any) -> Any:
-    if not path:
-        return value
-    head, tail = path[0], path[1:]
-    copy = dict(data) if isinstance(data, dict) else list(data)
-    copy[head] = _replace_at(data[head], tail, value)
-    return copy
+def _in_file_order(name: str, errors: list[str]) -> list[str]:
+    """``errors`` by line (a stable sort: one line's errors keep their
+    order), at most ``MAX_ERRORS`` of them and a line that counts the rest."""
+    prefix = re.compile(rf"{re.escape(name)}:(\d+):")
 
+    def line(error: str) -> int:
+        m = prefix.match(error)
+        return int(m.group(1)) if m else 0
 
-def _literal_values(type_: Any, at: tuple[Any, ...]) -> list[Any]:
-    """The values a ``Literal`` field at ``at`` (in ``type_``) allows, if it is one."""
-    mi = msgspec.inspect
-
-    def alternatives(info: Any) -> tuple[Any, ...]:
-        return info.types if isinstance(info, mi.UnionType) else (info,)
-
-    infos = [mi.type_info(type_)]
-    for key in at:
-        nxt: list[Any] = []
-        for t in (t for info in infos for t in alternatives(info)):
-            if isinstance(t, mi.StructType):
-                nxt += [f.type for f in t.fields if f.encode_name == key]
-            elif isinstance(t, mi.DictType):
-                nxt.append(t.value_type)
-            elif isinstance(t, (mi.ListType, mi.VarTupleType, mi.SetType, mi.FrozenSetType)):
-                nxt.append(t.item_type)
-            elif isinstance(t, mi.TupleType) and isinstance(key, int) and key < len(t.item_types):
-                nxt.append(t.item_types[key])
-        infos = nxt
-    return [v for info in infos for t in alternatives(info) if isinstance(t, mi.LiteralType) for v in t.values]
-
-
-def parse_validation_error(err: str) -> tuple[tuple[Any, ...], str]:
-    """(path, reason) of a msgspec validation message, for ``Located.error``."""
-    at, reason = _parse_error(err)
-    return tuple(p for p in at if p is not _ANY), reason
+    errors = sorted(errors, key=line)
+    if len(errors) <= MAX_ERRORS:
+        return errors
+    rest = len(errors) - MAX_ERRORS
+    return errors[:MAX_ERRORS] + [f"{name}:{line(errors[MAX_ERRORS])}: (more): {rest} more error"
+                                  f"{'s' if rest > 1 else ''} from this line on (only the first {MAX_ERRORS} "
+                                  "are listed)"]
 
 
 def read_text(path: str | Path) -> str:
@@ -185,8 +213,11 @@ def read_text(path: str | Path) -> str:
 def load_yaml(path: str | Path, type_: type[T], text: str | None = None) -> tuple[T, Located]:
     """Parse and validate ``path`` (or ``text`` reported as ``path``) as ``type_``.
 
-    Raises ``ConfigError`` with located messages. Structs may define
-    ``validate(located) -> list[str]`` for checks across fields.
+    Raises ``ConfigError`` with every located message found (see the
+    module's docstring). Structs may define ``validate(located) -> list[str]``
+    for checks across fields, and ``separable`` (a ClassVar: the top-level
+    fields those checks take each on its own) to have them run when other
+    parts of the file fail the schema.
     """
     name = str(path)
     if text is None:
@@ -199,8 +230,6 @@ def load_yaml(path: str | Path, type_: type[T], text: str | None = None) -> tupl
             # located first: building the data rewrites merge keys (<<:) in the
             # graph, and a graph of too many values must be refused unbuilt
             located = Located(name, root)
-            if located.duplicates:
-                raise ConfigError(located.duplicates)
             data = loader.construct_document(root) if root is not None else None
         finally:
             loader.dispose()
@@ -211,20 +240,35 @@ def load_yaml(path: str | Path, type_: type[T], text: str | None = None) -> tupl
         raise ConfigError([f"{name}:1: (syntax): {e}"]) from e
     if data is None:
         data = {}
+    errors = list(located.duplicates)
+    failed: list[KeyPath] = list(located.duplicated)
     try:
         value = msgspec.convert(data, type_, strict=True)
-    except msgspec.ValidationError as e:
-        at, reason = _parse_error(str(e))
-        if _ANY in at:
-            at = _name_dict_entry(data, type_, at, str(e))
-        if reason.startswith("Invalid enum value"):
-            allowed = _literal_values(type_, at)
-            if allowed:
-                reason += f"; expected one of {', '.join(map(repr, allowed))}"
-        raise ConfigError([located.error(at, reason)]) from e
-    check = getattr(value, "validate", None)
-    if check is not None:
-        problems = check(located)
-        if problems:
-            raise ConfigError(problems)
+    except msgspec.ValidationError:
+        value = None
+        for at, reason in schema_errors(data, type_):
+            # (in a key defined twice the data holds the last value, the lines the first one's)
+            if not any(at[: len(d)] == d for d in located.duplicated):
+                errors.append(located.error(at, reason))
+                failed.append(at)
+    if not failed:
+        errors += _own_checks(value, located)
+    else:
+        partial = _set_aside(data, type_, failed, located)
+        if partial is not None:
+            errors += _own_checks(*partial)
+    if errors:
+        raise ConfigError(_in_file_order(name, errors))
     return value, located
+
+
+def _own_checks(value: Any, located: Located) -> list[str]:
+    """What the struct's ``validate(located)`` finds, less what it says about
+    parts set aside."""
+    check = getattr(value, "validate", None)
+    if check is None:
+        return []
+    found: list[str] = check(located)
+    if isinstance(located, _SetAside):
+        found = [e for e in found if e not in located.left_out]
+    return found
