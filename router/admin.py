@@ -6,6 +6,7 @@ import msgspec
 from litestar import Request, Response, get, post
 
 from router.auth import authorization
+from router.errors import error_body
 from router.service import RouterService
 from router.state import StoreUnavailable
 
@@ -23,9 +24,15 @@ def _admin_svc(request: Request) -> RouterService:
 @post("/admin/reload", status_code=200)
 async def reload_policy(request: Request) -> Response:
     """Re-read tenants.yaml now. 200 with the new version, or 422 with the
-    errors (the old policy stays in force)."""
+    errors (the old policy stays in force): OpenAI's error shape, whose
+    message lists them all, beside the result's own fields."""
     result = await _admin_svc(request).policy.reload()
-    return Response(msgspec.json.encode(result), media_type=_JSON, status_code=200 if result.ok else 422)
+    if result.ok:
+        return Response(msgspec.json.encode(result), media_type=_JSON)
+    message = f"the tenants file was not loaded; version {result.version} stays in force:\n" + "\n".join(result.errors)
+    body = msgspec.json.decode(error_body(message, "invalid_request_error", code="invalid_config"))
+    body.update(msgspec.to_builtins(result))
+    return Response(msgspec.json.encode(body), media_type=_JSON, status_code=422)
 
 
 @get("/admin/tenants")

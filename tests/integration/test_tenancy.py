@@ -174,6 +174,46 @@ async def test_bad_reload_while_20_streams_run_keeps_old_policy(tmp_path):
         router.stop()
 
 
+async def test_a_refused_reload_names_every_error_in_openai_error_shape(tmp_path):
+    # (msgspec stops at the first error: an admin fixed one, reloaded, got
+    # the next, and so on)
+    t = tmp_path / "tenants.yaml"
+    tenants_yaml(t)
+    router = RouterProcess(tmp_path / "r", tenants=t, replicas=1).start()
+    try:
+        async with httpx.AsyncClient(base_url=router.base_url, timeout=30) as client:
+            doc = yaml.safe_load(t.read_text())
+            doc["tenants"]["a"]["limits"]["rpm"] = 5  # a misspelt limit
+            doc["tenants"]["b"]["weight"] = "heavy"  # not a number
+            doc["tenants"]["c"] = {"keys": ["sk-plain-key"]}  # not a digest (the file's own check)
+            t.write_text(yaml.safe_dump(doc, sort_keys=False))
+            lines = t.read_text().splitlines()
+
+            def at(text: str) -> int:
+                return next(i for i, line in enumerate(lines, 1) if text in line)
+
+            want = [f"{t}:{at('rpm: 5')}: tenants.a.limits.rpm: unknown key",
+                    f"{t}:{at('weight: heavy')}: tenants.b.weight: Expected `float | null`, got `str`",
+                    f"{t}:{at('sk-plain-key')}: tenants.c.keys.0: must be a SHA-256 hex digest"]
+            r = await client.post("/admin/reload", headers=auth(ADMIN))
+            assert r.status_code == 422, r.text
+            answer = r.json()
+            assert (answer["ok"], answer["changed"], answer["version"]) == (False, False, 1)
+            errors = answer["errors"]
+            assert len(errors) == 3 and all(e.startswith(w) for e, w in zip(errors, want)), errors
+            error = answer["error"]  # (OpenAI's shape: what an SDK shows)
+            assert (error["type"], error["code"], error["param"]) == ("invalid_request_error", "invalid_config", None)
+            assert error["message"].endswith("\n".join(errors)) and "version 1 stays in force" in error["message"]
+            view = (await client.get("/admin/tenants", headers=auth(ADMIN))).json()
+            assert view["version"] == 1 and view["last_reload_errors"] == errors
+            log = router.log()
+            assert all(f"keeping version 1: {w}" in log for w in want), log[-3000:]
+            # the old policy still serves
+            assert (await client.post("/v1/completions", headers=auth(KEY_A), json=body(2))).status_code == 200
+    finally:
+        router.stop()
+
+
 async def test_reload_by_file_watch_and_sighup_applies_lowered_limit_at_once(tmp_path):
     t = tmp_path / "tenants.yaml"
     tenants_yaml(t)
