@@ -12,6 +12,7 @@ import asyncio
 import itertools
 import logging
 from collections.abc import Callable
+from typing import Any
 
 from replicas.protocol import (
     Abort,
@@ -196,6 +197,7 @@ class ReplicaClient:
         prompt_token_ids: list[int] | None = None,
         prefix_token_ids: list[int] | None = None,
         prefix_text_len: int = 0,
+        chat_template_kwargs: dict[str, Any] | None = None,
     ) -> Collector:
         if self.closed is not None:
             raise ReplicaDead(f"replica {self.name} is disconnected")
@@ -208,6 +210,7 @@ class ReplicaClient:
             prompt_token_ids=prompt_token_ids,
             prefix_token_ids=prefix_token_ids or [],
             prefix_text_len=prefix_text_len,
+            chat_template_kwargs=chat_template_kwargs,
         ))  # (first: a request that cannot be encoded leaves nothing registered)
         col = self._streams[rid] = Collector(rid)
         self._writer.write(frame)

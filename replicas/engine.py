@@ -12,7 +12,7 @@ from __future__ import annotations
 import abc
 import asyncio
 from collections.abc import Callable
-from typing import Protocol
+from typing import Any, Protocol
 
 from replicas.protocol import FinishReason, LoadReport, SamplingParams
 
@@ -40,9 +40,11 @@ class Tokenizer(Protocol):
         """Text of ``token_ids``; an unfinished UTF-8 sequence decodes to U+FFFD."""
         ...
 
-    def chat(self, messages: list[dict[str, str]]) -> list[int]:
+    def chat(self, messages: list[dict[str, str]], template_kwargs: dict[str, Any] | None = None) -> list[int]:
         """Token ids of ``messages`` rendered by the chat template, with the
-        generation prompt appended."""
+        generation prompt appended; ``template_kwargs`` (a request's
+        ``chat_template_kwargs``) are the template's extra variables.
+        Raises ``EngineError`` when they cannot render."""
         ...
 
 

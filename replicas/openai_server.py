@@ -11,9 +11,10 @@ It lets fairstream (or anything else) treat a ``sim`` replica like a
 * ``POST /v1/completions`` (text or token-id prompt) and
   ``POST /v1/chat/completions``, streamed (SSE) or not, with ``max_tokens``,
   ``temperature``, ``top_p``, ``top_k``, ``min_p``, ``seed``, ``stop``,
-  ``stop_token_ids``, ``ignore_eos``, ``min_tokens`` and vLLM's
-  ``return_token_ids`` (``prompt_token_ids`` in the first chunk, ``token_ids``
-  per chunk);
+  ``stop_token_ids``, ``ignore_eos``, ``min_tokens``,
+  ``include_stop_str_in_output``, ``chat_template_kwargs`` (the sim's template
+  uses none) and vLLM's ``return_token_ids`` (``prompt_token_ids`` in the
+  first chunk, ``token_ids`` per chunk);
 * ``POST /tokenize`` and ``POST /detokenize``.
 
 Text is produced exactly as by the replica protocol server (same engine, same
@@ -45,7 +46,7 @@ from replicas.client import Collector
 from replicas.engine import EngineDead, EngineError
 from replicas.output import OutputProcessor
 from replicas.prepare import prepare
-from replicas.protocol import Delta, FinishReason, SamplingParams
+from replicas.protocol import REFUSED_TEMPLATE_KWARGS, Delta, FinishReason, SamplingParams
 from replicas.server import create_engine, exit_if_dead, wait_for_stop, watch_engine
 
 __all__ = ["OpenAIServer", "serve_openai"]
@@ -83,6 +84,7 @@ class _Sampling(msgspec.Struct, kw_only=True):
     stream: bool | None = False
     stream_options: _StreamOptions | None = None
     return_token_ids: bool | None = False
+    include_stop_str_in_output: bool | None = False
     n: int | None = 1
     logprobs: Any = None
 
@@ -96,6 +98,7 @@ class _CompletionRequest(_Sampling, kw_only=True):
 class _ChatRequest(_Sampling, kw_only=True):
     messages: list[dict[str, Any]]
     max_completion_tokens: int | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
 
 
 class _DetokenizeRequest(msgspec.Struct):
@@ -107,6 +110,7 @@ class _TokenizeRequest(msgspec.Struct):
     model: str | None = None
     prompt: str | None = None
     messages: list[dict[str, Any]] | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
 
 
 class _BadRequest(Exception):
@@ -148,6 +152,15 @@ def _chat_messages(messages: list[dict[str, Any]]) -> list[dict[str, str]]:
     if not messages:
         raise _BadRequest("messages must not be empty", param="messages")
     return [{"role": str(m.get("role", "user")), "content": _message_text(m.get("content"))} for m in messages]
+
+
+def _template_kwargs(kwargs: dict[str, Any] | None) -> dict[str, Any] | None:
+    """A request's ``chat_template_kwargs``, refused as vLLM refuses them."""
+    refused = REFUSED_TEMPLATE_KWARGS & (kwargs or {}).keys()
+    if refused:
+        raise _BadRequest(f"Found unexpected chat template kwargs from request: {sorted(refused)}",
+                          param="chat_template_kwargs")
+    return kwargs
 
 
 def _token_prompt(prompt: Any) -> list[int] | str:
@@ -289,10 +302,10 @@ class OpenAIServer:
             req = msgspec.json.decode(await request.read(), type=_TokenizeRequest)
             tok = self.engine.tokenizer
             if req.messages is not None:
-                ids = tok.chat(_chat_messages(req.messages))
+                ids = tok.chat(_chat_messages(req.messages), _template_kwargs(req.chat_template_kwargs))
             else:
                 ids = tok.encode(req.prompt or "")
-        except (msgspec.DecodeError, _BadRequest) as e:
+        except (msgspec.DecodeError, _BadRequest, EngineError) as e:
             return _error(str(e))
         body = {"count": len(ids), "max_model_len": self.engine.max_model_len, "tokens": ids}
         return web.Response(body=_enc(body), content_type="application/json")
@@ -320,7 +333,8 @@ class OpenAIServer:
             req: _Sampling
             if chat:
                 req = msgspec.json.decode(body, type=_ChatRequest)
-                prompt_ids = eng.tokenizer.chat(_chat_messages(req.messages))
+                prompt_ids = eng.tokenizer.chat(_chat_messages(req.messages),
+                                                _template_kwargs(req.chat_template_kwargs))
                 max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
             else:
                 req = msgspec.json.decode(body, type=_CompletionRequest)

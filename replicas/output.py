@@ -16,6 +16,12 @@ back until they are settled:
 * when stop strings are set, the last ``len(longest stop) - 1`` characters,
   since they could be the start of a stop string (vLLM does the same).
 
+With vLLM's ``include_stop_str_in_output`` the text is cut after the stop
+string instead, and a stop token's text is emitted too. Nothing is held back
+for stop strings then (as in vLLM: whatever matches, the text before it goes
+out); the last ``len(longest stop) - 1`` characters already emitted are kept
+to match a stop string that starts in them.
+
 Stop strings are looked for only once more than ``min_tokens`` completion
 tokens exist, and only where they end in text decoded since the last look
 (vLLM's rule: a stop string inside the first ``min_tokens`` tokens' text
@@ -23,8 +29,9 @@ ends nothing).
 
 A request resumed on another replica passes the tokens and the number of
 characters the client already has (``prefix_text_len``); the processor rebuilds
-the held-back text from them, so a stop string or a character that spans the
-failover point is handled exactly as without the failover.
+the held-back text (and the kept characters) from them, so a stop string or a
+character that spans the failover point is handled exactly as without the
+failover.
 """
 
 from __future__ import annotations
@@ -32,7 +39,7 @@ from __future__ import annotations
 from replicas.engine import Tokenizer
 from replicas.protocol import FinishReason
 
-__all__ = ["OutputProcessor"]
+__all__ = ["OutputProcessor", "find_stop"]
 
 _STUCK = 8  # undecodable tokens before _unstick cuts the window
 _INCOMPLETE = 3  # tokens a character can end inside at the most (its first 3 of 4 bytes)
@@ -51,6 +58,9 @@ class OutputProcessor:
         "_pending",
         "_stop",
         "_hold",
+        "_include",
+        "_keep",
+        "_tail",
         "_min_tokens",
         "_looked",
         "_emitted",
@@ -65,11 +75,22 @@ class OutputProcessor:
         prefix_token_ids: list[int] = (),  # type: ignore[assignment]
         prefix_text_len: int = 0,
         min_tokens: int = 0,
+        *,
+        include_stop_str: bool = False,
+        prefix_is_output: bool = True,
     ) -> None:
+        """``include_stop_str``: vLLM's ``include_stop_str_in_output``.
+        ``prefix_is_output``: the prefix's text is output a stop string may
+        start in (False when the prefix is the prompt's end, as ``prepare``
+        primes it: vLLM looks for stop strings in the output only)."""
         self._tok = tokenizer
         self._ids: list[int] = list(prefix_token_ids)
         self._stop = [s for s in stop if s]
-        self._hold = max((len(s) for s in self._stop), default=1) - 1
+        longest = max((len(s) for s in self._stop), default=1) - 1
+        self._include = include_stop_str
+        self._hold = 0 if include_stop_str else longest  # characters held back
+        self._keep = longest if include_stop_str else 0  # characters emitted, kept to match in
+        self._tail = ""  # the last _keep characters emitted
         self._min_tokens = min_tokens  # (completion tokens, a resumed prefix's included)
         self.finished = False
         # Text decoded so far but not yet emitted.
@@ -95,6 +116,8 @@ class OutputProcessor:
                     f"prefix_text_len {prefix_text_len} exceeds the prefix text ({len(text)} chars)"
                 )
             self._pending = text[prefix_text_len:]
+            if self._keep and prefix_is_output:
+                self._tail = text[max(0, prefix_text_len - self._keep) : prefix_text_len]
             # (looking at all of it finds only what the first replica could
             # not have seen yet, as it would have stopped; min_tokens' text
             # is left out when looking: _min_chars_known)
@@ -118,15 +141,16 @@ class OutputProcessor:
         """Take new tokens; return (text to emit now, finish reason).
 
         The finish reason is ``STOP`` when a stop string matched (the text is
-        cut before it), else ``finish`` as given. After a finish the processor
-        emits everything it still holds. ``finish`` ``STOP`` from the engine
-        means its last new token is a stop token (EOS, or one of
-        ``stop_token_ids``): it counts, but its text is not output, as vLLM's
+        cut before it, or after it with ``include_stop_str``), else ``finish``
+        as given. After a finish the processor emits everything it still
+        holds. ``finish`` ``STOP`` from the engine means its last new token is
+        a stop token (EOS, or one of ``stop_token_ids``): it counts, but its
+        text is not output (unless ``include_stop_str``), as vLLM's
         detokenizer has it.
         """
         if self.finished:
             return "", finish
-        if finish == FinishReason.STOP and new_ids:
+        if finish == FinishReason.STOP and new_ids and not self._include:
             new_ids = new_ids[:-1]
         ids = self._ids
         if new_ids:
@@ -164,11 +188,12 @@ class OutputProcessor:
                 after = self._looked
                 if self._min_tokens and self._emitted < self._min_chars_known():
                     after = max(after, self._min_chars - self._emitted)
-                hit = _find_stop(pending, self._stop, after)
-                if hit >= 0:
+                tail = self._tail
+                start, end = find_stop(tail + pending, self._stop, len(tail) + after)
+                if end >= 0:
                     self._pending = ""
                     self.finished = True
-                    return pending[:hit], FinishReason.STOP
+                    return pending[: (end if self._include else start) - len(tail)], FinishReason.STOP
             self._looked = len(pending)
         if finish != FinishReason.NONE:
             self._pending = ""
@@ -185,6 +210,8 @@ class OutputProcessor:
         self._pending = ""
         self._looked = 0
         self._emitted += len(pending)
+        if self._keep:
+            self._tail = (self._tail + pending)[-self._keep :]
         return pending, finish
 
     def _min_chars_known(self) -> int:
@@ -216,11 +243,11 @@ class OutputProcessor:
                 return
 
 
-def _find_stop(text: str, stops: list[str], after: int = 0) -> int:
-    """Start of the stop string that completes first in ``text`` (as it would
-    token by token), the longest on a tie, among those that end past the
-    first ``after`` characters; -1 if none. Completion order, not start
-    order, makes the cut independent of how the text was chunked."""
+def find_stop(text: str, stops: list[str], after: int = 0) -> tuple[int, int]:
+    """(start, end) of the stop string that completes first in ``text`` (as
+    it would token by token), the longest on a tie, among those that end
+    past the first ``after`` characters; (-1, -1) if none. Completion order,
+    not start order, makes the cut independent of how the text was chunked."""
     best_end = best_start = -1
     for s in stops:
         i = text.find(s, max(0, after - len(s) + 1))
@@ -229,4 +256,4 @@ def _find_stop(text: str, stops: list[str], after: int = 0) -> int:
         end = i + len(s)
         if best_end < 0 or end < best_end or (end == best_end and i < best_start):
             best_end, best_start = end, i
-    return best_start
+    return best_start, best_end

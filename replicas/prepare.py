@@ -73,8 +73,10 @@ def prepare(
     remaining = params.max_tokens - len(prefix_token_ids)
     if remaining <= 0:
         raise EngineError("max_tokens already reached by the resumed prefix")
+    include = params.include_stop_str_in_output
     if prefix_token_ids:
-        proc = OutputProcessor(engine.tokenizer, params.stop, prefix_token_ids, prefix_text_len, params.min_tokens)
+        proc = OutputProcessor(engine.tokenizer, params.stop, prefix_token_ids, prefix_text_len, params.min_tokens,
+                               include_stop_str=include)
         params = msgspec.structs.replace(
             params,
             max_tokens=remaining,
@@ -83,9 +85,9 @@ def prepare(
     elif prime and prompt_ids:
         tail = prompt_ids[-_PRIME_TOKENS:]
         proc = OutputProcessor(engine.tokenizer, params.stop, tail, _complete_text_len(engine.tokenizer, tail),
-                               params.min_tokens + len(tail))
+                               params.min_tokens + len(tail), include_stop_str=include, prefix_is_output=False)
     else:
-        proc = OutputProcessor(engine.tokenizer, params.stop, min_tokens=params.min_tokens)
+        proc = OutputProcessor(engine.tokenizer, params.stop, min_tokens=params.min_tokens, include_stop_str=include)
     return prompt_ids + list(prefix_token_ids), params, proc
 
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import enum
 import struct
+from typing import Any
 
 import msgspec
 
@@ -26,6 +27,7 @@ __all__ = [
     "UNSET_TOP_K",
     "UNSET_REPETITION_PENALTY",
     "UNSET_MIN_P",
+    "REFUSED_TEMPLATE_KWARGS",
     "Hello",
     "Generate",
     "Abort",
@@ -107,6 +109,10 @@ class SamplingParams(msgspec.Struct, array_like=True, omit_defaults=True, gc=Fal
     # vLLM's min_p (0: off). After ``unset``, for the reason given at
     # ``max_tokens_default``: an older replica ignores it (and its UNSET bit).
     min_p: float = 0.0
+    # vLLM's include_stop_str_in_output: the text ends after the stop string
+    # that ended it (and a stop token's text is output). Last, for the reason
+    # given at ``max_tokens_default``: an older replica ignores it.
+    include_stop_str_in_output: bool = False
 
     @classmethod
     def from_openai(cls, req, max_tokens: int, stop: list[str], max_tokens_default: bool = False) -> SamplingParams:
@@ -132,6 +138,7 @@ class SamplingParams(msgspec.Struct, array_like=True, omit_defaults=True, gc=Fal
             repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
             min_tokens=req.min_tokens or 0,
             min_p=0.0 if req.min_p is None else req.min_p,
+            include_stop_str_in_output=bool(getattr(req, "include_stop_str_in_output", None)),
         )
 
 
@@ -140,6 +147,12 @@ class Hello(msgspec.Struct, tag=1, array_like=True, gc=False):
 
     version: int = PROTOCOL_VERSION
     secret: str = ""
+
+
+# Generate.chat_template_kwargs keys vLLM's server refuses
+# (resolve_chat_template_kwargs): the template is the model's, and rendering
+# to text is the server's choice. The router refuses them up front.
+REFUSED_TEMPLATE_KWARGS = frozenset({"chat_template", "tokenize"})
 
 
 class Generate(msgspec.Struct, tag=2, array_like=True, omit_defaults=True, gc=False):
@@ -151,6 +164,8 @@ class Generate(msgspec.Struct, tag=2, array_like=True, omit_defaults=True, gc=Fa
     the engine continues after ``prompt + prefix`` and the replica detokenizes
     and checks stop strings as if it had produced the prefix itself, so a
     resumed stream is text-exact even across a split multi-byte character.
+    ``chat_template_kwargs`` go to the chat template with ``messages`` (vLLM's
+    field of that name).
     """
 
     rid: int
@@ -160,6 +175,9 @@ class Generate(msgspec.Struct, tag=2, array_like=True, omit_defaults=True, gc=Fa
     prompt_token_ids: list[int] | None = None
     prefix_token_ids: list[int] = []
     prefix_text_len: int = 0  # characters of the prefix's text the client already has
+    # Last, for the reason given at SamplingParams.max_tokens_default: an
+    # older replica ignores it (and renders the template without them).
+    chat_template_kwargs: dict[str, Any] | None = None
 
 
 class Abort(msgspec.Struct, tag=3, array_like=True, gc=False):

@@ -40,6 +40,7 @@ import bisect
 import random
 from collections import deque
 from pathlib import Path
+from typing import Any
 
 import msgspec
 
@@ -93,7 +94,9 @@ class ByteTokenizer:
     def decode(self, token_ids: list[int]) -> str:
         return bytes(t for t in token_ids if t < 256).decode("utf-8", "replace")
 
-    def chat(self, messages: list[dict[str, str]]) -> list[int]:
+    def chat(self, messages: list[dict[str, str]], template_kwargs: dict[str, Any] | None = None) -> list[int]:
+        # (the template has no variables: kwargs are taken and change nothing,
+        # as a Jinja template ignores variables it does not use)
         parts = [f"<|{m.get('role', 'user')}|>\n{m.get('content', '')}\n" for m in messages]
         parts.append("<|assistant|>\n")
         return [BOS, *"".join(parts).encode("utf-8")]

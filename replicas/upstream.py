@@ -36,6 +36,7 @@ import msgspec
 
 from replicas.client import Collector, ReplicaDead, ReplicaRefused
 from replicas.http11 import HttpError, HttpPool, Response, Sent, sse_data
+from replicas.output import find_stop
 from replicas.protocol import (
     PROTOCOL_VERSION,
     UNSET_MIN_P,
@@ -135,27 +136,50 @@ class _Stream:
 class _Splice:
     """Stop strings across a resume point: text the previous replica held
     back (it might start a stop string) is emitted here, checked together
-    with the upstream's new text; the upstream only checks its own text."""
+    with the upstream's new text; the upstream only checks its own text.
 
-    __slots__ = ("stops", "hold", "pending")
+    As ``replicas.output.OutputProcessor`` has it: the stop string that
+    completes first wins. With ``include`` (vLLM's
+    ``include_stop_str_in_output``) the text is cut after it, nothing is
+    held back, and the last characters the client has are kept to match a
+    stop string that starts in them (one that ends in them the previous
+    replica has seen; the held-back text it may not have: characters
+    behind an unfinished one are decoded with it). Without ``include`` the
+    upstream cuts its text before its own stop string, so one that spans
+    the splice and ends inside that one goes unseen (docs/upstreams.md)."""
 
-    def __init__(self, stops: list[str], carry: str) -> None:
+    __slots__ = ("stops", "include", "hold", "keep", "tail", "pending", "looked")
+
+    def __init__(self, stops: list[str], text: str, emitted: int, include: bool = False) -> None:
+        """``text``: the resumed prefix's text, of which the client has the
+        first ``emitted`` characters."""
         self.stops = [s for s in stops if s]
-        self.hold = max((len(s) for s in self.stops), default=1) - 1
-        self.pending = carry
+        longest = max((len(s) for s in self.stops), default=1) - 1
+        self.include = include
+        self.hold = 0 if include else longest
+        self.keep = longest if include else 0
+        self.tail = text[max(0, emitted - self.keep) : emitted] if self.keep else ""
+        self.pending = text[emitted:]
+        self.looked = 0  # characters of pending a stop string can no longer end in
 
     def feed(self, text: str, final: bool) -> tuple[str, bool]:
         """(text to emit now, whether a stop string matched)."""
         p = self.pending + text
-        hits = [i for i in (p.find(s) for s in self.stops) if i >= 0]
-        if hits:
+        tail = self.tail
+        start, end = find_stop(tail + p, self.stops, len(tail) + self.looked)
+        if end >= 0:
             self.pending = ""
-            return p[: min(hits)], True
+            return p[: (end if self.include else start) - len(tail)], True
         if final or not self.hold:
             self.pending = ""
-            return p, False
-        self.pending = p[-self.hold :]
-        return p[: -self.hold], False
+            out = p
+        else:
+            self.pending = p[-self.hold :]
+            out = p[: -self.hold]
+        self.looked = len(self.pending)
+        if self.keep:
+            self.tail = (tail + out)[-self.keep :]
+        return out, False
 
 
 def _root(url: str) -> str:
@@ -267,6 +291,7 @@ class UpstreamClient:
         prompt_token_ids: list[int] | None = None,
         prefix_token_ids: list[int] | None = None,
         prefix_text_len: int = 0,
+        chat_template_kwargs: dict[str, Any] | None = None,
     ) -> Collector:
         if self.closed is not None:
             raise ReplicaDead(f"upstream {self.name} is disconnected")
@@ -283,7 +308,8 @@ class UpstreamClient:
             # the task below first runs: one turn of a busy loop less before
             # the first token (docs/perf.md, "Where time to first token goes").
             try:
-                path, body, asked = self._request(params, prompt, messages, prompt_token_ids, prefix)
+                path, body, asked = self._request(params, prompt, messages, prompt_token_ids, prefix,
+                                                  chat_template_kwargs)
             except (TypeError, ValueError, msgspec.EncodeError):
                 pass  # the task meets it again and reports it, as for any request
             else:
@@ -293,7 +319,7 @@ class UpstreamClient:
                     st.resp = sent.response  # an abort closes it
                 first = (path, body, asked, sent)
         task = st.task = asyncio.get_running_loop().create_task(
-            self._run(st, params, prompt, messages, prefix, prefix_text_len, on_head, first),
+            self._run(st, params, prompt, messages, chat_template_kwargs, prefix, prefix_text_len, on_head, first),
             name=f"upstream-{self.name}-{col.rid}",
         )
         self._streams[col.rid] = st
@@ -392,6 +418,8 @@ class UpstreamClient:
             body["frequency_penalty"] = params.frequency_penalty
         if params.repetition_penalty != 1.0 or not unset & UNSET_REPETITION_PENALTY:
             body["repetition_penalty"] = params.repetition_penalty
+        if params.include_stop_str_in_output:
+            body["include_stop_str_in_output"] = True
         if ask_ids:
             body["return_token_ids"] = True
         if ask_usage:
@@ -399,13 +427,16 @@ class UpstreamClient:
         return body
 
     def _request(self, params: SamplingParams, prompt: str | None, messages: list[dict[str, str]] | None,
-                 prompt_ids: list[int] | None, prefix: list[int]) -> tuple[str, bytes, tuple[bool, bool]]:
+                 prompt_ids: list[int] | None, prefix: list[int],
+                 template_kwargs: dict[str, Any] | None = None) -> tuple[str, bytes, tuple[bool, bool]]:
         """The path and JSON body of one generation request, and whether it
         asks for token ids and for the usage chunk."""
         if prompt_ids is not None:
             path, payload = "/completions", {"prompt": prompt_ids + prefix}
         elif messages is not None:
             path, payload = "/chat/completions", {"messages": messages}
+            if template_kwargs:  # (as the client sent them: the upstream renders the template)
+                payload["chat_template_kwargs"] = template_kwargs
         else:
             path, payload = "/completions", {"prompt": prompt or ""}
         ask_ids = self.token_ids is not False
@@ -414,7 +445,8 @@ class UpstreamClient:
         return path, body, (ask_ids, ask_usage)
 
     async def _run(self, st: _Stream, params: SamplingParams, prompt: str | None,
-                   messages: list[dict[str, str]] | None, prefix: list[int], prefix_text_len: int,
+                   messages: list[dict[str, str]] | None, template_kwargs: dict[str, Any] | None,
+                   prefix: list[int], prefix_text_len: int,
                    on_head: Callable[[Response], None],
                    first: tuple[str, bytes, tuple[bool, bool], Sent | None] | None) -> None:
         """Send the request; once its response streams, this task ends and the
@@ -428,12 +460,14 @@ class UpstreamClient:
                                        "max_tokens already reached by the resumed prefix"))
                 return
             if prefix and params.stop:
-                st.splice = _Splice(params.stop, await self._held_back(prefix, prefix_text_len))
+                st.splice = _Splice(params.stop, await self._prefix_text(prefix, prefix_text_len), prefix_text_len,
+                                    params.include_stop_str_in_output)
             for attempt in range(3):
                 if attempt == 0 and first is not None:  # encoded, and maybe written, by generate()
                     path, body, (ask_ids, ask_usage), sent = first
                 else:
-                    path, body, (ask_ids, ask_usage) = self._request(params, prompt, messages, prompt_ids, prefix)
+                    path, body, (ask_ids, ask_usage) = self._request(params, prompt, messages, prompt_ids, prefix,
+                                                                     template_kwargs)
                     st.asked_usage = ask_usage
                     sent = None
                 if sent is not None:
@@ -561,9 +595,10 @@ class UpstreamClient:
                                    f"{reason}; this upstream returns no token ids, so the stream cannot "
                                    "continue on another replica"))
 
-    async def _held_back(self, prefix: list[int], prefix_text_len: int) -> str:
-        """Text of ``prefix`` past what the client has (held back by the
-        previous replica), via the upstream's /detokenize (vLLM's)."""
+    async def _prefix_text(self, prefix: list[int], prefix_text_len: int) -> str:
+        """Text of ``prefix`` (its first ``prefix_text_len`` characters the
+        client has; the previous replica held back the rest), via the
+        upstream's /detokenize (vLLM's)."""
         url = _root(self.url) + "/detokenize"
         body = msgspec.json.encode({"model": self.upstream_model, "tokens": prefix})
         async with self._session.post(url, data=body, headers=_JSON) as r:
@@ -577,7 +612,7 @@ class UpstreamClient:
         text = text.rstrip("\ufffd")
         if prefix_text_len > len(text):
             raise _Failed(f"prefix_text_len {prefix_text_len} exceeds the prefix text ({len(text)} chars)")
-        return text[prefix_text_len:]
+        return text
 
     # -- load ----------------------------------------------------------------
 

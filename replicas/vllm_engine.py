@@ -33,6 +33,7 @@ import msgspec
 
 from replicas.engine import Engine, EngineDead, EngineError, OutputSink, Tokenizer
 from replicas.protocol import (
+    REFUSED_TEMPLATE_KWARGS,
     UNSET_MIN_P,
     UNSET_REPETITION_PENALTY,
     UNSET_TEMPERATURE,
@@ -154,14 +155,29 @@ class HfTokenizer:
     def decode(self, token_ids: list[int]) -> str:
         return self._tok.decode(token_ids, skip_special_tokens=True)
 
-    def chat(self, messages: list[dict[str, str]]) -> list[int]:
+    def chat(self, messages: list[dict[str, str]], template_kwargs: dict[str, Any] | None = None) -> list[int]:
         if not getattr(self._tok, "chat_template", None):
             raise EngineError("the model has no chat template")
+        # A request's chat_template_kwargs go to apply_chat_template as vLLM's
+        # server passes them: over its defaults (add_generation_prompt too),
+        # and the template sees them as variables (one it does not use
+        # changes nothing). Never the template itself, nor tokenize (vLLM
+        # refuses both; the router does before they get here).
+        kwargs: dict[str, Any] = {"add_generation_prompt": True}
+        if template_kwargs:
+            refused = REFUSED_TEMPLATE_KWARGS & template_kwargs.keys()
+            if refused:
+                raise EngineError(f"Found unexpected chat template kwargs from request: {sorted(refused)}")
+            kwargs.update(template_kwargs)
         # Render to text first: the tokenize=True return type differs between
         # transformers 4 (list) and 5 (BatchEncoding). The template carries BOS.
-        text = self._tok.apply_chat_template(
-            messages, tokenize=False, add_generation_prompt=True
-        )
+        try:
+            text = self._tok.apply_chat_template(messages, tokenize=False, **kwargs)
+        except Exception as e:  # a template's raise_exception, a kwarg it cannot take: the request's fault
+            raise EngineError(f"the chat template cannot render this request: {type(e).__name__}: {e}") from e
+        if not isinstance(text, str):  # (a kwarg such as return_dict changed what it returns)
+            raise EngineError(f"the chat template rendered {type(text).__name__}, not text, with these "
+                              "chat_template_kwargs")
         return list(self._tok.encode(text, add_special_tokens=False))
 
 

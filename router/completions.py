@@ -30,6 +30,7 @@ from router.openai_types import (
     ChatRequest,
     CompletionRequest,
     chat_messages,
+    chat_template_kwargs,
     completion_prompt,
     decode_request,
     max_tokens_param,
@@ -166,7 +167,7 @@ def _job(svc: RouterService, policy: TenantPolicy, body: bytes, chat: bool, stre
         messages = chat_messages(req)
         # UTF-8 bytes bound the token count of byte-level BPE tokenizers.
         estimate = sum(len(m["content"].encode()) + _TEMPLATE_TOKENS_PER_MESSAGE for m in messages)
-        return req, Job(req.model, params, messages=messages), estimate
+        return req, Job(req.model, params, messages=messages, template_kwargs=chat_template_kwargs(req)), estimate
     prompt = completion_prompt(req)
     if isinstance(prompt, list):
         return req, Job(req.model, params, prompt_token_ids=prompt), len(prompt)

@@ -15,7 +15,7 @@ import asyncio
 import logging
 import time
 from collections.abc import AsyncIterator
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from replicas.client import ReplicaDead
 from replicas.pool import LoadHandle, NoReplica, ReplicaPool
@@ -71,9 +71,13 @@ AFFINITY_PREFIX = 512  # characters (or tokens) of the prompt that key prefix af
 
 
 class Job:
-    """What was asked: the model, the prompt in one of three forms, the params."""
+    """What was asked: the model, the prompt in one of three forms, the params.
 
-    __slots__ = ("model", "params", "prompt", "messages", "prompt_token_ids")
+    A chat keeps its ``template_kwargs`` (``chat_template_kwargs``) with its
+    messages: a replica lost before the prompt's token ids came back renders
+    them again on the next one."""
+
+    __slots__ = ("model", "params", "prompt", "messages", "prompt_token_ids", "template_kwargs")
 
     def affinity_key(self) -> int | None:
         """Hash of the prompt's first AFFINITY_PREFIX characters (or token
@@ -95,12 +99,14 @@ class Job:
         prompt: str | None = None,
         messages: list[dict[str, str]] | None = None,
         prompt_token_ids: list[int] | None = None,
+        template_kwargs: dict[str, Any] | None = None,
     ) -> None:
         self.model = model
         self.params = params
         self.prompt = prompt
         self.messages = messages
         self.prompt_token_ids = prompt_token_ids
+        self.template_kwargs = template_kwargs
 
 
 Piece = tuple[str, int, FinishReason]  # text, new tokens, finish
@@ -343,7 +349,8 @@ class Generation:
                     prefix_text_len=self.text_len,
                 )
             else:
-                col = client.generate(job.params, prompt=job.prompt, messages=job.messages)
+                col = client.generate(job.params, prompt=job.prompt, messages=job.messages,
+                                      chat_template_kwargs=job.template_kwargs)
         except ReplicaDead as e:
             handle.release()
             self._failover(slot.name, e)

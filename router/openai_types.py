@@ -13,7 +13,7 @@ from typing import Annotated, Any
 
 import msgspec
 
-from replicas.protocol import SamplingParams
+from replicas.protocol import REFUSED_TEMPLATE_KWARGS, SamplingParams
 from router.errors import BadRequest, clip
 
 __all__ = [
@@ -22,6 +22,7 @@ __all__ = [
     "decode_request",
     "to_params",
     "chat_messages",
+    "chat_template_kwargs",
     "completion_prompt",
     "usage_options",
 ]
@@ -62,6 +63,7 @@ class _Common(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     ignore_eos: bool | None = None
     repetition_penalty: float | None = None
     stop_token_ids: list[Annotated[int, msgspec.Meta(ge=0, le=MAX_TOKEN_ID)]] | None = None
+    include_stop_str_in_output: bool | None = None
 
 
 class ChatMessage(msgspec.Struct, kw_only=True):
@@ -98,6 +100,8 @@ class ChatRequest(_Common, kw_only=True):
     prompt_cache_key: str | None = None
     prompt_cache_retention: Any = None
     prompt_cache_options: Any = None
+    # vLLM's extension the router passes on (checked by ``chat_template_kwargs``)
+    chat_template_kwargs: dict[str, Any] | None = None
 
 
 class CompletionRequest(_Common, kw_only=True):
@@ -273,6 +277,35 @@ def chat_messages(req: ChatRequest) -> list[dict[str, str]]:
         out.append({"role": m.role, "content": content or ""})
     return out
 
+
+# How deep ``chat_template_kwargs`` may nest: far more than a template takes
+# (tools, documents), and shallow enough for the replica protocol to encode.
+MAX_TEMPLATE_DEPTH = 32
+
+
+def chat_template_kwargs(req: ChatRequest) -> dict[str, Any] | None:
+    """vLLM's ``chat_template_kwargs``: extra variables for the model's chat
+    template (``{"enable_thinking": false}``), passed on as sent; None when
+    there are none. A 400 naming the field for what no replica can take:
+    the keys vLLM refuses (``chat_template``, ``tokenize``), an integer the
+    replica protocol cannot carry, nesting past ``MAX_TEMPLATE_DEPTH``."""
+    kwargs = req.chat_template_kwargs
+    if not kwargs:
+        return None
+    name = "chat_template_kwargs"
+    refused = REFUSED_TEMPLATE_KWARGS & kwargs.keys()
+    if refused:
+        raise BadRequest(f"'{name}' must not set {', '.join(sorted(refused))} (vLLM refuses them too).", param=name)
+    stack: list[tuple[Any, int]] = [(kwargs, 1)]
+    while stack:
+        value, depth = stack.pop()
+        if isinstance(value, dict | list):
+            if depth > MAX_TEMPLATE_DEPTH:
+                raise BadRequest(f"'{name}' is nested more than {MAX_TEMPLATE_DEPTH} levels deep.", param=name)
+            stack.extend((v, depth + 1) for v in (value.values() if isinstance(value, dict) else value))
+        elif type(value) is int and not -(2**63) <= value <= 2**64 - 1:
+            raise BadRequest(f"'{name}' holds an integer out of the 64-bit range.", param=name)
+    return kwargs
 
 
 def completion_prompt(req: CompletionRequest) -> str | list[int]:

@@ -56,11 +56,13 @@ def upstream_router(workdir: Path, url: str, *, local: int = 1, sim: dict[str, A
     return r
 
 
-async def reference(prompt_ids: list[int], max_tokens: int, stop: list[str] | None = None) -> str:
-    """The uninterrupted greedy text of a sim with seed 0, computed in-process."""
+async def reference(prompt_ids: list[int], max_tokens: int, stop: list[str] | None = None,
+                    include: bool = False) -> str:
+    """The uninterrupted greedy text of a sim with seed 0, computed in-process
+    (``include``: with include_stop_str_in_output)."""
     done = asyncio.Event()
     pieces: list[str] = []
-    proc = OutputProcessor(TOK, stop or [])
+    proc = OutputProcessor(TOK, stop or [], include_stop_str=include)
 
     def sink(rid: int, ids: list[int], finish: FinishReason, error: str) -> None:
         if done.is_set():
@@ -314,9 +316,12 @@ def test_upstream_metrics_parse():
     assert parse_vllm_metrics(b"# some other server\nhttp_requests_total 3\n") is None
 
 
-async def test_resume_onto_upstream_is_text_exact():
+@pytest.mark.parametrize("include", [False, True], ids=["", "include_stop_str_in_output"])
+async def test_resume_onto_upstream_is_text_exact(include: bool):
     """A stream another replica started continues on the upstream text-exact,
-    whatever was held back there: split UTF-8 characters, stop-string prefixes."""
+    whatever was held back there: split UTF-8 characters, stop-string prefixes
+    (with include_stop_str_in_output, nothing is held back: a stop string
+    that starts in the text the client has is found by the router's splice)."""
     server = OpenAIServer("sim", {"model": MODEL, "seed": 0, "step_base_ms": 0, "step_per_seq_ms": 0})
     port = await server.start("127.0.0.1", 0)
     client = await open_upstream(UPSTREAM, ReplicaSpec(name=UPSTREAM, url=f"http://127.0.0.1:{port}/v1"))
@@ -326,10 +331,12 @@ async def test_resume_onto_upstream_is_text_exact():
         full = await _drain(full_col)
         assert client.token_ids is True
         for stop in (["quietly"], ["Así"], []):
-            params = SamplingParams(max_tokens=120, temperature=0, ignore_eos=True, stop=stop)
-            ref = await reference(ids, 120, stop)
-            for cut in range(1, 120, 7):
-                proc = OutputProcessor(TOK, stop)  # what the first replica delivered
+            params = SamplingParams(max_tokens=120, temperature=0, ignore_eos=True, stop=stop,
+                                    include_stop_str_in_output=include)
+            ref = await reference(ids, 120, stop, include)
+            assert not stop or ref.endswith(stop[0]) is include, (stop, ref)
+            for cut in range(1, 120, 7 if not include else 3):
+                proc = OutputProcessor(TOK, stop, include_stop_str=include)  # what the first replica delivered
                 delivered, fin = "", FinishReason.NONE
                 for t in full[0][:cut]:
                     text, fin = proc.process([t], FinishReason.NONE)
@@ -356,6 +363,30 @@ async def _drain(col) -> tuple[list[int], str, FinishReason]:
         text += t
         if f != FinishReason.NONE:
             return ids, text, f
+
+
+async def test_chat_template_kwargs_go_to_the_upstream_as_sent():
+    """vLLM's chat_template_kwargs reach an upstream's chat template (the sim
+    OpenAI server's takes them and uses none), and what it refuses, as vLLM
+    refuses it, is the request's error."""
+    server = OpenAIServer("sim", {"model": MODEL, "seed": 0, "step_base_ms": 0, "step_per_seq_ms": 0})
+    port = await server.start("127.0.0.1", 0)
+    seen: list = []
+    chat = server.engine.tokenizer.chat
+    server.engine.tokenizer.chat = lambda messages, kw=None: seen.append(kw) or chat(messages, kw)
+    client = await open_upstream(UPSTREAM, ReplicaSpec(name=UPSTREAM, url=f"http://127.0.0.1:{port}/v1"))
+    try:
+        params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+        plain = await _drain(client.generate(params, messages=CHAT))
+        kwargs = {"enable_thinking": False, "documents": [{"title": "t", "text": "x"}]}
+        assert await _drain(client.generate(params, messages=CHAT, chat_template_kwargs=kwargs)) == plain
+        assert seen == [None, kwargs]
+        col = client.generate(params, messages=CHAT, chat_template_kwargs={"tokenize": True})
+        _, _, finish = await _drain(col)
+        assert finish == FinishReason.ERROR and "unexpected chat template kwargs" in col.error, col.error
+    finally:
+        await client.close()
+        await server.close()
 
 
 # -- failover ------------------------------------------------------------------------

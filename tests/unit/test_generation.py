@@ -306,3 +306,22 @@ async def test_replicas_found_dead_on_the_way_do_not_use_up_the_failovers() -> N
     assert gen.ended and sink.failure is not None and "gave up after 1 failovers" in str(sink.failure)
     assert gen.failovers == 2  # (moves: the give-up is none; the log said 3 here, "after 1")
     assert sum(metrics.failovers.labels(s.name)._value.get() for s in pool.slots) == 2
+
+
+async def test_a_chat_moved_before_its_prompt_ids_came_renders_its_chat_template_kwargs_again() -> None:
+    # (the next replica renders the messages again: without the kwargs it
+    # would render another prompt than the one the client asked for)
+    pool = ReplicaPool([ReplicaSpec(name="r0"), ReplicaSpec(name="r1")])
+    for slot in pool.slots:
+        slot.client, slot.state = _Replica(), "ready"  # type: ignore[assignment]
+    messages, kwargs = [{"role": "user", "content": "hi"}], {"enable_thinking": False}
+    job = Job("m", SamplingParams(max_tokens=8), messages=messages, template_kwargs=kwargs)
+    gen = Generation(pool, job, Metrics(), 3, failover_wait=0)
+    gen.sink = sink = Sink()
+    gen._attach(pool.choose("m", 8))
+    first = gen.replica
+    assert gen._col is not None
+    gen._col.fail(ReplicaDead(f"replica {first} closed the connection"))
+    assert gen.replica != first and sink.failure is None
+    want = {"prompt": None, "messages": messages, "chat_template_kwargs": kwargs}
+    assert [slot.client.asked for slot in pool.slots] == [[want], [want]]  # type: ignore[attr-defined]

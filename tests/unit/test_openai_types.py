@@ -5,7 +5,15 @@ import json
 import pytest
 
 from router.errors import BadRequest
-from router.openai_types import ChatRequest, CompletionRequest, StreamOptions, chat_messages, decode_request, to_params
+from router.openai_types import (
+    ChatRequest,
+    CompletionRequest,
+    StreamOptions,
+    chat_messages,
+    chat_template_kwargs,
+    decode_request,
+    to_params,
+)
 
 MSG = [{"role": "user", "content": "hi"}]
 
@@ -87,6 +95,68 @@ def test_every_argument_of_the_installed_sdk_is_a_declared_field():
                          (completion_params.CompletionCreateParamsBase, CompletionRequest),
                          (ChatCompletionStreamOptionsParam, StreamOptions)):
         assert not _sdk_keys(params) - set(kind.__struct_fields__), (kind.__name__, _sdk_keys(params))
+
+
+# vLLM's extensions the router takes (README, "vLLM sampling extras"): declared,
+# so the SDK's extra_body with them is no 400 for an unknown field
+VLLM_EXTRAS = {"top_k", "min_p", "min_tokens", "ignore_eos", "repetition_penalty", "stop_token_ids",
+               "include_stop_str_in_output"}
+VLLM_CHAT_EXTRAS = {"chat_template_kwargs"}
+
+
+def test_the_vllm_extensions_taken_are_declared_fields():
+    assert VLLM_EXTRAS <= set(CompletionRequest.__struct_fields__)
+    assert VLLM_EXTRAS | VLLM_CHAT_EXTRAS <= set(ChatRequest.__struct_fields__)
+
+
+@pytest.mark.parametrize("make, kw, name", [
+    (chat, {"skip_special_tokens": False}, "skip_special_tokens"),
+    (chat, {"add_generation_prompt": False}, "add_generation_prompt"),
+    (chat, {"guided_json": {"type": "object"}}, "guided_json"),
+    (completion, {"chat_template_kwargs": {"enable_thinking": False}}, "chat_template_kwargs"),  # (chat only, as vLLM)
+], ids=lambda v: json.dumps(v) if isinstance(v, dict) else getattr(v, "__name__", str(v)))
+def test_vllm_extensions_not_taken_are_a_400_naming_them(make, kw, name):
+    with pytest.raises(BadRequest) as info:
+        make(**kw)
+    assert info.value.param == name and "Unrecognized request argument" in info.value.message, info.value
+
+
+def test_include_stop_str_in_output_reaches_the_replica():
+    # (vLLM's extension, sent as the openai SDK's extra_body; it was a 400 as an unknown field)
+    assert to_params(chat(include_stop_str_in_output=True, stop=["x"]), 16).include_stop_str_in_output is True
+    assert to_params(completion(include_stop_str_in_output=True), 16).include_stop_str_in_output is True
+    for kw in ({}, {"include_stop_str_in_output": False}, {"include_stop_str_in_output": None}):
+        assert to_params(chat(**kw), 16).include_stop_str_in_output is False, kw
+    for bad in ("true", 1, [True]):
+        with pytest.raises(BadRequest) as info:
+            chat(include_stop_str_in_output=bad)
+        assert info.value.param == "include_stop_str_in_output", bad
+
+
+def test_chat_template_kwargs_are_passed_on_as_sent():
+    kwargs = {"enable_thinking": False, "documents": [{"title": "t", "text": "x" * 3}], "n": 2**64 - 1}
+    assert chat_template_kwargs(chat(chat_template_kwargs=kwargs)) == kwargs
+    for empty in ({}, None):
+        assert chat_template_kwargs(chat(chat_template_kwargs=empty)) is None
+    assert chat_template_kwargs(chat()) is None
+
+
+@pytest.mark.parametrize("value, says", [
+    ([{"enable_thinking": False}], "Expected `object | null`, got `array`"),
+    ("enable_thinking=false", "Expected `object | null`, got `str`"),
+    (True, "Expected `object | null`, got `bool`"),
+    ({"tokenize": True}, "must not set tokenize"),  # (vLLM refuses both)
+    ({"chat_template": "{{ 'x' }}", "tokenize": False}, "must not set chat_template, tokenize"),
+    ({"seed": 2**64}, "out of the 64-bit range"),  # (the replica protocol could not carry it)
+    ({"a": [[[{"b": -(2**63) - 1}]]]}, "out of the 64-bit range"),
+    ({"a": json.loads("[" * 40 + "]" * 40)}, "nested more than 32 levels"),
+], ids=lambda v: json.dumps(v)[:40] if not isinstance(v, str) else v[:40])
+def test_chat_template_kwargs_that_no_replica_takes_are_a_400_naming_the_field(value, says):
+    with pytest.raises(BadRequest) as info:
+        chat_template_kwargs(chat(chat_template_kwargs=value))
+    err = json.loads(info.value.body())["error"]
+    assert (err["param"], err["type"], info.value.status) == ("chat_template_kwargs", "invalid_request_error", 400)
+    assert says in err["message"], err
 
 
 def test_text_parts_are_joined_as_vllm_joins_them():

@@ -13,7 +13,7 @@ from hypothesis import assume, example, given
 from hypothesis import strategies as st
 
 from replicas.output import OutputProcessor
-from replicas.protocol import FinishReason
+from replicas.protocol import FinishReason, SamplingParams
 from replicas.sim import ByteTokenizer
 
 TOK = ByteTokenizer()
@@ -287,3 +287,179 @@ def test_the_engines_stop_token_counts_but_its_text_is_not_output() -> None:
     proc = OutputProcessor(TOK, [])
     assert proc.process(ids[:3], NONE) == ("hel", NONE)
     assert proc.process(ids[3:], STOP) == ("lo", STOP)  # (",": the stop token)
+
+
+# -- include_stop_str_in_output (vLLM) ---------------------------------------------------------
+
+
+def expected_including(text: str, stop: list[str]) -> tuple[str, FinishReason]:
+    """vLLM's ``include_stop_str_in_output``: cut after the stop string that
+    completes first (which one does not matter for the cut: every choice
+    that ends there gives the same text, so nested stops need no care)."""
+    ends = [text.find(s) + len(s) for s in stop if s and s in text]
+    return (text[: min(ends)], STOP) if ends else (text, LENGTH)
+
+
+def including(stop: list[str], **kw) -> OutputProcessor:
+    return OutputProcessor(TOK, stop, include_stop_str=True, **kw)
+
+
+def run_with_resume_including(ids: list[int], cut: list[int], k: int, stop: list[str]) -> tuple[str, FinishReason]:
+    """``run_with_resume`` with include_stop_str on both processors."""
+    cut = sorted(set(cut) | {k})
+    parts = split(ids, cut)
+    n_first = cut.index(k) + 1
+    e1, finish = feed(including(stop), parts[:n_first], NONE)
+    if finish != NONE:
+        return e1, finish
+    e2, finish = feed(including(stop, prefix_token_ids=ids[:k], prefix_text_len=len(e1)), parts[n_first:], LENGTH)
+    return e1 + e2, finish
+
+
+@example(text="ab日😀", stop=["日😀"], raw={3, 4, 7})  # stop string split inside characters
+@example(text="abcd", stop=["abcd", "c"], raw=set())  # nested: "c" completes first
+@given(small_text, stops, boundaries)
+def test_include_stop_str_cuts_after_the_stop_string_that_completes_first(text: str, stop: list[str],
+                                                                           raw: set[int]) -> None:
+    ids = TOK.encode(text)
+    out, finish = feed(including(stop), split(ids, points(raw, len(ids))), LENGTH)
+    assert (out, finish) == expected_including(text, stop)
+
+
+@given(small_text, stops, st.integers(1, 1000), boundaries)
+def test_include_stop_str_with_a_resume_anywhere(text: str, stop: list[str], k: int, raw: set[int]) -> None:
+    ids = TOK.encode(text)
+    assume(len(ids) >= 2)
+    k = 1 + k % (len(ids) - 1)
+    assert run_with_resume_including(ids, points(raw, len(ids)), k, stop) == expected_including(text, stop)
+
+
+@pytest.mark.parametrize("text, stop", [
+    ("caf\u00e9 au lait, s'il vous pla\u00eet", ["au l", "pla\u00ee"]),  # a stop string that starts in a 2-byte character
+    ("\u6771\u4eac\u306e\u7a7a\U0001f600\u306f\u9752\u3044", ["\u306e\u7a7a\U0001f600\u306f"]),  # 3- and 4-byte characters
+    ("aaab", ["aab", "b"]),  # nested: both complete at the same point
+    ("no stop string here", ["zz"]),
+])
+def test_include_stop_str_in_pieces_of_every_size_and_across_a_resume_at_every_point(text: str,
+                                                                                     stop: list[str]) -> None:
+    ids = TOK.encode(text)
+    want = expected_including(text, stop)
+    for size in range(1, len(ids) + 1):
+        cut = list(range(size, len(ids), size))
+        assert feed(including(stop), split(ids, cut), LENGTH) == want, size
+        for k in range(1, len(ids)):
+            assert run_with_resume_including(ids, cut, k, stop) == want, (size, k)
+
+
+def test_include_stop_str_holds_nothing_back():
+    # (vLLM holds back nothing for stop strings with include_stop_str_in_output:
+    # whatever matches, the text before it goes out)
+    ids = TOK.encode("xxab")
+    held, including_ = OutputProcessor(TOK, ["abc"]), including(["abc"])
+    assert "".join(held.process([t], NONE)[0] for t in ids) == "xx"
+    assert "".join(including_.process([t], NONE)[0] for t in ids) == "xxab"
+    assert including_.process(TOK.encode("cd"), NONE) == ("c", STOP)
+
+
+def test_include_stop_str_outputs_the_stop_tokens_text_as_vllm():
+    # (vLLM's detokenizer skips a stop token only without include_stop_str_in_output)
+    from replicas.sim import EOS
+
+    ids = TOK.encode("hello,")
+    proc = including([])
+    assert proc.process(ids[:3], NONE) == ("hel", NONE)
+    assert proc.process(ids[3:], STOP) == ("lo,", STOP)  # (",": the stop token)
+    assert feed(including([]), [TOK.encode("hi"), [EOS]], STOP) == ("hi", STOP)  # (EOS has no text)
+
+
+@given(st.integers(0, 6), boundaries)
+def test_include_stop_str_still_skips_stop_strings_in_the_first_min_tokens(min_tokens: int, raw: set[int]) -> None:
+    ids = TOK.encode("aaaaaaaaaa")
+    out = feed(including(["a"], min_tokens=min_tokens), split(ids, points(raw, len(ids))), LENGTH)
+    assert out == ("a" * (min_tokens + 1), STOP)
+    ids = TOK.encode("xxabxx")
+    out = feed(including(["ab"], min_tokens=3), split(ids, points(raw, len(ids))), LENGTH)
+    assert out == ("xxab", STOP)  # ("b", the 4th token, ends it: past min_tokens)
+    assert feed(including(["ab"], min_tokens=4), split(ids, points(raw, len(ids))), LENGTH) == ("xxabxx", LENGTH)
+
+
+def test_a_stop_string_is_never_matched_in_the_prompt_a_processor_is_primed_with():
+    # (vLLM looks for stop strings in the output only; the processor the
+    # OpenAI front end primes with the prompt's last tokens keeps them as
+    # decoding context, not as output a stop string may start in)
+    from types import SimpleNamespace
+
+    from replicas.prepare import prepare
+
+    engine = SimpleNamespace(max_model_len=100, tokenizer=TOK)
+    for include in (False, True):
+        params = SamplingParams(max_tokens=10, stop=["ab"], include_stop_str_in_output=include)
+        _, _, proc = prepare(engine, TOK.encode("xa"), params, prime=True)  # type: ignore[arg-type]
+        assert feed(proc, [TOK.encode("bab"), TOK.encode("c")], LENGTH) == (("bab", STOP) if include else ("b", STOP))
+
+
+# -- a resume onto an OpenAI upstream: its text through the router's splice ---------------------
+
+
+def run_with_splice(ids: list[int], cut: list[int], k: int, stop: list[str], include: bool) -> tuple[str, FinishReason]:
+    """Tokens ``ids[:k]`` on a replica, the rest on an upstream (vLLM, or
+    the sim's OpenAI server: it decodes in the context of its prompt, which
+    ends with the delivered tokens, and matches stop strings in its own text
+    only), whose text goes through the router's ``_Splice``."""
+    from replicas.prepare import _PRIME_TOKENS, _complete_text_len
+    from replicas.upstream import _Splice
+
+    cut = sorted(set(cut) | {k})
+    parts = split(ids, cut)
+    n_first = cut.index(k) + 1
+    e1, finish = feed(OutputProcessor(TOK, stop, include_stop_str=include), parts[:n_first], NONE)
+    if finish != NONE:
+        return e1, finish
+    context = ids[max(0, k - _PRIME_TOKENS) : k]
+    upstream = OutputProcessor(TOK, stop, context, _complete_text_len(TOK, context), len(context),
+                               include_stop_str=include, prefix_is_output=False)
+    splice = _Splice(stop, TOK.decode(ids[:k]).rstrip("\ufffd"), len(e1), include)  # (/detokenize's text)
+    out = [e1]
+    rest = parts[n_first:]
+    for i, part in enumerate(rest):
+        text, finish = upstream.process(part, LENGTH if i == len(rest) - 1 else NONE)
+        text, stopped = splice.feed(text, finish != NONE)
+        out.append(text)
+        if stopped:
+            return "".join(out), STOP
+        if finish != NONE:
+            return "".join(out), finish
+    raise AssertionError("the upstream never finished")
+
+
+def overlapping(stop: list[str]) -> bool:
+    """True if one stop string's end is another's (or its own) start, or one
+    is inside another: the upstream cuts its text before its own stop string,
+    and one that spans the splice and ends inside it is then out of the
+    router's sight (docs/upstreams.md; not with include_stop_str_in_output)."""
+    return nested(stop) or any(a[-n:] == b[:n] for a in stop for b in stop for n in range(1, min(len(a), len(b))))
+
+
+@example(text="aé", stop=["a"], k=1, raw=set(), include=False)  # "a" held behind an unfinished character
+@example(text="a\n\n", stop=["\n\n"], k=2, raw=set(), include=True)  # overlapping: fine with include
+@example(text="xabcd", stop=["bc", "xab"], k=1, raw=set(), include=True)
+@example(text="abcd", stop=["abcd", "c"], k=2, raw=set(), include=True)
+@given(small_text, stops, st.integers(1, 1000), boundaries, st.booleans())
+def test_a_resume_onto_an_upstream_gives_the_text_of_one_replica(text: str, stop: list[str], k: int, raw: set[int],
+                                                                 include: bool) -> None:
+    assume(include or not overlapping(stop))
+    ids = TOK.encode(text)
+    assume(len(ids) >= 2)
+    k = 1 + k % (len(ids) - 1)
+    cut = points(raw, len(ids))
+    whole = feed(OutputProcessor(TOK, stop, include_stop_str=include), split(ids, sorted(set(cut) | {k})), LENGTH)
+    assert run_with_splice(ids, cut, k, stop, include) == whole
+
+
+def test_include_stop_str_across_a_resume_onto_an_upstream_at_every_point():
+    text, stop = "caf\u00e9 au lait, s'il vous pla\u00eet", ["au l", "pla\u00ee"]
+    ids = TOK.encode(text)
+    want = expected_including(text, stop)
+    for size in (1, 2, 3, 5):
+        for k in range(1, len(ids)):
+            assert run_with_splice(ids, list(range(size, len(ids), size)), k, stop, True) == want, (size, k)

@@ -52,9 +52,15 @@ params = st.builds(
     frequency_penalty=st.floats(-2, 2),
     repetition_penalty=st.floats(0.1, 2),
     min_tokens=st.integers(0, 100),
+    include_stop_str_in_output=st.booleans(),
 )
 messages = st.lists(st.fixed_dictionaries({"role": st.sampled_from(["system", "user", "assistant"]), "content": text}),
                     max_size=3)
+
+json_values = st.recursive(st.none() | st.booleans() | st.integers(-(2**63), 2**64 - 1) | finite | text,
+                           lambda inner: st.lists(inner, max_size=3) | st.dictionaries(text, inner, max_size=3),
+                           max_leaves=8)
+template_kwargs = st.dictionaries(text, json_values, max_size=3)
 
 
 @st.composite
@@ -68,6 +74,7 @@ def generates(draw) -> Generate:
         prompt_token_ids=draw(token_ids) if kind == "prompt_token_ids" else None,
         prefix_token_ids=draw(token_ids),
         prefix_text_len=draw(st.integers(0, 1000)),
+        chat_template_kwargs=draw(st.none() | template_kwargs) if kind == "messages" else None,
     )
 
 
