@@ -72,7 +72,16 @@ async def main(model_dir: str) -> dict:
         res["roundtrip"] = tok.decode(ids) == text
         snow = tok.encode("世")
         res["split_char"] = [len(snow), tok.decode(snow[:2])]
-        res["chat_len"] = len(tok.chat([{"role": "user", "content": "hi"}]))
+        hi = [{"role": "user", "content": "hi"}]
+        res["chat_len"] = len(tok.chat(hi))
+        # chat_template_kwargs: the template's variables, over vLLM's defaults
+        res["chat_kwargs"] = [tok.chat(hi, {"enable_thinking": False}) == tok.chat(hi),
+                              len(tok.chat(hi, {"add_generation_prompt": False})) < res["chat_len"]]
+        try:
+            tok.chat(hi, {"tokenize": True})
+            res["chat_kwargs_refused"] = "accepted"
+        except EngineError as e:
+            res["chat_kwargs_refused"] = str(e)
         res["eos"] = tok.eos_token_id
 
         greedy = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)

@@ -76,6 +76,27 @@ def test_openai_sdk_streams_chat_and_completions(vllm_router):
     assert r.usage.completion_tokens == 16 and r.choices[0].finish_reason == "length"
 
 
+def test_vllm_extras_include_the_stop_string_and_reach_the_chat_template(vllm_router):
+    client = openai.OpenAI(base_url=vllm_router.base_url + "/v1", api_key=GOLD, max_retries=0)
+    g = _greedy(40)
+    text = client.completions.create(model=MODEL, prompt=g["prompt"], max_tokens=40, temperature=0,
+                                     extra_body={"ignore_eos": True}).choices[0].text
+    stop = text[12:15]  # three characters the greedy output has
+    cut = text[:text.index(stop)]
+    for include, want in ((False, cut), (True, cut + stop)):
+        parts = [ch.choices[0].text for ch in client.completions.create(
+            model=MODEL, prompt=g["prompt"], max_tokens=40, temperature=0, stop=[stop], stream=True,
+            extra_body={"ignore_eos": True, "include_stop_str_in_output": include}) if ch.choices]
+        assert "".join(parts) == want, include
+    chat = {"model": MODEL, "messages": [{"role": "user", "content": "hello"}], "max_tokens": 8, "temperature": 0}
+    usual = client.chat.completions.create(**chat)
+    # a variable the template does not use changes nothing; one it uses does
+    same = client.chat.completions.create(**chat, extra_body={"chat_template_kwargs": {"enable_thinking": False}})
+    other = client.chat.completions.create(**chat, extra_body={"chat_template_kwargs": {"add_generation_prompt": False}})
+    assert same.choices[0].message.content == usual.choices[0].message.content
+    assert other.usage.prompt_tokens < usual.usage.prompt_tokens
+
+
 async def test_disconnect_aborts_on_the_vllm_replica(vllm_router):
     # about 20 s on the tiny model here if nothing aborts it (much longer
     # streams made a vLLM replica miss its health checks on this box)
