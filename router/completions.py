@@ -167,7 +167,10 @@ def _job(svc: RouterService, policy: TenantPolicy, body: bytes, chat: bool, stre
         messages = chat_messages(req)
         # UTF-8 bytes bound the token count of byte-level BPE tokenizers.
         estimate = sum(len(m["content"].encode()) + _TEMPLATE_TOKENS_PER_MESSAGE for m in messages)
-        return req, Job(req.model, params, messages=messages, template_kwargs=chat_template_kwargs(req)), estimate
+        kwargs = chat_template_kwargs(req)
+        if kwargs:  # (a template may render them into the prompt: documents, tools)
+            estimate += len(msgspec.json.encode(kwargs))
+        return req, Job(req.model, params, messages=messages, template_kwargs=kwargs), estimate
     prompt = completion_prompt(req)
     if isinstance(prompt, list):
         return req, Job(req.model, params, prompt_token_ids=prompt), len(prompt)

@@ -94,6 +94,11 @@ def test_tokens_are_reserved_then_settled_with_real_usage(tmp_path):
         # ... and one whose prompt alone is over the budget says so (max_tokens cannot help)
         r = httpx.post(url, headers=auth(KEY_A), json={**body(1), "prompt": "x" * 1200}, timeout=20)
         assert r.status_code == 429 and "its prompt alone is about" in r.json()["error"]["message"], r.text
+        # a chat template may render chat_template_kwargs into the prompt: they count too
+        chat = {"model": body(1)["model"], "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1,
+                "chat_template_kwargs": {"documents": [{"text": "x" * 1200}]}}
+        r = httpx.post(router.base_url + "/v1/chat/completions", headers=auth(KEY_A), json=chat, timeout=20)
+        assert r.status_code == 429 and "its prompt alone is about" in r.json()["error"]["message"], r.text
 
 
 def test_admin_endpoints_need_the_admin_key(tmp_path):
