@@ -93,6 +93,10 @@ class Located:
     def error(self, at: tuple[Any, ...], reason: str) -> str:
         return f"{self.path}:{self.line(at)}: {_dotted(at)}: {reason}"
 
+    def name(self, at: tuple[Any, ...]) -> str:
+        """``at`` as a message names it (``admin_keys.1``)."""
+        return _dotted(at)
+
 
 def _dotted(at: KeyPath) -> str:
     return ".".join(str(p) for p in at) or "(top level)"
@@ -118,6 +122,9 @@ class _SetAside(Located):
 
     def line(self, at: KeyPath) -> int:
         return Located.line(self, self._in_file(at))
+
+    def name(self, at: KeyPath) -> str:
+        return _dotted(self._in_file(at))
 
     def error(self, at: KeyPath, reason: str) -> str:
         at = self._in_file(at)

@@ -122,8 +122,7 @@ class TenantsFile(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
             if not _SHA256.match(digest):
                 err(at, "must be a SHA-256 hex digest (64 lowercase hex chars); use `fairstream hash-key`")
             elif digest in owner:
-                other = ".".join(str(p) for p in owner[digest])
-                err(at, f"duplicate key (also at {other})")
+                err(at, f"duplicate key (also at {located.name(owner[digest])})")
             else:
                 owner[digest] = at
 

@@ -178,3 +178,13 @@ def test_schema_errors_follow_a_tagged_union_and_name_dict_keys() -> None:
         (("names", 1), "Expected `str`, got `int`"),
     ]
     assert schema_errors({"sizes": {}}, _Doc) == []
+
+
+def test_a_duplicate_names_the_other_item_as_the_file_numbers_it(tmp_path: Path) -> None:
+    key = "ca978112ca1bbdcafac231b39a23dc4da786eff8147c4e72b9807785afee48bb"
+    f = tmp_path / "tenants.yaml"
+    f.write_text(f"admin_keys:\n  - 123\n  - {key}\n  - {key}\ntenants:\n  a:\n    keys: [{key[::-1]}]\n")
+    with pytest.raises(ConfigError) as e:
+        load_yaml(f, TenantsFile)
+    # (the first item fails the schema and is set aside: the other two keep their numbers)
+    assert any(":4: admin_keys.2: duplicate key (also at admin_keys.1)" in m for m in e.value.errors), e.value.errors
