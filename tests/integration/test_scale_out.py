@@ -65,7 +65,10 @@ def _router(tmp_path, name: str, redis_url: str, remote_port: int, upstream_url:
         {"name": "upstream", "url": upstream_url},
     ]
     r = RouterProcess(tmp_path / name, replicas=0, tenants=tenants, settings={
-        "replicas": replicas, "state": {"backend": "redis", "url": redis_url},
+        # (timeout: on the 2-core box a router starting beside this test's
+        # streams and two other routers met Redis's first answer past the
+        # default 0.5 s and began in an outage, serving with local limits)
+        "replicas": replicas, "state": {"backend": "redis", "url": redis_url, "timeout": 5.0},
         "health_interval": 0.3, "health_timeout": 2.0, "max_failovers": 6,
     })
     r.replica_names = [x["name"] for x in replicas]
@@ -154,6 +157,7 @@ async def test_two_routers_one_redis_four_replica_kinds(tmp_path, redis_server, 
 
             c = _router(tmp_path, "c", redis_server.url, remote_replica, upstream.url, tenants).start()
             try:
+                assert (await client.get(c.base_url + "/ready")).json()["state_store"]["healthy"]
                 codes = await asyncio.gather(*[one(r.base_url) for _ in range(15) for r in (b, c)])
             finally:
                 c.stop()
