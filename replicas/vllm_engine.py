@@ -25,6 +25,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
+import os
 import time
 from pathlib import Path
 from typing import Any
@@ -44,7 +45,8 @@ from replicas.protocol import (
     SamplingParams,
 )
 
-__all__ = ["VllmEngine", "VllmEngineConfig", "HfTokenizer", "splice_penalties", "SPLICE_KEY", "LOGITS_PROCESSOR"]
+__all__ = ["VllmEngine", "VllmEngineConfig", "HfTokenizer", "splice_penalties", "spliced_penalties_fit", "SPLICE_KEY",
+           "LOGITS_PROCESSOR"]
 
 log = logging.getLogger(__name__)
 
@@ -55,6 +57,22 @@ _GIB = 1 << 30
 # by name, that vLLM loads in its engine core to apply them.
 SPLICE_KEY = "fairstream_splice"
 LOGITS_PROCESSOR = "replicas.vllm_penalties:SplicedPenalties"
+
+
+def spliced_penalties_fit(on_cpu: bool, engine_kwargs: dict[str, Any], env: dict[str, str]) -> bool:
+    """Whether a replica's vLLM can run ``SplicedPenalties``: its V1 model
+    runner on a CPU host, without speculative decoding. Elsewhere it is not
+    loaded (a continuation's presence and frequency penalties then count from
+    the splice on, README "Known limitations"):
+    - on a GPU, vLLM 0.32 runs Model Runner V2 wherever Triton is installed,
+      which refuses a processor written for the V1 interface (the engine would
+      not start), and with its async scheduling any custom processor makes
+      every step wait for the previous one's sampled tokens;
+    - speculative decoding refuses custom processors;
+    - TPUs drop them (and vLLM's own penalties would be left neutral)."""
+    if not on_cpu or engine_kwargs.get("speculative_config"):
+        return False
+    return env.get("VLLM_USE_V2_MODEL_RUNNER", "").strip().lower() not in ("1", "true")
 
 # vLLM's CompletionOutput.finish_reason strings -> our codes.
 _FINISH = {
@@ -213,6 +231,7 @@ class VllmEngine(Engine):
         self._seq = itertools.count()
         self._load = _SchedulerLoad()
         self._tokens_generated = 0
+        self._spliced_penalties = False  # SplicedPenalties is loaded (spliced_penalties_fit)
         self.start_seconds = 0.0
 
     @property
@@ -260,7 +279,14 @@ class VllmEngine(Engine):
         if cfg.kv_cache_gib is not None:
             kwargs["kv_cache_memory_bytes"] = int(cfg.kv_cache_gib * _GIB)
         kwargs.update(cfg.extra)
-        kwargs["logits_processors"] = [*(kwargs.get("logits_processors") or ()), LOGITS_PROCESSOR]
+        from vllm.platforms import current_platform
+
+        self._spliced_penalties = spliced_penalties_fit(current_platform.is_cpu(), kwargs, dict(os.environ))
+        if self._spliced_penalties:
+            kwargs["logits_processors"] = [*(kwargs.get("logits_processors") or ()), LOGITS_PROCESSOR]
+        else:
+            log.info("presence and frequency penalties of a stream continued here count from the splice on "
+                     "(the penalties' logits processor runs on vLLM's V1 runner on a CPU host only)")
         args = AsyncEngineArgs(**kwargs)
         factory = _stat_logger_factory(self._load)
         # Building the engine blocks for the whole model load (~30 s for the
@@ -308,8 +334,9 @@ class VllmEngine(Engine):
     def _sampling_params(self, p: SamplingParams, generated: int = 0) -> Any:
         VllmSamplingParams, _, RequestOutputKind, _ = self._vllm
         temperature, top_p, top_k, repetition_penalty, min_p = with_model_defaults(p, self._defaults)
-        presence, frequency, repetition, extra = splice_penalties(p.presence_penalty, p.frequency_penalty,
-                                                                   repetition_penalty, generated)
+        presence, frequency, repetition, extra = splice_penalties(
+            p.presence_penalty, p.frequency_penalty, repetition_penalty,
+            generated if self._spliced_penalties else 0)
         try:
             return VllmSamplingParams(
                 n=1,

@@ -25,7 +25,9 @@ temperature and sampling.
 
 Loaded by vLLM in its engine core, by name (``LOGITS_PROCESSOR``), so this
 module imports vLLM and torch at the top; the rest of the replica never
-imports it.
+imports it. It is written for vLLM's V1 model runner, and ``VllmEngine``
+loads it only where that runner runs it (``spliced_penalties_fit``: a CPU
+host, no speculative decoding).
 """
 
 from __future__ import annotations
@@ -33,9 +35,9 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+from torch.nn.utils.rnn import pad_sequence
 from vllm import SamplingParams
 from vllm.model_executor.layers.utils import apply_penalties
-from vllm.utils.torch_utils import make_tensor_with_pad
 from vllm.v1.sample.logits_processor import BatchUpdate, LogitsProcessor
 from vllm.v1.sample.logits_processor.builtin import process_dict_updates
 
@@ -51,8 +53,9 @@ class _Row:
 
     def __init__(self, prompt: list[int], prefix: list[int], output: list[int], presence: float, frequency: float,
                  repetition: float) -> None:
-        self.prompt = prompt
-        self.prefix = prefix
+        # (made tensors once: only the output after the splice changes)
+        self.prompt = torch.tensor(prompt, dtype=torch.int64)
+        self.prefix = torch.tensor(prefix, dtype=torch.int64)
         self.output = output  # vLLM's live list of the tokens generated since the splice
         self.presence = presence
         self.frequency = frequency
@@ -107,18 +110,19 @@ class SplicedPenalties(LogitsProcessor):
         rows = [self.rows[i] for i in index]
         pad = logits.shape[1]  # vLLM's pad too: past every token id, cut off when counting
         # (-1: a placeholder for a token not sampled yet, under async scheduling)
-        outputs = [r.prefix + [t for t in r.output if t >= 0] for r in rows]
-        prompt_t = make_tensor_with_pad([r.prompt for r in rows], pad=pad, device="cpu", dtype=torch.int64)
-        output_t = make_tensor_with_pad(outputs, pad=pad, device="cpu", dtype=torch.int64)
-        where = torch.tensor(index, dtype=torch.int64, device=logits.device)
-        part = logits.index_select(0, where)
+        outputs = [torch.cat((r.prefix, torch.tensor([t for t in r.output if t >= 0], dtype=torch.int64)))
+                   for r in rows]
+        device = logits.device
+        prompt_t = pad_sequence([r.prompt for r in rows], batch_first=True, padding_value=pad)
+        output_t = pad_sequence(outputs, batch_first=True, padding_value=pad)
+        where = torch.tensor(index, dtype=torch.int64, device=device)
         part = apply_penalties(
-            part,
-            prompt_t.to(logits.device),
-            output_t.to(logits.device),
-            torch.tensor([r.presence for r in rows], dtype=logits.dtype, device=logits.device),
-            torch.tensor([r.frequency for r in rows], dtype=logits.dtype, device=logits.device),
-            torch.tensor([r.repetition for r in rows], dtype=logits.dtype, device=logits.device),
+            logits.index_select(0, where),
+            prompt_t.to(device),
+            output_t.to(device),
+            torch.tensor([r.presence for r in rows], dtype=logits.dtype, device=device),
+            torch.tensor([r.frequency for r in rows], dtype=logits.dtype, device=device),
+            torch.tensor([r.repetition for r in rows], dtype=logits.dtype, device=device),
         )
         logits.index_copy_(0, where, part)
         return logits

@@ -26,3 +26,13 @@ def test_the_processor_is_named_where_vllm_can_import_it():
     assert spec is not None and spec.origin is not None
     with open(spec.origin, encoding="utf-8") as f:
         assert f"class {name}(" in f.read()
+
+
+def test_the_processor_is_loaded_only_where_vllms_v1_runner_runs_it():
+    from replicas.vllm_engine import spliced_penalties_fit
+
+    assert spliced_penalties_fit(True, {"model": "m"}, {})
+    assert spliced_penalties_fit(True, {}, {"VLLM_USE_V2_MODEL_RUNNER": "0"})
+    assert not spliced_penalties_fit(False, {}, {})  # a GPU: Model Runner V2 refuses it
+    assert not spliced_penalties_fit(True, {}, {"VLLM_USE_V2_MODEL_RUNNER": "1"})
+    assert not spliced_penalties_fit(True, {"speculative_config": {"method": "ngram"}}, {})
