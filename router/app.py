@@ -15,7 +15,7 @@ from router.auth import authorization
 from router.completions import check_model, new_request_id
 from router.config import RouterConfig
 from router.cors import cors_config
-from router.errors import ApiError, BadRequest, error_body
+from router.errors import ApiError, BadRequest, error_body, unknown_path
 from router.fastpath import FastPath
 from router.relay import log_refused
 from router.resume_http import handle_resume, parse_last_event_id
@@ -171,7 +171,7 @@ def _http_error(request: Request, exc: HTTPException) -> Response:
     code = None
     headers = exc.headers
     if status == 404:
-        message = f"Unknown path {request.url.path}."
+        message = unknown_path(request.url.path).message  # (a WebSocket upgrade's too: router/fastpath.py)
     elif status == 405:
         message = f"Method {request.method} is not allowed on {request.url.path}."
     elif status == 413:  # (request_max_body_size: max_body_bytes)

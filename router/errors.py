@@ -19,6 +19,7 @@ __all__ = [
     "GatewayTimeout",
     "error_body",
     "clip",
+    "unknown_path",
 ]
 
 
@@ -85,6 +86,12 @@ class Forbidden(ApiError):
 class NotFound(ApiError):
     status = 404
     type = "invalid_request_error"
+
+
+def unknown_path(path: str) -> NotFound:
+    """The 404 of a path the router serves nothing on, an HTTP request's or
+    a WebSocket upgrade's (``path`` as the request sent it, decoded)."""
+    return NotFound(f"Unknown path {path}.")
 
 
 class UnsupportedMediaType(ApiError):

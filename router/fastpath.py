@@ -13,8 +13,9 @@ aborts it on its replica). On the router's own server the connection's
 ``connection_lost`` calls back (``router.server``'s ``lost_callbacks``);
 on any other ASGI server one ``receive()`` waiter task per request
 watches.
-Resume requests (and requests with a ``Last-Event-ID``), other routes and
-the lifespan go to Litestar; ``HEAD`` on the health, readiness, metrics and
+Resume requests (and requests with a ``Last-Event-ID``), other routes,
+WebSocket upgrades (but those it refuses: ``FastPath._upgrade``) and the
+lifespan go to Litestar; ``HEAD`` on the health, readiness, metrics and
 model-list routes is served as their ``GET`` without the body. With CORS on
 (``router.cors``), a request with an ``Origin`` gets the headers Litestar's
 CORS middleware would give it, from the same config, and a preflight that
@@ -31,11 +32,14 @@ import logging
 import re
 
 from litestar import Litestar
+from litestar.routes import WebSocketRoute
+from litestar.utils import normalize_path
 
 from router.auth import SEVERAL
 from router.completions import new_request_id, open_stream, respond_whole, start_generation
 from router.cors import preflight_refusal, response_headers
-from router.errors import ApiError, error_body
+from router.errors import ApiError, RouterShutdown, error_body, unknown_path
+from router.handshake import deny
 from router.push import ClientTooSlow, TransportWire, bounded, wire_for
 from router.relay import log_refused
 from router.service import RouterService
@@ -62,6 +66,12 @@ class FastPath:
         self.app = app
         self.svc: RouterService = app.state.service
         self.cors = app.cors_config
+        # the paths of Litestar's WebSocket routes (an upgrade to any other is
+        # refused here); matched as Litestar's router matches them, after
+        # normalize_path, so none may have path parameters
+        self.ws_paths = frozenset(r.path for r in app.routes if isinstance(r, WebSocketRoute))
+        if any("{" in p for p in self.ws_paths):
+            raise ValueError(f"FastPath matches WebSocket routes by their whole path: {sorted(self.ws_paths)}")
 
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] == "http" and scope["method"] == "POST":
@@ -94,9 +104,29 @@ class FastPath:
             refusal = preflight_refusal(self.cors, scope["headers"])
             if refusal is not None:  # (Litestar answers the allowed ones)
                 return await _error(send, [], refusal.status, refusal.body(), _close_unless_read(send))
+        elif scope["type"] == "websocket":
+            return await self._upgrade(scope, receive, send)
         if scope["type"] == "http":
             send = self._bounded(send, scope)
         return await self.app(scope, receive, send)
+
+    async def _upgrade(self, scope, receive, send) -> None:
+        """A WebSocket upgrade: to Litestar's WebSocket route, except one to a
+        path with no WebSocket route (a 404, with the body an HTTP request to
+        that path gets, where Litestar would close it unaccepted: uvicorn's
+        empty 403) and one that comes while the router shuts down (a 503,
+        ``router_shutdown``, where the route would accept it and close it at
+        once with 1012). Both are counted as refused connections. On a server
+        without ASGI's denial response, Litestar answers them as before."""
+        if normalize_path(scope["path"]) not in self.ws_paths:
+            error, reason = unknown_path(scope["path"]), "websocket_not_found"
+        elif self.svc.draining:
+            error, reason = RouterShutdown(), "shutdown"
+        else:
+            return await self.app(scope, receive, send)
+        if not await deny(scope, receive, send, error):
+            return await self.app(scope, receive, send)
+        self.svc.metrics.connections_refused.labels(reason).inc()
 
     def _bounded(self, send, scope):
         """``send`` for a response the router's own routes make (a resume's

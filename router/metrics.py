@@ -35,8 +35,13 @@ _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0
 # label values of fairstream_rate_limited_total's ``limit`` and fairstream_timeouts_total's ``timeout``
 RATE_LIMITS = ("requests", "tokens", "concurrency", "queued", "queue", "queue_wait")
 TIMEOUTS = ("first_token", "total")
-# label values of fairstream_http_connections_refused_total's ``reason`` (router/server.py)
-CONNECTION_REFUSALS = ("max_connections", "header_timeout", "body_timeout", "header_too_large", "invalid_http")
+# label values of fairstream_http_connections_refused_total's ``reason`` (router/server.py, and for
+# WebSocket upgrades router/handshake.py): past the connection cap, a head or body too slow, a head too
+# large, bytes that are not HTTP/1.1, a request or upgrade that came after shutdown began, an upgrade that
+# is not a valid WebSocket handshake, one to a path with no WebSocket endpoint, and one the application
+# closed or failed before accepting it
+CONNECTION_REFUSALS = ("max_connections", "header_timeout", "body_timeout", "header_too_large", "invalid_http",
+                       "shutdown", "invalid_websocket_handshake", "websocket_not_found", "websocket_refused")
 _ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.015, 0.02, 0.03, 0.05, 0.075, 0.1, 0.2, 0.5, 1, 2, 5)
 
 
@@ -146,7 +151,8 @@ class Metrics:
         )
         self.connections_refused = Counter(
             "fairstream_http_connections_refused",
-            "Client connections answered and closed before a request reached the router, by reason.",
+            "Client connections (and WebSocket upgrades) answered and closed before a request reached the "
+            "router, by reason.",
             ["reason"], registry=r,
         )
         for reason in CONNECTION_REFUSALS:

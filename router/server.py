@@ -32,9 +32,9 @@ from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 from uvicorn.protocols.websockets.websockets_sansio_impl import WebSocketsSansIOProtocol
 
 from router.config import SHUTDOWN_MARGIN
-from router.errors import error_body
+from router.errors import RouterShutdown, error_body
 from router.fastpath import FastPath
-from router.handshake import Handshake
+from router.handshake import Handshake, fits
 from router.metrics import Metrics
 
 __all__ = ["Server"]
@@ -51,12 +51,34 @@ class _WebSocket(WebSocketsSansIOProtocol):
     bad ``Sec-WebSocket-Version``, ...) is answered in OpenAI's error shape
     (router/handshake.py), not with websockets' plain text."""
 
+    @classmethod
+    def probe(cls, config: uvicorn.Config, server_state) -> bool:
+        """Whether this uvicorn makes, for a WebSocket connection, the
+        websockets ``ServerProtocol`` that ``connection_made`` gives
+        ``Handshake``'s class (``handshake.fits``); once at start. If not, the
+        router serves on, its connections keeping the class uvicorn gives them
+        (refused handshakes then get websockets' plain-text answers and are
+        not counted), and says so in a warning."""
+        try:
+            conn: object = cls(config=config, server_state=server_state, app_state={}).conn
+        except Exception as e:  # (a uvicorn whose protocol is built otherwise)
+            conn = e
+        if fits(conn):
+            return True
+        log.warning("uvicorn %s makes %r for a WebSocket connection, not websockets' ServerProtocol: the WebSocket "
+                    "handshakes websockets refuses get its plain-text answers, not OpenAI's error shape, and are not "
+                    "counted in fairstream_http_connections_refused_total (router/handshake.py)",
+                    uvicorn.__version__, conn)
+        return False
+
     def connection_made(self, transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
         # uvicorn builds websockets' ServerProtocol itself (in __init__);
         # Handshake only overrides its ``reject``, no state of its own, so the
-        # instance takes that class as it is: nothing is rebuilt per connection
-        self.conn.__class__ = Handshake
+        # instance takes that class as it is: nothing is rebuilt per connection.
+        # (Anything else keeps its class: probe warned at start.)
+        if fits(self.conn):
+            self.conn.__class__ = Handshake
         if _Http.metrics is not None:
             _Http.metrics.connections.inc()
 
@@ -90,6 +112,11 @@ class _WebSocket(WebSocketsSansIOProtocol):
             # shutdown only this long, not websockets' 10 s)
             self.close_timeout = min(self.close_timeout, 1.0)
             return
+        if self.handshake_initiated and not self.handshake_complete:
+            # an upgrade the application has not answered yet (its task runs):
+            # it refuses it now that the router drains, a 503 router_shutdown
+            # (router/fastpath.py), where uvicorn would answer a 500 here
+            return
         super().shutdown()
 
 
@@ -114,6 +141,9 @@ OVER_CAP_LOG_INTERVAL = 10.0
 # seconds a connection past max_connections has to send its request before
 # it is answered anyway (it must not hold a descriptor for the head timeout)
 OVER_CAP_READ = 2.0
+# seconds a connection whose request had not come whole when shutdown
+# began has to send its head (then it is answered 503: _Http.shutdown)
+SHUTDOWN_READ = 1.0
 # seconds a refused connection is read (and what it sends dropped) after its
 # answer, before it is closed: router/server.py _Http._linger
 LINGER = 2.0
@@ -197,7 +227,7 @@ class _Http(HttpToolsProtocol):
     # attributes share their keys among instances, and 7 more in the
     # instance dict pushed it past CPython's limit for shared keys, to a
     # 1.6 KB dict of its own on every connection)
-    __slots__ = ("_head", "_raw", "_in_head", "_refused", "_over", "_deadline", "_lost")
+    __slots__ = ("_head", "_raw", "_in_head", "_refused", "_over", "_deadline", "_lost", "_stopping")
 
     head_timeout = 30.0
     body_timeout = 60.0
@@ -214,7 +244,7 @@ class _Http(HttpToolsProtocol):
         metrics it counts connections in, and a fresh tally of connections
         refused past the cap."""
         cls.head_timeout, cls.body_timeout, cls.max_connections = head_timeout, body_timeout, max_connections
-        cls.metrics = metrics
+        cls.metrics = Handshake.metrics = metrics  # (Handshake: the WebSocket handshakes websockets refuses)
         if cls._over_cap_flush is not None:
             cls._over_cap_flush.cancel()
         cls._over_cap_flush, cls._over_cap_count, cls._over_cap_logged = None, 0, -OVER_CAP_LOG_INTERVAL
@@ -230,6 +260,7 @@ class _Http(HttpToolsProtocol):
         self._raw = 0  # bytes received since the request began, while its head is incomplete
         self._in_head = True
         self._refused = False
+        self._stopping = False  # (shutdown began before its request came whole: see shutdown)
         # one past max_connections: its request is read, then answered 503
         self._over = 0 < self.max_connections < len(self.connections)
         self._deadline: asyncio.TimerHandle | None = None
@@ -242,7 +273,8 @@ class _Http(HttpToolsProtocol):
     def _limit(self, seconds: float, why: str | None) -> None:
         if self._deadline is not None:
             self._deadline.cancel()
-        self._deadline = self.loop.call_later(seconds, self._refuse, 408, why, _REASONS[why]) if why else None
+        self._deadline = (self.loop.call_later(seconds, self._refuse, 408, why, _REASONS[why], _REASONS[why])
+                          if why else None)
 
     def _limit_unless_queued(self, seconds: float, why: str) -> None:
         """``_limit``, except for a request queued behind a response under way:
@@ -253,17 +285,15 @@ class _Http(HttpToolsProtocol):
         else:
             self._limit(seconds, why)
 
-    def _refuse(self, status: int, message: str, code: str) -> None:
+    def _refuse(self, status: int, message: str, code: str, reason: str) -> None:
         """Answer ``status`` as an OpenAI error with that ``code`` (a 503 with
         ``Retry-After: 1``) unless a response is under way, and close the
-        connection."""
+        connection; counted with that ``reason``."""
         if self._refused or self.transport.is_closing():
             return  # (answered already: its linger's close stays armed)
         self._limit(0, None)
         self._refused = True
         if self.metrics is not None:
-            reason = ("max_connections" if status == 503 else "header_too_large" if status == 431
-                      else "invalid_http" if status == 400 else _REASONS[message])
             self.metrics.connections_refused.labels(reason).inc()
         cycle = self.cycle
         # (no response under way: none started, and no earlier request's
@@ -320,7 +350,7 @@ class _Http(HttpToolsProtocol):
         elif cls._over_cap_flush is None:  # (the last of a burst is told too)
             cls._over_cap_flush = self.loop.call_later(wait, self._warn_over_cap, self.loop, None)
         self._refuse(503, f"The router has too many open connections ({self.max_connections}); retry shortly.",
-                     "too_many_connections")
+                     "too_many_connections", "max_connections")
 
     @classmethod
     def _warn_over_cap(cls, loop, open_now: int | None) -> None:
@@ -336,14 +366,14 @@ class _Http(HttpToolsProtocol):
     def _count(self, n: int) -> None:
         self._head += n
         if self._head > MAX_HEAD_BYTES:
-            self._refuse(431, "Request header fields too large.", "header_too_large")
+            self._refuse(431, "Request header fields too large.", "header_too_large", "header_too_large")
 
     def send_400_response(self, msg: str) -> None:
         """uvicorn's answer to bytes that are not HTTP/1.1 (a smuggling
         attempt, a NUL in a header): a refusal in OpenAI's error shape
         instead of its plain text, and never written into a response under
         way (a pipelined request's bad head cut a stream with it)."""
-        self._refuse(400, f"{msg} It is not valid HTTP/1.1.", "invalid_http_request")
+        self._refuse(400, f"{msg} It is not valid HTTP/1.1.", "invalid_http_request", "invalid_http")
 
     def data_received(self, data: bytes) -> None:
         if self._refused:
@@ -354,7 +384,7 @@ class _Http(HttpToolsProtocol):
             # parser, unseen by on_header
             self._raw += len(data)
             if self._raw > MAX_HEAD_BYTES:
-                self._refuse(431, "Request header fields too large.", "header_too_large")
+                self._refuse(431, "Request header fields too large.", "header_too_large", "header_too_large")
 
     def on_message_begin(self) -> None:
         if self._refused:
@@ -379,6 +409,9 @@ class _Http(HttpToolsProtocol):
         self._in_head = False
         if self._refused:
             return  # (the application never sees the request)
+        if self._stopping:  # (nor does it see one that came whole after shutdown began)
+            self._refuse_shutdown()
+            return
         if self._over:
             if self.expect_100_continue:  # (it holds its body back for a 100: answer now, as RFC 9110 allows)
                 self._refuse_over_cap()
@@ -429,9 +462,44 @@ class _Http(HttpToolsProtocol):
         if self._over:
             self._refuse_over_cap()
             return
+        version = self.scope["http_version"]
+        if version < "1.1":  # (httptools parses HTTP/1.x and 0.9 only: one digit each side of the dot)
+            # uvicorn hands websockets the request as HTTP/1.1 whatever it was,
+            # and would upgrade an HTTP/1.0 connection; RFC 6455 4.1 wants 1.1
+            self._refuse(400, f"A WebSocket upgrade needs HTTP/1.1 or later (RFC 6455, section 4.1); this request "
+                              f"is HTTP/{version}.", "invalid_websocket_handshake", "invalid_websocket_handshake")
+            return
         if self.metrics is not None:  # (counted by _WebSocket from here on; this protocol hears no more)
             self.metrics.connections.dec()
         super().handle_websocket_upgrade()
+
+    def shutdown(self) -> None:
+        """uvicorn's (an idle connection is closed; a busy one after its
+        response), except for a connection whose request has not come whole:
+        one that has sent no request yet, or is sending a head. Closed now,
+        it would leave its client a reset for a request (or a WebSocket
+        upgrade) it sent, or is sending, and no word why; it gets
+        ``SHUTDOWN_READ`` seconds to send the head, and is answered 503
+        ``router_shutdown`` then (or when they are up: one that sent nothing
+        is closed). An idle keep-alive connection is closed at once, as
+        uvicorn does: its client knows a reused connection may close."""
+        if (self._in_head and not self._refused and not self._over and not self.pipeline
+                and (self.cycle is None or (self._raw and self.cycle.response_complete))):
+            self._stopping = True
+            self._limit(0, None)
+            self._deadline = self.loop.call_later(SHUTDOWN_READ, self._stop_reading)
+            return
+        super().shutdown()
+
+    def _stop_reading(self) -> None:
+        if self._raw:  # a head begun and not ended
+            self._refuse_shutdown()
+        elif not self._refused:
+            self.transport.close()
+
+    def _refuse_shutdown(self) -> None:
+        e = RouterShutdown()
+        self._refuse(e.status, e.message, "router_shutdown", "shutdown")
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._limit(0, None)
@@ -471,6 +539,7 @@ class Server(uvicorn.Server):
         ))
 
     async def startup(self, sockets=None) -> None:
+        _WebSocket.probe(self.config, self.server_state)
         await super().startup(sockets)
         for server in self.servers:
             for sock in server.sockets:

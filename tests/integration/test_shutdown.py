@@ -20,7 +20,7 @@ from websockets.asyncio.client import connect
 from websockets.exceptions import ConnectionClosed
 
 from router.auth import hash_key
-from tests.helpers import ADMIN, GOLD, MODEL, RouterProcess, aiter_sse
+from tests.helpers import ADMIN, GOLD, MODEL, RouterProcess, aiter_sse, apoll
 from tests.redis_server import RedisServer, require_redis_server
 
 GRACE = 1.5
@@ -147,6 +147,58 @@ async def test_a_websocket_peer_that_never_answers_does_not_hold_the_shutdown(ro
     await asyncio.to_thread(router.proc.wait, 15)
     assert time.monotonic() - t < 4, "a silent peer held the shutdown (websockets waits 10 s for a close reply)"
     writer.close()
+
+
+async def _answer(reader: asyncio.StreamReader) -> tuple[str, dict[str, str], bytes]:
+    """(status line, header fields, body) of a raw answer, read to the end."""
+    answer = await asyncio.wait_for(reader.read(), 10)
+    head, _, body = answer.partition(b"\r\n\r\n")
+    lines = head.decode("latin-1").split("\r\n")
+    return lines[0], {k.lower(): v.strip() for k, _, v in (ln.partition(":") for ln in lines[1:])}, body
+
+
+async def test_a_request_or_upgrade_that_comes_whole_after_shutdown_began_gets_a_503(router: RouterProcess) -> None:
+    # Connections open when SIGTERM comes whose request had not come whole: a
+    # WebSocket upgrade half sent, one not sent yet, an HTTP request half sent.
+    # (uvicorn closed them at once: their clients saw the connection reset
+    # under the request they were sending, and no word why.)
+    host, port = router.base_url.removeprefix("http://").rsplit(":", 1)
+    key = base64.b64encode(os.urandom(16)).decode()
+    upgrade = (f"GET /v1/ws HTTP/1.1\r\nHost: {host}\r\nUpgrade: websocket\r\nConnection: Upgrade\r\n"
+               f"Sec-WebSocket-Key: {key}\r\nSec-WebSocket-Version: 13\r\nAuthorization: Bearer {GOLD}\r\n\r\n")
+    body = json.dumps(_body(5, stream=False))
+    post = (f"POST /v1/chat/completions HTTP/1.1\r\nHost: {host}\r\nAuthorization: Bearer {GOLD}\r\n"
+            f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n{body}")
+    conns = {name: await asyncio.open_connection(host, int(port)) for name in ("half upgrade", "fresh", "half post")}
+    conns["half upgrade"][1].write(upgrade[:40].encode())
+    conns["half post"][1].write(post[:40].encode())
+    await asyncio.sleep(0.3)  # (taken in and read)
+    router.proc.send_signal(signal.SIGTERM)
+
+    async def stopped_listening() -> bool:
+        try:
+            _, w = await asyncio.open_connection(host, int(port))
+        except OSError:
+            return True
+        w.close()
+        return False
+
+    # shutdown has begun (the router closes its listener as it begins to drain)
+    await apoll(stopped_listening, 5, what="the router to stop listening")
+    conns["half upgrade"][1].write(upgrade[40:].encode())
+    conns["fresh"][1].write(upgrade.encode())
+    conns["half post"][1].write(post[40:].encode())
+    for name, (reader, writer) in conns.items():
+        line, fields, got = await _answer(reader)
+        assert line.startswith("HTTP/1.1 503 "), (name, line, got[:300])
+        assert fields["retry-after"] == "1" and fields["content-type"] == "application/json", (name, fields)
+        err = json.loads(got)["error"]
+        assert err["code"] == "router_shutdown" and err["type"] == "server_error", (name, err)
+        writer.close()
+    t = time.monotonic()
+    await asyncio.to_thread(router.proc.wait, 15)
+    assert time.monotonic() - t < 3
+    assert router.proc.returncode in (0, -signal.SIGTERM), router.log()[-3000:]
 
 
 async def test_a_stream_that_ends_within_the_grace_finishes(router: RouterProcess) -> None:

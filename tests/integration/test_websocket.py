@@ -592,31 +592,48 @@ async def test_a_large_message_before_authentication_closes_the_socket(router: R
 _GOOD_KEY = "Sec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==\r\n"
 
 
-@pytest.mark.parametrize("request_line, headers, status, code, says", [
-    ("GET /v1/ws", "Sec-WebSocket-Version: 13\r\n", 400, "invalid_websocket_handshake",
-     "missing Sec-WebSocket-Key header"),
-    ("GET /v1/ws", "Sec-WebSocket-Key: abc\r\nSec-WebSocket-Version: 13\r\n", 400, "invalid_websocket_handshake",
-     "invalid Sec-WebSocket-Key header: abc"),
-    ("GET /v1/ws", _GOOD_KEY + "Sec-WebSocket-Version: 8\r\n", 400, "invalid_websocket_handshake",
-     "invalid Sec-WebSocket-Version header: 8"),
-    ("POST /v1/ws", _GOOD_KEY + "Sec-WebSocket-Version: 13\r\nContent-Length: 0\r\n", 405,
-     "invalid_websocket_handshake", "unsupported HTTP method: POST"),
-    ("GET /v1/nowhere", _GOOD_KEY + "Sec-WebSocket-Version: 13\r\n", 403, "forbidden", "/v1/ws"),
-], ids=["no key", "malformed key", "version 8", "POST", "no WebSocket route"])
-def test_a_refused_handshake_gets_an_openai_error(router: RouterProcess, request_line: str, headers: str,
-                                                  status: int, code: str, says: str) -> None:
-    # (the websockets library answered them in plain text, and uvicorn an
-    # upgrade to a path with no WebSocket route with an empty 403)
+def raw_answer(router: RouterProcess, head: str) -> tuple[str, dict[str, str], bytes]:
+    """(status line, header fields, body) of the router's answer to a raw
+    request ``head``, read to the end (a refusal closes the connection)."""
     with socket.create_connection(("127.0.0.1", router.port), timeout=10) as s:
-        s.sendall(f"{request_line} HTTP/1.1\r\nHost: x\r\nUpgrade: websocket\r\nConnection: Upgrade\r\n"
-                  f"{headers}\r\n".encode())
+        s.sendall(head.encode())
         answer = b""
-        while chunk := s.recv(65536):  # (to the end: the router closes the connection)
+        while chunk := s.recv(65536):
             answer += chunk
-    head, _, body = answer.partition(b"\r\n\r\n")
-    lines = head.decode("latin-1").split("\r\n")
-    assert lines[0].startswith(f"HTTP/1.1 {status} "), answer[:300]
+    head_bytes, _, body = answer.partition(b"\r\n\r\n")
+    lines = head_bytes.decode("latin-1").split("\r\n")
     fields = {k.lower(): v.strip() for k, _, v in (line.partition(":") for line in lines[1:])}
+    return lines[0], fields, body
+
+
+def refused(router: RouterProcess, reason: str) -> float:
+    return router.metrics().value("fairstream_http_connections_refused_total", 0.0, reason=reason)
+
+
+@pytest.mark.parametrize("request_line, headers, status, code, says, reason", [
+    ("GET /v1/ws HTTP/1.1", "Sec-WebSocket-Version: 13\r\n", 400, "invalid_websocket_handshake",
+     "missing Sec-WebSocket-Key header", "invalid_websocket_handshake"),
+    ("GET /v1/ws HTTP/1.1", "Sec-WebSocket-Key: abc\r\nSec-WebSocket-Version: 13\r\n", 400,
+     "invalid_websocket_handshake", "invalid Sec-WebSocket-Key header: abc", "invalid_websocket_handshake"),
+    ("GET /v1/ws HTTP/1.1", _GOOD_KEY + "Sec-WebSocket-Version: 8\r\n", 400, "invalid_websocket_handshake",
+     "invalid Sec-WebSocket-Version header: 8", "invalid_websocket_handshake"),
+    ("POST /v1/ws HTTP/1.1", _GOOD_KEY + "Sec-WebSocket-Version: 13\r\nContent-Length: 0\r\n", 405,
+     "invalid_websocket_handshake", "unsupported HTTP method: POST", "invalid_websocket_handshake"),
+    ("GET /v1/nowhere HTTP/1.1", _GOOD_KEY + "Sec-WebSocket-Version: 13\r\n", 404, None,
+     "Unknown path /v1/nowhere.", "websocket_not_found"),
+    ("GET /v1/ws HTTP/1.0", _GOOD_KEY + "Sec-WebSocket-Version: 13\r\n", 400, "invalid_websocket_handshake",
+     "HTTP/1.1 or later", "invalid_websocket_handshake"),
+], ids=["no key", "malformed key", "version 8", "POST", "no WebSocket route", "HTTP/1.0"])
+def test_a_refused_handshake_gets_an_openai_error_and_is_counted(router: RouterProcess, request_line: str,
+                                                                 headers: str, status: int, code: str | None,
+                                                                 says: str, reason: str) -> None:
+    # (the websockets library answered them in plain text, uvicorn an upgrade
+    # to a path with no WebSocket route with an empty 403, and upgraded an
+    # HTTP/1.0 connection; none of them was counted)
+    before = refused(router, reason)
+    line, fields, body = raw_answer(router, f"{request_line}\r\nHost: x\r\nUpgrade: websocket\r\n"
+                                            f"Connection: Upgrade\r\n{headers}\r\n")
+    assert line.startswith(f"HTTP/1.1 {status} "), (line, body[:300])
     assert fields["content-type"] == "application/json" and int(fields["content-length"]) == len(body), fields
     assert fields["connection"] == "close"
     if status == 405:
@@ -625,3 +642,26 @@ def test_a_refused_handshake_gets_an_openai_error(router: RouterProcess, request
     assert set(err) == {"message", "type", "param", "code"} and err["param"] is None, err
     assert err["type"] == "invalid_request_error" and err["code"] == code, err
     assert says in err["message"], err
+    assert refused(router, reason) == before + 1
+
+
+def test_an_upgrade_to_a_path_with_no_websocket_endpoint_gets_what_an_http_request_to_an_unknown_path_gets(
+        router: RouterProcess) -> None:
+    http = httpx.get(router.base_url + "/v1/nowhere", timeout=10)
+    assert http.status_code == 404 and http.headers["content-type"] == "application/json"
+    # (the last two: an HTTP route there, and a path under the WebSocket endpoint's)
+    for path in ["/v1/nowhere", "/health", "/v1/ws/more"]:
+        line, _, body = raw_answer(router, f"GET {path} HTTP/1.1\r\nHost: x\r\nUpgrade: websocket\r\n"
+                                           f"Connection: Upgrade\r\n{_GOOD_KEY}Sec-WebSocket-Version: 13\r\n\r\n")
+        assert line.startswith("HTTP/1.1 404 "), (path, line, body[:300])
+        assert body == http.content.replace(b"/v1/nowhere", path.encode()), (body, http.content)
+
+
+@pytest.mark.parametrize("path", ["/v1/ws/", "//v1//ws"])
+async def test_an_upgrade_to_the_endpoint_spelled_as_litestar_routes_it_is_accepted(router: RouterProcess,
+                                                                                    path: str) -> None:
+    url = router.base_url.replace("http://", "ws://") + path
+    async with connect(url, additional_headers={"Authorization": f"Bearer {KEY_A}"}, proxy=None,
+                       open_timeout=10, close_timeout=5) as ws:
+        await create(ws, "x", chat_body("hi", 2))
+        assert "chunk" in await recv(ws)

@@ -77,7 +77,7 @@ def serving(head=0.5, body=0.5, max_connections=0, metrics=None):
             break
         time.sleep(0.05)
     try:
-        yield
+        yield server
     finally:
         server.should_exit = True
         t.join(10)
@@ -483,6 +483,45 @@ def test_open_and_refused_connections_are_counted() -> None:
     assert value("fairstream_http_connections_refused_total", reason="header_timeout") == 1
     assert value("fairstream_http_connections_refused_total", reason="header_too_large") == 1
     assert value("fairstream_http_connections_refused_total", reason="body_timeout") == 0
+
+
+def test_a_request_that_comes_whole_after_shutdown_began_gets_a_503_and_an_idle_connection_is_closed() -> None:
+    from router.metrics import Metrics
+
+    m = Metrics()
+    with serving(head=5, body=5, metrics=m) as server:
+        half, fresh, silent, idle = conn(), conn(), conn(), conn()
+        half.sendall(b"POST /echo HTTP/1.1\r\nHo")
+        idle.sendall(b"GET /echo HTTP/1.1\r\nHost: x\r\n\r\n")
+        assert read_response(idle).endswith(b"got 0")  # (kept alive, and idle from now on)
+        time.sleep(0.2)
+        server.should_exit = True
+        for _ in range(100):  # (shutdown begins with the listener's close)
+            try:
+                conn().close()
+            except OSError:
+                break
+            time.sleep(0.05)
+        else:
+            raise AssertionError("the server did not stop listening")
+        t = time.monotonic()
+        idle.settimeout(5)
+        assert read_all(idle) == b""  # closed at once, as uvicorn does
+        assert time.monotonic() - t < 0.5
+        half.sendall(b"st: x\r\nContent-Length: 2\r\n\r\nhi")
+        fresh.sendall(b"GET /echo HTTP/1.1\r\nHost: x\r\n\r\n")
+        for s in (half, fresh):
+            s.settimeout(5)
+            answer = read_all(s)
+            assert answer.startswith(b"HTTP/1.1 503 "), answer
+            assert b"\r\nretry-after: 1\r\n" in answer and b'"code":"router_shutdown"' in answer, answer
+            s.close()
+        silent.settimeout(5)
+        assert read_all(silent) == b""  # sent nothing within SHUTDOWN_READ: closed, no answer
+        assert time.monotonic() - t < srv.SHUTDOWN_READ + 1
+        for s in (silent, idle):
+            s.close()
+    assert m.registry.get_sample_value("fairstream_http_connections_refused_total", {"reason": "shutdown"}) == 2
 
 
 async def test_a_connection_costs_uvicorn_its_own_state_and_little_more() -> None:
