@@ -10,7 +10,7 @@ From the moment the body is read, the client's disconnect cancels the
 request task, so a client that leaves while queued, while waiting for its
 first token or mid-stream is dropped at once (the generation's ``finally``
 aborts it on its replica). On the router's own server the connection's
-``connection_lost`` calls back (``router.server``'s ``lost_callbacks``);
+``connection_lost`` calls back (``router.connection``'s ``lost_callbacks``);
 on any other ASGI server one ``receive()`` waiter task per request
 watches.
 Resume requests (and requests with a ``Last-Event-ID``), other routes,

@@ -16,7 +16,7 @@ The router refuses two upgrades itself, before its WebSocket endpoint sees
 them (router/fastpath.py, through ``deny``): one to a path with no WebSocket
 endpoint (a 404, as for an HTTP request to an unknown path) and one that
 comes while the router shuts down (a 503, ``router_shutdown``). An upgrade
-in HTTP/1.0 is refused before websockets sees it (router/server.py ``_Http``).
+in HTTP/1.0 is refused before websockets sees it (router/connection.py ``HttpConnection``).
 """
 
 from __future__ import annotations
@@ -81,7 +81,7 @@ class Handshake(ServerProtocol):
 
     __slots__ = ()
 
-    # where refusals are counted (router/server.py ``_Http.configure``; one server per process)
+    # where refusals are counted (router/connection.py ``HttpConnection.configure``; one server per process)
     metrics: Metrics | None = None
 
     def reject(self, status: http.HTTPStatus | int, text: str) -> Response:

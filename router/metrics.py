@@ -35,7 +35,7 @@ _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0
 # label values of fairstream_rate_limited_total's ``limit`` and fairstream_timeouts_total's ``timeout``
 RATE_LIMITS = ("requests", "tokens", "concurrency", "queued", "queue", "queue_wait")
 TIMEOUTS = ("first_token", "total")
-# label values of fairstream_http_connections_refused_total's ``reason`` (router/server.py, and for
+# label values of fairstream_http_connections_refused_total's ``reason`` (router/connection.py, and for
 # WebSocket upgrades router/handshake.py): past the connection cap, a head or body too slow, a head too
 # large, bytes that are not HTTP/1.1, a request or upgrade that came after shutdown began, an upgrade that
 # is not a valid WebSocket handshake, one to a path with no WebSocket endpoint, and one the application

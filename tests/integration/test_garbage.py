@@ -36,6 +36,7 @@ REQUESTS = 40
 
 @pytest.fixture
 def in_process_router(tmp_path, monkeypatch):
+    from router import connection as hc
     from router import server as srv
     from router.app import create_app
 
@@ -52,8 +53,8 @@ def in_process_router(tmp_path, monkeypatch):
         }))
         config, tenants = load_router_config(tmp_path / "router.yaml")
         # what the router sets for its whole process, put back afterwards
-        stack.callback(srv._Http.configure, srv._Http.head_timeout, srv._Http.body_timeout,
-                       srv._Http.max_connections, srv._Http.metrics)
+        stack.callback(hc.HttpConnection.configure, hc.HttpConnection.head_timeout, hc.HttpConnection.body_timeout,
+                       hc.HttpConnection.max_connections, hc.HttpConnection.metrics)
         stack.callback(gc.set_threshold, *gc.get_threshold())
         stack.callback(gc.unfreeze)  # (it froze what it had at start, this test process's objects with it)
         port = free_port()

@@ -1,4 +1,4 @@
-"""router/server.py ``_Http``: the limits on a request's head and body
+"""router/connection.py ``HttpConnection``: the limits on a request's head and body
 (408, 431), on a real uvicorn server in a thread with a small application:
 keep-alive and pipelined requests, split packets, long streams and upgrades
 must pass; idle, trickling and oversized heads must not."""
@@ -14,6 +14,7 @@ import time
 
 import uvicorn
 
+from router import connection as hc
 from router import server as srv
 from router.push import TransportWire
 from tests.helpers import free_port
@@ -66,9 +67,9 @@ async def app(scope, receive, send):
 
 @contextlib.contextmanager
 def serving(head=0.5, body=0.5, max_connections=0, metrics=None):
-    old = srv._Http.head_timeout, srv._Http.body_timeout, srv._Http.max_connections, srv._Http.metrics
-    srv._Http.configure(head, body, max_connections, metrics)
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=PORT, http=srv._Http, ws=srv._WebSocket,
+    old = hc.HttpConnection.head_timeout, hc.HttpConnection.body_timeout, hc.HttpConnection.max_connections, hc.HttpConnection.metrics
+    hc.HttpConnection.configure(head, body, max_connections, metrics)
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=PORT, http=hc.HttpConnection, ws=srv._WebSocket,
                                           loop="asyncio", lifespan="off", log_level="warning"))
     t = threading.Thread(target=server.run, daemon=True)
     t.start()
@@ -81,7 +82,7 @@ def serving(head=0.5, body=0.5, max_connections=0, metrics=None):
     finally:
         server.should_exit = True
         t.join(10)
-        srv._Http.configure(*old)
+        hc.HttpConnection.configure(*old)
 
 
 def conn() -> socket.socket:
@@ -258,13 +259,13 @@ def test_a_refused_client_that_sends_its_whole_request_first_reads_the_answer_no
 
 
 def _closed_after_the_linger(s: socket.socket, start: float) -> None:
-    time.sleep(srv.LINGER + 0.5)
+    time.sleep(hc.LINGER + 0.5)
     with contextlib.suppress(OSError):  # LINGER seconds on, the connection is gone: a reset now
         s.sendall(b"more")
         time.sleep(0.1)
         s.sendall(b"more")
         raise AssertionError("the connection is still open")
-    assert time.monotonic() - start < srv.LINGER + 2
+    assert time.monotonic() - start < hc.LINGER + 2
 
 
 def test_a_refused_connection_whose_client_stays_is_closed_after_the_linger():
@@ -284,7 +285,7 @@ def test_a_refusal_that_lingers_stops_the_handler_of_the_request_before_it_at_on
     # token) when the next request's head grows too large: the 431 is sent and
     # the connection lingers. The handler went on generating, its writes
     # dropped, until the close LINGER seconds later; it is now told at once.
-    monkeypatch.setattr(srv, "LINGER", 30.0)
+    monkeypatch.setattr(hc, "LINGER", 30.0)
     HELD_LOST.clear()
     with serving(head=5, body=5):
         s = conn()
@@ -317,7 +318,7 @@ def test_the_open_file_limit_is_raised_to_the_hard_limit():
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     if hard != resource.RLIM_INFINITY:
         resource.setrlimit(resource.RLIMIT_NOFILE, (max(1024, hard // 2), hard))  # (any process may lower it)
-    limit = srv.open_file_limit()
+    limit = hc.open_file_limit()
     assert resource.getrlimit(resource.RLIMIT_NOFILE)[0] == (soft if hard == resource.RLIM_INFINITY else hard)
     assert limit == (0 if hard == resource.RLIM_INFINITY else hard)
 
@@ -347,20 +348,20 @@ class _Limits:
 def test_an_unlimited_hard_open_file_limit_raises_the_soft_one_as_far_as_the_system_allows():
     # macOS: hard limit unlimited, soft 256; setrlimit past OPEN_MAX fails
     mac = _Limits(256, _Limits.RLIM_INFINITY, ceiling=10240)
-    assert srv.open_file_limit(mac) == 10240
+    assert hc.open_file_limit(mac) == 10240
     assert mac.limits == (10240, _Limits.RLIM_INFINITY) and mac.tried == [1 << 20, 10240]
     linux = _Limits(1024, _Limits.RLIM_INFINITY, ceiling=1 << 20)  # (root may set an unlimited hard limit)
-    assert srv.open_file_limit(linux) == 1 << 20
+    assert hc.open_file_limit(linux) == 1 << 20
 
 
 def test_an_open_file_limit_that_cannot_be_raised_stays_as_it_is(caplog):
     tight = _Limits(256, _Limits.RLIM_INFINITY, ceiling=512)
     with caplog.at_level("WARNING", logger="fairstream.router"):
-        assert srv.open_file_limit(tight) == 256
+        assert hc.open_file_limit(tight) == 256
     assert tight.limits == (256, _Limits.RLIM_INFINITY)
     assert "could not raise the open-file limit from 256" in caplog.text
-    assert srv.open_file_limit(_Limits(4096, 4096, ceiling=0)) == 4096  # (soft = hard: nothing to do)
-    assert srv.open_file_limit(_Limits(_Limits.RLIM_INFINITY, _Limits.RLIM_INFINITY, ceiling=0)) == 0
+    assert hc.open_file_limit(_Limits(4096, 4096, ceiling=0)) == 4096  # (soft = hard: nothing to do)
+    assert hc.open_file_limit(_Limits(_Limits.RLIM_INFINITY, _Limits.RLIM_INFINITY, ceiling=0)) == 0
 
 
 def test_the_router_writes_its_own_head_and_end_on_this_server():
@@ -379,7 +380,7 @@ def test_the_router_writes_its_own_head_and_end_on_this_server():
 
 
 def test_past_max_connections_a_silent_or_expect_100_connection_is_answered_at_once(monkeypatch):
-    monkeypatch.setattr(srv, "OVER_CAP_READ", 0.5)
+    monkeypatch.setattr(hc, "OVER_CAP_READ", 0.5)
     with serving(head=30, body=60, max_connections=1):
         held = conn()
         held.sendall(b"GET /slow HTTP/1.1\r\nHost: x\r\n\r\n")
@@ -390,7 +391,7 @@ def test_past_max_connections_a_silent_or_expect_100_connection_is_answered_at_o
         assert read_all(silent).startswith(b"HTTP/1.1 503")
         assert time.monotonic() - t0 < 3
         silent.close()
-        monkeypatch.setattr(srv, "OVER_CAP_READ", 30.0)  # (read as a connection opens)
+        monkeypatch.setattr(hc, "OVER_CAP_READ", 30.0)  # (read as a connection opens)
         waiting = conn()  # holds its body back for a 100 Continue: answered now, not after body_timeout
         waiting.sendall(b"POST /echo HTTP/1.1\r\nHost: x\r\nContent-Length: 5\r\nExpect: 100-continue\r\n\r\n")
         t0 = time.monotonic()
@@ -518,7 +519,7 @@ def test_a_request_that_comes_whole_after_shutdown_began_gets_a_503_and_an_idle_
             s.close()
         silent.settimeout(5)
         assert read_all(silent) == b""  # sent nothing within SHUTDOWN_READ: closed, no answer
-        assert time.monotonic() - t < srv.SHUTDOWN_READ + 1
+        assert time.monotonic() - t < hc.SHUTDOWN_READ + 1
         for s in (silent, idle):
             s.close()
     assert m.registry.get_sample_value("fairstream_http_connections_refused_total", {"reason": "shutdown"}) == 2
@@ -549,7 +550,7 @@ async def test_a_connection_costs_uvicorn_its_own_state_and_little_more() -> Non
 
     config = uvicorn.Config(app=app, log_level="warning")
     config.load()
-    theirs, ours = (cls(config, ServerState(), app_state={}) for cls in (HttpToolsProtocol, srv._Http))
+    theirs, ours = (cls(config, ServerState(), app_state={}) for cls in (HttpToolsProtocol, hc.HttpConnection))
     for proto in (theirs, ours):
         proto.connection_made(Transport())
     assert sys.getsizeof(vars(ours)) == sys.getsizeof(vars(theirs))

@@ -1,0 +1,413 @@
+"""The client connection's HTTP/1.1 protocol: uvicorn's httptools protocol
+with the limits a server facing many clients needs.
+
+uvicorn sets none for a request's head: here a connection that sends no
+complete head within router.yaml's ``header_timeout`` gets a 408 (as one
+whose body stops arriving for ``body_timeout``), a head larger than
+``MAX_HEAD_BYTES`` a 431, bytes that are not HTTP/1.1 a 400, an HTTP/1.0
+WebSocket upgrade a 400, all in OpenAI's error shape and counted in
+``fairstream_http_connections_refused_total``. At start the router raises
+its open-file limit to the hard limit (``open_file_limit``) and serves at
+most ``max_connections`` client connections (by default about half that
+limit: ``default_max_connections``): one more gets a 503 once its request is
+read, and is closed after a lingering close (``HttpConnection._linger``), so
+a flood of connections cannot take the descriptors the open streams need
+for their replicas and upstreams. At shutdown a connection whose request
+has not come whole gets ``SHUTDOWN_READ`` seconds and a 503
+``router_shutdown``, not a reset.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from http import HTTPStatus
+from typing import Any, Callable
+
+from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+
+from router.errors import RouterShutdown, error_body
+from router.handshake import Handshake
+from router.metrics import Metrics
+
+__all__ = ["HttpConnection", "open_file_limit", "default_max_connections"]
+
+log = logging.getLogger("fairstream.router")
+
+MAX_HEAD_BYTES = 64 * 1024  # request line and headers
+HEAD_TIMEOUT = "Timed out reading the request head."
+BODY_TIMEOUT = "Timed out reading the request body."
+# fairstream_http_connections_refused_total's reason of each refusal
+_REASONS = {HEAD_TIMEOUT: "header_timeout", BODY_TIMEOUT: "body_timeout"}
+# at most one "too many connections" warning per this many seconds
+OVER_CAP_LOG_INTERVAL = 10.0
+# seconds a connection past max_connections has to send its request before
+# it is answered anyway (it must not hold a descriptor for the head timeout)
+OVER_CAP_READ = 2.0
+# seconds a connection whose request had not come whole when shutdown
+# began has to send its head (then it is answered 503: HttpConnection.shutdown)
+SHUTDOWN_READ = 1.0
+# seconds a refused connection is read (and what it sends dropped) after its
+# answer, before it is closed: ``HttpConnection._linger``
+LINGER = 2.0
+# descriptors kept out of the default cap: listeners, replica and Redis
+# connections, health checks, log files
+FILE_RESERVE = 256
+
+
+def default_max_connections(files: int) -> int:
+    """The cap from the open-file limit (0: none): half of what the reserve
+    leaves, since a stream through a ``url:`` upstream holds two."""
+    return max(64, (files - FILE_RESERVE) // 2) if files else 0
+
+
+# what to raise the open-file limit to when its hard limit is unlimited (macOS
+# by default): Linux's default ceiling (fs.nr_open), else macOS's OPEN_MAX
+_UNLIMITED_TARGETS = (1 << 20, 10240)
+
+
+def open_file_limit(res: Any = None) -> int:
+    """Raise the process's open-file limit to its hard limit (as Go's
+    runtime does; an unlimited hard limit, macOS's default, to the most of
+    ``_UNLIMITED_TARGETS`` the system takes), and return it (0: unlimited,
+    or no such limit here). ``res``: the ``resource`` module (tests)."""
+    if res is None:
+        try:
+            import resource as res
+        except ImportError:  # pragma: no cover - Windows: no rlimits
+            return 0
+    soft, hard = res.getrlimit(res.RLIMIT_NOFILE)
+    if soft != hard and soft != res.RLIM_INFINITY:
+        targets = (hard,) if hard != res.RLIM_INFINITY else _UNLIMITED_TARGETS
+        error: Exception | None = None
+        for target in (t for t in targets if t > soft):
+            try:
+                res.setrlimit(res.RLIMIT_NOFILE, (target, hard))
+            except (ValueError, OSError) as e:  # (a sandbox that forbids it, or past the system's ceiling)
+                error = e
+                continue
+            soft = target
+            break
+        else:
+            if error is not None:
+                log.warning("could not raise the open-file limit from %d: %s", soft, error)
+    return 0 if soft == res.RLIM_INFINITY else soft
+
+
+class _Pipeline(list):
+    """uvicorn's queue of pipelined requests (it uses ``appendleft``, ``pop``
+    and truth) on a list: an empty ``deque`` takes 624 bytes, an empty list
+    56, on every connection, and requests rarely queue."""
+
+    __slots__ = ()
+
+    def appendleft(self, item) -> None:
+        self.insert(0, item)
+
+
+class _ListEvent(asyncio.Event):
+    """``asyncio.Event`` with its waiters in a list (it appends, removes and
+    iterates them): an empty ``deque`` takes 624 bytes, an empty list 56.
+    uvicorn keeps two events per connection (its flow control's and the
+    request's), and they are rarely waited on by more than one task."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._waiters = []  # type: ignore[assignment]
+
+
+class HttpConnection(HttpToolsProtocol):
+    """uvicorn's httptools protocol with the limits a server facing many
+    clients needs, which uvicorn does not set for a request's head: a
+    connection that sends no complete request head within ``head_timeout``
+    (idle from the start, or trickling bytes) gets a 408 and is closed, as
+    one whose body stops arriving for ``body_timeout`` (router.yaml's
+    ``header_timeout`` and ``body_timeout``, set by ``Server``); a head
+    larger than ``MAX_HEAD_BYTES`` is a 431. (Between requests, uvicorn's
+    keep-alive timeout applies.)"""
+
+    # (the router's own per-connection state in slots: uvicorn's ~27
+    # attributes share their keys among instances, and 7 more in the
+    # instance dict pushed it past CPython's limit for shared keys, to a
+    # 1.6 KB dict of its own on every connection)
+    __slots__ = ("_head", "_raw", "_in_head", "_refused", "_over", "_deadline", "_lost", "_stopping")
+
+    head_timeout = 30.0
+    body_timeout = 60.0
+    max_connections = 0  # 0: no cap
+    metrics: Metrics | None = None  # (the router's: open and refused connections)
+    _over_cap_logged = -OVER_CAP_LOG_INTERVAL  # (loop time of the last warning)
+    _over_cap_count = 0  # connections refused since, not yet in a warning
+    _over_cap_flush: asyncio.TimerHandle | None = None  # (the warning for the last of them)
+
+    @classmethod
+    def configure(cls, head_timeout: float, body_timeout: float, max_connections: int,
+                  metrics: Metrics | None = None) -> None:
+        """The limits of this process's server (one server per process), the
+        metrics it counts connections in, and a fresh tally of connections
+        refused past the cap."""
+        cls.head_timeout, cls.body_timeout, cls.max_connections = head_timeout, body_timeout, max_connections
+        cls.metrics = Handshake.metrics = metrics  # (Handshake: the WebSocket handshakes websockets refuses)
+        if cls._over_cap_flush is not None:
+            cls._over_cap_flush.cancel()
+        cls._over_cap_flush, cls._over_cap_count, cls._over_cap_logged = None, 0, -OVER_CAP_LOG_INTERVAL
+
+    def connection_made(self, transport) -> None:  # type: ignore[override]
+        super().connection_made(transport)
+        self.pipeline = _Pipeline()  # type: ignore[assignment]
+        self.flow._is_writable_event = writable = _ListEvent()
+        writable.set()  # (as FlowControl starts: writable)
+        if self.metrics is not None:
+            self.metrics.connections.inc()
+        self._head = 0  # bytes of the request line and headers parsed so far
+        self._raw = 0  # bytes received since the request began, while its head is incomplete
+        self._in_head = True
+        self._refused = False
+        self._stopping = False  # (shutdown began before its request came whole: see shutdown)
+        # one past max_connections: its request is read, then answered 503
+        self._over = 0 < self.max_connections < len(self.connections)
+        self._deadline: asyncio.TimerHandle | None = None
+        self._lost: list[Callable[[], None]] = []  # (see on_headers_complete)
+        if self._over:  # (its request, or not, within OVER_CAP_READ: answered all the same)
+            self._deadline = self.loop.call_later(OVER_CAP_READ, self._refuse_over_cap)
+        else:
+            self._limit(self.head_timeout, HEAD_TIMEOUT)
+
+    def _limit(self, seconds: float, why: str | None) -> None:
+        if self._deadline is not None:
+            self._deadline.cancel()
+        self._deadline = (self.loop.call_later(seconds, self._refuse, 408, why, _REASONS[why], _REASONS[why])
+                          if why else None)
+
+    def _limit_unless_queued(self, seconds: float, why: str) -> None:
+        """``_limit``, except for a request queued behind a response under way:
+        uvicorn stops reading then, so what it has not sent may not arrive,
+        and its time starts when it does (``on_response_complete``)."""
+        if self.pipeline:
+            self._limit(0, None)
+        else:
+            self._limit(seconds, why)
+
+    def _refuse(self, status: int, message: str, code: str, reason: str) -> None:
+        """Answer ``status`` as an OpenAI error with that ``code`` (a 503 with
+        ``Retry-After: 1``) unless a response is under way, and close the
+        connection; counted with that ``reason``."""
+        if self._refused or self.transport.is_closing():
+            return  # (answered already: its linger's close stays armed)
+        self._limit(0, None)
+        self._refused = True
+        if self.metrics is not None:
+            self.metrics.connections_refused.labels(reason).inc()
+        cycle = self.cycle
+        # (no response under way: none started, and no earlier request's
+        # response that this pipelined one waits behind)
+        if (cycle is None or cycle.response_complete or not cycle.response_started) and not self.pipeline:
+            if status == 503:
+                body = error_body(message, "server_error", None, code)
+                head = b"content-type: application/json\r\nretry-after: 1\r\n"
+            else:
+                body = error_body(message, "invalid_request_error", None, code)
+                head = b"content-type: application/json\r\n"
+            self.transport.write(b"HTTP/1.1 %d %s\r\n%scontent-length: %d\r\nconnection: close\r\n\r\n%s"
+                                 % (status, HTTPStatus(status).phrase.encode(), head, len(body), body))
+            if self._linger():
+                return
+        self.transport.close()
+
+    def _linger(self) -> bool:
+        """Close the connection's sending side after a refusal and discard
+        what the client still sends, until it closes its side or ``LINGER``
+        seconds pass (nginx's lingering close). Closed at once, a socket with
+        unread bytes, or bytes still arriving, is reset, and a client that
+        sends its whole request before it reads (most do) then sees the reset
+        instead of the answer: a header too large, a body past the head's
+        timeout, a pipelined request past ``max_connections``. False where the
+        transport cannot half-close (TLS)."""
+        transport = self.transport
+        if not transport.can_write_eof():
+            return False
+        transport.write_eof()  # (after what is buffered; data_received drops what comes in)
+        self.flow.resume_reading()  # (uvicorn pauses reading while requests queue)
+        cycle = self.cycle
+        if cycle is not None and not cycle.response_complete:
+            # (an earlier request's handler that has not answered yet: its
+            # writes now would follow the end of the stream, which uvloop
+            # refuses; as for a closed connection, it hears a disconnect)
+            cycle.disconnected = True
+            cycle.message_event.set()
+        for callback in list(self._lost):  # (a fast-path handler still generating stops now, not at the close)
+            callback()
+        self._deadline = self.loop.call_later(LINGER, transport.close)
+        return True
+
+    def _refuse_over_cap(self) -> None:
+        """Answer a connection past ``max_connections`` (its request read,
+        or ``OVER_CAP_READ`` passed)."""
+        if self._refused or self.transport.is_closing():
+            return
+        cls = type(self)
+        cls._over_cap_count += 1
+        wait = cls._over_cap_logged + OVER_CAP_LOG_INTERVAL - self.loop.time()
+        if wait <= 0:
+            self._warn_over_cap(self.loop, len(self.connections))
+        elif cls._over_cap_flush is None:  # (the last of a burst is told too)
+            cls._over_cap_flush = self.loop.call_later(wait, self._warn_over_cap, self.loop, None)
+        self._refuse(503, f"The router has too many open connections ({self.max_connections}); retry shortly.",
+                     "too_many_connections", "max_connections")
+
+    @classmethod
+    def _warn_over_cap(cls, loop, open_now: int | None) -> None:
+        if cls._over_cap_flush is not None:
+            cls._over_cap_flush.cancel()
+            cls._over_cap_flush = None
+        if cls._over_cap_count:
+            now = f"{open_now} connections open" if open_now is not None else "connections"
+            log.warning("%s past max_connections (%d): %d refused with a 503 since the last warning",
+                        now, cls.max_connections, cls._over_cap_count)
+        cls._over_cap_logged, cls._over_cap_count = loop.time(), 0
+
+    def _count(self, n: int) -> None:
+        self._head += n
+        if self._head > MAX_HEAD_BYTES:
+            self._refuse(431, "Request header fields too large.", "header_too_large", "header_too_large")
+
+    def send_400_response(self, msg: str) -> None:
+        """uvicorn's answer to bytes that are not HTTP/1.1 (a smuggling
+        attempt, a NUL in a header): a refusal in OpenAI's error shape
+        instead of its plain text, and never written into a response under
+        way (a pipelined request's bad head cut a stream with it)."""
+        self._refuse(400, f"{msg} It is not valid HTTP/1.1.", "invalid_http_request", "invalid_http")
+
+    def data_received(self, data: bytes) -> None:
+        if self._refused:
+            return
+        super().data_received(data)
+        if self._in_head and not self._refused:
+            # a head still incomplete: a header not finished yet waits in the
+            # parser, unseen by on_header
+            self._raw += len(data)
+            if self._raw > MAX_HEAD_BYTES:
+                self._refuse(431, "Request header fields too large.", "header_too_large", "header_too_large")
+
+    def on_message_begin(self) -> None:
+        if self._refused:
+            # (a request pipelined behind the refused one, in the same read:
+            # never served, and its head timer must not replace the linger's)
+            return
+        super().on_message_begin()
+        if not self._in_head and not self._over:  # a keep-alive connection's next request
+            self._in_head = True
+            self._limit_unless_queued(self.head_timeout, HEAD_TIMEOUT)
+        self._head = self._raw = 0
+
+    def on_url(self, url: bytes) -> None:
+        super().on_url(url)
+        self._count(len(url))
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        super().on_header(name, value)
+        self._count(len(name) + len(value) + 4)
+
+    def on_headers_complete(self) -> None:
+        self._in_head = False
+        if self._refused:
+            return  # (the application never sees the request)
+        if self._stopping:  # (nor does it see one that came whole after shutdown began)
+            self._refuse_shutdown()
+            return
+        if self._over:
+            if self.expect_100_continue:  # (it holds its body back for a 100: answer now, as RFC 9110 allows)
+                self._refuse_over_cap()
+            return  # (read to its end, then answered: on_message_complete)
+        before = self.cycle
+        super().on_headers_complete()  # (queues it behind a response under way, if one is)
+        self._limit_unless_queued(self.body_timeout, BODY_TIMEOUT)
+        if self.cycle is not None:
+            if self.cycle is not before:  # (a new request's: nothing waits on uvicorn's event yet)
+                self.cycle.message_event = _ListEvent()
+            # what the request's handler wants called when the connection
+            # is lost (router.fastpath: no waiter task per request)
+            self.cycle.lost_callbacks = self._lost
+
+    def on_body(self, body: bytes) -> None:
+        if self._refused:
+            return
+        if not self._over:
+            self._limit_unless_queued(self.body_timeout, BODY_TIMEOUT)  # (between two reads, as nginx)
+            super().on_body(body)
+
+    def on_message_complete(self) -> None:
+        if self._refused:
+            return
+        if self._over:
+            self._refuse_over_cap()
+            return
+        self._limit(0, None)
+        super().on_message_complete()
+
+    def on_response_complete(self) -> None:
+        queued = bool(self.pipeline)
+        super().on_response_complete()
+        if not queued or self.pipeline or self._refused or self.transport.is_closing():
+            return
+        # The last queued request starts: the time of what it has not sent
+        # yet starts now (behind a response under way it may not have been
+        # read: uvicorn pauses reading while requests queue).
+        if self._in_head:
+            self._limit(self.head_timeout, HEAD_TIMEOUT)
+        elif self.cycle is not None and self.cycle.more_body:
+            self._limit(self.body_timeout, BODY_TIMEOUT)
+
+    def handle_websocket_upgrade(self) -> None:
+        if self._refused:
+            return  # (an upgrade pipelined behind a refused request: the connection is closing)
+        self._limit(0, None)  # (the WebSocket protocol takes the connection over)
+        if self._over:
+            self._refuse_over_cap()
+            return
+        version = self.scope["http_version"]
+        if version < "1.1":  # (httptools parses HTTP/1.x and 0.9 only: one digit each side of the dot)
+            # uvicorn hands websockets the request as HTTP/1.1 whatever it was,
+            # and would upgrade an HTTP/1.0 connection; RFC 6455 4.1 wants 1.1
+            self._refuse(400, f"A WebSocket upgrade needs HTTP/1.1 or later (RFC 6455, section 4.1); this request "
+                              f"is HTTP/{version}.", "invalid_websocket_handshake", "invalid_websocket_handshake")
+            return
+        if self.metrics is not None:  # (counted by _WebSocket from here on; this protocol hears no more)
+            self.metrics.connections.dec()
+        super().handle_websocket_upgrade()
+
+    def shutdown(self) -> None:
+        """uvicorn's (an idle connection is closed; a busy one after its
+        response), except for a connection whose request has not come whole:
+        one that has sent no request yet, or is sending a head. Closed now,
+        it would leave its client a reset for a request (or a WebSocket
+        upgrade) it sent, or is sending, and no word why; it gets
+        ``SHUTDOWN_READ`` seconds to send the head, and is answered 503
+        ``router_shutdown`` then (or when they are up: one that sent nothing
+        is closed). An idle keep-alive connection is closed at once, as
+        uvicorn does: its client knows a reused connection may close."""
+        if (self._in_head and not self._refused and not self._over and not self.pipeline
+                and (self.cycle is None or (self._raw and self.cycle.response_complete))):
+            self._stopping = True
+            self._limit(0, None)
+            self._deadline = self.loop.call_later(SHUTDOWN_READ, self._stop_reading)
+            return
+        super().shutdown()
+
+    def _stop_reading(self) -> None:
+        if self._raw:  # a head begun and not ended
+            self._refuse_shutdown()
+        elif not self._refused:
+            self.transport.close()
+
+    def _refuse_shutdown(self) -> None:
+        e = RouterShutdown()
+        self._refuse(e.status, e.message, "router_shutdown", "shutdown")
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._limit(0, None)
+        if self.metrics is not None:
+            self.metrics.connections.dec()
+        super().connection_lost(exc)
+        for callback in list(self._lost):
+            callback()
