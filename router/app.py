@@ -123,12 +123,15 @@ async def ready(request: Request) -> Response:
     svc = _svc(request)
     await svc.store.check()
     replicas = {s.name: s.state for s in svc.pool.slots}
-    store_ok = svc.store_healthy or svc.config.state.on_outage == "open"
+    # (not before the store's first answer: a router that serves meanwhile
+    # counts its tenants where no other router sees them, or refuses them)
+    connecting = svc.store.connecting
+    store_ok = svc.store_healthy or (svc.config.state.on_outage == "open" and not connecting)
     ok = any(s.ready for s in svc.pool.slots) and store_ok
     body = msgspec.json.encode({
         "ready": ok,
         "replicas": replicas,
-        "state_store": {"backend": svc.store.name, "healthy": svc.store_healthy},
+        "state_store": {"backend": svc.store.name, "healthy": svc.store_healthy, "connecting": connecting},
         "tenants_digest": svc.policy.current.digest,
         # (other routers on the same state store whose tenants.yaml differs: router -> digest)
         "tenants_differ": svc.peers.differ,

@@ -134,7 +134,8 @@ class RouterService:
 
     @property
     def store_healthy(self) -> bool:
-        return getattr(self.store, "healthy", True)
+        """The store answers (not while it is down, nor before its first answer)."""
+        return self.store.healthy and not self.store.connecting
 
     def background(self, coro: Coroutine[Any, Any, None]) -> asyncio.Task[None]:
         """Run cleanup work that must finish even if its caller was cancelled
@@ -166,6 +167,7 @@ class RouterService:
 
     async def start(self) -> None:
         self._lag_task = asyncio.get_running_loop().create_task(self._watch_loop_lag(), name="loop-lag")
+        await self.store.start()  # (first contact in the background: /ready says until when)
         await self.resume.start()
         await self.policy.start()
         await self.peers.start()

@@ -37,6 +37,8 @@ class StateConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     """Redis down: ``open`` keeps serving with per-process limits; ``closed`` answers 503."""
     timeout: float = 0.5
     """Seconds a Redis call may take before it counts as an outage."""
+    connect_timeout: float = 10.0
+    """Seconds a starting router tries to reach Redis (again every 0.2 s, each try up to ``timeout``) before it counts as an outage; until Redis has answered once, ``/ready`` is 503 and requests wait for the answer, so that a slow first answer (a router starting on a busy host) does not start the router in an outage (``on_outage: open``: serving with local limits). 0: one try."""
     max_connections: int = 128
     """Redis connections one router process keeps open at most (each request's admission, lease and buffer calls take one for a moment); a call that finds them all busy waits for one, up to ``timeout``, and then counts as an outage (as a Redis that does not answer)."""
 
@@ -49,5 +51,6 @@ def create_store(config: StateConfig, **hooks) -> StateStore:
     return ResilientStore(
         RedisStore(config.url, config.prefix, config.timeout, config.max_connections),
         fail_open=config.on_outage == "open",
+        connect_timeout=config.connect_timeout,
         **hooks,
     )

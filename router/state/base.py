@@ -73,6 +73,7 @@ class StateStore(abc.ABC):
     # own (memory), where a call completes before anything else runs
     shared: bool = False
     healthy: bool = True  # (ResilientStore: False while the store is down)
+    connecting: bool = False  # (ResilientStore: True from ``start`` until its first answer or outage)
 
     @abc.abstractmethod
     async def admit(self, tenant: str, req: AdmitRequest) -> Decision:
@@ -169,6 +170,9 @@ class StateStore(abc.ABC):
         """Call ``on_turn(tenant)`` when another router frees the limits of
         a tenant whose requests wait in the store's line, or its line moves
         (a shared store; an in-process one has no other router to hear)."""
+
+    async def start(self) -> None:
+        """Begin connecting (in the background: ``connecting`` says until when)."""
 
     async def ping(self) -> None:
         """Raise ``StoreUnavailable`` if the store cannot be reached."""

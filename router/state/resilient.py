@@ -6,6 +6,14 @@ router enforces the limits locally) until Redis answers again.
 into 503. Either way the outage is logged once, counted in metrics, shown by
 ``/ready``, and a background probe reconnects by itself.
 
+Starting (``start``): a router that has never had an answer from Redis is
+not in an outage, it is connecting. It tries for ``connect_timeout``
+seconds (each try up to the store's own timeout); meanwhile ``/ready`` is
+503 and every operation waits for the answer, so a slow first answer (a
+router starting on a busy host, whose own loop is slow too) does not
+begin the router in an outage that serves with local limits. No answer by
+then: an outage as above.
+
 Leases and reservations remember which store took them, so a stream admitted
 during an outage is released and settled where it was counted. Once Redis is
 back, the leases the fallback took move to it with their next renewal (within
@@ -32,6 +40,7 @@ __all__ = ["ResilientStore"]
 log = logging.getLogger("fairstream.state")
 
 MAX_OWED = 10_000  # releases and settlements kept for Redis's return
+CONNECT_RETRY = 0.2  # seconds between two tries of the first contact
 
 
 class ResilientStore(StateStore):
@@ -41,6 +50,7 @@ class ResilientStore(StateStore):
         *,
         fail_open: bool,
         probe_interval: float = 1.0,
+        connect_timeout: float = 10.0,
         on_change: Callable[[bool], None] | None = None,
         on_error: Callable[[str], None] | None = None,
     ) -> None:
@@ -50,7 +60,10 @@ class ResilientStore(StateStore):
         self.name = primary.name
         self.shared = primary.shared
         self.healthy = True
+        self.connecting = False  # (``start`` until the first answer, or the outage it ends in)
         self._probe_interval = probe_interval
+        self._connect_timeout = connect_timeout
+        self._connect: asyncio.Task[None] | None = None  # the first contact, while under way
         self._on_change = on_change or (lambda up: None)
         self._on_error = on_error or (lambda op: None)
         self._probe: asyncio.Task[None] | None = None
@@ -71,6 +84,47 @@ class ResilientStore(StateStore):
                 # log lines must not carry that request's id)
                 self._probe = asyncio.get_running_loop().create_task(self._reconnect(), name="state-probe",
                                                                      context=contextvars.Context())
+
+    async def start(self) -> None:
+        """Begin the first contact; ``connecting`` until it ends."""
+        if self._connect is None and not self.connecting:
+            self.connecting = True
+            self._connect = asyncio.get_running_loop().create_task(self._first_contact(), name="state-connect")
+
+    async def _first_contact(self) -> None:
+        loop = asyncio.get_running_loop()
+        began = loop.time()
+        tries = 0
+        try:
+            while True:
+                tries += 1
+                try:
+                    await self.primary.ping()
+                except StoreUnavailable as e:
+                    if loop.time() + CONNECT_RETRY - began >= self._connect_timeout:
+                        log.error("state store %s did not answer within connect_timeout (%gs, %d tries)",
+                                  self.name, self._connect_timeout, tries)
+                        self.connecting = False
+                        self._down("connect", e)
+                        return
+                    if tries == 1:
+                        log.warning("state store %s did not answer at the first try (%s); trying again for up "
+                                    "to %gs before it counts as an outage", self.name, e, self._connect_timeout)
+                    await asyncio.sleep(CONNECT_RETRY)
+                    continue
+                if tries > 1:
+                    log.warning("state store %s answered after %.1fs (%d tries)", self.name, loop.time() - began,
+                                tries)
+                self.connecting = False
+                return
+        finally:
+            self._connect = None
+
+    async def _connected(self) -> None:
+        """Wait for the first contact to end (while ``start``'s is under way)."""
+        task = self._connect
+        if task is not None:
+            await asyncio.shield(task)  # (a caller cancelled does not end it for every other one)
 
     async def _reconnect(self) -> None:
         while True:
@@ -111,6 +165,8 @@ class ResilientStore(StateStore):
         raise StoreUnavailable(f"state store {self.name} is unavailable")
 
     async def admit(self, tenant: str, req: AdmitRequest) -> Decision:
+        if self._connect is not None:
+            await self._connected()
         store = self._current()
         try:
             decision = await store.admit(tenant, req)
@@ -124,6 +180,8 @@ class ResilientStore(StateStore):
         return decision
 
     async def leave(self, tenant: str, lease_id: str) -> None:
+        if self._connect is not None:
+            await self._connected()
         await self.fallback.leave(tenant, lease_id)  # (it may have waited there during an outage)
         if self.healthy:
             try:
@@ -132,6 +190,8 @@ class ResilientStore(StateStore):
                 self._down("leave", e)  # (its place in the line expires within seconds)
 
     async def settle(self, tenant: str, *, tpm: int, reserved: int, used: int, lease_id: str = "") -> None:
+        if self._connect is not None:
+            await self._connected()
         store = self._reserve_store.pop(lease_id, self.primary) if lease_id else self.primary
         try:
             await store.settle(tenant, tpm=tpm, reserved=reserved, used=used)
@@ -140,6 +200,8 @@ class ResilientStore(StateStore):
             self._owe(lambda s: s.settle(tenant, tpm=tpm, reserved=reserved, used=used))
 
     async def renew(self, tenant: str, lease_ids: list[str], ttl: float) -> None:
+        if self._connect is not None:
+            await self._connected()
         by_store: dict[int, tuple[StateStore, list[str]]] = {}
         moving: list[str] = []
         for lid in lease_ids:
@@ -167,6 +229,8 @@ class ResilientStore(StateStore):
                         await self.fallback.release(tenant, lid)
 
     async def release(self, tenant: str, lease_id: str) -> None:
+        if self._connect is not None:
+            await self._connected()
         self._reserve_store.pop(lease_id, None)  # (settled before, or nothing to settle: tpm 0)
         store = self._lease_store.pop(lease_id, self.primary)
         try:
@@ -176,6 +240,8 @@ class ResilientStore(StateStore):
             self._owe(lambda s: s.release(tenant, lease_id))
 
     async def usage(self, tenant: str, *, rpm: int, tpm: int) -> TenantUsage:
+        if self._connect is not None:
+            await self._connected()
         store = self.primary if self.healthy else self.fallback
         try:
             return await store.usage(tenant, rpm=rpm, tpm=tpm)
@@ -187,6 +253,8 @@ class ResilientStore(StateStore):
     # so streams keep going; resuming on another router needs Redis back.
 
     async def _stream_op(self, op: str, call):
+        if self._connect is not None:
+            await self._connected()
         store = self._current()
         try:
             return await call(store)
@@ -216,6 +284,8 @@ class ResilientStore(StateStore):
         await self._stream_op("stream_release", lambda s: s.stream_release(sid, owner))
 
     async def peers(self, router: str, digest: str, ttl: float) -> dict[str, str]:
+        if self._connect is not None:
+            await self._connected()
         # (the other routers are in Redis only: while it is down, none is known)
         if not self.healthy:
             raise StoreUnavailable(f"state store {self.name} is unavailable")
@@ -232,17 +302,20 @@ class ResilientStore(StateStore):
         await self.primary.ping()
 
     async def check(self) -> None:
-        if self.healthy:  # (while down, the probe task watches for its return)
+        # (while down, the probe task watches for its return; while
+        # connecting, the first contact does)
+        if self.healthy and not self.connecting:
             try:
                 await self.primary.ping()
             except StoreUnavailable as e:
                 self._down("ping", e)
 
     async def close(self) -> None:
-        if self._probe is not None:
-            self._probe.cancel()
-            try:
-                await self._probe
-            except asyncio.CancelledError:
-                pass
+        for task in (self._connect, self._probe):
+            if task is not None:
+                task.cancel()
+                try:
+                    await task
+                except asyncio.CancelledError:
+                    pass
         await self.primary.close()

@@ -36,7 +36,7 @@ def own_redis() -> Iterator[RedisServer]:
 
 
 class Harness:
-    def __init__(self, server: RedisServer, fail_open: bool) -> None:
+    def __init__(self, server: RedisServer, fail_open: bool, **options) -> None:
         from router.state.redis_store import RedisStore
 
         self.server = server
@@ -45,9 +45,10 @@ class Harness:
         self.store = ResilientStore(
             RedisStore(server.url, prefix="fs-test", timeout=0.5),
             fail_open=fail_open,
-            probe_interval=PROBE,
+            probe_interval=options.pop("probe_interval", PROBE),
             on_change=self.changes.append,
             on_error=self.errors.append,
+            **options,
         )
 
     async def wait_healthy(self, timeout: float = 5.0) -> float:
@@ -56,14 +57,17 @@ class Harness:
         return time.monotonic() - start
 
 
-async def _harness(server: RedisServer, fail_open: bool) -> AsyncIterator[Harness]:
-    h = Harness(server, fail_open)
+async def _harness(server: RedisServer, fail_open: bool, **options) -> AsyncIterator[Harness]:
+    h = Harness(server, fail_open, **options)
     try:
         yield h
     finally:
+        if server.running:
+            server.resume()  # (a test that failed with it paused)
         await h.store.close()
         probe = h.store._probe
         assert probe is None or probe.done(), "close() must end the probe task"
+        assert getattr(h.store, "_connect", None) is None, "close() must end the first contact"
 
 
 @pytest.fixture(params=[True, False], ids=["fail_open", "fail_closed"])
@@ -292,3 +296,51 @@ async def test_in_an_outage_the_fallbacks_leases_are_renewed_and_settled_where_t
     await store.release(t, local)
     await store.release(t, on_redis)
     assert store._reserve_store == {} and store._lease_store == {}
+
+
+# -- a router's start: the first contact ---------------------------------------
+
+
+@pytest.mark.parametrize("fail_open", [True, False], ids=["fail_open", "fail_closed"])
+async def test_a_slow_first_answer_at_start_is_no_outage(own_redis: RedisServer, fail_open: bool) -> None:
+    # (a router started on a busy 2-core box met Redis's first answer past
+    # the 0.5 s timeout and began in an outage: fail-open, it served a
+    # tenant limited to 12 requests with local limits, 24 of 24 admitted)
+    async for h in _harness(own_redis, fail_open):
+        store = h.store
+        t = f"start-{uuid.uuid4().hex[:8]}"
+        own_redis.pause()  # (answers nothing for 1.2 s: a few tries time out)
+        await store.start()
+        assert store.connecting
+        await store.check()  # (/ready while connecting: not an outage either)
+        asyncio.get_running_loop().call_later(1.2, own_redis.resume)
+        started = time.monotonic()
+        d = await asyncio.wait_for(store.admit(t, req(max_concurrent=1)), 5.0)  # (waits for the answer)
+        assert d.ok and time.monotonic() - started >= 1.0
+        assert not store.connecting and store.healthy
+        assert h.changes == [] and h.errors == [], (h.changes, h.errors)
+        assert (await store.primary.usage(t, rpm=0, tpm=0)).active_streams == 1  # counted in Redis
+        assert (await store.fallback.usage(t, rpm=0, tpm=0)).active_streams == 0
+        d = await store.admit(t, req(max_concurrent=1))
+        assert (d.ok, d.reason) == (False, "concurrency")
+
+
+@pytest.mark.parametrize("fail_open", [True, False], ids=["fail_open", "fail_closed"])
+async def test_no_answer_within_connect_timeout_is_an_outage(own_redis: RedisServer, fail_open: bool) -> None:
+    async for h in _harness(own_redis, fail_open, connect_timeout=1.0):
+        store = h.store
+        t = f"nostart-{uuid.uuid4().hex[:8]}"
+        own_redis.kill()
+        await store.start()
+        started = time.monotonic()
+        if fail_open:
+            assert (await store.admit(t, req(max_concurrent=1))).ok  # (local limits, once the wait is over)
+        else:
+            with pytest.raises(StoreUnavailable):
+                await store.admit(t, req(max_concurrent=1))
+        assert 0.5 <= time.monotonic() - started < 3.0
+        assert not store.connecting and store.healthy is False
+        assert h.changes == [False] and "connect" in h.errors
+        own_redis.restart()
+        await h.wait_healthy(5.0)
+        assert h.changes == [False, True]

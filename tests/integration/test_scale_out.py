@@ -65,10 +65,11 @@ def _router(tmp_path, name: str, redis_url: str, remote_port: int, upstream_url:
         {"name": "upstream", "url": upstream_url},
     ]
     r = RouterProcess(tmp_path / name, replicas=0, tenants=tenants, settings={
-        # (timeout: on the 2-core box a router starting beside this test's
-        # streams and two other routers met Redis's first answer past the
-        # default 0.5 s and began in an outage, serving with local limits)
-        "replicas": replicas, "state": {"backend": "redis", "url": redis_url, "timeout": 5.0},
+        # (the default timeout: on the 2-core box a router starting beside
+        # this test's streams and two other routers met Redis's first answer
+        # past 0.5 s and began in an outage, serving with local limits, until
+        # a starting router waited for that answer: state.connect_timeout)
+        "replicas": replicas, "state": {"backend": "redis", "url": redis_url},
         "health_interval": 0.3, "health_timeout": 2.0, "max_failovers": 6,
     })
     r.replica_names = [x["name"] for x in replicas]

@@ -1,0 +1,101 @@
+"""A router on Redis when Redis is slow at its start.
+
+A real redis-server on a free port, real router and sim replica processes.
+Another router's admissions are made with the router's own ``RedisStore``
+(what a second router process would send), and the tests read Redis through
+it too: what every router sharing it sees.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+
+import httpx
+import pytest
+import yaml
+
+from router.auth import hash_key
+from router.state import AdmitRequest
+from router.state.redis_store import RedisStore
+from tests.helpers import MODEL, RouterProcess, aiter_sse, apoll
+from tests.redis_server import RedisServer, require_redis_server
+
+LIMITED = "redis-state-limited-key"
+SOLO = "redis-state-solo-key"
+
+
+@pytest.fixture
+def redis_server():
+    require_redis_server()
+    with RedisServer() as server:
+        yield server
+
+
+def _tenants(path) -> None:
+    demo = yaml.safe_load(open("configs/tenants.yaml"))
+    demo["tenants"]["limited"] = {"keys": [hash_key(LIMITED)], "on_limit": "reject",
+                                  "limits": {"requests_per_minute": 2}}
+    demo["tenants"]["solo"] = {"keys": [hash_key(SOLO)], "on_limit": "reject", "limits": {"max_concurrent": 1}}
+    path.write_text(yaml.safe_dump(demo, sort_keys=False))
+
+
+def _request(key: str, *, max_tokens: int = 2, stream: bool = False) -> dict:
+    return {"headers": {"Authorization": f"Bearer {key}"},
+            "json": {"model": MODEL, "prompt": "The cluster", "max_tokens": max_tokens, "stream": stream,
+                     "ignore_eos": True}}
+
+
+async def test_a_router_started_while_redis_does_not_answer_waits_for_its_answer(tmp_path, redis_server) -> None:
+    # (a router started beside busy streams on a 2-core box met Redis's
+    # first answer past the 0.5 s timeout, began in a fail-open outage and
+    # served a tenant limited to 12 requests a minute with local limits: 24
+    # of 24 admitted. Here Redis answers nothing for the first seconds.)
+    tenants = tmp_path / "tenants.yaml"
+    _tenants(tenants)
+    other = RedisStore(redis_server.url)  # another router has used up 'limited' in Redis
+    try:
+        for _ in range(2):
+            taken = AdmitRequest(rpm=2, tpm=0, max_concurrent=0, cost_tokens=0, lease_id=uuid.uuid4().hex,
+                                 lease_ttl=30.0)
+            assert (await other.admit("limited", taken)).ok
+    finally:
+        await other.close()
+    # (connect_timeout: longer than this router's start on a slow machine)
+    router = RouterProcess(tmp_path / "r", replicas=1, tenants=tenants, settings={
+        "state": {"backend": "redis", "url": redis_server.url, "connect_timeout": 30.0}})
+    redis_server.pause()
+    starting = asyncio.create_task(asyncio.to_thread(router.start))
+    try:
+        async with httpx.AsyncClient(timeout=30) as client:
+            async def ready() -> httpx.Response | None:
+                try:
+                    r = await client.get(router.base_url + "/ready")
+                except httpx.HTTPError:
+                    return None
+                return r if r.json()["replicas"].get("sim-0") == "ready" else None
+
+            await apoll(lambda: router.port and ready(), 30, what="the router's replica to be ready")
+            request = asyncio.create_task(client.post(router.base_url + "/v1/completions", **_request(LIMITED)))
+            await asyncio.sleep(1.0)
+            # a request while Redis has not answered waits for its answer
+            assert not request.done(), f"answered: {request.result().status_code} {request.result().text}"
+            # its replica is ready, the router is not: Redis has not answered yet
+            r = await client.get(router.base_url + "/ready")
+            assert r.status_code == 503, r.text
+            assert r.json()["state_store"] == {"backend": "redis", "healthy": False, "connecting": True}
+            redis_server.resume()
+            await starting  # (ready now)
+            got = await request
+            assert got.status_code == 429, got.text  # counted in Redis, where 'limited' had none left
+            assert "requests per minute" in got.json()["error"]["message"], got.text
+            r = await client.get(router.base_url + "/ready")
+            assert r.status_code == 200 and r.json()["state_store"]["healthy"] is True
+        log = router.log()
+        assert "unavailable" not in log and "answered after" in log, log[-3000:]
+    finally:
+        redis_server.resume()
+        if not starting.done():
+            await asyncio.gather(starting, return_exceptions=True)
+        router.stop()
+
