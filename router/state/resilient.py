@@ -4,7 +4,10 @@
 router enforces the limits locally) until Redis answers again.
 ``fail-closed``: operations raise ``StoreUnavailable``, which the router turns
 into 503. Either way the outage is logged once, counted in metrics, shown by
-``/ready``, and a background probe reconnects by itself.
+``/ready``, and a background probe reconnects by itself (its first try
+0.1 s after the outage began, then less often, up to every
+``probe_interval``: one slow answer costs a moment of local limits, not a
+second of them).
 
 Starting (``start``): a router that has never had an answer from Redis is
 not in an outage, it is connecting. It tries for ``connect_timeout``
@@ -41,6 +44,7 @@ log = logging.getLogger("fairstream.state")
 
 MAX_OWED = 10_000  # releases and settlements kept for Redis's return
 CONNECT_RETRY = 0.2  # seconds between two tries of the first contact
+PROBE_FIRST = 0.1  # seconds from an outage's start to the probe's first try (then doubling)
 
 
 class ResilientStore(StateStore):
@@ -127,8 +131,10 @@ class ResilientStore(StateStore):
             await asyncio.shield(task)  # (a caller cancelled does not end it for every other one)
 
     async def _reconnect(self) -> None:
+        delay = min(PROBE_FIRST, self._probe_interval)
         while True:
-            await asyncio.sleep(self._probe_interval)
+            await asyncio.sleep(delay)
+            delay = min(2 * delay, self._probe_interval)
             try:
                 await self.primary.ping()
                 await self._pay_back()

@@ -344,3 +344,18 @@ async def test_no_answer_within_connect_timeout_is_an_outage(own_redis: RedisSer
         own_redis.restart()
         await h.wait_healthy(5.0)
         assert h.changes == [False, True]
+
+
+async def test_the_probe_looks_again_soon_after_an_outage_began(own_redis: RedisServer) -> None:
+    # (it first looked a whole probe_interval later, 1 s: a Redis that was
+    # slow once, past its 0.5 s, left the router on local limits that long)
+    async for h in _harness(own_redis, True, probe_interval=1.0):
+        store = h.store
+        t = f"blip-{uuid.uuid4().hex[:8]}"
+        own_redis.pause()
+        assert (await store.admit(t, req(max_concurrent=1))).ok  # (after 0.5 s: the fallback's)
+        own_redis.resume()
+        assert store.healthy is False
+        took = await h.wait_healthy(5.0)
+        assert took < 0.6, took
+
