@@ -12,7 +12,8 @@ the heads of every router's line (``StateStore.admit``), so routers sharing
 Redis take turns: a busy router's line cannot take every slot that frees
 while another router's waits. ``finish`` settles the
 reservation with the real usage and releases the lease; the lease keeper
-renews every live lease so a crashed router's leases expire on their own.
+(router/leases.py) renews every live lease so a crashed router's leases
+expire on their own, and adds them back when the store lost them.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from collections.abc import Callable, Iterable
 from policies.ratelimit import QUEUED_RETRY, Decision
 from router.errors import RateLimited, RouterShutdown, ServiceUnavailable
 from router.ids import new_id
+from router.leases import LEASE_TTL, LeaseKeeper
 from router.metrics import Metrics
 from router.state import AdmitRequest, StateStore, StoreUnavailable
 from router.tenants import TenantPolicy
@@ -33,8 +35,6 @@ from router.tenants import TenantPolicy
 __all__ = ["Admission", "Ticket", "ratelimit_headers", "fmt_duration"]
 
 log = logging.getLogger("fairstream.admission")
-
-LEASE_TTL = 30.0  # seconds; renewed every LEASE_TTL / 3 while the stream lives
 
 
 # how far past its queue_wait a waiting request may wait for a limit that frees by then
@@ -144,7 +144,7 @@ class Admission:
         self._leases: dict[str, Ticket] = {}
         self._lines: dict[str, collections.deque[_Waiter]] = {}  # per tenant, in arrival order
         self._ends: dict[str, int] = {}  # per tenant: streams ended (a refusal older than that is stale)
-        self._keeper: asyncio.Task[None] | None = None
+        self._keeper = LeaseKeeper(store, self._leases)
         self._stopped = asyncio.Event()  # set: requests waiting for a limit get RouterShutdown
         self._gone: dict[str, Callable[[], BaseException]] = {}  # tenants a reload removed: their refusal
 
@@ -153,7 +153,7 @@ class Admission:
         return len(line) if line else 0
 
     async def start(self) -> None:
-        self._keeper = asyncio.get_running_loop().create_task(self._keep_leases(), name="lease-keeper")
+        self._keeper.start()
         self.store.watch(self._turn)
 
     def _turn(self, tenant: str) -> None:
@@ -164,9 +164,7 @@ class Admission:
             line[0].wake()
 
     async def close(self) -> None:
-        if self._keeper is not None:
-            self._keeper.cancel()
-            await asyncio.gather(self._keeper, return_exceptions=True)
+        await self._keeper.close()
 
     async def admit(self, policy: TenantPolicy, cost_tokens: int, *, count_request: bool = True,
                     prompt_tokens: int = 0) -> Ticket:
@@ -396,24 +394,3 @@ class Admission:
         line = self._lines.get(ticket.tenant)
         if line:  # a stream and its lease ended, tokens came back: the tenant's next may fit now
             line[0].wake()
-
-    async def _keep_leases(self) -> None:
-        while True:
-            await asyncio.sleep(LEASE_TTL / 3)
-            by_tenant: dict[str, list[str]] = {}
-            for lid, t in list(self._leases.items()):
-                by_tenant.setdefault(t.tenant, []).append(lid)
-            for tenant, ids in by_tenant.items():
-                try:
-                    await self.store.renew(tenant, ids, LEASE_TTL)
-                except StoreUnavailable as e:
-                    log.warning("lease renewal failed for %s: %s", tenant, e)
-                    continue
-                # (renewing adds back a lease the store lost; one whose stream
-                # ended while the renewal was on its way must not stay)
-                for lid in ids:
-                    if lid not in self._leases:
-                        try:
-                            await self.store.release(tenant, lid)
-                        except StoreUnavailable:
-                            pass  # (it expires by itself)

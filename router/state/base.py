@@ -174,6 +174,14 @@ class StateStore(abc.ABC):
     async def start(self) -> None:
         """Begin connecting (in the background: ``connecting`` says until when)."""
 
+    async def generation(self) -> str:
+        """An id of the data the store holds, which changes when the store
+        loses what the routers put in it: a Redis restarted without
+        persistence, flushed or replaced; or one back from an outage. The
+        leases of running streams are then added back at once (``renew``),
+        not at the next renewal. An in-process store never loses them."""
+        return ""
+
     async def ping(self) -> None:
         """Raise ``StoreUnavailable`` if the store cannot be reached."""
 

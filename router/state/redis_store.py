@@ -11,6 +11,7 @@ from __future__ import annotations
 import array
 import asyncio
 import logging
+import secrets
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -92,6 +93,7 @@ class RedisStore(StateStore):
         self._s_renew = r.register_script(_script("stream_renew.lua"))
         self._peers = r.register_script(_script("peers.lua"))
         self._turn = r.register_script(_script("turn.lua"))
+        self._generation = r.register_script(_script("generation.lua"))
         # where the scripts say a tenant's waiting requests should ask again
         self._channel = f"{prefix}:turns"
         self._watcher: asyncio.Task[None] | None = None
@@ -252,6 +254,13 @@ class RedisStore(StateStore):
             await self._redis.ping()
         except RedisError as e:
             raise _unavailable(e) from e
+
+    async def generation(self) -> str:
+        try:
+            gen = await self._generation(keys=[f"{self._prefix}:generation"], args=[secrets.token_hex(8)])
+        except RedisError as e:
+            raise _unavailable(e) from e
+        return gen.decode() if isinstance(gen, bytes) else str(gen)
 
     def watch(self, on_turn: Callable[[str], None]) -> None:
         if self._watcher is None:

@@ -19,8 +19,9 @@ then: an outage as above.
 
 Leases and reservations remember which store took them, so a stream admitted
 during an outage is released and settled where it was counted. Once Redis is
-back, the leases the fallback took move to it with their next renewal (within
-a third of the lease TTL), so every router counts those streams again; the
+back, the leases the fallback took move to it with their next renewal, which
+the lease keeper makes at once (``generation`` changes with every return),
+so every router counts those streams again; the
 releases and settlements Redis missed during the outage are made when it
 returns (at most ``MAX_OWED``; a lease whose release is dropped still expires
 with its TTL).
@@ -68,6 +69,7 @@ class ResilientStore(StateStore):
         self._probe_interval = probe_interval
         self._connect_timeout = connect_timeout
         self._connect: asyncio.Task[None] | None = None  # the first contact, while under way
+        self._returns = 0  # outages Redis came back from (``generation``)
         self._on_change = on_change or (lambda up: None)
         self._on_error = on_error or (lambda op: None)
         self._probe: asyncio.Task[None] | None = None
@@ -141,6 +143,7 @@ class ResilientStore(StateStore):
             except StoreUnavailable:
                 continue
             self.healthy = True
+            self._returns += 1
             # (the resume buffers the fallback took cannot be read from now on:
             # resumes read Redis. Kept, they stayed in memory for good.)
             self.fallback.drop_streams()
@@ -306,6 +309,18 @@ class ResilientStore(StateStore):
 
     async def ping(self) -> None:
         await self.primary.ping()
+
+    async def generation(self) -> str:
+        # (Redis's own, and how often it came back from an outage: the
+        # fallback's leases move to it, and it may have lost its own meanwhile)
+        if self._connect is not None:
+            await self._connected()
+        if self.healthy:
+            try:
+                return f"{await self.primary.generation()}/{self._returns}"
+            except StoreUnavailable as e:
+                self._down("generation", e)
+        raise StoreUnavailable(f"state store {self.name} is unavailable")
 
     async def check(self) -> None:
         # (while down, the probe task watches for its return; while

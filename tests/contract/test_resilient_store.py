@@ -359,3 +359,53 @@ async def test_the_probe_looks_again_soon_after_an_outage_began(own_redis: Redis
         took = await h.wait_healthy(5.0)
         assert took < 0.6, took
 
+
+# -- generation: a Redis that lost its data ---------------------------------------
+
+
+async def test_the_generation_changes_when_redis_loses_its_data(own_redis: RedisServer) -> None:
+    from router.state.redis_store import RedisStore
+
+    store = RedisStore(own_redis.url, prefix="fs-test", timeout=2.0)
+    other = RedisStore(own_redis.url, prefix="fs-test", timeout=2.0)  # (another router)
+    try:
+        first = await store.generation()
+        assert first and await store.generation() == first == await other.generation()
+        own_redis.kill()
+        own_redis.restart()  # (empty: no persistence)
+        second = await other.generation()  # (whichever router looks first makes the new one)
+        assert second != first and await store.generation() == second
+        await store._redis.flushdb()
+        assert await store.generation() not in (first, second)
+    finally:
+        await store.close()
+        await other.close()
+
+
+async def test_the_generation_stays_across_a_restart_that_keeps_the_data() -> None:
+    from router.state.redis_store import RedisStore
+
+    with RedisServer(require_redis_server(), persist=True) as server:
+        store = RedisStore(server.url, prefix="fs-test", timeout=2.0)
+        try:
+            first = await store.generation()
+            server.kill()
+            server.restart()
+            assert await store.generation() == first  # (its leases are there: nothing to add back)
+        finally:
+            await store.close()
+
+
+async def test_the_generation_changes_when_redis_is_back_from_an_outage(open_harness: Harness) -> None:
+    # (the leases the fallback took move to Redis at their next renewal: the
+    # lease keeper makes it at once when the generation changes)
+    h, store = open_harness, open_harness.store
+    first = await store.generation()
+    h.server.pause()
+    await store.check()
+    assert store.healthy is False
+    with pytest.raises(StoreUnavailable):
+        await store.generation()
+    h.server.resume()  # (its data kept: only the outage says the leases must move)
+    await h.wait_healthy(5.0)
+    assert await store.generation() != first

@@ -1,4 +1,4 @@
-"""A router on Redis when Redis is slow at its start.
+"""A router on Redis when Redis is slow at its start, or restarts under it.
 
 A real redis-server on a free port, real router and sim replica processes.
 Another router's admissions are made with the router's own ``RedisStore``
@@ -99,3 +99,34 @@ async def test_a_router_started_while_redis_does_not_answer_waits_for_its_answer
             await asyncio.gather(starting, return_exceptions=True)
         router.stop()
 
+
+async def test_a_redis_restart_gets_the_leases_of_running_streams_back_at_once(tmp_path, redis_server) -> None:
+    # (a Redis restarted without persistence lost every lease, and the
+    # routers added theirs back at their next renewal, every 10 s: for up
+    # to 10 s a tenant of max_concurrent 1 was admitted again and again)
+    tenants = tmp_path / "tenants.yaml"
+    _tenants(tenants)
+    shared = RedisStore(redis_server.url)  # (what every router sees)
+    with RouterProcess(tmp_path / "r", replicas=1, tenants=tenants, sim={"step_base_ms": 20},
+                       settings={"state": {"backend": "redis", "url": redis_server.url}}) as router:
+        url = router.base_url + "/v1/completions"
+        async with httpx.AsyncClient(timeout=30) as client:
+            async with client.stream("POST", url, **_request(SOLO, max_tokens=1000, stream=True)) as stream:
+                assert stream.status_code == 200
+                events = aiter_sse(stream)
+                await anext(events)  # (running: its lease is in Redis)
+                refused = await client.post(url, **_request(SOLO))
+                assert refused.status_code == 429, refused.text
+                await asyncio.sleep(1.0)  # (the router has seen this Redis's generation)
+                redis_server.kill()
+                redis_server.restart()  # (empty)
+
+                async def lease_back() -> bool:
+                    return (await shared.usage("solo", rpm=0, tpm=0)).active_streams == 1
+
+                await apoll(lease_back, 2.5, interval=0.1, what="the running stream's lease back in Redis")
+                refused = await client.post(url, **_request(SOLO))
+                assert refused.status_code == 429, refused.text
+                assert "concurrent streams" in refused.json()["error"]["message"], refused.text
+    await shared.close()
+    assert "adding back those of this router's 1 streams" in router.log()

@@ -1,0 +1,97 @@
+"""The lease keeper: the concurrency leases of this router's running streams,
+kept alive in the state store.
+
+A lease lives ``LEASE_TTL`` seconds in the store unless renewed, so the
+leases of a router that dies expire by themselves. The keeper renews every
+live lease every ``LEASE_TTL / 3``, and at once when the store lost them
+(``StateStore.generation`` changed: a Redis restarted without persistence,
+flushed or replaced, or back from an outage during which the local fallback
+took leases). Before that second case, the leases came back at the next
+renewal, and for up to 10 s every router admitted the tenants of the
+streams running meanwhile past ``max_concurrent``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Mapping
+from typing import Protocol
+
+from router.state import StateStore, StoreUnavailable
+
+__all__ = ["LeaseKeeper", "LEASE_TTL", "GENERATION_INTERVAL"]
+
+log = logging.getLogger("fairstream.admission")
+
+LEASE_TTL = 30.0  # seconds; renewed every LEASE_TTL / 3 while the stream lives
+# seconds between two looks at the store's generation while this router's
+# streams hold leases (one small Redis call each)
+GENERATION_INTERVAL = 0.5
+
+
+class _Leased(Protocol):
+    @property
+    def tenant(self) -> str: ...
+
+
+class LeaseKeeper:
+    """Owns the ``lease-keeper`` task (``start``, ``close``); reads the live
+    leases (lease id -> its ticket) from the mapping its owner keeps."""
+
+    def __init__(self, store: StateStore, leases: Mapping[str, _Leased]) -> None:
+        self.store = store
+        self._leases = leases
+        self._task: asyncio.Task[None] | None = None
+
+    def start(self) -> None:
+        self._task = asyncio.get_running_loop().create_task(self._run(), name="lease-keeper")
+
+    async def close(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
+
+    async def _run(self) -> None:
+        loop = asyncio.get_running_loop()
+        seen: str | None = None  # (None: not looked yet; the first look renews, in case)
+        due = loop.time() + LEASE_TTL / 3
+        while True:
+            await asyncio.sleep(GENERATION_INTERVAL)
+            if not self._leases:
+                due = loop.time() + LEASE_TTL / 3  # (a lease taken now has all its TTL)
+                continue
+            lost = False
+            try:
+                generation = await self.store.generation()
+            except StoreUnavailable:
+                pass  # (an outage: the leases stay where they are counted; the store logs it)
+            else:
+                lost, seen, was = generation != seen, generation, seen
+                if lost and was is not None:
+                    log.warning("the state store lost the leases it held (restarted without persistence, flushed, "
+                                "or back from an outage): adding back those of this router's %d streams now",
+                                len(self._leases))
+            if lost or loop.time() >= due:
+                due = loop.time() + LEASE_TTL / 3
+                await self.renew()
+
+    async def renew(self) -> None:
+        """Renew every live lease (the store adds back one it lost)."""
+        by_tenant: dict[str, list[str]] = {}
+        for lid, t in list(self._leases.items()):
+            by_tenant.setdefault(t.tenant, []).append(lid)
+        for tenant, ids in by_tenant.items():
+            try:
+                await self.store.renew(tenant, ids, LEASE_TTL)
+            except StoreUnavailable as e:
+                log.warning("lease renewal failed for %s: %s", tenant, e)
+                continue
+            # (renewing adds back a lease the store lost; one whose stream
+            # ended while the renewal was on its way must not stay)
+            for lid in ids:
+                if lid not in self._leases:
+                    try:
+                        await self.store.release(tenant, lid)
+                    except StoreUnavailable:
+                        pass  # (it expires by itself)
