@@ -25,7 +25,9 @@ to match a stop string that starts in them.
 Stop strings are looked for only once more than ``min_tokens`` completion
 tokens exist, and only where they end in text decoded since the last look
 (vLLM's rule: a stop string inside the first ``min_tokens`` tokens' text
-ends nothing).
+ends nothing). The holding, keeping and cutting is ``replicas.stops.StopMatcher``'s
+(the router's splice onto an OpenAI upstream uses the same one); this
+processor decodes and tells it where the first ``min_tokens`` tokens' text ends.
 
 A request resumed on another replica passes the tokens and the number of
 characters the client already has (``prefix_text_len``); the processor rebuilds
@@ -38,8 +40,9 @@ from __future__ import annotations
 
 from replicas.engine import Tokenizer
 from replicas.protocol import FinishReason
+from replicas.stops import StopMatcher
 
-__all__ = ["OutputProcessor", "find_stop"]
+__all__ = ["OutputProcessor"]
 
 _STUCK = 8  # undecodable tokens before _unstick cuts the window
 _INCOMPLETE = 3  # tokens a character can end inside at the most (its first 3 of 4 bytes)
@@ -55,16 +58,10 @@ class OutputProcessor:
         "_ids",
         "_prefix_offset",
         "_read_offset",
-        "_pending",
-        "_stop",
-        "_hold",
+        "_stops",
         "_include",
-        "_keep",
-        "_tail",
         "_min_tokens",
-        "_looked",
-        "_emitted",
-        "_min_chars",
+        "_min_known",
         "finished",
     )
 
@@ -85,19 +82,11 @@ class OutputProcessor:
         primes it: vLLM looks for stop strings in the output only)."""
         self._tok = tokenizer
         self._ids: list[int] = list(prefix_token_ids)
-        self._stop = [s for s in stop if s]
-        longest = max((len(s) for s in self._stop), default=1) - 1
         self._include = include_stop_str
-        self._hold = 0 if include_stop_str else longest  # characters held back
-        self._keep = longest if include_stop_str else 0  # characters emitted, kept to match in
-        self._tail = ""  # the last _keep characters emitted
         self._min_tokens = min_tokens  # (completion tokens, a resumed prefix's included)
+        self._min_known = not min_tokens  # the matcher's min_end is set (once: _min_chars)
         self.finished = False
-        # Text decoded so far but not yet emitted.
-        self._pending = ""
-        self._looked = 0  # characters of _pending a stop string can no longer end in
-        self._emitted = prefix_text_len  # characters of text out so far (before _pending)
-        self._min_chars = -1  # characters of the first min_tokens tokens' text (-1: not known yet)
+        text = ""
         if self._ids:
             # Find the longest prefix of tokens whose text is complete; the
             # tokens after it stay undecoded until a later token completes them.
@@ -115,17 +104,16 @@ class OutputProcessor:
                 raise ValueError(
                     f"prefix_text_len {prefix_text_len} exceeds the prefix text ({len(text)} chars)"
                 )
-            self._pending = text[prefix_text_len:]
-            if self._keep and prefix_is_output:
-                self._tail = text[max(0, prefix_text_len - self._keep) : prefix_text_len]
-            # (looking at all of it finds only what the first replica could
-            # not have seen yet, as it would have stopped; min_tokens' text
-            # is left out when looking: _min_chars_known)
+            # (the matcher looks at all of the held-back text: it finds only
+            # what the first replica could not have seen yet, as it would
+            # have stopped; min_tokens' text is left out: _min_chars)
             self._read_offset = read
             self._prefix_offset = max(0, read - _CONTEXT)
         else:
             self._read_offset = 0
             self._prefix_offset = 0
+        self._stops = StopMatcher(stop, include=include_stop_str, text=text, emitted=prefix_text_len,
+                                  text_is_output=prefix_is_output)
 
     @property
     def held_tokens(self) -> int:
@@ -153,17 +141,18 @@ class OutputProcessor:
         if finish == FinishReason.STOP and new_ids and not self._include:
             new_ids = new_ids[:-1]
         ids = self._ids
+        new = ""  # text decoded now
         if new_ids:
             ids.extend(new_ids)
             tok = self._tok
             prefix_text = tok.decode(ids[self._prefix_offset : self._read_offset])
             full = tok.decode(ids[self._prefix_offset :])
             if len(full) > len(prefix_text) and not full.endswith(_REPLACEMENT):
-                self._pending += full[len(prefix_text) :]
+                new = full[len(prefix_text) :]
                 self._prefix_offset = max(0, len(ids) - _CONTEXT)
                 self._read_offset = len(ids)
             elif len(ids) - self._read_offset > _STUCK:
-                self._unstick(ids, prefix_text, full)
+                new = self._unstick(ids, prefix_text, full)
         if finish != FinishReason.NONE and self._read_offset < len(ids):
             # A sequence that ends inside a character: the bytes of that
             # character are dropped, as vLLM drops them, not emitted as
@@ -180,80 +169,48 @@ class OutputProcessor:
             text = tok.decode(ids[self._prefix_offset : end])
             if text.endswith(_REPLACEMENT):  # (more than one character's end: bytes that are no UTF-8)
                 text = tok.decode(ids[self._prefix_offset :])
-            self._pending += text[len(prefix_text) :]
+            new += text[len(prefix_text) :]
             self._read_offset = len(ids)
-        pending = self._pending
-        if self._stop and len(pending) > self._looked:
-            if len(ids) > self._min_tokens:
-                after = self._looked
-                if self._min_tokens and self._emitted < self._min_chars_known():
-                    after = max(after, self._min_chars - self._emitted)
-                tail = self._tail
-                start, end = find_stop(tail + pending, self._stop, len(tail) + after)
-                if end >= 0:
-                    self._pending = ""
-                    self.finished = True
-                    return pending[: (end if self._include else start) - len(tail)], FinishReason.STOP
-            self._looked = len(pending)
-        if finish != FinishReason.NONE:
-            self._pending = ""
+        stops = self._stops
+        if not stops.stops and not stops.pending:  # (no stop strings: the text goes out as it is)
+            if finish != FinishReason.NONE:
+                self.finished = True
+            return new, finish
+        # Stop strings are looked for once more than min_tokens completion
+        # tokens exist, and never where they end in those tokens' text.
+        look = len(ids) > self._min_tokens
+        if look and not self._min_known:
+            self._min_known = True
+            stops.min_end = self._min_chars()
+        out, stopped = stops.feed(new, finish != FinishReason.NONE, look)
+        if stopped:
             self.finished = True
-            return pending, finish
-        hold = self._hold
-        if hold and len(pending) > hold:
-            self._pending = pending[-hold:]
-            self._looked = min(self._looked, hold)
-            self._emitted += len(pending) - hold
-            return pending[:-hold], finish
-        if hold:
-            return "", finish
-        self._pending = ""
-        self._looked = 0
-        self._emitted += len(pending)
-        if self._keep:
-            self._tail = (self._tail + pending)[-self._keep :]
-        return pending, finish
+            return out, FinishReason.STOP
+        if finish != FinishReason.NONE:
+            self.finished = True
+        return out, finish
 
-    def _min_chars_known(self) -> int:
+    def _min_chars(self) -> int:
         """Characters of the text of the first ``min_tokens`` completion
         tokens (decoded once): a stop string ending in them ends nothing
         (vLLM looks for stop strings only past min_tokens)."""
-        if self._min_chars < 0:
-            text = self._tok.decode(self._ids[: self._min_tokens])
-            while text.endswith(_REPLACEMENT):  # (a character they end inside ends past them)
-                text = text[:-1]
-            self._min_chars = len(text)
-        return self._min_chars
+        text = self._tok.decode(self._ids[: self._min_tokens])
+        while text.endswith(_REPLACEMENT):  # (a character they end inside ends past them)
+            text = text[:-1]
+        return len(text)
 
-
-    def _unstick(self, ids: list[int], prefix_text: str, full: str) -> None:
+    def _unstick(self, ids: list[int], prefix_text: str, full: str) -> str:
         """A run of bytes that is not UTF-8 keeps the text ending in U+FFFD,
         so the window would grow with every token (and each step decode all
         of it: quadratic in a long garbage run). A character is at most 4
         bytes, so the text of all but the last 4 tokens can no longer change:
         emit it, at a cut that does not split a character (its text is where
-        the whole window's text starts)."""
+        the whole window's text starts). Returns the text it emits."""
         tok = self._tok
         for cut in range(len(ids) - 4, max(self._read_offset, len(ids) - 8), -1):
             left = tok.decode(ids[self._prefix_offset : cut])
             if len(left) > len(prefix_text) and full.startswith(left):
-                self._pending += left[len(prefix_text) :]
                 self._read_offset = cut
                 self._prefix_offset = max(0, cut - _CONTEXT)
-                return
-
-
-def find_stop(text: str, stops: list[str], after: int = 0) -> tuple[int, int]:
-    """(start, end) of the stop string that completes first in ``text`` (as
-    it would token by token), the longest on a tie, among those that end
-    past the first ``after`` characters; (-1, -1) if none. Completion order,
-    not start order, makes the cut independent of how the text was chunked."""
-    best_end = best_start = -1
-    for s in stops:
-        i = text.find(s, max(0, after - len(s) + 1))
-        if i < 0:
-            continue
-        end = i + len(s)
-        if best_end < 0 or end < best_end or (end == best_end and i < best_start):
-            best_end, best_start = end, i
-    return best_start, best_end
+                return left[len(prefix_text) :]
+        return ""

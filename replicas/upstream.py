@@ -36,7 +36,6 @@ import msgspec
 
 from replicas.client import Collector, ReplicaDead, ReplicaRefused
 from replicas.http11 import HttpError, HttpPool, Response, Sent, sse_data
-from replicas.output import find_stop
 from replicas.protocol import (
     PROTOCOL_VERSION,
     UNSET_MIN_P,
@@ -52,6 +51,7 @@ from replicas.protocol import (
     SamplingParams,
 )
 from replicas.spec import ReplicaSpec
+from replicas.stops import StopMatcher
 
 __all__ = ["UpstreamClient", "open_upstream", "METRICS_INTERVAL"]
 
@@ -138,7 +138,8 @@ class _Splice:
     back (it might start a stop string) is emitted here, checked together
     with the upstream's new text; the upstream only checks its own text.
 
-    As ``replicas.output.OutputProcessor`` has it: the stop string that
+    The holding, keeping and cutting is ``replicas.stops.StopMatcher``'s,
+    the same a replica's ``OutputProcessor`` uses: the stop string that
     completes first wins. With ``include`` (vLLM's
     ``include_stop_str_in_output``) the text is cut after it, nothing is
     held back, and the last characters the client has are kept to match a
@@ -148,38 +149,16 @@ class _Splice:
     upstream cuts its text before its own stop string, so one that spans
     the splice and ends inside that one goes unseen (docs/upstreams.md)."""
 
-    __slots__ = ("stops", "include", "hold", "keep", "tail", "pending", "looked")
+    __slots__ = ("stops",)
 
     def __init__(self, stops: list[str], text: str, emitted: int, include: bool = False) -> None:
         """``text``: the resumed prefix's text, of which the client has the
         first ``emitted`` characters."""
-        self.stops = [s for s in stops if s]
-        longest = max((len(s) for s in self.stops), default=1) - 1
-        self.include = include
-        self.hold = 0 if include else longest
-        self.keep = longest if include else 0
-        self.tail = text[max(0, emitted - self.keep) : emitted] if self.keep else ""
-        self.pending = text[emitted:]
-        self.looked = 0  # characters of pending a stop string can no longer end in
+        self.stops = StopMatcher(stops, include=include, text=text, emitted=emitted)
 
     def feed(self, text: str, final: bool) -> tuple[str, bool]:
         """(text to emit now, whether a stop string matched)."""
-        p = self.pending + text
-        tail = self.tail
-        start, end = find_stop(tail + p, self.stops, len(tail) + self.looked)
-        if end >= 0:
-            self.pending = ""
-            return p[: (end if self.include else start) - len(tail)], True
-        if final or not self.hold:
-            self.pending = ""
-            out = p
-        else:
-            self.pending = p[-self.hold :]
-            out = p[: -self.hold]
-        self.looked = len(self.pending)
-        if self.keep:
-            self.tail = (tail + out)[-self.keep :]
-        return out, False
+        return self.stops.feed(text, final)
 
 
 def _root(url: str) -> str:
