@@ -134,31 +134,52 @@ class _Stream:
 
 
 class _Splice:
-    """Stop strings across a resume point: text the previous replica held
-    back (it might start a stop string) is emitted here, checked together
-    with the upstream's new text; the upstream only checks its own text.
+    """Stop strings across a resume point onto an upstream: the router, not
+    the upstream, looks for them in the stream's text from the resume on.
 
-    The holding, keeping and cutting is ``replicas.stops.StopMatcher``'s,
-    the same a replica's ``OutputProcessor`` uses: the stop string that
-    completes first wins. With ``include`` (vLLM's
-    ``include_stop_str_in_output``) the text is cut after it, nothing is
-    held back, and the last characters the client has are kept to match a
-    stop string that starts in them (one that ends in them the previous
-    replica has seen; the held-back text it may not have: characters
-    behind an unfinished one are decoded with it). Without ``include`` the
-    upstream cuts its text before its own stop string, so one that spans
-    the splice and ends inside that one goes unseen (docs/upstreams.md)."""
+    The upstream gets no ``stop`` (``_body``): its text then comes unheld
+    and uncut, and this splice feeds it, after the text the previous replica
+    held back (it might start a stop string), to the same
+    ``replicas.stops.StopMatcher`` a replica's ``OutputProcessor`` uses, so
+    the cut is the one a single replica makes: the stop string that
+    completes first wins, overlapping ones included; with ``include``
+    (vLLM's ``include_stop_str_in_output``) the text is cut after it and the
+    last characters the client has are kept to match one that starts in
+    them. A match closes the upstream's response, which aborts it.
 
-    __slots__ = ("stops",)
+    ``min_tokens``: a stop string ending in the text of the first
+    ``min_tokens`` completion tokens (the prefix's counted) ends nothing.
+    Inside the prefix that text is known exactly (``min_chars``, from
+    ``/detokenize``, as ``OutputProcessor`` counts it). Past the prefix the
+    upstream's text comes without per-token boundaries, but every chunk says
+    which tokens it holds (``return_token_ids``): the text of a chunk whose
+    tokens are all past the first ``min_tokens`` is looked in, the text of
+    any other is not. That is exact while chunks hold one token each (vLLM
+    streams one per step unless its client lags or ``--stream-interval`` is
+    set); a chunk of several tokens across the boundary counts as inside
+    it, so a stop string ending in its later tokens' text is missed rather
+    than one in the first ``min_tokens`` tokens' text matched."""
 
-    def __init__(self, stops: list[str], text: str, emitted: int, include: bool = False) -> None:
+    __slots__ = ("stops", "tokens", "min_tokens")
+
+    def __init__(self, stops: list[str], text: str, emitted: int, include: bool = False, *,
+                 tokens: int = 0, min_tokens: int = 0, min_chars: int = 0) -> None:
         """``text``: the resumed prefix's text, of which the client has the
-        first ``emitted`` characters."""
+        first ``emitted`` characters. ``tokens``: the prefix's tokens;
+        ``min_chars``: characters of the first ``min_tokens`` tokens' text
+        when they are all in the prefix."""
         self.stops = StopMatcher(stops, include=include, text=text, emitted=emitted)
+        self.tokens = tokens  # completion tokens so far
+        self.min_tokens = min_tokens
+        if min_tokens and min_tokens <= tokens:
+            self.stops.min_end = min_chars
 
-    def feed(self, text: str, final: bool) -> tuple[str, bool]:
-        """(text to emit now, whether a stop string matched)."""
-        return self.stops.feed(text, final)
+    def feed(self, text: str, final: bool, tokens: int = 0) -> tuple[str, bool]:
+        """The upstream's next ``text`` (of ``tokens`` tokens): (text to emit
+        now, whether a stop string matched)."""
+        look = self.tokens >= self.min_tokens  # (this chunk's tokens all past the first min_tokens)
+        self.tokens += tokens
+        return self.stops.feed(text, final, look)
 
 
 def _root(url: str) -> str:
@@ -383,7 +404,7 @@ class UpstreamClient:
             body["min_p"] = params.min_p
         if params.seed is not None:
             body["seed"] = params.seed
-        if params.stop:
+        if params.stop and not prefix:  # (a resumed stream's: the router's _Splice looks for them)
             body["stop"] = params.stop
         if params.stop_token_ids:
             body["stop_token_ids"] = params.stop_token_ids
@@ -439,8 +460,9 @@ class UpstreamClient:
                                        "max_tokens already reached by the resumed prefix"))
                 return
             if prefix and params.stop:
-                st.splice = _Splice(params.stop, await self._prefix_text(prefix, prefix_text_len), prefix_text_len,
-                                    params.include_stop_str_in_output)
+                text, min_chars = await self._prefix_text(prefix, prefix_text_len, params.min_tokens)
+                st.splice = _Splice(params.stop, text, prefix_text_len, params.include_stop_str_in_output,
+                                    tokens=len(prefix), min_tokens=params.min_tokens, min_chars=min_chars)
             for attempt in range(3):
                 if attempt == 0 and first is not None:  # encoded, and maybe written, by generate()
                     path, body, (ask_ids, ask_usage), sent = first
@@ -574,12 +596,26 @@ class UpstreamClient:
                                    f"{reason}; this upstream returns no token ids, so the stream cannot "
                                    "continue on another replica"))
 
-    async def _prefix_text(self, prefix: list[int], prefix_text_len: int) -> str:
-        """Text of ``prefix`` (its first ``prefix_text_len`` characters the
-        client has; the previous replica held back the rest), via the
-        upstream's /detokenize (vLLM's)."""
+    async def _prefix_text(self, prefix: list[int], prefix_text_len: int, min_tokens: int) -> tuple[str, int]:
+        """For a ``_Splice``, through the upstream's ``/detokenize`` (vLLM's):
+        the text of ``prefix`` (its first ``prefix_text_len`` characters the
+        client has; the previous replica held back the rest), and the
+        characters of the first ``min_tokens`` tokens' text when they are
+        all in ``prefix`` (as ``OutputProcessor`` counts them: less a
+        character they end inside)."""
+        text = (await self._detokenize(prefix)).rstrip("\ufffd")
+        if prefix_text_len > len(text):
+            raise _Failed(f"prefix_text_len {prefix_text_len} exceeds the prefix text ({len(text)} chars)")
+        min_chars = 0
+        if 0 < min_tokens <= len(prefix):
+            upto = text if min_tokens == len(prefix) else await self._detokenize(prefix[:min_tokens])
+            min_chars = len(upto.rstrip("\ufffd"))
+        return text, min_chars
+
+    async def _detokenize(self, ids: list[int]) -> str:
+        """The text of ``ids`` from the upstream's ``/detokenize`` (vLLM's)."""
         url = _root(self.url) + "/detokenize"
-        body = msgspec.json.encode({"model": self.upstream_model, "tokens": prefix})
+        body = msgspec.json.encode({"model": self.upstream_model, "tokens": ids})
         async with self._session.post(url, data=body, headers=_JSON) as r:
             raw = await r.read()
             if r.status != 200:
@@ -588,9 +624,6 @@ class UpstreamClient:
         text = obj.get("prompt") if isinstance(obj, dict) else None
         if not isinstance(text, str):
             raise _Failed("cannot resume a stream with stop strings: /detokenize gave no text")
-        text = text.rstrip("\ufffd")
-        if prefix_text_len > len(text):
-            raise _Failed(f"prefix_text_len {prefix_text_len} exceeds the prefix text ({len(text)} chars)")
         return text
 
     # -- load ----------------------------------------------------------------
@@ -703,7 +736,7 @@ class _SseReader:
         for ids, text, finish, count in pieces:
             stopped = False
             if st.splice is not None:
-                text, stopped = st.splice.feed(text, finish != none)
+                text, stopped = st.splice.feed(text, finish != none, len(ids) + count)
                 if stopped:
                     finish = FinishReason.STOP
             if not (ids or text or count or finish != none):

@@ -354,6 +354,63 @@ async def test_resume_onto_upstream_is_text_exact(include: bool):
         await server.close()
 
 
+def _one_replica(ids: list[int], stop: list[str], min_tokens: int = 0, upto: int | None = None,
+                 final: FinishReason = FinishReason.LENGTH) -> tuple[str, FinishReason]:
+    """What one replica's processor emits for ``ids`` fed token by token
+    (``upto``: only the first so many, with no finish: what a replica
+    delivered before it died)."""
+    proc = OutputProcessor(TOK, stop, min_tokens=min_tokens)
+    out, fin = "", FinishReason.NONE
+    n = len(ids) if upto is None else upto
+    for i, t in enumerate(ids[:n]):
+        text, fin = proc.process([t], final if upto is None and i == n - 1 else FinishReason.NONE)
+        out += text
+        if fin != FinishReason.NONE:
+            break
+    return out, fin
+
+
+@pytest.mark.parametrize("stop, min_tokens", [
+    (["soo", "oon"], 0),  # overlapping: "soo" completes first, "oon" is the upstream's own
+    ([".\n\n", "\nThe"], 0),
+    (["to"], "past the first"),  # "to" inside the first min_tokens tokens' text ends nothing
+], ids=["overlapping", "overlapping-newlines", "min_tokens"])
+async def test_resume_onto_upstream_cuts_at_stop_strings_as_one_replica(stop: list[str], min_tokens):
+    """The router, not the upstream, looks for stop strings in a resumed
+    stream's text, as one replica would: overlapping ones across the splice
+    (the upstream cut its text before its own, and the text ran on past the
+    one that spans the splice) and none that ends in the text of the first
+    min_tokens tokens, the delivered ones counted (the router's splice ended
+    the stream there)."""
+    server = OpenAIServer("sim", {"model": MODEL, "seed": 0, "step_base_ms": 0, "step_per_seq_ms": 0})
+    port = await server.start("127.0.0.1", 0)
+    client = await open_upstream(UPSTREAM, ReplicaSpec(name=UPSTREAM, url=f"http://127.0.0.1:{port}/v1"))
+    try:
+        ids = TOK.encode(PROMPT)
+        full, _, _ = await _drain(client.generate(SamplingParams(max_tokens=160, temperature=0, ignore_eos=True),
+                                                  prompt=PROMPT))
+        if min_tokens:  # (three tokens past the one that ends the first "to"; the next is far off)
+            min_tokens = next(n for n in range(len(full)) if "to" in TOK.decode(full[:n])) + 3
+            text = TOK.decode(full)
+            assert text.index("to", text.index("to") + 1) > len(TOK.decode(full[:min_tokens])) + 30, text
+        want = _one_replica(full, stop, min_tokens)
+        assert want[1] == FinishReason.STOP, want
+        params = SamplingParams(max_tokens=160, temperature=0, ignore_eos=True, stop=stop, min_tokens=min_tokens)
+        for cut in range(1, len(full)):  # (every resume point up to where one replica stops)
+            delivered, fin = _one_replica(full, stop, min_tokens, upto=cut)
+            if fin != FinishReason.NONE:
+                break
+            col = client.generate(params, prompt_token_ids=ids, prefix_token_ids=full[:cut],
+                                  prefix_text_len=len(delivered))
+            _, text, fin = await _drain(col)
+            assert (delivered + text, fin) == want, cut
+        else:
+            raise AssertionError("one replica never stopped")
+    finally:
+        await client.close()
+        await server.close()
+
+
 async def _drain(col) -> tuple[list[int], str, FinishReason]:
     ids: list[int] = []
     text = ""
@@ -426,6 +483,54 @@ async def test_upstream_killed_mid_stream_continues_token_exact(kind, tmp_path, 
                             what="upstream marked down")
     server.start(port=server.port)
     await asyncio.to_thread(router.wait_ready, 20)
+
+
+async def test_a_stream_failed_over_onto_an_upstream_keeps_min_tokens_past_a_stop_string(tmp_path, cleanup,
+                                                                                          aclient_for):
+    """The local replica streaming a request with stop strings and min_tokens
+    dies before the first stop string; the stream continues on the upstream,
+    where a stop string inside the first min_tokens tokens' text does not end
+    it (the router's splice ended it there), and the next one does."""
+    server = SimOpenAI(tmp_path, {"step_base_ms": 1})
+    server.start()
+    cleanup(server)
+    router = upstream_router(tmp_path / "router", server.url, sim={"step_base_ms": 40})
+    # the local replica first, so the request starts there
+    router.config["replicas"].append(router.config["replicas"].pop(0))
+    router.replica_names.append(router.replica_names.pop(0))
+    router.config_path.write_text(yaml.safe_dump(router.config, sort_keys=False))
+    cleanup(router)
+    router.start()
+    aclient = aclient_for(router)
+    ids = TOK.encode(await reference(prompt_ids("completion"), 160))
+    first = next(n for n in range(len(ids)) if "to" in TOK.decode(ids[:n]))
+    min_tokens = first + 3
+    want, fin = _one_replica(ids, ["to"], min_tokens)
+    assert fin == FinishReason.STOP and len(want) > len(TOK.decode(ids[:min_tokens])), want
+    got: list[str] = []
+
+    async def consume_with_stop() -> str | None:
+        stream = await aclient.completions.create(model=MODEL, prompt=PROMPT, stream=True, stop=["to"],
+                                                  **greedy(160) | {"extra_body": {"ignore_eos": True,
+                                                                                  "min_tokens": min_tokens}})
+        finish = None
+        async with stream:
+            async for chunk in stream:
+                for c in chunk.choices:
+                    got.append(c.text or "")
+                    finish = c.finish_reason or finish
+        return finish
+
+    task = asyncio.create_task(consume_with_stop())
+    try:
+        await asyncio.to_thread(poll, lambda: len("".join(got)) >= 3 or task.done(), 20, what="3 characters")
+        assert not task.done() and server.running() == 0  # (a local replica streams it)
+        router.kill_replica(router.replica_names[0])
+        finish = await asyncio.wait_for(task, 30)
+    finally:
+        task.cancel()
+    assert ("".join(got), finish) == (want, "stop")
+    assert router.metrics().value("fairstream_resumed_tokens_total") >= 1
 
 
 async def test_a_stream_whose_only_upstream_is_killed_waits_for_its_restart(tmp_path, cleanup, aclient_for):
