@@ -83,12 +83,27 @@ def prepare(
             min_tokens=max(0, params.min_tokens - len(prefix_token_ids)),
         )
     elif prime and prompt_ids:
-        tail = prompt_ids[-_PRIME_TOKENS:]
+        tail = _prime_window(engine.tokenizer, prompt_ids)
         proc = OutputProcessor(engine.tokenizer, params.stop, tail, _complete_text_len(engine.tokenizer, tail),
                                params.min_tokens + len(tail), include_stop_str=include, prefix_is_output=False)
     else:
         proc = OutputProcessor(engine.tokenizer, params.stop, min_tokens=params.min_tokens, include_stop_str=include)
     return prompt_ids + list(prefix_token_ids), params, proc
+
+
+def _prime_window(tok: Tokenizer, prompt_ids: list[int]) -> list[int]:
+    """The prompt's last tokens a primed processor decodes with: the last
+    ``_PRIME_TOKENS``, or the whole prompt when the text ends in U+FFFD at
+    every token boundary in them (a long run of bytes that are no UTF-8).
+    vLLM's detokenizer primes with the whole prompt then, and so re-decodes
+    the text after the prompt's last boundary whose text does not end in
+    U+FFFD with its first new tokens; the router's splice onto an upstream
+    counts on exactly that text coming first (``replicas.upstream._Splice``)."""
+    tail = prompt_ids[-_PRIME_TOKENS:]
+    if len(tail) < len(prompt_ids) and all(tok.decode(tail[:i]).endswith(_REPLACEMENT)
+                                           for i in range(len(tail), 0, -1)):
+        return prompt_ids
+    return tail
 
 
 def _complete_text_len(tok: Tokenizer, ids: list[int]) -> int:

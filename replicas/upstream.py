@@ -63,6 +63,10 @@ METRICS_INTERVAL = 1.0
 USAGE_WAIT = 1.0
 _JSON = {"content-type": "application/json"}
 _FINISH = {"stop": FinishReason.STOP, "length": FinishReason.LENGTH}
+# Cuts /detokenize is asked for at once, and how far back, looking for the
+# resumed prefix's last token boundary whose text does not end in U+FFFD.
+_WALK_BATCH = 4
+_WALK_LIMIT = 64
 _METRIC_RE = re.compile(
     rb"^(vllm:num_requests_running|vllm:num_requests_waiting|vllm:kv_cache_usage_perc|vllm:generation_tokens_total)"
     rb"(?:\{[^}]*\})?\s+(\S+)",
@@ -158,17 +162,30 @@ class _Splice:
     streams one per step unless its client lags or ``--stream-interval`` is
     set); a chunk of several tokens across the boundary counts as inside
     it, so a stop string ending in its later tokens' text is missed rather
-    than one in the first ``min_tokens`` tokens' text matched."""
+    than one in the first ``min_tokens`` tokens' text matched.
 
-    __slots__ = ("stops", "tokens", "min_tokens")
+    Where the prefix's text ends in U+FFFD (a character its last tokens
+    end inside, or bytes that are no UTF-8) the upstream, decoding in the
+    context of its prompt, holds those tokens back as vLLM's detokenizer
+    does and sends their text with its first new text: its own text starts
+    at ``start``, the prefix's last token boundary whose text does not end
+    in U+FFFD. What of that text the client already has (``_unstick`` sent
+    it) is dropped here once seen to be the same; a different text fails
+    the stream (``_Failed``) before anything of it goes out, and another
+    replica continues it."""
+
+    __slots__ = ("stops", "tokens", "min_tokens", "resent")
 
     def __init__(self, stops: list[str], text: str, emitted: int, include: bool = False, *,
-                 tokens: int = 0, min_tokens: int = 0, min_chars: int = 0) -> None:
+                 start: int | None = None, tokens: int = 0, min_tokens: int = 0, min_chars: int = 0) -> None:
         """``text``: the resumed prefix's text, of which the client has the
-        first ``emitted`` characters. ``tokens``: the prefix's tokens;
-        ``min_chars``: characters of the first ``min_tokens`` tokens' text
-        when they are all in the prefix."""
-        self.stops = StopMatcher(stops, include=include, text=text, emitted=emitted)
+        first ``emitted`` characters and the upstream's own text repeats what
+        follows the first ``start`` (default: all of it). ``tokens``: the
+        prefix's tokens; ``min_chars``: characters of the first
+        ``min_tokens`` tokens' text when they are all in the prefix."""
+        start = len(text) if start is None else start
+        self.stops = StopMatcher(stops, include=include, text=text[: max(start, emitted)], emitted=emitted)
+        self.resent = text[start:emitted]  # the client has it; the upstream sends it again
         self.tokens = tokens  # completion tokens so far
         self.min_tokens = min_tokens
         if min_tokens and min_tokens <= tokens:
@@ -177,6 +194,13 @@ class _Splice:
     def feed(self, text: str, final: bool, tokens: int = 0) -> tuple[str, bool]:
         """The upstream's next ``text`` (of ``tokens`` tokens): (text to emit
         now, whether a stop string matched)."""
+        resent = self.resent
+        if resent and text:
+            n = min(len(resent), len(text))
+            if text[:n] != resent[:n]:
+                raise _Failed("its text after the resume point is not the prefix's (cannot splice exactly)")
+            self.resent = resent[n:]
+            text = text[n:]
         look = self.tokens >= self.min_tokens  # (this chunk's tokens all past the first min_tokens)
         self.tokens += tokens
         return self.stops.feed(text, final, look)
@@ -460,9 +484,10 @@ class UpstreamClient:
                                        "max_tokens already reached by the resumed prefix"))
                 return
             if prefix and params.stop:
-                text, min_chars = await self._prefix_text(prefix, prefix_text_len, params.min_tokens)
+                text, start, min_chars = await self._prefix_text(prefix, prefix_text_len, params.min_tokens)
                 st.splice = _Splice(params.stop, text, prefix_text_len, params.include_stop_str_in_output,
-                                    tokens=len(prefix), min_tokens=params.min_tokens, min_chars=min_chars)
+                                    start=start, tokens=len(prefix), min_tokens=params.min_tokens,
+                                    min_chars=min_chars)
             for attempt in range(3):
                 if attempt == 0 and first is not None:  # encoded, and maybe written, by generate()
                     path, body, (ask_ids, ask_usage), sent = first
@@ -596,21 +621,41 @@ class UpstreamClient:
                                    f"{reason}; this upstream returns no token ids, so the stream cannot "
                                    "continue on another replica"))
 
-    async def _prefix_text(self, prefix: list[int], prefix_text_len: int, min_tokens: int) -> tuple[str, int]:
+    async def _prefix_text(self, prefix: list[int], prefix_text_len: int, min_tokens: int) -> tuple[str, int, int]:
         """For a ``_Splice``, through the upstream's ``/detokenize`` (vLLM's):
-        the text of ``prefix`` (its first ``prefix_text_len`` characters the
-        client has; the previous replica held back the rest), and the
+        the text of ``prefix`` (the client has its first ``prefix_text_len``
+        characters), where the upstream's own text starts in it, and the
         characters of the first ``min_tokens`` tokens' text when they are
         all in ``prefix`` (as ``OutputProcessor`` counts them: less a
         character they end inside)."""
-        text = (await self._detokenize(prefix)).rstrip("\ufffd")
+        text = await self._detokenize(prefix)
         if prefix_text_len > len(text):
             raise _Failed(f"prefix_text_len {prefix_text_len} exceeds the prefix text ({len(text)} chars)")
+        start = await self._text_start(prefix) if text.endswith("\ufffd") else len(text)
         min_chars = 0
         if 0 < min_tokens <= len(prefix):
             upto = text if min_tokens == len(prefix) else await self._detokenize(prefix[:min_tokens])
             min_chars = len(upto.rstrip("\ufffd"))
-        return text, min_chars
+        return text, start, min_chars
+
+    async def _text_start(self, prefix: list[int]) -> int:
+        """Characters of the text of ``prefix`` up to its last token boundary
+        whose text does not end in U+FFFD: where an upstream that decodes in
+        the context of its prompt (vLLM: its whole prompt, when that ends in
+        one) starts its text. Asked back from the end, ``_WALK_BATCH`` cuts
+        at a time; a run longer than ``_WALK_LIMIT`` tokens is refused."""
+        end = len(prefix)
+        while end > 0:
+            if len(prefix) - end >= _WALK_LIMIT:
+                raise _Failed(f"cannot resume a stream with stop strings: the text of its last {_WALK_LIMIT} "
+                              "tokens ends in U+FFFD at every token")
+            cuts = range(end - 1, max(0, end - _WALK_BATCH) - 1, -1)
+            texts = await asyncio.gather(*(self._detokenize(prefix[:i]) for i in cuts if i))
+            for t in texts:
+                if not t.endswith("\ufffd"):
+                    return len(t)
+            end = cuts[-1]
+        return 0  # (the text of no tokens)
 
     async def _detokenize(self, ids: list[int]) -> str:
         """The text of ``ids`` from the upstream's ``/detokenize`` (vLLM's)."""

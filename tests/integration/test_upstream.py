@@ -411,6 +411,42 @@ async def test_resume_onto_upstream_cuts_at_stop_strings_as_one_replica(stop: li
         await server.close()
 
 
+@pytest.mark.parametrize("run", [
+    "\ufffd\ufffd\ufffd\ufffd".encode(),  # real replacement characters, as a model copies them
+    b"\x80" * 12,  # bytes that are no UTF-8
+    "\ufffd".encode() + b"\xe6\x97",  # one, then a character the prefix ends inside (exact before too)
+], ids=["U+FFFD", "bad-bytes", "U+FFFD-then-split"])
+async def test_resume_onto_upstream_at_or_in_replacement_characters_is_text_exact(run: bytes):
+    """A delivered prefix whose text ends in U+FFFD, some of which the client
+    may already have (a replica sends the text of a long run of them before
+    the run ends): the stream continues on the upstream with stop strings
+    set, nothing dropped or repeated (the router refused such a resume: the
+    text it rebuilt for the splice had lost the client's trailing U+FFFD)."""
+    server = OpenAIServer("sim", {"model": MODEL, "seed": 0, "step_base_ms": 0, "step_per_seq_ms": 0})
+    port = await server.start("127.0.0.1", 0)
+    client = await open_upstream(UPSTREAM, ReplicaSpec(name=UPSTREAM, url=f"http://127.0.0.1:{port}/v1"))
+    try:
+        ids = TOK.encode(PROMPT)
+        head, _, _ = await _drain(client.generate(SamplingParams(max_tokens=12, temperature=0, ignore_eos=True),
+                                                  prompt=PROMPT))
+        run_ids = list(run)
+        for stop in (["zzz"], ["\ufffd" * 5], ["\ufffde", "\ufffd早", "ly"]):
+            for j in range(1, len(run_ids) + 1):
+                prefix = head + run_ids[:j]
+                delivered, fin = _one_replica(prefix, stop, upto=len(prefix))
+                if fin != FinishReason.NONE:
+                    continue  # (it stopped before the resume point)
+                params = SamplingParams(max_tokens=len(prefix) + 30, temperature=0, ignore_eos=True, stop=stop)
+                col = client.generate(params, prompt_token_ids=ids, prefix_token_ids=prefix,
+                                      prefix_text_len=len(delivered))
+                new, text, fin = await _drain(col)
+                want = _one_replica(prefix + new, stop, final=fin if fin == FinishReason.LENGTH else FinishReason.NONE)
+                assert (delivered + text, fin) == (want[0], want[1] if fin == FinishReason.LENGTH else fin), (stop, j)
+    finally:
+        await client.close()
+        await server.close()
+
+
 async def _drain(col) -> tuple[list[int], str, FinishReason]:
     ids: list[int] = []
     text = ""

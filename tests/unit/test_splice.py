@@ -16,14 +16,16 @@ from __future__ import annotations
 import asyncio
 from types import SimpleNamespace
 
+import pytest
 from hypothesis import assume, example, given
 from hypothesis import strategies as st
 
+from replicas.engine import Tokenizer
 from replicas.output import OutputProcessor
 from replicas.prepare import prepare
 from replicas.protocol import FinishReason, SamplingParams
 from replicas.sim import ByteTokenizer
-from replicas.upstream import UpstreamClient, _Splice
+from replicas.upstream import _WALK_LIMIT, UpstreamClient, _Failed, _Splice
 
 TOK = ByteTokenizer()
 NONE, STOP, LENGTH = FinishReason.NONE, FinishReason.STOP, FinishReason.LENGTH
@@ -32,6 +34,12 @@ SMALL = st.sampled_from(list("ab é日😀\n"))
 small_text = st.text(SMALL, min_size=1, max_size=24)
 stops = st.lists(st.text(SMALL, min_size=1, max_size=4), min_size=0, max_size=4)
 boundaries = st.sets(st.integers(1, 1000), max_size=12)
+
+# Real U+FFFD characters, bytes that are no UTF-8 (a lone continuation byte, a
+# lead byte with nothing after it) and ordinary characters, as token runs.
+_PIECES = [b"a", b"b", b"\n", "\ufffd".encode(), "日".encode(), b"\x80", b"\xe6"]
+odd_ids = st.lists(st.sampled_from(_PIECES), min_size=2, max_size=20).map(lambda ps: list(b"".join(ps)))
+odd_stops = st.lists(st.text(st.sampled_from(list("ab\n\ufffd日")), min_size=1, max_size=3), max_size=3)
 
 
 def points(raw: set[int], n: int) -> list[int]:
@@ -54,36 +62,38 @@ def feed(proc: OutputProcessor, parts: list[list[int]], final: FinishReason) -> 
 
 
 def one_replica(ids: list[int], cut: list[int], stop: list[str], include: bool,
-                min_tokens: int) -> tuple[str, FinishReason]:
-    return feed(OutputProcessor(TOK, stop, min_tokens=min_tokens, include_stop_str=include), split(ids, cut), LENGTH)
+                min_tokens: int, tok: Tokenizer = TOK) -> tuple[str, FinishReason]:
+    return feed(OutputProcessor(tok, stop, min_tokens=min_tokens, include_stop_str=include), split(ids, cut), LENGTH)
 
 
-async def _detokenize(ids: list[int]) -> str:
-    return TOK.decode(ids)
-
-
-def splice_for(prefix: list[int], emitted: int, stop: list[str], include: bool, min_tokens: int) -> _Splice:
+def splice_for(prefix: list[int], emitted: int, stop: list[str], include: bool, min_tokens: int,
+               tok: Tokenizer = TOK) -> _Splice:
     """The splice ``UpstreamClient._run`` builds, from its own ``/detokenize``
     calls (answered by the tokenizer)."""
-    client = SimpleNamespace(_detokenize=_detokenize)
+    async def detokenize(ids: list[int]) -> str:
+        return tok.decode(ids)
+
+    client = SimpleNamespace(_detokenize=detokenize)
+    client._text_start = lambda p: UpstreamClient._text_start(client, p)  # type: ignore[attr-defined]
     ask = UpstreamClient._prefix_text(client, prefix, emitted, min_tokens)  # type: ignore[arg-type]
-    text, min_chars = asyncio.run(ask)
-    return _Splice(stop, text, emitted, include, tokens=len(prefix), min_tokens=min_tokens, min_chars=min_chars)
+    text, start, min_chars = asyncio.run(ask)
+    return _Splice(stop, text, emitted, include, start=start, tokens=len(prefix), min_tokens=min_tokens,
+                   min_chars=min_chars)
 
 
 def run_spliced(ids: list[int], cut: list[int], k: int, stop: list[str], include: bool = False,
-                min_tokens: int = 0) -> tuple[str, FinishReason]:
+                min_tokens: int = 0, tok: Tokenizer = TOK) -> tuple[str, FinishReason]:
     """``ids[:k]`` on a replica, the rest on an upstream through the splice,
     chunked at ``cut`` (a chunk of the upstream: one SSE event)."""
     cut = sorted(set(cut) | {k})
     parts = split(ids, cut)
     n_first = cut.index(k) + 1
-    e1, finish = feed(OutputProcessor(TOK, stop, min_tokens=min_tokens, include_stop_str=include),
+    e1, finish = feed(OutputProcessor(tok, stop, min_tokens=min_tokens, include_stop_str=include),
                       parts[:n_first], NONE)
     if finish != NONE:
         return e1, finish
-    splice = splice_for(ids[:k], len(e1), stop, include, min_tokens)
-    engine = SimpleNamespace(max_model_len=10_000, tokenizer=TOK)
+    splice = splice_for(ids[:k], len(e1), stop, include, min_tokens, tok)
+    engine = SimpleNamespace(max_model_len=10_000, tokenizer=tok)
     params = SamplingParams(max_tokens=len(ids) + 1, include_stop_str_in_output=include)  # (no stop: the router's)
     _, _, upstream = prepare(engine, ids[:k], params, prime=True)  # type: ignore[arg-type]
     out = [e1]
@@ -172,3 +182,93 @@ def test_min_tokens_across_a_resume_onto_an_upstream_in_every_chunking(
     cut = points(raw, len(ids))
     want = one_replica(ids, sorted(set(cut) | {k}), stop, include, rounded(min_tokens, cut, k, len(ids)))
     assert run_spliced(ids, cut, k, stop, include, min_tokens) == want
+
+
+# -- U+FFFD at the resume point -----------------------------------------------------------------
+
+
+def test_a_prefix_ending_in_replacement_characters_the_client_has_splices_exactly() -> None:
+    # (the router cut the prefix's text at its last character that is not
+    # U+FFFD, below what the client had, and refused the resume: the stream
+    # could not continue on an upstream)
+    ids = TOK.encode("caf\ufffd\ufffd\ufffd\ufffd au lait, s'il vous pla\u00eet")
+    for stop in (["zz"], ["\ufffd a"], ["\ufffd\ufffd\ufffd\ufffd\ufffd"], ["t, s"]):
+        for include in (False, True):
+            want = one_replica(ids, list(range(1, len(ids))), stop, include, 0)
+            for k in range(1, len(ids)):
+                assert run_spliced(ids, list(range(1, len(ids))), k, stop, include) == want, (stop, include, k)
+
+
+@given(odd_ids, odd_stops, st.integers(1, 1000), boundaries, st.booleans(), st.integers(0, 30))
+def test_a_resume_onto_an_upstream_anywhere_in_text_with_replacement_characters_and_bad_bytes(
+        ids: list[int], stop: list[str], k: int, raw: set[int], include: bool, min_tokens: int) -> None:
+    k = 1 + k % (len(ids) - 1)
+    cut = points(raw, len(ids))
+    want = one_replica(ids, sorted(set(cut) | {k}), stop, include, rounded(min_tokens, cut, k, len(ids)))
+    assert run_spliced(ids, cut, k, stop, include, min_tokens) == want
+
+
+class MergedTokenizer(ByteTokenizer):
+    """Bytes, and tokens of several bytes that hold a whole character and
+    the start of the next, or the end of one and a whole one, as byte-level
+    BPE vocabularies have them."""
+
+    MERGED = {300: b"f\xc3", 301: b"\xa9 ", 302: "日".encode()[:2], 303: "日".encode()[2:] + b"a", 304: b"\xbd\n"}
+
+    def decode(self, token_ids: list[int]) -> str:
+        return b"".join(self.MERGED.get(t, bytes([t]) if t < 256 else b"") for t in token_ids).decode("utf-8",
+                                                                                                     "replace")
+
+
+MERGED = MergedTokenizer()
+merged_ids = st.lists(st.sampled_from([97, 98, 10, 0xC3, 0xA9, 0xEF, 0xBF, *MergedTokenizer.MERGED]),
+                      min_size=2, max_size=16)
+
+
+def test_a_token_holding_a_character_and_the_start_of_the_next_is_not_sent_twice() -> None:
+    # (the router took the prefix's text up to its last character that is not
+    # U+FFFD as the text held back: "f" of a token "f\xc3" then went out from
+    # it and again from the upstream, which decodes that token with the next)
+    ids = [99, 97, 300, 301, 98]  # "café b"
+    assert MERGED.decode(ids) == "café b"
+    for stop in (["zz"], ["é b"], ["f"]):
+        for include in (False, True):
+            for k in range(1, len(ids)):
+                want = one_replica(ids, list(range(1, len(ids))), stop, include, 0, MERGED)
+                assert run_spliced(ids, list(range(1, len(ids))), k, stop, include, 0, MERGED) == want, (stop, k)
+
+
+@given(merged_ids, odd_stops, st.integers(1, 1000), boundaries, st.booleans(), st.integers(0, 20))
+def test_a_resume_onto_an_upstream_with_tokens_of_several_bytes(ids: list[int], stop: list[str], k: int,
+                                                                raw: set[int], include: bool, min_tokens: int) -> None:
+    k = 1 + k % (len(ids) - 1)
+    cut = points(raw, len(ids))
+    want = one_replica(ids, sorted(set(cut) | {k}), stop, include, rounded(min_tokens, cut, k, len(ids)), MERGED)
+    assert run_spliced(ids, cut, k, stop, include, min_tokens, MERGED) == want
+
+
+def test_the_splice_fails_an_upstream_whose_text_does_not_repeat_what_the_client_has() -> None:
+    # (an upstream that decodes otherwise: failing before any of its text
+    # goes out lets another replica continue the stream exactly)
+    splice = _Splice(["zz"], "ab\ufffd\ufffd", 4, start=2)  # (the client has all four characters)
+    assert splice.feed("\ufffd", False, 1) == ("", False)  # (what the client has, again)
+    with pytest.raises(_Failed):
+        splice.feed("x", False, 1)
+    splice = _Splice(["zz"], "ab\ufffd\ufffd", 4, start=2)
+    assert splice.feed("\ufffd\ufffdxyz", False, 4) == ("xy", False)  # ("z" held: it may start "zz")
+    splice = _Splice(["zz"], "ab\ufffd\ufffd", 4, start=2)
+    with pytest.raises(_Failed):
+        splice.feed("xy", False, 1)
+
+
+def test_a_prefix_whose_text_ends_in_replacement_characters_for_too_long_is_refused() -> None:
+    async def detokenize(ids: list[int]) -> str:
+        return TOK.decode(ids)
+
+    client = SimpleNamespace(_detokenize=detokenize)
+    client._text_start = lambda p: UpstreamClient._text_start(client, p)  # type: ignore[attr-defined]
+    bad = TOK.encode("ok") + [0x80] * (_WALK_LIMIT + 1)
+    with pytest.raises(_Failed, match="U\\+FFFD"):
+        asyncio.run(UpstreamClient._prefix_text(client, bad, 2, 0))  # type: ignore[arg-type]
+    ok = TOK.encode("ok") + [0x80] * (_WALK_LIMIT - 1)
+    assert asyncio.run(UpstreamClient._prefix_text(client, ok, 2, 0))[1] == 2  # type: ignore[arg-type]
