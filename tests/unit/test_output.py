@@ -103,7 +103,11 @@ def test_concatenated_text_equals_decode_of_all_tokens(text: str, raw: set[int],
     ids = TOK.encode(text)
     parts = split(ids, points(raw, len(ids)))
     out, finish = feed(OutputProcessor(TOK, []), parts, LENGTH, separate_finish)
-    assert out == TOK.decode(ids) == text
+    # (a text that ends in a real U+FFFD loses it, up to the 3 tokens of an
+    # unfinished character, as vLLM's detokenizer drops those: ``final_text``)
+    assert out == final_text(ids)
+    if not text.endswith("\ufffd"):
+        assert out == text
     assert finish == LENGTH
 
 
