@@ -16,6 +16,7 @@ from collections.abc import Callable
 
 from policies.balance import ReplicaLoad, choose
 from replicas.client import ReplicaClient
+from replicas.protocol import Feature
 from replicas.spec import ReplicaSpec
 
 log = logging.getLogger("fairstream.pool")
@@ -143,7 +144,10 @@ class ReplicaPool:
                 if s.client.ready.max_model_len > 0]  # type: ignore[union-attr]
         return min(lens) if lens else None
 
-    def ready_slots(self, model: str | None = None, exclude: set[str] | None = None) -> list[ReplicaSlot]:
+    def ready_slots(self, model: str | None = None, exclude: set[str] | None = None,
+                    needs: int = 0) -> list[ReplicaSlot]:
+        """The ready replicas (of ``model``, not in ``exclude``, announcing
+        every ``Feature`` bit of ``needs``)."""
         out = []
         for s in self.slots:
             if not s.ready:
@@ -152,8 +156,30 @@ class ReplicaPool:
                 continue
             if exclude and s.name in exclude:
                 continue
+            if needs and needs & ~s.client.ready.features:  # type: ignore[union-attr]
+                continue
             out.append(s)
         return out
+
+    def serving(self, model: str, needs: int, exclude: set[str] | None = None) -> list[ReplicaSlot]:
+        """``ready_slots`` of ``model`` that take ``needs``; ``NoReplica``
+        when there are none, saying whether none is ready or none takes
+        the request's fields (an older version's replicas: a rolling upgrade)."""
+        slots = self.ready_slots(model, exclude, needs)
+        if not slots and exclude:
+            slots = self.ready_slots(model, None, needs)
+        if slots:
+            return slots
+        serving = self.ready_slots(model) if needs else None
+        if serving:
+            # (the fields none of them takes; or, each taken by some, all of them)
+            lacking = needs
+            for s in serving:
+                lacking &= ~s.client.ready.features  # type: ignore[union-attr]
+            raise NoReplica(
+                f"no ready replica of model {model!r} takes {Feature(lacking or needs).names()}: the replicas "
+                "serving it run an older fairstream, which would ignore it (a rolling upgrade under way?)")
+        raise NoReplica(f"no ready replica serves model {model!r}")
 
     def when_ready(self, callback: Callable[[], None]) -> None:
         """Call ``callback`` once, when a replica next becomes ready."""
@@ -177,29 +203,25 @@ class ReplicaPool:
             except Exception:  # noqa: BLE001 - one waiter's bug must not keep the others waiting
                 log.exception("a stream waiting for a ready replica failed to continue")
 
-    def choose(self, model: str, tokens: int, exclude: set[str] | None = None) -> LoadHandle:
+    def choose(self, model: str, tokens: int, exclude: set[str] | None = None, needs: int = 0) -> LoadHandle:
         """Pick a replica for a request expected to produce ``tokens`` tokens.
 
         ``exclude`` names replicas to avoid (e.g. the one that just died);
-        they are used anyway when nothing else is ready.
+        they are used anyway when nothing else is ready. ``needs``: the
+        ``Feature`` bits the request needs of its replica.
         """
-        slots = self.ready_slots(model, exclude)
-        if not slots and exclude:
-            slots = self.ready_slots(model)
-        if not slots:
-            raise NoReplica(f"no ready replica serves model {model!r}")
+        slots = self.serving(model, needs, exclude)
         i = choose([s.snapshot() for s in slots], self._rng)
         return LoadHandle(slots[i], tokens, self.on_release)
 
-    def try_choose(self, model: str, tokens: int, affinity: int | None = None) -> LoadHandle | None:
+    def try_choose(self, model: str, tokens: int, affinity: int | None = None, needs: int = 0) -> LoadHandle | None:
         """Like ``choose`` but only among replicas under their in-flight cap;
-        None when all are full. ``NoReplica`` when none serves the model.
+        None when all are full. ``NoReplica`` when none serves the model
+        (or takes ``needs``).
 
         ``affinity`` is a hash of the prompt's prefix: the replica that last
         served that prefix is preferred while its load allows."""
-        slots = self.ready_slots(model)
-        if not slots:
-            raise NoReplica(f"no ready replica serves model {model!r}")
+        slots = self.serving(model, needs)
         room = [s for s in slots if s.has_room]
         if not room:
             return None

@@ -28,6 +28,9 @@ __all__ = [
     "UNSET_REPETITION_PENALTY",
     "UNSET_MIN_P",
     "REFUSED_TEMPLATE_KWARGS",
+    "Feature",
+    "FEATURES",
+    "required_features",
     "Hello",
     "Generate",
     "Abort",
@@ -189,13 +192,65 @@ class Ping(msgspec.Struct, tag=4, array_like=True, gc=False):
 
 
 class Ready(msgspec.Struct, tag=10, array_like=True, gc=False):
-    """Answer to ``Hello``: the replica is serving ``model``."""
+    """Answer to ``Hello``: the replica is serving ``model``, and takes the
+    request fields of ``features``."""
 
     version: int
     model: str
     engine: str
     max_model_len: int
     pid: int
+    # Feature bits. Last: a replica from before features were announced
+    # sends none, and reads as 0 (msgspec's default for a missing trailing
+    # item); a router from before ignores them.
+    features: int = 0
+
+
+class Feature(enum.IntFlag):
+    """Request fields a replica announces it takes (``Ready.features``).
+
+    Fields added to the protocol after its first version are new last items
+    of ``SamplingParams`` or ``Generate``, which a replica that does not
+    know them drops without a word (msgspec ignores trailing items it has no
+    field for). A request that sets one of these goes only to a replica
+    that announced it (``replicas.pool``), so that a rolling upgrade cannot
+    send it where its field would be lost. (``max_tokens_default`` and
+    ``unset`` are not among them: a replica that ignores them samples with
+    the neutral values and refuses a prompt longer than the default leaves
+    room for, which is what replicas did before them.)
+    """
+
+    MIN_P = 1  # SamplingParams.min_p
+    INCLUDE_STOP_STR = 2  # SamplingParams.include_stop_str_in_output
+    TEMPLATE_KWARGS = 4  # Generate.chat_template_kwargs
+
+    def fields(self) -> list[str]:
+        """The request fields of these bits."""
+        return [_FEATURE_FIELDS[f] for f in Feature if f & self]
+
+    def names(self) -> str:
+        """``fields`` for a message."""
+        return ", ".join(self.fields())
+
+
+_FEATURE_FIELDS = {Feature.MIN_P: "min_p", Feature.INCLUDE_STOP_STR: "include_stop_str_in_output",
+                   Feature.TEMPLATE_KWARGS: "chat_template_kwargs"}
+
+# what a replica of this version takes: all of them
+FEATURES = Feature.MIN_P | Feature.INCLUDE_STOP_STR | Feature.TEMPLATE_KWARGS
+
+
+def required_features(params: SamplingParams, template_kwargs: dict[str, Any] | None) -> int:
+    """The ``Feature`` bits a request with these params and chat template
+    kwargs needs of its replica (0 for most requests)."""
+    needs = 0
+    if params.min_p:
+        needs |= Feature.MIN_P
+    if params.include_stop_str_in_output:
+        needs |= Feature.INCLUDE_STOP_STR
+    if template_kwargs:
+        needs |= Feature.TEMPLATE_KWARGS
+    return int(needs)
 
 
 class Delta(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):

@@ -22,6 +22,7 @@ from replicas.engine import Engine, EngineDead, EngineError
 from replicas.output import OutputProcessor
 from replicas.prepare import prepare
 from replicas.protocol import (
+    FEATURES,
     PROTOCOL_VERSION,
     Abort,
     Delta,
@@ -205,7 +206,7 @@ class ReplicaServer:
             conn.send(Refused("bad replica secret"))
             return None
         eng = self.engine
-        conn.send(Ready(PROTOCOL_VERSION, eng.model, eng.name, eng.max_model_len, os.getpid()))
+        conn.send(Ready(PROTOCOL_VERSION, eng.model, eng.name, eng.max_model_len, os.getpid(), int(FEATURES)))
         for msg in msgs[1:]:
             self._handle(conn, msg)
         return hello

@@ -27,6 +27,7 @@ from typing import Any
 from replicas.client import ReplicaClient, ReplicaDead, ReplicaRefused, connect
 from replicas.logs import REPLICA_NAME_ENV
 from replicas.pool import ReplicaPool, ReplicaSlot
+from replicas.protocol import FEATURES, Feature
 from replicas.rundirs import make_run_dir, sweep
 
 __all__ = ["Supervisor", "SupervisorSettings", "die_with_parent"]
@@ -290,6 +291,10 @@ class Supervisor:
             slot.client = client
             slot.state = "ready"
             log.info("replica %s ready (model %s, pid %s)", slot.name, client.model, client.ready.pid)
+            missing = FEATURES & ~client.ready.features
+            if missing:  # (an older version: a rolling upgrade)
+                log.warning("replica %s does not take %s (an older fairstream): requests that set them go to "
+                            "the replicas that do", slot.name, Feature(missing).names())
             self._on_event("ready", slot)
             self.pool.notify_ready()  # streams waiting to fail over continue here
             await self._watch(slot, client, proc)

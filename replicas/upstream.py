@@ -37,6 +37,7 @@ import msgspec
 from replicas.client import Collector, ReplicaDead, ReplicaRefused
 from replicas.http11 import HttpError, HttpPool, Response, Sent, sse_data
 from replicas.protocol import (
+    FEATURES,
     PROTOCOL_VERSION,
     UNSET_MIN_P,
     UNSET_REPETITION_PENALTY,
@@ -271,7 +272,8 @@ class UpstreamClient:
         self.url = (spec.url or "").rstrip("/")
         self.model = model
         self.upstream_model = upstream_model
-        self.ready = Ready(PROTOCOL_VERSION, model, "openai", max_model_len, 0)
+        # (every field goes to the upstream as the client sent it: FEATURES)
+        self.ready = Ready(PROTOCOL_VERSION, model, "openai", max_model_len, 0, int(FEATURES))
         self.closed: BaseException | None = None
         # A connect was refused: not chosen for new requests until a health
         # check begun after it (asked for at once, through ``check_now``)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import msgspec
 from litestar import Request, Response, get, post
 
+from replicas.protocol import FEATURES, Feature
 from router.auth import authorization
 from router.errors import error_body
 from router.service import RouterService
@@ -84,6 +85,9 @@ async def replicas(request: Request) -> Response:
             "cap": slot.cap,
             "served": slot.served,
             "model": client.model if client is not None else None,
+            # (the request fields it takes beyond the first protocol's: replicas.protocol.Feature)
+            "features": (Feature(client.ready.features & FEATURES).fields()
+                         if client is not None and slot.ready else None),
             # (by name: the replica protocol's struct is an array)
             "load": {f: getattr(load, f) for f in load.__struct_fields__} if load is not None else None,
         })

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 
 from replicas.client import ReplicaDead
 from replicas.pool import LoadHandle, NoReplica, ReplicaPool
-from replicas.protocol import Delta, FinishReason, SamplingParams
+from replicas.protocol import Delta, FinishReason, SamplingParams, required_features
 from router.errors import BadRequest, ReplicaUnavailable, RouterShutdown
 from router.metrics import Metrics
 
@@ -77,7 +77,7 @@ class Job:
     messages: a replica lost before the prompt's token ids came back renders
     them again on the next one."""
 
-    __slots__ = ("model", "params", "prompt", "messages", "prompt_token_ids", "template_kwargs")
+    __slots__ = ("model", "params", "prompt", "messages", "prompt_token_ids", "template_kwargs", "needs")
 
     def affinity_key(self) -> int | None:
         """Hash of the prompt's first AFFINITY_PREFIX characters (or token
@@ -107,6 +107,9 @@ class Job:
         self.messages = messages
         self.prompt_token_ids = prompt_token_ids
         self.template_kwargs = template_kwargs
+        # the replica features its fields need (replicas.protocol.Feature: an
+        # older replica would drop them); 0 for most requests
+        self.needs = required_features(params, template_kwargs)
 
 
 Piece = tuple[str, int, FinishReason]  # text, new tokens, finish
@@ -305,9 +308,9 @@ class Generation:
             if self.scheduler is not None and self.policy is not None:
                 waited = time.monotonic() - self.deadlines.start  # e.g. for a rate limit
                 handle = await self.scheduler.acquire(self.policy, self.rank, job.model, remaining, waited,
-                                                      job.affinity_key())
+                                                      job.affinity_key(), job.needs)
             else:
-                handle = self.pool.choose(job.model, remaining, self._exclude)
+                handle = self.pool.choose(job.model, remaining, self._exclude, job.needs)
         except NoReplica as e:
             raise self._no_replica(str(e), ReplicaUnavailable(str(e))) from e
         if self.ended:  # closed while it waited
@@ -544,7 +547,8 @@ class Generation:
     def _choose_again(self) -> LoadHandle:
         """A replica for the rest of the generation, avoiding those that failed
         it (``NoReplica``: none is ready)."""
-        return self.pool.choose(self.job.model, self.job.params.max_tokens - len(self.completion_ids), self._exclude)
+        job = self.job
+        return self.pool.choose(job.model, job.params.max_tokens - len(self.completion_ids), self._exclude, job.needs)
 
     def _wait_for_replica(self, why: str) -> bool:
         """No replica can take the stream over now (its only replica, or

@@ -36,14 +36,16 @@ log = logging.getLogger("fairstream.scheduler")
 
 
 class _Waiter:
-    __slots__ = ("policy", "rank", "model", "tokens", "enqueued", "future", "affinity")
+    __slots__ = ("policy", "rank", "model", "needs", "route", "tokens", "enqueued", "future", "affinity")
 
     def __init__(self, policy: TenantPolicy, rank: int, model: str, tokens: int, now: float,
-                 affinity: int | None = None) -> None:
+                 affinity: int | None = None, needs: int = 0) -> None:
         self.affinity = affinity
         self.policy = policy
         self.rank = rank
         self.model = model
+        self.needs = needs  # (replica features: replicas.protocol.Feature)
+        self.route = (model, needs)  # the replicas that can take it
         self.tokens = tokens
         self.enqueued = now
         self.future: asyncio.Future[LoadHandle] = asyncio.get_running_loop().create_future()
@@ -65,7 +67,7 @@ class Scheduler:
         self.counters = VirtualCounters()
         self._queues: dict[str, deque[_Waiter]] = {}
         self._queued = 0
-        self._by_model: dict[str, int] = {}  # queued requests per model
+        self._by_route: dict[tuple[str, int], int] = {}  # queued requests per (model, needed features)
         self._fifo = settings.policy == "fifo"
         self._heads = HeadIndex(0.0 if self._fifo else settings.aging)
         self._dispatch_pending = False
@@ -99,12 +101,13 @@ class Scheduler:
         return self._limiters[slot.name]
 
     async def acquire(self, policy: TenantPolicy, rank: int, model: str, tokens: int,
-                      waited: float = 0.0, affinity: int | None = None) -> LoadHandle:
+                      waited: float = 0.0, affinity: int | None = None, needs: int = 0) -> LoadHandle:
         """A load handle on a replica for this request, when the scheduler
         says it is its turn. 429 when the tenant's queue is full, 503 when the
         queue wait passes the tenant's limit (``waited``: seconds the request
-        already waited for admission, which count against the same limit);
-        cancellation leaves the queue."""
+        already waited for admission, which count against the same limit),
+        or when no ready replica serves ``model`` with the features of
+        ``needs``; cancellation leaves the queue."""
         if self.stopping:
             raise RouterShutdown()
         gone = self._gone.get(policy.name)
@@ -112,7 +115,7 @@ class Scheduler:
             raise gone()
         if not self._queued:
             try:
-                handle = self.pool.try_choose(model, tokens, affinity)
+                handle = self.pool.try_choose(model, tokens, affinity, needs)
             except NoReplica as e:
                 raise ReplicaUnavailable(str(e)) from e
             if handle is not None:
@@ -120,8 +123,11 @@ class Scheduler:
                 self.counters.activate(policy.name, ())
                 self._dispatched(policy, 0.0)
                 return handle
-        elif not self.pool.ready_slots(model):
-            raise ReplicaUnavailable(f"no ready replica serves model {model!r}")
+        else:
+            try:
+                self.pool.serving(model, needs)
+            except NoReplica as e:
+                raise ReplicaUnavailable(str(e)) from e
         q = self._queues.get(policy.name)
         if q is None:
             q = self._queues[policy.name] = deque()
@@ -133,13 +139,13 @@ class Scheduler:
                 retry_after=self._retry_after(len(q)), code="queue_full",
             )
         now = self.clock()
-        w = _Waiter(policy, rank, model, tokens, now, affinity)
+        w = _Waiter(policy, rank, model, tokens, now, affinity, needs)
         if not q:
             self._activate(policy.name)
         q.append(w)
         if len(q) == 1:
             self._head_changed(policy.name, q)
-        self._by_model[model] = self._by_model.get(model, 0) + 1
+        self._by_route[w.route] = self._by_route.get(w.route, 0) + 1
         self._queued += 1
         self.metrics.gauge_up(self.metrics.queued, policy.name, policy.priority)
         self._dispatch()
@@ -239,7 +245,7 @@ class Scheduler:
             else:
                 if was_head:
                     self._head_changed(w.policy.name, q)
-                self._by_model[w.model] -= 1
+                self._by_route[w.route] -= 1
                 self._queued -= 1
                 self.metrics.gauge_down(self.metrics.queued, w.policy.name, w.policy.priority)
 
@@ -273,7 +279,7 @@ class Scheduler:
 
     def _dispatch(self) -> None:
         self._dispatch_pending = False
-        full: set[str] = set()  # models with no room left in this pass
+        full: set[tuple[str, int]] = set()  # (model, needs) with no room left in this pass
         queues = self._queues
         counters = _NO_COUNTERS if self._fifo else self.counters
         skip = None
@@ -285,18 +291,18 @@ class Scheduler:
             q = queues[tenant]
             w = q[0]
             try:
-                handle = self.pool.try_choose(w.model, w.tokens, w.affinity)
+                handle = self.pool.try_choose(w.model, w.tokens, w.affinity, w.needs)
             except NoReplica:
                 handle = None
             if handle is None:
-                full.add(w.model)
-                if all(m in full for m, n in self._by_model.items() if n):
+                full.add(w.route)
+                if all(_no_room(r, full) for r, n in self._by_route.items() if n):
                     return  # nothing queued fits anywhere
-                skip = lambda t: queues[t][0].model in full  # noqa: E731
+                skip = lambda t: _no_room(queues[t][0].route, full)  # noqa: E731
                 continue
             q.popleft()
             self._head_changed(tenant, q)
-            self._by_model[w.model] -= 1
+            self._by_route[w.route] -= 1
             self._queued -= 1
             self.metrics.gauge_down(self.metrics.queued, w.policy.name, w.policy.priority)
             self._dispatched(w.policy, now - w.enqueued)
@@ -316,3 +322,11 @@ class Scheduler:
 
 
 _NO_COUNTERS = VirtualCounters()
+
+
+def _no_room(route: tuple[str, int], full: set[tuple[str, int]]) -> bool:
+    """No replica has room for a request of ``route`` in this pass: none had
+    for one of that route, or for one of its model that needed nothing
+    (every replica of the model full; one that needs features can use
+    fewer of them, not more)."""
+    return route in full or (route[1] != 0 and (route[0], 0) in full)

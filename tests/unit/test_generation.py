@@ -14,7 +14,7 @@ from types import SimpleNamespace
 import pytest
 
 from replicas.client import Collector, ReplicaDead
-from replicas.protocol import Delta, FinishReason, SamplingParams
+from replicas.protocol import FEATURES, Delta, FinishReason, Ready, SamplingParams
 from router.errors import BadRequest, RouterShutdown
 from policies.batching import AimdSettings
 from replicas.pool import LoadHandle, ReplicaPool, ReplicaSlot
@@ -193,6 +193,7 @@ class _Replica(Client):
     refused = False
     model = "m"
     load = None
+    ready = Ready(1, "m", "sim", 4096, 1, int(FEATURES))  # (this version's: every field taken)
 
     def __init__(self) -> None:
         super().__init__()

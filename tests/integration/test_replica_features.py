@@ -1,0 +1,120 @@
+"""A rolling upgrade: a replica of an older fairstream (it announces no
+features, as every replica before them) beside one of this version. A
+request setting a field the older one would drop (``include_stop_str_in_output``,
+``min_p``, ``chat_template_kwargs``) goes to the newer one; where only older
+ones serve the model, it gets a 503 naming the field; other requests go to
+either. The older replica is this version's sim replica with its
+announcement taken away, which is what an older replica sends."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import subprocess
+import sys
+from collections.abc import Iterator
+
+import httpx
+
+from tests.helpers import ADMIN, GOLD, MODEL, RouterProcess, free_port, poll
+
+SECRET = "s3cret-for-tests"
+# runs `python -m replicas` with no features announced
+_OLDER = "import replicas.protocol as p; p.FEATURES = p.Feature(0); from replicas.cli import main; main()"
+
+
+@contextlib.contextmanager
+def _older_replica(tmp_path) -> Iterator[int]:
+    port = free_port()
+    log_path = tmp_path / "older.log"
+    with open(log_path, "wb") as log:
+        proc = subprocess.Popen(
+            [sys.executable, "-c", _OLDER, "--engine", "sim", "--listen", f"127.0.0.1:{port}",
+             "--secret-env", "FS_TEST_SECRET", "--config-json", json.dumps({"model": MODEL, "seed": 0})],
+            env=dict(os.environ, FS_TEST_SECRET=SECRET), stdout=log, stderr=subprocess.STDOUT,
+        )
+    try:
+        poll(lambda: b"ready on" in log_path.read_bytes() or proc.poll() is not None, 15, what="older replica up")
+        assert proc.poll() is None, log_path.read_text()
+        yield port
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+def _router(tmp_path, name: str, port: int, *, with_new: bool) -> RouterProcess:
+    # (the older one first: at equal load the balancer picks the first, so a
+    # request that can go anywhere goes there)
+    replicas = [{"name": "old-0", "address": f"127.0.0.1:{port}", "secret_env": "FS_ROUTER_SECRET"}]
+    if with_new:
+        replicas.append({"name": "new-0", "engine": "sim", "config": {"model": MODEL, "seed": 0}})
+    r = RouterProcess(tmp_path / name, replicas=0, settings={"replicas": replicas, "health_interval": 0.2})
+    r.replica_names = [s["name"] for s in replicas]
+    return r
+
+
+def _served_by(router: RouterProcess) -> dict[str, str]:
+    out = {}
+    for line in router.log().splitlines():
+        if line.startswith("{"):
+            rec = json.loads(line)
+            if rec.get("logger") == "fairstream.request" and rec.get("replica"):
+                out[rec["request_id"]] = rec["replica"]
+    return out
+
+
+EXTRAS = [{"include_stop_str_in_output": True, "stop": [" "]}, {"min_p": 0.05}]
+
+
+def test_requests_whose_fields_an_older_replica_would_drop_go_to_a_newer_one(tmp_path, monkeypatch) -> None:
+    monkeypatch.setenv("FS_ROUTER_SECRET", SECRET)
+    with _older_replica(tmp_path) as port, _router(tmp_path, "r", port, with_new=True) as router:
+        assert "replica old-0 does not take min_p, include_stop_str_in_output, chat_template_kwargs" in router.log()
+        listed = httpx.get(router.base_url + "/admin/replicas", headers={"Authorization": f"Bearer {ADMIN}"},
+                           timeout=10).json()["replicas"]
+        assert {r["name"]: r["features"] for r in listed} == {
+            "old-0": [], "new-0": ["min_p", "include_stop_str_in_output", "chat_template_kwargs"]}
+        auth = {"Authorization": f"Bearer {GOLD}"}
+        needing, plain = [], []
+        with httpx.Client(timeout=20, headers=auth) as c:
+            for i in range(4):
+                for extra in EXTRAS:
+                    r = c.post(router.base_url + "/v1/completions",
+                               json={"model": MODEL, "prompt": f"Le caf {i}", "max_tokens": 6, **extra})
+                    assert r.status_code == 200, r.text
+                    needing.append(r.headers["x-request-id"])
+                r = c.post(router.base_url + "/v1/chat/completions", json={
+                    "model": MODEL, "max_tokens": 4, "messages": [{"role": "user", "content": f"hi {i}"}],
+                    "chat_template_kwargs": {"enable_thinking": False}})
+                assert r.status_code == 200, r.text
+                needing.append(r.headers["x-request-id"])
+                r = c.post(router.base_url + "/v1/completions",
+                           json={"model": MODEL, "prompt": f"Le caf {i}", "max_tokens": 6, "min_p": 0})
+                assert r.status_code == 200, r.text
+                plain.append(r.headers["x-request-id"])
+        seen = poll(lambda: (s := _served_by(router)) and all(i in s for i in needing + plain) and s, 10,
+                    what="request log lines")
+        assert {seen[i] for i in needing} == {"new-0"}, seen
+        assert {seen[i] for i in plain} == {"old-0"}, seen  # (nothing needed: the first at equal load)
+
+
+def test_where_only_older_replicas_serve_the_model_such_a_request_is_a_503_naming_the_field(
+        tmp_path, monkeypatch) -> None:
+    monkeypatch.setenv("FS_ROUTER_SECRET", SECRET)
+    with _older_replica(tmp_path) as port, _router(tmp_path, "r", port, with_new=False) as router:
+        auth = {"Authorization": f"Bearer {GOLD}"}
+        for stream in (False, True):
+            r = httpx.post(router.base_url + "/v1/completions", headers=auth, timeout=20, json={
+                "model": MODEL, "prompt": "Le caf", "max_tokens": 6, "stream": stream,
+                "include_stop_str_in_output": True, "stop": [" "]})
+            assert r.status_code == 503, r.text
+            err = r.json()["error"]
+            assert "takes include_stop_str_in_output" in err["message"] and "older fairstream" in err["message"]
+        r = httpx.post(router.base_url + "/v1/completions", headers=auth, timeout=20,
+                       json={"model": MODEL, "prompt": "Le caf", "max_tokens": 6, "stop": [" "]})
+        assert r.status_code == 200, r.text
