@@ -111,6 +111,8 @@ class RouterConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
             errors.append(located.error(("max_failovers",), "must not be negative"))
         if self.state.max_connections < 1:
             errors.append(located.error(("state", "max_connections"), "must be at least 1"))
+        if self.state.timeout <= 0:  # (every Redis call an outage; NaN is refused as such)
+            errors.append(located.error(("state", "timeout"), "must be more than 0"))
         if self.state.connect_timeout < 0:
             errors.append(located.error(("state", "connect_timeout"), "must not be negative"))
         if self.max_connections < 0:

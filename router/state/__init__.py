@@ -36,7 +36,7 @@ class StateConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     on_outage: Literal["open", "closed"] = "open"
     """Redis down: ``open`` keeps serving with per-process limits; ``closed`` answers 503."""
     timeout: float = 0.5
-    """Seconds a Redis call may take before it counts as an outage."""
+    """Seconds a Redis call may take before it counts as an outage (more than 0)."""
     connect_timeout: float = 10.0
     """Seconds a starting router tries to reach Redis (again every 0.2 s, each try up to ``timeout``) before it counts as an outage; until Redis has answered once, ``/ready`` is 503 and requests wait for the answer, so that a slow first answer (a router starting on a busy host) does not start the router in an outage (``on_outage: open``: serving with local limits). 0: one try."""
     max_connections: int = 128
