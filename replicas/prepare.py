@@ -98,7 +98,7 @@ def _prime_window(tok: Tokenizer, prompt_ids: list[int]) -> list[int]:
     vLLM's detokenizer primes with the whole prompt then, and so re-decodes
     the text after the prompt's last boundary whose text does not end in
     U+FFFD with its first new tokens; the router's splice onto an upstream
-    counts on exactly that text coming first (``replicas.upstream._Splice``)."""
+    counts on exactly that text coming first (``replicas.splice.Splice``)."""
     tail = prompt_ids[-_PRIME_TOKENS:]
     if len(tail) < len(prompt_ids) and all(tok.decode(tail[:i]).endswith(_REPLACEMENT)
                                            for i in range(len(tail), 0, -1)):

@@ -4,7 +4,7 @@ Pure and synchronous. One ``StopMatcher`` per request is fed the request's
 text in pieces, however the text was chunked and wherever it was resumed, and
 says what may go out now and whether a stop string ended the stream. Two
 owners feed it: ``replicas.output.OutputProcessor`` (a replica's detokenizer:
-the text of its tokens) and ``replicas.upstream._Splice`` (a stream continued
+the text of its tokens) and ``replicas.splice.Splice`` (a stream continued
 on an OpenAI-compatible upstream: the upstream's text after what the
 previous replica held back). Writing it once keeps the two cuts identical.
 

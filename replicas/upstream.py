@@ -7,8 +7,11 @@ upstream like any other replica. Each request is one task that POSTs a
 streaming request through ``replicas.http11`` (keep-alive pool, httptools
 parsing) and then only waits: the response body is parsed into deltas for
 its collector inside the connection's ``data_received``, with no task
-wake-up per chunk. Health checks, ``/metrics`` and ``/detokenize`` go through
-one aiohttp session per upstream.
+wake-up per chunk (``replicas.upstream_sse``). Health checks, ``/metrics``
+and ``/detokenize`` go through one aiohttp session per upstream. A stream
+resumed here with stop strings continues through a ``Splice``
+(``replicas.splice``); ``replicas.upstream_errors`` reads its error bodies
+and the 400s that refuse a field the router adds.
 
 Token ids (docs/upstreams.md). With ``return_token_ids`` (vLLM >= 0.10) the
 upstream returns the prompt's token ids in its first chunk and the new token
@@ -35,7 +38,7 @@ import aiohttp
 import msgspec
 
 from replicas.client import Collector, ReplicaDead, ReplicaRefused
-from replicas.http11 import HttpError, HttpPool, Response, Sent, sse_data
+from replicas.http11 import HttpError, HttpPool, Response, Sent
 from replicas.protocol import (
     FEATURES,
     PROTOCOL_VERSION,
@@ -52,55 +55,20 @@ from replicas.protocol import (
     SamplingParams,
 )
 from replicas.spec import ReplicaSpec
-from replicas.stops import StopMatcher
+from replicas.splice import Splice, post_detokenize, prefix_text
+from replicas.upstream_errors import UpstreamFailed, error_text, rejects_field
+from replicas.upstream_sse import Chunk, SseReader, Stream
 
 __all__ = ["UpstreamClient", "open_upstream", "METRICS_INTERVAL"]
 
 log = logging.getLogger("fairstream.upstream")
 
 METRICS_INTERVAL = 1.0
-# How long a stream without token ids waits after its finish for the usage
-# chunk (normally the next event, in the same read) before finishing without.
-USAGE_WAIT = 1.0
-_JSON = {"content-type": "application/json"}
-_FINISH = {"stop": FinishReason.STOP, "length": FinishReason.LENGTH}
-# Cuts /detokenize is asked for at once, and how far back, looking for the
-# resumed prefix's last token boundary whose text does not end in U+FFFD.
-_WALK_BATCH = 4
-_WALK_LIMIT = 64
 _METRIC_RE = re.compile(
     rb"^(vllm:num_requests_running|vllm:num_requests_waiting|vllm:kv_cache_usage_perc|vllm:generation_tokens_total)"
     rb"(?:\{[^}]*\})?\s+(\S+)",
     re.M,
 )
-
-
-class _ChatDelta(msgspec.Struct):
-    content: str | None = None
-    role: str | None = None
-
-
-class _Choice(msgspec.Struct):
-    index: int = 0
-    text: str | None = None
-    delta: _ChatDelta | None = None
-    finish_reason: str | None = None
-    token_ids: list[int] | None = None
-    prompt_token_ids: list[int] | None = None
-
-
-class _Usage(msgspec.Struct):
-    prompt_tokens: int | None = None
-    completion_tokens: int | None = None
-
-
-class _Chunk(msgspec.Struct):
-    choices: list[_Choice] | None = None
-    usage: _Usage | None = None  # the last chunk, when asked with stream_options.include_usage
-    prompt_token_ids: list[int] | None = None  # chat: on the first chunk
-    error: Any = None
-    object: str | None = None  # older vLLM: {"object": "error", "message": ...}
-    message: str | None = None
 
 
 class _Model(msgspec.Struct):
@@ -112,136 +80,10 @@ class _Models(msgspec.Struct):
     data: list[_Model]
 
 
-_chunk_decoder = msgspec.json.Decoder(_Chunk)
-
-
-class _Failed(Exception):
-    """The upstream failed the request (5xx, error event, cut stream)."""
-
-
-class _Stream:
-    """One request: its collector, the task that starts it and then its
-    response; whether output reached the router, and whether the router
-    could resume it (token ids known)."""
-
-    __slots__ = ("col", "delivered", "resumable", "done", "asked_usage", "prompt_ids", "splice", "task", "resp")
-
-    def __init__(self, col: Collector, prompt_ids: list[int] | None) -> None:
-        self.col = col
-        self.delivered = False
-        self.resumable = False
-        self.done = False
-        self.asked_usage = False  # its request asked for the usage chunk
-        self.prompt_ids = prompt_ids  # goes out with the first delta
-        self.splice: _Splice | None = None
-        self.task: asyncio.Task[None] | None = None
-        self.resp: Response | None = None
-
-
-class _Splice:
-    """Stop strings across a resume point onto an upstream: the router, not
-    the upstream, looks for them in the stream's text from the resume on.
-
-    The upstream gets no ``stop`` (``_body``): its text then comes unheld
-    and uncut, and this splice feeds it, after the text the previous replica
-    held back (it might start a stop string), to the same
-    ``replicas.stops.StopMatcher`` a replica's ``OutputProcessor`` uses, so
-    the cut is the one a single replica makes: the stop string that
-    completes first wins, overlapping ones included; with ``include``
-    (vLLM's ``include_stop_str_in_output``) the text is cut after it and the
-    last characters the client has are kept to match one that starts in
-    them. A match closes the upstream's response, which aborts it.
-
-    ``min_tokens``: a stop string ending in the text of the first
-    ``min_tokens`` completion tokens (the prefix's counted) ends nothing.
-    Inside the prefix that text is known exactly (``min_chars``, from
-    ``/detokenize``, as ``OutputProcessor`` counts it). Past the prefix the
-    upstream's text comes without per-token boundaries, but every chunk says
-    which tokens it holds (``return_token_ids``): the text of a chunk whose
-    tokens are all past the first ``min_tokens`` is looked in, the text of
-    any other is not. That is exact while chunks hold one token each (vLLM
-    streams one per step unless its client lags or ``--stream-interval`` is
-    set); a chunk of several tokens across the boundary counts as inside
-    it, so a stop string ending in its later tokens' text is missed rather
-    than one in the first ``min_tokens`` tokens' text matched.
-
-    Where the prefix's text ends in U+FFFD (a character its last tokens
-    end inside, or bytes that are no UTF-8) the upstream, decoding in the
-    context of its prompt, holds those tokens back as vLLM's detokenizer
-    does and sends their text with its first new text: its own text starts
-    at ``start``, the prefix's last token boundary whose text does not end
-    in U+FFFD. What of that text the client already has (``_unstick`` sent
-    it) is dropped here once seen to be the same; a different text fails
-    the stream (``_Failed``) before anything of it goes out, and another
-    replica continues it."""
-
-    __slots__ = ("stops", "tokens", "min_tokens", "resent")
-
-    def __init__(self, stops: list[str], text: str, emitted: int, include: bool = False, *,
-                 start: int | None = None, tokens: int = 0, min_tokens: int = 0, min_chars: int = 0) -> None:
-        """``text``: the resumed prefix's text, of which the client has the
-        first ``emitted`` characters and the upstream's own text repeats what
-        follows the first ``start`` (default: all of it). ``tokens``: the
-        prefix's tokens; ``min_chars``: characters of the first
-        ``min_tokens`` tokens' text when they are all in the prefix."""
-        start = len(text) if start is None else start
-        self.stops = StopMatcher(stops, include=include, text=text[: max(start, emitted)], emitted=emitted)
-        self.resent = text[start:emitted]  # the client has it; the upstream sends it again
-        self.tokens = tokens  # completion tokens so far
-        self.min_tokens = min_tokens
-        if min_tokens and min_tokens <= tokens:
-            self.stops.min_end = min_chars
-
-    def feed(self, text: str, final: bool, tokens: int = 0) -> tuple[str, bool]:
-        """The upstream's next ``text`` (of ``tokens`` tokens): (text to emit
-        now, whether a stop string matched)."""
-        resent = self.resent
-        if resent and text:
-            n = min(len(resent), len(text))
-            if text[:n] != resent[:n]:
-                raise _Failed("its text after the resume point is not the prefix's (cannot splice exactly)")
-            self.resent = resent[n:]
-            text = text[n:]
-        look = self.tokens >= self.min_tokens  # (this chunk's tokens all past the first min_tokens)
-        self.tokens += tokens
-        return self.stops.feed(text, final, look)
-
-
 def _root(url: str) -> str:
     """Server root of a ``.../v1`` base URL (where vLLM serves /metrics, /detokenize)."""
     url = url.rstrip("/")
     return url[:-3] if url.endswith("/v1") else url
-
-
-def _error_text(body: bytes | str | Any, limit: int = 500) -> str:
-    """The message of an OpenAI- or vLLM-style error body."""
-    obj = body
-    if isinstance(body, (bytes, str)):
-        try:
-            obj = msgspec.json.decode(body)
-        except msgspec.DecodeError:
-            return (body.decode(errors="replace") if isinstance(body, bytes) else body)[:limit]
-    if isinstance(obj, dict):
-        err = obj.get("error", obj)
-        if isinstance(err, dict):
-            return str(err.get("message") or err)[:limit]
-        return str(err)[:limit]
-    return str(obj)[:limit]
-
-
-_REFUSAL = r"(?:unrecognized|unknown|extra|not permitted|not allowed|unexpected)"
-
-
-def rejects_field(message: str, field: str) -> bool:
-    """Whether a 400's ``message`` says the API does not take ``field``
-    ("Unrecognized request argument supplied: return_token_ids", "Extra inputs
-    are not permitted ... 'stream_options'"), rather than quoting a request
-    body that has it (``input_value={..., 'stream_options': ...}``): a refusal
-    word near the name, not across a brace, and the name not a quoted key."""
-    f = re.escape(field)
-    name = rf"(?:(?<!['\"])\b{f}\b|\b{f}\b(?!['\"]\s*:))"
-    near = rf"{_REFUSAL}[^{{}}\n]{{0,100}}?{name}|{name}[^{{}}\n]{{0,100}}?{_REFUSAL}"
-    return re.search(near, message.lower()) is not None
 
 
 def parse_vllm_metrics(text: bytes) -> LoadReport | None:
@@ -291,7 +133,7 @@ class UpstreamClient:
         self._ask_usage = True
         self._session = session
         self._http = http
-        self._streams: dict[int, _Stream] = {}
+        self._streams: dict[int, Stream] = {}
         self._tasks: set[asyncio.Task[None]] = set()  # requests still being sent (until their response head)
         self._ids = itertools.count(1)
         self._pings = itertools.count(1)
@@ -325,7 +167,7 @@ class UpstreamClient:
         if prefix and self.token_ids is False:
             raise ReplicaDead(f"upstream {self.name} returns no token ids, so it cannot continue a resumed stream")
         col = Collector(next(self._ids))
-        st = _Stream(col, prompt_token_ids)
+        st = Stream(col, prompt_token_ids)
         first = None
         on_head = self._on_head(st, bool(prefix))
         # (not when _run has work to do first: a stop-string splice, or no tokens left)
@@ -380,10 +222,10 @@ class UpstreamClient:
                 async with session.get(self.url + "/models") as r:
                     body = await r.read()
                     if r.status != 200:
-                        raise _Failed(f"GET /models: HTTP {r.status}: {_error_text(body)}")
+                        raise UpstreamFailed(f"GET /models: HTTP {r.status}: {error_text(body)}")
         except TimeoutError:
             raise
-        except (aiohttp.ClientError, OSError, _Failed) as e:
+        except (aiohttp.ClientError, OSError, UpstreamFailed) as e:
             self.closed = ReplicaDead(f"upstream {self.name} failed its health check: {e}")
             raise self.closed from e
         finally:
@@ -430,7 +272,7 @@ class UpstreamClient:
             body["min_p"] = params.min_p
         if params.seed is not None:
             body["seed"] = params.seed
-        if params.stop and not prefix:  # (a resumed stream's: the router's _Splice looks for them)
+        if params.stop and not prefix:  # (a resumed stream's: the router's Splice looks for them)
             body["stop"] = params.stop
         if params.stop_token_ids:
             body["stop_token_ids"] = params.stop_token_ids
@@ -470,26 +312,27 @@ class UpstreamClient:
         body = msgspec.json.encode(self._body(params, prefix, ask_ids, ask_usage) | payload)
         return path, body, (ask_ids, ask_usage)
 
-    async def _run(self, st: _Stream, params: SamplingParams, prompt: str | None,
+    async def _run(self, st: Stream, params: SamplingParams, prompt: str | None,
                    messages: list[dict[str, str]] | None, template_kwargs: dict[str, Any] | None,
                    prefix: list[int], prefix_text_len: int,
                    on_head: Callable[[Response], None],
                    first: tuple[str, bytes, tuple[bool, bool], Sent | None] | None) -> None:
         """Send the request; once its response streams, this task ends and the
-        body is parsed in ``data_received`` (``_SseReader``) until ``_ended``."""
+        body is parsed in ``data_received`` (``SseReader``) until ``_ended``."""
         col = st.col
         prompt_ids = st.prompt_ids
         streaming = False
         try:
             if params.max_tokens - len(prefix) <= 0:
-                self._finish(st, Delta(col.rid, [], "", FinishReason.ERROR, None,
-                                       "max_tokens already reached by the resumed prefix"))
+                self.finish(st, Delta(col.rid, [], "", FinishReason.ERROR, None,
+                                      "max_tokens already reached by the resumed prefix"))
                 return
             if prefix and params.stop:
-                text, start, min_chars = await self._prefix_text(prefix, prefix_text_len, params.min_tokens)
-                st.splice = _Splice(params.stop, text, prefix_text_len, params.include_stop_str_in_output,
-                                    start=start, tokens=len(prefix), min_tokens=params.min_tokens,
-                                    min_chars=min_chars)
+                text, start, min_chars = await prefix_text(self._detokenize, prefix, prefix_text_len,
+                                                           params.min_tokens)
+                st.splice = Splice(params.stop, text, prefix_text_len, params.include_stop_str_in_output,
+                                   start=start, tokens=len(prefix), min_tokens=params.min_tokens,
+                                   min_chars=min_chars)
             for attempt in range(3):
                 if attempt == 0 and first is not None:  # encoded, and maybe written, by generate()
                     path, body, (ask_ids, ask_usage), sent = first
@@ -506,7 +349,7 @@ class UpstreamClient:
                     streaming = True  # on_head attached its SSE reader
                     return
                 try:
-                    msg = _error_text(await resp.read())
+                    msg = error_text(await resp.read())
                 finally:
                     resp.close()
                 if resp.status == 400 and attempt < 2:  # an API that rejects a field we add: ask without it
@@ -519,12 +362,12 @@ class UpstreamClient:
                             log.info("upstream %s refuses stream_options: its prompt tokens go uncounted", self.name)
                         continue
                 if 400 <= resp.status < 500 and resp.status not in (401, 403, 408, 429):
-                    self._finish(st, Delta(col.rid, [], "", FinishReason.ERROR, None, msg))
+                    self.finish(st, Delta(col.rid, [], "", FinishReason.ERROR, None, msg))
                     return
-                raise _Failed(f"HTTP {resp.status}: {msg}")
+                raise UpstreamFailed(f"HTTP {resp.status}: {msg}")
         except asyncio.CancelledError:
             raise
-        except (HttpError, aiohttp.ClientError, OSError, _Failed, msgspec.DecodeError, ValueError) as e:
+        except (HttpError, aiohttp.ClientError, OSError, UpstreamFailed, msgspec.DecodeError, ValueError) as e:
             if isinstance(e.__cause__, ConnectionRefusedError):
                 # Nothing listens there (it died, or is restarting), or a
                 # proxy in front refused this one connect: not chosen until
@@ -548,7 +391,7 @@ class UpstreamClient:
             if not st.done and not streaming:
                 self._streams.pop(col.rid, None)
 
-    def _on_head(self, st: _Stream, resumed: bool) -> Callable[[Response], None]:
+    def _on_head(self, st: Stream, resumed: bool) -> Callable[[Response], None]:
         """A response's head hook: a 200 streams from the connection's
         callback on, so the first token goes on in the loop turn that read
         it, not when the request's task next runs."""
@@ -557,17 +400,17 @@ class UpstreamClient:
                 self._stream(st, resp, resumed)
         return on_head
 
-    def _stream(self, st: _Stream, resp: Response, resumed: bool) -> None:
+    def _stream(self, st: Stream, resp: Response, resumed: bool) -> None:
         """Parse the 200 response's SSE body as it arrives."""
-        reader = _SseReader(self, st, resumed, resp)
+        reader = SseReader(self, st, resumed, resp)
         st.resp = resp
         resp.stream_to(reader.feed)
         resp.when_finished(lambda exc: self._ended(st, reader, exc))
 
-    def _ended(self, st: _Stream, reader: _SseReader, exc: BaseException | None) -> None:
+    def _ended(self, st: Stream, reader: SseReader, exc: BaseException | None) -> None:
         """The response of a streaming request ended (``exc``: how it broke)."""
         st.resp = None
-        if not self._current(st):
+        if not self.current(st):
             return  # finished, aborted or released: nothing to report
         if reader.held is not None:
             reader.flush()  # the finish came, its usage chunk did not: a finished stream all the same
@@ -576,26 +419,28 @@ class UpstreamClient:
             if exc is not None:
                 raise exc
             reader.end()
-        except (HttpError, OSError, _Failed, msgspec.DecodeError, ValueError) as e:
+        except (HttpError, OSError, UpstreamFailed, msgspec.DecodeError, ValueError) as e:
             self._lost(st, f"upstream {self.name} failed: {e or type(e).__name__}")
         except Exception as e:  # noqa: BLE001 - a bug here must not leave the stream hanging
             log.exception("upstream %s: request %d failed", self.name, st.col.rid)
             self._lost(st, f"upstream {self.name} failed: {e!r}")
 
-    def _current(self, st: _Stream) -> bool:
+    def current(self, st: Stream) -> bool:
         """``st`` is still running here (not finished, aborted or released)."""
         return not st.done and self._streams.get(st.col.rid) is st
 
-    def _first_chunk(self, st: _Stream, chunk: _Chunk, resumed: bool) -> None:
+    def first_chunk(self, st: Stream, chunk: Chunk, resumed: bool) -> None:
+        """The first chunk of ``st``'s response (``SseReader``): whether this
+        upstream returns token ids, and the prompt's."""
         choice = chunk.choices[0] if chunk.choices else None
         upstream_prompt = chunk.prompt_token_ids or (choice.prompt_token_ids if choice else None)
         if upstream_prompt is None:
             if self._require_ids:
                 log.error("upstream %s returned no token ids but its spec says token_ids: yes", self.name)
-                raise _Failed("returned no token ids (token_ids: yes)")
+                raise UpstreamFailed("returned no token ids (token_ids: yes)")
             self._set_token_ids(False)
             if resumed:
-                raise _Failed("returns no token ids, so it cannot continue a resumed stream")
+                raise UpstreamFailed("returns no token ids, so it cannot continue a resumed stream")
             st.prompt_ids = None
             return
         self._set_token_ids(True)
@@ -609,69 +454,24 @@ class UpstreamClient:
             log.info("upstream %s %s token ids%s", self.name, "returns" if value else "does not return",
                      "" if value else ": its streams move to other replicas only before their first token")
 
-    def _finish(self, st: _Stream, delta: Delta) -> None:
+    def finish(self, st: Stream, delta: Delta) -> None:
+        """``st`` ends with ``delta`` (here or in its ``SseReader``)."""
         st.done = True
         self._streams.pop(st.col.rid, None)
         st.col.put(delta)
 
-    def _lost(self, st: _Stream, reason: str) -> None:
+    def _lost(self, st: Stream, reason: str) -> None:
         if not st.delivered or st.resumable:
             self._streams.pop(st.col.rid, None)
             st.col.fail(ReplicaDead(reason))
         else:
-            self._finish(st, Delta(st.col.rid, [], "", FinishReason.ERROR, None,
-                                   f"{reason}; this upstream returns no token ids, so the stream cannot "
-                                   "continue on another replica"))
-
-    async def _prefix_text(self, prefix: list[int], prefix_text_len: int, min_tokens: int) -> tuple[str, int, int]:
-        """For a ``_Splice``, through the upstream's ``/detokenize`` (vLLM's):
-        the text of ``prefix`` (the client has its first ``prefix_text_len``
-        characters), where the upstream's own text starts in it, and the
-        characters of the first ``min_tokens`` tokens' text when they are
-        all in ``prefix`` (as ``OutputProcessor`` counts them: less a
-        character they end inside)."""
-        text = await self._detokenize(prefix)
-        if prefix_text_len > len(text):
-            raise _Failed(f"prefix_text_len {prefix_text_len} exceeds the prefix text ({len(text)} chars)")
-        start = await self._text_start(prefix) if text.endswith("\ufffd") else len(text)
-        min_chars = 0
-        if 0 < min_tokens <= len(prefix):
-            upto = text if min_tokens == len(prefix) else await self._detokenize(prefix[:min_tokens])
-            min_chars = len(upto.rstrip("\ufffd"))
-        return text, start, min_chars
-
-    async def _text_start(self, prefix: list[int]) -> int:
-        """Characters of the text of ``prefix`` up to its last token boundary
-        whose text does not end in U+FFFD: where an upstream that decodes in
-        the context of its prompt (vLLM: its whole prompt, when that ends in
-        one) starts its text. Asked back from the end, ``_WALK_BATCH`` cuts
-        at a time; a run longer than ``_WALK_LIMIT`` tokens is refused."""
-        end = len(prefix)
-        while end > 0:
-            if len(prefix) - end >= _WALK_LIMIT:
-                raise _Failed(f"cannot resume a stream with stop strings: the text of its last {_WALK_LIMIT} "
-                              "tokens ends in U+FFFD at every token")
-            cuts = range(end - 1, max(0, end - _WALK_BATCH) - 1, -1)
-            texts = await asyncio.gather(*(self._detokenize(prefix[:i]) for i in cuts if i))
-            for t in texts:
-                if not t.endswith("\ufffd"):
-                    return len(t)
-            end = cuts[-1]
-        return 0  # (the text of no tokens)
+            self.finish(st, Delta(st.col.rid, [], "", FinishReason.ERROR, None,
+                                  f"{reason}; this upstream returns no token ids, so the stream cannot "
+                                  "continue on another replica"))
 
     async def _detokenize(self, ids: list[int]) -> str:
-        """The text of ``ids`` from the upstream's ``/detokenize`` (vLLM's)."""
-        url = _root(self.url) + "/detokenize"
-        body = msgspec.json.encode({"model": self.upstream_model, "tokens": ids})
-        async with self._session.post(url, data=body, headers=_JSON) as r:
-            raw = await r.read()
-            if r.status != 200:
-                raise _Failed(f"cannot resume a stream with stop strings: POST /detokenize: HTTP {r.status}")
-        obj = msgspec.json.decode(raw)
-        text = obj.get("prompt") if isinstance(obj, dict) else None
-        if not isinstance(text, str):
-            raise _Failed("cannot resume a stream with stop strings: /detokenize gave no text")
-        return text
+        """The text of ``ids`` from this upstream's ``/detokenize`` (for a ``Splice``)."""
+        return await post_detokenize(self._session, _root(self.url), self.upstream_model, ids)
 
     # -- load ----------------------------------------------------------------
 
@@ -694,177 +494,6 @@ class UpstreamClient:
             except (aiohttp.ClientError, OSError, TimeoutError):
                 pass  # the health check decides whether the upstream is down
             await asyncio.sleep(METRICS_INTERVAL)
-
-
-class _SseReader:
-    """One response's SSE body into deltas as it arrives: ``feed`` runs in
-    the connection's ``data_received``; the events of one read become one
-    delta, or several of at most the collector's ``limit`` tokens (the
-    tenant's ``chunk_tokens``).
-
-    A stream without token ids, whose request asked for the usage chunk,
-    holds its finish back until that chunk (the next event; usually the
-    same read), so the finish carries the prompt's token count and the
-    upstream's own completion count where it exceeds the chunks counted."""
-
-    __slots__ = ("client", "st", "resumed", "response", "buf", "first", "ended", "counted", "held", "usage", "timer")
-
-    def __init__(self, client: UpstreamClient, st: _Stream, resumed: bool, response: Response) -> None:
-        self.client = client
-        self.st = st
-        self.resumed = resumed
-        self.response = response
-        self.buf = b""
-        self.first = True
-        self.ended = False
-        self.counted = 0  # tokens counted one per chunk (no token ids)
-        self.held: Delta | None = None  # the finish, until the usage chunk
-        self.usage: _Usage | None = None
-        self.timer: asyncio.TimerHandle | None = None  # gives up waiting for the usage chunk
-
-    def feed(self, data: bytes) -> None:
-        if self.ended:
-            return
-        payloads, self.buf = sse_data(self.buf + data)
-        if not payloads:
-            return
-        st = self.st
-        none = FinishReason.NONE
-        pieces: list[tuple[list[int], str, FinishReason, int]] = []
-        for payload in payloads:
-            if payload == b"[DONE]":
-                self.ended = True
-                break
-            chunk = _chunk_decoder.decode(payload)
-            if chunk.error is not None or chunk.object == "error":
-                raise _Failed(_error_text(chunk.error if chunk.error is not None else chunk.message))
-            if chunk.usage is not None:
-                self.usage = chunk.usage  # the last chunk's, or on every chunk (some servers)
-            if not chunk.choices:
-                continue
-            if self.first:
-                self.first = False
-                self.client._first_chunk(st, chunk, self.resumed)
-            for ch in chunk.choices:
-                if ch.index != 0:
-                    continue
-                t = ch.text if ch.text is not None else (ch.delta.content if ch.delta else None)
-                if t and ch.token_ids is None and st.resumable:
-                    st.resumable = False  # text we cannot map to tokens: no resume
-                finish = none
-                reason = ch.finish_reason
-                if reason is not None:
-                    if reason in ("abort", "error"):
-                        raise _Failed(f"the upstream ended the request ({reason})")
-                    finish = _FINISH.get(reason, FinishReason.STOP)  # tool_calls, ...
-                if ch.token_ids is not None:
-                    if ch.token_ids or t or finish != none:
-                        pieces.append((ch.token_ids, t or "", finish, 0))
-                elif t or (finish == none and not (ch.delta is not None and ch.delta.role)):
-                    # output without token ids: count the chunk as the one
-                    # token servers stream per chunk (OpenAI, vLLM, TGI,
-                    # llama.cpp; one with no text holds back part of a
-                    # character), so limits, usage and the stall timer see it
-                    pieces.append(([], t or "", finish, 1))
-                elif finish != none:
-                    pieces.append(([], "", finish, 0))  # finish only (a role-only chunk is nothing)
-        if st.done:
-            return  # draining after the finish, so the connection can be reused
-        if self.held is not None:
-            self._release()
-            return
-        col = st.col
-        limit = col.limit
-        # the events of one read go out as few deltas as the consumer's
-        # chunk limit allows: less work per token when the upstream is fast
-        acc_ids: list[int] = []
-        acc_text: list[str] = []
-        acc_count = 0
-        for ids, text, finish, count in pieces:
-            stopped = False
-            if st.splice is not None:
-                text, stopped = st.splice.feed(text, finish != none, len(ids) + count)
-                if stopped:
-                    finish = FinishReason.STOP
-            if not (ids or text or count or finish != none):
-                continue
-            if finish == none:
-                if acc_text and limit and len(acc_ids) + acc_count + len(ids) + count > limit:
-                    self._put(st, acc_ids, acc_text, acc_count)
-                    acc_ids, acc_text, acc_count = [], [], 0
-                acc_ids += ids
-                acc_text.append(text)
-                acc_count += count
-                continue
-            if acc_text:
-                self._put(st, acc_ids, acc_text, acc_count)
-            delta = _delta(st, ids, text, finish, count)
-            if stopped:
-                self.client._finish(st, delta)
-                self.ended = True
-                self.response.close()  # our stop string, not the upstream's: abort it
-            elif st.asked_usage and not st.resumable:
-                self.counted += count
-                self.held = delta
-                self._release()
-            else:
-                self.client._finish(st, delta)
-            return
-        if acc_text:
-            self._put(st, acc_ids, acc_text, acc_count)
-
-    def _put(self, st: _Stream, ids: list[int], texts: list[str], count: int) -> None:
-        text = texts[0] if len(texts) == 1 else "".join(texts)
-        lane = st.col.lane
-        if lane is None or not ids or count or st.prompt_ids is not None or not lane.tokens(ids, text):
-            st.col.put(_delta(st, ids, text, FinishReason.NONE, count))
-        st.delivered = True
-        if count:
-            self.counted += count
-
-    def _release(self) -> None:
-        """Finish with the held finish once the usage chunk (or the end of
-        the events) is here, or ``USAGE_WAIT`` seconds have passed."""
-        held, usage = self.held, self.usage
-        assert held is not None
-        if usage is None and not self.ended:
-            if self.timer is None:
-                self.timer = asyncio.get_running_loop().call_later(USAGE_WAIT, self._waited)
-            return
-        self.held = None
-        if self.timer is not None:
-            self.timer.cancel()
-            self.timer = None
-        if usage is not None:
-            held.prompt_count = usage.prompt_tokens or 0
-            held.count += max(0, (usage.completion_tokens or 0) - self.counted)
-        self.client._finish(self.st, held)
-
-    def flush(self) -> None:
-        """The body is over (or broke) with the finish held: finish without usage."""
-        self.ended = True
-        self._release()
-
-    def _waited(self) -> None:
-        """No usage chunk and no end of the body within ``USAGE_WAIT`` of the
-        finish (a server that keeps the body open): finish without usage,
-        unless the stream was aborted meanwhile."""
-        self.timer = None
-        if self.held is not None and self.client._current(self.st):
-            self.flush()
-
-    def end(self) -> None:
-        """The body is over."""
-        if not self.st.done:
-            raise _Failed("the stream ended before the request finished")
-
-
-def _delta(st: _Stream, ids: list[int], text: str, finish: FinishReason, count: int = 0) -> Delta:
-    """A delta of ``st``; the first one carries the prompt's token ids."""
-    delta = Delta(st.col.rid, ids, text, finish, count=count)
-    if st.prompt_ids is not None:
-        delta.prompt_token_ids, st.prompt_ids = st.prompt_ids, None
-    return delta
 
 
 def _auth(spec: ReplicaSpec) -> dict[str, str]:
@@ -890,9 +519,9 @@ async def open_upstream(name: str, spec: ReplicaSpec, *, timeout: float = 10.0) 
             async with session.get(url + "/models") as r:
                 raw = await r.read()
                 if r.status in (401, 403):
-                    raise ReplicaRefused(f"upstream {name} refused the API key: HTTP {r.status}: {_error_text(raw)}")
+                    raise ReplicaRefused(f"upstream {name} refused the API key: HTTP {r.status}: {error_text(raw)}")
                 if r.status != 200:
-                    raise ReplicaDead(f"upstream {name}: GET /models: HTTP {r.status}: {_error_text(raw)}")
+                    raise ReplicaDead(f"upstream {name}: GET /models: HTTP {r.status}: {error_text(raw)}")
         models = msgspec.json.decode(raw, type=_Models).data
         if spec.upstream_model is not None:
             found = [m for m in models if m.id == spec.upstream_model]

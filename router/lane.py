@@ -12,7 +12,7 @@ token (docs/perf.md, "The Python floor"). ``Lane.tokens`` does them in one
 call, on the same objects, so either path can take the next piece.
 
 A lane belongs to one run of a generation on one replica: the replica
-readers (``replicas.client``, ``replicas.upstream``) find it on the run's
+readers (``replicas.client``, ``replicas.upstream_sse``) find it on the run's
 ``Collector`` (``col.lane``). ``Generation`` attaches it after a plain
 piece (not the first token's) went the layered way and the sink offers one
 (``PushRelay.lane``), and drops it when the run ends (finish, failover,

@@ -27,7 +27,7 @@ from replicas.output import OutputProcessor
 from replicas.protocol import FinishReason, SamplingParams
 from replicas.sim import ByteTokenizer, SimConfig, SimEngine
 from replicas.spec import ReplicaSpec
-from replicas import upstream
+from replicas import upstream_sse
 from replicas.upstream import open_upstream, parse_vllm_metrics
 from router.auth import hash_key
 from tests.helpers import GOLD, MODEL, RouterProcess, aiter_sse, poll
@@ -811,7 +811,7 @@ async def test_upstream_without_token_ids_reports_usage_at_its_finish(ending, mo
     is never held. A strict server that rejects ``return_token_ids`` and then
     ``stream_options`` gets the request a third time with neither, and later
     ones without both."""
-    monkeypatch.setattr(upstream, "USAGE_WAIT", 0.5)
+    monkeypatch.setattr(upstream_sse, "USAGE_WAIT", 0.5)
     server = _PlainUpstream("usage" if ending in ("ids", "strict") else ending,
                             strict=ending == "strict", ids=ending == "ids")
     await server.start()

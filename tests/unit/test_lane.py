@@ -42,7 +42,7 @@ PROMPT = [1, 2, 3]
 
 def deliver(col: Collector, d: Delta) -> bool:
     """What the replica readers do with a delta (replicas/client.py,
-    replicas/upstream.py); True: the lane took it."""
+    replicas/upstream_sse.py); True: the lane took it."""
     lane = col.lane
     if lane is not None and d.token_ids and not d.finish and d.prompt_token_ids is None and not d.count:
         if lane.tokens(d.token_ids, d.text):

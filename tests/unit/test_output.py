@@ -409,9 +409,9 @@ def run_with_splice(ids: list[int], cut: list[int], k: int, stop: list[str], inc
     """Tokens ``ids[:k]`` on a replica, the rest on an upstream (vLLM, or
     the sim's OpenAI server: it decodes in the context of its prompt, which
     ends with the delivered tokens, and matches stop strings in its own text
-    only), whose text goes through the router's ``_Splice``."""
+    only), whose text goes through the router's ``Splice``."""
     from replicas.prepare import _PRIME_TOKENS, _complete_text_len
-    from replicas.upstream import _Splice
+    from replicas.splice import Splice
 
     cut = sorted(set(cut) | {k})
     parts = split(ids, cut)
@@ -422,7 +422,7 @@ def run_with_splice(ids: list[int], cut: list[int], k: int, stop: list[str], inc
     context = ids[max(0, k - _PRIME_TOKENS) : k]
     upstream = OutputProcessor(TOK, stop, context, _complete_text_len(TOK, context), len(context),
                                include_stop_str=include, prefix_is_output=False)
-    splice = _Splice(stop, TOK.decode(ids[:k]).rstrip("\ufffd"), len(e1), include)  # (/detokenize's text)
+    splice = Splice(stop, TOK.decode(ids[:k]).rstrip("\ufffd"), len(e1), include)  # (/detokenize's text)
     out = [e1]
     rest = parts[n_first:]
     for i, part in enumerate(rest):

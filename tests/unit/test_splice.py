@@ -1,5 +1,5 @@
 """A stream resumed on an OpenAI upstream, through the router's splice
-(``replicas.upstream._Splice``), gives the text one replica gives.
+(``replicas.splice.Splice``), gives the text one replica gives.
 
 The model, as the router runs it: tokens ``ids[:k]`` went out through a
 replica's ``OutputProcessor``; the upstream (the sim's OpenAI server, as
@@ -25,7 +25,8 @@ from replicas.output import OutputProcessor
 from replicas.prepare import prepare
 from replicas.protocol import FinishReason, SamplingParams
 from replicas.sim import ByteTokenizer
-from replicas.upstream import _WALK_LIMIT, UpstreamClient, _Failed, _Splice
+from replicas.splice import WALK_LIMIT, Splice, prefix_text
+from replicas.upstream_errors import UpstreamFailed
 
 TOK = ByteTokenizer()
 NONE, STOP, LENGTH = FinishReason.NONE, FinishReason.STOP, FinishReason.LENGTH
@@ -67,17 +68,14 @@ def one_replica(ids: list[int], cut: list[int], stop: list[str], include: bool,
 
 
 def splice_for(prefix: list[int], emitted: int, stop: list[str], include: bool, min_tokens: int,
-               tok: Tokenizer = TOK) -> _Splice:
+               tok: Tokenizer = TOK) -> Splice:
     """The splice ``UpstreamClient._run`` builds, from its own ``/detokenize``
     calls (answered by the tokenizer)."""
     async def detokenize(ids: list[int]) -> str:
         return tok.decode(ids)
 
-    client = SimpleNamespace(_detokenize=detokenize)
-    client._text_start = lambda p: UpstreamClient._text_start(client, p)  # type: ignore[attr-defined]
-    ask = UpstreamClient._prefix_text(client, prefix, emitted, min_tokens)  # type: ignore[arg-type]
-    text, start, min_chars = asyncio.run(ask)
-    return _Splice(stop, text, emitted, include, start=start, tokens=len(prefix), min_tokens=min_tokens,
+    text, start, min_chars = asyncio.run(prefix_text(detokenize, prefix, emitted, min_tokens))
+    return Splice(stop, text, emitted, include, start=start, tokens=len(prefix), min_tokens=min_tokens,
                    min_chars=min_chars)
 
 
@@ -175,7 +173,7 @@ def test_min_tokens_across_a_resume_onto_an_upstream_in_every_chunking(
         text: str, stop: list[str], k: int, raw: set[int], include: bool, min_tokens: int) -> None:
     """Exact inside the prefix; past it, as exact as the upstream's chunks:
     one chunk of several tokens across the min_tokens boundary counts as
-    inside it (``_Splice``)."""
+    inside it (``Splice``)."""
     ids = TOK.encode(text)
     assume(len(ids) >= 2)
     k = 1 + k % (len(ids) - 1)
@@ -250,14 +248,14 @@ def test_a_resume_onto_an_upstream_with_tokens_of_several_bytes(ids: list[int], 
 def test_the_splice_fails_an_upstream_whose_text_does_not_repeat_what_the_client_has() -> None:
     # (an upstream that decodes otherwise: failing before any of its text
     # goes out lets another replica continue the stream exactly)
-    splice = _Splice(["zz"], "ab\ufffd\ufffd", 4, start=2)  # (the client has all four characters)
+    splice = Splice(["zz"], "ab\ufffd\ufffd", 4, start=2)  # (the client has all four characters)
     assert splice.feed("\ufffd", False, 1) == ("", False)  # (what the client has, again)
-    with pytest.raises(_Failed):
+    with pytest.raises(UpstreamFailed):
         splice.feed("x", False, 1)
-    splice = _Splice(["zz"], "ab\ufffd\ufffd", 4, start=2)
+    splice = Splice(["zz"], "ab\ufffd\ufffd", 4, start=2)
     assert splice.feed("\ufffd\ufffdxyz", False, 4) == ("xy", False)  # ("z" held: it may start "zz")
-    splice = _Splice(["zz"], "ab\ufffd\ufffd", 4, start=2)
-    with pytest.raises(_Failed):
+    splice = Splice(["zz"], "ab\ufffd\ufffd", 4, start=2)
+    with pytest.raises(UpstreamFailed):
         splice.feed("xy", False, 1)
 
 
@@ -265,10 +263,8 @@ def test_a_prefix_whose_text_ends_in_replacement_characters_for_too_long_is_refu
     async def detokenize(ids: list[int]) -> str:
         return TOK.decode(ids)
 
-    client = SimpleNamespace(_detokenize=detokenize)
-    client._text_start = lambda p: UpstreamClient._text_start(client, p)  # type: ignore[attr-defined]
-    bad = TOK.encode("ok") + [0x80] * (_WALK_LIMIT + 1)
-    with pytest.raises(_Failed, match="U\\+FFFD"):
-        asyncio.run(UpstreamClient._prefix_text(client, bad, 2, 0))  # type: ignore[arg-type]
-    ok = TOK.encode("ok") + [0x80] * (_WALK_LIMIT - 1)
-    assert asyncio.run(UpstreamClient._prefix_text(client, ok, 2, 0))[1] == 2  # type: ignore[arg-type]
+    bad = TOK.encode("ok") + [0x80] * (WALK_LIMIT + 1)
+    with pytest.raises(UpstreamFailed, match="U\\+FFFD"):
+        asyncio.run(prefix_text(detokenize, bad, 2, 0))
+    ok = TOK.encode("ok") + [0x80] * (WALK_LIMIT - 1)
+    assert asyncio.run(prefix_text(detokenize, ok, 2, 0))[1] == 2

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-from replicas.upstream import rejects_field
+from replicas.upstream_errors import rejects_field
 
 ECHO = ("1 validation error for CompletionRequest\n  Value error, unknown stop reason [type=value_error, "
         "input_value={'model': 'm', 'return_token_ids': True, 'stream_options': {'include_usage': True}}, "

@@ -1,0 +1,54 @@
+"""How an OpenAI-compatible upstream's failures read: ``UpstreamFailed``
+(it failed a request, which then moves to another replica or ends), the
+message of its error bodies, and whether its 400 refuses a field the router
+adds (``return_token_ids``, ``stream_options``) so the request can go again
+without it.
+
+One place for the client (``replicas.upstream``), its response bodies
+(``replicas.upstream_sse``) and a resume onto it (``replicas.splice``).
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+import msgspec
+
+__all__ = ["UpstreamFailed", "error_text", "rejects_field"]
+
+
+class UpstreamFailed(Exception):
+    """The upstream failed the request (5xx, error event, cut stream)."""
+
+
+def error_text(body: bytes | str | Any, limit: int = 500) -> str:
+    """The message of an OpenAI- or vLLM-style error body."""
+    obj = body
+    if isinstance(body, (bytes, str)):
+        try:
+            obj = msgspec.json.decode(body)
+        except msgspec.DecodeError:
+            return (body.decode(errors="replace") if isinstance(body, bytes) else body)[:limit]
+    if isinstance(obj, dict):
+        err = obj.get("error", obj)
+        if isinstance(err, dict):
+            return str(err.get("message") or err)[:limit]
+        return str(err)[:limit]
+    return str(obj)[:limit]
+
+
+_REFUSAL = r"(?:unrecognized|unknown|extra|not permitted|not allowed|unexpected)"
+
+
+def rejects_field(message: str, field: str) -> bool:
+    """Whether a 400's ``message`` says the API does not take ``field``
+    ("Unrecognized request argument supplied: return_token_ids", "Extra inputs
+    are not permitted ... 'stream_options'"), rather than quoting a request
+    body that has it (``input_value={..., 'stream_options': ...}``): a refusal
+    word near the name, not across a brace, and the name not a quoted key."""
+    f = re.escape(field)
+    name = rf"(?:(?<!['\"])\b{f}\b|\b{f}\b(?!['\"]\s*:))"
+    near = rf"{_REFUSAL}[^{{}}\n]{{0,100}}?{name}|{name}[^{{}}\n]{{0,100}}?{_REFUSAL}"
+    return re.search(near, message.lower()) is not None
+

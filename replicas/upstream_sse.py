@@ -1,0 +1,264 @@
+"""An OpenAI-compatible upstream's streamed response into one request's
+deltas: ``SseReader`` parses the SSE body (``replicas.http11.sse_data``
+splits its events, msgspec decodes the ``Chunk``s) inside the connection's
+``data_received``, with no task wake-up per chunk, and puts the deltas in
+the request's single-slot collector; ``Stream`` is the request's state the
+reader and its ``UpstreamClient`` (``replicas.upstream``) share.
+
+This is the upstream's hot relay path (docs/perf.md, "Where time to first
+token goes"): one ``feed`` per read, its events merged into as few deltas
+as the collector's chunk limit allows.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any, Protocol
+
+import msgspec
+
+from replicas.client import Collector
+from replicas.http11 import Response, sse_data
+from replicas.protocol import Delta, FinishReason
+from replicas.splice import Splice
+from replicas.upstream_errors import UpstreamFailed, error_text
+
+__all__ = ["SseReader", "Stream", "StreamOwner", "Chunk", "USAGE_WAIT"]
+
+# How long a stream without token ids waits after its finish for the usage
+# chunk (normally the next event, in the same read) before finishing without.
+USAGE_WAIT = 1.0
+_FINISH = {"stop": FinishReason.STOP, "length": FinishReason.LENGTH}
+
+
+class _ChatDelta(msgspec.Struct):
+    content: str | None = None
+    role: str | None = None
+
+
+class _Choice(msgspec.Struct):
+    index: int = 0
+    text: str | None = None
+    delta: _ChatDelta | None = None
+    finish_reason: str | None = None
+    token_ids: list[int] | None = None
+    prompt_token_ids: list[int] | None = None
+
+
+class _Usage(msgspec.Struct):
+    prompt_tokens: int | None = None
+    completion_tokens: int | None = None
+
+
+class Chunk(msgspec.Struct):
+    """One SSE event's JSON: a completion or chat completion chunk, or an error."""
+
+    choices: list[_Choice] | None = None
+    usage: _Usage | None = None  # the last chunk, when asked with stream_options.include_usage
+    prompt_token_ids: list[int] | None = None  # chat: on the first chunk
+    error: Any = None
+    object: str | None = None  # older vLLM: {"object": "error", "message": ...}
+    message: str | None = None
+
+
+_chunk_decoder = msgspec.json.Decoder(Chunk)
+
+
+class Stream:
+    """One request: its collector, the task that starts it and then its
+    response; whether output reached the router, and whether the router
+    could resume it (token ids known)."""
+
+    __slots__ = ("col", "delivered", "resumable", "done", "asked_usage", "prompt_ids", "splice", "task", "resp")
+
+    def __init__(self, col: Collector, prompt_ids: list[int] | None) -> None:
+        self.col = col
+        self.delivered = False
+        self.resumable = False
+        self.done = False
+        self.asked_usage = False  # its request asked for the usage chunk
+        self.prompt_ids = prompt_ids  # goes out with the first delta
+        self.splice: Splice | None = None
+        self.task: asyncio.Task[None] | None = None
+        self.resp: Response | None = None
+
+
+class StreamOwner(Protocol):
+    """What a reader asks of the ``UpstreamClient`` that owns its stream."""
+
+    def first_chunk(self, st: Stream, chunk: Chunk, resumed: bool) -> None: ...
+
+    def finish(self, st: Stream, delta: Delta) -> None: ...
+
+    def current(self, st: Stream) -> bool: ...
+
+
+class SseReader:
+    """One response's SSE body into deltas as it arrives: ``feed`` runs in
+    the connection's ``data_received``; the events of one read become one
+    delta, or several of at most the collector's ``limit`` tokens (the
+    tenant's ``chunk_tokens``).
+
+    A stream without token ids, whose request asked for the usage chunk,
+    holds its finish back until that chunk (the next event; usually the
+    same read), so the finish carries the prompt's token count and the
+    upstream's own completion count where it exceeds the chunks counted."""
+
+    __slots__ = ("client", "st", "resumed", "response", "buf", "first", "ended", "counted", "held", "usage", "timer")
+
+    def __init__(self, client: StreamOwner, st: Stream, resumed: bool, response: Response) -> None:
+        self.client = client
+        self.st = st
+        self.resumed = resumed
+        self.response = response
+        self.buf = b""
+        self.first = True
+        self.ended = False
+        self.counted = 0  # tokens counted one per chunk (no token ids)
+        self.held: Delta | None = None  # the finish, until the usage chunk
+        self.usage: _Usage | None = None
+        self.timer: asyncio.TimerHandle | None = None  # gives up waiting for the usage chunk
+
+    def feed(self, data: bytes) -> None:
+        if self.ended:
+            return
+        payloads, self.buf = sse_data(self.buf + data)
+        if not payloads:
+            return
+        st = self.st
+        none = FinishReason.NONE
+        pieces: list[tuple[list[int], str, FinishReason, int]] = []
+        for payload in payloads:
+            if payload == b"[DONE]":
+                self.ended = True
+                break
+            chunk = _chunk_decoder.decode(payload)
+            if chunk.error is not None or chunk.object == "error":
+                raise UpstreamFailed(error_text(chunk.error if chunk.error is not None else chunk.message))
+            if chunk.usage is not None:
+                self.usage = chunk.usage  # the last chunk's, or on every chunk (some servers)
+            if not chunk.choices:
+                continue
+            if self.first:
+                self.first = False
+                self.client.first_chunk(st, chunk, self.resumed)
+            for ch in chunk.choices:
+                if ch.index != 0:
+                    continue
+                t = ch.text if ch.text is not None else (ch.delta.content if ch.delta else None)
+                if t and ch.token_ids is None and st.resumable:
+                    st.resumable = False  # text we cannot map to tokens: no resume
+                finish = none
+                reason = ch.finish_reason
+                if reason is not None:
+                    if reason in ("abort", "error"):
+                        raise UpstreamFailed(f"the upstream ended the request ({reason})")
+                    finish = _FINISH.get(reason, FinishReason.STOP)  # tool_calls, ...
+                if ch.token_ids is not None:
+                    if ch.token_ids or t or finish != none:
+                        pieces.append((ch.token_ids, t or "", finish, 0))
+                elif t or (finish == none and not (ch.delta is not None and ch.delta.role)):
+                    # output without token ids: count the chunk as the one
+                    # token servers stream per chunk (OpenAI, vLLM, TGI,
+                    # llama.cpp; one with no text holds back part of a
+                    # character), so limits, usage and the stall timer see it
+                    pieces.append(([], t or "", finish, 1))
+                elif finish != none:
+                    pieces.append(([], "", finish, 0))  # finish only (a role-only chunk is nothing)
+        if st.done:
+            return  # draining after the finish, so the connection can be reused
+        if self.held is not None:
+            self._release()
+            return
+        col = st.col
+        limit = col.limit
+        # the events of one read go out as few deltas as the consumer's
+        # chunk limit allows: less work per token when the upstream is fast
+        acc_ids: list[int] = []
+        acc_text: list[str] = []
+        acc_count = 0
+        for ids, text, finish, count in pieces:
+            stopped = False
+            if st.splice is not None:
+                text, stopped = st.splice.feed(text, finish != none, len(ids) + count)
+                if stopped:
+                    finish = FinishReason.STOP
+            if not (ids or text or count or finish != none):
+                continue
+            if finish == none:
+                if acc_text and limit and len(acc_ids) + acc_count + len(ids) + count > limit:
+                    self._put(st, acc_ids, acc_text, acc_count)
+                    acc_ids, acc_text, acc_count = [], [], 0
+                acc_ids += ids
+                acc_text.append(text)
+                acc_count += count
+                continue
+            if acc_text:
+                self._put(st, acc_ids, acc_text, acc_count)
+            delta = _delta(st, ids, text, finish, count)
+            if stopped:
+                self.client.finish(st, delta)
+                self.ended = True
+                self.response.close()  # our stop string, not the upstream's: abort it
+            elif st.asked_usage and not st.resumable:
+                self.counted += count
+                self.held = delta
+                self._release()
+            else:
+                self.client.finish(st, delta)
+            return
+        if acc_text:
+            self._put(st, acc_ids, acc_text, acc_count)
+
+    def _put(self, st: Stream, ids: list[int], texts: list[str], count: int) -> None:
+        text = texts[0] if len(texts) == 1 else "".join(texts)
+        lane = st.col.lane
+        if lane is None or not ids or count or st.prompt_ids is not None or not lane.tokens(ids, text):
+            st.col.put(_delta(st, ids, text, FinishReason.NONE, count))
+        st.delivered = True
+        if count:
+            self.counted += count
+
+    def _release(self) -> None:
+        """Finish with the held finish once the usage chunk (or the end of
+        the events) is here, or ``USAGE_WAIT`` seconds have passed."""
+        held, usage = self.held, self.usage
+        assert held is not None
+        if usage is None and not self.ended:
+            if self.timer is None:
+                self.timer = asyncio.get_running_loop().call_later(USAGE_WAIT, self._waited)
+            return
+        self.held = None
+        if self.timer is not None:
+            self.timer.cancel()
+            self.timer = None
+        if usage is not None:
+            held.prompt_count = usage.prompt_tokens or 0
+            held.count += max(0, (usage.completion_tokens or 0) - self.counted)
+        self.client.finish(self.st, held)
+
+    def flush(self) -> None:
+        """The body is over (or broke) with the finish held: finish without usage."""
+        self.ended = True
+        self._release()
+
+    def _waited(self) -> None:
+        """No usage chunk and no end of the body within ``USAGE_WAIT`` of the
+        finish (a server that keeps the body open): finish without usage,
+        unless the stream was aborted meanwhile."""
+        self.timer = None
+        if self.held is not None and self.client.current(self.st):
+            self.flush()
+
+    def end(self) -> None:
+        """The body is over."""
+        if not self.st.done:
+            raise UpstreamFailed("the stream ended before the request finished")
+
+
+def _delta(st: Stream, ids: list[int], text: str, finish: FinishReason, count: int = 0) -> Delta:
+    """A delta of ``st``; the first one carries the prompt's token ids."""
+    delta = Delta(st.col.rid, ids, text, finish, count=count)
+    if st.prompt_ids is not None:
+        delta.prompt_token_ids, st.prompt_ids = st.prompt_ids, None
+    return delta
