@@ -76,6 +76,15 @@ class _WebSocket(WebSocketsSansIOProtocol):
         if HttpConnection.metrics is not None:
             HttpConnection.metrics.connections.inc()
 
+    async def send(self, message) -> None:  # type: ignore[override]
+        await super().send(message)
+        if message["type"] == "websocket.http.response.body" and not message.get("more_body", False):
+            # (a denial response, router/handshake.py ``deny``, is sent and the
+            # connection closed; uvicorn does not mark the handshake done
+            # then, and would log an error, "returned without completing
+            # handshake", for every refused upgrade: uvicorn PR #3138)
+            self.handshake_complete = True
+
     def handle_connect(self, event) -> None:
         super().handle_connect(event)
         scope = getattr(self, "scope", None)
