@@ -21,6 +21,12 @@ __all__ = ["prepare", "context_error", "prompt_error"]
 # Prompt tokens an output processor sees as context when it is primed with the
 # prompt: enough to hold the start of one unfinished UTF-8 character.
 _PRIME_TOKENS = 8
+# ... and at most this many where the prompt's text ends in a long run of
+# U+FFFD (``_prime_window``): the router's splice refuses a resume inside a
+# run longer than 64 tokens (replicas.splice.WALK_LIMIT), so a longer window
+# serves nothing it accepts, and the processor's start decodes the window
+# once per token of it (a whole 8,000-token prompt took 9 s)
+_PRIME_MAX = 128
 _REPLACEMENT = "\ufffd"
 
 
@@ -93,16 +99,17 @@ def prepare(
 
 def _prime_window(tok: Tokenizer, prompt_ids: list[int]) -> list[int]:
     """The prompt's last tokens a primed processor decodes with: the last
-    ``_PRIME_TOKENS``, or the whole prompt when the text ends in U+FFFD at
-    every token boundary in them (a long run of bytes that are no UTF-8).
-    vLLM's detokenizer primes with the whole prompt then, and so re-decodes
-    the text after the prompt's last boundary whose text does not end in
-    U+FFFD with its first new tokens; the router's splice onto an upstream
-    counts on exactly that text coming first (``replicas.splice.Splice``)."""
+    ``_PRIME_TOKENS``, or the last ``_PRIME_MAX`` when the text ends in
+    U+FFFD at every token boundary in them (a long run of bytes that are no
+    UTF-8). vLLM's detokenizer primes with the whole prompt then, and so
+    re-decodes the text after the prompt's last boundary whose text does not
+    end in U+FFFD with its first new tokens; the router's splice onto an
+    upstream counts on exactly that text coming first
+    (``replicas.splice.Splice``), for a run of up to 64 tokens."""
     tail = prompt_ids[-_PRIME_TOKENS:]
     if len(tail) < len(prompt_ids) and all(tok.decode(tail[:i]).endswith(_REPLACEMENT)
                                            for i in range(len(tail), 0, -1)):
-        return prompt_ids
+        return prompt_ids[-_PRIME_MAX:]
     return tail
 
 

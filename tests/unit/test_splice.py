@@ -268,3 +268,16 @@ def test_a_prefix_whose_text_ends_in_replacement_characters_for_too_long_is_refu
         asyncio.run(prefix_text(detokenize, bad, 2, 0))
     ok = TOK.encode("ok") + [0x80] * (WALK_LIMIT - 1)
     assert asyncio.run(prefix_text(detokenize, ok, 2, 0))[1] == 2
+
+
+def test_a_primed_processor_decodes_a_bounded_window_of_a_long_undecodable_run() -> None:
+    """The sim's server primes with the prompt's run of U+FFFD as vLLM
+    does, but with at most ``_PRIME_MAX`` tokens of it: the whole prompt
+    made its start decode it once per token (9 s for 8,000 bytes), and the
+    splice refuses a run past ``WALK_LIMIT`` anyway."""
+    from replicas.prepare import _PRIME_MAX, _prime_window
+
+    run = [0x80] * 8000  # (bytes that are no UTF-8, one token each)
+    assert _prime_window(TOK, run) == run[-_PRIME_MAX:]
+    assert _PRIME_MAX > WALK_LIMIT
+    assert _prime_window(TOK, TOK.encode("plain text") + run[:3]) == (TOK.encode("plain text") + run[:3])[-8:]
