@@ -13,9 +13,10 @@ Starting (``start``): a router that has never had an answer from Redis is
 not in an outage, it is connecting. It tries for ``connect_timeout``
 seconds (each try up to the store's own timeout); meanwhile ``/ready`` is
 503 and every operation waits for the answer, so a slow first answer (a
-router starting on a busy host, whose own loop is slow too) does not
-begin the router in an outage that serves with local limits. No answer by
-then: an outage as above.
+router starting on a busy host, whose own loop is slow too) does not begin
+the router in an outage that serves with local limits. From the first try
+that fails to the answer, ``on_change`` says down
+(``fairstream_state_store_up`` 0). No answer by then: an outage as above.
 
 Leases and reservations remember which store took them, so a stream admitted
 during an outage is released and settled where it was counted. Once Redis is
@@ -71,6 +72,7 @@ class ResilientStore(StateStore):
         self._connect: asyncio.Task[None] | None = None  # the first contact, while under way
         self._returns = 0  # outages Redis came back from (``generation``)
         self._on_change = on_change or (lambda up: None)
+        self._said_up = True  # (what on_change said last: it hears each change once)
         self._on_error = on_error or (lambda op: None)
         self._probe: asyncio.Task[None] | None = None
         self._lease_store: dict[str, StateStore] = {}  # where each live lease is counted (it may move)
@@ -84,12 +86,17 @@ class ResilientStore(StateStore):
             self.healthy = False
             mode = "serving with local limits (fail-open)" if self.fail_open else "rejecting with 503 (fail-closed)"
             log.error("state store %s unavailable (%s); %s until it returns", self.name, err, mode)
-            self._on_change(False)
+            self._say(False)
             if self._probe is None or self._probe.done():
                 # (its own context: started by whichever request met the outage, its
                 # log lines must not carry that request's id)
                 self._probe = asyncio.get_running_loop().create_task(self._reconnect(), name="state-probe",
                                                                      context=contextvars.Context())
+
+    def _say(self, up: bool) -> None:
+        if up != self._said_up:
+            self._said_up = up
+            self._on_change(up)
 
     async def start(self) -> None:
         """Begin the first contact; ``connecting`` until it ends."""
@@ -106,7 +113,10 @@ class ResilientStore(StateStore):
                 tries += 1
                 try:
                     await self.primary.ping()
-                except StoreUnavailable as e:
+                except Exception as e:  # (StoreUnavailable; anything else must not leave it connecting for good)
+                    if not isinstance(e, StoreUnavailable):
+                        log.exception("state store %s: the first contact failed unexpectedly", self.name)
+                    self._say(False)  # (down until it answers: fairstream_state_store_up 0)
                     if loop.time() + CONNECT_RETRY - began >= self._connect_timeout:
                         log.error("state store %s did not answer within connect_timeout (%gs, %d tries)",
                                   self.name, self._connect_timeout, tries)
@@ -122,6 +132,7 @@ class ResilientStore(StateStore):
                     log.warning("state store %s answered after %.1fs (%d tries)", self.name, loop.time() - began,
                                 tries)
                 self.connecting = False
+                self._say(True)
                 return
         finally:
             self._connect = None
@@ -148,7 +159,7 @@ class ResilientStore(StateStore):
             # resumes read Redis. Kept, they stayed in memory for good.)
             self.fallback.drop_streams()
             log.warning("state store %s is back", self.name)
-            self._on_change(True)
+            self._say(True)
             return
 
     async def _pay_back(self) -> None:
