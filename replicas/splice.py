@@ -20,10 +20,11 @@ from collections.abc import Awaitable, Callable
 import aiohttp
 import msgspec
 
+from replicas.protocol import SamplingParams
 from replicas.stops import StopMatcher
 from replicas.upstream_errors import UpstreamFailed
 
-__all__ = ["Splice", "prefix_text", "text_start", "post_detokenize", "Detokenize", "WALK_BATCH", "WALK_LIMIT"]
+__all__ = ["Splice", "splice_at", "prefix_text", "text_start", "post_detokenize", "Detokenize", "WALK_BATCH", "WALK_LIMIT"]
 
 # Cuts /detokenize is asked for at once, and how far back, looking for the
 # resumed prefix's last token boundary whose text does not end in U+FFFD.
@@ -103,6 +104,16 @@ class Splice:
         look = self.tokens >= self.min_tokens  # (this chunk's tokens all past the first min_tokens)
         self.tokens += tokens
         return self.stops.feed(text, final, look)
+
+
+async def splice_at(detokenize: Detokenize, prefix: list[int], prefix_text_len: int,
+                    params: SamplingParams) -> Splice:
+    """The splice for a stream with stop strings continued on an upstream
+    after ``prefix`` (the client has ``prefix_text_len`` characters of its
+    text), the prefix's text from ``detokenize``."""
+    text, start, min_chars = await prefix_text(detokenize, prefix, prefix_text_len, params.min_tokens)
+    return Splice(params.stop, text, prefix_text_len, params.include_stop_str_in_output, start=start,
+                  tokens=len(prefix), min_tokens=params.min_tokens, min_chars=min_chars)
 
 
 async def prefix_text(detokenize: Detokenize, prefix: list[int], prefix_text_len: int,

@@ -55,7 +55,7 @@ from replicas.protocol import (
     SamplingParams,
 )
 from replicas.spec import ReplicaSpec
-from replicas.splice import Splice, post_detokenize, prefix_text
+from replicas.splice import post_detokenize, splice_at
 from replicas.upstream_errors import UpstreamFailed, error_text, rejects_field
 from replicas.upstream_sse import Chunk, SseReader, Stream
 
@@ -328,11 +328,7 @@ class UpstreamClient:
                                       "max_tokens already reached by the resumed prefix"))
                 return
             if prefix and params.stop:
-                text, start, min_chars = await prefix_text(self._detokenize, prefix, prefix_text_len,
-                                                           params.min_tokens)
-                st.splice = Splice(params.stop, text, prefix_text_len, params.include_stop_str_in_output,
-                                   start=start, tokens=len(prefix), min_tokens=params.min_tokens,
-                                   min_chars=min_chars)
+                st.splice = await splice_at(self._detokenize, prefix, prefix_text_len, params)
             for attempt in range(3):
                 if attempt == 0 and first is not None:  # encoded, and maybe written, by generate()
                     path, body, (ask_ids, ask_usage), sent = first

@@ -14,48 +14,20 @@ from hypothesis import strategies as st
 
 from replicas.output import OutputProcessor
 from replicas.protocol import FinishReason, SamplingParams
-from replicas.sim import ByteTokenizer
+from tests.unit.chunking import (
+    LENGTH,
+    NONE,
+    STOP,
+    TOK,
+    boundaries,
+    feed,
+    points,
+    small_text,
+    split,
+    stops,
+)
 
-TOK = ByteTokenizer()
-NONE, STOP, LENGTH = FinishReason.NONE, FinishReason.STOP, FinishReason.LENGTH
-
-# A small alphabet of 1- to 4-byte characters makes stop strings hit often.
-SMALL = st.sampled_from(list("ab é日😀\n"))
-small_text = st.text(SMALL, min_size=1, max_size=24)
 any_text = st.text(min_size=1, max_size=40)  # all of Unicode except surrogates
-stops = st.lists(st.text(SMALL, min_size=1, max_size=4), min_size=0, max_size=4)
-
-
-# Chunk boundaries, drawn independently of the text and folded into it by ``points``.
-boundaries = st.sets(st.integers(1, 1000), max_size=12)
-
-
-def points(raw: set[int], n: int) -> list[int]:
-    """Sorted chunk boundaries inside ``range(1, n)``."""
-    return sorted({p % n for p in raw} - {0}) if n > 1 else []
-
-
-def split(ids: list[int], points: list[int]) -> list[list[int]]:
-    bounds = [0, *points, len(ids)]
-    return [ids[a:b] for a, b in zip(bounds, bounds[1:])]
-
-
-def feed(proc: OutputProcessor, parts: list[list[int]], final: FinishReason,
-         separate_finish: bool = False) -> tuple[str, FinishReason]:
-    """Feed ``parts``; the last carries ``final`` (or, with ``separate_finish``,
-    an extra empty call does, as an engine may send finish without tokens)."""
-    out: list[str] = []
-    finish = NONE
-    for i, part in enumerate(parts):
-        last = i == len(parts) - 1 and not separate_finish
-        text, finish = proc.process(part, final if last else NONE)
-        out.append(text)
-        if finish != NONE:
-            return "".join(out), finish
-    if separate_finish:
-        text, finish = proc.process([], final)
-        out.append(text)
-    return "".join(out), finish
 
 
 def run_with_resume(ids: list[int], cut: list[int], k: int, stop: list[str]) -> tuple[str, FinishReason]:
@@ -400,70 +372,3 @@ def test_a_stop_string_is_never_matched_in_the_prompt_a_processor_is_primed_with
         params = SamplingParams(max_tokens=10, stop=["ab"], include_stop_str_in_output=include)
         _, _, proc = prepare(engine, TOK.encode("xa"), params, prime=True)  # type: ignore[arg-type]
         assert feed(proc, [TOK.encode("bab"), TOK.encode("c")], LENGTH) == (("bab", STOP) if include else ("b", STOP))
-
-
-# -- a resume onto an OpenAI upstream: its text through the router's splice ---------------------
-
-
-def run_with_splice(ids: list[int], cut: list[int], k: int, stop: list[str], include: bool) -> tuple[str, FinishReason]:
-    """Tokens ``ids[:k]`` on a replica, the rest on an upstream (vLLM, or
-    the sim's OpenAI server: it decodes in the context of its prompt, which
-    ends with the delivered tokens, and matches stop strings in its own text
-    only), whose text goes through the router's ``Splice``."""
-    from replicas.prepare import _PRIME_TOKENS, _complete_text_len
-    from replicas.splice import Splice
-
-    cut = sorted(set(cut) | {k})
-    parts = split(ids, cut)
-    n_first = cut.index(k) + 1
-    e1, finish = feed(OutputProcessor(TOK, stop, include_stop_str=include), parts[:n_first], NONE)
-    if finish != NONE:
-        return e1, finish
-    context = ids[max(0, k - _PRIME_TOKENS) : k]
-    upstream = OutputProcessor(TOK, stop, context, _complete_text_len(TOK, context), len(context),
-                               include_stop_str=include, prefix_is_output=False)
-    splice = Splice(stop, TOK.decode(ids[:k]).rstrip("\ufffd"), len(e1), include)  # (/detokenize's text)
-    out = [e1]
-    rest = parts[n_first:]
-    for i, part in enumerate(rest):
-        text, finish = upstream.process(part, LENGTH if i == len(rest) - 1 else NONE)
-        text, stopped = splice.feed(text, finish != NONE)
-        out.append(text)
-        if stopped:
-            return "".join(out), STOP
-        if finish != NONE:
-            return "".join(out), finish
-    raise AssertionError("the upstream never finished")
-
-
-def overlapping(stop: list[str]) -> bool:
-    """True if one stop string's end is another's (or its own) start, or one
-    is inside another: the upstream cuts its text before its own stop string,
-    and one that spans the splice and ends inside it is then out of the
-    router's sight (docs/upstreams.md; not with include_stop_str_in_output)."""
-    return nested(stop) or any(a[-n:] == b[:n] for a in stop for b in stop for n in range(1, min(len(a), len(b))))
-
-
-@example(text="aé", stop=["a"], k=1, raw=set(), include=False)  # "a" held behind an unfinished character
-@example(text="a\n\n", stop=["\n\n"], k=2, raw=set(), include=True)  # overlapping: fine with include
-@example(text="xabcd", stop=["bc", "xab"], k=1, raw=set(), include=True)
-@example(text="abcd", stop=["abcd", "c"], k=2, raw=set(), include=True)
-@given(small_text, stops, st.integers(1, 1000), boundaries, st.booleans())
-def test_a_resume_onto_an_upstream_gives_the_text_of_one_replica(text: str, stop: list[str], k: int, raw: set[int],
-                                                                 include: bool) -> None:
-    assume(include or not overlapping(stop))
-    ids = TOK.encode(text)
-    assume(len(ids) >= 2)
-    k = 1 + k % (len(ids) - 1)
-    cut = points(raw, len(ids))
-    whole = feed(OutputProcessor(TOK, stop, include_stop_str=include), split(ids, sorted(set(cut) | {k})), LENGTH)
-    assert run_with_splice(ids, cut, k, stop, include) == whole
-
-
-def test_include_stop_str_across_a_resume_onto_an_upstream_at_every_point():
-    text, stop = "caf\u00e9 au lait, s'il vous pla\u00eet", ["au l", "pla\u00ee"]
-    ids = TOK.encode(text)
-    want = expected_including(text, stop)
-    for size in (1, 2, 3, 5):
-        for k in range(1, len(ids)):
-            assert run_with_splice(ids, list(range(size, len(ids), size)), k, stop, True) == want, (size, k)

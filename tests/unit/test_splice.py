@@ -24,42 +24,17 @@ from replicas.engine import Tokenizer
 from replicas.output import OutputProcessor
 from replicas.prepare import prepare
 from replicas.protocol import FinishReason, SamplingParams
+from replicas.splice import WALK_LIMIT, Splice, prefix_text, splice_at
 from replicas.sim import ByteTokenizer
-from replicas.splice import WALK_LIMIT, Splice, prefix_text
 from replicas.upstream_errors import UpstreamFailed
+from tests.unit.chunking import LENGTH, NONE, STOP, TOK, boundaries, feed, points, small_text, split, stops
 
-TOK = ByteTokenizer()
-NONE, STOP, LENGTH = FinishReason.NONE, FinishReason.STOP, FinishReason.LENGTH
-
-SMALL = st.sampled_from(list("ab é日😀\n"))
-small_text = st.text(SMALL, min_size=1, max_size=24)
-stops = st.lists(st.text(SMALL, min_size=1, max_size=4), min_size=0, max_size=4)
-boundaries = st.sets(st.integers(1, 1000), max_size=12)
 
 # Real U+FFFD characters, bytes that are no UTF-8 (a lone continuation byte, a
 # lead byte with nothing after it) and ordinary characters, as token runs.
 _PIECES = [b"a", b"b", b"\n", "\ufffd".encode(), "日".encode(), b"\x80", b"\xe6"]
 odd_ids = st.lists(st.sampled_from(_PIECES), min_size=2, max_size=20).map(lambda ps: list(b"".join(ps)))
 odd_stops = st.lists(st.text(st.sampled_from(list("ab\n\ufffd日")), min_size=1, max_size=3), max_size=3)
-
-
-def points(raw: set[int], n: int) -> list[int]:
-    return sorted({p % n for p in raw} - {0}) if n > 1 else []
-
-
-def split(ids: list[int], cut: list[int]) -> list[list[int]]:
-    bounds = [0, *cut, len(ids)]
-    return [ids[a:b] for a, b in zip(bounds, bounds[1:])]
-
-
-def feed(proc: OutputProcessor, parts: list[list[int]], final: FinishReason) -> tuple[str, FinishReason]:
-    out: list[str] = []
-    for i, part in enumerate(parts):
-        text, finish = proc.process(part, final if i == len(parts) - 1 else NONE)
-        out.append(text)
-        if finish != NONE:
-            return "".join(out), finish
-    return "".join(out), NONE
 
 
 def one_replica(ids: list[int], cut: list[int], stop: list[str], include: bool,
@@ -69,14 +44,13 @@ def one_replica(ids: list[int], cut: list[int], stop: list[str], include: bool,
 
 def splice_for(prefix: list[int], emitted: int, stop: list[str], include: bool, min_tokens: int,
                tok: Tokenizer = TOK) -> Splice:
-    """The splice ``UpstreamClient._run`` builds, from its own ``/detokenize``
-    calls (answered by the tokenizer)."""
+    """The splice ``UpstreamClient._run`` builds (``splice_at``), its
+    ``/detokenize`` calls answered by the tokenizer."""
     async def detokenize(ids: list[int]) -> str:
         return tok.decode(ids)
 
-    text, start, min_chars = asyncio.run(prefix_text(detokenize, prefix, emitted, min_tokens))
-    return Splice(stop, text, emitted, include, start=start, tokens=len(prefix), min_tokens=min_tokens,
-                   min_chars=min_chars)
+    params = SamplingParams(stop=stop, include_stop_str_in_output=include, min_tokens=min_tokens)
+    return asyncio.run(splice_at(detokenize, prefix, emitted, params))
 
 
 def run_spliced(ids: list[int], cut: list[int], k: int, stop: list[str], include: bool = False,
@@ -281,3 +255,13 @@ def test_a_primed_processor_decodes_a_bounded_window_of_a_long_undecodable_run()
     assert _prime_window(TOK, run) == run[-_PRIME_MAX:]
     assert _PRIME_MAX > WALK_LIMIT
     assert _prime_window(TOK, TOK.encode("plain text") + run[:3]) == (TOK.encode("plain text") + run[:3])[-8:]
+
+
+def test_include_stop_str_across_a_resume_onto_an_upstream_at_every_point() -> None:
+    text, stop = "caf\u00e9 au lait, s'il vous pla\u00eet", ["au l", "pla\u00ee"]
+    ids = TOK.encode(text)
+    want = one_replica(ids, [], stop, True, 0)
+    assert want == ("caf\u00e9 au l", STOP)
+    for size in (1, 2, 3, 5):
+        for k in range(1, len(ids)):
+            assert run_spliced(ids, list(range(size, len(ids), size)), k, stop, True) == want, (size, k)

@@ -6,16 +6,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from replicas.stops import StopMatcher
-
-SMALL = st.sampled_from(list("ab é日😀\n"))
-small_text = st.text(SMALL, min_size=1, max_size=24)
-stops = st.lists(st.text(SMALL, min_size=1, max_size=4), min_size=0, max_size=4)
-boundaries = st.sets(st.integers(1, 1000), max_size=12)
-
-
-def points(raw: set[int], n: int) -> list[int]:
-    return sorted({p % n for p in raw} - {0}) if n > 1 else []
-
+from tests.unit.chunking import boundaries, points, small_text, stops
 
 def run(m: StopMatcher, text: str, cut: list[int], final: bool = True) -> tuple[str, bool]:
     """Feed ``text`` in pieces cut at ``cut``; ``final``: the last piece ends the stream."""
