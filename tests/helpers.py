@@ -182,11 +182,14 @@ def free_port() -> int:
 
 
 @contextlib.contextmanager
-def remote_replica_process(log_path: Path, secret_env: str, secret: str, config: dict[str, Any]) -> Iterator[tuple[int, subprocess.Popen[bytes]]]:
+def remote_replica_process(log_path: Path, secret_env: str, secret: str, config: dict[str, Any],
+                           command: list[str] | None = None) -> Iterator[tuple[int, subprocess.Popen[bytes]]]:
     """``fairstream replica --listen`` (the sim engine with ``config``) on a
     free loopback port, its secret in ``secret_env``: (port, process), up;
     stopped (SIGTERM, then SIGKILL) on exit. A port taken meanwhile by
-    another process (the race of ``free_port``) is tried again on another."""
+    another process (the race of ``free_port``) is tried again on another.
+    ``command``: what runs the replica's command line instead of
+    ``python -m replicas``."""
     proc: subprocess.Popen[bytes] | None = None
     try:
         for attempt in range(3):
@@ -194,8 +197,9 @@ def remote_replica_process(log_path: Path, secret_env: str, secret: str, config:
             log_path.write_bytes(b"")
             with open(log_path, "ab") as log:
                 proc = subprocess.Popen(
-                    [sys.executable, "-m", "replicas", "--engine", "sim", "--listen", f"127.0.0.1:{port}",
-                     "--secret-env", secret_env, "--config-json", msgspec.json.encode(config).decode()],
+                    [*(command or [sys.executable, "-m", "replicas"]), "--engine", "sim",
+                     "--listen", f"127.0.0.1:{port}", "--secret-env", secret_env,
+                     "--config-json", msgspec.json.encode(config).decode()],
                     env=dict(os.environ, **{secret_env: secret}), stdout=log, stderr=subprocess.STDOUT,
                 )
             poll(lambda: b"ready on" in log_path.read_bytes() or proc.poll() is not None, 15,

@@ -12,24 +12,15 @@ import asyncio
 import uuid
 
 import httpx
-import pytest
 import yaml
 
 from router.auth import hash_key
 from router.state import AdmitRequest
 from router.state.redis_store import RedisStore
 from tests.helpers import MODEL, RouterProcess, aiter_sse, apoll
-from tests.redis_server import RedisServer, require_redis_server
 
 LIMITED = "redis-state-limited-key"
 SOLO = "redis-state-solo-key"
-
-
-@pytest.fixture
-def redis_server():
-    require_redis_server()
-    with RedisServer() as server:
-        yield server
 
 
 def _tenants(path) -> None:

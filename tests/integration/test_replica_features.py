@@ -8,43 +8,21 @@ announcement taken away, which is what an older replica sends."""
 
 from __future__ import annotations
 
-import contextlib
 import json
-import os
-import subprocess
 import sys
-from collections.abc import Iterator
 
 import httpx
 
-from tests.helpers import ADMIN, GOLD, MODEL, RouterProcess, free_port, poll
+from tests.helpers import ADMIN, GOLD, MODEL, RouterProcess, poll, remote_replica_process
 
 SECRET = "s3cret-for-tests"
 # runs `python -m replicas` with no features announced
 _OLDER = "import replicas.protocol as p; p.FEATURES = p.Feature(0); from replicas.cli import main; main()"
 
 
-@contextlib.contextmanager
-def _older_replica(tmp_path) -> Iterator[int]:
-    port = free_port()
-    log_path = tmp_path / "older.log"
-    with open(log_path, "wb") as log:
-        proc = subprocess.Popen(
-            [sys.executable, "-c", _OLDER, "--engine", "sim", "--listen", f"127.0.0.1:{port}",
-             "--secret-env", "FS_TEST_SECRET", "--config-json", json.dumps({"model": MODEL, "seed": 0})],
-            env=dict(os.environ, FS_TEST_SECRET=SECRET), stdout=log, stderr=subprocess.STDOUT,
-        )
-    try:
-        poll(lambda: b"ready on" in log_path.read_bytes() or proc.poll() is not None, 15, what="older replica up")
-        assert proc.poll() is None, log_path.read_text()
-        yield port
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+def _older_replica(tmp_path):
+    return remote_replica_process(tmp_path / "older.log", "FS_TEST_SECRET", SECRET, {"model": MODEL, "seed": 0},
+                                  command=[sys.executable, "-c", _OLDER])
 
 
 def _router(tmp_path, name: str, port: int, *, with_new: bool) -> RouterProcess:
@@ -73,7 +51,7 @@ EXTRAS = [{"include_stop_str_in_output": True, "stop": [" "]}, {"min_p": 0.05}]
 
 def test_requests_whose_fields_an_older_replica_would_drop_go_to_a_newer_one(tmp_path, monkeypatch) -> None:
     monkeypatch.setenv("FS_ROUTER_SECRET", SECRET)
-    with _older_replica(tmp_path) as port, _router(tmp_path, "r", port, with_new=True) as router:
+    with _older_replica(tmp_path) as (port, _), _router(tmp_path, "r", port, with_new=True) as router:
         assert "replica old-0 does not take min_p, include_stop_str_in_output, chat_template_kwargs" in router.log()
         listed = httpx.get(router.base_url + "/admin/replicas", headers={"Authorization": f"Bearer {ADMIN}"},
                            timeout=10).json()["replicas"]
@@ -106,7 +84,7 @@ def test_requests_whose_fields_an_older_replica_would_drop_go_to_a_newer_one(tmp
 def test_where_only_older_replicas_serve_the_model_such_a_request_is_a_503_naming_the_field(
         tmp_path, monkeypatch) -> None:
     monkeypatch.setenv("FS_ROUTER_SECRET", SECRET)
-    with _older_replica(tmp_path) as port, _router(tmp_path, "r", port, with_new=False) as router:
+    with _older_replica(tmp_path) as (port, _), _router(tmp_path, "r", port, with_new=False) as router:
         auth = {"Authorization": f"Bearer {GOLD}"}
         for stream in (False, True):
             r = httpx.post(router.base_url + "/v1/completions", headers=auth, timeout=20, json={

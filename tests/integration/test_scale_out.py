@@ -20,20 +20,12 @@ import yaml
 
 from router.auth import hash_key
 from tests.helpers import FREE, GOLD, MODEL, SILVER, RouterProcess, aiter_sse, poll, remote_replica_process
-from tests.redis_server import RedisServer, require_redis_server
 from tests.sim_openai import SimOpenAI
 
 SECRET = "scale-out-secret"
 SIM = {"model": MODEL, "seed": 0, "step_base_ms": 12}
 LIMITED = "limited-tenant-key"
 QUEUED = "queued-tenant-key"
-
-
-@pytest.fixture
-def redis_server():
-    require_redis_server()
-    with RedisServer() as server:
-        yield server
 
 
 @pytest.fixture

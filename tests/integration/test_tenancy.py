@@ -18,7 +18,6 @@ from websockets.asyncio.client import connect
 
 from router.auth import hash_key
 from tests.helpers import ADMIN, GOLD, MODEL, RouterProcess, aiter_sse, apoll
-from tests.redis_server import RedisServer, require_redis_server
 
 KEY_A, KEY_B = "tenant-a-key", "tenant-b-key"
 
@@ -342,13 +341,6 @@ def _waiting(router, tenant: str) -> int:
 
 def _version(router) -> int:
     return httpx.get(router.base_url + "/admin/tenants", headers=auth(ADMIN), timeout=5).json()["version"]
-
-
-@pytest.fixture
-def redis_server():
-    require_redis_server()
-    with RedisServer() as server:
-        yield server
 
 
 def test_a_request_right_after_a_stream_ends_finds_its_lease_free_on_redis(tmp_path, redis_server):

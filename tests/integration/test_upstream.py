@@ -11,10 +11,12 @@ reference exactly.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import math
 import time
 from pathlib import Path
+from collections.abc import AsyncIterator
 from typing import Any
 
 import httpx
@@ -36,8 +38,25 @@ from tests.sim_openai import SimOpenAI
 PROMPT = "Once upon a time"
 CHAT = [{"role": "user", "content": "Tell me about the cluster."}]
 UPSTREAM = "up-0"
+
 KEY_ENV = "FS_TEST_UPSTREAM_KEY"
 TOK = ByteTokenizer()
+
+
+@contextlib.asynccontextmanager
+async def _sim_upstream() -> AsyncIterator[tuple[OpenAIServer, Any]]:
+    """The sim's OpenAI server in this process (no step delays) and an
+    upstream client on it, both closed at the end."""
+    server = OpenAIServer("sim", {"model": MODEL, "seed": 0, "step_base_ms": 0, "step_per_seq_ms": 0})
+    port = await server.start("127.0.0.1", 0)
+    try:
+        client = await open_upstream(UPSTREAM, ReplicaSpec(name=UPSTREAM, url=f"http://127.0.0.1:{port}/v1"))
+        try:
+            yield server, client
+        finally:
+            await client.close()
+    finally:
+        await server.close()
 
 
 # -- helpers -------------------------------------------------------------------
@@ -322,10 +341,7 @@ async def test_resume_onto_upstream_is_text_exact(include: bool):
     whatever was held back there: split UTF-8 characters, stop-string prefixes
     (with include_stop_str_in_output, nothing is held back: a stop string
     that starts in the text the client has is found by the router's splice)."""
-    server = OpenAIServer("sim", {"model": MODEL, "seed": 0, "step_base_ms": 0, "step_per_seq_ms": 0})
-    port = await server.start("127.0.0.1", 0)
-    client = await open_upstream(UPSTREAM, ReplicaSpec(name=UPSTREAM, url=f"http://127.0.0.1:{port}/v1"))
-    try:
+    async with _sim_upstream() as (server, client):
         ids = TOK.encode(PROMPT)
         full_col = client.generate(SamplingParams(max_tokens=120, temperature=0, ignore_eos=True), prompt=PROMPT)
         full = await _drain(full_col)
@@ -349,9 +365,6 @@ async def test_resume_onto_upstream_is_text_exact(include: bool):
                                       prefix_text_len=len(delivered))
                 _, text, _ = await _drain(col)
                 assert delivered + text == ref, (stop, cut)
-    finally:
-        await client.close()
-        await server.close()
 
 
 def _one_replica(ids: list[int], stop: list[str], min_tokens: int = 0, upto: int | None = None,
@@ -382,10 +395,7 @@ async def test_resume_onto_upstream_cuts_at_stop_strings_as_one_replica(stop: li
     one that spans the splice) and none that ends in the text of the first
     min_tokens tokens, the delivered ones counted (the router's splice ended
     the stream there)."""
-    server = OpenAIServer("sim", {"model": MODEL, "seed": 0, "step_base_ms": 0, "step_per_seq_ms": 0})
-    port = await server.start("127.0.0.1", 0)
-    client = await open_upstream(UPSTREAM, ReplicaSpec(name=UPSTREAM, url=f"http://127.0.0.1:{port}/v1"))
-    try:
+    async with _sim_upstream() as (server, client):
         ids = TOK.encode(PROMPT)
         full, _, _ = await _drain(client.generate(SamplingParams(max_tokens=160, temperature=0, ignore_eos=True),
                                                   prompt=PROMPT))
@@ -406,9 +416,6 @@ async def test_resume_onto_upstream_cuts_at_stop_strings_as_one_replica(stop: li
             assert (delivered + text, fin) == want, cut
         else:
             raise AssertionError("one replica never stopped")
-    finally:
-        await client.close()
-        await server.close()
 
 
 @pytest.mark.parametrize("run", [
@@ -422,10 +429,7 @@ async def test_resume_onto_upstream_at_or_in_replacement_characters_is_text_exac
     the run ends): the stream continues on the upstream with stop strings
     set, nothing dropped or repeated (the router refused such a resume: the
     text it rebuilt for the splice had lost the client's trailing U+FFFD)."""
-    server = OpenAIServer("sim", {"model": MODEL, "seed": 0, "step_base_ms": 0, "step_per_seq_ms": 0})
-    port = await server.start("127.0.0.1", 0)
-    client = await open_upstream(UPSTREAM, ReplicaSpec(name=UPSTREAM, url=f"http://127.0.0.1:{port}/v1"))
-    try:
+    async with _sim_upstream() as (server, client):
         ids = TOK.encode(PROMPT)
         head, _, _ = await _drain(client.generate(SamplingParams(max_tokens=12, temperature=0, ignore_eos=True),
                                                   prompt=PROMPT))
@@ -442,9 +446,6 @@ async def test_resume_onto_upstream_at_or_in_replacement_characters_is_text_exac
                 new, text, fin = await _drain(col)
                 want = _one_replica(prefix + new, stop, final=fin if fin == FinishReason.LENGTH else FinishReason.NONE)
                 assert (delivered + text, fin) == (want[0], want[1] if fin == FinishReason.LENGTH else fin), (stop, j)
-    finally:
-        await client.close()
-        await server.close()
 
 
 async def _drain(col) -> tuple[list[int], str, FinishReason]:
@@ -462,13 +463,10 @@ async def test_chat_template_kwargs_go_to_the_upstream_as_sent():
     """vLLM's chat_template_kwargs reach an upstream's chat template (the sim
     OpenAI server's takes them and uses none), and what it refuses, as vLLM
     refuses it, is the request's error."""
-    server = OpenAIServer("sim", {"model": MODEL, "seed": 0, "step_base_ms": 0, "step_per_seq_ms": 0})
-    port = await server.start("127.0.0.1", 0)
-    seen: list = []
-    chat = server.engine.tokenizer.chat
-    server.engine.tokenizer.chat = lambda messages, kw=None: seen.append(kw) or chat(messages, kw)
-    client = await open_upstream(UPSTREAM, ReplicaSpec(name=UPSTREAM, url=f"http://127.0.0.1:{port}/v1"))
-    try:
+    async with _sim_upstream() as (server, client):
+        seen: list = []
+        chat = server.engine.tokenizer.chat
+        server.engine.tokenizer.chat = lambda messages, kw=None: seen.append(kw) or chat(messages, kw)
         params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
         plain = await _drain(client.generate(params, messages=CHAT))
         kwargs = {"enable_thinking": False, "documents": [{"title": "t", "text": "x"}]}
@@ -477,9 +475,6 @@ async def test_chat_template_kwargs_go_to_the_upstream_as_sent():
         col = client.generate(params, messages=CHAT, chat_template_kwargs={"tokenize": True})
         _, _, finish = await _drain(col)
         assert finish == FinishReason.ERROR and "unexpected chat template kwargs" in col.error, col.error
-    finally:
-        await client.close()
-        await server.close()
 
 
 # -- failover ------------------------------------------------------------------------

@@ -16,16 +16,8 @@ import yaml
 
 from router.auth import hash_key
 from tests.helpers import DEMO_TENANTS, MODEL, MetricsSnapshot, alive, descendants, free_port, poll
-from tests.redis_server import RedisServer, require_redis_server
 
 KEY = "workers-test-key"
-
-
-@pytest.fixture
-def redis_server():
-    require_redis_server()
-    with RedisServer() as server:
-        yield server
 
 
 def _start(tmp_path, redis_url: str, workers: int):

@@ -14,7 +14,6 @@ from replicas.pool import NoReplica, ReplicaPool
 from replicas.protocol import (
     FEATURES,
     Feature,
-    LoadReport,
     Ready,
     SamplingParams,
     encode_frame,
@@ -27,28 +26,15 @@ from router.generation import Job
 from router.metrics import Metrics
 from router.scheduler import Scheduler
 from router.scheduler_settings import SchedulerSettings
-from router.tenants import ResolvedLimits, TenantPolicy
+from tests.unit.pools import MODEL, ReadyClient, queueing_policy
 
-MODEL = "m"
-
-
-class _Client:
-    """A ready replica connection, as far as the pool looks."""
-
-    model = MODEL
-    closed = None
-    refused = False
-    load = LoadReport(0, 0, 0.0)
-
-    def __init__(self, features: int) -> None:
-        self.ready = Ready(1, MODEL, "sim", 4096, 1, features)
 
 
 def _pool(*features: int) -> ReplicaPool:
     """Ready replicas r0, r1, ... announcing ``features`` each, one request at a time."""
     pool = ReplicaPool([ReplicaSpec(name=f"r{i}", address=f"127.0.0.1:{9 + i}") for i in range(len(features))])
     for slot, f in zip(pool.slots, features):
-        slot.client = _Client(f)  # type: ignore[assignment]
+        slot.client = ReadyClient(f)  # type: ignore[assignment]
         slot.state = "ready"
     return pool
 
@@ -56,15 +42,6 @@ def _pool(*features: int) -> ReplicaPool:
 def _scheduler(pool: ReplicaPool) -> Scheduler:
     return Scheduler(pool, Metrics(), SchedulerSettings(),
                      AimdSettings(enabled=False, initial=1, min_inflight=1, max_inflight=1))
-
-
-def _policy(name: str) -> TenantPolicy:
-    return TenantPolicy(
-        name=name, priority="normal", rank=1, weight=1.0, models=["*"], queue_depth=10, chunk_tokens=16,
-        on_limit="queue", log_content=False,
-        limits=ResolvedLimits(requests_per_minute=0, tokens_per_minute=0, max_concurrent=0, max_prompt_tokens=0,
-                              max_tokens=0, max_sockets=0, queue_wait=0.0, first_token=0.0, stall=0.0, total=0.0),
-    )
 
 
 def test_a_ready_frame_from_before_features_reads_as_none_and_ours_carries_them() -> None:
@@ -121,10 +98,10 @@ def test_no_replica_taking_the_fields_is_said_so() -> None:
 async def test_the_scheduler_refuses_with_503_where_no_replica_takes_the_fields() -> None:
     sched = _scheduler(_pool(0))
     with pytest.raises(ReplicaUnavailable, match="takes min_p"):
-        await sched.acquire(_policy("a"), 1, MODEL, 8, needs=int(Feature.MIN_P))
-    held = await sched.acquire(_policy("a"), 1, MODEL, 8)  # (the queue's path too)
+        await sched.acquire(queueing_policy("a"), 1, MODEL, 8, needs=int(Feature.MIN_P))
+    held = await sched.acquire(queueing_policy("a"), 1, MODEL, 8)  # (the queue's path too)
     with pytest.raises(ReplicaUnavailable, match="takes min_p"):
-        await sched.acquire(_policy("b"), 1, MODEL, 8, needs=int(Feature.MIN_P))
+        await sched.acquire(queueing_policy("b"), 1, MODEL, 8, needs=int(Feature.MIN_P))
     assert sched.queued("b") == 0
     held.release()
 
@@ -132,7 +109,7 @@ async def test_the_scheduler_refuses_with_503_where_no_replica_takes_the_fields(
 async def test_a_queued_request_waiting_for_a_replica_with_its_fields_does_not_hold_back_the_others() -> None:
     pool = _pool(0, int(FEATURES))  # r0 old, r1 new; one request each at a time
     sched = _scheduler(pool)
-    a, b = _policy("a"), _policy("b")
+    a, b = queueing_policy("a"), queueing_policy("b")
     on_new = await sched.acquire(a, 1, MODEL, 8, needs=int(Feature.MIN_P))
     on_old = await sched.acquire(a, 1, MODEL, 8)
     assert (on_new.slot.name, on_old.slot.name) == ("r1", "r0")
@@ -155,9 +132,9 @@ async def test_a_queued_request_waiting_for_a_replica_with_its_fields_does_not_h
 async def test_a_model_with_no_room_has_none_for_requests_that_need_features_either() -> None:
     pool = _pool(int(FEATURES))
     sched = _scheduler(pool)
-    held = await sched.acquire(_policy("a"), 1, MODEL, 8)
-    first = asyncio.create_task(sched.acquire(_policy("a"), 1, MODEL, 8))
-    second = asyncio.create_task(sched.acquire(_policy("b"), 1, MODEL, 8, needs=int(Feature.MIN_P)))
+    held = await sched.acquire(queueing_policy("a"), 1, MODEL, 8)
+    first = asyncio.create_task(sched.acquire(queueing_policy("a"), 1, MODEL, 8))
+    second = asyncio.create_task(sched.acquire(queueing_policy("b"), 1, MODEL, 8, needs=int(Feature.MIN_P)))
     await asyncio.sleep(0)
     assert sched.queued("a") == sched.queued("b") == 1
     held.release()

@@ -10,39 +10,19 @@ import pytest
 
 from policies.batching import AimdSettings
 from replicas.pool import ReplicaPool
-from replicas.protocol import LoadReport
 from replicas.spec import ReplicaSpec
 from router.errors import RouterShutdown
 from router.metrics import Metrics
 from router.scheduler import Scheduler
 from router.scheduler_settings import SchedulerSettings
-from router.tenants import ResolvedLimits, TenantPolicy
+from tests.unit.pools import MODEL, ReadyClient, queueing_policy
 
-MODEL = "m"
-
-
-class _Client:
-    """A ready replica connection, as far as the pool looks."""
-
-    model = MODEL
-    closed = None
-    refused = False
-    load = LoadReport(0, 0, 0.0)
-
-
-def _policy(name: str) -> TenantPolicy:
-    return TenantPolicy(
-        name=name, priority="normal", rank=1, weight=1.0, models=["*"], queue_depth=10, chunk_tokens=16,
-        on_limit="queue", log_content=False,
-        limits=ResolvedLimits(requests_per_minute=0, tokens_per_minute=0, max_concurrent=0, max_prompt_tokens=0,
-                              max_tokens=0, max_sockets=0, queue_wait=0.0, first_token=0.0, stall=0.0, total=0.0),
-    )
 
 
 def _one_slot() -> tuple[ReplicaPool, Metrics, Scheduler]:
     """A scheduler over one ready replica that takes one request at a time."""
     pool = ReplicaPool([ReplicaSpec(name="r0", address="127.0.0.1:9")])
-    pool.slots[0].client = _Client()  # type: ignore[assignment]
+    pool.slots[0].client = ReadyClient()  # type: ignore[assignment]
     pool.slots[0].state = "ready"
     metrics = Metrics()
     sched = Scheduler(pool, metrics, SchedulerSettings(),
@@ -52,7 +32,7 @@ def _one_slot() -> tuple[ReplicaPool, Metrics, Scheduler]:
 
 async def test_stop_all_ends_the_queue_and_refuses_new_requests() -> None:
     pool, metrics, sched = _one_slot()
-    a, b = _policy("a"), _policy("b")
+    a, b = queueing_policy("a"), queueing_policy("b")
     held = await sched.acquire(a, 1, MODEL, 8)  # the one slot
     waiting = asyncio.create_task(sched.acquire(a, 1, MODEL, 8))
     leaving = asyncio.create_task(sched.acquire(b, 1, MODEL, 8))
@@ -79,12 +59,12 @@ async def test_a_request_queued_behind_a_full_replica_goes_to_one_that_becomes_r
     pool = ReplicaPool([ReplicaSpec(name="r0", address="127.0.0.1:9"),
                         ReplicaSpec(name="r1", address="127.0.0.1:10")])
     for slot in pool.slots:
-        slot.client = _Client()  # type: ignore[assignment]
+        slot.client = ReadyClient()  # type: ignore[assignment]
     pool.slots[0].state = "ready"  # r1 is restarting
     sched = Scheduler(pool, Metrics(), SchedulerSettings(),
                       AimdSettings(enabled=False, initial=1, min_inflight=1, max_inflight=1))
-    held = await sched.acquire(_policy("a"), 1, MODEL, 8)  # r0's one slot
-    waiting = asyncio.create_task(sched.acquire(_policy("a"), 1, MODEL, 8))
+    held = await sched.acquire(queueing_policy("a"), 1, MODEL, 8)  # r0's one slot
+    waiting = asyncio.create_task(sched.acquire(queueing_policy("a"), 1, MODEL, 8))
     await asyncio.sleep(0)
     assert sched.queued("a") == 1
     pool.slots[1].state = "ready"
@@ -101,7 +81,7 @@ async def test_fail_tenant_ends_only_that_tenants_queued_requests() -> None:
     from router.errors import Unauthorized
 
     pool, metrics, sched = _one_slot()
-    a, b = _policy("a"), _policy("b")
+    a, b = queueing_policy("a"), queueing_policy("b")
     held = await sched.acquire(a, 1, MODEL, 8)
     removed = [asyncio.create_task(sched.acquire(a, 1, MODEL, 8)) for _ in range(2)]
     stays = asyncio.create_task(sched.acquire(b, 1, MODEL, 8))
