@@ -197,7 +197,10 @@ async def test_a_request_or_upgrade_that_comes_whole_after_shutdown_began_gets_a
         writer.close()
     t = time.monotonic()
     await asyncio.to_thread(router.proc.wait, 15)
-    assert time.monotonic() - t < 3
+    # (they hold the exit no longer: a connection kept for its head would
+    # wait out header_timeout, 30 s; the exit itself took 7 s once in a full
+    # run on a busy 2-core box, 0.2-0.5 s alone)
+    assert time.monotonic() - t < 10
     assert router.proc.returncode in (0, -signal.SIGTERM), router.log()[-3000:]
 
 
