@@ -70,7 +70,7 @@ class OutputProcessor:
         tokenizer: Tokenizer,
         stop: list[str],
         prefix_token_ids: list[int] = (),  # type: ignore[assignment]
-        prefix_text_len: int = 0,
+        prefix_text_len: int | None = 0,
         min_tokens: int = 0,
         *,
         include_stop_str: bool = False,
@@ -79,7 +79,9 @@ class OutputProcessor:
         """``include_stop_str``: vLLM's ``include_stop_str_in_output``.
         ``prefix_is_output``: the prefix's text is output a stop string may
         start in (False when the prefix is the prompt's end, as ``prepare``
-        primes it: vLLM looks for stop strings in the output only)."""
+        primes it: vLLM looks for stop strings in the output only).
+        ``prefix_text_len`` None: the prefix's text up to its last complete
+        character is out (a primed prefix)."""
         self._tok = tokenizer
         self._ids: list[int] = list(prefix_token_ids)
         self._include = include_stop_str
@@ -96,11 +98,13 @@ class OutputProcessor:
             text = tokenizer.decode(self._ids)
             while read > 0 and text.endswith(_REPLACEMENT):
                 shorter = tokenizer.decode(self._ids[: read - 1])
-                if len(shorter) < prefix_text_len:
+                if prefix_text_len is not None and len(shorter) < prefix_text_len:
                     break
                 read -= 1
                 text = shorter
-            if prefix_text_len > len(text):
+            if prefix_text_len is None:
+                prefix_text_len = len(text)
+            elif prefix_text_len > len(text):
                 raise ValueError(
                     f"prefix_text_len {prefix_text_len} exceeds the prefix text ({len(text)} chars)"
                 )
@@ -112,7 +116,7 @@ class OutputProcessor:
         else:
             self._read_offset = 0
             self._prefix_offset = 0
-        self._stops = StopMatcher(stop, include=include_stop_str, text=text, emitted=prefix_text_len,
+        self._stops = StopMatcher(stop, include=include_stop_str, text=text, emitted=prefix_text_len or 0,
                                   text_is_output=prefix_is_output)
 
     @property
@@ -194,10 +198,8 @@ class OutputProcessor:
         """Characters of the text of the first ``min_tokens`` completion
         tokens (decoded once): a stop string ending in them ends nothing
         (vLLM looks for stop strings only past min_tokens)."""
-        text = self._tok.decode(self._ids[: self._min_tokens])
-        while text.endswith(_REPLACEMENT):  # (a character they end inside ends past them)
-            text = text[:-1]
-        return len(text)
+        # (a character they end inside ends past them; replicas.splice.prefix_text counts alike)
+        return len(self._tok.decode(self._ids[: self._min_tokens]).rstrip(_REPLACEMENT))
 
     def _unstick(self, ids: list[int], prefix_text: str, full: str) -> str:
         """A run of bytes that is not UTF-8 keeps the text ending in U+FFFD,

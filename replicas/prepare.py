@@ -90,7 +90,7 @@ def prepare(
         )
     elif prime and prompt_ids:
         tail = _prime_window(engine.tokenizer, prompt_ids)
-        proc = OutputProcessor(engine.tokenizer, params.stop, tail, _complete_text_len(engine.tokenizer, tail),
+        proc = OutputProcessor(engine.tokenizer, params.stop, tail, None,
                                params.min_tokens + len(tail), include_stop_str=include, prefix_is_output=False)
     else:
         proc = OutputProcessor(engine.tokenizer, params.stop, min_tokens=params.min_tokens, include_stop_str=include)
@@ -111,14 +111,3 @@ def _prime_window(tok: Tokenizer, prompt_ids: list[int]) -> list[int]:
                                            for i in range(len(tail), 0, -1)):
         return prompt_ids[-_PRIME_MAX:]
     return tail
-
-
-def _complete_text_len(tok: Tokenizer, ids: list[int]) -> int:
-    """Characters of ``ids``' text up to its last complete character (what
-    ``OutputProcessor`` treats as already emitted when primed with ``ids``)."""
-    read = len(ids)
-    text = tok.decode(ids)
-    while read > 0 and text.endswith(_REPLACEMENT):
-        read -= 1
-        text = tok.decode(ids[:read])
-    return len(text)
