@@ -21,6 +21,7 @@ from replicas.client import ReplicaDead
 from replicas.pool import LoadHandle, NoReplica, ReplicaPool
 from replicas.protocol import Delta, FinishReason, SamplingParams, required_features
 from router.errors import BadRequest, ReplicaUnavailable, RouterShutdown
+from router.logs import request_id_var
 from router.metrics import Metrics
 
 if TYPE_CHECKING:
@@ -212,7 +213,7 @@ class Generation:
                  "prompt_token_ids", "completion_ids", "text_len", "failovers", "text_parts", "finish", "replica",
                  "sink", "ended", "_base", "_col", "_client", "_handle", "_dog", "_died_at", "_exclude", "_dispatched",
                  "_charged_prompt", "uncounted", "prompt_count", "failover_wait", "_waiting", "_attached_at",
-                 "_free_retries", "_charged")
+                 "_free_retries", "_charged", "request_id")
 
     def __init__(self, pool: ReplicaPool, job: Job, metrics: Metrics, max_failovers: int,
                  deadlines: Deadlines | None = None, scheduler: Scheduler | None = None,
@@ -252,6 +253,8 @@ class Generation:
         # seconds a failover may wait for a replica to become ready when none is (0: none)
         self.failover_wait = failover_wait
         self._waiting: asyncio.TimerHandle | None = None  # waiting for one: its deadline
+        # (its failovers are logged from a replica reader, outside the request's context)
+        self.request_id = request_id_var.get()
 
     @property
     def prompt_tokens(self) -> int:
@@ -542,6 +545,9 @@ class Generation:
             if not self._wait_for_replica(str(e2)):
                 self._give_up(str(e2))
             return
+        log.info("stream on %s failed after %d tokens (%s); continuing on %s (failover %d)", name,
+                 len(self.completion_ids), e, handle.slot.name, self.failovers,
+                 extra={"request_id": self.request_id, "replica": name})
         self._attach(handle)
 
     def _choose_again(self) -> LoadHandle:
@@ -567,8 +573,8 @@ class Generation:
             until, limit = dl.start + dl.total, "total"
         if until <= now:
             return False
-        log.info("stream on %s: no replica is ready to continue it; waiting up to %.1fs for one",
-                 self.replica, until - now)
+        log.info("stream on %s: no replica is ready to continue it (%s); waiting up to %.1fs for one",
+                 self.replica, why, until - now, extra={"request_id": self.request_id})
         self._waiting = asyncio.get_running_loop().call_later(until - now, self._waited, why, limit)
         self.pool.when_ready(self._replica_ready)
         if sched is not None:
@@ -594,6 +600,8 @@ class Generation:
             self.pool.when_ready(self._replica_ready)  # (one for another model)
             return
         self._stop_waiting()
+        log.info("stream on %s continues on %s, which became ready", self.replica, handle.slot.name,
+                 extra={"request_id": self.request_id})
         self._attach(handle)
 
     def _waited(self, why: str, limit: str) -> None:

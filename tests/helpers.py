@@ -484,6 +484,20 @@ class RouterProcess:
         except FileNotFoundError:
             return ""
 
+    def records(self, logger: str | None = None) -> list[dict[str, Any]]:
+        """The log's JSON lines (those of ``logger``), parsed; lines that are
+        not JSON (a replica engine's own output) are skipped."""
+        out = []
+        for line in self.log().splitlines():
+            if line.startswith("{"):
+                try:
+                    rec = msgspec.json.decode(line)
+                except msgspec.DecodeError:
+                    continue  # (a line being written)
+                if logger is None or rec.get("logger") == logger:
+                    out.append(rec)
+        return out
+
     # -- replicas --------------------------------------------------------------
 
     def replica_pids(self) -> dict[str, int]:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 
 import httpx
 
@@ -12,13 +11,7 @@ SYSTEM = "You are the cluster's assistant. " * 40  # > 512 characters, shared by
 
 
 def _replicas(router: RouterProcess) -> dict[str, str]:
-    out = {}
-    for line in router.log().splitlines():
-        if line.startswith("{"):
-            rec = json.loads(line)
-            if rec.get("logger") == "fairstream.request":
-                out[rec["request_id"]] = rec.get("replica")
-    return out
+    return {rec["request_id"]: rec.get("replica") for rec in router.records("fairstream.request")}
 
 
 def test_shared_prefix_sticks_to_one_replica_short_prompts_spread(tmp_path):

@@ -16,13 +16,7 @@ SECRET_PROMPT = "my very private prompt 4711"
 
 
 def _request_lines(router: RouterProcess) -> list[dict]:
-    out = []
-    for line in router.log().splitlines():
-        if line.startswith("{"):
-            rec = json.loads(line)
-            if rec.get("logger") == "fairstream.request":
-                out.append(rec)
-    return out
+    return router.records("fairstream.request")
 
 
 def test_request_log_lines(tmp_path):

@@ -8,7 +8,6 @@ announcement taken away, which is what an older replica sends."""
 
 from __future__ import annotations
 
-import json
 import sys
 
 import httpx
@@ -37,13 +36,7 @@ def _router(tmp_path, name: str, port: int, *, with_new: bool) -> RouterProcess:
 
 
 def _served_by(router: RouterProcess) -> dict[str, str]:
-    out = {}
-    for line in router.log().splitlines():
-        if line.startswith("{"):
-            rec = json.loads(line)
-            if rec.get("logger") == "fairstream.request" and rec.get("replica"):
-                out[rec["request_id"]] = rec["replica"]
-    return out
+    return {rec["request_id"]: rec["replica"] for rec in router.records("fairstream.request") if rec.get("replica")}
 
 
 EXTRAS = [{"include_stop_str_in_output": True, "stop": [" "]}, {"min_p": 0.05}]

@@ -29,6 +29,7 @@ class StreamResult:
     errors: list[Any] = field(default_factory=list)
     done: bool = False
     events: int = 0
+    request_id: str = ""
 
 
 def _body(kind: str, prompt: str, max_tokens: int, **kw: Any) -> tuple[str, dict[str, Any]]:
@@ -49,6 +50,7 @@ async def run_stream(http: httpx.AsyncClient, kind: str, prompt: str, max_tokens
     path, body = _body(kind, prompt, max_tokens, stream=True, stream_options={"include_usage": True})
     async with http.stream("POST", path, json=body) as r:
         assert r.status_code == 200, await r.aread()
+        out.request_id = r.headers["x-request-id"]
         async for ev in aiter_sse(r):
             out.events += 1
             if ev.data == "[DONE]":
@@ -276,6 +278,13 @@ async def test_replica_killed_mid_stream_fails_over_token_exact(make_router) -> 
     assert m.value("fairstream_failovers_total", replica=victim) >= inflight[victim]
     assert m.value("fairstream_streams_lost_total") == 0
     assert m.value("fairstream_resumed_tokens_total") > 0
+    # each move is logged under its request's id, with where it went
+    moved = [rec for rec in router.records("fairstream.generation") if "continuing on" in rec["msg"]]
+    assert len(moved) == m.value("fairstream_failovers_total", replica=victim), moved
+    other = "sim-1" if victim == "sim-0" else "sim-0"
+    assert all(rec["replica"] == victim and rec["msg"].endswith(f"continuing on {other} (failover 1)")
+               for rec in moved), moved
+    assert {rec["request_id"] for rec in moved} <= {res.request_id for res in results}, moved
 
 
 async def test_a_stream_whose_only_replica_is_killed_continues_token_exact_after_its_restart(make_router) -> None:
@@ -297,6 +306,10 @@ async def test_a_stream_whose_only_replica_is_killed_continues_token_exact_after
     assert res.ids == list(range(1, len(res.ids) + 1)), "event ids must continue without a gap"
     assert m.value("fairstream_failovers_total", replica="sim-0") == 1
     assert m.value("fairstream_streams_lost_total") == 0
+    # the wait and the move are logged under the request's id
+    lines = [rec["msg"] for rec in router.records("fairstream.generation") if rec.get("request_id") == res.request_id]
+    assert len(lines) == 2 and "no replica is ready to continue it" in lines[0], lines
+    assert lines[1] == "stream on sim-0 continues on sim-0, which became ready", lines
 
 
 async def test_stream_lost_without_a_spare_replica_ends_with_an_error_event(make_router) -> None:

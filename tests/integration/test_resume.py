@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from pathlib import Path
@@ -282,8 +281,7 @@ async def test_resuming_a_finished_stream_replays_without_generating(
     # each replay is a request of its own (endpoint "replay", no tokens), with its log line
     assert counter(after, "fairstream_requests_total", tenant="a", endpoint="replay", outcome="ok") == \
         counter(before, "fairstream_requests_total", tenant="a", endpoint="replay", outcome="ok") + 5
-    lines = [rec for rec in map(_json_or_none, router.log().splitlines())
-             if rec and rec.get("logger") == "fairstream.request" and rec.get("request_id") == rid]
+    lines = [rec for rec in router.records("fairstream.request") if rec.get("request_id") == rid]
     assert [rec["endpoint"] for rec in lines] == ["completions"] + ["replay"] * 5, lines
     assert all("completion_tokens" not in rec and rec["outcome"] == "ok" for rec in lines[1:]), lines
     await apoll(lambda: _load_is(router, http, lambda inf, eng: inf == 0 and eng == 0), 2.5,
@@ -436,18 +434,10 @@ async def test_a_resumed_stream_counts_each_completion_token_once(
     usage = next(ev.json()["usage"] for ev in rest if ev.data != "[DONE]" and ev.json().get("usage"))
     assert delta == {"prompt": usage["prompt_tokens"], "completion": max_tokens}, delta
     # and so do the request log lines: the cancelled original, then the resume
-    lines = [rec for rec in map(_json_or_none, router.log().splitlines())
-             if rec and rec.get("logger") == "fairstream.request" and rec.get("request_id") == rid]
+    lines = [rec for rec in router.records("fairstream.request") if rec.get("request_id") == rid]
     assert [rec["endpoint"] for rec in lines] == ["completions", "resume"], lines
     assert sum(rec["completion_tokens"] for rec in lines) == max_tokens, lines
     assert lines[1]["stream_completion_tokens"] == max_tokens
-
-
-def _json_or_none(line: str):
-    try:
-        return json.loads(line)
-    except ValueError:
-        return None
 
 
 @asynccontextmanager

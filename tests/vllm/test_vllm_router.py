@@ -9,7 +9,6 @@ supervisor brings the replica back into service.
 from __future__ import annotations
 
 import asyncio
-import json
 import os
 import signal
 
@@ -305,17 +304,9 @@ async def _reference(vllm_router, client: httpx.AsyncClient) -> tuple[str, str]:
     assert r.status_code == 200, r.text
     rid = r.headers["x-request-id"]
     # (the request's log line is written as it settles, which may be just after its response)
-    line = poll(lambda: next((rec for rec in map(_json_line, vllm_router.log().splitlines())
-                              if rec and rec.get("logger") == "fairstream.request" and rec.get("request_id") == rid),
+    line = poll(lambda: next((rec for rec in vllm_router.records("fairstream.request") if rec.get("request_id") == rid),
                              None), 10, what="the reference request's log line")
     return r.json()["choices"][0]["text"], line["replica"]
-
-
-def _json_line(line: str):
-    try:
-        return json.loads(line)
-    except ValueError:
-        return None
 
 
 async def _pid(client: httpx.AsyncClient, name: str) -> int:
