@@ -22,10 +22,22 @@ from tests.helpers import ADMIN, DEMO_TENANTS, GOLD, RouterProcess, aiter_sse, a
 pytestmark = pytest.mark.vllm
 
 MODEL = "tiny-llama"
-# health_timeout 30: on the 2-core box a busy vLLM front end can miss pings
-# for several seconds; a frozen replica's streams move on the tenant's stall
-# limit (10 s) long before the supervisor restarts it
-SETTINGS = {"health_interval": 0.5, "health_timeout": 30.0, "max_failovers": 4, "restart_backoff_max": 1.0}
+# Each replica's vLLM worker on a core of its own (VLLM_CPU_OMP_THREADS_BIND
+# "0" and "1"), as the README advises for several replicas on one host: with
+# vLLM's "auto" binding both workers share core 0, and with a busy spin-wait
+# between steps on each side one replica's streams got no token for 12-15 s
+# while the other's ran (ops/vllm_binding_gaps.py: 6 streams, 2 rounds; 1-5 s
+# with a core each). Those gaps, past the tenant's stall limit, moved healthy
+# streams and had the supervisor restart a healthy replica, and a restart takes
+# 55-117 s of both cores here: the chaos tests failed in CI.
+# health_timeout 45: a busy front end can miss pings for several seconds; a
+# frozen replica's streams move on the tenant's stall limit (20 s) before the
+# supervisor restarts it. failover_wait 150: a stream whose replicas are all
+# restarting waits for one (a vLLM start takes up to ~2 minutes on this box).
+SETTINGS = {"health_interval": 0.5, "health_timeout": 45.0, "max_failovers": 4, "restart_backoff_max": 1.0,
+            "failover_wait": 150.0}
+STALL = 20
+FIRST_TOKEN = 180
 
 
 @pytest.fixture(scope="module")
@@ -34,13 +46,12 @@ def vllm_router(tmp_path_factory, tiny_model):
     config = {"model": tiny_model, "served_name": MODEL, "seed": 0, "max_model_len": 8192, "kv_cache_gib": 0.5}
     replicas = [
         {"name": f"vllm-{i}", "engine": "vllm", "config": config, "start_timeout": 300,
-         # vLLM's default ("auto") thread binding: both workers on core 0,
-         # core 1 left to the engine front ends, the router and the test
-         "env": {"VLLM_CPU_KVCACHE_SPACE": "1", "OMP_NUM_THREADS": "1"}}
+         "env": {"VLLM_CPU_KVCACHE_SPACE": "1", "OMP_NUM_THREADS": "1", "VLLM_CPU_OMP_THREADS_BIND": str(i)}}
         for i in range(2)
     ]
     tenants = yaml.safe_load(DEMO_TENANTS.read_text())
     tenants["defaults"]["limits"]["max_tokens"] = 0  # long generations outlast the test's reads
+    tenants["defaults"]["timeouts"].update(stall=STALL, first_token=FIRST_TOKEN)
     (workdir / "tenants.yaml").write_text(yaml.safe_dump(tenants))
     r = RouterProcess(workdir, replicas=0, settings={**SETTINGS, "replicas": replicas},
                       tenants=workdir / "tenants.yaml", start_timeout=400)
@@ -171,7 +182,7 @@ async def _freeze_a_busy_replica(router, client, start_streams) -> tuple[str, in
     a /metrics or /admin/replicas answer can take seconds, and the streams may
     have ended by the time the signal lands (no failover to assert). A frozen
     replica cannot finish a stream, so streams seen on it after the freeze,
-    or moved off it by the tenant's stall limit (10 s; the check after the
+    or moved off it by the tenant's stall limit (STALL; the check after the
     freeze may take longer than that to answer), were still there when the
     real signal came. When they were not, or the streams all ended before
     any scrape saw them, the attempt is checked and repeated with new
@@ -240,7 +251,7 @@ async def test_replica_death_mid_stream_is_token_exact(vllm_router, sig, extra):
     poll(lambda: httpx.get(vllm_router.base_url + "/ready", timeout=2).json()["replicas"] ==
          {"vllm-0": "ready", "vllm-1": "ready"}, 300, what="both vllm replicas ready")
     headers = {"Authorization": f"Bearer {GOLD}"}
-    async with httpx.AsyncClient(base_url=vllm_router.base_url, headers=headers, timeout=120) as client:
+    async with httpx.AsyncClient(base_url=vllm_router.base_url, headers=headers, timeout=300) as client:
         body = {**_greedy(3000), **extra}
         ref = (await client.post("/v1/completions", json=body)).json()["choices"][0]["text"]
         if extra:  # the penalties change this output
@@ -280,9 +291,9 @@ async def test_replica_death_mid_stream_is_token_exact(vllm_router, sig, extra):
 async def test_a_replica_whose_engine_core_freezes_is_restarted(vllm_router):
     # vLLM's engine core frozen (SIGSTOP) behind a front end that still
     # answers pings: running streams move on the tenant's stall limit; new
-    # requests dispatched to it used to wait out first_token (60 s) and get a
+    # requests dispatched to it used to wait out first_token and get a
     # 504, the replica 'ready' for good. Now the supervisor sees its engine
-    # take no step with requests in it for health_timeout (30 s here) and
+    # take no step with requests in it for health_timeout (45 s here) and
     # restarts it; the requests move to the other replica.
     poll(lambda: httpx.get(vllm_router.base_url + "/ready", timeout=2).json()["replicas"] ==
          {"vllm-0": "ready", "vllm-1": "ready"}, 300, what="both vllm replicas ready")
