@@ -187,10 +187,10 @@ async def _freeze_a_busy_replica(router, client, start_streams) -> tuple[str, in
     real signal came. When they were not, or the streams all ended before
     any scrape saw them, the attempt is checked and repeated with new
     streams (waiting for streams that have ended cannot succeed)."""
-    replicas = (await client.get("/admin/replicas", headers={"Authorization": f"Bearer {ADMIN}"},
-                                 timeout=30)).json()["replicas"]
-    pids = {r["name"]: r["pid"] for r in replicas}
     for _ in range(3):
+        # (read each time: an earlier attempt's replica may have been
+        # restarted meanwhile, with a new pid)
+        pids = await apoll(lambda: _pids_when_all_ready(client), 300, interval=0.5, what="both replicas ready")
         tasks = start_streams()
 
         async def busy_or_ended():
@@ -211,6 +211,15 @@ async def _freeze_a_busy_replica(router, client, start_streams) -> tuple[str, in
             os.kill(pids[victim], signal.SIGCONT)  # its streams ended first: try again
         await asyncio.gather(*tasks)  # these ended undisturbed; a failed one fails here
     raise AssertionError("no replica still had streams in flight once frozen, in 3 attempts")
+
+
+async def _pids_when_all_ready(client: httpx.AsyncClient) -> dict[str, int] | None:
+    try:
+        r = await client.get("/admin/replicas", headers={"Authorization": f"Bearer {ADMIN}"}, timeout=30)
+    except httpx.TimeoutException:
+        return None  # (a starved router or test process: ask again)
+    replicas = r.json()["replicas"]
+    return {x["name"]: x["pid"] for x in replicas} if all(x["state"] == "ready" for x in replicas) else None
 
 
 async def _all_zero(values):
