@@ -15,10 +15,6 @@ CHATTY = "chatty-tenant-key"
 SECRET_PROMPT = "my very private prompt 4711"
 
 
-def _request_lines(router: RouterProcess) -> list[dict]:
-    return router.records("fairstream.request")
-
-
 def test_request_log_lines(tmp_path):
     tenants = yaml.safe_load(DEMO_TENANTS.read_text())
     tenants["tenants"]["chatty"] = {"keys": [hash_key(CHATTY)], "log_content": True}
@@ -36,7 +32,7 @@ def test_request_log_lines(tmp_path):
         rid = quiet.headers["x-request-id"]
         assert bad.headers["x-request-id"]
 
-        lines = poll(lambda: len(_request_lines(router)) >= 3 and _request_lines(router), 10, what="log lines")
+        lines = poll(lambda: len(recs := router.records("fairstream.request")) >= 3 and recs, 10, what="log lines")
         by_id = {rec["request_id"]: rec for rec in lines}
         rec = by_id[rid]
         assert rec["tenant"] == "gold" and rec["outcome"] == "ok" and rec["level"] == "info"
@@ -45,7 +41,7 @@ def test_request_log_lines(tmp_path):
         slash = httpx.post(url + "/", headers={"Authorization": f"Bearer {GOLD}", "X-Request-Id": "gw-trace-8"},
                            json=body, timeout=20)
         assert slash.status_code == 200, slash.text
-        rec8 = poll(lambda: next((r for r in _request_lines(router)
+        rec8 = poll(lambda: next((r for r in router.records("fairstream.request")
                                   if r["request_id"] == slash.headers["x-request-id"]), None), 10, what="its line")
         assert rec8["client_request_id"] == "gw-trace-8" and rec8["completion_tokens"] == 8, rec8
         assert rec["completion_tokens"] == 8 and rec["prompt_tokens"] > 0 and rec["replica"].startswith("sim-")
@@ -59,7 +55,7 @@ def test_request_log_lines(tmp_path):
         # a wrong key: a response and a line with the same request id, and a count (no tenant to name)
         wrong = httpx.post(url, headers={"Authorization": "Bearer not-a-key"}, json=body, timeout=20)
         assert wrong.status_code == 401 and wrong.headers["x-request-id"]
-        line = poll(lambda: next((r for r in _request_lines(router)
+        line = poll(lambda: next((r for r in router.records("fairstream.request")
                                   if r["request_id"] == wrong.headers["x-request-id"]), None), 10, what="its line")
         assert line["outcome"] == "unauthorized" and line["error_code"] == "invalid_api_key" and line["tenant"] == ""
         assert "not-a-key" not in router.log()  # (the key is redacted in the message)

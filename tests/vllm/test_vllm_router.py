@@ -25,9 +25,9 @@ MODEL = "tiny-llama"
 # Each replica's vLLM worker on a core of its own (VLLM_CPU_OMP_THREADS_BIND
 # "0" and "1"), as the README advises for several replicas on one host: with
 # vLLM's "auto" binding both workers share core 0, and with a busy spin-wait
-# between steps on each side one replica's streams got no token for 12-15 s
-# while the other's ran (ops/vllm_binding_gaps.py: 6 streams, 2 rounds; 1-5 s
-# with a core each). Those gaps, past the tenant's stall limit, moved healthy
+# between steps on each side one replica's streams got no token for 12-31 s
+# while the other's ran (ops/vllm_binding_gaps.py, README; 1.5-6.2 s with a
+# core each). Those gaps, past the tenant's stall limit, moved healthy
 # streams and had the supervisor restart a healthy replica, and a restart takes
 # 55-117 s of both cores here: the chaos tests failed in CI.
 # health_timeout 45: a busy front end can miss pings for several seconds; a
@@ -59,6 +59,11 @@ def vllm_router(tmp_path_factory, tiny_model):
     r.start()
     yield r
     r.stop(timeout=60)
+
+
+def _wait_all_ready(router: RouterProcess) -> None:
+    poll(lambda: httpx.get(router.base_url + "/ready", timeout=2).json()["replicas"] ==
+         dict.fromkeys(router.replica_names, "ready"), 300, what="both vllm replicas ready")
 
 
 def _greedy(max_tokens=48):
@@ -213,12 +218,16 @@ async def _freeze_a_busy_replica(router, client, start_streams) -> tuple[str, in
     raise AssertionError("no replica still had streams in flight once frozen, in 3 attempts")
 
 
+async def _admin_replicas(client: httpx.AsyncClient) -> list[dict]:
+    r = await client.get("/admin/replicas", headers={"Authorization": f"Bearer {ADMIN}"}, timeout=30)
+    return r.json()["replicas"]
+
+
 async def _pids_when_all_ready(client: httpx.AsyncClient) -> dict[str, int] | None:
     try:
-        r = await client.get("/admin/replicas", headers={"Authorization": f"Bearer {ADMIN}"}, timeout=30)
+        replicas = await _admin_replicas(client)
     except httpx.TimeoutException:
         return None  # (a starved router or test process: ask again)
-    replicas = r.json()["replicas"]
     return {x["name"]: x["pid"] for x in replicas} if all(x["state"] == "ready" for x in replicas) else None
 
 
@@ -257,8 +266,7 @@ PENALTIES = {"presence_penalty": 1.5, "frequency_penalty": 1.0, "repetition_pena
                          ids=["SIGKILL", "SIGSTOP", "engine", "SIGKILL-penalties"])
 async def test_replica_death_mid_stream_is_token_exact(vllm_router, sig, extra):
     # both replicas up and serving before the chaos
-    poll(lambda: httpx.get(vllm_router.base_url + "/ready", timeout=2).json()["replicas"] ==
-         {"vllm-0": "ready", "vllm-1": "ready"}, 300, what="both vllm replicas ready")
+    _wait_all_ready(vllm_router)
     headers = {"Authorization": f"Bearer {GOLD}"}
     async with httpx.AsyncClient(base_url=vllm_router.base_url, headers=headers, timeout=300) as client:
         body = {**_greedy(3000), **extra}
@@ -304,8 +312,7 @@ async def test_a_replica_whose_engine_core_freezes_is_restarted(vllm_router):
     # 504, the replica 'ready' for good. Now the supervisor sees its engine
     # take no step with requests in it for health_timeout (45 s here) and
     # restarts it; the requests move to the other replica.
-    poll(lambda: httpx.get(vllm_router.base_url + "/ready", timeout=2).json()["replicas"] ==
-         {"vllm-0": "ready", "vllm-1": "ready"}, 300, what="both vllm replicas ready")
+    _wait_all_ready(vllm_router)
     headers = {"Authorization": f"Bearer {GOLD}"}
     async with httpx.AsyncClient(base_url=vllm_router.base_url, headers=headers, timeout=200) as client:
         ref, victim = await _reference(vllm_router, client)
@@ -330,8 +337,7 @@ async def _reference(vllm_router, client: httpx.AsyncClient) -> tuple[str, str]:
 
 
 async def _pid(client: httpx.AsyncClient, name: str) -> int:
-    replicas = (await client.get("/admin/replicas", headers={"Authorization": f"Bearer {ADMIN}"})).json()
-    return next(r["pid"] for r in replicas["replicas"] if r["name"] == name)
+    return next(r["pid"] for r in await _admin_replicas(client) if r["name"] == name)
 
 
 async def _freeze_engine_core(vllm_router, client: httpx.AsyncClient, victim: str, pid: int, ref: str,
@@ -367,8 +373,7 @@ async def test_an_engine_core_frozen_before_its_first_step_is_restarted(vllm_rou
     # answers pings, and it used to count as "reports no steps" (steps 0),
     # ready for good while every request sent to it waited out first_token.
     # Now its first step is waited for like any other (health_timeout).
-    poll(lambda: httpx.get(vllm_router.base_url + "/ready", timeout=2).json()["replicas"] ==
-         {"vllm-0": "ready", "vllm-1": "ready"}, 300, what="both vllm replicas ready")
+    _wait_all_ready(vllm_router)
     headers = {"Authorization": f"Bearer {GOLD}"}
     admin = {"Authorization": f"Bearer {ADMIN}"}
     async with httpx.AsyncClient(base_url=vllm_router.base_url, headers=headers, timeout=200) as client:
