@@ -77,8 +77,9 @@ def main() -> None:
         replicas = []
         for i in range(2):
             env = {"VLLM_CPU_KVCACHE_SPACE": "1", "OMP_NUM_THREADS": "1"}
-            if BINDS[binding](i) is not None:
-                env["VLLM_CPU_OMP_THREADS_BIND"] = BINDS[binding](i)
+            bind = BINDS[binding](i)
+            if bind is not None:  # (auto: vLLM's default, unset)
+                env["VLLM_CPU_OMP_THREADS_BIND"] = bind
             replicas.append({"name": f"vllm-{i}", "engine": "vllm", "config": config, "start_timeout": 300,
                              "env": env})
         tenants = yaml.safe_load(DEMO_TENANTS.read_text())
