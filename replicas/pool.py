@@ -12,7 +12,7 @@ import logging
 import random
 
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Collection, Mapping
 
 from policies.balance import ReplicaLoad, choose
 from replicas.client import ReplicaClient
@@ -144,7 +144,7 @@ class ReplicaPool:
                 if s.client.ready.max_model_len > 0]  # type: ignore[union-attr]
         return min(lens) if lens else None
 
-    def ready_slots(self, model: str | None = None, exclude: set[str] | None = None,
+    def ready_slots(self, model: str | None = None, exclude: Collection[str] | None = None,
                     needs: int = 0) -> list[ReplicaSlot]:
         """The ready replicas (of ``model``, not in ``exclude``, announcing
         every ``Feature`` bit of ``needs``)."""
@@ -161,13 +161,18 @@ class ReplicaPool:
             out.append(s)
         return out
 
-    def serving(self, model: str, needs: int, exclude: set[str] | None = None) -> list[ReplicaSlot]:
+    def serving(self, model: str, needs: int, exclude: Mapping[str, None] | None = None) -> list[ReplicaSlot]:
         """``ready_slots`` of ``model`` that take ``needs``; ``NoReplica``
         when there are none, saying whether none is ready or none takes
-        the request's fields (an older version's replicas: a rolling upgrade)."""
+        the request's fields (an older version's replicas: a rolling upgrade).
+
+        ``exclude``: the replicas that failed the request, the latest last.
+        When every ready one has, any but the latest is taken before it: a
+        stream that stalled on a replica does not go straight back to it
+        while another is ready."""
         slots = self.ready_slots(model, exclude, needs)
         if not slots and exclude:
-            slots = self.ready_slots(model, None, needs)
+            slots = self.ready_slots(model, (next(reversed(exclude)),), needs) or self.ready_slots(model, None, needs)
         if slots:
             return slots
         serving = self.ready_slots(model) if needs else None
@@ -203,11 +208,13 @@ class ReplicaPool:
             except Exception:  # noqa: BLE001 - one waiter's bug must not keep the others waiting
                 log.exception("a stream waiting for a ready replica failed to continue")
 
-    def choose(self, model: str, tokens: int, exclude: set[str] | None = None, needs: int = 0) -> LoadHandle:
+    def choose(self, model: str, tokens: int, exclude: Mapping[str, None] | None = None,
+               needs: int = 0) -> LoadHandle:
         """Pick a replica for a request expected to produce ``tokens`` tokens.
 
-        ``exclude`` names replicas to avoid (e.g. the one that just died);
-        they are used anyway when nothing else is ready. ``needs``: the
+        ``exclude`` names replicas to avoid, the latest to fail the request
+        last (e.g. the one that just died); they are used anyway when
+        nothing else is ready, the latest only if it is the only one. ``needs``: the
         ``Feature`` bits the request needs of its replica.
         """
         slots = self.serving(model, needs, exclude)

@@ -244,7 +244,7 @@ class Generation:
         self._handle: LoadHandle | None = None
         self._dog: _Watchdog | None = None
         self._died_at: float | None = None
-        self._exclude: set[str] | None = None  # replicas that failed this generation
+        self._exclude: dict[str, None] | None = None  # replicas that failed this generation, the latest last
         self._dispatched = 0.0
         self._attached_at = 0  # completion tokens the stream had when it went to its replica
         self._free_retries = len(pool.slots)  # moves off a replica that gave no token, not charged
@@ -521,8 +521,9 @@ class Generation:
             return
         self._died_at = time.monotonic()
         if self._exclude is None:
-            self._exclude = set()
-        self._exclude.add(name)
+            self._exclude = {}
+        self._exclude.pop(name, None)
+        self._exclude[name] = None
         if len(self.completion_ids) == self._attached_at and self._free_retries:
             # (it gave this attempt no token: most often found dead when the
             # stream came to it, one of several killed at once. Not charged,

@@ -326,3 +326,32 @@ async def test_a_chat_moved_before_its_prompt_ids_came_renders_its_chat_template
     assert gen.replica != first and sink.failure is None
     want = {"prompt": None, "messages": messages, "chat_template_kwargs": kwargs}
     assert [slot.client.asked for slot in pool.slots] == [[want], [want]]  # type: ignore[attr-defined]
+
+
+async def test_a_stream_that_fails_on_every_ready_replica_does_not_go_straight_back_to_the_last() -> None:
+    # (a frozen replica and a starved one, both still "ready": the stream
+    # went from the frozen one to the starved one, back, and then to the
+    # frozen one again, spending a failover on the replica that had just
+    # stalled it while the other was ready)
+    pool = ReplicaPool([ReplicaSpec(name=f"r{i}") for i in range(2)])
+    for slot in pool.slots:
+        slot.client, slot.state = _Replica(), "ready"  # type: ignore[assignment]
+    sink = Sink()
+    job = Job("m", SamplingParams(max_tokens=20), prompt="p", prompt_token_ids=[1, 2])
+    gen = Generation(pool, job, Metrics(), 10, None, failover_wait=0.0)
+    gen.sink = sink
+    gen._attach(LoadHandle(pool.slots[0], 20))
+    went = []
+    for i in range(6):
+        gen._col.put(Delta(1, [10 + i], "x", NONE))
+        gen._col.fail(ReplicaDead("no token for 10s"))  # both stay ready
+        went.append(gen.replica)
+    assert went == ["r1", "r0", "r1", "r0", "r1", "r0"] and not gen.ended and sink.failure is None
+    # the only ready replica is taken again, even the one that just failed it
+    pool.slots[0].state = "down"
+    gen._col.put(Delta(1, [20], "x", NONE))
+    gen._col.fail(ReplicaDead("no token for 10s"))
+    assert gen.replica == "r1"
+    gen._col.put(Delta(1, [21], "x", NONE))
+    gen._col.fail(ReplicaDead("no token for 10s"))
+    assert gen.replica == "r1" and gen.failovers == 8 and not gen.ended

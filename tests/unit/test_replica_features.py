@@ -73,7 +73,7 @@ def test_the_pool_sends_a_request_only_where_its_fields_are_taken() -> None:
         assert h is not None and h.slot.name == "r1"
         h.release()
     # a failover that excludes the only replica taking them still goes there (as without features)
-    h = pool.choose(MODEL, 8, exclude={"r1"}, needs=needs)
+    h = pool.choose(MODEL, 8, exclude={"r1": None}, needs=needs)
     assert h.slot.name == "r1"
     h.release()
     # requests that need nothing go to either
