@@ -7,13 +7,13 @@ replicas get 3 each), twice after one warm-up request. Per stream it prints
 the longest wait for an event, the first one included (and the time to the
 first one).
 
-    .venv/bin/python ops/vllm_binding_gaps.py auto     # vLLM's default binding
-    .venv/bin/python ops/vllm_binding_gaps.py split    # replica i on core i
+    .venv/bin/python ops/vllm_binding_gaps.py auto     # vLLM's own default binding
+    .venv/bin/python ops/vllm_binding_gaps.py router   # the router's (replicas.cpubind): "0", "1" on 2 cores
     .venv/bin/python ops/vllm_binding_gaps.py nobind
 
 With ``auto`` vLLM pins every replica's worker to the same cores (it cannot
 see the other replicas); each side of vLLM's executor spin-waits between
-steps, and on the 2-core box one replica's streams then waited 12-15 s while
+steps, and on the 2-core box one replica's streams then waited 12-31 s while
 the other's ran (README "Several vLLM replicas on one CPU host"). The
 tenant's stall limit and health timeout are set past any gap, so nothing
 fails over. Bounded: two rounds, about 3 minutes with the engines' start.
@@ -37,7 +37,8 @@ from replicas.tinymodel import ensure_tiny_model  # noqa: E402
 from tests.helpers import DEMO_TENANTS, GOLD, RouterProcess, aiter_sse, poll  # noqa: E402
 
 STREAMS, TOKENS, ROUNDS = 6, 1500, 2
-BINDS = {"auto": lambda i: None, "split": lambda i: str(i), "nobind": lambda i: "nobind"}
+# the replica's VLLM_CPU_OMP_THREADS_BIND; None: left to the router
+BINDS = {"auto": lambda i: "auto", "router": lambda i: None, "nobind": lambda i: "nobind"}
 
 
 async def _stream(client: httpx.AsyncClient, i: int, tokens: int, stamps: dict[int, list[float]]) -> None:
@@ -78,7 +79,7 @@ def main() -> None:
         for i in range(2):
             env = {"VLLM_CPU_KVCACHE_SPACE": "1", "OMP_NUM_THREADS": "1"}
             bind = BINDS[binding](i)
-            if bind is not None:  # (auto: vLLM's default, unset)
+            if bind is not None:
                 env["VLLM_CPU_OMP_THREADS_BIND"] = bind
             replicas.append({"name": f"vllm-{i}", "engine": "vllm", "config": config, "start_timeout": 300,
                              "env": env})

@@ -25,10 +25,12 @@ from collections.abc import Callable
 from typing import Any
 
 from replicas.client import ReplicaClient, ReplicaDead, ReplicaRefused, connect
+from replicas.cpubind import BIND_ENV, core_lists, workers
 from replicas.logs import REPLICA_NAME_ENV
 from replicas.pool import ReplicaPool, ReplicaSlot
 from replicas.protocol import FEATURES, Feature
 from replicas.rundirs import make_run_dir, sweep
+from replicas.spec import ReplicaSpec
 
 __all__ = ["Supervisor", "SupervisorSettings", "die_with_parent"]
 
@@ -179,6 +181,7 @@ class Supervisor:
         # --workers worker, makes none: nothing to leave behind if killed).
         self._run_dir: str | None = self.settings.run_dir
         self._closing = False
+        self._cores: dict[str, str] | None = None  # each local vLLM replica's BIND_ENV, when one starts
 
     async def start(self) -> None:
         loop = asyncio.get_running_loop()
@@ -377,13 +380,8 @@ class Supervisor:
             os.unlink(path)
         except FileNotFoundError:
             pass
-        env = dict(os.environ)
-        env.update(spec.env)
-        if spec.gpu is not None:
-            env["CUDA_VISIBLE_DEVICES"] = str(spec.gpu)
-        secret = self._secret(slot)
-        env["FAIRSTREAM_REPLICA_SECRET"] = secret
-        env[REPLICA_NAME_ENV] = spec.name  # on its log lines
+        env = self._env(spec)
+        env["FAIRSTREAM_REPLICA_SECRET"] = self._secret(slot)
         cmd = [
             sys.executable,
             "-m",
@@ -405,6 +403,25 @@ class Supervisor:
         slot.pid = proc.pid
         self._on_event("spawned", slot)
         return proc, "unix:" + path
+
+    def _env(self, spec: ReplicaSpec) -> dict[str, str]:
+        """A local replica's environment: the router's, the spec's ``env``,
+        its GPU, and for vLLM its CPU workers' cores (``replicas.cpubind``)."""
+        env = dict(os.environ)
+        env.update(spec.env)
+        if spec.gpu is not None:
+            env["CUDA_VISIBLE_DEVICES"] = str(spec.gpu)
+        env[REPLICA_NAME_ENV] = spec.name  # on its log lines
+        if spec.engine == "vllm" and BIND_ENV not in env:
+            if self._cores is None:
+                local = [s.spec for s in self.pool.slots
+                         if s.spec.local and s.spec.engine == "vllm" and BIND_ENV not in s.spec.env]
+                lists = core_lists(sorted(os.sched_getaffinity(0)), [workers(s.config) for s in local])
+                self._cores = {s.name: cores for s, cores in zip(local, lists)}
+            env[BIND_ENV] = self._cores[spec.name]
+            log.info("replica %s: vLLM's CPU workers on cores %s (%s; set it in the replica's env to choose)",
+                     spec.name, env[BIND_ENV], BIND_ENV, extra={"replica": spec.name})
+        return env
 
     async def _connect_when_up(self, slot: ReplicaSlot, address: str, proc) -> ReplicaClient:
         loop = asyncio.get_running_loop()

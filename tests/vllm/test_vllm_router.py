@@ -17,14 +17,16 @@ import openai
 import pytest
 import yaml
 
+from replicas.cpubind import BIND_ENV, core_lists
 from tests.helpers import ADMIN, DEMO_TENANTS, GOLD, RouterProcess, aiter_sse, apoll, poll
 
 pytestmark = pytest.mark.vllm
 
 MODEL = "tiny-llama"
-# Each replica's vLLM worker on a core of its own (VLLM_CPU_OMP_THREADS_BIND
-# "0" and "1"), as the README advises for several replicas on one host: with
-# vLLM's "auto" binding both workers share core 0, and with a busy spin-wait
+# Each replica's vLLM worker on cores of its own (the supervisor's binding,
+# replicas.cpubind: "0" and "1" on 2 cores; test_each_replica_s_workers_run_on_
+# cores_of_their_own checks it): with vLLM's "auto" binding both workers
+# share core 0, and with a busy spin-wait
 # between steps on each side one replica's streams got no token for 12-31 s
 # while the other's ran (ops/vllm_binding_gaps.py, README; 1.5-6.2 s with a
 # core each). Those gaps, past the tenant's stall limit, moved healthy
@@ -46,7 +48,7 @@ def vllm_router(tmp_path_factory, tiny_model):
     config = {"model": tiny_model, "served_name": MODEL, "seed": 0, "max_model_len": 8192, "kv_cache_gib": 0.5}
     replicas = [
         {"name": f"vllm-{i}", "engine": "vllm", "config": config, "start_timeout": 300,
-         "env": {"VLLM_CPU_KVCACHE_SPACE": "1", "OMP_NUM_THREADS": "1", "VLLM_CPU_OMP_THREADS_BIND": str(i)}}
+         "env": {"VLLM_CPU_KVCACHE_SPACE": "1", "OMP_NUM_THREADS": "1"}}
         for i in range(2)
     ]
     tenants = yaml.safe_load(DEMO_TENANTS.read_text())
@@ -229,6 +231,48 @@ async def _pids_when_all_ready(client: httpx.AsyncClient) -> dict[str, int] | No
     except httpx.TimeoutException:
         return None  # (a starved router or test process: ask again)
     return {x["name"]: x["pid"] for x in replicas} if all(x["state"] == "ready" for x in replicas) else None
+
+
+def _cores(ids: str) -> set[int]:
+    """``"0-2,5"`` -> {0, 1, 2, 5}."""
+    out: set[int] = set()
+    for r in ids.split(","):
+        a, _, b = r.partition("-")
+        out.update(range(int(a), int(b or a) + 1))
+    return out
+
+
+async def test_each_replica_s_workers_run_on_cores_of_their_own(vllm_router):
+    # (vLLM's own "auto" binding put both replicas' workers on core 0 here)
+    async with httpx.AsyncClient(base_url=vllm_router.base_url) as client:
+        pids = await apoll(lambda: _pids_when_all_ready(client), 300, what="both vllm replicas ready")
+    assert BIND_ENV not in os.environ, "the test's own environment chose the binding"
+    expected = core_lists(sorted(os.sched_getaffinity(0)), [1, 1])
+    bound = {}
+    for name, pid in sorted(pids.items()):
+        with open(f"/proc/{pid}/environ", "rb") as f:
+            env = dict(kv.split(b"=", 1) for kv in f.read().split(b"\0") if b"=" in kv)
+        bound[name] = env[BIND_ENV.encode()].decode()
+        # the threads vLLM pinned (its OpenMP workers), in the replica's processes
+        pinned: set[int] = set()
+        for p in _descendants(pid):
+            try:
+                tasks = os.listdir(f"/proc/{p}/task")
+            except FileNotFoundError:
+                continue
+            for t in tasks:
+                try:
+                    with open(f"/proc/{p}/task/{t}/status") as f:
+                        allowed = next(x for x in f if x.startswith("Cpus_allowed_list:")).split()[1]
+                except (FileNotFoundError, StopIteration):
+                    continue
+                if _cores(allowed) != set(os.sched_getaffinity(0)):
+                    pinned |= _cores(allowed)
+        assert pinned == _cores(bound[name]), (name, pinned, bound[name])
+    assert list(bound.values()) == expected
+    assert not _cores(bound["vllm-0"]) & _cores(bound["vllm-1"])
+    lines = [r["msg"] for r in vllm_router.records("fairstream.supervisor") if BIND_ENV in r["msg"]]
+    assert any("vllm-0" in m and f"cores {expected[0]} " in m for m in lines), lines
 
 
 async def _all_zero(values):
