@@ -185,6 +185,12 @@ class StateStore(abc.ABC):
     async def ping(self) -> None:
         """Raise ``StoreUnavailable`` if the store cannot be reached."""
 
+    async def prepare(self) -> None:
+        """Get ready for requests once the store answers (at the first
+        contact, and when it is back from an outage): a shared store loads
+        its scripts, so that the first requests after do not each pay for
+        that inside their timeout. ``StoreUnavailable`` if it cannot."""
+
     async def check(self) -> None:
         """Notice an outage now, even while no request uses the store
         (``/ready`` and ``/metrics`` call this)."""

@@ -98,6 +98,9 @@ class RedisStore(StateStore):
         self._channel = f"{prefix}:turns"
         self._watcher: asyncio.Task[None] | None = None
         self._s_release = r.register_script(_script("stream_release.lua"))
+        self._scripts = (self._admit, self._settle, self._renew, self._usage, self._s_open, self._s_append,
+                         self._s_read, self._s_claim, self._s_renew, self._peers, self._turn, self._generation,
+                         self._s_release)
 
     def _keys(self, tenant: str) -> list[str]:
         base = f"{self._prefix}:{{{tenant}}}"
@@ -252,6 +255,18 @@ class RedisStore(StateStore):
     async def ping(self) -> None:
         try:
             await self._redis.ping()
+        except RedisError as e:
+            raise _unavailable(e) from e
+
+    async def prepare(self) -> None:
+        """Load every script in one round trip (a restarted Redis has none;
+        until then each one's first use costs EVALSHA, NOSCRIPT, SCRIPT LOAD
+        and EVALSHA: seconds of a burst's first requests on a busy box)."""
+        try:
+            async with self._redis.pipeline(transaction=False) as pipe:
+                for script in self._scripts:
+                    pipe.script_load(script.script)
+                await pipe.execute()
         except RedisError as e:
             raise _unavailable(e) from e
 

@@ -113,6 +113,7 @@ class ResilientStore(StateStore):
                 tries += 1
                 try:
                     await self.primary.ping()
+                    await self.primary.prepare()
                 except Exception as e:  # (StoreUnavailable; anything else must not leave it connecting for good)
                     if not isinstance(e, StoreUnavailable):
                         log.exception("state store %s: the first contact failed unexpectedly", self.name)
@@ -150,6 +151,7 @@ class ResilientStore(StateStore):
             delay = min(2 * delay, self._probe_interval)
             try:
                 await self.primary.ping()
+                await self.primary.prepare()  # (a restarted Redis has no scripts)
                 await self._pay_back()
             except StoreUnavailable:
                 continue

@@ -9,12 +9,15 @@ background probe flips ``healthy`` back within a few seconds.
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import time
 import uuid
 from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
 
 import pytest
 
+import router.state
 from router.state import AdmitRequest, ResilientStore, StoreUnavailable
 from tests.helpers import apoll
 from tests.redis_server import RedisServer, require_redis_server
@@ -430,3 +433,32 @@ async def test_the_generation_changes_when_redis_is_back_from_an_outage(open_har
     h.server.resume()  # (its data kept: only the outage says the leases must move)
     await h.wait_healthy(5.0)
     assert await store.generation() != first
+
+
+async def test_the_scripts_are_loaded_at_the_first_contact_and_when_redis_is_back_from_an_outage(own_redis: RedisServer) -> None:
+    # (before, each script's first use cost EVALSHA, NOSCRIPT, SCRIPT LOAD
+    # and EVALSHA inside the 0.5 s timeout: a router's first burst on a busy
+    # box could begin an outage of its own)
+    import redis.asyncio as aioredis
+
+    async def loaded() -> list[bool]:
+        client = aioredis.Redis.from_url(own_redis.url)
+        try:
+            return list(await client.script_exists(*shas))
+        finally:
+            await client.aclose()
+
+    async for h in _harness(own_redis, True):
+        store = h.store
+        lua = sorted((Path(router.state.__file__).parent / "lua").glob("*.lua"))
+        shas = [hashlib.sha1(f.read_bytes()).hexdigest() for f in lua]  # (as EVALSHA names them)
+        assert len(shas) == 13 and not any(await loaded())
+        await store.start()
+        await apoll(lambda: not store.connecting, 5, what="the first contact")
+        assert await loaded() == [True] * 13  # before any request
+        own_redis.kill()
+        await store.check()  # (an outage)
+        assert not store.healthy
+        own_redis.restart()  # (no persistence: no scripts either)
+        await h.wait_healthy(5.0)
+        assert await loaded() == [True] * 13
