@@ -159,6 +159,24 @@ def descendants(pid: int) -> list[int]:
     return out
 
 
+def cpu_lists(cores: str) -> list[list[int]]:
+    """vLLM's reading of a ``VLLM_CPU_OMP_THREADS_BIND`` list: ``"0-2,5|6"``
+    -> [[0, 1, 2, 5], [6]] (one list per worker)."""
+    out = []
+    for part in cores.split("|"):
+        ids: list[int] = []
+        for r in part.split(","):
+            a, _, b = r.partition("-")
+            ids.extend(range(int(a), int(b or a) + 1))
+        out.append(ids)
+    return out
+
+
+def cpu_set(cores: str) -> set[int]:
+    """The cores of a CPU list (``"0-2,5"`` -> {0, 1, 2, 5}; also an affinity's)."""
+    return {c for ids in cpu_lists(cores) for c in ids}
+
+
 def alive(pid: int, start_time: int | None = None) -> bool:
     """True if ``pid`` runs (a zombie counts as dead), and, when given, is
     still the process that started at ``start_time`` (pids get reused)."""

@@ -13,18 +13,7 @@ from replicas.cpubind import BIND_ENV, core_lists, id_list, workers
 from replicas.pool import ReplicaPool
 from replicas.spec import ReplicaSpec
 from replicas.supervisor import Supervisor
-
-
-def _ids(cores: str) -> list[list[int]]:
-    """vLLM's reading of a bind string: one id list per worker."""
-    out = []
-    for part in cores.split("|"):
-        ids: list[int] = []
-        for r in part.split(","):
-            a, _, b = r.partition("-")
-            ids.extend(range(int(a), int(b or a) + 1))
-        out.append(ids)
-    return out
+from tests.helpers import cpu_lists
 
 
 def test_two_replicas_on_two_cores_get_one_each_and_more_cores_leave_one_free() -> None:
@@ -45,7 +34,7 @@ def test_a_replicas_worker_count_is_its_parallel_sizes() -> None:
 
 @given(st.sets(st.integers(0, 63), min_size=1, max_size=24), st.lists(st.integers(1, 4), min_size=1, max_size=6))
 def test_every_worker_gets_cores_and_none_shares_while_there_are_enough(cpus: set[int], ranks: list[int]) -> None:
-    lists = [_ids(s) for s in core_lists(sorted(cpus), ranks)]
+    lists = [cpu_lists(s) for s in core_lists(sorted(cpus), ranks)]
     assert [len(per) for per in lists] == ranks
     every = [ids for per in lists for ids in per]
     assert all(ids and set(ids) <= cpus for ids in every)

@@ -18,7 +18,7 @@ import pytest
 import yaml
 
 from replicas.cpubind import BIND_ENV, core_lists
-from tests.helpers import ADMIN, DEMO_TENANTS, GOLD, RouterProcess, aiter_sse, apoll, poll
+from tests.helpers import ADMIN, DEMO_TENANTS, GOLD, RouterProcess, aiter_sse, apoll, cpu_set, descendants, poll
 
 pytestmark = pytest.mark.vllm
 
@@ -233,15 +233,6 @@ async def _pids_when_all_ready(client: httpx.AsyncClient) -> dict[str, int] | No
     return {x["name"]: x["pid"] for x in replicas} if all(x["state"] == "ready" for x in replicas) else None
 
 
-def _cores(ids: str) -> set[int]:
-    """``"0-2,5"`` -> {0, 1, 2, 5}."""
-    out: set[int] = set()
-    for r in ids.split(","):
-        a, _, b = r.partition("-")
-        out.update(range(int(a), int(b or a) + 1))
-    return out
-
-
 async def test_each_replica_s_workers_run_on_cores_of_their_own(vllm_router):
     # (vLLM's own "auto" binding put both replicas' workers on core 0 here)
     async with httpx.AsyncClient(base_url=vllm_router.base_url) as client:
@@ -255,7 +246,7 @@ async def test_each_replica_s_workers_run_on_cores_of_their_own(vllm_router):
         bound[name] = env[BIND_ENV.encode()].decode()
         # the threads vLLM pinned (its OpenMP workers), in the replica's processes
         pinned: set[int] = set()
-        for p in _descendants(pid):
+        for p in descendants(pid):
             try:
                 tasks = os.listdir(f"/proc/{p}/task")
             except FileNotFoundError:
@@ -266,36 +257,17 @@ async def test_each_replica_s_workers_run_on_cores_of_their_own(vllm_router):
                         allowed = next(x for x in f if x.startswith("Cpus_allowed_list:")).split()[1]
                 except (FileNotFoundError, StopIteration):
                     continue
-                if _cores(allowed) != set(os.sched_getaffinity(0)):
-                    pinned |= _cores(allowed)
-        assert pinned == _cores(bound[name]), (name, pinned, bound[name])
+                if cpu_set(allowed) != set(os.sched_getaffinity(0)):
+                    pinned |= cpu_set(allowed)
+        assert pinned == cpu_set(bound[name]), (name, pinned, bound[name])
     assert list(bound.values()) == expected
-    assert not _cores(bound["vllm-0"]) & _cores(bound["vllm-1"])
+    assert not cpu_set(bound["vllm-0"]) & cpu_set(bound["vllm-1"])
     lines = [r["msg"] for r in vllm_router.records("fairstream.supervisor") if BIND_ENV in r["msg"]]
     assert any("vllm-0" in m and f"cores {expected[0]} " in m for m in lines), lines
 
 
 async def _all_zero(values):
     return all(v == 0 for v in (await values).values())
-
-
-def _descendants(pid: int) -> list[int]:
-    """The processes under ``pid`` (vLLM's engine core and its worker)."""
-    parents = {}
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                with open(f"/proc/{entry}/stat") as f:
-                    parents[int(entry)] = int(f.read().rsplit(")", 1)[1].split()[1])
-            except (OSError, IndexError, ValueError):
-                pass
-    out, todo = [], [pid]
-    while todo:
-        p = todo.pop()
-        kids = [c for c, pp in parents.items() if pp == p]
-        out += kids
-        todo += kids
-    return out
 
 
 # presence and frequency penalties, which vLLM counts over a request's
@@ -334,7 +306,7 @@ async def test_replica_death_mid_stream_is_token_exact(vllm_router, sig, extra):
         victim, pid, tasks = await _freeze_a_busy_replica(
             vllm_router, client, lambda: [asyncio.create_task(stream()) for _ in range(6)])
         if sig == "engine":
-            for child in _descendants(pid):
+            for child in descendants(pid):
                 os.kill(child, signal.SIGKILL)
             os.kill(pid, signal.SIGCONT)  # the replica finds its engine dead and exits
         elif sig != signal.SIGSTOP:
@@ -391,7 +363,7 @@ async def _freeze_engine_core(vllm_router, client: httpx.AsyncClient, victim: st
     served: affinity sends them there): they all complete with ``ref``'s
     text (moved off the frozen replica), and the supervisor restarts it as
     stuck. Then wait for it to serve again."""
-    frozen = _descendants(pid)
+    frozen = descendants(pid)
     for child in frozen:
         os.kill(child, signal.SIGSTOP)
     try:
