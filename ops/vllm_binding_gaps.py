@@ -4,8 +4,9 @@ Starts a real router (``tests.helpers.RouterProcess``: the router process
 the tests start, on loopback) with two vLLM replicas of the tiny model, and
 streams 6 greedy completions of 1,500 tokens at once (prompts differ, so the
 replicas get 3 each), twice after one warm-up request. Per stream it prints
-the longest wait for an event, the first one included (and the time to the
-first one).
+the longest wait for an event, the first one included, the time to the
+first one, and the longest gap after it (what a tenant's stall limit
+measures).
 
     .venv/bin/python ops/vllm_binding_gaps.py auto     # vLLM's own default binding
     .venv/bin/python ops/vllm_binding_gaps.py router   # the router's (replicas.cpubind): "0", "1" on 2 cores
@@ -59,11 +60,14 @@ async def _measure(base_url: str, binding: str) -> None:
             stamps: dict[int, list[float]] = {}
             t0 = time.monotonic()
             await asyncio.gather(*(_stream(client, i, TOKENS, stamps) for i in range(STREAMS)))
-            # (from the request on: the wait for the first event counts too)
+            # (from the request on: the wait for the first event counts too;
+            # it includes a wait in the router's queue for a replica's room)
             waits = [round(max(b - a for a, b in zip(s, s[1:])), 1) for s in stamps.values()]
             first = [round(s[1] - s[0], 1) for s in stamps.values()]
+            # (what the tenant's stall limit measures: between events, once one came)
+            gaps = [round(max((b - a for a, b in zip(s[1:], s[2:])), default=0.0), 1) for s in stamps.values()]
             print(f"{binding} round {rnd}: {time.monotonic() - t0:.1f} s; longest wait per stream {waits} s, "
-                  f"first event after {first} s", flush=True)
+                  f"first event after {first} s, longest gap after it {gaps} s", flush=True)
 
 
 def main() -> None:

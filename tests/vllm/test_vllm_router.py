@@ -26,12 +26,13 @@ MODEL = "tiny-llama"
 # Each replica's vLLM worker on cores of its own (the supervisor's binding,
 # replicas.cpubind: "0" and "1" on 2 cores; test_each_replica_s_workers_run_on_
 # cores_of_their_own checks it): with vLLM's "auto" binding both workers
-# share core 0, and with a busy spin-wait
-# between steps on each side one replica's streams got no token for 12-31 s
-# while the other's ran (ops/vllm_binding_gaps.py, README; 1.5-6.2 s with a
-# core each). Those gaps, past the tenant's stall limit, moved healthy
-# streams and had the supervisor restart a healthy replica, and a restart takes
-# 55-117 s of both cores here: the chaos tests failed in CI.
+# share core 0, and with a busy spin-wait between steps on each side one
+# replica's streams got no token for up to 31 s while the other's ran
+# (README, ops/vllm_binding_gaps.py). Those waits, past the tenant's stall
+# limit, moved healthy streams and had the supervisor restart a healthy
+# replica, and a restart takes 55-117 s of both cores here: the chaos tests
+# failed in CI. With a core each, gaps of up to ~11 s remain on 2 cores:
+# hence the stall limit of 20 s.
 # health_timeout 45: a busy front end can miss pings for several seconds; a
 # frozen replica's streams move on the tenant's stall limit (20 s) before the
 # supervisor restarts it. failover_wait 150: a stream whose replicas are all
