@@ -23,23 +23,18 @@ BIND_ENV = "VLLM_CPU_OMP_THREADS_BIND"
 
 def id_list(cpus: Sequence[int]) -> str:
     """``[0, 1, 2, 5]`` -> ``"0-2,5"`` (vLLM's CPU list syntax)."""
-    out: list[str] = []
-    start = prev = None
+    runs: list[list[int]] = []
     for c in sorted(cpus):
-        if prev is not None and c == prev + 1:
-            prev = c
-            continue
-        if start is not None:
-            out.append(f"{start}-{prev}" if prev != start else str(start))
-        start = prev = c
-    if start is not None:
-        out.append(f"{start}-{prev}" if prev != start else str(start))
-    return ",".join(out)
+        if runs and c == runs[-1][1] + 1:
+            runs[-1][1] = c
+        else:
+            runs.append([c, c])
+    return ",".join(str(a) if a == b else f"{a}-{b}" for a, b in runs)
 
 
 def core_lists(cpus: Sequence[int], ranks: Sequence[int]) -> list[str]:
     """``VLLM_CPU_OMP_THREADS_BIND`` for replicas with ``ranks[i]`` workers
-    each (tensor x pipeline parallel size) sharing the cores ``cpus``.
+    each (``workers``) sharing the cores ``cpus``.
 
     Every worker gets an even share of the cores, contiguous and its own.
     When there are more cores than workers, the last is left out: the

@@ -214,8 +214,8 @@ class ReplicaPool:
 
         ``exclude`` names replicas to avoid, the latest to fail the request
         last (e.g. the one that just died); they are used anyway when
-        nothing else is ready, the latest only if it is the only one. ``needs``: the
-        ``Feature`` bits the request needs of its replica.
+        nothing else is ready, the latest only if it is the only one ready.
+        ``needs``: the ``Feature`` bits the request needs of its replica.
         """
         slots = self.serving(model, needs, exclude)
         i = choose([s.snapshot() for s in slots], self._rng)
