@@ -9,7 +9,7 @@ waited up to 31 s for a token while the other's ran (README, "Several vLLM
 replicas on one CPU host"). The supervisor gives each local vLLM replica
 cores of its own instead, unless the operator set the variable (in the
 router's environment, or in a replica's ``env``: that replica then takes
-no share). GPU replicas ignore it.
+no share). A replica given a ``gpu`` gets none; vLLM on GPUs ignores it.
 """
 
 from __future__ import annotations

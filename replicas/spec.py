@@ -35,9 +35,9 @@ class ReplicaSpec(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     """Seconds a local replica may take to become ready before it is restarted."""
     env: dict[str, str] = {}
     """Extra environment for the local replica process. A local vllm replica
-    whose ``VLLM_CPU_OMP_THREADS_BIND`` is set neither here nor in the
-    router's environment gets CPU cores of its own (README, "Several vLLM
-    replicas on one CPU host")."""
+    without a ``gpu`` whose ``VLLM_CPU_OMP_THREADS_BIND`` is set neither here
+    nor in the router's environment gets CPU cores of its own (README,
+    "Several vLLM replicas on one CPU host")."""
     url: str | None = None
     """Base URL of an OpenAI-compatible server (``vllm serve``, another
     router, a hosted API) to use as this replica, e.g.

@@ -412,10 +412,10 @@ class Supervisor:
         if spec.gpu is not None:
             env["CUDA_VISIBLE_DEVICES"] = str(spec.gpu)
         env[REPLICA_NAME_ENV] = spec.name  # on its log lines
-        if spec.engine == "vllm" and BIND_ENV not in env:
+        if spec.engine == "vllm" and spec.gpu is None and BIND_ENV not in env:
             if self._cores is None:
-                local = [s.spec for s in self.pool.slots
-                         if s.spec.local and s.spec.engine == "vllm" and BIND_ENV not in s.spec.env]
+                local = [s.spec for s in self.pool.slots if s.spec.local and s.spec.engine == "vllm"
+                         and s.spec.gpu is None and BIND_ENV not in s.spec.env]
                 lists = core_lists(sorted(os.sched_getaffinity(0)), [workers(s.config) for s in local])
                 self._cores = {s.name: cores for s, cores in zip(local, lists)}
             env[BIND_ENV] = self._cores[spec.name]

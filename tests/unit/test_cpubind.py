@@ -55,11 +55,13 @@ def test_the_supervisor_binds_local_vllm_replicas_unless_told(monkeypatch) -> No
         ReplicaSpec(name="far", engine="vllm", address="10.0.0.7:9000"),  # (not started here)
         ReplicaSpec(name="v1", engine="vllm", config={"model": "m"}),
         ReplicaSpec(name="v2", engine="vllm", config={"model": "m"}, env={BIND_ENV: "nobind"}),
+        ReplicaSpec(name="g0", engine="vllm", config={"model": "m"}, gpu=0),  # (on a GPU: no share)
     ])
     sup = Supervisor(pool)
     assert sup._env(pool.slots[0].spec)[BIND_ENV] == "0-1"  # (v2 chose its own: v0 and v1 share the rest)
     assert sup._env(pool.slots[3].spec)[BIND_ENV] == "2-3"
     assert sup._env(pool.slots[4].spec)[BIND_ENV] == "nobind"  # the replica's env wins
     assert BIND_ENV not in sup._env(pool.slots[1].spec)  # (a sim replica)
+    assert BIND_ENV not in sup._env(pool.slots[5].spec)
     monkeypatch.setenv(BIND_ENV, "auto")  # so does the router's environment
     assert Supervisor(pool)._env(pool.slots[0].spec)[BIND_ENV] == "auto"
