@@ -19,6 +19,7 @@ from pathlib import Path
 import redis.asyncio as aioredis
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
+from redis.commands.core import AsyncScript
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import NoScriptError, RedisError
 
@@ -81,29 +82,25 @@ class RedisStore(StateStore):
         )
         self._redis = aioredis.Redis.from_pool(pool)  # (closes the pool with the client)
         self._prefix = prefix
-        self._scripts: list = []  # every script, for ``prepare``
-
-        def script(name: str):
-            registered = self._redis.register_script(_script(name))
-            self._scripts.append(registered)
-            return registered
-
-        self._admit = script("admit.lua")
-        self._settle = script("settle.lua")
-        self._renew = script("renew.lua")
-        self._usage = script("usage.lua")
-        self._s_open = script("stream_open.lua")
-        self._s_append = script("stream_append.lua")
-        self._s_read = script("stream_read.lua")
-        self._s_claim = script("stream_claim.lua")
-        self._s_renew = script("stream_renew.lua")
-        self._s_release = script("stream_release.lua")
-        self._peers = script("peers.lua")
-        self._turn = script("turn.lua")
-        self._generation = script("generation.lua")
+        r = self._redis
+        self._admit = r.register_script(_script("admit.lua"))
+        self._settle = r.register_script(_script("settle.lua"))
+        self._renew = r.register_script(_script("renew.lua"))
+        self._usage = r.register_script(_script("usage.lua"))
+        self._s_open = r.register_script(_script("stream_open.lua"))
+        self._s_append = r.register_script(_script("stream_append.lua"))
+        self._s_read = r.register_script(_script("stream_read.lua"))
+        self._s_claim = r.register_script(_script("stream_claim.lua"))
+        self._s_renew = r.register_script(_script("stream_renew.lua"))
+        self._peers = r.register_script(_script("peers.lua"))
+        self._turn = r.register_script(_script("turn.lua"))
+        self._generation = r.register_script(_script("generation.lua"))
         # where the scripts say a tenant's waiting requests should ask again
         self._channel = f"{prefix}:turns"
         self._watcher: asyncio.Task[None] | None = None
+        self._s_release = r.register_script(_script("stream_release.lua"))
+        # every script, for ``prepare`` (one added above is in it without a second mention)
+        self._scripts = [v for v in vars(self).values() if isinstance(v, AsyncScript)]
 
     def _keys(self, tenant: str) -> list[str]:
         base = f"{self._prefix}:{{{tenant}}}"
