@@ -15,10 +15,10 @@ from router.auth import authorization
 from router.completions import check_model, new_request_id
 from router.config import RouterConfig
 from router.cors import cors_config
-from router.errors import ApiError, BadRequest, error_body, unknown_path
+from router.errors import ApiError, error_body, unknown_path
 from router.fastpath import FastPath
 from router.relay import log_refused
-from router.resume_http import handle_resume, parse_last_event_id
+from router.resume_http import serve_resume
 from router.service import RouterService
 from router.websocket import chat_socket
 
@@ -41,12 +41,8 @@ async def _complete(request: Request, chat: bool) -> Response:
     with one of those headers."""
     svc = _svc(request)
     policy = svc.tenant(authorization(request.headers))
-    resume_id = request.headers.get("x-resume-request-id")
-    if not resume_id:  # a reconnect: a new generation would repeat its text
-        raise BadRequest("Last-Event-ID resumes a stream: send X-Resume-Request-Id with the stream's "
-                         "x-request-id as well, or GET /v1/streams/{id}.", param="X-Resume-Request-Id")
-    pos = parse_last_event_id(request.headers.get("last-event-id"))
-    return await handle_resume(svc, policy, resume_id, pos)
+    return await serve_resume(svc, policy, request.headers.get("x-resume-request-id"),
+                              request.headers.get("last-event-id"))
 
 
 @post("/v1/chat/completions", status_code=200)
@@ -69,7 +65,7 @@ async def resume_stream(request: Request) -> Response:
     svc = _svc(request)
     policy = svc.tenant(authorization(request.headers))
     raw = request.headers.get("last-event-id") or request.query_params.get("last_event_id")
-    return await handle_resume(svc, policy, request_id, parse_last_event_id(raw))
+    return await serve_resume(svc, policy, request_id, raw)
 
 
 class _Model(msgspec.Struct, omit_defaults=True):

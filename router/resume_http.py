@@ -35,6 +35,7 @@ from litestar.response import Stream
 
 from router.errors import ApiError, BadRequest, NotFound, ServiceUnavailable, clip, error_body
 from router.generation import Deadlines, Generation, Job
+from router.ids import new_id
 from router.relay import (
     NOT_RESUMABLE, EventStream, Outcome, charged_tokens, error_before_output, outcome_of, relay_stream, shutdown_notice,
 )
@@ -44,7 +45,7 @@ from router.sse import DONE, ChunkEncoder
 from router.state import StoreUnavailable, StreamSnapshot
 from router.tenants import TenantPolicy
 
-__all__ = ["handle_resume", "parse_last_event_id", "Position"]
+__all__ = ["serve_resume", "handle_resume", "parse_last_event_id", "Position"]
 
 log = logging.getLogger("fairstream.resume")
 
@@ -65,12 +66,15 @@ MAX_READERS = 4
 
 
 class _Reader:
-    """One resume of a stream, running; ``superseded``: a newer one ended it."""
+    """One resume of a stream, running; ``superseded``: a newer one ended it;
+    ``continuing``: it generates the stream (a newer one never ends it: that
+    would stop the generation every other resume follows)."""
 
-    __slots__ = ("superseded",)
+    __slots__ = ("superseded", "continuing")
 
     def __init__(self) -> None:
         self.superseded = False
+        self.continuing = False
 
 
 class Position(msgspec.Struct, frozen=True):
@@ -97,6 +101,25 @@ def parse_last_event_id(value: str | None) -> Position:
 
 
 _NOT_FOUND = "No resumable stream {!r} (unknown, or past its retention window)."
+
+
+async def serve_resume(svc: RouterService, policy: TenantPolicy, sid: str | None,
+                       last_event_id: str | None) -> Response:
+    """A resume request of ``policy``'s tenant (``sid`` None: a POST with
+    ``Last-Event-ID`` and no ``X-Resume-Request-Id``). A refusal is counted
+    and logged as a request of endpoint ``resume`` (its stream's id is in the
+    message) and carries an ``x-request-id`` of its own, as any other."""
+    started = time.monotonic()
+    try:
+        if not sid:  # a reconnect: a new generation would repeat its text
+            raise BadRequest("Last-Event-ID resumes a stream: send X-Resume-Request-Id with the stream's "
+                             "x-request-id as well, or GET /v1/streams/{id}.", param="X-Resume-Request-Id")
+        return await handle_resume(svc, policy, sid, parse_last_event_id(last_event_id))
+    except ApiError as e:
+        request_id = new_id()
+        e.headers.setdefault("x-request-id", request_id)
+        Outcome(svc, policy, "resume", started, request_id).record(outcome_of(e), error=e)
+        raise
 
 
 async def handle_resume(svc: RouterService, policy: TenantPolicy, sid: str, pos: Position) -> Response:
@@ -187,7 +210,10 @@ async def _resume(svc: RouterService, policy: TenantPolicy, sid: str, meta: Resu
     outcome = Outcome(svc, policy, "replay", time.monotonic(), sid)
     readers = svc.resume.readers.setdefault(sid, [])
     if len(readers) >= MAX_READERS:
-        readers.pop(0).superseded = True
+        oldest = next((r for r in readers if not r.continuing), None)  # (one continues at most: the claim's)
+        if oldest is not None:
+            readers.remove(oldest)
+            oldest.superseded = True
     reader = _Reader()
     readers.append(reader)
     try:
@@ -213,9 +239,11 @@ async def _replay(svc: RouterService, policy: TenantPolicy, sid: str, meta: Resu
     sent_at = loop.time()
     while True:
         if reader.superseded:
-            outcome.record("cancelled")  # (its client has most likely gone: it came back on another connection)
-            yield _notice(meta, f"A newer resume of stream {sid} ended this one: at most {MAX_READERS} run at once.",
-                          "resume_superseded")
+            # (its client has most likely gone: it came back on another connection)
+            ended = ServiceUnavailable(f"A newer resume of stream {sid} ended this one: at most {MAX_READERS} "
+                                       "run at once.", code="resume_superseded")
+            outcome.record("cancelled", error=ended, streamed=True)
+            yield _notice(meta, ended.message, ended.code)
             return
         for event in snap.events:  # the stored events after ``cursor``
             if not event:  # a placeholder for events lost with a router (the client that was ahead had them)
@@ -262,6 +290,7 @@ async def _replay(svc: RouterService, policy: TenantPolicy, sid: str, meta: Resu
                 await svc.resume.release(sid)  # appended meanwhile: replay first
                 snap = fresh
                 continue
+            reader.continuing = True
             async for chunk in _take_over(svc, policy, sid, meta, fresh, pos, cursor, outcome):
                 yield chunk
             return
@@ -409,7 +438,8 @@ async def _continue(svc: RouterService, policy: TenantPolicy, sid: str, meta: Re
         if ticket is not None:
             await svc.admission.finish(ticket, charged_tokens(gen, outcome.counted))
         told = error_before_output(svc.metrics, policy.name, e, {})
-        outcome.record(outcome_of(e), gen, told)
+        # (the resume's 200 is out: an error reaches the client as an event)
+        outcome.record(outcome_of(e), gen, told, streamed=isinstance(told, ApiError))
         svc.background(svc.resume.release(sid))
         if told is e:
             raise

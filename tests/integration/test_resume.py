@@ -31,7 +31,7 @@ from tests.helpers import (
     parse_sse,
 )
 
-KEY_A, KEY_B, KEY_ONE = "resume-tenant-a", "resume-tenant-b", "resume-tenant-one"
+KEY_A, KEY_B, KEY_ONE, KEY_REJ = "resume-tenant-a", "resume-tenant-b", "resume-tenant-one", "resume-tenant-rej"
 REPLICA = "sim-0"
 
 
@@ -48,7 +48,9 @@ def router(tmp_path_factory) -> RouterProcess:
         "tenants": {"a": {"keys": [hash_key(KEY_A)]}, "b": {"keys": [hash_key(KEY_B)]},
                     # one stream at a time; more wait in line
                     "one": {"keys": [hash_key(KEY_ONE)], "limits": {"max_concurrent": 1}, "on_limit": "queue",
-                            "timeouts": {"queue_wait": 30}}},
+                            "timeouts": {"queue_wait": 30}},
+                    # one stream at a time; more are refused (429)
+                    "rej": {"keys": [hash_key(KEY_REJ)], "limits": {"max_concurrent": 1}, "on_limit": "reject"}},
     }, sort_keys=False))
     # one replica (its running count is the whole story), 10 ms per token
     r = RouterProcess(d / "r", replicas=1, tenants=tenants, sim={"step_base_ms": 10})
@@ -416,6 +418,78 @@ async def test_at_most_four_resumes_of_one_stream_run_at_once(router: RouterProc
             newest = aiter_sse(followers[4])
             assert (await asyncio.wait_for(newest.__anext__(), 10)).number == first.number + 1
         await it.aclose()
+    # its line names the error its client got, on the 200 it had
+    ended = [rec for rec in router.records("fairstream.request")
+             if rec.get("request_id") == rid and rec.get("error_code") == "resume_superseded"]
+    assert len(ended) == 1 and ended[0]["status"] == 200 and ended[0]["endpoint"] == "replay", ended
+
+
+async def test_a_fifth_resume_never_ends_the_one_that_continues_the_generation(
+        router: RouterProcess, http: httpx.AsyncClient) -> None:
+    # The first resume of a dropped stream continues its generation, the
+    # next ones follow it. A fifth ends the oldest follower: ending the one
+    # that continues stopped nothing (it ran on, uncounted: five at once).
+    rid, events = await start_and_drop(http, False, "Le caf", 300, 5)
+    await apoll(lambda: _load_is(router, http, lambda inf, eng: inf == 0), 2.5, what="the abort")
+    last = {"Last-Event-ID": events[-1].id}
+    async with contextlib.AsyncExitStack() as stack:
+        resumes = []
+        for i in range(5):
+            r = await stack.enter_async_context(http.stream("GET", f"/v1/streams/{rid}", headers=last))
+            assert r.status_code == 200, await r.aread()
+            resumes.append(aiter_sse(r))
+            if i == 0:
+                await resumes[0].__anext__()  # it continues the generation
+                await apoll(lambda: f"resuming stream {rid}" in router.log(), 5, what="the continuation")
+        continuing = [ev async for ev in resumes[0]]
+        assert continuing[-1].data == "[DONE]", continuing[-1].data
+        follower = [ev async for ev in resumes[1]]
+        assert follower[-1].json()["error"]["code"] == "resume_superseded", follower[-1].data
+        for other in resumes[2:]:
+            assert [ev async for ev in other][-1].data == "[DONE]"
+
+
+async def test_a_refused_resume_is_counted_and_logged_with_a_request_id_of_its_own(
+        router: RouterProcess, http: httpx.AsyncClient) -> None:
+    before = await metrics(router, http)
+    refusals = [
+        (await http.get("/v1/streams/no-such-stream"), 404, "stream_not_found"),
+        (await http.get("/v1/streams/no-such-stream", headers={"Last-Event-ID": "x-1"}), 400, None),
+        (await http.post("/v1/completions", json={}, headers={"Last-Event-ID": "3"}), 400, None),
+        (await http.post("/v1/completions", json={}, headers={"Last-Event-ID": "3", "X-Resume-Request-Id": "gone"}),
+         404, "stream_not_found"),
+    ]
+    lines = {rec["request_id"]: rec for rec in router.records("fairstream.request")}
+    for r, status, code in refusals:
+        assert_openai_error(r, status, code)
+        rid = r.headers["x-request-id"]
+        line = lines[rid]
+        assert (line["tenant"], line["endpoint"], line["outcome"], line["status"]) == (
+            "a", "resume", "client_error", status), line
+        assert line["error_code"] == (code or "invalid_request_error") and line["error"] == r.json()["error"]["message"]
+    after = await metrics(router, http)
+    labels = {"tenant": "a", "endpoint": "resume", "outcome": "client_error"}
+    assert counter(after, "fairstream_requests_total", **labels) - counter(
+        before, "fairstream_requests_total", **labels) == len(refusals)
+
+
+async def test_a_continuation_refused_by_its_tenants_limit_is_logged_with_the_200_its_client_got(
+        router: RouterProcess, http: httpx.AsyncClient) -> None:
+    http.headers.update(auth(KEY_REJ))
+    rid, events = await start_and_drop(http, False, "Le caf", 120, 5)
+    await apoll(lambda: _load_is(router, http, lambda inf, eng: inf == 0), 2.5, what="the abort")
+    path, body = request(False, "Über", 300, stream=True)
+    async with http.stream("POST", path, json=body) as blocker:
+        it = aiter_sse(blocker)
+        await it.__anext__()  # it holds the tenant's one stream
+        async with http.stream("GET", f"/v1/streams/{rid}", headers={"Last-Event-ID": events[-1].id}) as r:
+            resumed = await read_all(r)
+        await it.aclose()
+    assert resumed[-1].json()["error"]["code"] == "rate_limit_exceeded", resumed[-1].data
+    line = [rec for rec in router.records("fairstream.request")
+            if rec.get("request_id") == rid and rec["endpoint"] == "resume"]
+    assert len(line) == 1 and line[0]["outcome"] == "rate_limited", line
+    assert (line[0]["status"], line[0]["error_code"]) == (200, "rate_limit_exceeded"), line
 
 
 async def test_a_resumed_stream_counts_each_completion_token_once(
