@@ -212,3 +212,7 @@ def main(argv: list[str] | None = None) -> None:
     if args.cmd is None:
         p.error(f"a command is required: {', '.join(commands)}")
     sys.exit(args.func(args))
+
+
+if __name__ == "__main__":  # python -m router.cli (as the fairstream command)
+    main()

@@ -39,6 +39,14 @@ def test_version() -> None:
     assert proc.stdout == f"fairstream {importlib.metadata.version('fairstream')}\n"
 
 
+def test_python_dash_m_runs_the_command_line_as_fairstream_does() -> None:
+    # (it exited 0 having done nothing: no __main__ guard)
+    proc = subprocess.run([sys.executable, "-m", "router.cli", "--version"], capture_output=True, text=True,
+                          timeout=30, cwd=ROOT, check=False)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout == f"fairstream {importlib.metadata.version('fairstream')}\n"
+
+
 def test_version_of_a_tree_never_installed(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
     def missing(name: str) -> str:
         raise importlib.metadata.PackageNotFoundError(name)
