@@ -100,13 +100,24 @@ class MemoryStore(StateStore):
         t.tokens = ratelimit.settle(t.tokens, tpm=tpm, reserved=reserved, used=used, now=self._clock())
 
     async def renew(self, tenant: str, lease_ids: list[str], ttl: float) -> None:
+        self.hold(tenant, lease_ids, ttl)
+
+    def hold(self, tenant: str, lease_ids: list[str], ttl: float) -> None:
+        """Count ``lease_ids`` for ``tenant`` for ``ttl`` seconds from now
+        (``renew``, at once: what an outage's fallback starts with)."""
         now = self._clock()
         t = self._t(tenant)
         for lid in lease_ids:
             t.leases[lid] = now + ttl
 
     async def release(self, tenant: str, lease_id: str) -> None:
-        self._t(tenant).leases.pop(lease_id, None)
+        self.drop(tenant, lease_id)
+
+    def drop(self, tenant: str, lease_id: str) -> None:
+        """``release``, at once."""
+        t = self._tenants.get(tenant)
+        if t is not None:
+            t.leases.pop(lease_id, None)
 
     async def usage(self, tenant: str, *, rpm: int, tpm: int) -> TenantUsage:
         now = self._clock()

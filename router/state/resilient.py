@@ -19,7 +19,10 @@ that fails to the answer, ``on_change`` says down
 (``fairstream_state_store_up`` 0). No answer by then: an outage as above.
 
 Leases and reservations remember which store took them, so a stream admitted
-during an outage is released and settled where it was counted. Once Redis is
+during an outage is released and settled where it was counted. In fail-open,
+the fallback counts this router's running streams from the outage's start
+(their leases are held there too until Redis is back), so a tenant gets up
+to its limits from each router, its streams already running included. Once Redis is
 back, the leases the fallback took move to it with their next renewal, which
 the lease keeper makes at once (``generation`` changes with every return),
 so every router counts those streams again; the
@@ -76,6 +79,7 @@ class ResilientStore(StateStore):
         self._on_error = on_error or (lambda op: None)
         self._probe: asyncio.Task[None] | None = None
         self._lease_store: dict[str, StateStore] = {}  # where each live lease is counted (it may move)
+        self._lease_of: dict[str, tuple[str, float]] = {}  # each live lease's tenant and TTL
         self._reserve_store: dict[str, StateStore] = {}  # where each reservation was taken (it never moves)
         # what Redis missed while it was down, made when it answers again
         self._owed: collections.deque[Callable[[StateStore], Awaitable[None]]] = collections.deque(maxlen=MAX_OWED)
@@ -86,12 +90,23 @@ class ResilientStore(StateStore):
             self.healthy = False
             mode = "serving with local limits (fail-open)" if self.fail_open else "rejecting with 503 (fail-closed)"
             log.error("state store %s unavailable (%s); %s until it returns", self.name, err, mode)
+            if self.fail_open:
+                self._hold_locally()
             self._say(False)
             if self._probe is None or self._probe.done():
                 # (its own context: started by whichever request met the outage, its
                 # log lines must not carry that request's id)
                 self._probe = asyncio.get_running_loop().create_task(self._reconnect(), name="state-probe",
                                                                      context=contextvars.Context())
+
+    def _hold_locally(self) -> None:
+        """The fallback counts the leases Redis holds for this router's
+        running streams (it starts empty: each router admitted a tenant's
+        whole ``max_concurrent`` again on top of them)."""
+        for lid, store in self._lease_store.items():
+            if store is self.primary:
+                tenant, ttl = self._lease_of[lid]
+                self.fallback.hold(tenant, [lid], ttl)
 
     def _say(self, up: bool) -> None:
         if up != self._said_up:
@@ -157,6 +172,9 @@ class ResilientStore(StateStore):
                 continue
             self.healthy = True
             self._returns += 1
+            for lid, store in self._lease_store.items():  # (Redis counts them again: ``_hold_locally``'s go)
+                if store is self.primary:
+                    self.fallback.drop(self._lease_of[lid][0], lid)
             # (the resume buffers the fallback took cannot be read from now on:
             # resumes read Redis. Kept, they stayed in memory for good.)
             self.fallback.drop_streams()
@@ -198,6 +216,7 @@ class ResilientStore(StateStore):
             decision = await store.admit(tenant, req)
         if decision.ok:
             self._lease_store[req.lease_id] = store
+            self._lease_of[req.lease_id] = (tenant, req.lease_ttl)
             self._reserve_store[req.lease_id] = store
         return decision
 
@@ -228,6 +247,8 @@ class ResilientStore(StateStore):
         moving: list[str] = []
         for lid in lease_ids:
             store = self._lease_store.get(lid, self.primary)
+            if store is self.primary and not self.healthy and self.fail_open:
+                store = self.fallback  # (counted there until Redis is back: ``_hold_locally``; the probe watches)
             if store is self.fallback and self.healthy:  # (taken during the outage: Redis counts it from now on)
                 store = self.primary
                 moving.append(lid)
@@ -254,7 +275,10 @@ class ResilientStore(StateStore):
         if self._connect is not None:
             await self._connected()
         self._reserve_store.pop(lease_id, None)  # (settled before, or nothing to settle: tpm 0)
+        self._lease_of.pop(lease_id, None)
         store = self._lease_store.pop(lease_id, self.primary)
+        if store is self.primary and not self.healthy:
+            self.fallback.drop(tenant, lease_id)  # (``_hold_locally``'s count)
         try:
             await store.release(tenant, lease_id)
         except StoreUnavailable as e:

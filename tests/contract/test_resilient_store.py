@@ -111,7 +111,8 @@ async def test_fail_open_admits_with_local_limits_then_recovers(open_harness: Ha
     # Local limits still hold: a fresh bucket of 3, then refused.
     d = await store.admit(t, req(rpm=3))
     assert (d.ok, d.reason) == (False, "requests")
-    assert (await store.usage(t, rpm=3, tpm=0)).active_streams == 3  # the fallback's view
+    # the fallback's view: the 3 and the stream Redis counts for this router
+    assert (await store.usage(t, rpm=3, tpm=0)).active_streams == 4
     # Releasing the lease Redis holds cannot reach it: no exception.
     await store.release(t, on_redis)
     await store.settle(t, tpm=100, reserved=10, used=5, lease_id=on_redis)
@@ -286,7 +287,8 @@ async def test_in_an_outage_the_fallbacks_leases_are_renewed_and_settled_where_t
     await asyncio.sleep(0.3)
     await store.renew(t, [on_redis, local], 30.0)  # (Redis's group fails first)
     await asyncio.sleep(0.4)  # past the local lease's first TTL
-    assert (await store.fallback.usage(t, rpm=0, tpm=0)).active_streams == 1, "the fallback's lease expired"
+    # (Redis's lease is counted there too in the outage: ``_hold_locally``)
+    assert (await store.fallback.usage(t, rpm=0, tpm=0)).active_streams == 2, "the fallback's lease expired"
     h.server.restart()
     await h.wait_healthy(5.0)
     await store.renew(t, [on_redis, local], 30.0)  # (moves the local lease to Redis)
@@ -298,7 +300,33 @@ async def test_in_an_outage_the_fallbacks_leases_are_renewed_and_settled_where_t
     assert (await store.fallback.usage(t, rpm=0, tpm=10_000)).tokens_available > 9000  # refunded where reserved
     await store.release(t, local)
     await store.release(t, on_redis)
-    assert store._reserve_store == {} and store._lease_store == {}
+    assert store._reserve_store == {} and store._lease_store == {} and store._lease_of == {}
+
+
+async def test_in_fail_open_the_fallback_counts_the_streams_already_running(open_harness: Harness) -> None:
+    # (it started empty: a router running 3 of a tenant's streams when Redis
+    # went down admitted 3 more, 6 at once on a router for a limit of 3)
+    h, store = open_harness, open_harness.store
+    t = f"held-{uuid.uuid4().hex[:8]}"
+    running = [uuid.uuid4().hex for _ in range(2)]
+    for lid in running:
+        assert (await store.admit(t, req(max_concurrent=3, lease=lid))).ok
+    h.server.kill()
+    first = uuid.uuid4().hex
+    assert (await store.admit(t, req(max_concurrent=3, lease=first))).ok  # (meets the outage: the third)
+    assert store.healthy is False
+    d = await store.admit(t, req(max_concurrent=3))
+    assert (d.ok, d.reason) == (False, "concurrency"), d
+    assert (await store.usage(t, rpm=0, tpm=0)).active_streams == 3
+    await store.renew(t, running + [first], 30.0)  # (the lease keeper's round: they stay counted locally)
+    await store.release(t, running[0])  # a running stream ends in the outage: its slot frees here
+    assert (await store.admit(t, req(max_concurrent=3))).ok
+    d = await store.admit(t, req(max_concurrent=3))
+    assert (d.ok, d.reason) == (False, "concurrency"), d
+    h.server.restart()
+    await h.wait_healthy(5.0)
+    # back: Redis counts the running stream again, the fallback only what it took
+    assert (await store.fallback.usage(t, rpm=0, tpm=0)).active_streams == 2
 
 
 # -- a router's start: the first contact ---------------------------------------
