@@ -167,11 +167,15 @@ class Admission:
         await self._keeper.close()
 
     async def admit(self, policy: TenantPolicy, cost_tokens: int, *, count_request: bool = True,
-                    prompt_tokens: int = 0) -> Ticket:
+                    prompt_tokens: int = 0, lease_id: str = "") -> Ticket:
         """``count_request=False`` for the continuation of a resumed stream:
         it holds a lease and reserves tokens, but is not a new request.
         ``prompt_tokens``: the prompt's share of ``cost_tokens`` (what a
-        refusal for size tells the client to cut)."""
+        refusal for size tells the client to cut). ``lease_id``: the lease
+        to take (a continuation takes its stream's, which a router that died
+        running it left in the store for its TTL, counted against the
+        continuation; the store does not count a lease against itself); a
+        new one if empty or one of this router's live leases."""
         if self._stopped.is_set():
             raise RouterShutdown()
         lim = policy.limits
@@ -180,7 +184,7 @@ class Admission:
             tpm=lim.tokens_per_minute,
             max_concurrent=lim.max_concurrent,
             cost_tokens=cost_tokens,
-            lease_id=new_id(),
+            lease_id=lease_id if lease_id and lease_id not in self._leases else new_id(),
             lease_ttl=LEASE_TTL,
             line=policy.on_limit == "queue",
         )

@@ -280,7 +280,7 @@ async def open_stream(svc: RouterService, policy: TenantPolicy, st: Started, cha
         try:
             await svc.resume.open(request_id, ResumeMeta(
                 policy.name, chat, req.model, response_id, st.created, usage[0], st.job.params,
-                gen.prompt_token_ids or [], usage[1],
+                gen.prompt_token_ids or [], usage[1], st.ticket.lease_id,
             ))
         except BaseException as e:
             await st.close()

@@ -60,7 +60,8 @@ class ResumeMeta(msgspec.Struct, array_like=True, omit_defaults=True):
     include_usage: bool
     params: SamplingParams
     prompt_token_ids: list[int]
-    continuous_usage: bool = False  # last: metadata written before it still decodes
+    continuous_usage: bool = False  # (defaults last: metadata written before them still decodes)
+    lease: str = ""  # the admission lease of the request that started the stream (its continuations take it)
 
 
 _meta_encoder = msgspec.msgpack.Encoder()

@@ -75,7 +75,7 @@ class MemoryStore(StateStore):
         decision, t.requests, t.tokens = ratelimit.admit(
             t.requests,
             t.tokens,
-            len(t.leases),
+            len(t.leases) - (req.lease_id in t.leases),  # (a lease asking again: not counted against itself)
             rpm=req.rpm,
             tpm=req.tpm,
             max_concurrent=req.max_concurrent,

@@ -156,6 +156,20 @@ async def test_max_concurrent_leases_then_release_frees_one(backend: Backend) ->
     assert (d.ok, d.reason) == (False, "concurrency")
 
 
+async def test_a_lease_asking_again_is_not_counted_against_itself(backend: Backend) -> None:
+    # (a resumed stream's continuation takes the lease its dead router left:
+    # counted against itself, it was refused until the lease's TTL ran out)
+    t, mine = backend.tenant(), uuid.uuid4().hex
+    assert (await backend.store.admit(t, req(max_concurrent=2, lease=mine))).ok
+    assert (await backend.store.admit(t, req(max_concurrent=2))).ok
+    assert (await backend.store.admit(t, req(max_concurrent=2, lease=mine))).ok  # the same slot again
+    assert await active(backend.store, t) == 2
+    d = await backend.store.admit(t, req(max_concurrent=2))
+    assert (d.ok, d.reason) == (False, "concurrency"), d
+    await backend.store.release(t, mine)
+    assert await active(backend.store, t) == 1
+
+
 async def test_leases_expire_after_ttl_without_renew(backend: Backend) -> None:
     t, ttl = backend.tenant(), 0.3
     assert (await backend.store.admit(t, req(max_concurrent=1, ttl=ttl))).ok

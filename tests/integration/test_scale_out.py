@@ -284,3 +284,46 @@ async def test_a_tenants_line_split_over_routers_keeps_its_throughput(tmp_path, 
         one = await served([a] * 6, 3.0)
         split = await served([a] * 3 + [b] * 3, 3.0)
         assert split >= 0.6 * one, (split, one)
+
+
+async def test_a_tenant_at_its_limit_resumes_the_stream_of_a_router_that_died(tmp_path, redis_server) -> None:
+    # The killed router's lease for the stream stays in Redis for its TTL
+    # (30 s). The continuation takes that lease instead of a new one: it
+    # was refused ("rate_limit_exceeded, try again in 1s") until the TTL ran out.
+    tenants = tmp_path / "tenants.yaml"
+    demo = yaml.safe_load(open("configs/tenants.yaml"))
+    demo["tenants"]["one"] = {"keys": [hash_key(LIMITED)], "on_limit": "reject", "limits": {"max_concurrent": 1}}
+    tenants.write_text(yaml.safe_dump(demo, sort_keys=False))
+    settings = {"state": {"backend": "redis", "url": redis_server.url}}
+    a = RouterProcess(tmp_path / "a", replicas=1, tenants=tenants, settings=settings, sim=SIM).start()
+    b = RouterProcess(tmp_path / "b", replicas=1, tenants=tenants, settings=settings, sim=SIM).start()
+    headers = {"Authorization": f"Bearer {LIMITED}"}
+    try:
+        async with httpx.AsyncClient(timeout=60) as client:
+            body = {**_body(0), "max_tokens": 120}
+            ref = (await client.post(b.base_url + "/v1/completions", json={**body, "stream": False},
+                                     headers=headers)).json()["choices"][0]["text"]
+            parts: list[str] = []
+            async with client.stream("POST", a.base_url + "/v1/completions", json=body, headers=headers) as r:
+                rid = r.headers["x-request-id"]
+                events = aiter_sse(r)
+                for _ in range(10):
+                    ev = await events.__anext__()
+                    parts.append(ev.json()["choices"][0]["text"])
+                os.kill(a.pid, signal.SIGKILL)
+            async with client.stream("GET", f"{b.base_url}/v1/streams/{rid}",
+                                     headers={**headers, "Last-Event-ID": ev.id}) as r:
+                assert r.status_code == 200, await r.aread()
+                async for ev in aiter_sse(r):
+                    if ev.data == "[DONE]":
+                        break
+                    d = ev.json()
+                    assert "error" not in d, d
+                    parts.append(d["choices"][0]["text"])
+            assert "".join(parts) == ref
+            # it held the dead router's slot, and gave it back: the tenant's one stream is free again
+            r = await client.post(b.base_url + "/v1/completions", json={**body, "stream": False}, headers=headers)
+            assert r.status_code == 200, r.text
+    finally:
+        a.stop(check=False)
+        b.stop()

@@ -332,3 +332,20 @@ async def test_a_request_of_a_tenant_removed_while_the_store_answered_does_not_w
     adm.restore(["t"])
     await adm.finish(held, 1)
     assert await asyncio.wait_for(adm.admit(policy, 1), 1) is not None
+
+
+async def test_a_continuation_takes_the_lease_it_names_unless_this_router_holds_it() -> None:
+    # (a resumed stream's continuation takes its stream's lease, which a dead
+    # router left in the store; never one of this router's live leases: two
+    # tickets on one lease, and the first one's release freed the second's slot)
+    policy = msgspec.structs.replace(_policy(0.0, rpm=0, concurrent=1), on_limit="reject")
+    adm = Admission(MemoryStore(), Metrics())
+    first = await adm.admit(policy, 1, count_request=False, lease_id="stream-lease")
+    assert first.lease_id == "stream-lease"
+    with pytest.raises(RateLimited):  # the same lease, held here: a new one, counted
+        await adm.admit(policy, 1, count_request=False, lease_id="stream-lease")
+    await adm.finish(first, 1)
+    again = await adm.admit(policy, 1, count_request=False, lease_id="stream-lease")
+    assert again.lease_id == "stream-lease"
+    await adm.finish(again, 1)
+    assert (await adm.admit(policy, 1)).lease_id != "stream-lease"

@@ -49,6 +49,9 @@ end
 
 redis.call('ZREMRANGEBYSCORE', KEYS[3], '-inf', now)
 local leases = redis.call('ZCARD', KEYS[3])
+-- a lease asking again (a resumed stream's continuation taking over the lease
+-- of the router that ran it) is not counted against itself
+if leases > 0 and redis.call('ZSCORE', KEYS[3], lease_id) then leases = leases - 1 end
 local req_level = INF
 local tok_level = INF
 if rpm > 0 then req_level = level(KEYS[1], rpm) end
