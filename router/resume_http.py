@@ -101,6 +101,14 @@ def parse_last_event_id(value: str | None) -> Position:
 
 
 _NOT_FOUND = "No resumable stream {!r} (unknown, or past its retention window)."
+# (with Redis: a restart without persistence, or a flush, empties every buffer)
+_NOT_FOUND_SHARED = ("No resumable stream {!r} (unknown, past its retention window, or lost when the state store "
+                     "restarted without its data).")
+
+
+def _not_found(svc: RouterService, sid: str) -> NotFound:
+    text = _NOT_FOUND if svc.store.name == "memory" else _NOT_FOUND_SHARED
+    return NotFound(text.format(clip(sid)), code="stream_not_found")
 
 
 async def serve_resume(svc: RouterService, policy: TenantPolicy, sid: str | None,
@@ -130,10 +138,10 @@ async def handle_resume(svc: RouterService, policy: TenantPolicy, sid: str, pos:
     if snap is None:
         if not getattr(svc.store, "healthy", True):  # (fail-open: the answer came from the local fallback)
             raise _store_down(sid)
-        raise NotFound(_NOT_FOUND.format(clip(sid)), code="stream_not_found")
+        raise _not_found(svc, sid)
     meta = decode_meta(snap.meta)
     if meta.tenant != policy.name:
-        raise NotFound(_NOT_FOUND.format(clip(sid)), code="stream_not_found")
+        raise _not_found(svc, sid)
     if snap.broken:
         raise BadRequest(_BROKEN.format(sid), code=NOT_RESUMABLE)
     if b"" in snap.events:  # (before its stream starts: an error event then left an EventSource retrying)

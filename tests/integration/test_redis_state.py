@@ -119,5 +119,10 @@ async def test_a_redis_restart_gets_the_leases_of_running_streams_back_at_once(t
                 refused = await client.post(url, **_request(SOLO))
                 assert refused.status_code == 429, refused.text
                 assert "concurrent streams" in refused.json()["error"]["message"], refused.text
+                # its resume buffer went with the data: a resume says why it finds none
+                rid = stream.headers["x-request-id"]
+                lost = await client.get(f"{router.base_url}/v1/streams/{rid}", headers=_request(SOLO)["headers"])
+                assert lost.status_code == 404, lost.text
+                assert "lost when the state store restarted without its data" in lost.json()["error"]["message"]
     await shared.close()
     assert "adding back those of this router's 1 streams" in router.log()
