@@ -187,8 +187,8 @@ class Metrics:
             for which in TIMEOUTS:
                 self.child(self.timeouts, name, which)
 
-    def retire(self, tenant: str) -> None:
-        """A reload removed ``tenant``: its series leave /metrics now, except
+    def retire(self, *tenants: str) -> None:
+        """A reload removed ``tenants``: their series leave /metrics now, except
         a gauge's while it still counts requests of the tenant (its waiting
         requests are refused just after the reload, asynchronously); that
         one goes when ``gauge_down`` brings it back to 0. From now on what is
@@ -197,22 +197,30 @@ class Metrics:
         back, until ``declare`` names the tenant again. (A stream that kept a
         child from before keeps counting into it, exported nowhere.)
 
+        One pass over each family's children, whatever the number of tenants
+        (it was a pass over every sample per removed tenant: a reload that
+        removed 1,000 of them held the event loop ~30 s).
+
         In multiprocess mode nothing happens: prometheus-client cannot
         remove a series whose values are in files, and the series stay until
         the router restarts."""
-        if self.multiprocess:
+        if self.multiprocess or not tenants:
             return
-        self._retired.add(tenant)
-        for family, names in self.by_tenant.items():
+        gone = set(tenants)
+        self._retired |= gone
+        for family in self.by_tenant:
             gauge = isinstance(family, Gauge)
-            for values, value in _series(family, names, tenant).items():
-                if gauge and value:
+            # (prometheus-client keeps a family's children by label values, tenant first)
+            for values, c in family._metrics.copy().items():
+                if values[0] not in gone:
+                    continue
+                if gauge and c.collect()[0].samples[0].value:
                     self._draining.add((family, values))
                     # (``gauge_down`` must reach the exported child, even one made without ``child``)
-                    self._children[(family, values)] = family.labels(*values)
+                    self._children[(family, values)] = c
                 else:
                     family.remove(*values)
-        for key in [k for k in self._children if k[0] in self.by_tenant and k[1][0] == tenant
+        for key in [k for k in self._children if k[1] and k[1][0] in gone and k[0] in self.by_tenant
                     and k not in self._draining]:
             del self._children[key]
 
@@ -280,17 +288,6 @@ class Metrics:
             multiprocess.MultiProcessCollector(registry)
             return generate_latest(registry)
         return generate_latest(self.registry)
-
-
-def _series(family: MetricWrapperBase, names: tuple[str, ...], tenant: str) -> dict[tuple[str, ...], float]:
-    """The label values of ``family``'s children of ``tenant``, with the
-    value of each one's first sample (a gauge's value)."""
-    found: dict[tuple[str, ...], float] = {}
-    for metric in family.collect():
-        for sample in metric.samples:
-            if sample.labels.get("tenant") == tenant:
-                found.setdefault(tuple(sample.labels[n] for n in names), sample.value)
-    return found
 
 
 class HistogramBatch:

@@ -99,14 +99,15 @@ class RouterService:
         names = set(self.policy.current.tenants)
         self.admission.restore(names)
         self.scheduler.restore(names)
-        for name in self._tenants - names:
+        removed = self._tenants - names
+        for name in removed:
             def error(name=name) -> Unauthorized:  # (one each: an exception raised in many tasks shares its traceback)
                 return Unauthorized(f"Tenant {name!r} was removed from the tenant policy while this request waited.")
 
             n = self.admission.fail_tenant(name, error) + self.scheduler.fail_tenant(name, error)
             if n:
                 log.warning("tenant %s removed by the reload: %d waiting requests refused (401)", name, n)
-            self.metrics.retire(name)
+        self.metrics.retire(*removed)
         self._tenants = names
 
     def _warn_unserved_models(self) -> None:
