@@ -22,7 +22,9 @@ import asyncio
 import collections
 import logging
 import math
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
+
+import msgspec
 
 from policies.ratelimit import QUEUED_RETRY, Decision
 from router.errors import RateLimited, RouterShutdown, ServiceUnavailable
@@ -147,6 +149,8 @@ class Admission:
         self._keeper = LeaseKeeper(store, self._leases)
         self._stopped = asyncio.Event()  # set: requests waiting for a limit get RouterShutdown
         self._gone: dict[str, Callable[[], BaseException]] = {}  # tenants a reload removed: their refusal
+        # the tenants' policies since the last reload (``follow``): what a waiting request asks with
+        self._policies: Mapping[str, TenantPolicy] = {}
 
     def queued(self, tenant: str) -> int:
         line = self._lines.get(tenant)
@@ -243,6 +247,7 @@ class Admission:
                         if loop.time() < deadline:
                             continue
                         # its time is up before its turn came: one last try, then a 429
+                        policy, req, deadline = self._follow(policy, req, count_request, started, deadline)
                         decision = await self._admit_once(name, req)
                         if not decision.ok:
                             self._check_fits(policy, decision, cost_tokens, prompt_tokens)
@@ -260,6 +265,7 @@ class Admission:
                         wait = deadline - now  # one more try at the deadline (or when a stream ends)
                     await me.sleep(max(0.01, wait))
                     self._raise_if_gone(name)
+                policy, req, deadline = self._follow(policy, req, count_request, started, deadline)
                 decision = await self._admit_once(name, req)
                 if decision.ok:
                     admitted = True
@@ -344,6 +350,28 @@ class Admission:
         gone = self._gone.get(tenant)
         if gone is not None:
             raise gone()
+
+    def follow(self, policies: Mapping[str, TenantPolicy]) -> None:
+        """A reload made ``policies`` the tenants' policies: a request still
+        waiting for its limits asks with its tenant's policy from now on (its
+        limits, and its line's wait counted from its arrival), not the one
+        it arrived with (raising a limit to clear a backlog let the backlog
+        in at the old one). Each line's head asks again at once."""
+        self._policies = policies
+        for line in self._lines.values():
+            if line:
+                line[0].wake()
+
+    def _follow(self, policy: TenantPolicy, req: AdmitRequest, count_request: bool, started: float,
+                deadline: float) -> tuple[TenantPolicy, AdmitRequest, float]:
+        """``policy``, ``req`` and ``deadline`` as the policy in force makes them."""
+        now = self._policies.get(policy.name)
+        if now is None or now is policy:
+            return policy, req, deadline
+        lim = now.limits
+        req = msgspec.structs.replace(req, rpm=lim.requests_per_minute if count_request else 0,
+                                      tpm=lim.tokens_per_minute, max_concurrent=lim.max_concurrent)
+        return now, req, started + lim.queue_wait if lim.queue_wait else math.inf
 
     def fail_tenant(self, tenant: str, error: Callable[[], BaseException]) -> int:
         """A reload removed ``tenant``: its requests waiting for its limits,

@@ -97,6 +97,7 @@ class RouterService:
         running streams go on (as do those of a key removed from a tenant
         that stays). Their metric series go (``Metrics.retire``)."""
         names = set(self.policy.current.tenants)
+        self.admission.follow(self.policy.current.tenants)
         self.admission.restore(names)
         self.scheduler.restore(names)
         removed = self._tenants - names

@@ -268,6 +268,20 @@ async def test_a_reload_that_renames_the_priority_classes_spares_a_request_waiti
         assert tenants["tenants"]["a"]["usage"]["active_streams"] == 0, tenants
 
 
+async def test_a_reload_that_raises_a_limit_admits_the_requests_already_waiting(tmp_path):
+    # (a waiting request kept the limits it arrived with: raising
+    # max_concurrent to clear a backlog let it in only when the stream ahead ended)
+    t = tmp_path / "tenants.yaml"
+    async with _one_running_one_waiting(tmp_path, t) as (router, client, first, waiting):
+        doc = yaml.safe_load(t.read_text())
+        doc["tenants"]["a"]["limits"]["max_concurrent"] = 2
+        t.write_text(yaml.safe_dump(doc, sort_keys=False))
+        r = await asyncio.wait_for(waiting, 10)
+        assert r.status_code == 200, r.text
+        assert not first.done()  # (in beside it, not after it)
+        assert (await first).status_code == 200
+
+
 async def test_a_reload_that_removes_a_tenant_refuses_its_waiting_requests(tmp_path):
     # (requests keep the snapshot they started with: one waiting in the
     # removed tenant's line was admitted after the removal and streamed all

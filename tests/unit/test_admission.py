@@ -349,3 +349,29 @@ async def test_a_continuation_takes_the_lease_it_names_unless_this_router_holds_
     assert again.lease_id == "stream-lease"
     await adm.finish(again, 1)
     assert (await adm.admit(policy, 1)).lease_id != "stream-lease"
+
+
+@pytest.mark.parametrize("raised", [True, False], ids=["raised", "lowered"])
+async def test_a_reload_s_limits_reach_the_requests_already_waiting(raised: bool) -> None:
+    # (a request kept the limits it arrived with: raising max_concurrent to
+    # clear a backlog let the backlog in at the old limit, and lowering it
+    # for an abusive tenant let its waiting requests in at the old one)
+    before = _policy(10.0, rpm=0, concurrent=1 if raised else 2)
+    after = msgspec.structs.replace(before, limits=msgspec.structs.replace(
+        before.limits, max_concurrent=2 if raised else 1))
+    adm = Admission(MemoryStore(), Metrics())
+    held = [await adm.admit(before, 1) for _ in range(before.limits.max_concurrent)]
+    waiting = asyncio.create_task(adm.admit(before, 1))
+    await asyncio.sleep(0.05)
+    assert not waiting.done()
+    adm.follow({"t": after})
+    if raised:  # room now: in at once, nothing released
+        ticket = await asyncio.wait_for(waiting, 2)
+    else:  # one stream ends: 1 running, the new limit's all
+        await adm.finish(held.pop(), 1)
+        await asyncio.sleep(0.3)
+        assert not waiting.done()
+        await adm.finish(held.pop(), 1)
+        ticket = await asyncio.wait_for(waiting, 2)
+    for t in held + [ticket]:
+        await adm.finish(t, 1)
