@@ -264,20 +264,22 @@ async def run_chaos(cfg: ChaosConfig, progress=None) -> ChaosReport:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--base-url", default="http://127.0.0.1:8080")
-    p.add_argument("--api-key", default="fs-demo-gold")
-    p.add_argument("--admin-key", default="fs-demo-admin")
-    p.add_argument("--model", default="fairstream-sim")
-    p.add_argument("--streams", type=int, default=8)
-    p.add_argument("--duration", type=float, default=20.0)
-    p.add_argument("--max-tokens", type=int, default=200)
-    p.add_argument("--kill-every", type=float, default=3.0)
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--base-url", default="http://127.0.0.1:8080", help="the router (loopback only)")
+    p.add_argument("--api-key", default="fs-demo-gold", help="a tenant's key, for the streams")
+    p.add_argument("--admin-key", default="fs-demo-admin", help="for GET /admin/replicas (the replicas' pids)")
+    p.add_argument("--model", default="fairstream-sim", help="the model the streams ask for")
+    p.add_argument("--streams", type=int, default=8, help="streams kept running at once")
+    p.add_argument("--duration", type=float, default=20.0, help="seconds of load and actions")
+    p.add_argument("--max-tokens", type=int, default=200, help="tokens per stream (greedy, ignore_eos)")
+    p.add_argument("--kill-every", type=float, default=3.0, help="seconds between two actions on replicas")
     p.add_argument("--freeze", type=float, default=7.0,
                    help="seconds a frozen replica stays stopped; above the router's health_interval + health_timeout "
                         "(6 s by default) for the router to notice it")
-    p.add_argument("--mode", choices=["kill", "freeze", "mixed"], default="mixed")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--mode", choices=["kill", "freeze", "mixed"], default="mixed",
+                   help="SIGKILL, SIGSTOP then SIGCONT, or either at random")
+    p.add_argument("--seed", type=int, default=0, help="seed of the choice of replica and action")
     a = p.parse_args(argv)
     cfg = ChaosConfig(a.base_url, a.api_key, a.admin_key, a.model, a.streams, a.duration, a.max_tokens,
                       a.kill_every, a.freeze, a.mode, a.seed)

@@ -60,5 +60,7 @@ async def measure(load: bool, model_dir: str) -> list[float]:
 
 if __name__ == "__main__":
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    if len(sys.argv) != 3 or sys.argv[1] not in ("on", "off"):
+        sys.exit("usage: python ops/vllm_penalties_tput.py on|off MODEL_DIR  (see its docstring)")
     on = sys.argv[1] == "on"
     print("RESULT " + json.dumps({"processor": on, "tok_per_s": asyncio.run(measure(on, sys.argv[2]))}), flush=True)

@@ -68,6 +68,9 @@ def run(args: argparse.Namespace) -> None:
                   formatter=JsonFormatter({"replica": name} if name else None),
                   text_format=f"%(asctime)s replica{' ' + name if name else ''} %(levelname)s %(message)s",
                   lean=False)
+    if not args.openai and (args.no_token_ids or args.stream_interval != 1):
+        # (they were accepted and ignored: a replica that was meant to stand in for vLLM did not)
+        sys.exit("fairstream replica: --no-token-ids and --stream-interval apply to --openai only")
     config = json.loads(args.config_json)
     secret = os.environ.get(args.secret_env, "")
     host = port = None

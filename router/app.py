@@ -171,6 +171,10 @@ def _http_error(request: Request, exc: HTTPException) -> Response:
     headers = exc.headers
     if status == 404:
         message = unknown_path(request.url.path).message  # (a WebSocket upgrade's too: router/fastpath.py)
+    elif status == 405 and request.url.path.rstrip("/") == "/v1/ws":
+        # (a GET is the right method there: what is missing is the upgrade)
+        message = ("/v1/ws takes WebSocket connections only: a GET with the headers Upgrade: websocket and "
+                   "Connection: Upgrade (a WebSocket client sends them).")
     elif status == 405:
         message = f"Method {request.method} is not allowed on {request.url.path}."
     elif status == 413:  # (request_max_body_size: max_body_bytes)

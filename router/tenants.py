@@ -35,7 +35,7 @@ class Limits(msgspec.Struct, forbid_unknown_fields=True, kw_only=True, omit_defa
     """Prompt + completion tokens per minute. Reserved at admission as
     estimated prompt tokens + max_tokens, settled with the real usage at the end."""
     max_concurrent: int | None = None
-    """Streams in flight at once (a lease held until the stream's last byte)."""
+    """Streams in flight at once (a lease held until the stream's end, freed before its `[DONE]` goes out)."""
     max_prompt_tokens: int | None = None
     """Longest prompt accepted, in tokens (checked on the real token count)."""
     max_tokens: int | None = None

@@ -211,6 +211,14 @@ def test_a_replica_open_to_the_network_without_a_secret_says_so() -> None:
     assert "without a secret" not in _replica_log(f":{_free_port()}")  # (binds 127.0.0.1)
 
 
+@pytest.mark.parametrize("flag", [["--no-token-ids"], ["--stream-interval", "4"]])
+def test_the_openai_only_replica_flags_are_refused_without_openai(tmp_path, flag: list[str]) -> None:
+    # (they were accepted and ignored on the replica protocol)
+    proc = _cli("replica", "--engine", "sim", "--socket", str(tmp_path / "r.sock"), *flag, timeout=30)
+    assert proc.returncode == 1
+    assert proc.stderr.strip().endswith("--no-token-ids and --stream-interval apply to --openai only"), proc.stderr
+
+
 def test_a_bracketed_ipv6_listen_address_works() -> None:
     import socket
 
