@@ -171,15 +171,16 @@ class Admission:
         await self._keeper.close()
 
     async def admit(self, policy: TenantPolicy, cost_tokens: int, *, count_request: bool = True,
-                    prompt_tokens: int = 0, lease_id: str = "") -> Ticket:
+                    prompt_tokens: int = 0, replaces: str = "") -> Ticket:
         """``count_request=False`` for the continuation of a resumed stream:
         it holds a lease and reserves tokens, but is not a new request.
         ``prompt_tokens``: the prompt's share of ``cost_tokens`` (what a
-        refusal for size tells the client to cut). ``lease_id``: the lease
-        to take (a continuation takes its stream's, which a router that died
-        running it left in the store for its TTL, counted against the
-        continuation; the store does not count a lease against itself); a
-        new one if empty or one of this router's live leases."""
+        refusal for size tells the client to cut). ``replaces``: a lease this
+        one takes the place of (``AdmitRequest.replaces``; a continuation
+        names its stream's first lease, which a router that died running it
+        left in the store, counted against the continuation for its TTL).
+        The lease is a new one all the same: one ticket, one lease, whatever
+        the original's ending does with its own."""
         if self._stopped.is_set():
             raise RouterShutdown()
         lim = policy.limits
@@ -188,9 +189,10 @@ class Admission:
             tpm=lim.tokens_per_minute,
             max_concurrent=lim.max_concurrent,
             cost_tokens=cost_tokens,
-            lease_id=lease_id if lease_id and lease_id not in self._leases else new_id(),
+            lease_id=new_id(),
             lease_ttl=LEASE_TTL,
             line=policy.on_limit == "queue",
+            replaces=replaces,
         )
         loop = asyncio.get_running_loop()
         started = loop.time()
@@ -243,11 +245,12 @@ class Admission:
                 if line[0] is not me:
                     await me.sleep(deadline - now)
                     self._raise_if_gone(name)
+                    # (a reload's policy: its limits, and its wait, which may end later or sooner now)
+                    policy, req, deadline = self._follow(policy, req, count_request, started, deadline)
                     if line[0] is not me:
                         if loop.time() < deadline:
                             continue
                         # its time is up before its turn came: one last try, then a 429
-                        policy, req, deadline = self._follow(policy, req, count_request, started, deadline)
                         decision = await self._admit_once(name, req)
                         if not decision.ok:
                             self._check_fits(policy, decision, cost_tokens, prompt_tokens)
@@ -356,11 +359,12 @@ class Admission:
         waiting for its limits asks with its tenant's policy from now on (its
         limits, and its line's wait counted from its arrival), not the one
         it arrived with (raising a limit to clear a backlog let the backlog
-        in at the old one). Each line's head asks again at once."""
+        in at the old one). Every waiter wakes: the heads ask again at once,
+        the others wait on until their new deadline."""
         self._policies = policies
         for line in self._lines.values():
-            if line:
-                line[0].wake()
+            for w in line:
+                w.wake()
 
     def _follow(self, policy: TenantPolicy, req: AdmitRequest, count_request: bool, started: float,
                 deadline: float) -> tuple[TenantPolicy, AdmitRequest, float]:

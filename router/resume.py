@@ -156,10 +156,21 @@ class ResumeWriter:
             log.warning("resume buffer for %s not created: %s", sid, e)
 
     async def claim(self, sid: str) -> bool:
-        if not await self.store.stream_claim(sid, self.owner, CLAIM_TTL):
+        """Claim ``sid`` for this router to generate; False if another
+        router holds it, or this one does or is claiming it already (the
+        store lets an owner claim again: two resumes here that asked at once
+        both took the stream over, two generations into one buffer)."""
+        if sid in self.live:
             return False
-        self.live.add(sid)
-        return True
+        self.live.add(sid)  # (before the await: a second resume here follows this one)
+        try:
+            claimed = await self.store.stream_claim(sid, self.owner, CLAIM_TTL)
+        except BaseException:
+            self.live.discard(sid)
+            raise
+        if not claimed:
+            self.live.discard(sid)
+        return claimed
 
     def continue_at(self, sid: str, events: int) -> None:
         """This router continues ``sid`` (claimed) after the buffer's first

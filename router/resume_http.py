@@ -433,7 +433,7 @@ async def _continue(svc: RouterService, policy: TenantPolicy, sid: str, meta: Re
     remaining = meta.params.max_tokens - len(tokens)
     ticket = pieces = None
     try:
-        ticket = await svc.admission.admit(policy, max(1, remaining), count_request=False, lease_id=meta.lease)
+        ticket = await svc.admission.admit(policy, max(1, remaining), count_request=False, replaces=meta.lease)
         log.info("resuming stream %s at %d tokens on this router", sid, len(tokens))
         pieces = gen.stream()
         first = await pieces.__anext__()

@@ -37,6 +37,11 @@ class AdmitRequest(msgspec.Struct, frozen=True, gc=False):
     # The tenant queues (``on_limit: queue``): the store keeps its line of
     # waiting requests across routers (see ``StateStore.admit``).
     line: bool = False
+    # A lease this one takes the place of ("" for none): not counted against
+    # it, and gone once it is admitted. A resumed stream's continuation
+    # replaces the lease of the request that started the stream, which a
+    # router that died running it left in the store for its TTL.
+    replaces: str = ""
 
 
 class TenantUsage(msgspec.Struct, frozen=True):

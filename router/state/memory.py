@@ -75,7 +75,7 @@ class MemoryStore(StateStore):
         decision, t.requests, t.tokens = ratelimit.admit(
             t.requests,
             t.tokens,
-            len(t.leases) - (req.lease_id in t.leases),  # (a lease asking again: not counted against itself)
+            len(t.leases) - (bool(req.replaces) and req.replaces in t.leases),  # (not counted against it)
             rpm=req.rpm,
             tpm=req.tpm,
             max_concurrent=req.max_concurrent,
@@ -84,6 +84,8 @@ class MemoryStore(StateStore):
             behind=blocked,
         )
         if decision.ok:
+            if req.replaces:
+                t.leases.pop(req.replaces, None)
             t.leases[req.lease_id] = now + req.lease_ttl
             t.line.pop(req.lease_id, None)
         elif req.line and decision.reason != "too_large":

@@ -111,7 +111,7 @@ class RedisStore(StateStore):
             res = await self._admit(
                 keys=self._keys(tenant),
                 args=[req.rpm, req.tpm, req.max_concurrent, req.cost_tokens, req.lease_id, req.lease_ttl,
-                      int(req.line), QUEUED_RETRY, LINE_SLACK, self._channel, tenant],
+                      int(req.line), QUEUED_RETRY, LINE_SLACK, self._channel, tenant, req.replaces],
             )
         except RedisError as e:
             raise _unavailable(e) from e

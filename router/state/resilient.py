@@ -218,6 +218,9 @@ class ResilientStore(StateStore):
             self._lease_store[req.lease_id] = store
             self._lease_of[req.lease_id] = (tenant, req.lease_ttl)
             self._reserve_store[req.lease_id] = store
+            if store is self.primary and not self.healthy and self.fail_open:
+                # (Redis took it, but an outage began meanwhile: ``_hold_locally`` ran without it)
+                self.fallback.hold(tenant, [req.lease_id], req.lease_ttl)
         return decision
 
     async def leave(self, tenant: str, lease_id: str) -> None:
@@ -269,7 +272,10 @@ class ResilientStore(StateStore):
                 for lid in moving:
                     if lid in self._lease_store:  # (not released meanwhile)
                         self._lease_store[lid] = self.primary
-                        await self.fallback.release(tenant, lid)
+                        if self.healthy or not self.fail_open:
+                            self.fallback.drop(tenant, lid)
+                        # (else an outage began while it moved: the fallback counts it on, as
+                        # ``_hold_locally`` does Redis's leases, until Redis is back)
 
     async def release(self, tenant: str, lease_id: str) -> None:
         if self._connect is not None:

@@ -11,6 +11,7 @@ import asyncio
 import math
 import uuid
 
+import msgspec
 import pytest
 
 from router.state import AdmitRequest, StateStore
@@ -156,17 +157,26 @@ async def test_max_concurrent_leases_then_release_frees_one(backend: Backend) ->
     assert (d.ok, d.reason) == (False, "concurrency")
 
 
-async def test_a_lease_asking_again_is_not_counted_against_itself(backend: Backend) -> None:
-    # (a resumed stream's continuation takes the lease its dead router left:
-    # counted against itself, it was refused until the lease's TTL ran out)
-    t, mine = backend.tenant(), uuid.uuid4().hex
-    assert (await backend.store.admit(t, req(max_concurrent=2, lease=mine))).ok
+async def test_a_lease_that_replaces_another_is_not_counted_against_it_and_takes_its_place(
+        backend: Backend) -> None:
+    # (a resumed stream's continuation replaces the lease its dead router
+    # left: counted against it, it was refused until that lease's TTL ran out)
+    t, old = backend.tenant(), uuid.uuid4().hex
+    assert (await backend.store.admit(t, req(max_concurrent=2, lease=old))).ok
     assert (await backend.store.admit(t, req(max_concurrent=2))).ok
-    assert (await backend.store.admit(t, req(max_concurrent=2, lease=mine))).ok  # the same slot again
+    d = await backend.store.admit(t, req(max_concurrent=2))
+    assert (d.ok, d.reason) == (False, "concurrency"), d
+    new = uuid.uuid4().hex
+    assert (await backend.store.admit(t, msgspec.structs.replace(req(max_concurrent=2, lease=new), replaces=old))).ok
+    assert await active(backend.store, t) == 2  # the old one went
+    await backend.store.release(t, old)  # (its router's late release: nothing left to free)
     assert await active(backend.store, t) == 2
     d = await backend.store.admit(t, req(max_concurrent=2))
     assert (d.ok, d.reason) == (False, "concurrency"), d
-    await backend.store.release(t, mine)
+    # a refused one takes nothing: the lease it names stays
+    d = await backend.store.admit(t, msgspec.structs.replace(req(max_concurrent=1), replaces=new))
+    assert (d.ok, d.reason) == (False, "concurrency"), d
+    await backend.store.release(t, new)
     assert await active(backend.store, t) == 1
 
 

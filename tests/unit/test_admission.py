@@ -334,21 +334,21 @@ async def test_a_request_of_a_tenant_removed_while_the_store_answered_does_not_w
     assert await asyncio.wait_for(adm.admit(policy, 1), 1) is not None
 
 
-async def test_a_continuation_takes_the_lease_it_names_unless_this_router_holds_it() -> None:
-    # (a resumed stream's continuation takes its stream's lease, which a dead
-    # router left in the store; never one of this router's live leases: two
-    # tickets on one lease, and the first one's release freed the second's slot)
+async def test_a_continuation_replaces_the_lease_it_names_with_one_of_its_own() -> None:
+    # (it took the lease a dead router left, by its id: when the original
+    # stream's router was alive and released that id late, the release
+    # freed the continuation's slot, and the tenant went past max_concurrent)
     policy = msgspec.structs.replace(_policy(0.0, rpm=0, concurrent=1), on_limit="reject")
-    adm = Admission(MemoryStore(), Metrics())
-    first = await adm.admit(policy, 1, count_request=False, lease_id="stream-lease")
-    assert first.lease_id == "stream-lease"
-    with pytest.raises(RateLimited):  # the same lease, held here: a new one, counted
-        await adm.admit(policy, 1, count_request=False, lease_id="stream-lease")
-    await adm.finish(first, 1)
-    again = await adm.admit(policy, 1, count_request=False, lease_id="stream-lease")
-    assert again.lease_id == "stream-lease"
-    await adm.finish(again, 1)
-    assert (await adm.admit(policy, 1)).lease_id != "stream-lease"
+    store = MemoryStore()
+    adm = Admission(store, Metrics())
+    original = await adm.admit(policy, 1)
+    continuation = await adm.admit(policy, 1, count_request=False, replaces=original.lease_id)
+    assert continuation.lease_id != original.lease_id
+    await adm.finish(original, 1)  # the original's ending, late: the continuation's slot stays taken
+    with pytest.raises(RateLimited):
+        await adm.admit(policy, 1)
+    await adm.finish(continuation, 1)
+    await adm.finish(await adm.admit(policy, 1), 1)
 
 
 @pytest.mark.parametrize("raised", [True, False], ids=["raised", "lowered"])
@@ -375,3 +375,22 @@ async def test_a_reload_s_limits_reach_the_requests_already_waiting(raised: bool
         ticket = await asyncio.wait_for(waiting, 2)
     for t in held + [ticket]:
         await adm.finish(t, 1)
+
+
+async def test_a_reload_s_queue_wait_reaches_the_requests_behind_the_head() -> None:
+    # (only a line's head took the new policy, when it asked the store: the
+    # requests behind it got their 429 at the old deadline)
+    before = _policy(0.5, rpm=0, concurrent=1)
+    after = msgspec.structs.replace(before, limits=msgspec.structs.replace(before.limits, queue_wait=30.0))
+    adm = Admission(MemoryStore(), Metrics())
+    held = await adm.admit(before, 1)
+    head = asyncio.create_task(adm.admit(before, 1))
+    await asyncio.sleep(0.02)
+    second = asyncio.create_task(adm.admit(before, 1))
+    await asyncio.sleep(0.05)
+    adm.follow({"t": after})
+    await asyncio.sleep(1.0)  # past the old deadline
+    assert not head.done() and not second.done()
+    await adm.finish(held, 1)
+    await adm.finish(await asyncio.wait_for(head, 2), 1)
+    await adm.finish(await asyncio.wait_for(second, 2), 1)

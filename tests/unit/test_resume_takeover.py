@@ -264,6 +264,24 @@ async def test_a_stream_released_while_its_renewal_is_on_the_way_is_not_left_cla
         await writer.close()
 
 
+async def test_two_resumes_claiming_one_stream_at_once_on_a_router_take_it_over_once() -> None:
+    # (the store lets an owner claim again: two resumes here whose claims
+    # were on their way together (Redis) both took the stream over, two
+    # generations into one buffer)
+    class RoundTrip(MemoryStore):
+        async def stream_claim(self, sid, owner, claim_ttl):
+            await asyncio.sleep(0.01)
+            return await super().stream_claim(sid, owner, claim_ttl)
+
+    writer = ResumeWriter(RoundTrip(Clock()), 60)
+    await writer.open("s1", ResumeMeta("t", False, "m", "cmpl-s1", 0, False, SamplingParams(max_tokens=8), [1, 2]))
+    await writer.release("s1")  # its client left
+    assert sorted(await asyncio.gather(writer.claim("s1"), writer.claim("s1"))) == [False, True]
+    assert "s1" in writer.live
+    await writer.release("s1")
+    assert await writer.claim("s1")  # (free again once released)
+
+
 async def test_a_resume_past_a_final_error_is_a_400_not_an_empty_stream() -> None:
     # (a stream that ended with stream_lost: its error event was numbered, and
     # a resume with that id was a 200 with nothing in it, over and over)
