@@ -41,7 +41,8 @@ class StreamTimeout(Exception):
     """A tenant time limit passed (``which``: first_token, total)."""
 
     def __init__(self, which: str, seconds: float) -> None:
-        super().__init__(f"{which.replace('_', ' ')} timeout of {seconds:g}s exceeded")
+        # (what follows "The request" or "The stream" in the error a client gets and the log line)
+        super().__init__(f"exceeded the tenant's {which.replace('_', ' ')} timeout of {seconds:g}s")
         self.which = which
         self.seconds = seconds
 
@@ -543,7 +544,7 @@ class Generation:
             # client is mid-stream.
             handle = self._choose_again()
         except NoReplica as e2:
-            if not self._wait_for_replica(str(e2)):
+            if not self._wait_for_replica(str(e2), e):
                 self._give_up(str(e2))
             return
         log.info("stream on %s failed after %d tokens (%s); continuing on %s (failover %d)", name,
@@ -557,7 +558,7 @@ class Generation:
         job = self.job
         return self.pool.choose(job.model, job.params.max_tokens - len(self.completion_ids), self._exclude, job.needs)
 
-    def _wait_for_replica(self, why: str) -> bool:
+    def _wait_for_replica(self, why: str, failure: BaseException) -> bool:
         """No replica can take the stream over now (its only replica, or
         every one, is restarting): wait for one to become ready, at most
         ``failover_wait`` seconds and never past the tenant's time limits.
@@ -574,8 +575,10 @@ class Generation:
             until, limit = dl.start + dl.total, "total"
         if until <= now:
             return False
-        log.info("stream on %s: no replica is ready to continue it (%s); waiting up to %.1fs for one",
-                 self.replica, why, until - now, extra={"request_id": self.request_id})
+        # (what every failover's line says: the replica, the tokens so far, why; then why it waits)
+        log.info("stream on %s failed after %d tokens (%s); no replica is ready to continue it (%s); waiting "
+                 "up to %.1fs for one", self.replica, len(self.completion_ids), failure, why, until - now,
+                 extra={"request_id": self.request_id, "replica": self.replica})
         self._waiting = asyncio.get_running_loop().call_later(until - now, self._waited, why, limit)
         self.pool.when_ready(self._replica_ready)
         if sched is not None:

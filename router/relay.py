@@ -112,8 +112,8 @@ def error_fields(e: BaseException) -> dict[str, object]:
         if e.param:
             out["error_param"] = e.param
         return out
-    if isinstance(e, StreamTimeout):
-        return {"error_code": e.code, "error": str(e)}
+    if isinstance(e, StreamTimeout):  # (ended a stream under way: the client's event says the same)
+        return {"error_code": e.code, "error": f"The stream {e}."}
     if isinstance(e, StreamLost):
         return {"error_code": "stream_lost", "error": str(e)[:300]}
     return {}
@@ -208,7 +208,7 @@ def error_before_output(metrics, tenant: str, e: BaseException, headers: dict[st
     it has its own. Anything else (a cancel) is ``e``."""
     if isinstance(e, StreamTimeout):
         metrics.timed_out(tenant, e.which)
-        return GatewayTimeout(f"The request hit the tenant's {e}.", code=e.code, headers=dict(headers))
+        return GatewayTimeout(f"The request {e}.", code=e.code, headers=dict(headers))
     if isinstance(e, StreamLost):
         return ApiError(f"The generation failed before its first token: {e}", code="stream_lost",
                         headers=dict(headers))
@@ -327,7 +327,7 @@ class EventStream:
             return self.final
         if isinstance(e, StreamTimeout):
             self.svc.metrics.timed_out(self.policy.name, e.which)
-            body = error_body(f"The stream hit the tenant's {e}.", "timeout", None, e.code)
+            body = error_body(f"The stream {e}.", "timeout", None, e.code)
         elif isinstance(e, ApiError):
             body = e.body()
         else:

@@ -309,6 +309,8 @@ async def test_a_stream_whose_only_replica_is_killed_continues_token_exact_after
     # the wait and the move are logged under the request's id
     lines = [rec["msg"] for rec in router.records("fairstream.generation") if rec.get("request_id") == res.request_id]
     assert len(lines) == 2 and "no replica is ready to continue it" in lines[0], lines
+    # (what failed, and after how many tokens, as every failover's line says; it said only that it waited)
+    assert lines[0].startswith("stream on sim-0 failed after ") and " tokens (" in lines[0], lines
     assert lines[1] == "stream on sim-0 continues on sim-0, which became ready", lines
 
 

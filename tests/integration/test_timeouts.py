@@ -151,6 +151,8 @@ async def test_first_token_timeout_is_504_before_headers_and_aborts_the_request(
             assert "x-request-id" in headers
             err = assert_openai_error(json.loads(body), "first_token_timeout")
             assert err["type"] == "timeout"
+            # (it said "The request hit the tenant's first token timeout of 1s exceeded.")
+            assert err["message"] == "The request exceeded the tenant's first token timeout of 1s.", err
             # the request did reach the replica ...
             assert watch.max_inflight >= 1 and watch.max_engine >= 1, (watch.max_inflight, watch.max_engine)
             # ... and was aborted there when the limit passed
@@ -162,6 +164,7 @@ async def test_first_token_timeout_is_504_before_headers_and_aborts_the_request(
             # its log line has the status the client got
             rec = await request_line(router, headers["x-request-id"])
             assert rec["status"] == 504 and rec["error_code"] == "first_token_timeout", rec
+            assert rec["error"] == err["message"], rec
 
 
 # -- total -------------------------------------------------------------------------------
@@ -202,6 +205,7 @@ async def test_total_timeout_mid_stream_is_an_error_event_without_done(total_rou
         assert text, "the stream was under way before the limit"
         err = assert_openai_error(last.json(), "total_timeout")
         assert err["type"] == "timeout"
+        assert err["message"] == f"The stream exceeded the tenant's total timeout of {TOTAL:g}s.", err
         # the error event continues the stream's numbering
         assert [ev.number for ev in events] == list(range(1, len(events) + 1))
         # aborted on the replica at once (400 tokens would take >= 8 s)
@@ -222,6 +226,7 @@ async def test_total_timeout_mid_stream_is_an_error_event_without_done(total_rou
         rec = await request_line(router, rid)
         assert rec["outcome"] == "timeout_total" and rec["error_code"] == "total_timeout", rec
         assert rec["status"] == 200, rec
+        assert rec["error"] == err["message"], rec  # (the same text, not a fragment of it)
 
 
 async def test_total_timeout_raises_api_error_in_the_openai_sdk(total_router: RouterProcess) -> None:
