@@ -171,16 +171,18 @@ class Admission:
         await self._keeper.close()
 
     async def admit(self, policy: TenantPolicy, cost_tokens: int, *, count_request: bool = True,
-                    prompt_tokens: int = 0, replaces: str = "") -> Ticket:
+                    prompt_tokens: int = 0, lease_id: str = "", replaces: tuple[str, ...] = ()) -> Ticket:
         """``count_request=False`` for the continuation of a resumed stream:
         it holds a lease and reserves tokens, but is not a new request.
         ``prompt_tokens``: the prompt's share of ``cost_tokens`` (what a
-        refusal for size tells the client to cut). ``replaces``: a lease this
-        one takes the place of (``AdmitRequest.replaces``; a continuation
-        names its stream's first lease, which a router that died running it
-        left in the store, counted against the continuation for its TTL).
-        The lease is a new one all the same: one ticket, one lease, whatever
-        the original's ending does with its own."""
+        refusal for size tells the client to cut). ``lease_id``: the new
+        lease's id, if the caller drew it already (a continuation names it in
+        its claim); else a new one. ``replaces``: leases this one takes the
+        place of (``AdmitRequest.replaces``; a continuation names those of
+        the stream's earlier generators, which a router that died running
+        it left in the store, counted against the continuation for their
+        TTL). The lease is a new one all the same: one ticket, one lease,
+        whatever the original's ending does with its own."""
         if self._stopped.is_set():
             raise RouterShutdown()
         lim = policy.limits
@@ -189,7 +191,7 @@ class Admission:
             tpm=lim.tokens_per_minute,
             max_concurrent=lim.max_concurrent,
             cost_tokens=cost_tokens,
-            lease_id=new_id(),
+            lease_id=lease_id or new_id(),
             lease_ttl=LEASE_TTL,
             line=policy.on_limit == "queue",
             replaces=replaces,

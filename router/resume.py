@@ -155,16 +155,18 @@ class ResumeWriter:
         except StoreUnavailable as e:
             log.warning("resume buffer for %s not created: %s", sid, e)
 
-    async def claim(self, sid: str) -> bool:
+    async def claim(self, sid: str, lease: str = "") -> bool:
         """Claim ``sid`` for this router to generate; False if another
         router holds it, or this one does or is claiming it already (the
         store lets an owner claim again: two resumes here that asked at once
-        both took the stream over, two generations into one buffer)."""
+        both took the stream over, two generations into one buffer).
+        ``lease``: the admission lease the continuation will hold, which the
+        store keeps for the next claim's continuation to replace."""
         if sid in self.live:
             return False
         self.live.add(sid)  # (before the await: a second resume here follows this one)
         try:
-            claimed = await self.store.stream_claim(sid, self.owner, CLAIM_TTL)
+            claimed = await self.store.stream_claim(sid, self.owner, CLAIM_TTL, lease)
         except BaseException:
             self.live.discard(sid)
             raise

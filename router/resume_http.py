@@ -245,7 +245,12 @@ async def _replay(svc: RouterService, policy: TenantPolicy, sid: str, meta: Resu
     loop = asyncio.get_running_loop()
     catch_up_until = loop.time() + CATCH_UP
     sent_at = loop.time()
+    # the lease of the stream's last generator before this resume (``StreamSnapshot.lease``;
+    # not one of this resume's own claims, which a claim given back leaves in the buffer)
+    prior, ours = "", set()
     while True:
+        if snap.lease and snap.lease not in ours:
+            prior = snap.lease
         if reader.superseded:
             # (its client has most likely gone: it came back on another connection)
             ended = ServiceUnavailable(f"A newer resume of stream {sid} ended this one: at most {MAX_READERS} "
@@ -281,7 +286,7 @@ async def _replay(svc: RouterService, policy: TenantPolicy, sid: str, meta: Resu
         live = mine or (snap.owner and snap.owner != me)
         if live and (not behind or loop.time() < catch_up_until):
             await asyncio.sleep(TAIL_POLL)  # a live router (maybe this one) generates it: follow its buffer
-        elif not mine and await svc.resume.claim(sid):
+        elif not mine and await svc.resume.claim(sid, lease := new_id()):
             # (never this router's own live stream, however far behind its
             # buffer: claiming it would start a second generation into it)
             try:
@@ -294,12 +299,15 @@ async def _replay(svc: RouterService, policy: TenantPolicy, sid: str, meta: Resu
                 outcome.record("unavailable")
                 yield _cannot_go_on(meta, sid, fresh)
                 return
+            ours.add(lease)
             if fresh.total_events > have or fresh.finished:
                 await svc.resume.release(sid)  # appended meanwhile: replay first
                 snap = fresh
                 continue
             reader.continuing = True
-            async for chunk in _take_over(svc, policy, sid, meta, fresh, pos, cursor, outcome):
+            # (its lease replaces those of the stream's earlier generators, which may have died holding them)
+            leases = (lease, tuple(x for x in (prior, meta.lease) if x))
+            async for chunk in _take_over(svc, policy, sid, meta, fresh, pos, cursor, outcome, leases):
                 yield chunk
             return
         else:
@@ -346,8 +354,9 @@ def _cannot_go_on(meta: ResumeMeta, sid: str, snap: StreamSnapshot | None) -> by
     return _notice(meta, _BROKEN.format(sid), NOT_RESUMABLE)
 
 
-async def _take_over(svc: RouterService, policy: TenantPolicy, sid: str, meta: ResumeMeta,
-                     snap: StreamSnapshot, pos: Position, cursor: int, outcome: Outcome) -> AsyncIterator[bytes]:
+async def _take_over(svc: RouterService, policy: TenantPolicy, sid: str, meta: ResumeMeta, snap: StreamSnapshot,
+                     pos: Position, cursor: int, outcome: Outcome,
+                     leases: tuple[str, tuple[str, ...]] = ("", ())) -> AsyncIterator[bytes]:
     enc_error = ChunkEncoder(meta.chat, meta.response_id, meta.model, meta.created, event_id=cursor)
     skip_chars = 0
     tokens, text_len = list(snap.token_ids), snap.text_len
@@ -376,7 +385,8 @@ async def _take_over(svc: RouterService, policy: TenantPolicy, sid: str, meta: R
                     "regenerating %d characters it already has", sid, cursor - snap.total_events, skip_chars)
     outcome.done = True  # (the continuation is the request: its own line and count)
     try:
-        async with aclosing(_continue(svc, policy, sid, meta, tokens, text_len, cursor, skip_chars)) as chunks:
+        async with aclosing(_continue(svc, policy, sid, meta, tokens, text_len, cursor, skip_chars,
+                                      leases)) as chunks:
             async for chunk in _waiting_until_first(chunks):
                 yield chunk
     except ApiError as e:  # (refused before any output: ``_continue`` gave the claim back)
@@ -416,7 +426,10 @@ async def _waiting_until_first(chunks: AsyncIterator[bytes]) -> AsyncIterator[by
 
 
 async def _continue(svc: RouterService, policy: TenantPolicy, sid: str, meta: ResumeMeta, tokens: list[int],
-                    text_len: int, cursor: int, skip_chars: int) -> AsyncIterator[bytes]:
+                    text_len: int, cursor: int, skip_chars: int,
+                    leases: tuple[str, tuple[str, ...]] = ("", ())) -> AsyncIterator[bytes]:
+    """The continuation of a claimed stream. ``leases``: its admission
+    lease's id (named in the claim) and the leases it replaces."""
     started = time.monotonic()
     lim = policy.limits
     job = Job(meta.model, meta.params, prompt_token_ids=meta.prompt_token_ids)
@@ -433,7 +446,8 @@ async def _continue(svc: RouterService, policy: TenantPolicy, sid: str, meta: Re
     remaining = meta.params.max_tokens - len(tokens)
     ticket = pieces = None
     try:
-        ticket = await svc.admission.admit(policy, max(1, remaining), count_request=False, replaces=meta.lease)
+        ticket = await svc.admission.admit(policy, max(1, remaining), count_request=False, lease_id=leases[0],
+                                           replaces=leases[1])
         log.info("resuming stream %s at %d tokens on this router", sid, len(tokens))
         pieces = gen.stream()
         first = await pieces.__anext__()

@@ -37,11 +37,12 @@ class AdmitRequest(msgspec.Struct, frozen=True, gc=False):
     # The tenant queues (``on_limit: queue``): the store keeps its line of
     # waiting requests across routers (see ``StateStore.admit``).
     line: bool = False
-    # A lease this one takes the place of ("" for none): not counted against
-    # it, and gone once it is admitted. A resumed stream's continuation
-    # replaces the lease of the request that started the stream, which a
-    # router that died running it left in the store for its TTL.
-    replaces: str = ""
+    # Leases this one takes the place of: not counted against it, and gone
+    # once it is admitted. A resumed stream's continuation replaces the
+    # leases of those that generated the stream before it (the request that
+    # started it, the last continuation: ``StreamSnapshot.lease``), which a
+    # router that died running it left in the store for their TTL.
+    replaces: tuple[str, ...] = ()
 
 
 class TenantUsage(msgspec.Struct, frozen=True):
@@ -59,7 +60,8 @@ class StreamSnapshot(msgspec.Struct):
     ``token_ids`` are the completion tokens delivered so far, ``text_len``
     the characters of text they produced, ``events`` the SSE events after
     the requested one, ``total_events`` how many exist, ``owner`` the router
-    generating it (empty when none holds a live claim).
+    generating it (empty when none holds a live claim), ``lease`` the
+    admission lease the last claim named (``stream_claim``).
     """
 
     meta: bytes
@@ -70,6 +72,7 @@ class StreamSnapshot(msgspec.Struct):
     finished: bool
     owner: str
     broken: bool = False  # (it misses events: see ``stream_append``; it cannot be resumed)
+    lease: str = ""
 
 
 class StateStore(abc.ABC):
@@ -148,8 +151,10 @@ class StateStore(abc.ABC):
         again at every poll)."""
 
     @abc.abstractmethod
-    async def stream_claim(self, sid: str, owner: str, claim_ttl: float) -> bool:
-        """Take over generating ``sid`` if no live owner holds it."""
+    async def stream_claim(self, sid: str, owner: str, claim_ttl: float, lease: str = "") -> bool:
+        """Take over generating ``sid`` if no live owner holds it; ``lease``:
+        the admission lease its continuation will hold, kept for the next
+        claim's (``StreamSnapshot.lease``)."""
 
     @abc.abstractmethod
     async def stream_renew(self, sids: list[str], owner: str, claim_ttl: float) -> list[bool]:

@@ -30,7 +30,8 @@ SWEEP_INTERVAL = 1.0  # expired leases and buffers are swept at most this often 
 
 
 class _Stream:
-    __slots__ = ("meta", "token_ids", "text_len", "events", "finished", "owner", "owner_until", "expires", "broken")
+    __slots__ = ("meta", "token_ids", "text_len", "events", "finished", "owner", "owner_until", "expires", "broken",
+                 "lease")
 
     def __init__(self, meta: bytes, owner: str, owner_until: float, expires: float) -> None:
         self.meta = meta
@@ -42,6 +43,7 @@ class _Stream:
         self.owner_until = owner_until
         self.expires = expires
         self.broken = False
+        self.lease = ""
 
 
 class MemoryStore(StateStore):
@@ -67,6 +69,7 @@ class MemoryStore(StateStore):
             # may still count; leases are released explicitly at stream end.
             t.leases = ratelimit.prune_leases(t.leases, now)
             t.next_prune = now + SWEEP_INTERVAL
+        replaced = [lid for lid in set(req.replaces) if lid in t.leases and lid != req.lease_id]
         blocked = False
         if req.line and t.line:
             for lid in [k for k, until in t.line.items() if until <= now]:
@@ -75,7 +78,7 @@ class MemoryStore(StateStore):
         decision, t.requests, t.tokens = ratelimit.admit(
             t.requests,
             t.tokens,
-            len(t.leases) - (bool(req.replaces) and req.replaces in t.leases),  # (not counted against it)
+            len(t.leases) - len(replaced),  # (the leases it replaces are not counted against it)
             rpm=req.rpm,
             tpm=req.tpm,
             max_concurrent=req.max_concurrent,
@@ -84,8 +87,8 @@ class MemoryStore(StateStore):
             behind=blocked,
         )
         if decision.ok:
-            if req.replaces:
-                t.leases.pop(req.replaces, None)
+            for lid in replaced:
+                del t.leases[lid]
             t.leases[req.lease_id] = now + req.lease_ttl
             t.line.pop(req.lease_id, None)
         elif req.line and decision.reason != "too_large":
@@ -219,10 +222,10 @@ class MemoryStore(StateStore):
         owner = st.owner if st.owner and st.owner_until > now else ""
         return StreamSnapshot(
             st.meta, list(st.token_ids) if tokens else [], st.text_len, st.events[max(0, after):], len(st.events),
-            st.finished, owner, st.broken,
+            st.finished, owner, st.broken, st.lease,
         )
 
-    async def stream_claim(self, sid: str, owner: str, claim_ttl: float) -> bool:
+    async def stream_claim(self, sid: str, owner: str, claim_ttl: float, lease: str = "") -> bool:
         now = self._clock()
         st = self._stream(sid, now)
         if st is None or st.finished:
@@ -231,6 +234,7 @@ class MemoryStore(StateStore):
             return False
         st.owner = owner
         st.owner_until = now + claim_ttl
+        st.lease = lease
         return True
 
     async def stream_renew(self, sids: list[str], owner: str, claim_ttl: float) -> list[bool]:

@@ -111,7 +111,7 @@ class RedisStore(StateStore):
             res = await self._admit(
                 keys=self._keys(tenant),
                 args=[req.rpm, req.tpm, req.max_concurrent, req.cost_tokens, req.lease_id, req.lease_ttl,
-                      int(req.line), QUEUED_RETRY, LINE_SLACK, self._channel, tenant, req.replaces],
+                      int(req.line), QUEUED_RETRY, LINE_SLACK, self._channel, tenant, *req.replaces],
             )
         except RedisError as e:
             raise _unavailable(e) from e
@@ -197,16 +197,15 @@ class RedisStore(StateStore):
             raise _unavailable(e) from e
         if not res:
             return None
-        meta, toks, text_len, events, total, finished, owner, broken = res
+        meta, toks, text_len, events, total, finished, owner, broken, lease = res
         return StreamSnapshot(
             bytes(meta), _unpack(toks or b""), int(text_len), [bytes(e) for e in events], int(total),
-            finished in (b"1", "1", 1), owner.decode() if isinstance(owner, bytes) else str(owner or ""),
-            broken in (b"1", "1", 1),
+            finished in (b"1", "1", 1), _text(owner), broken in (b"1", "1", 1), _text(lease),
         )
 
-    async def stream_claim(self, sid: str, owner: str, claim_ttl: float) -> bool:
+    async def stream_claim(self, sid: str, owner: str, claim_ttl: float, lease: str = "") -> bool:
         try:
-            return bool(await self._s_claim(keys=self._skeys(sid)[:1], args=[owner, claim_ttl]))
+            return bool(await self._s_claim(keys=self._skeys(sid)[:1], args=[owner, claim_ttl, lease]))
         except RedisError as e:
             raise _unavailable(e) from e
 
@@ -308,6 +307,11 @@ def _pack(ids: list[int]) -> bytes:
     if sys.byteorder != "little":
         a.byteswap()
     return a.tobytes()
+
+
+def _text(value) -> str:
+    """A script's string reply as text ('' for none)."""
+    return value.decode() if isinstance(value, bytes) else str(value or "")
 
 
 def _unpack(data: bytes) -> list[int]:

@@ -326,8 +326,8 @@ class ResilientStore(StateStore):
     async def stream_read(self, sid, after, tokens=True):
         return await self._stream_op("stream_read", lambda s: s.stream_read(sid, after, tokens))
 
-    async def stream_claim(self, sid, owner, claim_ttl) -> bool:
-        return await self._stream_op("stream_claim", lambda s: s.stream_claim(sid, owner, claim_ttl))
+    async def stream_claim(self, sid, owner, claim_ttl, lease="") -> bool:
+        return await self._stream_op("stream_claim", lambda s: s.stream_claim(sid, owner, claim_ttl, lease))
 
     async def stream_renew(self, sids, owner, claim_ttl) -> list[bool]:
         return await self._stream_op("stream_renew", lambda s: s.stream_renew(sids, owner, claim_ttl))

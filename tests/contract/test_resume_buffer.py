@@ -53,6 +53,22 @@ async def test_a_claim_is_taken_only_from_a_released_or_expired_owner(backend: B
     assert (await store.stream_read(s, 0)).owner == "r2"
 
 
+async def test_a_claim_keeps_the_lease_its_continuation_holds_for_the_next_claim(backend: Backend) -> None:
+    # (a continuation replaces the leases of the stream's earlier generators:
+    # the one that started it is in the metadata, the last continuation's
+    # here; without it a router that died continuing a stream held the
+    # tenant's slot against the next continuation for the lease's TTL)
+    store, s = backend.store, sid()
+    await store.stream_open(s, encode_meta(META), "r1", 60)
+    assert (await store.stream_read(s, 0)).lease == ""
+    await store.stream_release(s, "r1")
+    assert await store.stream_claim(s, "r2", 10, "lease-2")
+    assert (await store.stream_read(s, 0)).lease == "lease-2"
+    await store.stream_release(s, "r2")
+    assert await store.stream_claim(s, "r3", 10, "lease-3")
+    assert (await store.stream_read(s, 0, tokens=False)).lease == "lease-3"
+
+
 async def test_a_finished_buffer_says_so(backend: Backend) -> None:
     store, s = backend.store, sid()
     await store.stream_open(s, encode_meta(META), "r1", 60)

@@ -167,14 +167,15 @@ async def test_a_lease_that_replaces_another_is_not_counted_against_it_and_takes
     d = await backend.store.admit(t, req(max_concurrent=2))
     assert (d.ok, d.reason) == (False, "concurrency"), d
     new = uuid.uuid4().hex
-    assert (await backend.store.admit(t, msgspec.structs.replace(req(max_concurrent=2, lease=new), replaces=old))).ok
+    assert (await backend.store.admit(t, msgspec.structs.replace(req(max_concurrent=2, lease=new),
+                                                                 replaces=(old, "never-taken")))).ok
     assert await active(backend.store, t) == 2  # the old one went
     await backend.store.release(t, old)  # (its router's late release: nothing left to free)
     assert await active(backend.store, t) == 2
     d = await backend.store.admit(t, req(max_concurrent=2))
     assert (d.ok, d.reason) == (False, "concurrency"), d
     # a refused one takes nothing: the lease it names stays
-    d = await backend.store.admit(t, msgspec.structs.replace(req(max_concurrent=1), replaces=new))
+    d = await backend.store.admit(t, msgspec.structs.replace(req(max_concurrent=1), replaces=(new,)))
     assert (d.ok, d.reason) == (False, "concurrency"), d
     await backend.store.release(t, new)
     assert await active(backend.store, t) == 1
@@ -590,3 +591,14 @@ async def test_peers_lists_the_live_routers_digests(backend: Backend) -> None:
     await backend.sleep(0.7)  # (past other's entry, not past router's: the key itself must outlive both)
     after = await backend.store.peers(router, "d1", 1.0)
     assert after == {router: "d1"}, after  # other gone once its ttl passed, leaving at once
+
+
+async def test_a_continuation_replaces_every_lease_it_names(backend: Backend) -> None:
+    # (a stream taken over twice: the leases of the router that started it
+    # and of the one that continued it, both dead, held two slots)
+    t, first, second = backend.tenant(), uuid.uuid4().hex, uuid.uuid4().hex
+    for lid in (first, second):
+        assert (await backend.store.admit(t, req(max_concurrent=2, lease=lid))).ok
+    third = msgspec.structs.replace(req(max_concurrent=1), replaces=(second, first))
+    assert (await backend.store.admit(t, third)).ok
+    assert await active(backend.store, t) == 1

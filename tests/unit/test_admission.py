@@ -342,7 +342,7 @@ async def test_a_continuation_replaces_the_lease_it_names_with_one_of_its_own() 
     store = MemoryStore()
     adm = Admission(store, Metrics())
     original = await adm.admit(policy, 1)
-    continuation = await adm.admit(policy, 1, count_request=False, replaces=original.lease_id)
+    continuation = await adm.admit(policy, 1, count_request=False, replaces=(original.lease_id,))
     assert continuation.lease_id != original.lease_id
     await adm.finish(original, 1)  # the original's ending, late: the continuation's slot stays taken
     with pytest.raises(RateLimited):

@@ -204,6 +204,34 @@ async def test_a_quiet_live_stream_whose_claim_lapsed_is_followed_not_taken_over
     assert await asyncio.wait_for(task, 2) == [b"e2", b"data: [DONE]\n\n"]
 
 
+async def test_a_continuation_replaces_the_leases_of_the_routers_that_died_generating_the_stream() -> None:
+    # Router a started the stream, router b continued it, both died holding
+    # their leases (counted for the lease TTL). This router's continuation
+    # replaces both: it was refused at the tenant's max_concurrent (b's
+    # lease, written nowhere, held the slot), or after a's alone, 30 s long.
+    from router.resume import encode_meta
+    from router.state.base import AdmitRequest
+
+    clock = Clock()
+    svc = await service()
+    svc.store = MemoryStore(clock)
+    svc.resume = ResumeWriter(svc.store, 60)
+    svc.admission = Admission(svc.store, svc.metrics)
+    meta = ResumeMeta("t", False, "m", "cmpl-s1", 0, False, SamplingParams(max_tokens=8), [1, 2], lease="lease-a")
+    await svc.store.stream_open("s1", encode_meta(meta), "router-a", 60)
+    await svc.store.stream_append("s1", [b"id: 1-2-5\ndata: {}\n\n"], [10, 11], 5, False, "router-a", 60)
+    for lid in ("lease-a", "lease-b"):
+        assert (await svc.store.admit("t", AdmitRequest(0, 0, 0, 1, lid, 60.0))).ok
+    await svc.store.stream_release("s1", "router-a")
+    assert await svc.store.stream_claim("s1", "router-b", CLAIM_TTL, "lease-b")
+    clock.now += CLAIM_TTL + 1  # router b died: its claim lapsed, its lease has not
+    out = await resume(svc, policy(max_concurrent=1))
+    await asyncio.gather(*svc.tasks)
+    # admitted (then no replica is ready here: the stream stays resumable)
+    assert b'"code":"no_replica_available"' in out[-1], out[-1]
+    assert (await svc.store.usage("t", rpm=0, tpm=0)).active_streams == 0  # both went, and its own is given back
+
+
 async def _collect(svc, snap) -> list[bytes]:
     return [c async for c in _resume(svc, policy(), "s1", decode_meta(snap.meta), snap, Position(1, 2, 5))]
 
@@ -269,9 +297,9 @@ async def test_two_resumes_claiming_one_stream_at_once_on_a_router_take_it_over_
     # were on their way together (Redis) both took the stream over, two
     # generations into one buffer)
     class RoundTrip(MemoryStore):
-        async def stream_claim(self, sid, owner, claim_ttl):
+        async def stream_claim(self, sid, owner, claim_ttl, lease=""):
             await asyncio.sleep(0.01)
-            return await super().stream_claim(sid, owner, claim_ttl)
+            return await super().stream_claim(sid, owner, claim_ttl, lease)
 
     writer = ResumeWriter(RoundTrip(Clock()), 60)
     await writer.open("s1", ResumeMeta("t", False, "m", "cmpl-s1", 0, False, SamplingParams(max_tokens=8), [1, 2]))

@@ -10,9 +10,9 @@
 -- ARGV: rpm, tpm, max_concurrent, cost_tokens, lease_id, lease_ttl, line (0/1),
 --       queued retry, line slack, channel, tenant (a request admitted from the
 --       line with others behind it: the routers are told, the next one's
---       router asks again at once), replaces (a lease this one takes the place
---       of, '' for none: a resumed stream's continuation, the lease of the
---       request that started the stream, which a router that died left)
+--       router asks again at once), then the leases this one takes the place
+--       of, if any (a resumed stream's continuation: the leases of those that
+--       generated the stream before it, which a router that died left)
 local t = redis.call('TIME')
 local now = tonumber(t[1]) + tonumber(t[2]) / 1000000
 local rpm = tonumber(ARGV[1])
@@ -51,9 +51,15 @@ end
 
 redis.call('ZREMRANGEBYSCORE', KEYS[3], '-inf', now)
 local leases = redis.call('ZCARD', KEYS[3])
--- the lease this one replaces is not counted against it (and goes if it is admitted)
-local replaces = ARGV[12]
-if replaces ~= '' and leases > 0 and redis.call('ZSCORE', KEYS[3], replaces) then leases = leases - 1 end
+-- the leases this one replaces are not counted against it (and go if it is admitted)
+local replaced = {}
+for i = 12, #ARGV do
+  local r = ARGV[i]
+  if r ~= '' and r ~= lease_id and not replaced[r] and redis.call('ZSCORE', KEYS[3], r) then
+    replaced[r] = true
+    leases = leases - 1
+  end
+end
 local req_level = INF
 local tok_level = INF
 if rpm > 0 then req_level = level(KEYS[1], rpm) end
@@ -120,7 +126,7 @@ end
 if tpm > 0 then
   rem_tok = tok_level - cost; rst_tok = reset(rem_tok, tpm); store(KEYS[2], rem_tok, tpm)
 end
-if replaces ~= '' then redis.call('ZREM', KEYS[3], replaces) end
+for r in pairs(replaced) do redis.call('ZREM', KEYS[3], r) end
 redis.call('ZADD', KEYS[3], now + ttl, lease_id)
 -- the set lives as long as its longest lease
 local last = redis.call('ZRANGE', KEYS[3], -1, -1, 'WITHSCORES')
