@@ -26,10 +26,7 @@ def _serve(args: argparse.Namespace) -> int:
         config, tenants = load_router_config(args.config)
         if args.tenants:
             tenants = Path(args.tenants)
-        # (a replica reached by address with its secret unset would refuse every connection, over and
-        # over; a local one gets the same value as the router, whatever it is)
-        unset = sorted({r.secret_env for r in config.replicas
-                        if r.address is not None and r.secret_env and not os.environ.get(r.secret_env)})
+        unset = _unset_secrets(config)
         if unset:
             print(f"fairstream serve: {', '.join(unset)} (a replica's secret_env in {args.config}) is not set or "
                   "empty in this environment", file=sys.stderr)
@@ -64,6 +61,15 @@ def _serve(args: argparse.Namespace) -> int:
     return 0
 
 
+def _unset_secrets(config) -> list[str]:
+    """The ``secret_env`` names of replicas reached by address that this
+    environment leaves unset or empty: such a replica would refuse every
+    connection, over and over, so ``serve`` refuses to start (a local one
+    gets the same value as the router, whatever it is)."""
+    return sorted({r.secret_env for r in config.replicas
+                   if r.address is not None and r.secret_env and not os.environ.get(r.secret_env)})
+
+
 def _check(args: argparse.Namespace) -> int:
     from router.config import RouterConfig
     from router.configfile import ConfigError, load_yaml
@@ -72,8 +78,12 @@ def _check(args: argparse.Namespace) -> int:
     for path in args.files:
         try:
             kind = _config_kind(path)
-            load_yaml(path, kind)
+            loaded, _ = load_yaml(path, kind)
             print(f"{path}: ok ({'router' if kind is RouterConfig else 'tenants'} config)")
+            unset = _unset_secrets(loaded) if kind is RouterConfig else []
+            if unset:  # (a note, not an error: the file may be checked where the secrets are not, e.g. in CI)
+                print(f"{path}: note: {', '.join(unset)} (a replica's secret_env) is not set or empty in this "
+                      "environment; `fairstream serve` refuses to start without it", file=sys.stderr)
         except ConfigError as e:
             failed = True
             print("\n".join(e.errors), file=sys.stderr)

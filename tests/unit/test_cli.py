@@ -179,6 +179,13 @@ def test_serve_refuses_an_unset_replica_secret(tmp_path) -> None:
                           cwd=ROOT, check=False)
     assert proc.returncode == 1, proc.stderr[-2000:]
     assert "FS_TEST_UNSET_SECRET" in proc.stderr and "is not set" in proc.stderr
+    # check-config passes the file (it may run where the secrets are not) and says what serve will do
+    check = subprocess.run([sys.executable, "-c", "from router.cli import main; main()", "check-config",
+                            str(tmp_path / "router.yaml")], capture_output=True, text=True, timeout=30, env=env,
+                           cwd=ROOT, check=False)
+    assert check.returncode == 0, check.stderr
+    assert check.stdout.endswith(": ok (router config)\n"), check.stdout
+    assert "note: FS_TEST_UNSET_SECRET" in check.stderr and "refuses to start" in check.stderr, check.stderr
 
 
 def _replica_log(listen: str) -> str:
