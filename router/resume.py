@@ -110,6 +110,9 @@ class ResumeWriter:
         # so the store can tell a buffer that misses some (stream_append's ``first``)
         self._written: dict[str, int] = {}
         self._refused: set[str] = set()  # buffers the store refused an append of (warned once)
+        # releases on their way to the store, per stream: a claim of this router's meanwhile would
+        # be undone by them when they land (the store takes both from the same owner)
+        self._releasing: dict[str, int] = {}
 
     async def start(self) -> None:
         loop = asyncio.get_running_loop()
@@ -159,10 +162,11 @@ class ResumeWriter:
         """Claim ``sid`` for this router to generate; False if another
         router holds it, or this one does or is claiming it already (the
         store lets an owner claim again: two resumes here that asked at once
-        both took the stream over, two generations into one buffer).
+        both took the stream over, two generations into one buffer), or a
+        release of it is on its way (it would undo this claim when it lands).
         ``lease``: the admission lease the continuation will hold, which the
         store keeps for the next claim's continuation to replace."""
-        if sid in self.live:
+        if sid in self.live or sid in self._releasing:  # (a resume tries again at its next look)
             return False
         self.live.add(sid)  # (before the await: a second resume here follows this one)
         try:
@@ -185,10 +189,15 @@ class ResumeWriter:
         self.live.discard(sid)
         self._written.pop(sid, None)
         self._refused.discard(sid)
+        self._releasing[sid] = self._releasing.get(sid, 0) + 1
         try:
             await self.store.stream_release(sid, self.owner)
         except StoreUnavailable:
             pass
+        finally:
+            n = self._releasing.pop(sid) - 1
+            if n:
+                self._releasing[sid] = n
 
     def append(self, sid: str, event: bytes | None, token_ids: list[int], text_len: int) -> None:
         """Add an event (and the tokens it carries) to the buffer."""

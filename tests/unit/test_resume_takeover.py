@@ -310,6 +310,31 @@ async def test_two_resumes_claiming_one_stream_at_once_on_a_router_take_it_over_
     assert await writer.claim("s1")  # (free again once released)
 
 
+async def test_a_claim_waits_for_this_routers_release_of_the_stream_to_land() -> None:
+    # (the original stream's release was on its way when a resume here
+    # claimed the stream; landing after the claim, it took the claim away,
+    # and the claim renewals, which only extend claims held, let another
+    # router take the stream over: two generations into one buffer)
+    landed = asyncio.Event()
+
+    class SlowRelease(MemoryStore):
+        async def stream_release(self, sid, owner):
+            await landed.wait()
+            return await super().stream_release(sid, owner)
+
+    store = SlowRelease(Clock())
+    writer = ResumeWriter(store, 60)
+    await writer.open("s1", ResumeMeta("t", False, "m", "cmpl-s1", 0, False, SamplingParams(max_tokens=8), [1, 2]))
+    releasing = asyncio.ensure_future(writer.release("s1"))  # the client left: the original lets it go
+    await asyncio.sleep(0)
+    assert not await writer.claim("s1")  # not while that release is on its way
+    landed.set()
+    await releasing
+    assert await writer.claim("s1", "lease-2")
+    snap = await store.stream_read("s1", 0)
+    assert (snap.owner, snap.lease) == (writer.owner, "lease-2") and writer._releasing == {}
+
+
 async def test_a_resume_past_a_final_error_is_a_400_not_an_empty_stream() -> None:
     # (a stream that ended with stream_lost: its error event was numbered, and
     # a resume with that id was a 200 with nothing in it, over and over)
