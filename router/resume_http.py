@@ -100,15 +100,11 @@ def parse_last_event_id(value: str | None) -> Position:
     return Position(*nums)
 
 
-_NOT_FOUND = "No resumable stream {!r} (unknown, or past its retention window)."
-# (with Redis: a restart without persistence, or a flush, empties every buffer)
-_NOT_FOUND_SHARED = ("No resumable stream {!r} (unknown, past its retention window, or lost when the state store "
-                     "restarted without its data).")
-
-
 def _not_found(svc: RouterService, sid: str) -> NotFound:
-    text = _NOT_FOUND if svc.store.name == "memory" else _NOT_FOUND_SHARED
-    return NotFound(text.format(clip(sid)), code="stream_not_found")
+    # (with Redis, a restart without persistence, or a flush, empties every buffer too)
+    why = ("unknown, or past its retention window" if svc.store.name == "memory" else
+           "unknown, past its retention window, or lost when the state store restarted without its data")
+    return NotFound(f"No resumable stream {clip(sid)!r} ({why}).", code="stream_not_found")
 
 
 async def serve_resume(svc: RouterService, policy: TenantPolicy, sid: str | None,
@@ -356,7 +352,7 @@ def _cannot_go_on(meta: ResumeMeta, sid: str, snap: StreamSnapshot | None) -> by
 
 async def _take_over(svc: RouterService, policy: TenantPolicy, sid: str, meta: ResumeMeta, snap: StreamSnapshot,
                      pos: Position, cursor: int, outcome: Outcome,
-                     leases: tuple[str, tuple[str, ...]] = ("", ())) -> AsyncIterator[bytes]:
+                     leases: tuple[str, tuple[str, ...]]) -> AsyncIterator[bytes]:
     enc_error = ChunkEncoder(meta.chat, meta.response_id, meta.model, meta.created, event_id=cursor)
     skip_chars = 0
     tokens, text_len = list(snap.token_ids), snap.text_len
@@ -427,7 +423,7 @@ async def _waiting_until_first(chunks: AsyncIterator[bytes]) -> AsyncIterator[by
 
 async def _continue(svc: RouterService, policy: TenantPolicy, sid: str, meta: ResumeMeta, tokens: list[int],
                     text_len: int, cursor: int, skip_chars: int,
-                    leases: tuple[str, tuple[str, ...]] = ("", ())) -> AsyncIterator[bytes]:
+                    leases: tuple[str, tuple[str, ...]]) -> AsyncIterator[bytes]:
     """The continuation of a claimed stream. ``leases``: its admission
     lease's id (named in the claim) and the leases it replaces."""
     started = time.monotonic()

@@ -69,7 +69,8 @@ class MemoryStore(StateStore):
             # may still count; leases are released explicitly at stream end.
             t.leases = ratelimit.prune_leases(t.leases, now)
             t.next_prune = now + SWEEP_INTERVAL
-        replaced = [lid for lid in set(req.replaces) if lid in t.leases and lid != req.lease_id]
+        # (a continuation's: never a new request's, which pays nothing for it)
+        replaced = {lid for lid in req.replaces if lid in t.leases and lid != req.lease_id} if req.replaces else ()
         blocked = False
         if req.line and t.line:
             for lid in [k for k, until in t.line.items() if until <= now]:
