@@ -186,6 +186,8 @@ def outcome_of(e: BaseException) -> str:
     if isinstance(e, ApiError):
         if e.status == 429:
             return "rate_limited"
+        if e.status in (401, 403):  # (a tenant a reload removed while its request waited)
+            return "unauthorized"
         return "client_error" if e.status < 500 else "unavailable"
     if isinstance(e, StreamLost):
         return "lost"

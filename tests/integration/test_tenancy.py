@@ -294,6 +294,10 @@ async def test_a_reload_that_removes_a_tenant_refuses_its_waiting_requests(tmp_p
         r = await asyncio.wait_for(waiting, 10)
         assert r.status_code == 401, r.text
         assert "was removed from the tenant policy" in r.json()["error"]["message"]
+        # (logged and counted as unauthorized under its tenant: its key was refused, not its request)
+        line = await apoll(lambda: next((x for x in router.records("fairstream.request")
+                                         if x["request_id"] == r.headers["x-request-id"]), None), 10, what="its line")
+        assert line["outcome"] == "unauthorized" and line["tenant"] == "a" and line["status"] == 401, line
         assert not first.done()  # (refused at the reload, not when the slot freed)
         assert (await first).status_code == 200  # the running stream went on
         r = await client.post("/v1/completions", headers=auth(KEY_A), json=body(2))

@@ -86,11 +86,13 @@ def test_refusals_and_timeouts_are_counted_only_under_declared_labels():
 def test_a_request_ended_by_a_bug_is_an_error_not_a_cancellation():
     import asyncio
 
-    from router.errors import BadRequest
+    from router.errors import BadRequest, Forbidden, Unauthorized
     from router.relay import outcome_of
     assert outcome_of(asyncio.CancelledError()) == "cancelled"
     assert outcome_of(ConnectionResetError()) == "cancelled"
     assert outcome_of(BadRequest("x")) == "client_error"
+    # (a key refused once its request had a tenant: one a reload removed while the request waited)
+    assert outcome_of(Unauthorized("x")) == outcome_of(Forbidden("x")) == "unauthorized"
     # (a 500 was counted and logged as "request cancelled": invisible to dashboards and alerts)
     assert outcome_of(OverflowError("can't serialize")) == "error"
 
