@@ -77,7 +77,9 @@ class PolicyRegistry:
         async with self._one_at_a_time:
             try:
                 text = await asyncio.to_thread(read_text, self.path)
-                if text == self._text and not self.last_errors:
+                if text == self._text:
+                    if self.last_errors:  # put back as it was after a failed reload: valid, and nothing changed
+                        self._restored()
                     return ReloadResult(True, self.current.version, changed=False)
                 file, _ = await asyncio.to_thread(load_yaml, self.path, TenantsFile, text)
             except ConfigError as e:
@@ -92,6 +94,12 @@ class PolicyRegistry:
                  self.path, self.current.version, self.current.digest, len(self.current.tenants))
         self._on_reload(True)
         return ReloadResult(True, self.current.version)
+
+    def _restored(self) -> None:
+        self.last_errors = []
+        log.info("tenant policy file %s is valid again, the same as version %d: nothing changed",
+                 self.path, self.current.version)
+        self._on_reload(True)
 
     def _failed(self, errors: list[str]) -> ReloadResult:
         self.last_errors = errors
