@@ -23,9 +23,11 @@ from litestar import Response
 
 from replicas.protocol import FinishReason
 from router.admission import Ticket
+from router.deadlines import Deadlines, StreamTimeout
 from router.errors import ApiError, BadRequest, NotFound, PayloadTooLarge, UnsupportedMediaType, clip
-from router.generation import Deadlines, Generation, Job, Piece, StreamLost, StreamTimeout
+from router.generation import Generation, StreamLost
 from router.ids import new_id
+from router.job import Job
 from router.openai_types import (
     ChatRequest,
     CompletionRequest,
@@ -39,6 +41,7 @@ from router.openai_types import (
 )
 from router.service import RouterService
 from router.logs import request_id_var
+from router.pieces import Piece
 from router.push import PushRelay
 from router.relay import EventStream, Outcome, error_before_output, outcome_of
 from router.resume import ResumeMeta

@@ -15,14 +15,17 @@ import asyncio
 import logging
 import time
 from collections.abc import AsyncIterator
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from replicas.client import ReplicaDead
 from replicas.pool import LoadHandle, NoReplica, ReplicaPool
-from replicas.protocol import Delta, FinishReason, SamplingParams, required_features
+from replicas.protocol import Delta, FinishReason
+from router.deadlines import Deadlines, Stalled, StreamTimeout, Watchdog
 from router.errors import BadRequest, ReplicaUnavailable, RouterShutdown
+from router.job import Job
 from router.logs import request_id_var
 from router.metrics import Metrics
+from router.pieces import Piece, PieceQueue
 
 if TYPE_CHECKING:
     from router.scheduler import Scheduler
@@ -30,166 +33,11 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("fairstream.generation")
 
-__all__ = ["Job", "Generation", "StreamLost", "StreamTimeout", "Deadlines", "Piece", "PieceQueue", "merge_pieces"]
+__all__ = ["Generation", "StreamLost"]
 
 
 class StreamLost(Exception):
     """The stream cannot continue: no replica could take it over."""
-
-
-class StreamTimeout(Exception):
-    """A tenant time limit passed (``which``: first_token, total)."""
-
-    def __init__(self, which: str, seconds: float) -> None:
-        # (what follows "The request" or "The stream" in the error a client gets and the log line)
-        super().__init__(f"exceeded the tenant's {which.replace('_', ' ')} timeout of {seconds:g}s")
-        self.which = which
-        self.seconds = seconds
-
-    @property
-    def code(self) -> str:
-        """The OpenAI-shaped error code a client gets: ``first_token_timeout``, ``total_timeout``."""
-        return f"{self.which}_timeout"
-
-
-class _Stalled(Exception):
-    """No token within the stall limit while the replica should be producing."""
-
-
-class Deadlines:
-    """Tenant time limits for one generation (0 = none), from its start."""
-
-    __slots__ = ("first_token", "stall", "total", "start")
-
-    def __init__(self, first_token: float = 0.0, stall: float = 0.0, total: float = 0.0,
-                 start: float | None = None) -> None:
-        self.first_token = first_token
-        self.stall = stall
-        self.total = total
-        self.start = time.monotonic() if start is None else start
-
-
-AFFINITY_PREFIX = 512  # characters (or tokens) of the prompt that key prefix affinity
-
-
-class Job:
-    """What was asked: the model, the prompt in one of three forms, the params.
-
-    A chat keeps its ``template_kwargs`` (``chat_template_kwargs``) with its
-    messages: a replica lost before the prompt's token ids came back renders
-    them again on the next one."""
-
-    __slots__ = ("model", "params", "prompt", "messages", "prompt_token_ids", "template_kwargs", "needs")
-
-    def affinity_key(self) -> int | None:
-        """Hash of the prompt's first AFFINITY_PREFIX characters (or token
-        ids): requests sharing it prefer the replica that served it last,
-        whose prefix cache may still hold it. None for short prompts."""
-        if self.messages is not None:
-            text = "\x00".join(f"{m.get('role')}:{m.get('content')}" for m in self.messages)
-            return hash(text[:AFFINITY_PREFIX]) if len(text) >= AFFINITY_PREFIX else None
-        if self.prompt is not None:
-            return hash(self.prompt[:AFFINITY_PREFIX]) if len(self.prompt) >= AFFINITY_PREFIX else None
-        ids = self.prompt_token_ids or []
-        return hash(tuple(ids[:AFFINITY_PREFIX])) if len(ids) >= AFFINITY_PREFIX else None
-
-    def __init__(
-        self,
-        model: str,
-        params: SamplingParams,
-        *,
-        prompt: str | None = None,
-        messages: list[dict[str, str]] | None = None,
-        prompt_token_ids: list[int] | None = None,
-        template_kwargs: dict[str, Any] | None = None,
-    ) -> None:
-        self.model = model
-        self.params = params
-        self.prompt = prompt
-        self.messages = messages
-        self.prompt_token_ids = prompt_token_ids
-        self.template_kwargs = template_kwargs
-        # the replica features its fields need (replicas.protocol.Feature: an
-        # older replica would drop them); 0 for most requests
-        self.needs = required_features(params, template_kwargs)
-
-
-Piece = tuple[str, int, FinishReason]  # text, new tokens, finish
-
-
-def merge_pieces(pending: list[Piece], limit: int) -> tuple[Piece, int]:
-    """The first pieces of ``pending`` merged into one, at most ``limit``
-    tokens (0: no limit; a single piece larger than ``limit`` is taken
-    whole), and how many pieces that took. A finish ends the merge."""
-    if len(pending) == 1:
-        return pending[0], 1
-    texts: list[str] = []
-    n = 0
-    taken = 0
-    finish = FinishReason.NONE
-    for text, k, fin in pending:
-        if limit and n and n + k > limit:
-            break
-        texts.append(text)
-        n += k
-        taken += 1
-        if fin != FinishReason.NONE:
-            finish = fin
-            break
-    return ("".join(texts), n, finish), taken
-
-
-class PieceQueue:
-    """A generation's output for a consumer that pulls: pieces that arrive
-    while the consumer is busy wait here and are merged by the next ``get``
-    (up to ``limit`` tokens), so a slow consumer gets bigger pieces, not a
-    growing queue of small ones. A failure is raised after the output that
-    came before it."""
-
-    __slots__ = ("limit", "_pending", "_exc", "_waiter")
-
-    lane = None  # a pulled stream offers no token lane (router/push.py's PushRelay does)
-
-    def __init__(self, limit: int = 0) -> None:
-        self.limit = limit
-        self._pending: list[Piece] = []
-        self._exc: BaseException | None = None
-        self._waiter: asyncio.Future[None] | None = None
-
-    def piece(self, text: str, n: int, finish: FinishReason) -> None:
-        self._pending.append((text, n, finish))
-        self._wake()
-
-    def fail(self, exc: BaseException) -> None:
-        self._exc = exc
-        self._wake()
-
-    def _wake(self) -> None:
-        w = self._waiter
-        if w is not None and not w.done():
-            w.set_result(None)
-
-    async def _sleep(self) -> None:
-        """Until the next ``piece`` or ``fail``."""
-        self._waiter = asyncio.get_running_loop().create_future()
-        try:
-            await self._waiter
-        finally:
-            self._waiter = None
-
-    async def get(self) -> Piece:
-        while not self._pending and self._exc is None:
-            await self._sleep()
-        if not self._pending:
-            assert self._exc is not None
-            raise self._exc
-        return self._take()
-
-    def _take(self) -> Piece:
-        """The next piece, merged from those waiting (some must wait)."""
-        piece, taken = merge_pieces(self._pending, self.limit)
-        del self._pending[:taken]
-        return piece
 
 
 class Generation:
@@ -243,7 +91,7 @@ class Generation:
         self._col = None
         self._client = None
         self._handle: LoadHandle | None = None
-        self._dog: _Watchdog | None = None
+        self._dog: Watchdog | None = None
         self._died_at: float | None = None
         self._exclude: dict[str, None] | None = None  # replicas that failed this generation, the latest last
         self._dispatched = 0.0
@@ -373,7 +221,7 @@ class Generation:
             sched.running.add(self)
         self._client = client
         self._handle = handle
-        self._dog = _Watchdog(self.deadlines, col, bool(self.completion_ids), slot.name)
+        self._dog = Watchdog(self.deadlines, col, bool(self.completion_ids), slot.name)
         self._dispatched = self._dog.last_token
         self._attached_at = len(self.completion_ids)
         self._charged_prompt = self.prompt_token_ids is not None and bool(self.completion_ids)
@@ -504,7 +352,7 @@ class Generation:
     def _failed(self, exc: BaseException) -> None:
         name = self.replica or ""
         self._detach(finished=False)
-        if isinstance(exc, (ReplicaDead, _Stalled)):
+        if isinstance(exc, (ReplicaDead, Stalled)):
             self._failover(name, exc)
         else:
             self._end(exc)
@@ -640,78 +488,3 @@ class Generation:
             self.metrics.streams_lost.inc()
             return StreamLost(why)
         return unavailable
-
-
-class _Watchdog:
-    """The first-token, stall and total limits of one run on a replica, as one
-    lazily re-armed timer (not a timer per token).
-
-    A token only moves ``last_token``. When the timer fires before the limit
-    that now applies, it re-arms for that limit; when the limit has passed
-    it fails the collector with ``_Stalled`` or ``StreamTimeout`` (which
-    reaches ``Generation.on_fail``). Output is handed on as it arrives, so
-    the limits measure the replica, never a slow client.
-    """
-
-    __slots__ = ("dl", "col", "delivered", "replica", "last_token", "_handle", "_which", "_loop", "_offset")
-
-    def __init__(self, dl: Deadlines, col, delivered: bool, replica: str) -> None:
-        self.dl = dl
-        self.col = col
-        self.delivered = delivered  # the generation has output tokens (from any replica)
-        self.replica = replica
-        self.last_token = time.monotonic()
-        self._loop = asyncio.get_running_loop()
-        self._offset = self._loop.time() - self.last_token
-        self._handle: asyncio.TimerHandle | None = None
-        self._which = ""
-        self._arm()
-
-    def token(self, now: float) -> None:
-        """Tokens were delivered at ``now``. Only the first one can bring a
-        limit forward (first token -> stall); later ones move it back, which
-        the timer learns when it fires."""
-        first = not self.delivered
-        self.last_token = now
-        self.delivered = True
-        if self._handle is None or first:
-            self.cancel()
-            self._arm()
-
-    def _limit(self) -> tuple[float | None, str]:
-        dl = self.dl
-        if self.delivered:
-            at, which = (self.last_token + dl.stall if dl.stall else None), "stall"
-        else:
-            at, which = (dl.start + dl.first_token if dl.first_token else None), "first_token"
-        if dl.total:
-            total_at = dl.start + dl.total
-            if at is None or total_at <= at:
-                at, which = total_at, "total"
-        return at, which
-
-    def _arm(self, at: float | None = None) -> None:
-        if at is None:
-            at, self._which = self._limit()
-        if at is not None:
-            self._handle = self._loop.call_at(at + self._offset, self._fire)
-
-    def _fire(self) -> None:
-        self._handle = None
-        at, which = self._limit()
-        self._which = which
-        if at is None:
-            return
-        now = time.monotonic()
-        if now < at:
-            self._arm(at)
-        elif which == "stall":
-            self.col.fail(_Stalled(f"replica {self.replica} produced no token for {self.dl.stall:g}s"))
-        else:
-            self.col.fail(StreamTimeout(which, getattr(self.dl, which)))
-
-    def cancel(self) -> None:
-        if self._handle is not None:
-            self._handle.cancel()
-            self._handle = None
-

@@ -33,8 +33,9 @@ import logging
 import re
 
 from replicas.protocol import FinishReason
-from router.generation import PieceQueue, StreamLost
+from router.generation import StreamLost
 from router.lane import Lane
+from router.pieces import PieceQueue
 from router.relay import EventStream
 
 try:

@@ -19,8 +19,10 @@ from contextlib import aclosing
 
 from replicas.protocol import FinishReason
 from router.admission import Ticket
+from router.deadlines import StreamTimeout
 from router.errors import ApiError, GatewayTimeout, RouterShutdown, error_body
-from router.generation import Generation, Piece, StreamLost, StreamTimeout
+from router.generation import Generation, StreamLost
+from router.pieces import Piece
 from router.sse import ChunkEncoder, Usage
 from router.tenants import TenantPolicy
 

@@ -33,9 +33,11 @@ import msgspec
 from litestar import Response
 from litestar.response import Stream
 
+from router.deadlines import Deadlines
 from router.errors import ApiError, BadRequest, NotFound, ServiceUnavailable, clip, error_body
-from router.generation import Deadlines, Generation, Job
+from router.generation import Generation
 from router.ids import new_id
+from router.job import Job
 from router.relay import (
     NOT_RESUMABLE, EventStream, Outcome, charged_tokens, error_before_output, outcome_of, relay_stream, shutdown_notice,
 )

@@ -7,7 +7,8 @@ from replicas.client import Collector
 from replicas.pool import LoadHandle, ReplicaPool, ReplicaSlot
 from replicas.protocol import FinishReason, SamplingParams
 from replicas.spec import ReplicaSpec
-from router.generation import Generation, Job
+from router.generation import Generation
+from router.job import Job
 from router.metrics import Metrics
 
 

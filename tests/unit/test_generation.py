@@ -19,7 +19,9 @@ from router.errors import BadRequest, RouterShutdown
 from policies.batching import AimdSettings
 from replicas.pool import LoadHandle, ReplicaPool, ReplicaSlot
 from replicas.spec import ReplicaSpec
-from router.generation import Deadlines, Generation, Job, StreamLost, StreamTimeout
+from router.deadlines import Deadlines, StreamTimeout
+from router.generation import Generation, StreamLost
+from router.job import Job
 from router.scheduler import Scheduler
 from router.scheduler_settings import SchedulerSettings
 from router.metrics import Metrics

@@ -24,7 +24,8 @@ from replicas.pool import LoadHandle, ReplicaPool
 from policies.batching import AimdSettings
 from replicas.protocol import Delta, FinishReason, SamplingParams
 from replicas.spec import ReplicaSpec
-from router.generation import Generation, Job
+from router.generation import Generation
+from router.job import Job
 from router.metrics import HistogramBatch, Metrics
 from router.push import PushRelay, TransportWire
 from router.relay import EventStream, Outcome

@@ -22,7 +22,7 @@ from replicas.protocol import (
 )
 from replicas.spec import ReplicaSpec
 from router.errors import ReplicaUnavailable
-from router.generation import Job
+from router.job import Job
 from router.metrics import Metrics
 from router.scheduler import Scheduler
 from router.scheduler_settings import SchedulerSettings
