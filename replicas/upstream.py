@@ -8,7 +8,8 @@ streaming request through ``replicas.http11`` (keep-alive pool, httptools
 parsing) and then only waits: the response body is parsed into deltas for
 its collector inside the connection's ``data_received``, with no task
 wake-up per chunk (``replicas.upstream_sse``). Health checks, ``/metrics``
-and ``/detokenize`` go through one aiohttp session per upstream. A stream
+and ``/detokenize`` go through one aiohttp session per upstream (its load:
+``replicas.upstream_load``). A stream
 resumed here with stop strings continues through a ``Splice``
 (``replicas.splice``); ``replicas.upstream_errors`` reads its error bodies
 and the 400s that refuse a field the router adds.
@@ -30,7 +31,6 @@ import asyncio
 import itertools
 import logging
 import os
-import re
 from collections.abc import Callable
 from typing import Any
 
@@ -57,19 +57,12 @@ from replicas.protocol import (
 from replicas.spec import ReplicaSpec
 from replicas.splice import post_detokenize, splice_at
 from replicas.upstream_errors import UpstreamFailed, error_text, rejects_field
+from replicas.upstream_load import poll_vllm_load
 from replicas.upstream_sse import Chunk, SseReader, Stream
 
-__all__ = ["UpstreamClient", "open_upstream", "METRICS_INTERVAL"]
+__all__ = ["UpstreamClient", "open_upstream"]
 
 log = logging.getLogger("fairstream.upstream")
-
-METRICS_INTERVAL = 1.0
-_METRIC_RE = re.compile(
-    rb"^(vllm:num_requests_running|vllm:num_requests_waiting|vllm:kv_cache_usage_perc|vllm:generation_tokens_total)"
-    rb"(?:\{[^}]*\})?\s+(\S+)",
-    re.M,
-)
-
 
 class _Model(msgspec.Struct):
     id: str
@@ -84,25 +77,6 @@ def _root(url: str) -> str:
     """Server root of a ``.../v1`` base URL (where vLLM serves /metrics, /detokenize)."""
     url = url.rstrip("/")
     return url[:-3] if url.endswith("/v1") else url
-
-
-def parse_vllm_metrics(text: bytes) -> LoadReport | None:
-    """Scheduler load from a vLLM ``/metrics`` page (summed over engines;
-    KV use is the fullest engine's); None when the page is not vLLM's."""
-    found: dict[bytes, list[float]] = {}
-    for name, value in _METRIC_RE.findall(text):
-        try:
-            found.setdefault(name, []).append(float(value))
-        except ValueError:
-            continue
-    if b"vllm:num_requests_running" not in found:
-        return None
-    return LoadReport(
-        running=int(sum(found[b"vllm:num_requests_running"])),
-        waiting=int(sum(found.get(b"vllm:num_requests_waiting", [0.0]))),
-        kv_usage=max(found.get(b"vllm:kv_cache_usage_perc", [0.0])),
-        tokens_generated=int(sum(found.get(b"vllm:generation_tokens_total", [0.0]))),
-    )
 
 
 class UpstreamClient:
@@ -138,7 +112,8 @@ class UpstreamClient:
         self._ids = itertools.count(1)
         self._pings = itertools.count(1)
         self._vllm_load: LoadReport | None = None
-        self._poller = asyncio.get_running_loop().create_task(self._poll_metrics(), name=f"upstream-metrics-{name}")
+        self._poller = asyncio.get_running_loop().create_task(
+            poll_vllm_load(session, _root(self.url), name, self._loaded), name=f"upstream-metrics-{name}")
 
     @property
     def active(self) -> int:
@@ -471,25 +446,8 @@ class UpstreamClient:
 
     # -- load ----------------------------------------------------------------
 
-    async def _poll_metrics(self) -> None:
-        url = _root(self.url) + "/metrics"
-        while True:
-            try:
-                async with asyncio.timeout(max(1.0, METRICS_INTERVAL)):
-                    async with self._session.get(url) as r:
-                        status, page = r.status, await r.read()
-                if status == 200:
-                    report = parse_vllm_metrics(page)
-                    if report is None and self._vllm_load is None:
-                        log.info("upstream %s serves no vllm:* gauges; its load is the router's count", self.name)
-                        return
-                    self._vllm_load = report
-                elif status == 404:
-                    log.info("upstream %s has no /metrics; its load is the router's count", self.name)
-                    return
-            except (aiohttp.ClientError, OSError, TimeoutError):
-                pass  # the health check decides whether the upstream is down
-            await asyncio.sleep(METRICS_INTERVAL)
+    def _loaded(self, report: LoadReport | None) -> None:
+        self._vllm_load = report
 
 
 def _auth(spec: ReplicaSpec) -> dict[str, str]:
