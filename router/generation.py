@@ -33,6 +33,9 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("fairstream.generation")
 
+# vLLM's (and OpenAI's) words for a prompt, or prompt and max_tokens, over the model's context
+CONTEXT_EXCEEDED = "maximum context length is"
+
 __all__ = ["Generation", "StreamLost"]
 
 
@@ -299,7 +302,7 @@ class Generation:
             name = handle.slot.name
             self._detach(finished=True)
             if not (self.produced or n or text):
-                self._end(BadRequest(col.error or "the replica rejected the request"))
+                self._end(self._rejected(col.error))
             else:
                 self._lose(f"replica {name} failed the request: {col.error}")
             return
@@ -333,6 +336,15 @@ class Generation:
     def lane_failed(self, e: Exception) -> None:
         """The token lane failed relaying a piece (a bug): this stream ends."""
         self._internal_error(e, "its output")
+
+    def _rejected(self, error: str) -> BadRequest:
+        """A replica's refusal, as the client's 400. A prompt (with
+        ``max_tokens``) over the model's context carries OpenAI's code for it,
+        which clients look for to shorten a conversation and retry."""
+        if CONTEXT_EXCEEDED in error:
+            return BadRequest(error, param="messages" if self.job.messages is not None else "prompt",
+                              code="context_length_exceeded")
+        return BadRequest(error or "the replica rejected the request")
 
     def on_fail(self, col, exc: BaseException) -> None:
         """The replica died (``ReplicaDead``), stalled or a limit passed."""

@@ -205,6 +205,12 @@ def test_prompt_longer_than_the_context_is_400(shared_router: RouterProcess, str
     err = error_of(post(shared_router, COMPLETIONS, json=body), 400)
     assert CONTEXT_MESSAGE in err["message"]
     assert err["type"] == "invalid_request_error"
+    # OpenAI's code, which clients look for to shorten the conversation (it was null)
+    assert (err["code"], err["param"]) == ("context_length_exceeded", "prompt"), err
+    err = error_of(post(shared_router, CHAT, json=chat_body(messages=[{"role": "user", "content": "x" * 5000}],
+                                                            stream=stream)), 400)
+    assert CONTEXT_MESSAGE in err["message"]
+    assert (err["code"], err["param"]) == ("context_length_exceeded", "messages"), err
 
 
 def test_max_tokens_is_lowered_to_what_the_context_leaves_not_a_400(make_router) -> None:
@@ -439,7 +445,7 @@ def test_sdk_bad_request_error(client: openai.OpenAI, stream: bool) -> None:
     assert e.value.param == "n"
     with pytest.raises(openai.BadRequestError) as e:
         client.completions.create(model=MODEL, prompt="x" * 5000, stream=stream)
-    assert CONTEXT_MESSAGE in e.value.message
+    assert CONTEXT_MESSAGE in e.value.message and e.value.code == "context_length_exceeded"
 
 
 def test_sdk_not_found_error(client: openai.OpenAI) -> None:
