@@ -373,7 +373,6 @@ class Generation:
         """Continue on another replica with prompt + delivered tokens."""
         if self.ended:
             return
-        m = self.metrics
         if (self.text_len or self.uncounted) and not (self.exact and self.completion_ids):
             # Text went out without token ids (an upstream that returns
             # none): no replica can continue it exactly, and starting
@@ -396,9 +395,6 @@ class Generation:
             return
         else:
             self._charged += 1
-        self.failovers += 1
-        m.failovers.labels(name).inc()
-        m.resumed_tokens.inc(len(self.completion_ids))
         try:
             # A failover continues at once, past the queues and caps: its
             # client is mid-stream.
@@ -407,10 +403,18 @@ class Generation:
             if not self._wait_for_replica(str(e2), e):
                 self._give_up(str(e2))
             return
+        self._moved(name)
         log.info("stream on %s failed after %d tokens (%s); continuing on %s (failover %d)", name,
                  len(self.completion_ids), e, handle.slot.name, self.failovers,
                  extra={"request_id": self.request_id, "replica": name})
         self._attach(handle)
+
+    def _moved(self, name: str) -> None:
+        """Count the failover from ``name``, once the stream has a replica to
+        move to (one that finds none is lost, or refused, not moved)."""
+        self.failovers += 1
+        self.metrics.failovers.labels(name).inc()
+        self.metrics.resumed_tokens.inc(len(self.completion_ids))
 
     def _choose_again(self) -> LoadHandle:
         """A replica for the rest of the generation, avoiding those that failed
@@ -464,6 +468,7 @@ class Generation:
             self.pool.when_ready(self._replica_ready)  # (one for another model)
             return
         self._stop_waiting()
+        self._moved(self.replica or "")
         log.info("stream on %s continues on %s, which became ready", self.replica, handle.slot.name,
                  extra={"request_id": self.request_id})
         self._attach(handle)

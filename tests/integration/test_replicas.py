@@ -331,6 +331,11 @@ async def test_stream_lost_without_a_spare_replica_ends_with_an_error_event(make
     assert len(res.errors) == 1 and res.errors[0]["code"] == "stream_lost", res.errors
     assert m.value("fairstream_streams_lost_total") == 1
     assert m.value("fairstream_requests_total", tenant="gold", outcome="lost") == 1
+    # nothing moved: no failover counted, no token resumed (both were, where the replica failed)
+    assert m.value("fairstream_failovers_total", 0.0, replica="sim-0") == 0
+    assert m.value("fairstream_resumed_tokens_total") == 0
+    line = next(r for r in router.records("fairstream.request") if r["outcome"] == "lost")
+    assert line.get("failovers", 0) == 0, line
     router.wait_ready(15)  # and the replica comes back
 
 
