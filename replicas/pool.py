@@ -53,6 +53,13 @@ class ReplicaSlot:
         return self.state == "ready" and c is not None and c.closed is None and not c.refused
 
     @property
+    def status(self) -> str:
+        """``state`` as ``/ready`` and ``/admin/replicas`` show it: ``down``
+        as soon as its connection is closed or refused, before the
+        supervisor has noticed (``state`` still ``ready``)."""
+        return "down" if self.state == "ready" and not self.ready else self.state
+
+    @property
     def model(self) -> str:
         """The model it serves: its connection's, or else the one its spec
         names ("" when only a connection will tell, e.g. an ``address``)."""

@@ -75,7 +75,7 @@ async def replicas(request: Request) -> Response:
         load = client.load if client is not None and slot.ready else None
         out.append({
             "name": slot.name,
-            "state": slot.state,
+            "state": slot.status,
             "ready": slot.ready,
             "local": slot.spec.local,
             # (None for a replica with no process of its own here: a url: upstream)

@@ -118,7 +118,7 @@ async def health() -> Response:
 async def ready(request: Request) -> Response:
     svc = _svc(request)
     await svc.store.check()
-    replicas = {s.name: s.state for s in svc.pool.slots}
+    replicas = {s.name: s.status for s in svc.pool.slots}
     # (not before the store's first answer: a router that serves meanwhile
     # counts its tenants where no other router sees them, or refuses them)
     connecting = svc.store.connecting

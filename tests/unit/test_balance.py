@@ -58,3 +58,19 @@ def test_models_while_no_replica_is_ready_are_the_names_clients_use() -> None:
     ])
     assert not pool.ready_slots()
     assert pool.models() == ["sim-model", "tiny-llama"]
+
+
+def test_a_replica_whose_connection_closed_shows_down_before_the_supervisor_notices() -> None:
+    # (/ready said {"ready": false, "replicas": {"solo": "ready"}} in that window)
+    from types import SimpleNamespace
+
+    from replicas.pool import ReplicaSlot
+    from replicas.spec import ReplicaSpec
+
+    slot = ReplicaSlot(ReplicaSpec(name="solo"))
+    assert slot.status == "starting"
+    slot.state = "ready"
+    slot.client = SimpleNamespace(closed=None, refused=False)  # type: ignore[assignment]
+    assert slot.ready and slot.status == "ready"
+    slot.client.closed = ConnectionResetError("gone")  # type: ignore[union-attr]
+    assert not slot.ready and slot.status == "down"
