@@ -77,8 +77,12 @@ _decode = msgspec.json.Decoder(_Msg).decode
 
 def _err(cid: str, e: ApiError, request_id: str = "") -> bytes:
     """``{"id": cid, "error": ...}`` (with the router's ``request_id`` once
-    it has one: the request's log line carries it)."""
+    it has one: the request's log line carries it; and ``retry_after``, the
+    seconds an HTTP answer's ``Retry-After`` would say, where it has one)."""
     rid = b',"request_id":"' + request_id.encode() + b'"' if request_id else b""
+    retry = e.headers.get("retry-after", "")
+    if retry.isdigit():
+        rid += b',"retry_after":' + retry.encode()
     return b'{"id":' + msgspec.json.encode(cid) + rid + b',"error":' + e.body()[len(b'{"error":'):-1] + b"}"
 
 

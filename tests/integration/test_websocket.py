@@ -355,6 +355,7 @@ async def test_concurrency_limit_applies_per_request_on_the_socket(router: Route
         assert len(col.of("second")) == 1
         err = assert_error(col.of("second")[0], "second", type_="rate_limit_error", code="rate_limit_exceeded")
         assert "concurrent streams" in err["message"]
+        assert col.of("second")[0]["retry_after"] >= 1  # (what HTTP's Retry-After says; it had none)
         # one limit across transports: the socket's stream holds the tenant's only slot for HTTP too
         r = await http.post("/v1/chat/completions", json=chat_body("Le caf", 4),
                             headers={"Authorization": f"Bearer {KEY_LIM}"})
