@@ -153,6 +153,8 @@ def test_alert_rules_structure() -> None:
         "FairstreamReplicaFlapping": ("changes(fairstream_replica_up[15m]) > 6", None),
         "FairstreamRefusedLogins": ('fairstream_requests_total{outcome="unauthorized"}', "5m"),
         "FairstreamStreamsLost": ("increase(fairstream_streams_lost_total[5m]) > 0", None),
+        "FairstreamRequestsFailing": ('outcome=~"unavailable|timeout_first_token|timeout_total|lost|error"', "5m"),
+        "FairstreamInternalErrors": ('fairstream_requests_total{outcome="error"}', None),
         "FairstreamConfigReloadFailed": ("fairstream_config_last_reload_successful == 0", None),
         "FairstreamStateStoreDown": ("fairstream_state_store_up == 0", None),
     }
