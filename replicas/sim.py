@@ -82,6 +82,16 @@ class SimConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     eos: bool = True
     """End sequences at the corpus's paragraph ends (unless ``ignore_eos``)."""
 
+    def __post_init__(self) -> None:
+        for key in ("max_model_len", "max_num_seqs", "max_num_batched_tokens", "kv_cache_tokens", "block_size"):
+            if getattr(self, key) < 1:
+                raise ValueError(f"`{key}` must be at least 1")
+        if self.kv_cache_tokens < self.block_size:
+            raise ValueError("`kv_cache_tokens` must hold at least one block (`block_size`)")
+        for key in ("step_base_ms", "step_per_seq_ms", "step_per_prefill_token_ms"):
+            if not getattr(self, key) >= 0:
+                raise ValueError(f"`{key}` must not be negative")
+
 
 class ByteTokenizer:
     """Token i < 256 is byte i; 256 is end-of-sequence, 257 begin-of-sequence."""

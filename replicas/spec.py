@@ -2,11 +2,28 @@
 
 from __future__ import annotations
 
+import re
 from typing import Any, Literal
+from urllib.parse import urlsplit
 
 import msgspec
 
-__all__ = ["ReplicaSpec"]
+__all__ = ["ReplicaSpec", "address_error"]
+
+# (a local replica's socket file and run directory are named after it)
+_NAME = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
+
+
+def address_error(address: str) -> str | None:
+    """Why ``address`` is not ``host:port`` or ``unix:/path`` (None: it is)."""
+    if address.startswith("unix:"):
+        return None if address[5:] else "`address` unix: needs a socket path (unix:/path)"
+    if "://" in address:
+        return f"`address` is host:port or unix:/path, not a URL ({address!r}; an OpenAI-compatible server is a `url`)"
+    host, _, port = address.rpartition(":")
+    if not host.strip("[]") or not port.isdigit() or not 1 <= int(port) <= 65535:
+        return f"`address` must be host:port (port 1-65535) or unix:/path, not {address!r}"
+    return None
 
 
 class ReplicaSpec(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
@@ -65,11 +82,34 @@ class ReplicaSpec(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     no limit on a ``url`` upstream's connection pool."""
 
     def __post_init__(self) -> None:
+        if not _NAME.match(self.name):
+            raise ValueError(f"replica names use letters, digits, _ . - (1-64 chars), not {self.name!r}")
+        if not self.start_timeout > 0:
+            raise ValueError("`start_timeout` must be positive")
+        if self.gpu is not None and self.gpu < 0:
+            raise ValueError("`gpu` must not be negative")
+        if not self.local:
+            for key in ("gpu", "env"):
+                if getattr(self, key):
+                    raise ValueError(f"`{key}` applies only to a replica the router starts, not to one with "
+                                     f"`{'url' if self.url is not None else 'address'}`")
+        if self.address is not None:
+            error = address_error(self.address)
+            if error is not None:
+                raise ValueError(error)
         if self.url is not None:
             if self.address is not None:
                 raise ValueError("set either `url` or `address`, not both")
             if not self.url.startswith(("http://", "https://")):
                 raise ValueError("`url` must start with http:// or https://")
+            try:
+                host, port = urlsplit(self.url).hostname, urlsplit(self.url).port
+            except ValueError as e:
+                raise ValueError(f"`url` {self.url!r}: {e}") from None
+            if not host:
+                raise ValueError(f"`url` {self.url!r} names no host")
+            if port == 0:
+                raise ValueError(f"`url` {self.url!r}: port must be 1-65535")
             extra = set(self.config) - {"model"}
             if extra:
                 raise ValueError(f"a `url` replica's config may only set `model` (got {sorted(extra)})")

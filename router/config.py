@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 from typing import ClassVar
+from urllib.parse import urlsplit
 
 import msgspec
 
@@ -99,8 +101,8 @@ class RouterConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
             seen.add(r.name)
             if r.local:
                 errors.extend(_check_engine_config(r, ("replicas", i, "config"), located))
-        for at in _nan_fields(self, ()):  # NaN: it passes every range check below
-            errors.append(located.error(at, "must be a number, not NaN"))
+        for at, value in _nonfinite_fields(self, ()):  # NaN passes every range check below; inf is no time
+            errors.append(located.error(at, "must be a number, not NaN" if value != value else "must be finite"))
         if self.resume_retention <= CLAIM_TTL:
             errors.append(located.error(("resume_retention",), f"must be longer than {CLAIM_TTL:g} s, the time a "
                                         "router that died holds its streams' claim (a resume waits that out)"))
@@ -115,6 +117,10 @@ class RouterConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
             errors.append(located.error(("state", "timeout"), "must be more than 0"))
         if self.state.connect_timeout < 0:
             errors.append(located.error(("state", "connect_timeout"), "must not be negative"))
+        if self.state.backend == "redis":
+            error = _redis_url_error(self.state.url)
+            if error:
+                errors.append(located.error(("state", "url"), error))
         if self.max_connections < 0:
             errors.append(located.error(("max_connections",), "must not be negative (0: from the open-file limit)"))
         if self.failover_wait < 0:
@@ -122,9 +128,14 @@ class RouterConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
         for key in ("shutdown_grace", "send_timeout", "ws_idle_timeout"):
             if getattr(self, key) < 0:
                 errors.append(located.error((key,), "must not be negative"))
-        for key in ("header_timeout", "body_timeout", "reconnect_interval"):
-            if getattr(self, key) <= 0:
+        for key in ("header_timeout", "body_timeout", "reconnect_interval", "health_interval", "health_timeout",
+                    "restart_backoff_max"):
+            if getattr(self, key) <= 0:  # (0: pings in a busy loop, every replica stalled at once, restarts in one)
                 errors.append(located.error((key,), "must be positive"))
+        if self.ready_timeout < 0:
+            errors.append(located.error(("ready_timeout",), "must not be negative"))
+        if self.scheduler.aging < 0:
+            errors.append(located.error(("scheduler", "aging"), "must not be negative (0: no aging)"))
         if self.cors.max_age < 0:
             errors.append(located.error(("cors", "max_age"), "must not be negative"))
         for i, origin in enumerate(self.cors.allow_origins):
@@ -136,21 +147,37 @@ class RouterConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
 RouterConfig.separable = frozenset(RouterConfig.__struct_fields__)
 
 
-def _nan_fields(value, at: tuple):
-    """Where a NaN is in a config: every float field, in nested settings and
-    lists of them too."""
+def _nonfinite_fields(value, at: tuple):
+    """Where a NaN or an infinity is in a config, and which: every float
+    field, in nested settings and lists of them too (YAML's ``.inf`` as a
+    time passes every range check, then breaks what it reaches: a Redis TTL,
+    a timer)."""
     if isinstance(value, float):
-        if value != value:
-            yield at
+        if not math.isfinite(value):
+            yield at, value
     elif isinstance(value, msgspec.Struct):
         for key in value.__struct_fields__:
-            yield from _nan_fields(getattr(value, key), at + (key,))
+            yield from _nonfinite_fields(getattr(value, key), at + (key,))
     elif isinstance(value, (list, tuple)):
         for i, item in enumerate(value):
-            yield from _nan_fields(item, at + (i,))
+            yield from _nonfinite_fields(item, at + (i,))
     elif isinstance(value, dict):
         for key, item in value.items():
-            yield from _nan_fields(item, at + (key,))
+            yield from _nonfinite_fields(item, at + (key,))
+
+
+def _redis_url_error(url: str) -> str | None:
+    """Why redis-py would refuse ``url`` at start (None: it takes it)."""
+    from redis.connection import parse_url
+
+    try:
+        parsed = parse_url(url)
+    except ValueError as e:
+        return f"not a Redis URL ({e}): {url!r}"
+    path = urlsplit(url).path.strip("/")
+    if "path" not in parsed and path and not path.isdigit():
+        return f"the database after the host must be a number (redis://host:6379/0): {url!r}"
+    return None
 
 
 def _check_engine_config(spec: ReplicaSpec, at: tuple, located: Located) -> list[str]:

@@ -16,4 +16,4 @@ class SchedulerSettings(msgspec.Struct, forbid_unknown_fields=True, kw_only=True
     """``fair``: priority classes with aging, then weighted VTC between
     tenants. ``fifo``: one global first-come queue (for comparison)."""
     aging: float = 10.0
-    """Seconds of waiting that lift a request by one priority class."""
+    """Seconds of waiting that lift a request by one priority class. 0: no aging (strict classes)."""
