@@ -48,12 +48,15 @@ HEAD_POLL = {"concurrency": QUEUED_RETRY, "queued": QUEUED_RETRY, "": 1.0}
 
 
 def fmt_duration(seconds: float) -> str:
-    """OpenAI's reset format: ``20ms``, ``1.5s``, ``6m0s``."""
-    if seconds < 1:
-        return f"{max(0, int(seconds * 1000))}ms"
+    """OpenAI's reset format: ``20ms``, ``1.5s``, ``6m0s``; rounded up, so a
+    client that waits exactly that long is not refused for the rest."""
+    if seconds <= 0.999:
+        return f"{max(0, math.ceil(seconds * 1000 - 1e-6))}ms"  # (- 1e-6: 0.29 * 1000 is 290.00000000000006)
+    if seconds < 10:
+        return f"{math.ceil(seconds * 100 - 1e-6) / 100:g}s"
     if seconds < 60:
-        return f"{seconds:.3g}s"
-    m, s = divmod(int(round(seconds)), 60)
+        return f"{math.ceil(seconds * 10 - 1e-6) / 10:g}s"
+    m, s = divmod(math.ceil(seconds - 1e-6), 60)
     return f"{m}m{s}s"
 
 

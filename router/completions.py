@@ -53,10 +53,6 @@ __all__ = ["check_model", "start_generation", "open_stream", "respond_whole", "S
 
 log = logging.getLogger("fairstream.router")
 
-# Tokens a chat template adds per message, for the admission estimate.
-_TEMPLATE_TOKENS_PER_MESSAGE = 8
-
-
 class _ChatMessage(msgspec.Struct):
     role: str
     content: str
@@ -146,7 +142,7 @@ def decoded_body(body: bytes, encoding: str, limit: int) -> bytes:
 
 def _job(svc: RouterService, policy: TenantPolicy, body: bytes, chat: bool, stream_implied: bool,
          content_encoding: str | None):
-    """Decode and check the request; return it, its job and its prompt-token estimate."""
+    """Decode and check the request; return it and its job."""
     if content_encoding is not None:
         body = decoded_body(body, content_encoding, svc.config.max_body_bytes)
     req = decode_request(body, ChatRequest if chat else CompletionRequest)
@@ -167,17 +163,11 @@ def _job(svc: RouterService, policy: TenantPolicy, body: bytes, chat: bool, stre
             param=name, code="max_tokens_exceeded",
         )
     if isinstance(req, ChatRequest):
-        messages = chat_messages(req)
-        # UTF-8 bytes bound the token count of byte-level BPE tokenizers.
-        estimate = sum(len(m["content"].encode()) + _TEMPLATE_TOKENS_PER_MESSAGE for m in messages)
-        kwargs = chat_template_kwargs(req)
-        if kwargs:  # (a template may render them into the prompt: documents, tools)
-            estimate += len(msgspec.json.encode(kwargs))
-        return req, Job(req.model, params, messages=messages, template_kwargs=kwargs), estimate
+        return req, Job(req.model, params, messages=chat_messages(req), template_kwargs=chat_template_kwargs(req))
     prompt = completion_prompt(req)
     if isinstance(prompt, list):
-        return req, Job(req.model, params, prompt_token_ids=prompt), len(prompt)
-    return req, Job(req.model, params, prompt=prompt), len(prompt.encode()) + 1
+        return req, Job(req.model, params, prompt_token_ids=prompt)
+    return req, Job(req.model, params, prompt=prompt)
 
 
 class Started:
@@ -224,7 +214,8 @@ async def start_generation(
     request_id_var.set(request_id)
     outcome = Outcome(svc, policy, endpoint, started, request_id, client_request_id=client_request_id)
     try:
-        req, job, prompt_estimate = _job(svc, policy, body, chat, stream_implied, content_encoding)
+        req, job = _job(svc, policy, body, chat, stream_implied, content_encoding)
+        prompt_estimate, base = svc.estimates.estimate(job)
         ticket = await svc.admission.admit(policy, prompt_estimate + job.params.max_tokens, prompt_tokens=prompt_estimate)
     except BaseException as e:
         if isinstance(e, ApiError):
@@ -247,6 +238,8 @@ async def start_generation(
             await gen.start(relay)
             await relay.first()
         # (on the ids: a count from an upstream's usage chunk comes after the output)
+        if gen.prompt_token_ids is not None:
+            svc.estimates.learn(job, base, gen.prompt_tokens)
         if lim.max_prompt_tokens and gen.prompt_token_ids is not None and gen.prompt_tokens > lim.max_prompt_tokens:
             raise BadRequest(
                 f"The prompt has {gen.prompt_tokens} tokens; this tenant's limit is {lim.max_prompt_tokens}.",

@@ -26,6 +26,7 @@ from router.admission import Admission
 from router.auth import bearer
 from router.config import RouterConfig
 from router.errors import Unauthorized
+from router.estimate import PromptEstimates
 from router.logs import batch_lines
 from router.metrics import Metrics
 from router.peers import PolicyPeers
@@ -61,6 +62,7 @@ class RouterService:
             on_error=lambda op: m.store_errors.labels(op).inc(),
         )
         self.admission = Admission(self.store, m)
+        self.estimates = PromptEstimates()  # the prompt-token estimates admission reserves
         self.resume = ResumeWriter(self.store, config.resume_retention)
         self.peers = PolicyPeers(self.store, self.policy, m, self.resume.owner)
         self._tasks: set[asyncio.Task[None]] = set()

@@ -9,6 +9,7 @@ import hashlib
 import json
 import os
 import signal
+import time
 
 import httpx
 import openai
@@ -98,6 +99,23 @@ def test_tokens_are_reserved_then_settled_with_real_usage(tmp_path):
                 "chat_template_kwargs": {"documents": [{"text": "x" * 1200}]}}
         r = httpx.post(router.base_url + "/v1/chat/completions", headers=auth(KEY_A), json=chat, timeout=20)
         assert r.status_code == 429 and "its prompt alone is about" in r.json()["error"]["message"], r.text
+
+
+async def test_a_burst_of_short_chats_stays_within_the_token_limit(tmp_path):
+    # (the estimate had no room for the chat template's fixed part: 60 chats
+    # of "hi" at once were each reserved 11 tokens, used 28, and together
+    # 1,680 tokens of a 1,000 a minute limit)
+    t = tmp_path / "tenants.yaml"
+    tenants_yaml(t, tpm=1000)
+    chat = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1}
+    with RouterProcess(tmp_path / "r", tenants=t) as router:
+        async with httpx.AsyncClient(base_url=router.base_url, headers=auth(KEY_A), timeout=30) as http:
+            started = time.monotonic()
+            answers = await asyncio.gather(*(http.post("/v1/chat/completions", json=chat) for _ in range(60)))
+            elapsed = time.monotonic() - started
+            used = sum(r.json()["usage"]["total_tokens"] for r in answers if r.status_code == 200)
+            assert {r.status_code for r in answers} == {200, 429}, [r.text for r in answers][:3]
+            assert used <= 1000 + 1000 * elapsed / 60, (used, elapsed)  # the bucket's bound (README)
 
 
 def test_admin_endpoints_need_the_admin_key(tmp_path):

@@ -394,3 +394,11 @@ async def test_a_reload_s_queue_wait_reaches_the_requests_behind_the_head() -> N
     await adm.finish(held, 1)
     await adm.finish(await asyncio.wait_for(head, 2), 1)
     await adm.finish(await asyncio.wait_for(second, 2), 1)
+
+
+def test_the_wait_a_refusal_names_is_rounded_up() -> None:
+    # (rounded to nearest: a client that retried after "try again in 13.4s"
+    # when 13.449 s were needed was refused again; 0.9996 s read "999ms")
+    from router.admission import fmt_duration
+    assert [fmt_duration(x) for x in (0.02, 0.29, 0.9996, 1.2349, 1.5, 13.449, 13.4, 60.0, 359.2)] == [
+        "20ms", "290ms", "1s", "1.24s", "1.5s", "13.5s", "13.4s", "1m0s", "6m0s"]

@@ -1,0 +1,64 @@
+"""The prompt-token estimate admission reserves before a replica has counted
+the prompt (the router never tokenizes).
+
+A prompt's UTF-8 bytes bound its token count under byte-level BPE
+tokenizers. A chat template adds a header per message (``<|user|>``, a
+role and separators: at most ``PER_MESSAGE`` tokens in the templates
+tried) and a fixed part per request: a begin-of-text token, the
+generation prompt, a default system prompt (Llama 3.1's is ~25 tokens).
+The fixed part is learned per model and prompt form from the real counts
+the replicas return: the most any request needed beyond its bytes and
+message headers. Until a model's first count, ``FIRST_GUESS`` tokens.
+Settlement always charges the real count, so the estimate decides only how
+much a burst can take before the first requests settle."""
+
+from __future__ import annotations
+
+import msgspec
+
+from router.job import Job
+
+__all__ = ["PromptEstimates", "PER_MESSAGE", "FIRST_GUESS"]
+
+PER_MESSAGE = 16  # tokens of a chat template's header around one message
+FIRST_GUESS = {"chat": 32, "text": 1, "ids": 0}  # a model's fixed part before its first real count
+
+
+def _kind(job: Job) -> str:
+    return "chat" if job.messages is not None else "text" if job.prompt is not None else "ids"
+
+
+def base_estimate(job: Job) -> int:
+    """What ``job``'s prompt takes at most, but for its model's fixed part."""
+    if job.messages is not None:
+        n = sum(len(str(m.get("content", "")).encode()) + PER_MESSAGE for m in job.messages)
+        if job.template_kwargs:  # (a template may render them into the prompt: documents, tools)
+            n += len(msgspec.json.encode(job.template_kwargs))
+        return n
+    if job.prompt is not None:
+        return len(job.prompt.encode())
+    return len(job.prompt_token_ids or ())
+
+
+class PromptEstimates:
+    """Each served model's fixed prompt part, learned (see the module)."""
+
+    __slots__ = ("_fixed",)
+
+    def __init__(self) -> None:
+        self._fixed: dict[tuple[str, str], int] = {}
+
+    def estimate(self, job: Job) -> tuple[int, int]:
+        """(the estimate, its base: ``learn``'s argument once counted)."""
+        base = base_estimate(job)
+        kind = _kind(job)
+        return base + self._fixed.get((job.model, kind), FIRST_GUESS[kind]), base
+
+    def learn(self, job: Job, base: int, counted: int) -> None:
+        """The replica counted ``counted`` prompt tokens for ``job`` (``base``
+        from ``estimate``)."""
+        key = (job.model, _kind(job))
+        extra = max(0, counted - base)
+        known = self._fixed.get(key)
+        if known is None or extra > known:
+            self._fixed[key] = extra

@@ -1,0 +1,42 @@
+"""router/estimate.py: the prompt-token estimate admission reserves."""
+
+from __future__ import annotations
+
+from replicas.protocol import SamplingParams
+from replicas.sim import ByteTokenizer
+from router.estimate import FIRST_GUESS, PER_MESSAGE, PromptEstimates
+from router.job import Job
+
+
+def _chat(*messages: tuple[str, str], model: str = "m") -> Job:
+    return Job(model, SamplingParams(max_tokens=1), messages=[{"role": r, "content": c} for r, c in messages])
+
+
+def test_a_chat_is_estimated_above_what_the_sim_template_makes_of_it_before_and_after_learning() -> None:
+    est = PromptEstimates()
+    tok = ByteTokenizer()
+    chats = [_chat(("user", "hi")), _chat(("system", "be brief"), ("user", "é" * 40)),
+             _chat(("assistant", "")), _chat(*[("user", "x")] * 20)]
+    for job in chats:  # before any count: the first guess covers the sim's template
+        estimate, _ = est.estimate(job)
+        assert estimate >= len(tok.chat(job.messages)), job.messages
+    first = chats[0]
+    estimate, base = est.estimate(first)
+    assert base == 2 + PER_MESSAGE and estimate == base + FIRST_GUESS["chat"]
+    est.learn(first, base, len(tok.chat(first.messages)))
+    assert est.estimate(first)[0] == len(tok.chat(first.messages))  # (learned: exactly what it takes)
+    for job in chats[1:]:
+        assert est.estimate(job)[0] >= len(tok.chat(job.messages)) - (PER_MESSAGE - 10), job.messages
+
+
+def test_what_is_learned_is_the_most_any_request_needed_per_model_and_form() -> None:
+    est = PromptEstimates()
+    job = _chat(("user", "hi"))
+    est.learn(job, 18, 40)
+    est.learn(job, 18, 30)  # (less: the larger stays)
+    assert est.estimate(job)[0] == 18 + 22
+    assert est.estimate(_chat(("user", "hi"), model="other"))[0] == 18 + FIRST_GUESS["chat"]
+    text = Job("m", SamplingParams(max_tokens=1), prompt="abc")
+    assert est.estimate(text) == (3 + FIRST_GUESS["text"], 3)
+    ids = Job("m", SamplingParams(max_tokens=1), prompt_token_ids=[1, 2, 3])
+    assert est.estimate(ids) == (3, 3)
