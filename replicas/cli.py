@@ -71,12 +71,21 @@ def run(args: argparse.Namespace) -> None:
     if not args.openai and (args.no_token_ids or args.stream_interval != 1):
         # (they were accepted and ignored: a replica that was meant to stand in for vLLM did not)
         sys.exit("fairstream replica: --no-token-ids and --stream-interval apply to --openai only")
-    config = json.loads(args.config_json)
+    try:
+        config = json.loads(args.config_json)
+    except ValueError as e:
+        sys.exit(f"fairstream replica: --config-json is not JSON: {e}")
+    if not isinstance(config, dict):
+        sys.exit("fairstream replica: --config-json must be a JSON object")
     secret = os.environ.get(args.secret_env, "")
     host = port = None
     if args.listen or args.openai:
-        host, _, p = (args.listen or args.openai).rpartition(":")
+        where = args.listen or args.openai
+        host, sep, p = where.rpartition(":")
         host = host.strip("[]")  # ([::1]:7000 as well as ::1:7000)
+        if not sep or not host or not p.isdigit() or int(p) > 65535:
+            option = "--listen" if args.listen else "--openai"
+            sys.exit(f"fairstream replica: {option}: {where!r} is not HOST:PORT (port 0-65535)")
         port = int(p)
         if not secret and not _loopback(host):
             logging.getLogger("fairstream.replica").warning(
@@ -84,6 +93,9 @@ def run(args: argparse.Namespace) -> None:
                 "replica", host, args.secret_env)
     elif not args.socket:
         sys.exit("fairstream replica: give --socket PATH, --listen HOST:PORT or --openai HOST:PORT")
+    elif not os.path.isdir(os.path.dirname(os.path.abspath(args.socket))):
+        sys.exit(f"fairstream replica: --socket: no directory {os.path.dirname(os.path.abspath(args.socket))!r} "
+                 "to put the socket in")
     try:
         import uvloop
 
@@ -96,9 +108,14 @@ def run(args: argparse.Namespace) -> None:
         raise
     except BaseException as e:
         # one line that says why, with the replica's name (the supervisor
-        # only sees the exit status); the traceback follows it
+        # only sees the exit status); the traceback follows it, unless the
+        # cause is the replica's settings or address (a bad engine setting,
+        # a port in use), which the line says in full
+        import msgspec
+
+        told = isinstance(e, (EngineError, msgspec.ValidationError, OSError))
         logging.getLogger("fairstream.replica").error("replica failed: %s: %s", type(e).__name__, e,
-                                                      exc_info=not isinstance(e, EngineError))
+                                                      exc_info=not told)
         sys.exit(1)
 
 

@@ -45,6 +45,11 @@ def _serve(args: argparse.Namespace) -> int:
         print("\n".join(e.errors), file=sys.stderr)
         return 1
     setup_logging(args.log_level, json=args.log_format == "json")
+    for name in _unset_api_keys(config):
+        import logging
+
+        logging.getLogger("fairstream.router").warning(
+            "%s (a url replica's api_key_env) is not set or empty: its upstream is called without an API key", name)
     host = args.host or config.host
     port = config.port if args.port is None else args.port
     if args.workers > 1:
@@ -70,6 +75,14 @@ def _unset_secrets(config) -> list[str]:
                    if r.address is not None and r.secret_env and not os.environ.get(r.secret_env)})
 
 
+def _unset_api_keys(config) -> list[str]:
+    """The ``api_key_env`` names of ``url`` replicas that this environment
+    leaves unset or empty (their upstreams get no ``Authorization``: a typo
+    shows only as the upstream's 401)."""
+    return sorted({r.api_key_env for r in config.replicas
+                   if r.url is not None and r.api_key_env and not os.environ.get(r.api_key_env)})
+
+
 def _check(args: argparse.Namespace) -> int:
     from router.config import RouterConfig
     from router.configfile import ConfigError, load_yaml
@@ -84,6 +97,10 @@ def _check(args: argparse.Namespace) -> int:
             if unset:  # (a note, not an error: the file may be checked where the secrets are not, e.g. in CI)
                 print(f"{path}: note: {', '.join(unset)} (a replica's secret_env) is not set or empty in this "
                       "environment; `fairstream serve` refuses to start without it", file=sys.stderr)
+            keyless = _unset_api_keys(loaded) if kind is RouterConfig else []
+            if keyless:
+                print(f"{path}: note: {', '.join(keyless)} (a url replica's api_key_env) is not set or empty in "
+                      "this environment; its upstream is then called without an API key", file=sys.stderr)
         except ConfigError as e:
             failed = True
             print("\n".join(e.errors), file=sys.stderr)
@@ -136,6 +153,7 @@ def _hash_key(args: argparse.Namespace) -> int:
     if not key.strip():
         print("fairstream hash-key: error: the key is empty", file=sys.stderr)
         return 2
+    key = key.strip()  # (as the header arrives: spaces around a key never reach the router)
     if len(key.splitlines()) > 1:  # no header can carry it: a file of keys, not one key
         print("fairstream hash-key: error: the key spans several lines; hash one key at a time",
               file=sys.stderr)
@@ -221,7 +239,11 @@ def main(argv: list[str] | None = None) -> None:
     args = p.parse_args(argv)
     if args.cmd is None:
         p.error(f"a command is required: {', '.join(commands)}")
-    sys.exit(args.func(args))
+    try:
+        code = args.func(args)
+    except KeyboardInterrupt:  # (Ctrl-C before the command's own handling is up: while serve imports)
+        code = 130
+    sys.exit(code)
 
 
 if __name__ == "__main__":  # python -m router.cli (as the fairstream command)

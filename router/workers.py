@@ -163,8 +163,14 @@ async def _parent(config: RouterConfig, tenants: Path, host: str, port: int, n: 
     # replicas start must not kill the parent with its default action)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
+    interrupted: list[bool] = []  # (Ctrl-C: exit 130, as a single router does; SIGTERM: 0)
+
+    def on_stop(sig: int) -> None:
+        interrupted.append(sig == signal.SIGINT)
+        stop.set()
+
     for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
+        loop.add_signal_handler(sig, on_stop, sig)
     procs: dict[int, subprocess.Popen[bytes]] = {}
 
     def forward_hup() -> None:  # (workers not started yet read the file when they start)
@@ -243,4 +249,4 @@ async def _parent(config: RouterConfig, tenants: Path, host: str, port: int, n: 
             except subprocess.TimeoutExpired:  # stuck in the kernel (D state): the replicas still stop
                 log.error("worker pid %d did not exit %.0fs after SIGKILL; leaving it", p.pid, KILL_WAIT)
         await supervisor.close()
-    return 0
+    return 130 if interrupted[:1] == [True] else 0

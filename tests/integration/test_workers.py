@@ -124,6 +124,11 @@ async def test_a_dead_worker_is_restarted(tmp_path, redis_server):
         poll(lambda: httpx.get(base + "/ready", timeout=2).status_code == 200, 20, what="ready again")
         time.sleep(2)  # (the workers have reconnected by now)
         assert restarts() == 1
+        # Ctrl-C: 130, as a single router exits (it was 0)
+        kids = descendants(proc.pid)
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(30) == 130
+        poll(lambda: not any(alive(p) for p in kids), 15, what="workers and replicas exit")
     finally:
         kids = descendants(proc.pid)
         proc.send_signal(signal.SIGTERM)

@@ -33,6 +33,19 @@ def _digest(key: str) -> str:
     return hashlib.sha256(key.encode()).hexdigest()
 
 
+def test_ctrl_c_before_a_command_has_its_own_handling_exits_130_without_a_traceback(monkeypatch) -> None:
+    # (a Ctrl-C in serve's first 0.7 s, while it imports, printed a traceback through the imports)
+    from router import cli
+
+    def interrupted(args):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(cli, "_check", interrupted)
+    with pytest.raises(SystemExit) as e:
+        cli.main(["check-config", "configs/router.yaml"])
+    assert e.value.code == 130
+
+
 def test_version() -> None:
     proc = _cli("--version")
     assert proc.returncode == 0, proc.stderr
@@ -108,8 +121,8 @@ def test_every_option_has_help_and_shows_its_default() -> None:
 
 @pytest.mark.parametrize(
     ("args", "stdin"),
-    [(["-"], "KEY\n"), (["-"], "  KEY \r\n"), ([], "KEY\n"), ([], "KEY")],
-    ids=["dash", "dash-whitespace", "piped", "piped-no-newline"],
+    [(["-"], "KEY\n"), (["-"], "  KEY \r\n"), ([], "KEY\n"), ([], "KEY"), ([" KEY "], "")],
+    ids=["dash", "dash-whitespace", "piped", "piped-no-newline", "argument-whitespace"],
 )
 def test_hash_key_reads_the_key_from_stdin(args: list[str], stdin: str) -> None:
     proc = _cli("hash-key", *args, stdin=stdin)
@@ -188,6 +201,19 @@ def test_serve_refuses_an_unset_replica_secret(tmp_path) -> None:
     assert "note: FS_TEST_UNSET_SECRET" in check.stderr and "refuses to start" in check.stderr, check.stderr
 
 
+def test_check_config_notes_an_unset_api_key_env(tmp_path) -> None:
+    # (serve started, and the upstream refused every request with a 401 that named no variable)
+    (tmp_path / "router.yaml").write_text(
+        "tenants: " + str(ROOT / "configs" / "tenants.yaml") + "\n"
+        "replicas:\n  - {name: up, url: 'http://127.0.0.1:9/v1', api_key_env: FS_TEST_UNSET_KEY}\n")
+    env = {k: v for k, v in os.environ.items() if k != "FS_TEST_UNSET_KEY"}
+    check = subprocess.run([sys.executable, "-c", "from router.cli import main; main()", "check-config",
+                            str(tmp_path / "router.yaml")], capture_output=True, text=True, timeout=30, env=env,
+                           cwd=ROOT, check=False)
+    assert check.returncode == 0, check.stderr
+    assert "note: FS_TEST_UNSET_KEY (a url replica's api_key_env) is not set" in check.stderr, check.stderr
+
+
 def _replica_log(listen: str) -> str:
     """The first lines a replica run by hand logs, until it is ready (or fails)."""
     env = {k: v for k, v in os.environ.items() if k != "FAIRSTREAM_REPLICA_SECRET"}
@@ -224,6 +250,33 @@ def test_the_openai_only_replica_flags_are_refused_without_openai(tmp_path, flag
     proc = _cli("replica", "--engine", "sim", "--socket", str(tmp_path / "r.sock"), *flag, timeout=30)
     assert proc.returncode == 1
     assert proc.stderr.strip().endswith("--no-token-ids and --stream-interval apply to --openai only"), proc.stderr
+
+
+@pytest.mark.parametrize(("args", "error"), [
+    (["--listen", "bogus"], "--listen: 'bogus' is not HOST:PORT (port 0-65535)"),  # (int() traceback)
+    (["--listen", "127.0.0.1:99999"], "--listen: '127.0.0.1:99999' is not HOST:PORT"),  # (listened on 34463)
+    (["--socket", "/nonexistent/dir/r.sock"], "--socket: no directory '/nonexistent/dir' to put the socket in"),
+    (["--socket", "r.sock", "--config-json", "{bad"], "--config-json is not JSON: "),
+    (["--socket", "r.sock", "--config-json", "[]"], "--config-json must be a JSON object"),
+])
+def test_a_replica_started_wrong_says_what_is_wrong(args: list[str], error: str) -> None:
+    proc = _cli("replica", *args, timeout=30)
+    assert proc.returncode == 1 and error in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
+
+
+def test_a_replica_with_a_bad_setting_or_a_taken_port_fails_in_one_line(tmp_path) -> None:
+    import socket
+
+    for args in (["--socket", str(tmp_path / "r.sock"), "--config-json", '{"block_size": 0}'],
+                 ["--listen", "127.0.0.1:PORT"]):
+        with socket.socket() as taken:
+            taken.bind(("127.0.0.1", 0))
+            taken.listen()
+            args = [a.replace("PORT", str(taken.getsockname()[1])) for a in args]
+            proc = _cli("replica", "--log-format", "text", *args, timeout=30)
+        assert proc.returncode == 1 and "replica failed: " in proc.stderr, proc.stderr
+        assert "Traceback" not in proc.stderr, proc.stderr
+        assert "block_size` must be at least 1" in proc.stderr or "address already in use" in proc.stderr
 
 
 def test_a_bracketed_ipv6_listen_address_works() -> None:
