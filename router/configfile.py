@@ -241,8 +241,13 @@ def load_yaml(path: str | Path, type_: type[T], text: str | None = None) -> tupl
         finally:
             loader.dispose()
     except yaml.MarkedYAMLError as e:
-        line = (e.problem_mark.line + 1) if e.problem_mark else 1
-        raise ConfigError([f"{name}:{line}: (syntax): {e.problem or e}"]) from e
+        mark = e.problem_mark
+        line = (mark.line + 1) if mark else 1
+        problem = str(e.problem or e)
+        lines = text.splitlines()
+        if mark and mark.line < len(lines) and "\t" in lines[mark.line][:mark.column + 1]:
+            problem += " (a tab: YAML indents with spaces)"  # (what the parser says does not name it)
+        raise ConfigError([f"{name}:{line}: (syntax): {problem}"]) from e
     except yaml.YAMLError as e:
         raise ConfigError([f"{name}:1: (syntax): {e}"]) from e
     if data is None:
