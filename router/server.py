@@ -165,7 +165,11 @@ class Server(uvicorn.Server):
 
     async def startup(self, sockets=None) -> None:
         _WebSocket.probe(self.config, self.server_state)
-        await super().startup(sockets)
+        try:
+            await super().startup(sockets)
+        except SystemExit:  # (uvicorn logged the OSError alone: "[Errno -2] Name or service not known")
+            log.error("cannot listen on %s:%d (the line before says why)", self.config.host, self.config.port)
+            raise
         for server in self.servers:
             for sock in server.sockets:
                 addr = sock.getsockname()

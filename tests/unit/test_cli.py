@@ -201,6 +201,14 @@ def test_serve_refuses_an_unset_replica_secret(tmp_path) -> None:
     assert "note: FS_TEST_UNSET_SECRET" in check.stderr and "refuses to start" in check.stderr, check.stderr
 
 
+def test_serve_that_cannot_listen_names_the_address() -> None:
+    # (it logged "[Errno -2] Name or service not known" and nothing else)
+    proc = _cli("serve", "--host", "no-such-host.invalid", "--port", str(_free_port()), "--log-format", "text",
+                timeout=60)
+    assert proc.returncode == 3, proc.stderr[-2000:]
+    assert "cannot listen on no-such-host.invalid:" in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
+
+
 def test_check_config_notes_an_unset_api_key_env(tmp_path) -> None:
     # (serve started, and the upstream refused every request with a 401 that named no variable)
     (tmp_path / "router.yaml").write_text(
