@@ -240,8 +240,9 @@ class Supervisor:
                     unreachable += 1
                     if unreachable == 1 or loop.time() - warned >= UNREACHABLE_LOG_EVERY:
                         warned = loop.time()
-                        log.warning("replica %s cannot be reached: %s (attempt %d; trying again at least every %gs)",
-                                    slot.name, e, unreachable, s.reconnect_interval)
+                        log.warning("replica %s at %s cannot be reached: %s (attempt %d; trying again at least "
+                                    "every %gs)", slot.name, slot.spec.url or slot.spec.address, e, unreachable,
+                                    s.reconnect_interval)
                 else:
                     log.warning("replica %s failed: %s", slot.name, e)
                 if isinstance(e, _Stalled):
