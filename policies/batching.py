@@ -55,7 +55,7 @@ class AimdSettings(msgspec.Struct, forbid_unknown_fields=True, kw_only=True, fro
             raise ValueError("backoff must be between 0 and 1")
         if self.increase < 1 or self.window <= 0:
             raise ValueError("increase must be >= 1 and window > 0")
-        if not (self.target_itl > 0 and self.target_ttft > 0):
+        if self.enabled and not (self.target_itl > 0 and self.target_ttft > 0):
             raise ValueError("target_itl and target_ttft must be positive")
 
 

@@ -30,7 +30,10 @@ class ReplicaSpec(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     """One replica in router.yaml's ``replicas`` list."""
 
     name: str
-    """Unique name; used in metrics and logs."""
+    """Unique name; used in metrics and logs. A replica the router starts is
+    named with letters, digits, ``_ . -`` (1-64 characters: its socket file
+    is named after it); one at an ``address`` or ``url`` with any printable
+    text."""
     engine: Literal["sim", "vllm"] = "sim"
     """Engine of a local replica: ``sim`` (simulated) or ``vllm``."""
     config: dict[str, Any] = {}
@@ -82,15 +85,18 @@ class ReplicaSpec(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     no limit on a ``url`` upstream's connection pool."""
 
     def __post_init__(self) -> None:
-        if not _NAME.match(self.name):
-            raise ValueError(f"replica names use letters, digits, _ . - (1-64 chars), not {self.name!r}")
+        if self.local and not _NAME.match(self.name):  # (its socket file and run directory are named after it)
+            raise ValueError(f"a replica the router starts is named with letters, digits, _ . - (1-64 chars), "
+                             f"not {self.name!r}")
+        if not self.name.strip() or not self.name.isprintable():
+            raise ValueError(f"replica names must be printable and not blank, not {self.name!r}")
         if not self.start_timeout > 0:
             raise ValueError("`start_timeout` must be positive")
         if self.gpu is not None and self.gpu < 0:
             raise ValueError("`gpu` must not be negative")
         if not self.local:
-            for key in ("gpu", "env"):
-                if getattr(self, key):
+            for key, unset in (("gpu", self.gpu is None), ("env", not self.env)):
+                if not unset:
                     raise ValueError(f"`{key}` applies only to a replica the router starts, not to one with "
                                      f"`{'url' if self.url is not None else 'address'}`")
         if self.address is not None:

@@ -55,7 +55,8 @@ def worker_config(config: RouterConfig, run_dir: str) -> RouterConfig:
     replicas = []
     for spec in config.replicas:
         if spec.local:
-            spec = msgspec.structs.replace(spec, address=f"unix:{run_dir}/{spec.name}.sock")
+            # (gpu and env are the parent's process's, not the worker's connection's)
+            spec = msgspec.structs.replace(spec, address=f"unix:{run_dir}/{spec.name}.sock", gpu=None, env={})
         replicas.append(spec)
     return msgspec.structs.replace(config, replicas=replicas)
 

@@ -161,3 +161,40 @@ def test_a_merge_key_with_an_override_is_not_a_duplicate(tmp_path):
     p.write_text(MERGE_TENANTS)
     file, _ = load_yaml(p, TenantsFile)
     assert file.tenants["silver"].priority == "normal" and file.tenants["silver"].weight == 3
+
+
+def test_a_workers_config_of_replicas_with_gpu_and_env_is_valid(tmp_path: Path) -> None:
+    # (--workers turned each local replica into an address replica, keeping
+    # gpu and env, which an address replica refuses: serve --workers crashed
+    # at start with the documented multi-GPU setup)
+    import msgspec
+
+    from router.workers import worker_config
+
+    (tmp_path / "router.yaml").write_text(
+        "state: {backend: redis}\nreplicas:\n"
+        "  - {name: gpu-0, engine: vllm, gpu: 1, env: {VLLM_CPU_OMP_THREADS_BIND: '0-1'}, config: {model: /models/m}}\n"
+        "  - {name: far, address: '10.0.0.7:7000'}\n")
+    config, _ = load_yaml(tmp_path / "router.yaml", RouterConfig)
+    workers = worker_config(config, str(tmp_path))
+    again = msgspec.json.decode(msgspec.json.encode(workers), type=RouterConfig)  # (as a worker reads it)
+    assert [r.address for r in again.replicas] == [f"unix:{tmp_path}/gpu-0.sock", "10.0.0.7:7000"]
+    assert again.replicas[0].gpu is None and again.replicas[0].env == {}
+
+
+def test_a_remote_replica_may_be_named_as_its_host() -> None:
+    # (the name rule is for the socket file of a replica the router starts)
+    import msgspec
+
+    from replicas.spec import ReplicaSpec
+
+    names = ["10.0.0.7:7000", "fairstream-replica-0.fairstream-replica.default.svc.cluster.local", "gpu box 7"]
+    for name in names:
+        assert msgspec.convert({"name": name, "address": "10.0.0.7:7000"}, ReplicaSpec).name == name
+    for bad in ("", " ", "a\nb"):
+        try:
+            msgspec.convert({"name": bad, "address": "10.0.0.7:7000"}, ReplicaSpec)
+        except msgspec.ValidationError as e:
+            assert "printable and not blank" in str(e)
+        else:
+            raise AssertionError(f"{bad!r} was accepted")
