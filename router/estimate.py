@@ -7,8 +7,12 @@ role and separators: at most ``PER_MESSAGE`` tokens in the templates
 tried) and a fixed part per request: a begin-of-text token, the
 generation prompt, a default system prompt (Llama 3.1's is ~25 tokens).
 The fixed part is learned per model and prompt form from the real counts
-the replicas return: the most any request needed beyond its bytes and
-message headers. Until a model's first count, ``FIRST_GUESS`` tokens.
+the replicas return for short prompts (at most ``SHORT`` bytes of content,
+no ``chat_template_kwargs``): the most such a request needed beyond its
+bytes and message headers. Only short ones, since bytes overstate a long
+text's tokens several times over (a long prompt would teach 0), and
+kwargs a template renders may count many times their JSON size; at most
+``MAX_FIXED``. Until a model's first short prompt, ``FIRST_GUESS`` tokens.
 Settlement always charges the real count, so the estimate decides only how
 much a burst can take before the first requests settle."""
 
@@ -22,6 +26,8 @@ __all__ = ["PromptEstimates", "PER_MESSAGE", "FIRST_GUESS"]
 
 PER_MESSAGE = 16  # tokens of a chat template's header around one message
 FIRST_GUESS = {"chat": 32, "text": 1, "ids": 0}  # a model's fixed part before its first real count
+SHORT = 64  # bytes of content at most in a prompt that teaches the fixed part
+MAX_FIXED = 1024  # tokens: the most the fixed part is taken to be
 
 
 def _kind(job: Job) -> str:
@@ -56,9 +62,15 @@ class PromptEstimates:
 
     def learn(self, job: Job, base: int, counted: int) -> None:
         """The replica counted ``counted`` prompt tokens for ``job`` (``base``
-        from ``estimate``)."""
-        key = (job.model, _kind(job))
-        extra = max(0, counted - base)
+        from ``estimate``); only a short prompt teaches (see the module)."""
+        if job.template_kwargs:
+            return
+        kind = _kind(job)
+        content = base - PER_MESSAGE * len(job.messages) if job.messages is not None else base
+        if kind != "ids" and content > SHORT:
+            return
+        key = (job.model, kind)
+        extra = min(MAX_FIXED, max(0, counted - base))
         known = self._fixed.get(key)
         if known is None or extra > known:
             self._fixed[key] = extra

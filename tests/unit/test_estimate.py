@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from replicas.protocol import SamplingParams
 from replicas.sim import ByteTokenizer
-from router.estimate import FIRST_GUESS, PER_MESSAGE, PromptEstimates
+from router.estimate import FIRST_GUESS, MAX_FIXED, PER_MESSAGE, PromptEstimates
 from router.job import Job
 
 
@@ -40,3 +40,21 @@ def test_what_is_learned_is_the_most_any_request_needed_per_model_and_form() -> 
     assert est.estimate(text) == (3 + FIRST_GUESS["text"], 3)
     ids = Job("m", SamplingParams(max_tokens=1), prompt_token_ids=[1, 2, 3])
     assert est.estimate(ids) == (3, 3)
+
+
+def test_only_a_short_prompt_without_template_kwargs_teaches() -> None:
+    # (bytes overstate a long English text's tokens about 4 times: a 1,006-byte
+    # chat counted as 278 tokens taught a fixed part of 0, and "hi" was then
+    # reserved 18 tokens for the 28 it takes; kwargs a template renders may
+    # count far more than their JSON, and raised every tenant's estimate)
+    est = PromptEstimates()
+    long = _chat(("user", "word " * 201))
+    est.learn(long, est.estimate(long)[1], 278)
+    assert est.estimate(_chat(("user", "hi")))[0] == 2 + PER_MESSAGE + FIRST_GUESS["chat"]
+    kw = Job("m", SamplingParams(max_tokens=1), messages=[{"role": "user", "content": "hi"}],
+             template_kwargs={"tools": [{"name": "x"}]})
+    est.learn(kw, est.estimate(kw)[1], 50_000)
+    assert est.estimate(_chat(("user", "hi")))[0] == 2 + PER_MESSAGE + FIRST_GUESS["chat"]
+    short = _chat(("user", "hi"))
+    est.learn(short, est.estimate(short)[1], 10**6)  # (an outlier: at most MAX_FIXED)
+    assert est.estimate(short)[0] == 2 + PER_MESSAGE + MAX_FIXED
