@@ -167,7 +167,9 @@ def _nonfinite_fields(value, at: tuple):
 
 
 def _redis_url_error(url: str) -> str | None:
-    """Why redis-py would refuse ``url`` at start (None: it takes it)."""
+    """Why ``url`` is not a Redis URL the router can use: one redis-py
+    refuses at start, or a database that is not a number (which redis-py
+    would take as database 0). None: it is one."""
     from redis.connection import parse_url
 
     try:

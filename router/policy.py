@@ -57,14 +57,15 @@ class ReloadResult(msgspec.Struct):
 
 
 class PolicyRegistry:
-    def __init__(self, path: Path, on_reload: Callable[[bool], None] | None = None) -> None:
+    def __init__(self, path: Path, on_reload: Callable[[bool, bool], None] | None = None) -> None:
         self.path = Path(path)
         # (one read: the text compared at start() is the text in force)
         self._text = read_text(self.path)
         file, _ = load_yaml(self.path, TenantsFile, self._text)  # a bad file at start is fatal
         self.current = PolicySnapshot(file, 1, self._text)
         self.last_errors: list[str] = []
-        self._on_reload = on_reload or (lambda ok: None)
+        # on_reload(ok, changed): after each reload that read the file (changed: a new policy is in force)
+        self._on_reload = on_reload or (lambda ok, changed: None)
         self._watch: asyncio.Task[None] | None = None
         self._signalled: set[asyncio.Task[ReloadResult]] = set()  # reloads SIGHUP started
         self._stop = asyncio.Event()
@@ -92,20 +93,20 @@ class PolicyRegistry:
         self.last_errors = []
         log.info("tenant policy reloaded from %s (version %d, digest %s, %d tenants)",
                  self.path, self.current.version, self.current.digest, len(self.current.tenants))
-        self._on_reload(True)
+        self._on_reload(True, True)
         return ReloadResult(True, self.current.version)
 
     def _restored(self) -> None:
         self.last_errors = []
         log.info("tenant policy file %s is valid again, the same as version %d: nothing changed",
                  self.path, self.current.version)
-        self._on_reload(True)
+        self._on_reload(True, False)
 
     def _failed(self, errors: list[str]) -> ReloadResult:
         self.last_errors = errors
         for line in errors:
             log.error("tenant policy reload failed, keeping version %d: %s", self.current.version, line)
-        self._on_reload(False)
+        self._on_reload(False, False)
         return ReloadResult(False, self.current.version, errors, changed=False)
 
     async def start(self) -> None:

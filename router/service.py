@@ -83,11 +83,11 @@ class RouterService:
             on_event=self._on_replica_event,
         )
 
-    def _on_reload(self, ok: bool) -> None:
+    def _on_reload(self, ok: bool, changed: bool) -> None:
         m = self.metrics
         m.reloads.labels("success" if ok else "failure").inc()
         m.reload_ok.set(1 if ok else 0)
-        if ok:
+        if changed:
             m.declare((), self.policy.current.tenants)
             self._refuse_removed()
             self.peers.soon()
