@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import random
+import time
 
 from collections import OrderedDict
 from collections.abc import Callable, Collection, Mapping
@@ -43,6 +44,8 @@ class ReplicaSlot:
         self.pid: int | None = None
         self.restarts = 0
         self.state = "starting"  # starting | ready | down
+        self.last_error: str | None = None  # why it last failed, kept after it is back (/admin/replicas)
+        self.last_error_at: float | None = None  # (Unix time)
         self.inflight = 0
         self.inflight_tokens = 0
         self.served = 0
@@ -51,6 +54,11 @@ class ReplicaSlot:
     def ready(self) -> bool:
         c = self.client
         return self.state == "ready" and c is not None and c.closed is None and not c.refused
+
+    def failed(self, why: str) -> None:
+        """It failed (the supervisor's reason, as logged)."""
+        self.last_error = why
+        self.last_error_at = time.time()
 
     @property
     def status(self) -> str:

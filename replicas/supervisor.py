@@ -231,7 +231,9 @@ class Supervisor:
                 raise
             except ReplicaRefused as e:
                 log.error("replica %s: %s", slot.name, e)
+                slot.failed(str(e))
             except Exception as e:  # noqa: BLE001 - any failure means restart
+                slot.failed(f"{type(e).__name__}: {e}" if not str(e) else str(e))
                 if not slot.spec.local and slot.state == "starting" and _unreachable(e):
                     # Not there (restarting, or its host is down): try again
                     # every reconnect_interval at most, and say so every

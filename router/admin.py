@@ -81,6 +81,9 @@ async def replicas(request: Request) -> Response:
             # (None for a replica with no process of its own here: a url: upstream)
             "pid": (client.ready.pid if client is not None and slot.ready else slot.pid) or None,
             "restarts": slot.restarts,
+            # (why it last failed, as the log says, and when; kept once it is back)
+            "last_error": slot.last_error,
+            "last_error_at": slot.last_error_at,
             "inflight": slot.inflight,
             "cap": slot.cap,
             "served": slot.served,

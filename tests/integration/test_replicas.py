@@ -14,7 +14,7 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.helpers import GOLD, MODEL, RouterProcess, aiter_sse, apoll, poll, proc_stat
+from tests.helpers import ADMIN, GOLD, MODEL, RouterProcess, aiter_sse, apoll, poll, proc_stat
 
 AUTH = {"authorization": f"Bearer {GOLD}"}
 SLOW = {"step_base_ms": 20}
@@ -337,6 +337,11 @@ async def test_stream_lost_without_a_spare_replica_ends_with_an_error_event(make
     line = next(r for r in router.records("fairstream.request") if r["outcome"] == "lost")
     assert line.get("failovers", 0) == 0, line
     router.wait_ready(15)  # and the replica comes back
+    # why it failed stays in /admin/replicas once it is back (it was only in the log)
+    listed = httpx.get(router.base_url + "/admin/replicas", headers={"Authorization": f"Bearer {ADMIN}"},
+                       timeout=10).json()["replicas"]
+    (sim0,) = [r for r in listed if r["name"] == "sim-0"]
+    assert sim0["state"] == "ready" and "-9" in sim0["last_error"] and sim0["last_error_at"] <= time.time(), sim0
 
 
 async def test_replica_lost_before_the_first_token_without_a_spare_is_a_503(make_router) -> None:
