@@ -116,7 +116,7 @@ def test_systemd_units_parse_and_run_fairstream(name):
         p = argparse.ArgumentParser()
         add_arguments(p)
         args = p.parse_args([a.replace("%i", "0") for a in argv[2:]])
-        msgspec.json.decode(args.config_json)
+        _check_gpu_engine_config(args.config_json)
     if shutil.which("systemd-analyze"):
         res = subprocess.run(["systemd-analyze", "verify", str(DEPLOY / "systemd" / name)],
                              capture_output=True, text=True)
@@ -130,3 +130,20 @@ def test_systemd_router_config_matches_replica_units():
     port_pattern = re.search(r"--listen 127\.0\.0\.1:(\d+)%i", unit).group(1)
     assert {r.address for r in cfg.replicas} == {f"127.0.0.1:{port_pattern}{i}" for i in range(len(cfg.replicas))}
     assert all(r.secret_env for r in cfg.replicas)
+
+
+def _check_gpu_engine_config(config_json: str) -> None:
+    """A GPU replica's settings, not the CPU test model's defaults (they
+    capped Llama-3-8B at 2,048 tokens of context and turned CUDA graphs off,
+    and clients had to name the model by its path)."""
+    from replicas.vllm_engine import VllmEngineConfig
+
+    cfg = msgspec.convert(msgspec.json.decode(config_json), VllmEngineConfig)
+    assert cfg.max_model_len >= 8192 and not cfg.enforce_eager and cfg.served_name, cfg
+
+
+def test_the_k8s_replicas_run_a_gpu_engine_config():
+    docs = list(yaml.safe_load_all((DEPLOY / "k8s" / "replicas.yaml").read_text()))
+    (sts,) = [d for d in docs if d and d.get("kind") == "StatefulSet"]
+    command = sts["spec"]["template"]["spec"]["containers"][0]["command"]
+    _check_gpu_engine_config(command[command.index("--config-json") + 1])
