@@ -80,7 +80,7 @@ class ChaosReport:
             ("token mismatches", self.mismatches),
             ("failovers (router)", int(self.failovers)),
             ("streams lost (router)", int(self.streams_lost)),
-            ("failover latency p99 (from detection)",
+            ("failover latency p99 (from detection; histogram bucket bound)",
              "n/a" if self.failover_p99 is None else f"{self.failover_p99 * 1000:.0f} ms"),
             ("replica restarts", self.restarts),
             ("chaos actions", len(self.actions)),
@@ -113,11 +113,29 @@ def _body(cfg: ChaosConfig, prompt: str, stream: bool) -> dict:
     }
 
 
+def _refused(what: str, r: httpx.Response) -> ChaosError:
+    """The router's refusal of ``what``, with its own message."""
+    try:
+        err = r.json()["error"]
+        why = f"{err.get('code') or err.get('type')}: {err['message']}"
+    except (ValueError, KeyError, TypeError):
+        why = r.text[:200]
+    return ChaosError(f"{what}: HTTP {r.status_code}: {why}")
+
+
+async def _replicas(admin: httpx.AsyncClient) -> list[dict]:
+    r = await admin.get("/admin/replicas")
+    if r.status_code != 200:
+        raise _refused("GET /admin/replicas (--admin-key)", r)
+    return r.json()["replicas"]
+
+
 async def _reference(client: httpx.AsyncClient, cfg: ChaosConfig) -> dict[str, str]:
     refs = {}
     for p in PROMPTS:
         r = await client.post("/v1/completions", json=_body(cfg, p, False))
-        r.raise_for_status()
+        if r.status_code != 200:
+            raise _refused("the reference completion (--api-key, --model, --max-tokens)", r)
         refs[p] = r.json()["choices"][0]["text"]
     return refs
 
@@ -183,31 +201,48 @@ def _p99(before: dict[str, float], after: dict[str, float]) -> float | None:
     return None
 
 
+def _thaw(pid: int, frozen: dict[int, asyncio.TimerHandle]) -> None:
+    """SIGCONT a replica this run froze (at the end of its freeze, or of the run)."""
+    handle = frozen.pop(pid, None)
+    if handle is not None:
+        handle.cancel()
+    try:
+        os.kill(pid, signal.SIGCONT)
+    except ProcessLookupError:
+        pass  # the supervisor killed it for not answering pings
+
+
 async def _chaos(admin: httpx.AsyncClient, cfg: ChaosConfig, rep: ChaosReport, stop: asyncio.Event) -> None:
+    """An action every ``kill_every`` seconds; a frozen replica is thawed
+    ``freeze`` seconds later by a timer, so freezes do not hold up the next
+    actions, and every replica still frozen is thawed when this ends
+    (cancelled too: a Ctrl-C leaves none stopped)."""
     rng = random.Random(cfg.seed)
-    while not stop.is_set():
-        try:
-            await asyncio.wait_for(stop.wait(), cfg.kill_every)
-            return
-        except asyncio.TimeoutError:
-            pass
-        reps = (await admin.get("/admin/replicas")).json()["replicas"]
-        ready = [r for r in reps if r["ready"] and r["local"] and r["pid"]]
-        if len(ready) < 2:
-            continue  # keep one replica serving
-        victim = rng.choice(ready)
-        mode = cfg.mode if cfg.mode != "mixed" else rng.choice(["kill", "freeze"])
-        if mode == "kill":
-            os.kill(victim["pid"], signal.SIGKILL)
-            rep.actions.append(f"kill {victim['name']} pid {victim['pid']}")
-        else:
-            os.kill(victim["pid"], signal.SIGSTOP)
-            rep.actions.append(f"freeze {victim['name']} pid {victim['pid']} for {cfg.freeze}s")
-            await asyncio.sleep(cfg.freeze)
+    loop = asyncio.get_running_loop()
+    frozen: dict[int, asyncio.TimerHandle] = {}
+    try:
+        while not stop.is_set():
             try:
-                os.kill(victim["pid"], signal.SIGCONT)
-            except ProcessLookupError:
-                pass  # the supervisor killed it for not answering pings
+                await asyncio.wait_for(stop.wait(), cfg.kill_every)
+                return
+            except asyncio.TimeoutError:
+                pass
+            ready = [r for r in await _replicas(admin)
+                     if r["ready"] and r["local"] and r["pid"] and r["pid"] not in frozen]
+            if len(ready) < 2:
+                continue  # keep one replica serving
+            victim = rng.choice(ready)
+            mode = cfg.mode if cfg.mode != "mixed" else rng.choice(["kill", "freeze"])
+            if mode == "kill":
+                os.kill(victim["pid"], signal.SIGKILL)
+                rep.actions.append(f"kill {victim['name']} pid {victim['pid']}")
+            else:
+                os.kill(victim["pid"], signal.SIGSTOP)
+                frozen[victim["pid"]] = loop.call_later(cfg.freeze, _thaw, victim["pid"], frozen)
+                rep.actions.append(f"freeze {victim['name']} pid {victim['pid']} for {cfg.freeze}s")
+    finally:
+        for pid in list(frozen):
+            _thaw(pid, frozen)
 
 
 class ChaosError(Exception):
@@ -222,7 +257,7 @@ async def run_chaos(cfg: ChaosConfig, progress=None) -> ChaosReport:
     async with httpx.AsyncClient(base_url=cfg.base_url, headers=headers, timeout=120, limits=limits) as client, \
             httpx.AsyncClient(base_url=cfg.base_url, headers={"Authorization": f"Bearer {cfg.admin_key}"},
                               timeout=10) as admin:
-        reps = (await admin.get("/admin/replicas")).json()["replicas"]
+        reps = await _replicas(admin)
         usable = [r for r in reps if r["local"] and r["pid"]]
         if len(usable) < 2:
             raise ChaosError(
@@ -230,7 +265,7 @@ async def run_chaos(cfg: ChaosConfig, progress=None) -> ChaosReport:
                 f"{len(reps)} (a `serve --workers` router lists its replicas as remote: use a single-process one)")
         refs = await _reference(client, cfg)
         before = await _metrics(client)
-        restarts0 = sum(r["restarts"] for r in (await admin.get("/admin/replicas")).json()["replicas"])
+        restarts0 = sum(r["restarts"] for r in await _replicas(admin))
         stop = asyncio.Event()
         t0 = time.monotonic()
         chaos = asyncio.create_task(_chaos(admin, cfg, rep, stop))
@@ -243,14 +278,16 @@ async def run_chaos(cfg: ChaosConfig, progress=None) -> ChaosReport:
                 if progress:
                     progress(rep)
 
-        await asyncio.gather(*(worker(i) for i in range(cfg.streams)))
-        stop.set()
-        await chaos
+        try:
+            await asyncio.gather(*(worker(i) for i in range(cfg.streams)))
+        finally:
+            stop.set()
+            await chaos  # (it thaws what it froze, a Ctrl-C included)
         rep.duration = time.monotonic() - t0
         # let the supervisor bring replicas back before reading the counters
         deadline = time.monotonic() + 30
         while time.monotonic() < deadline:
-            reps = (await admin.get("/admin/replicas")).json()["replicas"]
+            reps = await _replicas(admin)
             if all(r["ready"] for r in reps):
                 break
             await asyncio.sleep(0.2)
@@ -263,6 +300,16 @@ async def run_chaos(cfg: ChaosConfig, progress=None) -> ChaosReport:
     return rep
 
 
+def _positive(kind):
+    def parse(text: str):
+        value = kind(text)
+        if not value > 0:
+            raise argparse.ArgumentTypeError(f"must be more than 0, not {text}")
+        return value
+    parse.__name__ = kind.__name__  # (argparse names the type in its errors)
+    return parse
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
@@ -270,10 +317,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--api-key", default="fs-demo-gold", help="a tenant's key, for the streams")
     p.add_argument("--admin-key", default="fs-demo-admin", help="for GET /admin/replicas (the replicas' pids)")
     p.add_argument("--model", default="fairstream-sim", help="the model the streams ask for")
-    p.add_argument("--streams", type=int, default=8, help="streams kept running at once")
-    p.add_argument("--duration", type=float, default=20.0, help="seconds of load and actions")
-    p.add_argument("--max-tokens", type=int, default=200, help="tokens per stream (greedy, ignore_eos)")
-    p.add_argument("--kill-every", type=float, default=3.0, help="seconds between two actions on replicas")
+    p.add_argument("--streams", type=_positive(int), default=8, help="streams kept running at once")
+    p.add_argument("--duration", type=_positive(float), default=20.0, help="seconds of load and actions")
+    p.add_argument("--max-tokens", type=_positive(int), default=200, help="tokens per stream (greedy, ignore_eos)")
+    p.add_argument("--kill-every", type=_positive(float), default=3.0,
+                   help="seconds between two actions on replicas (a freeze does not hold up the next one)")
     p.add_argument("--freeze", type=float, default=7.0,
                    help="seconds a frozen replica stays stopped; above the router's health_interval + health_timeout "
                         "(6 s by default) for the router to notice it")
@@ -292,8 +340,14 @@ def main(argv: list[str] | None = None) -> int:
     try:
         rep = asyncio.run(run_chaos(cfg, progress))
     except ChaosError as e:
-        print(f"chaos: {e}", file=sys.stderr)
+        print(f"\nchaos: {e}", file=sys.stderr)
         return 2
+    except httpx.HTTPError as e:
+        print(f"\nchaos: {cfg.base_url}: {type(e).__name__}: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("\nchaos: interrupted (every replica it froze was thawed)", file=sys.stderr)
+        return 130
     sys.stderr.write("\n")
     for a_ in rep.actions:
         print("-", a_)

@@ -43,3 +43,14 @@ async def test_chaos_refuses_a_router_with_nothing_to_act_on(make_router):
     cfg = ChaosConfig(base_url=router.base_url, api_key=GOLD, admin_key=ADMIN, streams=1, duration=1.0)
     with pytest.raises(ChaosError, match="at least two local replicas"):
         await run_chaos(cfg)
+
+
+async def test_a_wrong_key_is_said_as_the_router_says_it(make_router):
+    # (KeyError: 'replicas', and an httpx traceback for the tenant key)
+    router = make_router(replicas=2, sim=SIM)
+    cfg = ChaosConfig(base_url=router.base_url, api_key=GOLD, admin_key="wrong", streams=1, duration=1.0)
+    with pytest.raises(ChaosError, match=r"GET /admin/replicas \(--admin-key\): HTTP 401: invalid_api_key: "):
+        await run_chaos(cfg)
+    cfg = ChaosConfig(base_url=router.base_url, api_key="wrong", admin_key=ADMIN, streams=1, duration=1.0)
+    with pytest.raises(ChaosError, match=r"the reference completion .*: HTTP 401: invalid_api_key: "):
+        await run_chaos(cfg)
