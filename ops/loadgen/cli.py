@@ -3,7 +3,9 @@
     python -m ops.loadgen --scenario ops/scenarios/demo.yaml --base-url http://127.0.0.1:8080
 
 Exit status: 0 after a run (whatever the requests' outcomes), 2 when the
-scenario or the base URL is refused.
+scenario or the base URL is refused, 130 after a run cut short by Ctrl-C
+(what was measured is reported and written all the same; a second Ctrl-C
+ends the requests still open).
 """
 
 from __future__ import annotations
@@ -114,6 +116,9 @@ def main(argv: list[str] | None = None) -> int:
             run = Run(scenario, base_url, scrape=not args.no_scrape, on_tick=_progress_hook(progress, task_id))
             data = _run(run)
 
+    if data.interrupted:
+        err.print(f"interrupted after {data.send_s:.1f}s of sending: reporting what was measured",
+                  highlight=False)
     rows = summarize(data.results, data.wall_s, list(scenario.tenants))
     render_table(rows, f"{scenario.name}: {len(data.results)} requests in {data.wall_s:.1f}s "
                        f"(sending {data.send_s:.1f}s)", console)
@@ -132,4 +137,4 @@ def main(argv: list[str] | None = None) -> int:
 
         paths += write_plots(out, data)
     console.print(f"wrote {len(paths)} files to {out}/: " + ", ".join(p.name for p in paths), highlight=False)
-    return 0
+    return 130 if data.interrupted else 0

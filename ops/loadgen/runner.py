@@ -15,6 +15,7 @@ import asyncio
 import contextlib
 import math
 import random
+import signal
 import ssl
 import time
 from collections import deque
@@ -65,6 +66,7 @@ class RunData:
     loop_lag: list[float] = field(default_factory=list)
     """How late the client's event loop woke a 50 ms timer, sampled through the run:
     large values mean the load generator itself was the bottleneck."""
+    interrupted: bool = False  # Ctrl-C stopped the sending before the scenario's bounds
 
 
 class Run:
@@ -94,6 +96,16 @@ class Run:
         if self.s.max_requests:
             f = max(f, self.progress.sent / self.s.max_requests)
         return f
+
+    def interrupt(self) -> None:
+        """Ctrl-C: stop sending and drain what is open, then report as after
+        any run (the second Ctrl-C ends what is open at once)."""
+        if self.data.interrupted:
+            for t in list(self._tasks):
+                t.cancel()
+            return
+        self.data.interrupted = True
+        self._stop.set()
 
     def _finish(self, r: Result) -> None:
         self.data.results.append(r)
@@ -208,7 +220,10 @@ class Run:
             if scraper is not None:
                 scraper.t0 = self.t0
                 scraper.start(client)
-            ticker = asyncio.get_running_loop().create_task(self._ticker())
+            loop = asyncio.get_running_loop()
+            ticker = loop.create_task(self._ticker())
+            with contextlib.suppress(NotImplementedError, RuntimeError):  # (not in the main thread: no handler)
+                loop.add_signal_handler(signal.SIGINT, self.interrupt)
             try:
                 if s.mode == "concurrency":
                     assert s.concurrency is not None
@@ -227,6 +242,8 @@ class Run:
                         t.cancel()
                     await asyncio.gather(*pending, return_exceptions=True)
             finally:
+                with contextlib.suppress(NotImplementedError, RuntimeError):
+                    loop.remove_signal_handler(signal.SIGINT)
                 self._stop.set()
                 for t in list(self._tasks):
                     t.cancel()

@@ -23,7 +23,8 @@ def is_loopback_host(host: str) -> bool:
 
 
 def check_base_url(url: str, allow_remote: bool) -> str:
-    """The normalized base URL (no trailing slash); ``ValueError`` says why it is refused."""
+    """The normalized base URL (no trailing slash, and no ``/v1``: the SDK's
+    base URL names the router too); ``ValueError`` says why it is refused."""
     parts = urlsplit(url)
     if parts.scheme not in ("http", "https"):
         raise ValueError(f"base URL must be http:// or https://, not {url!r}")
@@ -37,4 +38,7 @@ def check_base_url(url: str, allow_remote: bool) -> str:
             f"refusing to send load to {host!r}: not a loopback address (127.0.0.0/8, ::1, localhost). "
             "Pass --allow-remote to load a remote router you are responsible for."
         )
-    return url.rstrip("/")
+    url = url.rstrip("/")
+    if url.endswith("/v1"):  # (the openai SDK's base URL: the paths here start with /v1 themselves)
+        url = url[:-3]
+    return url

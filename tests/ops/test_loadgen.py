@@ -133,6 +133,12 @@ def test_loopback_urls_are_allowed(url: str) -> None:
     assert check_base_url(url, allow_remote=False) == url.rstrip("/")
 
 
+def test_the_sdk_base_url_names_the_router_too() -> None:
+    # (".../v1", as the openai SDK takes it, made every request /v1/v1/...: all 404)
+    assert check_base_url("http://127.0.0.1:8080/v1", allow_remote=False) == "http://127.0.0.1:8080"
+    assert check_base_url("http://127.0.0.1:8080/v1/", allow_remote=False) == "http://127.0.0.1:8080"
+
+
 @pytest.mark.parametrize("url", ["http://10.0.0.1:8080", "http://example.com", "http://localhost.example.com",
                                  "http://128.0.0.1", "http://[::2]:80", "ftp://127.0.0.1", "http://0.0.0.0"])
 def test_remote_urls_are_refused(url: str) -> None:
@@ -197,6 +203,39 @@ def test_short_run_against_router(ops_router: RouterProcess, tmp_path: Path) -> 
     for name in PNGS:
         w, h = _png_size(out / name)
         assert w >= 400 and h >= 300, (name, w, h)
+
+
+def test_ctrl_c_reports_what_was_measured(ops_router: RouterProcess, tmp_path: Path) -> None:
+    # (a KeyboardInterrupt traceback, and no table and no files: the run's measurements lost)
+    import signal
+    import time
+
+    scenario = write(tmp_path, TINY.replace("duration_s: 3", "duration_s: 60").replace("max_requests: 400",
+                                                                                       "max_requests: 100000"))
+    out = tmp_path / "out"
+
+    def served() -> float:
+        return ops_router.metrics().value("fairstream_requests_total", 0.0, tenant="gold", endpoint="chat",
+                                          outcome="ok")
+
+    before = served()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "ops.loadgen", "--scenario", str(scenario), "--base-url", ops_router.base_url,
+         "--out", str(out), "--no-progress", "--no-plots"],
+        cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 30
+        while served() <= before:  # (its requests are being served: its Ctrl-C handling is up)
+            assert time.monotonic() < deadline, "no request got through"
+            time.sleep(0.2)
+        proc.send_signal(signal.SIGINT)
+        stdout, stderr = proc.communicate(timeout=30)
+    finally:
+        proc.kill()
+    assert proc.returncode == 130, stdout + stderr
+    assert "interrupted after" in stderr and "Traceback" not in stderr, stderr
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["total"]["requests"] > 0 and summary["send_s"] < 30, summary
 
 
 RATE = """\
