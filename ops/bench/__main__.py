@@ -1,6 +1,6 @@
-"""``python -m ops.bench``: run every system through every scenario, print tables.
+r"""``python -m ops.bench``: run every system through every scenario, print tables.
 
-    python -m ops.bench --rounds 2                       # everything, ~12 min
+    python -m ops.bench --rounds 2                       # everything, ~8 min on 2 cores
     python -m ops.bench --systems direct,fairstream,vllm-router --scenarios S1,S2
     python -m ops.bench --install                        # create ops/bench/.venvs/{vllm-router,litellm}
     python -m ops.bench --rounds 1 --systems direct,fairstream --scenarios S2 \
