@@ -225,6 +225,7 @@ class Supervisor:
             started = loop.time()
             grace = None
             missed = False  # this attempt could not reach it
+            lost = False  # a replica the router does not start, lost while it was ready
             try:
                 await self._run_once(slot)
             except asyncio.CancelledError:
@@ -233,7 +234,9 @@ class Supervisor:
                 log.error("replica %s: %s", slot.name, e)
                 slot.failed(str(e))
             except Exception as e:  # noqa: BLE001 - any failure means restart
-                slot.failed(f"{type(e).__name__}: {e}" if not str(e) else str(e))
+                why = str(e) or type(e).__name__  # (a TimeoutError says nothing of itself)
+                slot.failed(why)
+                lost = not slot.spec.local and slot.state == "ready"
                 if not slot.spec.local and slot.state == "starting" and _unreachable(e):
                     # Not there (restarting, or its host is down): try again
                     # every reconnect_interval at most, and say so every
@@ -243,10 +246,10 @@ class Supervisor:
                     if unreachable == 1 or loop.time() - warned >= UNREACHABLE_LOG_EVERY:
                         warned = loop.time()
                         log.warning("replica %s at %s cannot be reached: %s (attempt %d; trying again at least "
-                                    "every %gs)", slot.name, slot.spec.url or slot.spec.address, e, unreachable,
+                                    "every %gs)", slot.name, slot.spec.url or slot.spec.address, why, unreachable,
                                     s.reconnect_interval)
                 else:
-                    log.warning("replica %s failed: %s", slot.name, e)
+                    log.warning("replica %s failed: %s", slot.name, why)
                 if isinstance(e, _Stalled):
                     grace = 0.0  # it answers nothing (frozen, hung): a graceful stop would only hold it longer
             if not missed:
@@ -272,6 +275,12 @@ class Supervisor:
                 delay = min(s.backoff_max, s.reconnect_interval, s.backoff_initial * (2 ** min(unreachable - 1, 30)))
             else:
                 delay = min(s.backoff_max, s.backoff_initial * (2 ** min(failures, 30)))
+                if lost:
+                    # (its process, not the router's, restarts it, and a connect
+                    # that fails costs little: the first one within
+                    # reconnect_interval, so it is used again within that of
+                    # its return, however often it died before)
+                    delay = min(delay, s.reconnect_interval)
                 failures += 1
                 slot.restarts += 1
             log.log(logging.DEBUG if unreachable > 1 else logging.INFO, "replica %s: %s in %.1fs (restart %d)",

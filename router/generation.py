@@ -65,7 +65,7 @@ class Generation:
                  "prompt_token_ids", "completion_ids", "text_len", "failovers", "text_parts", "finish", "replica",
                  "sink", "ended", "_base", "_col", "_client", "_handle", "_dog", "_died_at", "_exclude", "_dispatched",
                  "_charged_prompt", "uncounted", "prompt_count", "failover_wait", "_waiting", "_attached_at",
-                 "_free_retries", "_charged", "request_id")
+                 "_free_retries", "_charged", "request_id", "_straight_back")
 
     def __init__(self, pool: ReplicaPool, job: Job, metrics: Metrics, max_failovers: int,
                  deadlines: Deadlines | None = None, scheduler: Scheduler | None = None,
@@ -100,6 +100,9 @@ class Generation:
         self._dispatched = 0.0
         self._attached_at = 0  # completion tokens the stream had when it went to its replica
         self._free_retries = len(pool.slots)  # moves off a replica that gave no token, not charged
+        # the stream went at once back to the replica that had just failed it (the only one ready): if
+        # that one is still dead, it is the same death, not another failover
+        self._straight_back = False
         self._charged = 0  # failovers charged to max_failovers
         self._charged_prompt = False
         # seconds a failover may wait for a replica to become ready when none is (0: none)
@@ -384,7 +387,13 @@ class Generation:
             self._exclude = {}
         self._exclude.pop(name, None)
         self._exclude[name] = None
-        if len(self.completion_ids) == self._attached_at and self._free_retries:
+        straight_back, self._straight_back = self._straight_back, False
+        freed = straight_back and len(self.completion_ids) == self._attached_at
+        if freed:
+            # (found still dead: the failover that sent it there is the one this death costs; once per
+            # death, since a stream that goes straight back again after this one is not freed again)
+            pass
+        elif len(self.completion_ids) == self._attached_at and self._free_retries:
             # (it gave this attempt no token: most often found dead when the
             # stream came to it, one of several killed at once. Not charged,
             # up to one per replica: a stream survives max_failovers deaths
@@ -404,6 +413,7 @@ class Generation:
                 self._give_up(str(e2))
             return
         self._moved(name)
+        self._straight_back = handle.slot.name == name and not freed
         log.info("stream on %s failed after %d tokens (%s); continuing on %s (failover %d)", name,
                  len(self.completion_ids), e, handle.slot.name, self.failovers,
                  extra={"request_id": self.request_id, "replica": name})

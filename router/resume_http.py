@@ -103,9 +103,12 @@ def parse_last_event_id(value: str | None) -> Position:
 
 
 def _not_found(svc: RouterService, sid: str) -> NotFound:
-    # (with Redis, a restart without persistence, or a flush, empties every buffer too)
-    why = ("unknown, or past its retention window" if svc.store.name == "memory" else
-           "unknown, past its retention window, or lost when the state store restarted without its data")
+    causes = ["unknown", "past its retention window"]
+    if svc.store.name != "memory":  # (with Redis, a restart without persistence, or a flush, empties every buffer)
+        causes.append("lost when the state store restarted without its data")
+    if any(s.spec.url is not None for s in svc.pool.slots):  # (no buffer is kept: nothing could continue it exactly)
+        causes.append("served by an upstream that returns no token ids, which is never resumable")
+    why = ", ".join(causes[:-1]) + ", or " + causes[-1]
     return NotFound(f"No resumable stream {clip(sid)!r} ({why}).", code="stream_not_found")
 
 

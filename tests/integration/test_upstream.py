@@ -693,6 +693,8 @@ async def test_upstream_without_token_ids_counts_one_token_per_chunk(tmp_path, c
         r = await http.get(f"/v1/streams/{request_id.removeprefix('cmpl-')}",
                            headers={"authorization": f"Bearer {GOLD}", "last-event-id": "1"})
     assert r.status_code == 404, r.text
+    # (the message named only the retention window: a client looked at the wrong setting)
+    assert "served by an upstream that returns no token ids" in r.json()["error"]["message"], r.text
 
 
 

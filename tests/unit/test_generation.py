@@ -311,6 +311,44 @@ async def test_replicas_found_dead_on_the_way_do_not_use_up_the_failovers() -> N
     assert sum(metrics.failovers.labels(s.name)._value.get() for s in pool.slots) == 2
 
 
+async def test_going_straight_back_to_the_only_replica_and_finding_it_dead_is_one_death_not_two() -> None:
+    # (a single url: upstream SIGKILLed: the stream went straight back to it,
+    # the only one ready, and its refused connect was charged too: each
+    # crash cost two failovers, and the third crash lost the stream)
+    pool = ReplicaPool([ReplicaSpec(name="solo")])
+    slot = pool.slots[0]
+    slot.client, slot.state = _Replica(), "ready"  # type: ignore[assignment]
+    sink, metrics = Sink(), Metrics()
+    job = Job("m", SamplingParams(max_tokens=20), prompt="p", prompt_token_ids=[1, 2])
+    gen = Generation(pool, job, metrics, 3, None, failover_wait=5.0)
+    gen.sink = sink
+    gen._attach(pool.choose("m", 20))
+    for death in range(3):
+        gen._col.put(Delta(1, [10 + death], "x", NONE))
+        gen._col.fail(ReplicaDead("replica solo closed the connection"))  # charged: failover death+1 of 3
+        assert gen.replica == "solo" and gen._col is not None  # straight back: the only one ready
+        slot.state = "down"  # ... and found dead (its connect refused): free; the stream waits
+        gen._col.fail(ReplicaDead("connect refused"))
+        assert not gen.ended and gen._col is None, (death, sink.failure)
+        slot.client, slot.state = _Replica(), "ready"  # type: ignore[assignment]
+        pool.notify_ready()
+        assert gen._col is not None
+    gen._col.put(Delta(1, [20], "y", STOP))
+    assert sink.failure is None and gen.completion_ids == [10, 11, 12, 20]
+    # a replica that takes the stream and dies at once, over and over, while it stays ready: a
+    # freed retry is never followed by another, so the stream gives up within its budget
+    gen2 = Generation(pool, job, metrics, 1, None, failover_wait=0.0)
+    gen2.sink = sink2 = Sink()
+    gen2._attach(pool.choose("m", 20))
+    gen2._col.put(Delta(1, [10], "x", NONE))
+    deaths = 0
+    while not gen2.ended:
+        gen2._col.fail(ReplicaDead("closed"))
+        deaths += 1
+        assert deaths <= 2 * (1 + 1) + 1  # (max_failovers 1, one free retry: each may be followed by one freed)
+    assert "gave up after 1 failovers" in str(sink2.failure)
+
+
 async def test_a_chat_moved_before_its_prompt_ids_came_renders_its_chat_template_kwargs_again() -> None:
     # (the next replica renders the messages again: without the kwargs it
     # would render another prompt than the one the client asked for)

@@ -309,6 +309,37 @@ async def test_a_remote_replica_that_cannot_be_reached_is_tried_every_reconnect_
         shutil.rmtree(run_dir, ignore_errors=True)
 
 
+async def test_a_remote_replica_that_dies_again_and_again_is_used_again_within_reconnect_interval() -> None:
+    # (a url: upstream that died while ready took the restart backoff, which
+    # grows with every death within healthy_after: after a few crashes it
+    # stayed unused up to 30 s after its return, and streams waiting for it
+    # ran out of failover_wait)
+    run_dir = tempfile.mkdtemp(prefix="fst-")
+    path = f"{run_dir}/r.sock"
+    pool = ReplicaPool([ReplicaSpec(name="remote", address="unix:" + path)])
+    sup = Supervisor(pool, SupervisorSettings(health_interval=0.05, backoff_initial=0.25, reconnect_interval=0.3))
+    server = ReplicaServer("sim", {"model": MODEL, "step_base_ms": 1})
+    await server.start(socket_path=path)
+    loop = asyncio.get_running_loop()
+    await sup.start()
+    try:
+        await apoll(lambda: pool.slots[0].ready, 5, what="the replica connected")
+        for death in range(4):
+            await server.close()
+            await apoll(lambda: not pool.slots[0].ready, 3, what="its death noticed")
+            server = ReplicaServer("sim", {"model": MODEL, "step_base_ms": 1})
+            await server.start(socket_path=path)
+            back = loop.time()
+            await apoll(lambda: pool.slots[0].ready, 5, what="the replica connected again")
+            # (with the backoff: 0.25, 0.5, 1, 2 s after each death)
+            assert loop.time() - back < 0.9, (death, loop.time() - back)
+        assert pool.slots[0].last_error  # (why it went: kept for /admin/replicas)
+    finally:
+        await sup.close()
+        await server.close()
+        shutil.rmtree(run_dir, ignore_errors=True)
+
+
 def test_only_a_connect_that_did_not_get_through_counts_as_unreachable() -> None:
     # (an upstream answering 503 or 429 on /models, or a bad handshake,
     # keeps the restart backoff: it is there, and polling it every second
