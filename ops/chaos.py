@@ -227,8 +227,14 @@ async def _chaos(admin: httpx.AsyncClient, cfg: ChaosConfig, rep: ChaosReport, s
                 return
             except asyncio.TimeoutError:
                 pass
-            ready = [r for r in await _replicas(admin)
-                     if r["ready"] and r["local"] and r["pid"] and r["pid"] not in frozen]
+            try:
+                listed = await _replicas(admin)
+            except (httpx.HTTPError, ChaosError) as e:  # (a slow or failed answer: this tick acts on nothing)
+                rep.errors[f"admin: {type(e).__name__}"] = rep.errors.get(f"admin: {type(e).__name__}", 0) + 1
+                continue
+            if stop.is_set():
+                return  # (the run ended while the router answered: no action after it)
+            ready = [r for r in listed if r["ready"] and r["local"] and r["pid"] and r["pid"] not in frozen]
             if len(ready) < 2:
                 continue  # keep one replica serving
             victim = rng.choice(ready)
@@ -322,7 +328,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-tokens", type=_positive(int), default=200, help="tokens per stream (greedy, ignore_eos)")
     p.add_argument("--kill-every", type=_positive(float), default=3.0,
                    help="seconds between two actions on replicas (a freeze does not hold up the next one)")
-    p.add_argument("--freeze", type=float, default=7.0,
+    p.add_argument("--freeze", type=_positive(float), default=7.0,
                    help="seconds a frozen replica stays stopped; above the router's health_interval + health_timeout "
                         "(6 s by default) for the router to notice it")
     p.add_argument("--mode", choices=["kill", "freeze", "mixed"], default="mixed",

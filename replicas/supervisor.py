@@ -31,6 +31,7 @@ from replicas.pool import ReplicaPool, ReplicaSlot
 from replicas.protocol import FEATURES, Feature
 from replicas.rundirs import make_run_dir, sweep
 from replicas.spec import ReplicaSpec
+from replicas.upstream_errors import UpstreamFailed
 
 __all__ = ["Supervisor", "SupervisorSettings", "die_with_parent"]
 
@@ -89,6 +90,12 @@ class SupervisorSettings:
 
 
 STOP_GRACE = 10.0  # seconds a replica gets to stop after SIGTERM
+
+
+class _Disconnected(RuntimeError):
+    """A ready replica's connection went away (closed, reset, or an
+    upstream's health check that could not connect), as opposed to one that
+    answered with an error or stalled."""
 
 
 class _Stalled(RuntimeError):
@@ -236,7 +243,9 @@ class Supervisor:
             except Exception as e:  # noqa: BLE001 - any failure means restart
                 why = str(e) or type(e).__name__  # (a TimeoutError says nothing of itself)
                 slot.failed(why)
-                lost = not slot.spec.local and slot.state == "ready"
+                # (not a stall nor an error answer: those keep the backoff, or a
+                # replica that answers and then stalls would be back every second)
+                lost = not slot.spec.local and isinstance(e, _Disconnected)
                 if not slot.spec.local and slot.state == "starting" and _unreachable(e):
                     # Not there (restarting, or its host is down): try again
                     # every reconnect_interval at most, and say so every
@@ -372,7 +381,10 @@ class Supervisor:
                 else:
                     await asyncio.sleep(s.health_interval)
                 paused = loop.time() - rest > s.health_interval + LOOP_STALL
-            raise RuntimeError(str(client.closed))
+            closed = client.closed
+            if closed is not None and isinstance(closed.__cause__, UpstreamFailed):
+                raise RuntimeError(str(closed))  # (it answered /models with an error: it is there)
+            raise _Disconnected(str(closed))
         finally:
             if exited is not None:
                 exited.cancel()

@@ -53,7 +53,7 @@ class RouterConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     restart_backoff_max: float = 30.0
     """Longest wait between restarts of a failing replica."""
     reconnect_interval: float = 1.0
-    """Longest wait between attempts to reach a replica the router does not start (``address:``, ``url:``; with ``--workers``, the parent's replicas) while it cannot be reached (a connect refused, timed out or with no route; one that answers with errors keeps the restart backoff). A failed connect costs little, so a replica back from its restart is used again within this, not after the restart backoff (which could outlast ``failover_wait``)."""
+    """Longest wait between attempts to reach a replica the router does not start (``address:``, ``url:``; with ``--workers``, the parent's replicas) while it cannot be reached (a connect refused, timed out or with no route), and after its connection went away while it was ready, however often before; one that answers with errors, or stalls, keeps the restart backoff. A failed connect costs little, so a replica back from its restart is used again within this, not after the restart backoff (which could outlast ``failover_wait``)."""
     state: StateConfig = msgspec.field(default_factory=StateConfig)
     """Where rate-limit buckets, leases and resume buffers live (memory, or Redis shared by routers)."""
     scheduler: SchedulerSettings = msgspec.field(default_factory=SchedulerSettings)

@@ -201,6 +201,7 @@ class Generation:
         assert client is not None
         job = self.job
         self.replica = slot.name
+        self._attached_at = len(self.completion_ids)  # (before a ReplicaDead from generate: no token there)
         try:
             if self.prompt_token_ids is not None:
                 col = client.generate(
@@ -229,7 +230,6 @@ class Generation:
         self._handle = handle
         self._dog = Watchdog(self.deadlines, col, bool(self.completion_ids), slot.name)
         self._dispatched = self._dog.last_token
-        self._attached_at = len(self.completion_ids)
         self._charged_prompt = self.prompt_token_ids is not None and bool(self.completion_ids)
 
     def _detach(self, finished: bool) -> None:
@@ -388,7 +388,8 @@ class Generation:
         self._exclude.pop(name, None)
         self._exclude[name] = None
         straight_back, self._straight_back = self._straight_back, False
-        freed = straight_back and len(self.completion_ids) == self._attached_at
+        # (dead: a stall there is a replica alive and slow, charged as any other)
+        freed = straight_back and isinstance(e, ReplicaDead) and len(self.completion_ids) == self._attached_at
         if freed:
             # (found still dead: the failover that sent it there is the one this death costs; once per
             # death, since a stream that goes straight back again after this one is not freed again)

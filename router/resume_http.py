@@ -106,7 +106,8 @@ def _not_found(svc: RouterService, sid: str) -> NotFound:
     causes = ["unknown", "past its retention window"]
     if svc.store.name != "memory":  # (with Redis, a restart without persistence, or a flush, empties every buffer)
         causes.append("lost when the state store restarted without its data")
-    if any(s.spec.url is not None for s in svc.pool.slots):  # (no buffer is kept: nothing could continue it exactly)
+    if any(s.spec.url is not None and s.spec.token_ids != "yes"  # (no buffer is kept: nothing could continue it)
+           and (s.client is None or getattr(s.client, "token_ids", None) is not True) for s in svc.pool.slots):
         causes.append("served by an upstream that returns no token ids, which is never resumable")
     why = ", ".join(causes[:-1]) + ", or " + causes[-1]
     return NotFound(f"No resumable stream {clip(sid)!r} ({why}).", code="stream_not_found")

@@ -106,15 +106,23 @@ def main(argv: list[str] | None = None) -> int:
     console.print(f"[bold]{scenario.name}[/]: {load}, up to {' or '.join(bounds)}, against {base_url}",
                   highlight=False)
 
-    if args.no_progress:
-        run = Run(scenario, base_url, scrape=not args.no_scrape)
-        data = _run(run)
-    else:
-        with Progress(TextColumn("[bold]{task.description}"), BarColumn(), TimeElapsedColumn(),
-                      TextColumn("{task.fields[stats]}"), console=err, transient=False) as progress:
-            task_id = progress.add_task(scenario.name, total=1000, stats="")
-            run = Run(scenario, base_url, scrape=not args.no_scrape, on_tick=_progress_hook(progress, task_id))
+    try:
+        if args.no_progress:
+            run = Run(scenario, base_url, scrape=not args.no_scrape)
             data = _run(run)
+        else:
+            with Progress(TextColumn("[bold]{task.description}"), BarColumn(), TimeElapsedColumn(),
+                          TextColumn("{task.fields[stats]}"), console=err, transient=False) as progress:
+                task_id = progress.add_task(scenario.name, total=1000, stats="")
+                run = Run(scenario, base_url, scrape=not args.no_scrape, on_tick=_progress_hook(progress, task_id))
+                data = _run(run)
+    except KeyboardInterrupt:  # (before the run's own Ctrl-C handling was up: nothing measured yet)
+        err.print("interrupted before the run started: nothing measured", highlight=False)
+        return 130
+    # the report and its files are written whole: a Ctrl-C now would leave half of them
+    import signal
+
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
 
     if data.interrupted:
         err.print(f"interrupted after {data.send_s:.1f}s of sending: reporting what was measured",

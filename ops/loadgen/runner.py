@@ -99,8 +99,9 @@ class Run:
 
     def interrupt(self) -> None:
         """Ctrl-C: stop sending and drain what is open, then report as after
-        any run (the second Ctrl-C ends what is open at once)."""
-        if self.data.interrupted:
+        any run; once the sending is over (this Ctrl-C's, or the scenario's
+        bounds), end what is open at once."""
+        if self._stop.is_set():
             for t in list(self._tasks):
                 t.cancel()
             return
@@ -222,7 +223,8 @@ class Run:
                 scraper.start(client)
             loop = asyncio.get_running_loop()
             ticker = loop.create_task(self._ticker())
-            with contextlib.suppress(NotImplementedError, RuntimeError):  # (not in the main thread: no handler)
+            # (not in the main thread: no handler; uvloop says so with a ValueError)
+            with contextlib.suppress(NotImplementedError, RuntimeError, ValueError):
                 loop.add_signal_handler(signal.SIGINT, self.interrupt)
             try:
                 if s.mode == "concurrency":
@@ -242,8 +244,6 @@ class Run:
                         t.cancel()
                     await asyncio.gather(*pending, return_exceptions=True)
             finally:
-                with contextlib.suppress(NotImplementedError, RuntimeError):
-                    loop.remove_signal_handler(signal.SIGINT)
                 self._stop.set()
                 for t in list(self._tasks):
                     t.cancel()
@@ -255,6 +255,8 @@ class Run:
                     self.data.snapshots = scraper.snapshots
                     self.data.scrape_errors = scraper.errors
                 self._clients = []
+                with contextlib.suppress(NotImplementedError, RuntimeError, ValueError):
+                    loop.remove_signal_handler(signal.SIGINT)
         self.data.wall_s = self.elapsed()
         if self.on_tick is not None:
             self.on_tick(self)

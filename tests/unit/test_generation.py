@@ -19,7 +19,7 @@ from router.errors import BadRequest, RouterShutdown
 from policies.batching import AimdSettings
 from replicas.pool import LoadHandle, ReplicaPool, ReplicaSlot
 from replicas.spec import ReplicaSpec
-from router.deadlines import Deadlines, StreamTimeout
+from router.deadlines import Deadlines, Stalled, StreamTimeout
 from router.generation import Generation, StreamLost
 from router.job import Job
 from router.scheduler import Scheduler
@@ -335,6 +335,15 @@ async def test_going_straight_back_to_the_only_replica_and_finding_it_dead_is_on
         assert gen._col is not None
     gen._col.put(Delta(1, [20], "y", STOP))
     assert sink.failure is None and gen.completion_ids == [10, 11, 12, 20]
+    # a stall on going straight back is a replica alive and slow: charged as any failover
+    gen3 = Generation(pool, job, metrics, 1, None, failover_wait=0.0)
+    gen3.sink = sink3 = Sink()
+    gen3._attach(pool.choose("m", 20))
+    gen3._col.put(Delta(1, [10], "x", NONE))
+    gen3._col.fail(ReplicaDead("closed"))  # charged 1 of 1, straight back
+    gen3._col.fail(Stalled("replica solo produced no token for 10s"))  # not freed: the single free retry
+    gen3._col.fail(Stalled("replica solo produced no token for 10s"))  # nothing left
+    assert gen3.ended and "gave up after 1 failovers" in str(sink3.failure)
     # a replica that takes the stream and dies at once, over and over, while it stays ready: a
     # freed retry is never followed by another, so the stream gives up within its budget
     gen2 = Generation(pool, job, metrics, 1, None, failover_wait=0.0)

@@ -340,6 +340,31 @@ async def test_a_remote_replica_that_dies_again_and_again_is_used_again_within_r
         shutil.rmtree(run_dir, ignore_errors=True)
 
 
+async def test_only_a_lost_connection_is_a_disconnect_an_error_answer_or_a_stall_keeps_the_backoff() -> None:
+    # (the quick reconnect of a replica lost while ready is for a connection
+    # that went away; an upstream answering /models with 503, or a replica
+    # that stalls, would otherwise be back in the pool every second)
+    from types import SimpleNamespace
+
+    from replicas.client import ReplicaDead
+    from replicas.pool import ReplicaSlot
+    from replicas.supervisor import _Disconnected
+    from replicas.upstream_errors import UpstreamFailed
+
+    sup = Supervisor(ReplicaPool([]), SupervisorSettings())
+    slot = ReplicaSlot(ReplicaSpec(name="up", url="http://127.0.0.1:9/v1"))
+    answered = ReplicaDead("upstream up failed its health check: GET /models: HTTP 503")
+    answered.__cause__ = UpstreamFailed("GET /models: HTTP 503")
+    with pytest.raises(RuntimeError) as e:
+        await sup._watch(slot, SimpleNamespace(closed=answered, refused=False), None)  # type: ignore[arg-type]
+    assert not isinstance(e.value, _Disconnected)
+    refused = ReplicaDead("upstream up failed its health check: connect refused")
+    refused.__cause__ = ConnectionRefusedError(111, "refused")
+    for closed in (ReplicaDead("replica up closed the connection"), refused):
+        with pytest.raises(_Disconnected):
+            await sup._watch(slot, SimpleNamespace(closed=closed, refused=False), None)  # type: ignore[arg-type]
+
+
 def test_only_a_connect_that_did_not_get_through_counts_as_unreachable() -> None:
     # (an upstream answering 503 or 429 on /models, or a bad handshake,
     # keeps the restart backoff: it is there, and polling it every second
