@@ -288,18 +288,30 @@ async def test_with_no_failover_wait_a_stream_without_a_ready_replica_is_lost_at
     assert isinstance(sink.failure, StreamLost)
 
 
+def _ready_pool(*names: str) -> ReplicaPool:
+    pool = ReplicaPool([ReplicaSpec(name=n) for n in names])
+    for slot in pool.slots:
+        slot.client, slot.state = _Replica(), "ready"  # type: ignore[assignment]
+    return pool
+
+
+def _running(pool: ReplicaPool, metrics: Metrics, max_tokens: int, max_failovers: int,
+             failover_wait: float) -> tuple[Generation, Sink]:
+    """A generation started on ``pool``'s choice, its output going to a ``Sink``."""
+    job = Job("m", SamplingParams(max_tokens=max_tokens), prompt="p", prompt_token_ids=[1, 2])
+    gen = Generation(pool, job, metrics, max_failovers, None, failover_wait=failover_wait)
+    gen.sink = sink = Sink()
+    gen._attach(pool.choose("m", max_tokens))
+    return gen, sink
+
+
 async def test_replicas_found_dead_on_the_way_do_not_use_up_the_failovers() -> None:
     # (all replicas killed at once: the stream went to one already dead, not
     # yet seen down, and that death counted as a failover too. A stream with
     # max_failovers 1 was lost at the second death of a replica serving it.)
-    pool = ReplicaPool([ReplicaSpec(name=f"r{i}") for i in range(3)])
-    for slot in pool.slots:
-        slot.client, slot.state = _Replica(), "ready"  # type: ignore[assignment]
-    sink, metrics = Sink(), Metrics()
-    job = Job("m", SamplingParams(max_tokens=8), prompt="p", prompt_token_ids=[1, 2])
-    gen = Generation(pool, job, metrics, 1, None, failover_wait=0.0)
-    gen.sink = sink
-    gen._attach(pool.choose("m", 8))
+    pool = _ready_pool("r0", "r1", "r2")
+    metrics = Metrics()
+    gen, sink = _running(pool, metrics, max_tokens=8, max_failovers=1, failover_wait=0.0)
     gen._col.put(Delta(1, [5], "a", NONE))
     gen._col.fail(ReplicaDead("killed"))  # a death with output: failover 1 of 1
     gen._col.fail(ReplicaDead("connection reset"))  # the next one was dead already: not charged
@@ -315,14 +327,10 @@ async def test_going_straight_back_to_the_only_replica_and_finding_it_dead_is_on
     # (a single url: upstream SIGKILLed: the stream went straight back to it,
     # the only one ready, and its refused connect was charged too: each
     # crash cost two failovers, and the third crash lost the stream)
-    pool = ReplicaPool([ReplicaSpec(name="solo")])
+    pool = _ready_pool("solo")
     slot = pool.slots[0]
-    slot.client, slot.state = _Replica(), "ready"  # type: ignore[assignment]
-    sink, metrics = Sink(), Metrics()
-    job = Job("m", SamplingParams(max_tokens=20), prompt="p", prompt_token_ids=[1, 2])
-    gen = Generation(pool, job, metrics, 3, None, failover_wait=5.0)
-    gen.sink = sink
-    gen._attach(pool.choose("m", 20))
+    metrics = Metrics()
+    gen, sink = _running(pool, metrics, max_tokens=20, max_failovers=3, failover_wait=5.0)
     for death in range(3):
         gen._col.put(Delta(1, [10 + death], "x", NONE))
         gen._col.fail(ReplicaDead("replica solo closed the connection"))  # charged: failover death+1 of 3
@@ -336,9 +344,7 @@ async def test_going_straight_back_to_the_only_replica_and_finding_it_dead_is_on
     gen._col.put(Delta(1, [20], "y", STOP))
     assert sink.failure is None and gen.completion_ids == [10, 11, 12, 20]
     # a stall on going straight back is a replica alive and slow: charged as any failover
-    gen3 = Generation(pool, job, metrics, 1, None, failover_wait=0.0)
-    gen3.sink = sink3 = Sink()
-    gen3._attach(pool.choose("m", 20))
+    gen3, sink3 = _running(pool, metrics, max_tokens=20, max_failovers=1, failover_wait=0.0)
     gen3._col.put(Delta(1, [10], "x", NONE))
     gen3._col.fail(ReplicaDead("closed"))  # charged 1 of 1, straight back
     gen3._col.fail(Stalled("replica solo produced no token for 10s"))  # not freed: the single free retry
@@ -346,9 +352,7 @@ async def test_going_straight_back_to_the_only_replica_and_finding_it_dead_is_on
     assert gen3.ended and "gave up after 1 failovers" in str(sink3.failure)
     # a replica that takes the stream and dies at once, over and over, while it stays ready: a
     # freed retry is never followed by another, so the stream gives up within its budget
-    gen2 = Generation(pool, job, metrics, 1, None, failover_wait=0.0)
-    gen2.sink = sink2 = Sink()
-    gen2._attach(pool.choose("m", 20))
+    gen2, sink2 = _running(pool, metrics, max_tokens=20, max_failovers=1, failover_wait=0.0)
     gen2._col.put(Delta(1, [10], "x", NONE))
     deaths = 0
     while not gen2.ended:
