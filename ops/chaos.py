@@ -230,7 +230,8 @@ async def _chaos(admin: httpx.AsyncClient, cfg: ChaosConfig, rep: ChaosReport, s
             try:
                 listed = await _replicas(admin)
             except (httpx.HTTPError, ChaosError) as e:  # (a slow or failed answer: this tick acts on nothing)
-                rep.errors[f"admin: {type(e).__name__}"] = rep.errors.get(f"admin: {type(e).__name__}", 0) + 1
+                key = f"admin: {type(e).__name__}"
+                rep.errors[key] = rep.errors.get(key, 0) + 1
                 continue
             if stop.is_set():
                 return  # (the run ended while the router answered: no action after it)

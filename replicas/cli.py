@@ -12,6 +12,7 @@ import sys
 
 from replicas.engine import EngineError
 from replicas.logs import LOG_FORMAT_ENV, LOG_LEVEL_ENV, REPLICA_NAME_ENV, JsonFormatter, setup_logging
+from replicas.spec import host_port
 
 __all__ = ["main", "add_arguments", "run"]
 
@@ -81,12 +82,11 @@ def run(args: argparse.Namespace) -> None:
     host = port = None
     if args.listen or args.openai:
         where = args.listen or args.openai
-        host, sep, p = where.rpartition(":")
-        host = host.strip("[]")  # ([::1]:7000 as well as ::1:7000)
-        if not sep or not host or not p.isdigit() or int(p) > 65535:
+        parsed = host_port(where)
+        if parsed is None:
             option = "--listen" if args.listen else "--openai"
             sys.exit(f"fairstream replica: {option}: {where!r} is not HOST:PORT (port 0-65535)")
-        port = int(p)
+        host, port = parsed
         if not secret and not _loopback(host):
             logging.getLogger("fairstream.replica").warning(
                 "listening on %s without a secret (%s is not set): anyone who reaches this address can use the "

@@ -31,6 +31,7 @@ from replicas.protocol import (
     encode_frame,
     replica_decoder,
 )
+from replicas.spec import host_port
 
 __all__ = ["ReplicaClient", "Collector", "ReplicaDead", "ReplicaRefused", "connect"]
 
@@ -310,10 +311,10 @@ async def connect(
     if address.startswith("unix:"):
         reader, writer = await asyncio.wait_for(asyncio.open_unix_connection(address[5:]), timeout)
     else:
-        host, _, port = address.rpartition(":")
-        reader, writer = await asyncio.wait_for(
-            asyncio.open_connection(host.strip("[]"), int(port)), timeout
-        )
+        parsed = host_port(address)
+        if parsed is None:  # (router.yaml's are checked before: ReplicaSpec)
+            raise ValueError(f"not host:port or unix:/path: {address!r}")
+        reader, writer = await asyncio.wait_for(asyncio.open_connection(*parsed), timeout)
     try:
         writer.write(encode_frame(Hello(secret=secret)))
         decoder = FrameDecoder(replica_decoder())

@@ -8,10 +8,21 @@ from urllib.parse import urlsplit
 
 import msgspec
 
-__all__ = ["ReplicaSpec", "address_error"]
+__all__ = ["ReplicaSpec", "address_error", "host_port"]
 
 # (a local replica's socket file and run directory are named after it)
 _NAME = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
+
+
+def host_port(text: str) -> tuple[str, int] | None:
+    """``HOST:PORT`` (``[::1]:7000`` as well as ``::1:7000``) as (host,
+    port), port 0-65535; None: it is not one. The one parser of replica
+    addresses: router.yaml's ``address``, ``replica --listen``, the connect."""
+    host, sep, port = text.rpartition(":")
+    host = host.strip("[]")
+    if not sep or not host or not port.isdigit() or int(port) > 65535:
+        return None
+    return host, int(port)
 
 
 def address_error(address: str) -> str | None:
@@ -20,8 +31,8 @@ def address_error(address: str) -> str | None:
         return None if address[5:] else "`address` unix: needs a socket path (unix:/path)"
     if "://" in address:
         return f"`address` is host:port or unix:/path, not a URL ({address!r}; an OpenAI-compatible server is a `url`)"
-    host, _, port = address.rpartition(":")
-    if not host.strip("[]") or not port.isdigit() or not 1 <= int(port) <= 65535:
+    parsed = host_port(address)
+    if parsed is None or parsed[1] == 0:
         return f"`address` must be host:port (port 1-65535) or unix:/path, not {address!r}"
     return None
 
