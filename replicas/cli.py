@@ -85,7 +85,7 @@ def run(args: argparse.Namespace) -> None:
         parsed = host_port(where)
         if parsed is None:
             option = "--listen" if args.listen else "--openai"
-            sys.exit(f"fairstream replica: {option}: {where!r} is not HOST:PORT (port 0-65535)")
+            sys.exit(f"fairstream replica: {option}: {where!r} is not HOST:PORT (port 0-65535; an IPv6 host in brackets, [::1]:7000)")
         host, port = parsed
         if not secret and not _loopback(host):
             logging.getLogger("fairstream.replica").warning(

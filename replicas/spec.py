@@ -15,11 +15,18 @@ _NAME = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
 
 
 def host_port(text: str) -> tuple[str, int] | None:
-    """``HOST:PORT`` (``[::1]:7000`` as well as ``::1:7000``) as (host,
+    """``HOST:PORT`` (an IPv6 host in brackets: ``[::1]:7000``) as (host,
     port), port 0-65535; None: it is not one. The one parser of replica
-    addresses: router.yaml's ``address``, ``replica --listen``, the connect."""
+    addresses: router.yaml's ``address``, ``replica --listen``, the connect.
+    An IPv6 host without brackets is refused: ``::1`` would read as host
+    ``::`` and port 1."""
     host, sep, port = text.rpartition(":")
-    host = host.strip("[]")
+    if host.startswith("[") and host.endswith("]"):
+        host = host[1:-1]
+        if not host:
+            return None
+    elif ":" in host or "[" in host or "]" in host:
+        return None
     if not sep or not host or not port.isdigit() or int(port) > 65535:
         return None
     return host, int(port)
@@ -33,7 +40,8 @@ def address_error(address: str) -> str | None:
         return f"`address` is host:port or unix:/path, not a URL ({address!r}; an OpenAI-compatible server is a `url`)"
     parsed = host_port(address)
     if parsed is None or parsed[1] == 0:
-        return f"`address` must be host:port (port 1-65535) or unix:/path, not {address!r}"
+        return (f"`address` must be host:port (port 1-65535; an IPv6 host in brackets, [::1]:7000) or unix:/path,"
+                f" not {address!r}")
     return None
 
 
@@ -52,8 +60,8 @@ class ReplicaSpec(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     [engine: sim](#replicasconfig-for-engine-sim) and
     [engine: vllm](#replicasconfig-for-engine-vllm) below."""
     address: str | None = None
-    """Attach to a replica already running elsewhere (``host:port`` or
-    ``unix:/path``) instead of starting a local process. Unset: a local
+    """Attach to a replica already running elsewhere (``host:port``, an
+    IPv6 host in brackets as in ``[::1]:7000``, or ``unix:/path``) instead of starting a local process. Unset: a local
     process the router starts (unless ``url`` is set)."""
     secret_env: str | None = None
     """Environment variable holding the replica's shared secret. Unset: an

@@ -314,7 +314,8 @@ class Supervisor:
                 )
             slot.client = client
             slot.state = "ready"
-            log.info("replica %s ready (model %s, pid %s)", slot.name, client.model, client.ready.pid)
+            where = f"pid {client.ready.pid}" if client.ready.pid else f"at {slot.spec.url or slot.spec.address}"
+            log.info("replica %s ready (model %s, %s)", slot.name, client.model, where)
             missing = FEATURES & ~client.ready.features
             if missing:  # (an older version: a rolling upgrade)
                 log.warning("replica %s does not take %s (an older fairstream): requests that set them go to "

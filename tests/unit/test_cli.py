@@ -261,7 +261,8 @@ def test_the_openai_only_replica_flags_are_refused_without_openai(tmp_path, flag
 
 
 @pytest.mark.parametrize(("args", "error"), [
-    (["--listen", "bogus"], "--listen: 'bogus' is not HOST:PORT (port 0-65535)"),  # (int() traceback)
+    (["--listen", "bogus"], "--listen: 'bogus' is not HOST:PORT (port 0-65535"),  # (int() traceback)
+    (["--listen", "::1"], "'::1' is not HOST:PORT (port 0-65535; an IPv6 host in brackets, [::1]:7000)"),  # (port 1)
     (["--listen", "127.0.0.1:99999"], "--listen: '127.0.0.1:99999' is not HOST:PORT"),  # (listened on 34463)
     (["--socket", "/nonexistent/dir/r.sock"], "--socket: no directory '/nonexistent/dir' to put the socket in"),
     (["--socket", "r.sock", "--config-json", "{bad"], "--config-json is not JSON: "),

@@ -532,3 +532,31 @@ def test_a_stall_of_the_routers_own_loop_restarts_the_clock_instead_of_blaming_t
     assert not p.stuck(LoadReport(1, 0, 0.0, **busy), 15.0, paused=True)  # the router was stopped 14 s
     assert not p.stuck(LoadReport(1, 0, 0.0, **busy), 19.9)
     assert p.stuck(LoadReport(1, 0, 0.0, **busy), 20.1)  # a real stall is still found, 5 s on
+
+
+async def test_an_upstream_ready_line_names_its_url_not_a_pid(caplog) -> None:
+    # (it said "pid 0": the router has no process of an upstream's)
+    from aiohttp import web
+
+    async def models(request: web.Request) -> web.Response:
+        return web.json_response({"object": "list", "data": [{"id": MODEL, "object": "model"}]})
+
+    app = web.Application()
+    app.router.add_get("/v1/models", models)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+    url = f"http://127.0.0.1:{port}/v1"
+    caplog.set_level("INFO", logger="fairstream.supervisor")
+    pool = ReplicaPool([ReplicaSpec(name="up", url=url)])
+    sup = Supervisor(pool, SupervisorSettings(health_interval=0.05))
+    await sup.start()
+    try:
+        await apoll(lambda: pool.slots[0].ready, 5, what="the upstream ready")
+        lines = [r.getMessage() for r in caplog.records if "ready (model" in r.getMessage()]
+        assert lines == [f"replica up ready (model {MODEL}, at {url})"], lines
+    finally:
+        await sup.close()
+        await runner.cleanup()
