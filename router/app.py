@@ -141,7 +141,7 @@ async def metrics(request: Request) -> Response:
     if svc.config.metrics_require_admin_key:
         svc.check_admin(authorization(request.headers))
     await svc.store.check()  # (so that fairstream_state_store_up drops while the router is idle too)
-    return Response(svc.metrics.expose(svc.pool), media_type="text/plain; version=0.0.4")  # (Litestar adds the charset)
+    return Response(await svc.metrics.expose(svc.pool), media_type="text/plain; version=0.0.4")  # (Litestar adds the charset)
 
 
 def _endpoint_of(path: str) -> str:
