@@ -65,6 +65,9 @@ REREAD_INTERVAL = 0.1
 # would refuse a tenant at its limit the resume of its own stream; refusing
 # the newest, a client whose old connections died silently.)
 MAX_READERS = 4
+# The most lease ids a claim records (``lease_chain``): its own and those of
+# the generators before it that may still hold theirs.
+LEASE_CHAIN = 8
 
 
 class _Reader:
@@ -247,12 +250,13 @@ async def _replay(svc: RouterService, policy: TenantPolicy, sid: str, meta: Resu
     loop = asyncio.get_running_loop()
     catch_up_until = loop.time() + CATCH_UP
     sent_at = loop.time()
-    # the lease of the stream's last generator before this resume (``StreamSnapshot.lease``;
+    # the leases of the stream's last generators before this resume (``StreamSnapshot.lease``;
     # not one of this resume's own claims, which a claim given back leaves in the buffer)
-    prior, ours = "", set()
+    prior: tuple[str, ...] = ()
+    ours: set[str] = set()
     while True:
         if snap.lease and snap.lease not in ours:
-            prior = snap.lease
+            prior = tuple(snap.lease.split())
         if reader.superseded:
             # (its client has most likely gone: it came back on another connection)
             ended = ServiceUnavailable(f"A newer resume of stream {sid} ended this one: at most {MAX_READERS} "
@@ -288,7 +292,7 @@ async def _replay(svc: RouterService, policy: TenantPolicy, sid: str, meta: Resu
         live = mine or (snap.owner and snap.owner != me)
         if live and (not behind or loop.time() < catch_up_until):
             await asyncio.sleep(TAIL_POLL)  # a live router (maybe this one) generates it: follow its buffer
-        elif not mine and await svc.resume.claim(sid, lease := new_id()):
+        elif not mine and await svc.resume.claim(sid, chain := lease_chain(lease := new_id(), prior)):
             # (never this router's own live stream, however far behind its
             # buffer: claiming it would start a second generation into it)
             try:
@@ -301,14 +305,14 @@ async def _replay(svc: RouterService, policy: TenantPolicy, sid: str, meta: Resu
                 outcome.record("unavailable")
                 yield _cannot_go_on(meta, sid, fresh)
                 return
-            ours.add(lease)
+            ours.add(chain)
             if fresh.total_events > have or fresh.finished:
                 await svc.resume.release(sid)  # appended meanwhile: replay first
                 snap = fresh
                 continue
             reader.continuing = True
             # (its lease replaces those of the stream's earlier generators, which may have died holding them)
-            leases = (lease, tuple(x for x in (prior, meta.lease) if x))
+            leases = (lease, tuple(x for x in dict.fromkeys((*prior, meta.lease)) if x))
             async for chunk in _take_over(svc, policy, sid, meta, fresh, pos, cursor, outcome, leases):
                 yield chunk
             return
@@ -320,6 +324,16 @@ async def _replay(svc: RouterService, policy: TenantPolicy, sid: str, meta: Resu
             yield _cannot_go_on(meta, sid, nxt)
             return
         snap = nxt
+
+
+def lease_chain(lease: str, prior: tuple[str, ...]) -> str:
+    """What a claim records for the next one (``StreamSnapshot.lease``):
+    the lease its continuation will hold, then the leases that continuation
+    replaces. A continuation refused after its claim never holds its lease,
+    and the leases it would have replaced stay where they were (a dead
+    router's, until their TTL): the next claim must still name them.
+    At most ``LEASE_CHAIN`` ids (a claim refused again and again)."""
+    return " ".join(list(dict.fromkeys((lease, *prior)))[:LEASE_CHAIN])
 
 
 async def _reread(svc: RouterService, sid: str, after: int, tokens: bool = True) -> StreamSnapshot | None:
@@ -381,14 +395,12 @@ async def _take_over(svc: RouterService, policy: TenantPolicy, sid: str, meta: R
             yield enc_error.error(error_body("Last-Event-ID does not match this stream.", "invalid_request_error",
                                              "Last-Event-ID", "resume_mismatch"))
             return
-        # keep the buffer's numbering aligned with the client's event ids
-        svc.resume.pad(sid, cursor - snap.total_events)
         log.warning("stream %s: client is %d events ahead of the buffer (lost with their router); "
                     "regenerating %d characters it already has", sid, cursor - snap.total_events, skip_chars)
     outcome.done = True  # (the continuation is the request: its own line and count)
     try:
         async with aclosing(_continue(svc, policy, sid, meta, tokens, text_len, cursor, skip_chars,
-                                      leases)) as chunks:
+                                      leases, max(0, cursor - snap.total_events))) as chunks:
             async for chunk in _waiting_until_first(chunks):
                 yield chunk
     except ApiError as e:  # (refused before any output: ``_continue`` gave the claim back)
@@ -429,9 +441,11 @@ async def _waiting_until_first(chunks: AsyncIterator[bytes]) -> AsyncIterator[by
 
 async def _continue(svc: RouterService, policy: TenantPolicy, sid: str, meta: ResumeMeta, tokens: list[int],
                     text_len: int, cursor: int, skip_chars: int,
-                    leases: tuple[str, tuple[str, ...]]) -> AsyncIterator[bytes]:
+                    leases: tuple[str, tuple[str, ...]], pad: int) -> AsyncIterator[bytes]:
     """The continuation of a claimed stream. ``leases``: its admission
-    lease's id (named in the claim) and the leases it replaces."""
+    lease's id (named in the claim) and the leases it replaces; ``pad``:
+    the events the client has that the buffer lacks (lost with a router),
+    for which it gets placeholders once the continuation runs."""
     started = time.monotonic()
     lim = policy.limits
     job = Job(meta.model, meta.params, prompt_token_ids=meta.prompt_token_ids)
@@ -468,6 +482,12 @@ async def _continue(svc: RouterService, policy: TenantPolicy, sid: str, meta: Re
         if told is e:
             raise
         raise told from e
+    if pad:
+        # keep the buffer's numbering aligned with the client's event ids, now
+        # that this continuation appends after them (padded before a refusal,
+        # the next continuation took the placeholders for the events the client
+        # had, and sent their text again)
+        svc.resume.pad(sid, pad)
     es = EventStream(svc, gen, enc, (meta.include_usage, meta.continuous_usage), policy, ticket, outcome, sid,
                      skip_chars=skip_chars)
     async for chunk in relay_stream(es, pieces, first):

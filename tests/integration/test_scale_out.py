@@ -327,3 +327,74 @@ async def test_a_tenant_at_its_limit_resumes_the_stream_of_a_router_that_died(tm
     finally:
         a.stop(check=False)
         b.stop()
+
+
+async def test_a_refused_continuation_does_not_hide_the_lease_of_a_router_that_died_before_it(
+        tmp_path, redis_server) -> None:
+    # A stream's routers die one after another (a, then b, which continued
+    # it), each with an event its client has and the buffer lacks. c's
+    # continuation claims it and is refused. Two defects:
+    # - c's claim had recorded c's lease, which never came to exist, in place
+    #   of b's, which stays in Redis for its TTL (30 s): d's continuation
+    #   replaced the leases of a and c only, b's counted, and the tenant at
+    #   its one stream was refused until b's lease ran out;
+    # - c had padded the buffer for the event it lacked before it was
+    #   refused: d took the placeholder for that event and sent its text
+    #   again ("siix").
+    one = {"keys": [hash_key(LIMITED)], "on_limit": "reject", "limits": {"max_concurrent": 1}}
+    demo = yaml.safe_load(open("configs/tenants.yaml"))
+    files = {}
+    for name, limits in (("normal", {}), ("tight", {"tokens_per_minute": 40})):
+        files[name] = tmp_path / f"{name}.yaml"
+        demo["tenants"]["one"] = {**one, "limits": {**one["limits"], **limits}}
+        files[name].write_text(yaml.safe_dump(demo, sort_keys=False))
+    settings = {"state": {"backend": "redis", "url": redis_server.url}}
+    # (c runs a tenants file where the continuation's tokens are over the tenant's whole budget: refused)
+    a, b, c, d = (RouterProcess(tmp_path / n, replicas=1, tenants=files["tight" if n == "c" else "normal"],
+                                settings=settings, sim=SIM).start() for n in "abcd")
+    headers = {"Authorization": f"Bearer {LIMITED}"}
+    body = {**_body(0), "max_tokens": 120}
+    parts: list[str] = []
+
+    last = ""  # the client's last event id
+
+    async def relay(r: httpx.Response, events: int | None) -> str:
+        """Texts of ``r`` into ``parts``, up to ``events`` of them in all
+        (None: to the end); the error that ended it, if one did."""
+        nonlocal last
+        async for ev in aiter_sse(r):
+            if ev.data == "[DONE]":
+                break
+            data = ev.json()
+            if "error" in data:
+                return "error: " + data["error"]["message"]
+            parts.append(data["choices"][0]["text"])
+            last = ev.id
+            if events is not None and len(parts) >= events:
+                break
+        return ""
+
+    try:
+        async with httpx.AsyncClient(timeout=60) as client:
+            ref = (await client.post(d.base_url + "/v1/completions", json={**body, "stream": False},
+                                     headers=headers)).json()["choices"][0]["text"]
+            async with client.stream("POST", a.base_url + "/v1/completions", json=body, headers=headers) as r:
+                rid = r.headers["x-request-id"]
+                await relay(r, 10)
+                os.kill(a.pid, signal.SIGKILL)
+            resume = f"/v1/streams/{rid}"
+            async with client.stream("GET", b.base_url + resume, headers={**headers, "Last-Event-ID": last}) as r:
+                await relay(r, 20)
+                os.kill(b.pid, signal.SIGKILL)
+            async with client.stream("GET", c.base_url + resume, headers={**headers, "Last-Event-ID": last}) as r:
+                refused = await relay(r, None)
+            assert refused.startswith("error: ") and "token" in refused, refused
+            async with client.stream("GET", d.base_url + resume, headers={**headers, "Last-Event-ID": last}) as r:
+                end = await relay(r, None)
+            assert not end.startswith("error: "), end
+            assert "".join(parts) == ref
+    finally:
+        a.stop(check=False)
+        b.stop(check=False)
+        c.stop()
+        d.stop()
