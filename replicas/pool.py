@@ -138,9 +138,11 @@ class ReplicaPool:
         self.on_release: Callable[[ReplicaSlot], None] | None = None
         # called when a replica becomes ready (the scheduler: dispatch what queued)
         self.on_ready: Callable[[], None] | None = None
-        # called once when a replica next becomes ready (``notify_ready``): streams waiting to fail over
-        # (a dict: registration order, and forgetting one is O(1))
-        self._ready_waiters: dict[Callable[[], None], None] = {}
+        # streams waiting to fail over (``when_ready``), called when a replica becomes ready or a ready one
+        # may have room (a dict: registration order, and forgetting one is O(1))
+        self._ready_waiters: dict[Callable[[], bool | None], None] = {}
+        self._offering = False  # (calling them; a release meanwhile asks for another round: _offer_again)
+        self._offer_again = False
         self._affinity: OrderedDict[int, str] = OrderedDict()  # prefix hash -> replica (LRU)
 
     def models(self) -> list[str]:
@@ -201,27 +203,72 @@ class ReplicaPool:
                 "serving it run an older fairstream, which would ignore it (a rolling upgrade under way?)")
         raise NoReplica(f"no ready replica serves model {model!r}")
 
-    def when_ready(self, callback: Callable[[], None]) -> None:
-        """Call ``callback`` once, when a replica next becomes ready."""
+    def when_ready(self, callback: Callable[[], bool | None]) -> None:
+        """Call ``callback`` when a replica next becomes ready, or a ready
+        one may have room (a stream on it ended), before the scheduler's
+        queue gets the room; the waiters in the order they came. It returns
+        True to go on waiting (every ready replica of its model is full),
+        anything else to stop (called once)."""
         self._ready_waiters[callback] = None
 
-    def forget(self, callback: Callable[[], None]) -> None:
+    def forget(self, callback: Callable[[], bool | None]) -> None:
         """``callback`` no longer waits for a ready replica."""
         self._ready_waiters.pop(callback, None)
+
+    @property
+    def waiting(self) -> bool:
+        """Streams wait for a ready replica with room (``when_ready``)."""
+        return bool(self._ready_waiters)
 
     def notify_ready(self) -> None:
         """A replica became ready (the supervisor): call what waited for one."""
         if self.on_ready is not None:
             try:
-                self.on_ready()
+                self.on_ready()  # (the queue's dispatch: a turn later, after the waiters below)
             except Exception:  # noqa: BLE001 - the streams waiting below must continue all the same
                 log.exception("dispatching the queue to a ready replica failed")
-        waiting, self._ready_waiters = list(self._ready_waiters), {}
-        for callback in waiting:
-            try:
-                callback()
-            except Exception:  # noqa: BLE001 - one waiter's bug must not keep the others waiting
-                log.exception("a stream waiting for a ready replica failed to continue")
+        self._offer(ready=True)
+
+    def offer_room(self) -> None:
+        """A ready replica may have room (a release, a cap that grew): the
+        streams waiting for one get it first."""
+        if self._ready_waiters:
+            self._offer()
+
+    def _offer(self, ready: bool = False) -> None:
+        if self._offering:  # (a release by a waiter's own move: one more round after this one)
+            self._offer_again = True
+            return
+        self._offering = True
+        try:
+            while True:
+                self._offer_again = False
+                if not ready and not any(s.ready and s.has_room for s in self.slots):
+                    return
+                waiters = self._ready_waiters
+                for callback in list(waiters):
+                    if callback not in waiters:
+                        continue  # forgotten meanwhile (its stream closed)
+                    try:
+                        keep = callback()
+                    except Exception:  # noqa: BLE001 - one waiter's bug must not keep the others waiting
+                        log.exception("a stream waiting for a ready replica failed to continue")
+                        keep = False
+                    if keep is not True:
+                        waiters.pop(callback, None)
+                if not (self._offer_again and waiters):
+                    return
+                ready = False
+        finally:
+            self._offering = False
+
+    def _released(self, slot: ReplicaSlot) -> None:
+        """A load handle on ``slot`` was released: room for the streams
+        waiting for a replica first, then for the scheduler's queue."""
+        if self._ready_waiters:
+            self._offer()
+        if self.on_release is not None:
+            self.on_release(slot)
 
     def choose(self, model: str, tokens: int, exclude: Mapping[str, None] | None = None,
                needs: int = 0) -> LoadHandle:
@@ -234,15 +281,34 @@ class ReplicaPool:
         """
         slots = self.serving(model, needs, exclude)
         i = choose([s.snapshot() for s in slots], self._rng)
-        return LoadHandle(slots[i], tokens, self.on_release)
+        return LoadHandle(slots[i], tokens, self._released)
+
+    def choose_room(self, model: str, tokens: int, exclude: Mapping[str, None] | None = None,
+                    needs: int = 0) -> LoadHandle | None:
+        """Like ``choose``, but only among replicas under their in-flight
+        cap (``max_concurrency``, the adaptive cap): for a stream that waited
+        for a replica. None when every ready one is full; ``NoReplica`` when
+        none is ready. ``exclude`` is a preference here: a replica that failed
+        the stream and has room is taken before waiting for another."""
+        self.serving(model, needs, exclude)
+        tiers = (exclude, (next(reversed(exclude)),), None) if exclude else (None,)
+        for avoid in tiers:
+            room = [s for s in self.ready_slots(model, avoid, needs) if s.has_room]
+            if room:
+                i = choose([s.snapshot() for s in room], self._rng)
+                return LoadHandle(room[i], tokens, self._released)
+        return None
 
     def try_choose(self, model: str, tokens: int, affinity: int | None = None, needs: int = 0) -> LoadHandle | None:
         """Like ``choose`` but only among replicas under their in-flight cap;
         None when all are full. ``NoReplica`` when none serves the model
-        (or takes ``needs``).
+        (or takes ``needs``). Streams waiting for a replica with room get
+        theirs first.
 
         ``affinity`` is a hash of the prompt's prefix: the replica that last
         served that prefix is preferred while its load allows."""
+        if self._ready_waiters:
+            self._offer()
         slots = self.serving(model, needs)
         room = [s for s in slots if s.has_room]
         if not room:
@@ -260,4 +326,4 @@ class ReplicaPool:
             self._affinity.move_to_end(affinity)
             if len(self._affinity) > AFFINITY_ENTRIES:
                 self._affinity.popitem(last=False)
-        return LoadHandle(room[i], tokens, self.on_release)
+        return LoadHandle(room[i], tokens, self._released)

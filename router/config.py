@@ -43,7 +43,7 @@ class RouterConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     max_failovers: int = 3
     """How many times one stream may move to another replica because the one serving it failed. A move off a replica that gave the stream no token (most often one found dead on the way, when several die at once) is not counted, up to one per replica, nor is going straight back to the only ready replica, the one that just failed the stream, and finding it still dead (one death, one failover); every move is in ``fairstream_failovers_total`` and the request's log line."""
     failover_wait: float = 30.0
-    """Seconds a stream whose replica failed waits for a replica to become ready when none is (its only replica, or every one, restarting), then continues there token-exact; never past the tenant's time limits. 0: it ends at once (`stream_lost`, or a 503 before its first token)."""
+    """Seconds a stream whose replica failed waits for a replica to become ready when none is (its only replica, or every one, restarting), then continues there token-exact; never past the tenant's time limits. The streams that wait go on only where a ready replica has room under its ``max_concurrency`` (and in-flight cap), in the order they began to wait and before queued requests; one whose wait runs out while a ready replica is full goes there past its cap. 0: it ends at once (`stream_lost`, or a 503 before its first token)."""
     ready_timeout: float = 180.0
     """With ``--workers``: seconds the parent waits for a local replica before starting the workers (it logs an error and starts them anyway). A single router listens at once; wait for ``/ready``."""
     health_interval: float = 1.0

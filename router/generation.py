@@ -14,14 +14,15 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Collection
 from typing import TYPE_CHECKING
 
 from replicas.client import ReplicaDead
 from replicas.pool import LoadHandle, NoReplica, ReplicaPool
 from replicas.protocol import Delta, FinishReason
-from router.deadlines import Deadlines, Stalled, StreamTimeout, Watchdog
+from router.deadlines import Deadlines, Stalled, Watchdog
 from router.errors import BadRequest, ReplicaUnavailable, RouterShutdown
+from router.failover_wait import WaitsForReplica
 from router.job import Job
 from router.logs import request_id_var
 from router.metrics import Metrics
@@ -43,7 +44,7 @@ class StreamLost(Exception):
     """The stream cannot continue: no replica could take it over."""
 
 
-class Generation:
+class Generation(WaitsForReplica):
     """One generation, driven by its replica's output (push).
 
     ``start`` waits for the tenant's turn and dispatches; from then on the
@@ -52,7 +53,8 @@ class Generation:
     piece to the consumer's ``sink`` (``piece(text, n, finish)``, the last
     one with a finish, or ``fail(exc)``). Replica death and stalls fail over
     inside ``on_fail`` (``pool.choose`` is synchronous), so a failover costs
-    no task switch either. ``close`` stops it (abort on the replica).
+    no task switch either; one that finds no replica ready waits for one
+    with room (``WaitsForReplica``). ``close`` stops it (abort on the replica).
 
     Failures the sink gets: ``BadRequest`` (the replica rejected the prompt),
     ``StreamLost`` (no replica can continue what was produced),
@@ -64,7 +66,7 @@ class Generation:
     __slots__ = ("pool", "scheduler", "policy", "rank", "deadlines", "job", "metrics", "max_failovers",
                  "prompt_token_ids", "completion_ids", "text_len", "failovers", "text_parts", "finish", "replica",
                  "sink", "ended", "_base", "_col", "_client", "_handle", "_dog", "_died_at", "_exclude", "_dispatched",
-                 "_charged_prompt", "uncounted", "prompt_count", "failover_wait", "_waiting", "_attached_at",
+                 "_charged_prompt", "uncounted", "prompt_count", "_attached_at",
                  "_free_retries", "_charged", "request_id", "_straight_back")
 
     def __init__(self, pool: ReplicaPool, job: Job, metrics: Metrics, max_failovers: int,
@@ -108,6 +110,7 @@ class Generation:
         # seconds a failover may wait for a replica to become ready when none is (0: none)
         self.failover_wait = failover_wait
         self._waiting: asyncio.TimerHandle | None = None  # waiting for one: its deadline
+        self._full: Collection[str] = ()  # (while it waits: ready replicas it found full, failover_wait.py)
         # (its failovers are logged from a replica reader, outside the request's context)
         self.request_id = request_id_var.get()
 
@@ -432,68 +435,6 @@ class Generation:
         it (``NoReplica``: none is ready)."""
         job = self.job
         return self.pool.choose(job.model, job.params.max_tokens - len(self.completion_ids), self._exclude, job.needs)
-
-    def _wait_for_replica(self, why: str, failure: BaseException) -> bool:
-        """No replica can take the stream over now (its only replica, or
-        every one, is restarting): wait for one to become ready, at most
-        ``failover_wait`` seconds and never past the tenant's time limits.
-        True: waiting (``_replica_ready`` continues it, ``_waited`` gives up)."""
-        sched = self.scheduler
-        if self.failover_wait <= 0 or (sched is not None and sched.stopping):
-            return False
-        dl = self.deadlines
-        now = time.monotonic()
-        until, limit = now + self.failover_wait, ""
-        if dl.first_token and not self.produced and dl.start + dl.first_token < until:
-            until, limit = dl.start + dl.first_token, "first_token"
-        if dl.total and dl.start + dl.total < until:
-            until, limit = dl.start + dl.total, "total"
-        if until <= now:
-            return False
-        # (what every failover's line says: the replica, the tokens so far, why; then why it waits)
-        log.info("stream on %s failed after %d tokens (%s); no replica is ready to continue it (%s); waiting "
-                 "up to %.1fs for one", self.replica, len(self.completion_ids), failure, why, until - now,
-                 extra={"request_id": self.request_id, "replica": self.replica})
-        self._waiting = asyncio.get_running_loop().call_later(until - now, self._waited, why, limit)
-        self.pool.when_ready(self._replica_ready)
-        if sched is not None:
-            sched.running.add(self)  # (a router that stops ends it: stop_all)
-        return True
-
-    def _stop_waiting(self) -> None:
-        waiting, self._waiting = self._waiting, None
-        if waiting is None:
-            return
-        waiting.cancel()
-        self.pool.forget(self._replica_ready)
-        if self.scheduler is not None:
-            self.scheduler.running.discard(self)
-
-    def _replica_ready(self) -> None:
-        """A replica became ready while this stream waited for one."""
-        if self._waiting is None or self.ended:
-            return
-        try:
-            handle = self._choose_again()
-        except NoReplica:
-            self.pool.when_ready(self._replica_ready)  # (one for another model)
-            return
-        self._stop_waiting()
-        self._moved(self.replica or "")
-        log.info("stream on %s continues on %s, which became ready", self.replica, handle.slot.name,
-                 extra={"request_id": self.request_id})
-        self._attach(handle)
-
-    def _waited(self, why: str, limit: str) -> None:
-        """No replica became ready in time: ``failover_wait`` passed, or the
-        tenant's time limit ``limit`` (which ends it as a timeout)."""
-        self._stop_waiting()
-        if self.ended:
-            return
-        if limit:
-            self._end(StreamTimeout(limit, getattr(self.deadlines, limit)))
-        else:
-            self._give_up(f"{why}, and none became ready within {self.failover_wait:g}s")
 
     def _lose(self, why: str) -> None:
         """End with ``StreamLost``; counted as a lost stream if it had output."""

@@ -9,7 +9,9 @@ the reference ``policies.fairshare.pick`` defines it; the index keeps the
 tenants' queue heads ordered, so a decision is O(classes x log tenants)),
 ``policies.balance`` the replica. It keeps going
 while any queued request fits on any replica (work conserving) and stops as
-soon as no queued model has room.
+soon as no queued model has room. Streams that wait to fail over (every
+replica of their model was down when theirs failed: ``ReplicaPool.when_ready``)
+get room before the queue does.
 
 The decisions are pure; this module only applies them. It owns no task: it
 runs inside the callbacks of the requests that wait and the streams that end.
@@ -190,7 +192,7 @@ class Scheduler:
         lim.note_inflight(slot.inflight)
         if lim.tick(self.clock()):
             self.metrics.replica_cap.labels(slot.name).set(lim.cap)
-            if self._queued:
+            if self._queued or self.pool.waiting:
                 self._schedule_dispatch()
 
     def fail_tenant(self, tenant: str, error: Callable[[], BaseException]) -> int:
@@ -279,6 +281,7 @@ class Scheduler:
 
     def _dispatch(self) -> None:
         self._dispatch_pending = False
+        self.pool.offer_room()  # (streams that wait to fail over take room first; try_choose does too)
         full: set[tuple[str, int]] = set()  # (model, needs) with no room left in this pass
         queues = self._queues
         counters = _NO_COUNTERS if self._fifo else self.counters

@@ -314,6 +314,63 @@ async def test_a_stream_whose_only_replica_is_killed_continues_token_exact_after
     assert lines[1] == "stream on sim-0 continues on sim-0, which became ready", lines
 
 
+async def test_streams_that_waited_for_both_replicas_do_not_pile_past_the_cap_of_the_first_back(
+        make_router) -> None:
+    """4 streams on 2 replicas capped at 2 (``max_concurrency``), both killed:
+    the streams wait, and the first replica back takes 2 of them, not all 4;
+    the other 2 wait for room (the second replica back, or a stream that
+    ends). All 4 continue token-exact."""
+    replicas = [{"name": f"sim-{i}", "engine": "sim", "max_concurrency": 2,
+                 "config": {"model": MODEL, "seed": 0, "step_base_ms": 10}} for i in range(2)]
+    router: RouterProcess = make_router(replicas=2, settings={"replicas": replicas, "failover_wait": 30.0})
+    max_tokens = 400
+    jobs = [("chat", "Tell me"), ("chat", "東京の"), ("completions", "Le caf"), ("completions", "Über")]
+    peak = {"sim-0": 0.0, "sim-1": 0.0}
+    async with httpx.AsyncClient(base_url=router.base_url, headers=AUTH, timeout=60) as http:
+        refs = await asyncio.gather(*(reference(http, k, p, max_tokens) for k, p in jobs))
+        results = [StreamResult() for _ in jobs]
+        tasks = [asyncio.create_task(run_stream(http, k, p, max_tokens, out)) for (k, p), out in zip(jobs, results)]
+        try:
+            await apoll(lambda: all(len("".join(r.text)) >= 40 for r in results) or any(t.done() for t in tasks),
+                        20, what="every stream to be under way")
+            assert not any(t.done() for t in tasks), "a stream ended before the replicas were killed"
+            m = await router.ametrics(http)
+            assert [m.value("fairstream_replica_inflight_requests", replica=n) for n in peak] == [2, 2]
+            for name in peak:
+                router.kill_replica(name, signal.SIGKILL)
+            # (the streams of the one seen dead first may go at once to the other, not yet seen dead, past
+            # its cap, as a failover does when a replica is ready: counted from when both are down)
+
+            async def all_waiting() -> bool:
+                m = await router.ametrics(http)
+                return not any(m.value("fairstream_replica_inflight_requests", replica=n) for n in peak)
+
+            await apoll(all_waiting, 10, interval=0.01, what="both replicas seen down, their streams waiting")
+            deadline = time.monotonic() + 40
+            while not all(t.done() for t in tasks):
+                assert time.monotonic() < deadline, "the streams did not end"
+                m = await router.ametrics(http)
+                for name in peak:
+                    peak[name] = max(peak[name], m.value("fairstream_replica_inflight_requests", replica=name))
+                await asyncio.sleep(0.03)
+            await asyncio.gather(*tasks)
+        finally:
+            for t in tasks:
+                t.cancel()
+        m = await router.ametrics(http)
+    for (kind, prompt), ref, res in zip(jobs, refs, results):
+        assert res.errors == [] and res.done and res.finish == "length", (prompt, res.errors)
+        assert "".join(res.text) == ref, (kind, prompt)
+    assert max(peak.values()) <= 2, f"past max_concurrency: {peak}"
+    assert m.value("fairstream_streams_lost_total") == 0
+    # each stream waited (both were down), then went on where there was room
+    records = router.records("fairstream.generation")
+    for res in results:
+        lines = [r["msg"] for r in records if r.get("request_id") == res.request_id]
+        assert any("no replica is ready to continue it" in line for line in lines), lines
+        assert " continues on sim-" in lines[-1] and "past its in-flight cap" not in lines[-1], lines
+
+
 async def test_stream_lost_without_a_spare_replica_ends_with_an_error_event(make_router) -> None:
     """One replica, killed mid-stream, and no wait for its restart
     (``failover_wait: 0``): nothing can resume the stream, so it ends with an

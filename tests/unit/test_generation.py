@@ -32,6 +32,7 @@ from router.sse import ChunkEncoder
 from router.state.memory import MemoryStore
 from tests.unit.generations import Client, Sink
 from tests.unit.generations import started as _started
+from tests.unit.pools import queueing_policy
 
 NONE, STOP, ERROR = FinishReason.NONE, FinishReason.STOP, FinishReason.ERROR
 
@@ -408,3 +409,116 @@ async def test_a_stream_that_fails_on_every_ready_replica_does_not_go_straight_b
     gen._col.put(Delta(1, [21], "x", NONE))
     gen._col.fail(ReplicaDead("no token for 10s"))
     assert gen.replica == "r1" and gen.failovers == 8 and not gen.ended
+
+
+def _waiting_for_replicas(n: int, caps: int, *names: str, failover_wait: float = 5.0, scheduler=None):
+    """``n`` generations on ``names`` in turn (each replica's
+    ``max_concurrency`` ``caps``), 2 tokens delivered each; then every
+    replica dies: they all wait for one, in the order of the list."""
+    pool = ReplicaPool([ReplicaSpec(name=name, max_concurrency=caps) for name in names])
+    for slot in pool.slots:
+        slot.client, slot.state = _Replica(), "ready"  # type: ignore[assignment]
+    gens, sinks = [], []
+    for i in range(n):
+        job = Job("m", SamplingParams(max_tokens=8), prompt="p", prompt_token_ids=[1, 2])
+        gen = Generation(pool, job, Metrics(), 3, None, scheduler=scheduler, failover_wait=failover_wait)
+        gen.sink = sink = Sink()
+        for j, slot in enumerate(pool.slots):  # (the pool's choice, made to be this one)
+            slot.state = "ready" if j == i % len(names) else "down"
+        gen._attach(pool.choose("m", 8))
+        gen._col.put(Delta(1, [5, 6], "ab", NONE))
+        gens.append(gen)
+        sinks.append(sink)
+    for slot in pool.slots:
+        slot.state = "down"
+    for gen in gens:
+        gen._col.fail(ReplicaDead(f"replica {gen.replica} closed the connection"))
+    assert all(gen._waiting is not None and gen._col is None for gen in gens)
+    assert [s.inflight for s in pool.slots] == [0] * len(names)
+    return pool, gens, sinks
+
+
+def _back(pool: ReplicaPool, name: str) -> _Replica:
+    """Replica ``name`` restarted and is ready again (the supervisor's notify_ready)."""
+    slot = next(s for s in pool.slots if s.name == name)
+    slot.client, slot.state = _Replica(), "ready"  # type: ignore[assignment]
+    pool.notify_ready()
+    return slot.client  # type: ignore[return-value]
+
+
+async def test_streams_that_waited_for_a_replica_continue_only_where_one_has_room_in_the_order_they_waited(
+        caplog: pytest.LogCaptureFixture) -> None:
+    # (every replica of the model down: the 4 streams waiting all continued on the first
+    # one back, past its max_concurrency of 2, while the other came back soon after)
+    caplog.set_level("INFO", "fairstream.generation")
+    pool, gens, sinks = _waiting_for_replicas(4, 2, "r0", "r1")
+    r0, r1 = pool.slots
+    first = _back(pool, "r0")
+    assert r0.inflight == 2 and len(first.asked) == 2, "past its max_concurrency"
+    assert [g._col is not None for g in gens] == [True, True, False, False]  # the first to wait go first
+    assert all(g._waiting is not None for g in gens[2:]) and len(pool._ready_waiters) == 2
+    second = _back(pool, "r1")
+    assert r1.inflight == 2 and len(second.asked) == 2 and not pool._ready_waiters
+    assert [g.replica for g in gens] == ["r0", "r0", "r1", "r1"]
+    for gen, sink in zip(gens, sinks):  # token-exact from what was delivered, one failover each
+        assert gen.failovers == 1 and sink.failure is None and gen._waiting is None
+        gen._col.put(Delta(1, [7], "c", STOP))
+        assert sink.pieces == [("ab", 2, NONE), ("c", 1, STOP)] and gen.completion_ids == [5, 6, 7]
+    assert [s.inflight for s in pool.slots] == [0, 0]
+    lines = [r.getMessage() for r in caplog.records if " continues on " in r.getMessage()]
+    assert lines == [f"stream on {a} continues on {b}, which became ready"
+                     for a, b in (("r0", "r0"), ("r1", "r0"), ("r0", "r1"), ("r1", "r1"))], lines
+
+
+async def test_room_on_a_ready_replica_goes_to_a_stream_that_waits_before_the_queued_requests() -> None:
+    pool, gens, sinks = _waiting_for_replicas(3, 1, "r0")
+    sched = Scheduler(pool, Metrics(), SchedulerSettings(), AimdSettings(enabled=False))  # (cap: max_concurrency 1)
+    for gen in gens:
+        gen.scheduler = sched
+    slot = pool.slots[0]
+    _back(pool, "r0")
+    assert [g._col is not None for g in gens] == [True, False, False] and slot.inflight == 1
+    policy = queueing_policy("t")
+    queued = asyncio.create_task(sched.acquire(policy, 1, "m", 8))  # a new request: the replica is full
+    await asyncio.sleep(0)
+    assert sched.queued("t") == 1
+    # each stream that ends hands its room to the next that waits, in order; then to the queue
+    on_r0_after = [[False, True, False], [False, False, True], [False, False, False]]
+    for i in range(3):
+        gens[i]._col.put(Delta(1, [7], "c", STOP))
+        assert sinks[i].failure is None and gens[i].ended
+        await asyncio.sleep(0.01)  # (the queue's dispatch runs a turn later)
+        assert [g._col is not None for g in gens] == on_r0_after[i], i
+        assert sched.queued("t") == (1 if i < 2 else 0) and queued.done() == (i == 2), i
+    assert [g.failovers for g in gens] == [1, 1, 1] and [s.pieces[-1] for s in sinks] == [("c", 1, STOP)] * 3
+    assert slot.inflight == 1
+    (await queued).release()
+    assert slot.inflight == 0 and not sched.running and not pool._ready_waiters
+
+
+async def test_a_stream_whose_wait_runs_out_while_the_ready_replicas_are_full_continues_past_the_cap(
+        caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level("INFO", "fairstream.generation")
+    pool, gens, sinks = _waiting_for_replicas(2, 1, "r0", failover_wait=0.1)
+    slot = pool.slots[0]
+    _back(pool, "r0")
+    assert gens[0]._col is not None and gens[1]._col is None and slot.inflight == 1
+    await asyncio.sleep(0.2)  # failover_wait: not lost while a ready replica is full
+    assert gens[1]._col is not None and gens[1].replica == "r0" and slot.inflight == 2
+    assert sinks[1].failure is None and gens[1].failovers == 1 and not pool._ready_waiters
+    assert "continues on r0 past its in-flight cap" in caplog.records[-1].getMessage()
+    gens[1]._col.put(Delta(1, [7], "c", STOP))
+    assert sinks[1].pieces == [("ab", 2, NONE), ("c", 1, STOP)]
+    # a failover that finds a ready replica at once still goes there past its cap
+    pool.slots.append(ReplicaSlot(ReplicaSpec(name="r1", max_concurrency=1)))
+    r1 = pool.slots[1]
+    r1.client, r1.state = _Replica(), "ready"  # type: ignore[assignment]
+    job = Job("m", SamplingParams(max_tokens=8), prompt="p", prompt_token_ids=[1, 2])
+    moving = Generation(pool, job, Metrics(), 3, None, failover_wait=5.0)
+    moving.sink = Sink()
+    moving._attach(LoadHandle(r1, 8))
+    moving._col.put(Delta(1, [5], "a", NONE))
+    assert slot.inflight == 1  # (gens[0]: r0 is full)
+    r1.state = "down"
+    moving._col.fail(ReplicaDead("replica r1 closed the connection"))
+    assert moving.replica == "r0" and moving._col is not None and slot.inflight == 2

@@ -1,0 +1,114 @@
+"""A failover that waits: no replica of the stream's model was ready when its
+replica failed (its only one, or every one, restarting).
+
+``WaitsForReplica`` is the part of ``router.generation.Generation`` that
+waits, up to ``failover_wait`` and never past the tenant's time limits, for
+a ready replica *with room* under its in-flight cap (``max_concurrency``,
+the adaptive cap): the streams that waited do not all pile onto the first
+replica back. ``ReplicaPool.when_ready`` calls them, in the order they
+began to wait, when a replica becomes ready or a ready one has room again
+(a stream on it ended), before the scheduler's queue gets that room. When
+``failover_wait`` runs out while a ready replica is full, the stream goes
+there past its cap rather than being lost.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+
+from replicas.pool import LoadHandle, NoReplica
+from router.deadlines import StreamTimeout
+
+log = logging.getLogger("fairstream.generation")
+
+__all__ = ["WaitsForReplica"]
+
+
+class WaitsForReplica:
+    """Waiting for a replica to continue on (a mixin of ``Generation``,
+    whose attributes and ``_choose_again``, ``_moved``, ``_attach``,
+    ``_end`` and ``_give_up`` it uses)."""
+
+    __slots__ = ("failover_wait", "_waiting", "_full")
+
+    def _wait_for_replica(self, why: str, failure: BaseException) -> bool:
+        """No replica can take the stream over now (its only replica, or
+        every one, is restarting): wait for one to become ready and have
+        room, at most ``failover_wait`` seconds and never past the tenant's
+        time limits. True: waiting (``_replica_ready`` continues it,
+        ``_waited`` ends the wait)."""
+        sched = self.scheduler
+        if self.failover_wait <= 0 or (sched is not None and sched.stopping):
+            return False
+        dl = self.deadlines
+        now = time.monotonic()
+        until, limit = now + self.failover_wait, ""
+        if dl.first_token and not self.produced and dl.start + dl.first_token < until:
+            until, limit = dl.start + dl.first_token, "first_token"
+        if dl.total and dl.start + dl.total < until:
+            until, limit = dl.start + dl.total, "total"
+        if until <= now:
+            return False
+        # (what every failover's line says: the replica, the tokens so far, why; then why it waits)
+        log.info("stream on %s failed after %d tokens (%s); no replica is ready to continue it (%s); waiting "
+                 "up to %.1fs for one", self.replica, len(self.completion_ids), failure, why, until - now,
+                 extra={"request_id": self.request_id, "replica": self.replica})
+        self._full = ()  # (ready replicas it found full)
+        self._waiting = asyncio.get_running_loop().call_later(until - now, self._waited, why, limit)
+        self.pool.when_ready(self._replica_ready)
+        if sched is not None:
+            sched.running.add(self)  # (a router that stops ends it: stop_all)
+        return True
+
+    def _stop_waiting(self) -> None:
+        waiting, self._waiting = self._waiting, None
+        if waiting is None:
+            return
+        waiting.cancel()
+        self.pool.forget(self._replica_ready)
+        if self.scheduler is not None:
+            self.scheduler.running.discard(self)
+
+    def _replica_ready(self) -> bool:
+        """A replica became ready, or a ready one may have room, while this
+        stream waited: continue there if one has room. True: still waiting."""
+        if self._waiting is None or self.ended:
+            return False
+        job = self.job
+        try:
+            handle = self.pool.choose_room(job.model, job.params.max_tokens - len(self.completion_ids),
+                                           self._exclude, job.needs)
+        except NoReplica:
+            return True  # (one for another model)
+        if handle is None:  # (ready ones, all full: waits for room, or past the cap at failover_wait)
+            self._full = {s.name for s in self.pool.ready_slots(job.model)}
+            return True
+        self._stop_waiting()
+        self._moved(self.replica or "")
+        log.info("stream on %s continues on %s, %s", self.replica, handle.slot.name,
+                 "which has room now" if handle.slot.name in self._full else "which became ready",
+                 extra={"request_id": self.request_id})
+        self._attach(handle)
+        return self._waiting is not None  # (found dead on the way, and waiting again)
+
+    def _waited(self, why: str, limit: str) -> None:
+        """The wait ran out: ``failover_wait`` passed, and the stream goes on
+        a ready replica past its cap, or is lost if none is ready; or the
+        tenant's time limit ``limit`` passed (which ends it as a timeout)."""
+        self._stop_waiting()
+        if self.ended:
+            return
+        if limit:
+            self._end(StreamTimeout(limit, getattr(self.deadlines, limit)))
+            return
+        try:
+            handle: LoadHandle = self._choose_again()  # (past the caps, as a failover at once goes)
+        except NoReplica:
+            self._give_up(f"{why}, and none became ready within {self.failover_wait:g}s")
+            return
+        self._moved(self.replica or "")
+        log.info("stream on %s continues on %s past its in-flight cap: no ready replica had room within %gs",
+                 self.replica, handle.slot.name, self.failover_wait, extra={"request_id": self.request_id})
+        self._attach(handle)
