@@ -48,6 +48,7 @@ from replicas.output import OutputProcessor
 from replicas.prepare import prepare
 from replicas.protocol import REFUSED_TEMPLATE_KWARGS, Delta, FinishReason, SamplingParams
 from replicas.server import create_engine, exit_if_dead, wait_for_stop, watch_engine
+from replicas.spec import join_host_port
 
 __all__ = ["OpenAIServer", "serve_openai"]
 
@@ -509,7 +510,7 @@ async def serve_openai(
     ``exit_with_parent``, until the process that started it exits)."""
     server = OpenAIServer(engine, config, token_ids=token_ids, api_key=api_key, stream_interval=stream_interval)
     bound = await server.start(host, port)
-    where = f"http://{host}:{bound}/v1"
+    where = f"http://{join_host_port(host, bound)}/v1"
     log.info("replica ready on %s: OpenAI server for %s (%s)%s", where, server.engine.model, engine,
              "" if token_ids else " (no token ids)")
     await wait_for_stop(exit_with_parent, watch_engine(server.engine))

@@ -139,8 +139,10 @@ class ReplicaPool:
         # called when a replica becomes ready (the scheduler: dispatch what queued)
         self.on_ready: Callable[[], None] | None = None
         # streams waiting to fail over (``when_ready``), called when a replica becomes ready or a ready one
-        # may have room (a dict: registration order, and forgetting one is O(1))
-        self._ready_waiters: dict[Callable[[], bool | None], None] = {}
+        # may have room: per (model, needs) in registration order (a dict: forgetting one is O(1)), so
+        # that a round asks only the waiters of models with room, and a model's only until one finds none
+        self._ready_waiters: dict[tuple[str | None, int], dict[Callable[[], bool | None], None]] = {}
+        self._waiter_keys: dict[Callable[[], bool | None], tuple[str | None, int]] = {}
         self._offering = False  # (calling them; a release meanwhile asks for another round: _offer_again)
         self._offer_again = False
         self._affinity: OrderedDict[int, str] = OrderedDict()  # prefix hash -> replica (LRU)
@@ -203,17 +205,25 @@ class ReplicaPool:
                 "serving it run an older fairstream, which would ignore it (a rolling upgrade under way?)")
         raise NoReplica(f"no ready replica serves model {model!r}")
 
-    def when_ready(self, callback: Callable[[], bool | None]) -> None:
-        """Call ``callback`` when a replica next becomes ready, or a ready
-        one may have room (a stream on it ended), before the scheduler's
-        queue gets the room; the waiters in the order they came. It returns
-        True to go on waiting (every ready replica of its model is full),
-        anything else to stop (called once)."""
-        self._ready_waiters[callback] = None
+    def when_ready(self, callback: Callable[[], bool | None], model: str | None = None, needs: int = 0) -> None:
+        """Call ``callback`` when a replica of ``model`` (taking ``needs``)
+        may have room: one became ready, or a stream on one ended; before the
+        scheduler's queue gets the room, and the waiters of a model in the
+        order they came. It returns True to go on waiting (every ready
+        replica of its model is full), anything else to stop (called once).
+        ``model`` None: called when any replica becomes ready."""
+        key = (model, needs)
+        self._ready_waiters.setdefault(key, {})[callback] = None
+        self._waiter_keys[callback] = key
 
     def forget(self, callback: Callable[[], bool | None]) -> None:
         """``callback`` no longer waits for a ready replica."""
-        self._ready_waiters.pop(callback, None)
+        key = self._waiter_keys.pop(callback, None)
+        waiters = self._ready_waiters.get(key) if key is not None else None
+        if waiters is not None:
+            waiters.pop(callback, None)
+            if not waiters:
+                del self._ready_waiters[key]  # type: ignore[arg-type]
 
     @property
     def waiting(self) -> bool:
@@ -227,7 +237,8 @@ class ReplicaPool:
                 self.on_ready()  # (the queue's dispatch: a turn later, after the waiters below)
             except Exception:  # noqa: BLE001 - the streams waiting below must continue all the same
                 log.exception("dispatching the queue to a ready replica failed")
-        self._offer(ready=True)
+        if self._ready_waiters:
+            self._offer(ready=True)
 
     def offer_room(self) -> None:
         """A ready replica may have room (a release, a cap that grew): the
@@ -236,6 +247,9 @@ class ReplicaPool:
             self._offer()
 
     def _offer(self, ready: bool = False) -> None:
+        """Ask the waiters of each model that has a ready replica with room,
+        in order, until one finds none (those after it would not either);
+        ``ready``: a replica became ready (the waiters of no model too)."""
         if self._offering:  # (a release by a waiter's own move: one more round after this one)
             self._offer_again = True
             return
@@ -243,20 +257,25 @@ class ReplicaPool:
         try:
             while True:
                 self._offer_again = False
-                if not ready and not any(s.ready and s.has_room for s in self.slots):
-                    return
-                waiters = self._ready_waiters
-                for callback in list(waiters):
-                    if callback not in waiters:
-                        continue  # forgotten meanwhile (its stream closed)
-                    try:
-                        keep = callback()
-                    except Exception:  # noqa: BLE001 - one waiter's bug must not keep the others waiting
-                        log.exception("a stream waiting for a ready replica failed to continue")
-                        keep = False
-                    if keep is not True:
-                        waiters.pop(callback, None)
-                if not (self._offer_again and waiters):
+                room = {s.client.model for s in self.slots if s.ready and s.has_room}  # type: ignore[union-attr]
+                for key in list(self._ready_waiters):
+                    if key[0] not in room and not (ready and key[0] is None):
+                        continue
+                    waiters = self._ready_waiters.get(key)
+                    if waiters is None:
+                        continue  # (its last waiter's stream closed meanwhile)
+                    for callback in list(waiters):
+                        if callback not in waiters:
+                            continue  # forgotten meanwhile (its stream closed)
+                        try:
+                            keep = callback()
+                        except Exception:  # noqa: BLE001 - one waiter's bug must not keep the others waiting
+                            log.exception("a stream waiting for a ready replica failed to continue")
+                            keep = False
+                        if keep is True:
+                            break  # (no room for it: none for the ones after it)
+                        self.forget(callback)
+                if not (self._offer_again and self._ready_waiters):
                     return
                 ready = False
         finally:

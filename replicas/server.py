@@ -21,6 +21,7 @@ import msgspec
 from replicas.engine import Engine, EngineDead, EngineError
 from replicas.output import OutputProcessor
 from replicas.prepare import prepare
+from replicas.spec import join_host_port
 from replicas.protocol import (
     FEATURES,
     PROTOCOL_VERSION,
@@ -270,7 +271,7 @@ async def serve(
     until the process that started it exits)."""
     server = ReplicaServer(engine, config, secret=secret)
     await server.start(socket_path=socket_path, host=host, port=port)
-    where = socket_path or f"{host}:{port}"
+    where = socket_path or join_host_port(host or "127.0.0.1", port)
     log.info("replica ready on %s: serving %s (%s)", where, server.engine.model, engine)
     await wait_for_stop(exit_with_parent, watch_engine(server.engine))
     await server.close()

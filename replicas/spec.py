@@ -8,7 +8,7 @@ from urllib.parse import urlsplit
 
 import msgspec
 
-__all__ = ["ReplicaSpec", "address_error", "host_port"]
+__all__ = ["ReplicaSpec", "address_error", "host_port", "join_host_port"]
 
 # (a local replica's socket file and run directory are named after it)
 _NAME = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
@@ -23,13 +23,18 @@ def host_port(text: str) -> tuple[str, int] | None:
     host, sep, port = text.rpartition(":")
     if host.startswith("[") and host.endswith("]"):
         host = host[1:-1]
-        if not host:
+        if "[" in host or "]" in host:
             return None
     elif ":" in host or "[" in host or "]" in host:
         return None
-    if not sep or not host or not port.isdigit() or int(port) > 65535:
+    if not sep or not host or not (port.isascii() and port.isdigit()) or int(port) > 65535:
         return None
     return host, int(port)
+
+
+def join_host_port(host: str, port: int) -> str:
+    """``HOST:PORT`` as ``host_port`` reads it back (an IPv6 host in brackets)."""
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
 
 def address_error(address: str) -> str | None:

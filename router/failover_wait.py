@@ -20,6 +20,7 @@ import time
 
 from replicas.pool import LoadHandle, NoReplica
 from router.deadlines import StreamTimeout
+from router.logs import request_id_var
 
 log = logging.getLogger("fairstream.generation")
 
@@ -57,7 +58,7 @@ class WaitsForReplica:
                  extra={"request_id": self.request_id, "replica": self.replica})
         self._full = ()  # (ready replicas it found full)
         self._waiting = asyncio.get_running_loop().call_later(until - now, self._waited, why, limit)
-        self.pool.when_ready(self._replica_ready)
+        self.pool.when_ready(self._replica_ready, self.job.model, self.job.needs)
         if sched is not None:
             sched.running.add(self)  # (a router that stops ends it: stop_all)
         return True
@@ -90,8 +91,18 @@ class WaitsForReplica:
         log.info("stream on %s continues on %s, %s", self.replica, handle.slot.name,
                  "which has room now" if handle.slot.name in self._full else "which became ready",
                  extra={"request_id": self.request_id})
-        self._attach(handle)
+        self._attach_as_own(handle)
         return self._waiting is not None  # (found dead on the way, and waiting again)
+
+    def _attach_as_own(self, handle: LoadHandle) -> None:
+        """``_attach`` under this stream's request id: it runs in whatever
+        called (another request's ``try_choose``, a stream's end), and the
+        timers it starts log under the id they find."""
+        token = request_id_var.set(self.request_id)
+        try:
+            self._attach(handle)
+        finally:
+            request_id_var.reset(token)
 
     def _waited(self, why: str, limit: str) -> None:
         """The wait ran out: ``failover_wait`` passed, and the stream goes on
@@ -111,4 +122,4 @@ class WaitsForReplica:
         self._moved(self.replica or "")
         log.info("stream on %s continues on %s past its in-flight cap: no ready replica had room within %gs",
                  self.replica, handle.slot.name, self.failover_wait, extra={"request_id": self.request_id})
-        self._attach(handle)
+        self._attach_as_own(handle)

@@ -66,8 +66,10 @@ REREAD_INTERVAL = 0.1
 # the newest, a client whose old connections died silently.)
 MAX_READERS = 4
 # The most lease ids a claim records (``lease_chain``): its own and those of
-# the generators before it that may still hold theirs.
-LEASE_CHAIN = 8
+# the generators before it that may still hold theirs. Each continuation
+# refused after its claim adds one that never existed, in front: 32 outlast a
+# dead lease's 30 s TTL with a client resuming every second.
+LEASE_CHAIN = 32
 
 
 class _Reader:

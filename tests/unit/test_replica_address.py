@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from replicas.spec import address_error, host_port
+from replicas.spec import address_error, host_port, join_host_port
 
 
 @pytest.mark.parametrize(("text", "parsed"), [
@@ -32,6 +32,9 @@ def test_host_and_port(text: str, parsed: tuple[str, int]) -> None:
     "127.0.0.1:65536",
     "127.0.0.1:-1",
     "127.0.0.1:x",
+    "h:\u00b2",  # (a digit to str.isdigit, not to int(): a ValueError traceback)
+    "h:\u0663",  # (an Arabic-Indic 3: port 3)
+    "[a]b]:1",
 ])
 def test_not_host_and_port(text: str) -> None:
     assert host_port(text) is None
@@ -40,3 +43,8 @@ def test_not_host_and_port(text: str) -> None:
 def test_the_config_error_says_ipv6_takes_brackets() -> None:
     error = address_error("::1")
     assert error is not None and "[::1]:7000" in error and "'::1'" in error
+
+
+@pytest.mark.parametrize(("host", "port"), [("127.0.0.1", 7000), ("::1", 7000), ("gpu-host", 1)])
+def test_an_address_written_out_reads_back(host: str, port: int) -> None:
+    assert host_port(join_host_port(host, port)) == (host, port)
