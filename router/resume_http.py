@@ -288,6 +288,15 @@ async def _replay(svc: RouterService, policy: TenantPolicy, sid: str, meta: Resu
             yield shutdown_notice(svc, enc, True)
             return
         behind = have < cursor  # the client has events the buffer lacks
+        if behind and not (sid in svc.resume.live or snap.owner) and (
+                snap.complete or (pos.tokens is not None and pos.tokens > meta.params.max_tokens)):
+            # (its last generator let it go with all it made, or more tokens than the
+            # request could have: an id of another stream, or made up. Taken as the
+            # client being ahead, its placeholders wrecked the stream for its real client)
+            outcome.record("client_error")
+            yield _notice(meta, "Last-Event-ID does not match this stream.", "resume_mismatch",
+                          "invalid_request_error", "Last-Event-ID")
+            return
         # this router generates it (whatever the stored claim says: a quiet
         # stream's claim can lapse between two renewals)
         mine = sid in svc.resume.live
@@ -355,12 +364,13 @@ async def _reread(svc: RouterService, sid: str, after: int, tokens: bool = True)
         await asyncio.sleep(REREAD_INTERVAL)
 
 
-def _notice(meta: ResumeMeta, message: str, code: str) -> bytes:
+def _notice(meta: ResumeMeta, message: str, code: str, kind: str = "server_error",
+            param: str | None = None) -> bytes:
     """An error event that ends a resume, with no id of its own: the client
     keeps the last one it has (one past the buffer would make its next
     resume a 400)."""
     enc = ChunkEncoder(meta.chat, meta.response_id, meta.model, meta.created)
-    return enc.notice(error_body(message, "server_error", None, code))
+    return enc.notice(error_body(message, kind, param, code))
 
 
 def _cannot_go_on(meta: ResumeMeta, sid: str, snap: StreamSnapshot | None) -> bytes:
@@ -385,7 +395,7 @@ async def _take_over(svc: RouterService, policy: TenantPolicy, sid: str, meta: R
         if meta.params.temperature > 0:
             await svc.resume.release(sid)
             outcome.record("lost")
-            yield enc_error.error(error_body(
+            yield enc_error.notice(error_body(
                 "Events of this stream were lost with the router that produced them, and a sampled "
                 "(temperature > 0) generation cannot be regenerated exactly; retry the request.",
                 "server_error", None, "resume_gap"))
@@ -394,8 +404,8 @@ async def _take_over(svc: RouterService, policy: TenantPolicy, sid: str, meta: R
         if skip_chars < 0 or pos.tokens < len(tokens):
             await svc.resume.release(sid)
             outcome.record("client_error")
-            yield enc_error.error(error_body("Last-Event-ID does not match this stream.", "invalid_request_error",
-                                             "Last-Event-ID", "resume_mismatch"))
+            yield enc_error.notice(error_body("Last-Event-ID does not match this stream.", "invalid_request_error",
+                                              "Last-Event-ID", "resume_mismatch"))
             return
         log.warning("stream %s: client is %d events ahead of the buffer (lost with their router); "
                     "regenerating %d characters it already has", sid, cursor - snap.total_events, skip_chars)

@@ -69,6 +69,22 @@ async def test_a_claim_keeps_the_lease_its_continuation_holds_for_the_next_claim
     assert (await store.stream_read(s, 0, tokens=False)).lease == "lease-3"
 
 
+async def test_a_buffer_is_complete_once_its_generator_lets_it_go_with_all_it_made(backend: Backend) -> None:
+    # (then a Last-Event-ID ahead of it is not a client ahead of a router
+    # that died: it matches no event of the stream)
+    store, s = backend.store, sid()
+    await store.stream_open(s, encode_meta(META), "r1", 60)
+    assert not (await store.stream_read(s, 0)).complete  # (generating)
+    await store.stream_release(s, "r1", complete=True)
+    assert (await store.stream_read(s, 0)).complete
+    assert await store.stream_claim(s, "r2", 10, "lease-2")
+    assert not (await store.stream_read(s, 0)).complete  # (a continuation generating)
+    await store.stream_release(s, "r2")  # (a claim given back: what a router that died lost is still lost)
+    assert not (await store.stream_read(s, 0, tokens=False)).complete
+    await store.stream_release(s, "r3", complete=True)  # (not its claim: nothing changes)
+    assert not (await store.stream_read(s, 0)).complete
+
+
 async def test_a_finished_buffer_says_so(backend: Backend) -> None:
     store, s = backend.store, sid()
     await store.stream_open(s, encode_meta(META), "r1", 60)

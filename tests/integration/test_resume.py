@@ -354,6 +354,26 @@ async def test_other_tenants_unknown_ids_and_bad_event_ids_are_refused(
     assert f"its last event id is {n}." in assert_openai_error(r, 400, param="Last-Event-ID")["message"]
 
 
+async def test_an_id_ahead_of_a_stream_its_client_left_is_refused_and_the_stream_stays_whole(
+        router: RouterProcess, http: httpx.AsyncClient) -> None:
+    # (taken as a client ahead of a router that died, "60-60-60" got text from
+    # character 60 on, and the placeholders for the events it "had" made every
+    # later resume of the stream, its real client's too, a 400 resume_gap)
+    prompt, max_tokens = "Über den", 100
+    ref_task = asyncio.create_task(reference(http, False, prompt, max_tokens))
+    rid, events = await start_and_drop(http, False, prompt, max_tokens, 5)
+    await asyncio.sleep(0.3)  # (the client's leaving seen: the buffer is let go)
+    for bogus in ("60-60-60", f"8-{max_tokens + 1}-8"):
+        async with http.stream("GET", f"/v1/streams/{rid}", headers={"Last-Event-ID": bogus}) as r:
+            got = await read_all(r)
+        assert len(got) == 1 and got[0].id is None, [(e.id, e.data) for e in got]  # (no id: keep yours)
+        assert got[0].json()["error"]["code"] == "resume_mismatch", got[0].data
+    async with http.stream("GET", f"/v1/streams/{rid}", headers={"Last-Event-ID": events[-1].id}) as r:
+        rest = await read_all(r)
+    ref, prompt_tokens = await ref_task
+    check_whole_stream(events + rest, False, ref, prompt_tokens, max_tokens)
+
+
 # -- bugs ------------------------------------------------------------------------------------------
 
 
