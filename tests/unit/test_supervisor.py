@@ -233,14 +233,10 @@ async def test_a_refused_upstream_is_checked_at_once_then_chosen_again_or_taken_
         watch.cancel()
 
 
-async def test_the_check_after_a_refused_connect_goes_on_a_new_connection() -> None:
-    # the control session keeps its connection alive: a check on it would
-    # not show whether the upstream (or a proxy before it) takes new ones
+async def _models_server(seen: list[tuple[object, str | None]]):
+    """An upstream that answers ``/v1/models`` (each request's peer and
+    ``Connection`` header into ``seen``): its runner and base URL."""
     from aiohttp import web
-
-    from replicas.upstream import open_upstream
-
-    seen: list[tuple[object, str | None]] = []
 
     async def models(request: web.Request) -> web.Response:
         seen.append((request.transport.get_extra_info("peername"), request.headers.get("Connection")))
@@ -253,7 +249,17 @@ async def test_the_check_after_a_refused_connect_goes_on_a_new_connection() -> N
     site = web.TCPSite(runner, "127.0.0.1", 0)
     await site.start()
     port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
-    client = await open_upstream("up", ReplicaSpec(name="up", url=f"http://127.0.0.1:{port}/v1"))
+    return runner, f"http://127.0.0.1:{port}/v1"
+
+
+async def test_the_check_after_a_refused_connect_goes_on_a_new_connection() -> None:
+    # the control session keeps its connection alive: a check on it would
+    # not show whether the upstream (or a proxy before it) takes new ones
+    from replicas.upstream import open_upstream
+
+    seen: list[tuple[object, str | None]] = []
+    runner, url = await _models_server(seen)
+    client = await open_upstream("up", ReplicaSpec(name="up", url=url))
     try:
         await client.ping(5)
         await client.ping(5)
@@ -536,19 +542,7 @@ def test_a_stall_of_the_routers_own_loop_restarts_the_clock_instead_of_blaming_t
 
 async def test_an_upstream_ready_line_names_its_url_not_a_pid(caplog) -> None:
     # (it said "pid 0": the router has no process of an upstream's)
-    from aiohttp import web
-
-    async def models(request: web.Request) -> web.Response:
-        return web.json_response({"object": "list", "data": [{"id": MODEL, "object": "model"}]})
-
-    app = web.Application()
-    app.router.add_get("/v1/models", models)
-    runner = web.AppRunner(app)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
-    url = f"http://127.0.0.1:{port}/v1"
+    runner, url = await _models_server([])
     caplog.set_level("INFO", logger="fairstream.supervisor")
     pool = ReplicaPool([ReplicaSpec(name="up", url=url)])
     sup = Supervisor(pool, SupervisorSettings(health_interval=0.05))
