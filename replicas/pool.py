@@ -141,8 +141,9 @@ class ReplicaPool:
         # streams waiting to fail over (``when_ready``), called when a replica becomes ready or a ready one
         # may have room: per (model, needs) in registration order (a dict: forgetting one is O(1)), so
         # that a round asks only the waiters of models with room, and a model's only until one finds none
-        self._ready_waiters: dict[tuple[str | None, int], dict[Callable[[], bool | None], None]] = {}
+        self._ready_waiters: dict[tuple[str | None, int], dict[Callable[[], bool | None], int]] = {}
         self._waiter_keys: dict[Callable[[], bool | None], tuple[str | None, int]] = {}
+        self._waiter_seq = 0  # (the order waiters began to wait in, across keys)
         self._offering = False  # (calling them; a release meanwhile asks for another round: _offer_again)
         self._offer_again = False
         self._affinity: OrderedDict[int, str] = OrderedDict()  # prefix hash -> replica (LRU)
@@ -213,7 +214,12 @@ class ReplicaPool:
         replica of its model is full), anything else to stop (called once).
         ``model`` None: called when any replica becomes ready."""
         key = (model, needs)
-        self._ready_waiters.setdefault(key, {})[callback] = None
+        if self._waiter_keys.get(callback, key) != key:
+            self.forget(callback)
+        waiters = self._ready_waiters.setdefault(key, {})
+        if callback not in waiters:  # (registered again while it waits: it keeps its place)
+            self._waiter_seq += 1
+            waiters[callback] = self._waiter_seq
         self._waiter_keys[callback] = key
 
     def forget(self, callback: Callable[[], bool | None]) -> None:
@@ -248,8 +254,10 @@ class ReplicaPool:
 
     def _offer(self, ready: bool = False) -> None:
         """Ask the waiters of each model that has a ready replica with room,
-        in order, until one finds none (those after it would not either);
-        ``ready``: a replica became ready (the waiters of no model too)."""
+        in the order they began to wait (across the ``needs`` they have);
+        those of one (model, needs) until one finds no room (those after it
+        would not either). ``ready``: a replica became ready (the waiters
+        of no model too, each of them)."""
         if self._offering:  # (a release by a waiter's own move: one more round after this one)
             self._offer_again = True
             return
@@ -258,23 +266,23 @@ class ReplicaPool:
             while True:
                 self._offer_again = False
                 room = {s.client.model for s in self.slots if s.ready and s.has_room}  # type: ignore[union-attr]
-                for key in list(self._ready_waiters):
-                    if key[0] not in room and not (ready and key[0] is None):
-                        continue
+                asked = sorted((seq, callback, key) for key, waiters in self._ready_waiters.items()
+                               if key[0] in room or (ready and key[0] is None)
+                               for callback, seq in waiters.items())
+                full: set[tuple[str | None, int]] = set()
+                for _, callback, key in asked:
                     waiters = self._ready_waiters.get(key)
-                    if waiters is None:
-                        continue  # (its last waiter's stream closed meanwhile)
-                    for callback in list(waiters):
-                        if callback not in waiters:
-                            continue  # forgotten meanwhile (its stream closed)
-                        try:
-                            keep = callback()
-                        except Exception:  # noqa: BLE001 - one waiter's bug must not keep the others waiting
-                            log.exception("a stream waiting for a ready replica failed to continue")
-                            keep = False
-                        if keep is True:
-                            break  # (no room for it: none for the ones after it)
+                    if key in full or waiters is None or callback not in waiters:
+                        continue  # (no room for its kind; or forgotten meanwhile: its stream closed)
+                    try:
+                        keep = callback()
+                    except Exception:  # noqa: BLE001 - one waiter's bug must not keep the others waiting
+                        log.exception("a stream waiting for a ready replica failed to continue")
+                        keep = False
+                    if keep is not True:
                         self.forget(callback)
+                    elif key[0] is not None:
+                        full.add(key)
                 if not (self._offer_again and self._ready_waiters):
                     return
                 ready = False

@@ -184,15 +184,14 @@ class ResumeWriter:
         if self._now is None:
             self._written[sid] = events
 
-    async def release(self, sid: str, complete: bool = False) -> None:
-        """Drop this router's claim on ``sid`` (it no longer generates it);
-        ``complete``: every event it made is in the buffer."""
+    async def release(self, sid: str) -> None:
+        """Drop this router's claim on ``sid`` (it no longer generates it)."""
         self.live.discard(sid)
         self._written.pop(sid, None)
         self._refused.discard(sid)
         self._releasing[sid] = self._releasing.get(sid, 0) + 1
         try:
-            await self.store.stream_release(sid, self.owner, complete)
+            await self.store.stream_release(sid, self.owner)
         except StoreUnavailable:
             pass
         finally:
@@ -228,7 +227,8 @@ class ResumeWriter:
         """The client went away mid-stream: flush and drop the claim so a
         resuming client (on any router) can continue the stream."""
         self._put(sid, (), (), text_len, False)
-        await self.release(sid, complete=await self._flush_one(sid))
+        await self._flush_one(sid)
+        await self.release(sid)
 
     def _put(self, sid: str, events, token_ids, text_len: int | None, finished: bool) -> None:
         """To the store at once (in-process store), or into the next flush
@@ -263,25 +263,23 @@ class ResumeWriter:
         for sid in list(self._pending):
             await self._flush_one(sid)
 
-    async def _flush_one(self, sid: str) -> bool:
-        """What waits for ``sid`` to the store now; False: it did not get there."""
+    async def _flush_one(self, sid: str) -> None:
         if self._now is not None:
-            return True  # nothing is ever pending
+            return  # nothing is ever pending
         async with self._lock:
             p = self._pending.pop(sid, None)
             if p is None:
-                return True
+                return
             try:
                 done = await self.store.stream_append(
                     sid, p.events, p.token_ids, p.text_len, p.finished, self.owner, self.retention, p.first
                 )
             except StoreUnavailable as e:
                 log.warning("resume buffer append for %s failed: %s", sid, e)
-                return False
+                return
             if not done and sid not in self._refused:
                 self._refused.add(sid)
                 log.warning("resume buffer of %s not appended to: it is another router's now (it took the "
                             "stream over), finished, or broken (events of it went to this router's local "
                             "fallback during a state store outage); a resume of it gets an error, never "
                             "a wrong text", sid)
-            return bool(done)

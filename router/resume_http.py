@@ -289,10 +289,10 @@ async def _replay(svc: RouterService, policy: TenantPolicy, sid: str, meta: Resu
             return
         behind = have < cursor  # the client has events the buffer lacks
         if behind and not (sid in svc.resume.live or snap.owner) and (
-                snap.complete or (pos.tokens is not None and pos.tokens > meta.params.max_tokens)):
-            # (its last generator let it go with all it made, or more tokens than the
-            # request could have: an id of another stream, or made up. Taken as the
-            # client being ahead, its placeholders wrecked the stream for its real client)
+                not snap.lost or (pos.tokens is not None and pos.tokens > meta.params.max_tokens)):
+            # (no router died holding it, so nothing was lost past the buffer; or more
+            # tokens than the request could have: an id of another stream, or made up.
+            # Taken as a client ahead, its placeholders wrecked the stream for its real client)
             outcome.record("client_error")
             yield _notice(meta, "Last-Event-ID does not match this stream.", "resume_mismatch",
                           "invalid_request_error", "Last-Event-ID")

@@ -61,10 +61,9 @@ class StreamSnapshot(msgspec.Struct):
     the characters of text they produced, ``events`` the SSE events after
     the requested one, ``total_events`` how many exist, ``owner`` the router
     generating it (empty when none holds a live claim), ``lease`` the
-    admission leases the last claim named (``stream_claim``), ``complete``
-    whether its last generator let it go with every event it made in the
-    buffer (``stream_release(complete=True)``: a client that left); a
-    router that died, or a claim given back, leaves it False.
+    admission leases the last claim named (``stream_claim``), ``lost``
+    whether a router ever held it and died (its claim ran out unreleased):
+    only then can a client have events the buffer lacks.
     """
 
     meta: bytes
@@ -76,7 +75,7 @@ class StreamSnapshot(msgspec.Struct):
     owner: str
     broken: bool = False  # (it misses events: see ``stream_append``; it cannot be resumed)
     lease: str = ""
-    complete: bool = False
+    lost: bool = False
 
 
 class StateStore(abc.ABC):
@@ -169,10 +168,8 @@ class StateStore(abc.ABC):
         is (False)."""
 
     @abc.abstractmethod
-    async def stream_release(self, sid: str, owner: str, complete: bool = False) -> None:
-        """Drop ``owner``'s claim (the buffer itself stays for its retention).
-        ``complete``: the owner generated the stream and every event it made
-        is in the buffer (``StreamSnapshot.complete``, until the next claim)."""
+    async def stream_release(self, sid: str, owner: str) -> None:
+        """Drop ``owner``'s claim (the buffer itself stays for its retention)."""
 
     async def peers(self, router: str, digest: str, ttl: float) -> dict[str, str]:
         """Publish ``router``'s tenants-file digest for ``ttl`` seconds and

@@ -31,7 +31,7 @@ SWEEP_INTERVAL = 1.0  # expired leases and buffers are swept at most this often 
 
 class _Stream:
     __slots__ = ("meta", "token_ids", "text_len", "events", "finished", "owner", "owner_until", "expires", "broken",
-                 "lease", "complete")
+                 "lease", "lost")
 
     def __init__(self, meta: bytes, owner: str, owner_until: float, expires: float) -> None:
         self.meta = meta
@@ -44,7 +44,7 @@ class _Stream:
         self.expires = expires
         self.broken = False
         self.lease = ""
-        self.complete = False
+        self.lost = False  # (a router that held it died: StreamSnapshot.lost)
 
 
 class MemoryStore(StateStore):
@@ -224,7 +224,7 @@ class MemoryStore(StateStore):
         owner = st.owner if st.owner and st.owner_until > now else ""
         return StreamSnapshot(
             st.meta, list(st.token_ids) if tokens else [], st.text_len, st.events[max(0, after):], len(st.events),
-            st.finished, owner, st.broken, st.lease, st.complete,
+            st.finished, owner, st.broken, st.lease, st.lost or bool(st.owner and not owner),
         )
 
     async def stream_claim(self, sid: str, owner: str, claim_ttl: float, lease: str = "") -> bool:
@@ -234,10 +234,11 @@ class MemoryStore(StateStore):
             return False
         if st.owner and st.owner != owner and st.owner_until > now:
             return False
+        if st.owner and st.owner_until <= now:
+            st.lost = True  # (its claim ran out unreleased: that router died)
         st.owner = owner
         st.owner_until = now + claim_ttl
         st.lease = lease
-        st.complete = False
         return True
 
     async def stream_renew(self, sids: list[str], owner: str, claim_ttl: float) -> list[bool]:
@@ -251,9 +252,7 @@ class MemoryStore(StateStore):
             out.append(mine)
         return out
 
-    async def stream_release(self, sid: str, owner: str, complete: bool = False) -> None:
+    async def stream_release(self, sid: str, owner: str) -> None:
         st = self._streams.get(sid)
         if st is not None and st.owner == owner:
             st.owner = ""
-            if complete:
-                st.complete = True

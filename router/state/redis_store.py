@@ -197,11 +197,11 @@ class RedisStore(StateStore):
             raise _unavailable(e) from e
         if not res:
             return None
-        meta, toks, text_len, events, total, finished, owner, broken, lease, complete = res
+        meta, toks, text_len, events, total, finished, owner, broken, lease, lost = res
         return StreamSnapshot(
             bytes(meta), _unpack(toks or b""), int(text_len), [bytes(e) for e in events], int(total),
             finished in (b"1", "1", 1), _text(owner), broken in (b"1", "1", 1), _text(lease),
-            complete in (b"1", "1", 1),
+            lost in (b"1", "1", 1),
         )
 
     async def stream_claim(self, sid: str, owner: str, claim_ttl: float, lease: str = "") -> bool:
@@ -238,9 +238,9 @@ class RedisStore(StateStore):
                 pipe.evalsha(sha, 1, self._skeys(sid)[0], owner, claim_ttl)
             return [bool(r) for r in await pipe.execute()]
 
-    async def stream_release(self, sid: str, owner: str, complete: bool = False) -> None:
+    async def stream_release(self, sid: str, owner: str) -> None:
         try:
-            await self._s_release(keys=self._skeys(sid)[:1], args=[owner, int(complete)])
+            await self._s_release(keys=self._skeys(sid)[:1], args=[owner])
         except RedisError as e:
             raise _unavailable(e) from e
 

@@ -332,8 +332,8 @@ class ResilientStore(StateStore):
     async def stream_renew(self, sids, owner, claim_ttl) -> list[bool]:
         return await self._stream_op("stream_renew", lambda s: s.stream_renew(sids, owner, claim_ttl))
 
-    async def stream_release(self, sid, owner, complete=False) -> None:
-        await self._stream_op("stream_release", lambda s: s.stream_release(sid, owner, complete))
+    async def stream_release(self, sid, owner) -> None:
+        await self._stream_op("stream_release", lambda s: s.stream_release(sid, owner))
 
     async def peers(self, router: str, digest: str, ttl: float) -> dict[str, str]:
         if self._connect is not None:

@@ -69,20 +69,23 @@ async def test_a_claim_keeps_the_lease_its_continuation_holds_for_the_next_claim
     assert (await store.stream_read(s, 0, tokens=False)).lease == "lease-3"
 
 
-async def test_a_buffer_is_complete_once_its_generator_lets_it_go_with_all_it_made(backend: Backend) -> None:
-    # (then a Last-Event-ID ahead of it is not a client ahead of a router
-    # that died: it matches no event of the stream)
+async def test_a_buffer_is_lost_once_a_router_held_it_and_died(backend: Backend) -> None:
+    # (only then can a client have events the buffer lacks: an id ahead of a
+    # buffer no router died holding matches no event of the stream)
     store, s = backend.store, sid()
     await store.stream_open(s, encode_meta(META), "r1", 60)
-    assert not (await store.stream_read(s, 0)).complete  # (generating)
-    await store.stream_release(s, "r1", complete=True)
-    assert (await store.stream_read(s, 0)).complete
-    assert await store.stream_claim(s, "r2", 10, "lease-2")
-    assert not (await store.stream_read(s, 0)).complete  # (a continuation generating)
-    await store.stream_release(s, "r2")  # (a claim given back: what a router that died lost is still lost)
-    assert not (await store.stream_read(s, 0, tokens=False)).complete
-    await store.stream_release(s, "r3", complete=True)  # (not its claim: nothing changes)
-    assert not (await store.stream_read(s, 0)).complete
+    assert not (await store.stream_read(s, 0)).lost  # (generating)
+    await store.stream_release(s, "r1")  # (its client left: released, nothing lost)
+    assert not (await store.stream_read(s, 0)).lost
+    assert await store.stream_claim(s, "r2", 0.2, "lease-2")
+    await store.stream_release(s, "r2")  # (a continuation refused: given back)
+    assert not (await store.stream_read(s, 0)).lost
+    assert await store.stream_claim(s, "r3", 0.2, "lease-3")
+    await backend.sleep(0.2 + backend.slack)  # r3 dies: its claim runs out unreleased
+    assert (await store.stream_read(s, 0, tokens=False)).lost
+    assert await store.stream_claim(s, "r4", 10, "lease-4")
+    await store.stream_release(s, "r4")
+    assert (await store.stream_read(s, 0)).lost  # (for good: what r3 sent and lost stays lost)
 
 
 async def test_a_finished_buffer_says_so(backend: Backend) -> None:

@@ -518,6 +518,47 @@ def test_room_of_another_model_asks_none_of_the_streams_that_wait() -> None:
     assert asked == ["first"]
 
 
+def test_waiters_of_a_model_are_asked_in_the_order_they_began_to_wait_whatever_they_need() -> None:
+    # (kept per (model, needs), the waiters of the key made first were asked
+    # first: one needing a feature that began to wait before another was
+    # served after it, and with steady failovers could be passed over)
+    pool = ReplicaPool([ReplicaSpec(name="r0", max_concurrency=1)])
+    slot = pool.slots[0]
+    slot.client, slot.state = _Replica(), "ready"  # type: ignore[assignment]
+    slot.inflight = 1  # full
+    order: list[str] = []
+    handles = []
+
+    def wait(name: str, needs: int) -> None:
+        def ready() -> bool | None:
+            handle = pool.choose_room("m", 1, None, needs)
+            if handle is None:
+                return True
+            order.append(name)
+            handles.append(handle)
+            return None
+        pool.when_ready(ready, "m", needs)
+
+    wait("a0", 0)
+    wait("b1", 1)  # (began to wait before c0)
+    wait("c0", 0)
+    slot.inflight = 0
+    pool.offer_room()
+    assert order == ["a0"]
+    handles[-1].release()
+    assert order == ["a0", "b1"], order
+
+
+def test_a_waiter_for_any_replica_that_goes_on_waiting_does_not_hide_the_others() -> None:
+    pool = ReplicaPool([ReplicaSpec(name="r0")])
+    pool.slots[0].client, pool.slots[0].state = _Replica(), "ready"  # type: ignore[assignment]
+    called: list[int] = []
+    pool.when_ready(lambda: called.append(1) or True)  # (goes on waiting)
+    pool.when_ready(lambda: called.append(2))
+    pool.notify_ready()
+    assert called == [1, 2], called
+
+
 async def test_a_stream_whose_wait_runs_out_while_the_ready_replicas_are_full_continues_past_the_cap(
         caplog: pytest.LogCaptureFixture) -> None:
     caplog.set_level("INFO", "fairstream.generation")

@@ -318,9 +318,9 @@ async def test_a_claim_waits_for_this_routers_release_of_the_stream_to_land() ->
     landed = asyncio.Event()
 
     class SlowRelease(MemoryStore):
-        async def stream_release(self, sid, owner, complete=False):
+        async def stream_release(self, sid, owner):
             await landed.wait()
-            return await super().stream_release(sid, owner, complete)
+            return await super().stream_release(sid, owner)
 
     store = SlowRelease(Clock())
     writer = ResumeWriter(store, 60)
@@ -375,3 +375,45 @@ async def test_a_replay_that_reaches_events_lost_with_a_router_says_so() -> None
     assert info.value.code == "resume_gap" and "from 2 on" in info.value.message, info.value.message
     # past the gap: the rest replays
     assert (await handle_resume(svc, policy(), "s3", Position(3, None, None))) is not None  # (a Stream)
+
+
+async def _resume_at(svc: SimpleNamespace, pos: Position) -> list[bytes]:
+    snap = await svc.store.stream_read("s1", pos.event)
+    out = [c async for c in _resume(svc, policy(), "s1", decode_meta(snap.meta), snap, pos)]
+    await asyncio.gather(*svc.tasks)
+    return out
+
+
+async def test_an_id_ahead_of_a_stream_no_router_died_holding_is_refused_also_after_a_claim_given_back() -> None:
+    # (a review found the first form of this check, "its last generator let it
+    # go whole", undone by any continuation refused after its claim: the same
+    # made-up id then got through and padded the stream for its real client)
+    svc = await service()
+    await left_after_one_event(svc)
+    bogus = Position(3, 4, 9)
+    assert b"resume_mismatch" in (await _resume_at(svc, bogus))[-1]
+    assert b"no_replica_available" in (await _resume_at(svc, Position(1, 2, 5)))[-1]  # its real client, refused
+    assert b"resume_mismatch" in (await _resume_at(svc, bogus))[-1]
+    after = await svc.store.stream_read("s1", 0)
+    assert after.total_events == 1 and not after.lost
+
+
+async def test_a_client_ahead_of_a_router_that_died_is_not_refused_after_another_continuation_let_go() -> None:
+    # (router a died with events its client had and the buffer lacks; a
+    # second reader's continuation on b made one event, then its client left:
+    # the first form of the check took the buffer for whole and refused a's
+    # client its real id)
+    clock = Clock()
+    store = MemoryStore(clock)
+    svc = await service()
+    svc.store, svc.resume, svc.admission = store, ResumeWriter(store, 60), Admission(store, svc.metrics)
+    meta = ResumeMeta("t", False, "m", "cmpl-s1", 0, False, SamplingParams(max_tokens=8), [1, 2])
+    from router.resume import encode_meta
+    await store.stream_open("s1", encode_meta(meta), "router-a", 60)
+    store.append_now("s1", [b"id: 1-1-1\ndata: {}\n\n"], [10], 1, False, "router-a", 60)
+    clock.now += CLAIM_TTL + 1  # a died; it had sent events 2 and 3 to its client
+    assert await store.stream_claim("s1", "router-b", CLAIM_TTL, "lease-b")
+    store.append_now("s1", [b"id: 2-2-2\ndata: {}\n\n"], [11], 2, False, "router-b", 60)
+    await store.stream_release("s1", "router-b")  # b's client left
+    out = await _resume_at(svc, Position(3, 3, 3))
+    assert b"resume_mismatch" not in out[-1], out[-1]

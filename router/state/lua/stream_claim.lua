@@ -6,5 +6,8 @@ local h = redis.call('HMGET', KEYS[1], 'finished', 'owner', 'owner_until')
 if not h[1] or h[1] == '1' then return 0 end
 local owner = h[2] or ''
 if owner ~= '' and owner ~= ARGV[1] and tonumber(h[3]) > now then return 0 end
-redis.call('HSET', KEYS[1], 'owner', ARGV[1], 'owner_until', tostring(now + tonumber(ARGV[2])), 'lease', ARGV[3] or '', 'complete', '0')
+-- a claim that ran out unreleased: its router died (the stream is "lost": a
+-- client may have events the buffer lacks)
+if owner ~= '' and tonumber(h[3]) <= now then redis.call('HSET', KEYS[1], 'lost', '1') end
+redis.call('HSET', KEYS[1], 'owner', ARGV[1], 'owner_until', tostring(now + tonumber(ARGV[2])), 'lease', ARGV[3] or '')
 return 1
