@@ -20,7 +20,7 @@ from typing import Protocol
 
 from router.state import StateStore, StoreUnavailable
 
-__all__ = ["LeaseKeeper", "LEASE_TTL", "GENERATION_INTERVAL"]
+__all__ = ["LeaseKeeper", "LEASE_TTL", "GENERATION_INTERVAL", "lease_chain"]
 
 log = logging.getLogger("fairstream.admission")
 
@@ -28,6 +28,21 @@ LEASE_TTL = 30.0  # seconds; renewed every LEASE_TTL / 3 while the stream lives
 # seconds between two looks at the store's generation while this router's
 # streams hold leases (one small Redis call each)
 GENERATION_INTERVAL = 0.5
+# The most lease ids a resume's claim records (``lease_chain``): its own and
+# those of the generators before it that may still hold theirs. Each
+# continuation refused after its claim adds one that never existed, in
+# front: 32 outlast a dead lease's 30 s TTL with a client resuming every second.
+LEASE_CHAIN = 32
+
+
+def lease_chain(lease: str, prior: tuple[str, ...]) -> str:
+    """What a resume's claim records for the next one (``StreamSnapshot.lease``):
+    the lease its continuation will hold, then the leases that continuation
+    replaces. A continuation refused after its claim never holds its lease,
+    and the leases it would have replaced stay where they were (a dead
+    router's, until their TTL): the next claim must still name them.
+    At most ``LEASE_CHAIN`` ids (a claim refused again and again)."""
+    return " ".join(list(dict.fromkeys((lease, *prior)))[:LEASE_CHAIN])
 
 
 class _Leased(Protocol):

@@ -38,6 +38,7 @@ from router.errors import ApiError, BadRequest, NotFound, ServiceUnavailable, cl
 from router.generation import Generation
 from router.ids import new_id
 from router.job import Job
+from router.leases import lease_chain
 from router.relay import (
     NOT_RESUMABLE, EventStream, Outcome, charged_tokens, error_before_output, outcome_of, relay_stream, shutdown_notice,
 )
@@ -65,11 +66,6 @@ REREAD_INTERVAL = 0.1
 # would refuse a tenant at its limit the resume of its own stream; refusing
 # the newest, a client whose old connections died silently.)
 MAX_READERS = 4
-# The most lease ids a claim records (``lease_chain``): its own and those of
-# the generators before it that may still hold theirs. Each continuation
-# refused after its claim adds one that never existed, in front: 32 outlast a
-# dead lease's 30 s TTL with a client resuming every second.
-LEASE_CHAIN = 32
 
 
 class _Reader:
@@ -335,16 +331,6 @@ async def _replay(svc: RouterService, policy: TenantPolicy, sid: str, meta: Resu
             yield _cannot_go_on(meta, sid, nxt)
             return
         snap = nxt
-
-
-def lease_chain(lease: str, prior: tuple[str, ...]) -> str:
-    """What a claim records for the next one (``StreamSnapshot.lease``):
-    the lease its continuation will hold, then the leases that continuation
-    replaces. A continuation refused after its claim never holds its lease,
-    and the leases it would have replaced stay where they were (a dead
-    router's, until their TTL): the next claim must still name them.
-    At most ``LEASE_CHAIN`` ids (a claim refused again and again)."""
-    return " ".join(list(dict.fromkeys((lease, *prior)))[:LEASE_CHAIN])
 
 
 async def _reread(svc: RouterService, sid: str, after: int, tokens: bool = True) -> StreamSnapshot | None:
