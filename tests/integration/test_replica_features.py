@@ -26,7 +26,7 @@ def _older_replica(tmp_path):
 
 def _router(tmp_path, name: str, port: int, *, with_new: bool) -> RouterProcess:
     # (the older one first: at equal load the balancer picks the first, so a
-    # request that can go anywhere goes there)
+    # request that can go anywhere goes there unless a load report says otherwise)
     replicas = [{"name": "old-0", "address": f"127.0.0.1:{port}", "secret_env": "FS_ROUTER_SECRET"}]
     if with_new:
         replicas.append({"name": "new-0", "engine": "sim", "config": {"model": MODEL, "seed": 0}})
@@ -71,7 +71,12 @@ def test_requests_whose_fields_an_older_replica_would_drop_go_to_a_newer_one(tmp
         seen = poll(lambda: (s := _served_by(router)) and all(i in s for i in needing + plain) and s, 10,
                     what="request log lines")
         assert {seen[i] for i in needing} == {"new-0"}, seen
-        assert {seen[i] for i in plain} == {"old-0"}, seen  # (nothing needed: the first at equal load)
+        # nothing needed: either replica, and the first goes to old-0, the
+        # first at equal load. (Not each one: the replica's load report lags
+        # by up to 0.2 s and can still count the previous plain request as
+        # waiting on old-0, which sends the next to new-0; one in four went
+        # there in a fresh-clone run. Before the first, old-0 had none.)
+        assert seen[plain[0]] == "old-0", seen
 
 
 def test_where_only_older_replicas_serve_the_model_such_a_request_is_a_503_naming_the_field(
