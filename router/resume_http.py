@@ -43,6 +43,7 @@ from router.relay import (
     NOT_RESUMABLE, EventStream, Outcome, charged_tokens, error_before_output, outcome_of, relay_stream, shutdown_notice,
 )
 from router.resume import ResumeMeta, decode_meta
+from router.resume_tail import error_code, finish_tail, last_event
 from router.service import RouterService
 from router.sse import DONE, ChunkEncoder
 from router.state import StoreUnavailable, StreamSnapshot
@@ -150,7 +151,7 @@ async def handle_resume(svc: RouterService, policy: TenantPolicy, sid: str, pos:
     if b"" in snap.events:  # (before its stream starts: an error event then left an EventSource retrying)
         raise BadRequest(_GAP.format(pos.event + snap.events.index(b"") + 1, sid), param="Last-Event-ID",
                          code="resume_gap")
-    last = await _last_event(svc, sid, snap) if pos.event >= snap.total_events and snap.finished else None
+    last = await last_event(svc, sid, snap) if pos.event >= snap.total_events and snap.finished else None
     if last is not None and f'"code":"{NOT_RESUMABLE}"'.encode() in last:
         # (the buffer's last event is that error, which the client never got:
         # its live events from there on had plain ids, the same numbers or past them)
@@ -159,7 +160,7 @@ async def handle_resume(svc: RouterService, policy: TenantPolicy, sid: str, pos:
     if last is not None and last != DONE and b'"error"' in last:
         # (it ended with that error, which the client has: there is nothing
         # after it, and an empty 200 left an EventSource reconnecting for good)
-        code = _error_code(last)
+        code = error_code(last)
         raise BadRequest(f"Stream {sid} ended with an error ({code}) at event {snap.total_events - 1}; there is "
                          "nothing after it to resume: retry the request.", param="Last-Event-ID",
                          code="stream_ended")
@@ -184,29 +185,9 @@ _BROKEN = ("Stream {} cannot be resumed: its buffer misses events written while 
            "(a resume would give a wrong text); retry the request.")
 
 
-def _error_code(event: bytes) -> str:
-    """The ``code`` of an SSE error event's OpenAI error."""
-    data = b"".join(line[6:] for line in event.split(b"\n") if line.startswith(b"data: "))
-    try:
-        return str(msgspec.json.decode(data)["error"]["code"])
-    except (msgspec.DecodeError, KeyError, TypeError):
-        return "unknown"
-
-
 def _store_down(sid: str) -> ServiceUnavailable:
     return ServiceUnavailable(f"Stream {sid} cannot be resumed now: the state store is unavailable; retry shortly.",
                               code="state_store_unavailable", headers={"retry-after": "1"})
-
-
-async def _last_event(svc: RouterService, sid: str, snap: StreamSnapshot) -> bytes | None:
-    """A finished buffer's last event: ``[DONE]``, or the error that ended it
-    (``EventStream._unbuffer``'s, when the output lost its token ids); None
-    if it cannot be read now."""
-    try:
-        last = await svc.store.stream_read(sid, snap.total_events - 1)
-    except StoreUnavailable:
-        return None
-    return last.events[-1] if last is not None and last.events else None
 
 
 async def _resume(svc: RouterService, policy: TenantPolicy, sid: str, meta: ResumeMeta,
@@ -290,8 +271,7 @@ async def _replay(svc: RouterService, policy: TenantPolicy, sid: str, meta: Resu
             # tokens than the request could have: an id of another stream, or made up.
             # Taken as a client ahead, its placeholders wrecked the stream for its real client)
             outcome.record("client_error")
-            yield _notice(meta, "Last-Event-ID does not match this stream.", "resume_mismatch",
-                          "invalid_request_error", "Last-Event-ID")
+            yield _mismatch(meta)
             return
         # this router generates it (whatever the stored claim says: a quiet
         # stream's claim can lapse between two renewals)
@@ -359,6 +339,11 @@ def _notice(meta: ResumeMeta, message: str, code: str, kind: str = "server_error
     return enc.notice(error_body(message, kind, param, code))
 
 
+def _mismatch(meta: ResumeMeta) -> bytes:
+    return _notice(meta, "Last-Event-ID does not match this stream.", "resume_mismatch", "invalid_request_error",
+                   "Last-Event-ID")
+
+
 def _cannot_go_on(meta: ResumeMeta, sid: str, snap: StreamSnapshot | None) -> bytes:
     """The error event that ends a resume whose buffer could not be read
     again (None: resume again later) or was found broken."""
@@ -374,6 +359,19 @@ async def _take_over(svc: RouterService, policy: TenantPolicy, sid: str, meta: R
     enc_error = ChunkEncoder(meta.chat, meta.response_id, meta.model, meta.created, event_id=cursor)
     skip_chars = 0
     tokens, text_len = list(snap.token_ids), snap.text_len
+    try:
+        end = await finish_tail(svc, sid, meta, snap, pos, cursor)  # (its router died with the end half stored)
+    except StoreUnavailable:
+        svc.background(svc.resume.release(sid))
+        outcome.record("unavailable")
+        yield _cannot_go_on(meta, sid, None)
+        return
+    if end is not None:
+        if not end:
+            outcome.record("client_error")
+        for event in end or (_mismatch(meta),):
+            yield event
+        return
     svc.resume.continue_at(sid, snap.total_events)  # (what this router appends follows the buffer's events)
     if cursor > snap.total_events:
         # The client is ahead of the buffer: regenerate what it has, silently.
@@ -381,17 +379,14 @@ async def _take_over(svc: RouterService, policy: TenantPolicy, sid: str, meta: R
         if meta.params.temperature > 0:
             await svc.resume.release(sid)
             outcome.record("lost")
-            yield enc_error.notice(error_body(
-                "Events of this stream were lost with the router that produced them, and a sampled "
-                "(temperature > 0) generation cannot be regenerated exactly; retry the request.",
-                "server_error", None, "resume_gap"))
+            yield _notice(meta, "Events of this stream were lost with the router that produced them, and a sampled "
+                          "(temperature > 0) generation cannot be regenerated exactly; retry the request.", "resume_gap")
             return
         skip_chars = pos.chars - text_len
         if skip_chars < 0 or pos.tokens < len(tokens):
             await svc.resume.release(sid)
             outcome.record("client_error")
-            yield enc_error.notice(error_body("Last-Event-ID does not match this stream.", "invalid_request_error",
-                                              "Last-Event-ID", "resume_mismatch"))
+            yield _mismatch(meta)
             return
         log.warning("stream %s: client is %d events ahead of the buffer (lost with their router); "
                     "regenerating %d characters it already has", sid, cursor - snap.total_events, skip_chars)

@@ -1,0 +1,134 @@
+"""The end of a stream's buffer: its last event, and the end of a stream
+whose router died with that end half stored.
+
+A stream ends with its finish event (the last token's, or one with no text),
+the usage event when the client asked for it, and ``[DONE]``, which also
+marks the buffer finished. They reach the state store in separate writes
+(with Redis, a flush every few milliseconds, then the finish in the
+request's settlement), so a router that dies between them leaves a buffer
+that is not finished while its generation is. Continued like any other, that
+stream generated past its end (after an end-of-sequence) or, at
+``max_tokens``, asked a replica for no tokens and ended with ``stream_lost``.
+
+``finish_tail`` reads the buffer's last events, and where the output has
+ended, sends what of the end is not stored (after what the client already
+has), stores it and finishes the buffer, with no replica and no admission:
+nothing is generated.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import msgspec
+
+from replicas.protocol import FinishReason
+from router.resume import ResumeMeta
+from router.sse import DONE, ChunkEncoder
+from router.state import StateStore, StoreUnavailable, StreamSnapshot
+
+__all__ = ["finish_tail", "last_event", "error_code"]
+
+log = logging.getLogger("fairstream.resume")
+
+FINISH, USAGE = "finish", "usage"  # the parts of a stream's end that go before [DONE]
+
+
+class _Choice(msgspec.Struct):
+    finish_reason: str | None = None
+
+
+class _Chunk(msgspec.Struct):
+    choices: list[_Choice] = []
+    usage: dict | None = None
+
+
+_decode = msgspec.json.Decoder(_Chunk).decode
+
+
+def _data(event: bytes) -> bytes:
+    """An SSE event's data."""
+    return b"".join(line[6:] for line in event.split(b"\n") if line.startswith(b"data: "))
+
+
+def _chunk(event: bytes) -> _Chunk | None:
+    """The chunk an SSE event carries; None for a placeholder (an event lost
+    with a router) or anything else."""
+    data = _data(event)
+    try:
+        return _decode(data) if data else None
+    except msgspec.DecodeError:
+        return None
+
+
+async def last_event(svc, sid: str, snap: StreamSnapshot) -> bytes | None:
+    """A finished buffer's last event: ``[DONE]``, or the error that ended it
+    (``EventStream._unbuffer``'s, when the output lost its token ids); None
+    if it cannot be read now."""
+    try:
+        last = await svc.store.stream_read(sid, snap.total_events - 1)
+    except StoreUnavailable:
+        return None
+    return last.events[-1] if last is not None and last.events else None
+
+
+def error_code(event: bytes) -> str:
+    """The ``code`` of an SSE error event's OpenAI error."""
+    try:
+        return str(msgspec.json.decode(_data(event))["error"]["code"])
+    except (msgspec.DecodeError, KeyError, TypeError):
+        return "unknown"
+
+
+async def _missing(store: StateStore, sid: str, snap: StreamSnapshot, meta: ResumeMeta) -> tuple[str, ...] | None:
+    """None: the stream's output has not ended (as far as the buffer shows),
+    so it is continued. Else the parts of its end the buffer lacks, in order
+    (``FINISH``, ``USAGE``; ``[DONE]`` always): it ended when a stored event
+    has a finish reason, or when its stored tokens reached ``max_tokens``
+    (a finish sent in an event of its own, not stored)."""
+    tail = await store.stream_read(sid, max(0, snap.total_events - 2), False)
+    finished = usage = False
+    for event in tail.events if tail is not None else ():
+        chunk = _chunk(event)
+        if chunk is None:
+            continue
+        if chunk.choices and chunk.choices[0].finish_reason is not None:
+            finished = True
+        elif not chunk.choices and chunk.usage is not None and finished:
+            usage = True
+    if not finished and len(snap.token_ids) < meta.params.max_tokens:
+        return None
+    return (() if finished else (FINISH,)) + ((USAGE,) if meta.include_usage and not usage else ())
+
+
+async def finish_tail(svc, sid: str, meta: ResumeMeta, snap: StreamSnapshot, pos, cursor: int) -> list[bytes] | None:
+    """For a claimed stream whose output has ended: the events of its end
+    that the buffer lacks and the client does not have, and ``[DONE]``,
+    stored, and the buffer finished (which drops the claim). None: its
+    output has not ended, continue it. ``[]``: the client's position
+    (``pos``, ``cursor`` events) cannot be in this stream (the claim is
+    dropped). Raises the store's ``StoreUnavailable``."""
+    missing = await _missing(svc.store, sid, snap, meta)
+    if missing is None:
+        return None
+    tokens, chars = len(snap.token_ids), snap.text_len
+    had = cursor - snap.total_events  # the events of that end the client has (the buffer lost them)
+    if had > len(missing) or (had and (pos.tokens, pos.chars) != (tokens, chars)):
+        await svc.resume.release(sid)
+        return []
+    enc = ChunkEncoder(meta.chat, meta.response_id, meta.model, meta.created, event_id=cursor, role_sent=True)
+    at = b"-%d-%d" % (tokens, chars)
+    svc.resume.continue_at(sid, snap.total_events)
+    if had:
+        svc.resume.pad(sid, had)
+    out = []
+    for part in missing[had:]:
+        event = enc.delta("", FinishReason.LENGTH, at) if part == FINISH else enc.usage(len(meta.prompt_token_ids),
+                                                                                        tokens, at)
+        svc.resume.append(sid, event, [], chars)
+        out.append(event)
+    log.info("stream %s: its output had ended when its router stopped (%d tokens); sending what of its end "
+             "the buffer lacks: %s", sid, tokens, ", ".join((*missing[had:], "[DONE]")))
+    await svc.resume.finish(sid, DONE, chars)
+    out.append(DONE)
+    return out

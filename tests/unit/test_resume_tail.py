@@ -1,0 +1,124 @@
+"""A router that died with the end of a stream half stored.
+
+The finish event, the usage event and the buffer's ``[DONE]`` reach the
+state store in separate writes. Router a died after the finish (or the last
+token, at ``max_tokens``) was stored and before ``[DONE]`` was: a resume must
+send what of the end is missing, finish the buffer and generate nothing. (It
+generated past the end after an end-of-sequence, or asked a replica for no
+tokens at ``max_tokens`` and ended with ``stream_lost``.) The one replica here
+is never ready, so anything that tried to generate would end with
+``no_replica_available``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import msgspec
+
+from replicas.protocol import FinishReason, SamplingParams
+from router.admission import Admission
+from router.resume import ResumeMeta, ResumeWriter, decode_meta, encode_meta
+from router.resume_http import Position, _resume
+from router.sse import DONE, ChunkEncoder
+from router.state.base import CLAIM_TTL
+from router.state.memory import MemoryStore
+from tests.unit.test_resume_takeover import Clock, policy, service
+
+PROMPT = [1, 2, 3]
+
+
+async def died_at_the_end(max_tokens: int = 8, include_usage: bool = False, finish: FinishReason = FinishReason.STOP,
+                          stored: str = "finish", chat: bool = False):
+    """Stream s1 of router a: "Hello" (2 tokens), then " world" (1 token)
+    with ``finish`` (or, ``finish`` NONE, without: the finish came in an
+    event of its own). ``stored``: how far its end reached the store before
+    a died (``"finish"``, ``"usage"`` or ``"tokens"``: the last token's
+    event only)."""
+    clock = Clock()
+    store = MemoryStore(clock)
+    svc = await service()
+    svc.store, svc.resume, svc.admission = store, ResumeWriter(store, 60), Admission(store, svc.metrics)
+    meta = ResumeMeta("t", chat, "m", "cmpl-s1", 7, include_usage, SamplingParams(max_tokens=max_tokens), PROMPT)
+    enc = ChunkEncoder(chat, "cmpl-s1", "m", 7)
+    await store.stream_open("s1", encode_meta(meta), "router-a", 60)
+    store.append_now("s1", [enc.delta("Hello", FinishReason.NONE, b"-2-5")], [10, 11], 5, False, "router-a", 60)
+    store.append_now("s1", [enc.delta(" world", finish, b"-3-11")], [12], 11, False, "router-a", 60)
+    if stored == "usage":
+        store.append_now("s1", [enc.usage(len(PROMPT), 3, b"-3-11")], [], 11, False, "router-a", 60)
+    clock.now += CLAIM_TTL + 1  # a died, its claim ran out
+    return svc, store
+
+
+async def resume_at(svc, pos: Position) -> list[bytes]:
+    snap = await svc.store.stream_read("s1", pos.event)
+    out = [c async for c in _resume(svc, policy(), "s1", decode_meta(snap.meta), snap, pos)]
+    await asyncio.gather(*svc.tasks)
+    return out
+
+
+def chunk(event: bytes) -> dict:
+    return msgspec.json.decode(event.split(b"data: ", 1)[1])
+
+
+async def test_a_stream_whose_finish_was_stored_gets_its_done_and_nothing_generated() -> None:
+    svc, store = await died_at_the_end()
+    out = await resume_at(svc, Position(2, 3, 11))
+    assert out == [DONE], out
+    after = await store.stream_read("s1", 0)
+    assert after.finished and after.total_events == 3 and after.events[-1] == DONE and after.owner == ""
+    # a client that had only the first event gets the finish from the buffer, then [DONE]
+    out = await resume_at(svc, Position(1, 2, 5))
+    assert [chunk(e)["choices"][0]["finish_reason"] for e in out[:-1]] == ["stop"] and out[-1] == DONE, out
+
+
+async def test_the_usage_event_it_asked_for_and_did_not_store_is_sent_with_the_whole_streams_counts() -> None:
+    svc, store = await died_at_the_end(include_usage=True)
+    out = await resume_at(svc, Position(2, 3, 11))
+    assert len(out) == 2 and out[1] == DONE, out
+    assert out[0].startswith(b"id: 3-3-11\n") and chunk(out[0])["choices"] == []
+    assert chunk(out[0])["usage"] == {"prompt_tokens": 3, "completion_tokens": 3, "total_tokens": 6}
+    after = await store.stream_read("s1", 2)
+    assert after.finished and after.events == [out[0], DONE]
+
+
+async def test_a_stored_usage_event_is_not_sent_again() -> None:
+    svc, _ = await died_at_the_end(include_usage=True, stored="usage")
+    assert await resume_at(svc, Position(3, 3, 11)) == [DONE]
+
+
+async def test_at_max_tokens_without_a_stored_finish_the_finish_is_sent_not_a_stream_lost() -> None:
+    # (the upstream sent the finish in an event of its own, which a did not store)
+    svc, store = await died_at_the_end(max_tokens=3, finish=FinishReason.NONE, chat=True, include_usage=True)
+    out = await resume_at(svc, Position(2, 3, 11))
+    assert len(out) == 3 and out[2] == DONE, out
+    assert out[0].startswith(b"id: 3-3-11\n") and chunk(out[0])["choices"][0] == {
+        "index": 0, "delta": {}, "logprobs": None, "finish_reason": "length"}
+    assert out[1].startswith(b"id: 4-3-11\n") and chunk(out[1])["usage"]["completion_tokens"] == 3
+    assert (await store.stream_read("s1", 0)).finished
+
+
+async def test_a_client_that_had_the_end_the_buffer_lacks_gets_only_the_rest() -> None:
+    # a sent the finish and the usage event to its client and died before
+    # storing them: the client is two events ahead, and only [DONE] is left
+    svc, store = await died_at_the_end(max_tokens=3, finish=FinishReason.NONE, include_usage=True)
+    assert await resume_at(svc, Position(4, 3, 11)) == [DONE]
+    after = await store.stream_read("s1", 0)
+    assert after.finished and after.total_events == 5 and after.events[2:4] == [b"", b""]
+
+
+async def test_an_id_past_what_the_end_could_hold_is_a_mismatch_and_the_stream_stays_open() -> None:
+    svc, store = await died_at_the_end(include_usage=True)
+    for bogus in (Position(4, 3, 11), Position(3, 4, 13)):  # two events past the finish; a token more than it has
+        out = await resume_at(svc, bogus)
+        assert len(out) == 1 and b'"code":"resume_mismatch"' in out[0], out
+    after = await store.stream_read("s1", 0)
+    assert not after.finished and after.total_events == 2 and after.owner == ""
+    out = await resume_at(svc, Position(2, 3, 11))  # its real client
+    assert chunk(out[0])["usage"]["total_tokens"] == 6 and out[1] == DONE
+
+
+async def test_a_stream_that_had_not_ended_is_still_continued() -> None:
+    svc, _ = await died_at_the_end(finish=FinishReason.NONE)
+    out = await resume_at(svc, Position(2, 3, 11))
+    assert b'"code":"no_replica_available"' in out[-1], out  # it tried to generate the rest
