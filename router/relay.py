@@ -167,16 +167,19 @@ def log_refused(svc, endpoint: str, request_id: str, e: ApiError, client_request
     request_log.info("request unauthorized", extra=extra)
 
 
+def shutdown_error(svc, resumable: bool) -> RouterShutdown:
+    """What a stream this router ends because it stops is told: where
+    routers share their state (Redis), another router continues it."""
+    if resumable and svc.store.name != "memory":
+        return RouterShutdown("The router is shutting down; reconnect with Last-Event-ID to continue "
+                              "the stream, or retry the request.")
+    return RouterShutdown()
+
+
 def shutdown_notice(svc, enc: ChunkEncoder, resumable: bool) -> bytes:
     """The error event of a stream this router ends because it stops. It
-    takes no event number, so a client resumes from the last numbered one:
-    where routers share their state (Redis), another router continues it."""
-    if resumable and svc.store.name != "memory":
-        e = RouterShutdown("The router is shutting down; reconnect with Last-Event-ID to continue "
-                           "the stream, or retry the request.")
-    else:
-        e = RouterShutdown()
-    return enc.notice(e.body())
+    takes no event number, so a client resumes from the last numbered one."""
+    return enc.notice(shutdown_error(svc, resumable).body())
 
 
 def outcome_of(e: BaseException) -> str:
@@ -326,8 +329,10 @@ class EventStream:
         self.result = outcome_of(e) if isinstance(e, (ApiError, StreamTimeout)) else "lost"
         self.error = e
         if isinstance(e, RouterShutdown):
-            # as if the client had left: the resume buffer stays open
-            self.final = shutdown_notice(self.svc, self.enc, self.sid is not None)
+            # as if the client had left: the resume buffer stays open (the
+            # log line names what the client was told)
+            self.error = shutdown_error(self.svc, self.sid is not None)
+            self.final = self.enc.notice(self.error.body())
             return self.final
         if isinstance(e, StreamTimeout):
             self.svc.metrics.timed_out(self.policy.name, e.which)

@@ -265,3 +265,6 @@ async def test_with_shared_state_a_stream_ended_by_shutdown_resumes_on_another_r
                     text += ev.json()["choices"][0]["delta"].get("content") or ""
         assert text == ref["choices"][0]["message"]["content"]
         a.proc.wait(15)
+        # its request line names what its client was told (it said "retry the request")
+        line = next(rec for rec in a.records("fairstream.request") if rec["request_id"] == rid)
+        assert line["error_code"] == "router_shutdown" and "Last-Event-ID" in line["error"], line
