@@ -51,6 +51,7 @@ class Metrics:
 
     def __init__(self) -> None:
         self.multiprocess = bool(os.environ.get("PROMETHEUS_MULTIPROC_DIR"))
+        self._building: asyncio.Future[bytes] | None = None  # the exposition text being built (``expose``)
         # In multiprocess mode values live in files; /metrics collects them all.
         r = self.registry = None if self.multiprocess else CollectorRegistry()
         # the families labelled by tenant (first label) -> their label names
@@ -289,7 +290,14 @@ class Metrics:
         counting meanwhile, and the thread yields the interpreter to it
         every few milliseconds."""
         self.update_pool(pool)
-        return await asyncio.to_thread(self._text)
+        # scrapes that come while one is built share its text (two Prometheus
+        # servers, or a dashboard beside one, built it twice at once); the
+        # build goes on for the others when one of them leaves
+        building = self._building
+        if building is None or building.done():
+            building = self._building = asyncio.ensure_future(asyncio.to_thread(self._text))
+            building.add_done_callback(_retrieved)
+        return await asyncio.shield(building)
 
     def _text(self) -> bytes:
         if self.multiprocess:
@@ -299,6 +307,12 @@ class Metrics:
             multiprocess.MultiProcessCollector(registry)
             return generate_latest(registry)
         return generate_latest(self.registry)
+
+
+def _retrieved(fut: asyncio.Future) -> None:
+    """(A build whose every scrape left ends unread: no warning for its error.)"""
+    if not fut.cancelled():
+        fut.exception()
 
 
 class HistogramBatch:

@@ -34,3 +34,31 @@ async def test_streams_go_on_while_a_large_scrape_is_built(monkeypatch) -> None:
     await task
     assert b'tenant="tenant-1499"' in text
     assert during >= 5, during  # (0 while it was built on the loop)
+
+
+async def test_scrapes_at_once_share_one_build_and_one_leaving_does_not_end_it(monkeypatch) -> None:
+    # (each scrape built its own text in a thread: two Prometheus servers
+    # scraping 1,000 tenants at once took twice the CPU)
+    import threading
+
+    monkeypatch.delenv("PROMETHEUS_MULTIPROC_DIR", raising=False)
+    m = Metrics()
+    built, release = [], threading.Event()
+
+    def slow_text() -> bytes:
+        built.append(1)
+        release.wait(5)
+        return b"text %d" % len(built)
+
+    monkeypatch.setattr(m, "_text", slow_text)
+    pool = SimpleNamespace(slots=[])
+    first = asyncio.ensure_future(m.expose(pool))
+    second = asyncio.ensure_future(m.expose(pool))
+    leaving = asyncio.ensure_future(m.expose(pool))
+    await asyncio.sleep(0.05)
+    leaving.cancel()  # (its client left)
+    await asyncio.sleep(0.01)
+    release.set()
+    assert await first == await second == b"text 1" and built == [1]
+    assert leaving.cancelled()
+    assert await m.expose(pool) == b"text 2"  # a scrape after it builds anew
