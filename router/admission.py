@@ -418,6 +418,18 @@ class Admission:
                 code="state_store_unavailable", headers={"retry-after": "1"},
             ) from e
 
+    async def drop(self, tenant: str, lease_ids: Iterable[str]) -> None:
+        """End leases no ticket of this router holds: those of a stream's
+        earlier generators, which died holding them, once a resume finished
+        the stream with no continuation to replace them. The tenant's line
+        may go on."""
+        try:
+            for lease_id in lease_ids:
+                await self.store.release(tenant, lease_id)
+        except StoreUnavailable as e:
+            log.warning("could not end the leases of %s's dead routers: %s (they expire by themselves)", tenant, e)
+        self._ended(tenant)
+
     async def finish(self, ticket: Ticket, used_tokens: int) -> None:
         """Settle the reservation with the real usage and release the lease. Idempotent."""
         if ticket.done:
@@ -431,7 +443,11 @@ class Admission:
             await self.store.release(ticket.tenant, ticket.lease_id)
         except StoreUnavailable as e:
             log.warning("could not settle lease of %s: %s (it expires by itself)", ticket.tenant, e)
-        self._ends[ticket.tenant] = self._ends.get(ticket.tenant, 0) + 1
-        line = self._lines.get(ticket.tenant)
-        if line:  # a stream and its lease ended, tokens came back: the tenant's next may fit now
+        self._ended(ticket.tenant)
+
+    def _ended(self, tenant: str) -> None:
+        """A stream and its lease ended, tokens came back: the tenant's next may fit now."""
+        self._ends[tenant] = self._ends.get(tenant, 0) + 1
+        line = self._lines.get(tenant)
+        if line:
             line[0].wake()

@@ -359,10 +359,13 @@ async def _take_over(svc: RouterService, policy: TenantPolicy, sid: str, meta: R
     enc_error = ChunkEncoder(meta.chat, meta.response_id, meta.model, meta.created, event_id=cursor)
     skip_chars = 0
     tokens, text_len = list(snap.token_ids), snap.text_len
-    try:
-        end = await finish_tail(svc, sid, meta, snap, pos, cursor)  # (its router died with the end half stored)
-    except StoreUnavailable:
+    try:  # (its router may have died with the end of the stream half stored)
+        end = await finish_tail(svc, sid, meta, snap, pos, cursor, lambda after: _reread(svc, sid, after, False),
+                                leases[1])
+    except BaseException as e:  # (the client left, or the buffer cannot be read: the claim goes back)
         svc.background(svc.resume.release(sid))
+        if not isinstance(e, StoreUnavailable):
+            raise
         outcome.record("unavailable")
         yield _cannot_go_on(meta, sid, None)
         return

@@ -19,13 +19,14 @@ nothing is generated.
 from __future__ import annotations
 
 import logging
+from collections.abc import Awaitable, Callable
 
 import msgspec
 
 from replicas.protocol import FinishReason
 from router.resume import ResumeMeta
-from router.sse import DONE, ChunkEncoder
-from router.state import StateStore, StoreUnavailable, StreamSnapshot
+from router.sse import DONE, ChunkEncoder, Usage
+from router.state import StoreUnavailable, StreamSnapshot
 
 __all__ = ["finish_tail", "last_event", "error_code"]
 
@@ -80,15 +81,15 @@ def error_code(event: bytes) -> str:
         return "unknown"
 
 
-async def _missing(store: StateStore, sid: str, snap: StreamSnapshot, meta: ResumeMeta) -> tuple[str, ...] | None:
-    """None: the stream's output has not ended (as far as the buffer shows),
-    so it is continued. Else the parts of its end the buffer lacks, in order
-    (``FINISH``, ``USAGE``; ``[DONE]`` always): it ended when a stored event
-    has a finish reason, or when its stored tokens reached ``max_tokens``
-    (a finish sent in an event of its own, not stored)."""
-    tail = await store.stream_read(sid, max(0, snap.total_events - 2), False)
+def _missing(tail: StreamSnapshot, snap: StreamSnapshot, meta: ResumeMeta) -> tuple[str, ...] | None:
+    """None: the stream's output has not ended (as far as the buffer's last
+    events, ``tail``, show), so it is continued. Else the parts of its end
+    the buffer lacks, in order (``FINISH``, ``USAGE``; ``[DONE]`` always):
+    it ended when a stored event has a finish reason, or when its stored
+    tokens reached ``max_tokens`` (a finish sent in an event of its own, not
+    stored)."""
     finished = usage = False
-    for event in tail.events if tail is not None else ():
+    for event in tail.events:
         chunk = _chunk(event)
         if chunk is None:
             continue
@@ -101,14 +102,24 @@ async def _missing(store: StateStore, sid: str, snap: StreamSnapshot, meta: Resu
     return (() if finished else (FINISH,)) + ((USAGE,) if meta.include_usage and not usage else ())
 
 
-async def finish_tail(svc, sid: str, meta: ResumeMeta, snap: StreamSnapshot, pos, cursor: int) -> list[bytes] | None:
+async def finish_tail(svc, sid: str, meta: ResumeMeta, snap: StreamSnapshot, pos, cursor: int,
+                      read: Callable[[int], Awaitable[StreamSnapshot | None]],
+                      leases: tuple[str, ...]) -> list[bytes] | None:
     """For a claimed stream whose output has ended: the events of its end
-    that the buffer lacks and the client does not have, and ``[DONE]``,
-    stored, and the buffer finished (which drops the claim). None: its
-    output has not ended, continue it. ``[]``: the client's position
+    that the buffer lacks and the client does not have, and ``[DONE]``. They
+    are queued for the buffer at once; its finish, which drops the claim,
+    and the end of ``leases`` (those of the stream's earlier generators,
+    which a continuation's admission would have replaced: they died holding
+    them) go on in the background, whether the client stays or not. None:
+    its output has not ended, continue it. ``[]``: the client's position
     (``pos``, ``cursor`` events) cannot be in this stream (the claim is
-    dropped). Raises the store's ``StoreUnavailable``."""
-    missing = await _missing(svc.store, sid, snap, meta)
+    dropped). ``read(after)``: the buffer again, or None when it cannot be
+    read (then ``StoreUnavailable``: a stream whose end is unknown is not
+    continued)."""
+    tail = await read(max(0, snap.total_events - 2))
+    if tail is None:
+        raise StoreUnavailable(f"stream {sid}: its last events cannot be read")
+    missing = _missing(tail, snap, meta)
     if missing is None:
         return None
     tokens, chars = len(snap.token_ids), snap.text_len
@@ -118,17 +129,28 @@ async def finish_tail(svc, sid: str, meta: ResumeMeta, snap: StreamSnapshot, pos
         return []
     enc = ChunkEncoder(meta.chat, meta.response_id, meta.model, meta.created, event_id=cursor, role_sent=True)
     at = b"-%d-%d" % (tokens, chars)
+    prompt = len(meta.prompt_token_ids)
     svc.resume.continue_at(sid, snap.total_events)
     if had:
         svc.resume.pad(sid, had)
     out = []
     for part in missing[had:]:
-        event = enc.delta("", FinishReason.LENGTH, at) if part == FINISH else enc.usage(len(meta.prompt_token_ids),
-                                                                                        tokens, at)
+        if part == FINISH:
+            # (``length``: the tokens reached max_tokens. An upstream that ended
+            # on a stop at that very token, in a chunk of its own, said ``stop``)
+            usage = Usage(prompt, tokens, prompt + tokens) if meta.continuous_usage else None
+            event = enc.delta("", FinishReason.LENGTH, at, usage)
+        else:
+            event = enc.usage(prompt, tokens, at)
         svc.resume.append(sid, event, [], chars)
         out.append(event)
     log.info("stream %s: its output had ended when its router stopped (%d tokens); sending what of its end "
              "the buffer lacks: %s", sid, tokens, ", ".join((*missing[had:], "[DONE]")))
-    await svc.resume.finish(sid, DONE, chars)
+    svc.background(_finish(svc, sid, meta.tenant, chars, leases))
     out.append(DONE)
     return out
+
+
+async def _finish(svc, sid: str, tenant: str, chars: int, leases: tuple[str, ...]) -> None:
+    await svc.resume.finish(sid, DONE, chars)
+    await svc.admission.drop(tenant, leases)

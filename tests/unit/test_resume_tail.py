@@ -29,7 +29,7 @@ PROMPT = [1, 2, 3]
 
 
 async def died_at_the_end(max_tokens: int = 8, include_usage: bool = False, finish: FinishReason = FinishReason.STOP,
-                          stored: str = "finish", chat: bool = False):
+                          stored: str = "finish", chat: bool = False, continuous_usage: bool = False):
     """Stream s1 of router a: "Hello" (2 tokens), then " world" (1 token)
     with ``finish`` (or, ``finish`` NONE, without: the finish came in an
     event of its own). ``stored``: how far its end reached the store before
@@ -39,8 +39,11 @@ async def died_at_the_end(max_tokens: int = 8, include_usage: bool = False, fini
     store = MemoryStore(clock)
     svc = await service()
     svc.store, svc.resume, svc.admission = store, ResumeWriter(store, 60), Admission(store, svc.metrics)
-    meta = ResumeMeta("t", chat, "m", "cmpl-s1", 7, include_usage, SamplingParams(max_tokens=max_tokens), PROMPT)
+    meta = ResumeMeta("t", chat, "m", "cmpl-s1", 7, include_usage, SamplingParams(max_tokens=max_tokens), PROMPT,
+                      continuous_usage, lease="lease-a")
     enc = ChunkEncoder(chat, "cmpl-s1", "m", 7)
+    # a's admission lease for the stream (a tenant at max_concurrent 1 is at its limit with it)
+    await svc.admission.admit(policy(max_concurrent=1), 1, lease_id="lease-a")
     await store.stream_open("s1", encode_meta(meta), "router-a", 60)
     store.append_now("s1", [enc.delta("Hello", FinishReason.NONE, b"-2-5")], [10, 11], 5, False, "router-a", 60)
     store.append_now("s1", [enc.delta(" world", finish, b"-3-11")], [12], 11, False, "router-a", 60)
@@ -67,6 +70,10 @@ async def test_a_stream_whose_finish_was_stored_gets_its_done_and_nothing_genera
     assert out == [DONE], out
     after = await store.stream_read("s1", 0)
     assert after.finished and after.total_events == 3 and after.events[-1] == DONE and after.owner == ""
+    # the lease a died holding ends with the stream (a continuation's admission
+    # replaced it; without one it held the tenant's only slot until it expired)
+    assert (await store.usage("t", rpm=0, tpm=0)).active_streams == 0
+    await svc.admission.admit(policy(max_concurrent=1), 1)  # the client's next request
     # a client that had only the first event gets the finish from the buffer, then [DONE]
     out = await resume_at(svc, Position(1, 2, 5))
     assert [chunk(e)["choices"][0]["finish_reason"] for e in out[:-1]] == ["stop"] and out[-1] == DONE, out
@@ -98,6 +105,13 @@ async def test_at_max_tokens_without_a_stored_finish_the_finish_is_sent_not_a_st
     assert (await store.stream_read("s1", 0)).finished
 
 
+async def test_with_continuous_usage_the_finish_it_sends_has_the_usage_so_far() -> None:
+    svc, _ = await died_at_the_end(max_tokens=3, finish=FinishReason.NONE, continuous_usage=True)
+    out = await resume_at(svc, Position(2, 3, 11))
+    assert chunk(out[0])["choices"][0]["finish_reason"] == "length" and out[1] == DONE, out
+    assert chunk(out[0])["usage"] == {"prompt_tokens": 3, "completion_tokens": 3, "total_tokens": 6}
+
+
 async def test_a_client_that_had_the_end_the_buffer_lacks_gets_only_the_rest() -> None:
     # a sent the finish and the usage event to its client and died before
     # storing them: the client is two events ahead, and only [DONE] is left
@@ -116,6 +130,49 @@ async def test_an_id_past_what_the_end_could_hold_is_a_mismatch_and_the_stream_s
     assert not after.finished and after.total_events == 2 and after.owner == ""
     out = await resume_at(svc, Position(2, 3, 11))  # its real client
     assert chunk(out[0])["usage"]["total_tokens"] == 6 and out[1] == DONE
+
+
+async def test_a_client_leaving_while_the_end_is_read_gives_the_claim_back() -> None:
+    # (it stayed claimed and renewed by this router for good: every later
+    # resume followed an owner that never wrote)
+    svc, store = await died_at_the_end()
+    read, held = store.stream_read, asyncio.Event()
+
+    async def slow_tail(sid, after, tokens=True):
+        if not tokens:  # (the read of the last events)
+            held.set()
+            await asyncio.sleep(30)
+        return await read(sid, after, tokens)
+
+    store.stream_read = slow_tail
+    task = asyncio.ensure_future(resume_at(svc, Position(2, 3, 11)))
+    await asyncio.wait_for(held.wait(), 5)
+    task.cancel()
+    await asyncio.gather(task, return_exceptions=True)
+    await asyncio.gather(*svc.tasks)
+    store.stream_read = read
+    assert not (await store.stream_read("s1", 0)).owner and "s1" not in svc.resume.live
+    assert await resume_at(svc, Position(2, 3, 11)) == [DONE]
+
+
+async def test_a_stream_whose_last_events_cannot_be_read_is_not_continued(monkeypatch) -> None:
+    # (a fail-open store answering from its local fallback has no buffer:
+    # taken for "not ended", the stream was continued past its stored finish)
+    import router.resume_http as resume_http
+
+    monkeypatch.setattr(resume_http, "REREAD_GRACE", 0.2)
+    svc, store = await died_at_the_end()
+    read = store.stream_read
+
+    async def no_tail(sid, after, tokens=True):
+        return None if not tokens else await read(sid, after, tokens)
+
+    store.stream_read = no_tail
+    out = await resume_at(svc, Position(2, 3, 11))
+    assert len(out) == 1 and b'"code":"resume_unavailable"' in out[0], out
+    store.stream_read = read
+    after = await store.stream_read("s1", 0)
+    assert not after.finished and not after.owner and after.total_events == 2
 
 
 async def test_a_stream_that_had_not_ended_is_still_continued() -> None:
