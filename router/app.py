@@ -42,7 +42,7 @@ async def _complete(request: Request, chat: bool) -> Response:
     svc = _svc(request)
     policy = svc.tenant(authorization(request.headers))
     return await serve_resume(svc, policy, request.headers.get("x-resume-request-id"),
-                              request.headers.get("last-event-id"))
+                              request.headers.get("last-event-id"), chat)
 
 
 @post("/v1/chat/completions", status_code=200)

@@ -56,7 +56,10 @@ log = logging.getLogger("fairstream.resume")
 TAIL_POLL = 0.02
 CATCH_UP = 2.0  # seconds to wait for a live owner's buffer to reach the client
 COMMENT_EVERY = 2.0  # seconds without an event after which the resume sends an SSE comment
-WAITING = b": waiting for the stream\n\n"  # that comment; clients skip it
+# That comment: one line, with no blank line after it. A blank line ends an
+# event, and the openai SDKs (which keep the last id, as the SSE spec says)
+# then dispatched one with empty data and failed to decode it as JSON.
+WAITING = b": waiting for the stream\n"
 REREAD_GRACE = 5.0  # seconds a resume tries to read its buffer again before it gives up
 REREAD_INTERVAL = 0.1
 # Resumes of one stream that may run at once on a router; one more ends the
@@ -116,9 +119,10 @@ def _not_found(svc: RouterService, sid: str) -> NotFound:
 
 
 async def serve_resume(svc: RouterService, policy: TenantPolicy, sid: str | None,
-                       last_event_id: str | None) -> Response:
+                       last_event_id: str | None, chat: bool | None = None) -> Response:
     """A resume request of ``policy``'s tenant (``sid`` None: a POST with
-    ``Last-Event-ID`` and no ``X-Resume-Request-Id``). A refusal is counted
+    ``Last-Event-ID`` and no ``X-Resume-Request-Id``; ``chat``: the POST's
+    endpoint, None for ``GET /v1/streams/{id}``). A refusal is counted
     and logged as a request of endpoint ``resume`` (its stream's id is in the
     message) and carries an ``x-request-id`` of its own, as any other."""
     started = time.monotonic()
@@ -126,7 +130,7 @@ async def serve_resume(svc: RouterService, policy: TenantPolicy, sid: str | None
         if not sid:  # a reconnect: a new generation would repeat its text
             raise BadRequest("Last-Event-ID resumes a stream: send X-Resume-Request-Id with the stream's "
                              "x-request-id as well, or GET /v1/streams/{id}.", param="X-Resume-Request-Id")
-        return await handle_resume(svc, policy, sid, parse_last_event_id(last_event_id))
+        return await handle_resume(svc, policy, sid, parse_last_event_id(last_event_id), chat)
     except ApiError as e:
         request_id = new_id()
         e.headers.setdefault("x-request-id", request_id)
@@ -134,7 +138,8 @@ async def serve_resume(svc: RouterService, policy: TenantPolicy, sid: str | None
         raise
 
 
-async def handle_resume(svc: RouterService, policy: TenantPolicy, sid: str, pos: Position) -> Response:
+async def handle_resume(svc: RouterService, policy: TenantPolicy, sid: str, pos: Position,
+                        chat: bool | None = None) -> Response:
     try:
         snap = await svc.store.stream_read(sid, pos.event)
     except StoreUnavailable as e:
@@ -146,6 +151,10 @@ async def handle_resume(svc: RouterService, policy: TenantPolicy, sid: str, pos:
     meta = decode_meta(snap.meta)
     if meta.tenant != policy.name:
         raise _not_found(svc, sid)
+    if chat is not None and chat != meta.chat:  # (its chunks would be of the other kind: the SDK misreads them)
+        raise BadRequest(f"Stream {sid} is a {'chat ' if meta.chat else ''}completion: resume it at POST "
+                         f"/v1/{'chat/' if meta.chat else ''}completions, or GET /v1/streams/{sid}.",
+                         param="X-Resume-Request-Id", code="resume_wrong_endpoint")
     if snap.broken:
         raise BadRequest(_BROKEN.format(sid), code=NOT_RESUMABLE)
     if b"" in snap.events:  # (before its stream starts: an error event then left an EventSource retrying)

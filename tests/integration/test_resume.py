@@ -188,6 +188,11 @@ async def test_post_resume_with_headers_is_text_exact(router: RouterProcess, htt
     ref, prompt_tokens = await ref_task
     assert rest[0].number == events[-1].number + 1
     check_whole_stream(events + rest, True, ref, prompt_tokens, max_tokens)
+    # at the other endpoint: a 400 (it was a 200 of chat chunks, which the SDK misreads as completions)
+    r = await http.post("/v1/completions", json={"model": MODEL, "prompt": "x"}, headers=headers)
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["code"] == "resume_wrong_endpoint" and "POST /v1/chat/completions" in err["message"], err
 
 
 async def test_resume_keeps_continuous_usage(router: RouterProcess, http: httpx.AsyncClient) -> None:
@@ -565,6 +570,33 @@ async def test_a_continuation_waiting_for_its_tenants_limit_says_it_is_waiting(
     assert len(comments) >= 2 and set(comments) == {": waiting for the stream"}, comments
     ref, prompt_tokens = await reference(http, False, prompt, max_tokens)
     check_whole_stream(events + resumed, False, ref, prompt_tokens, max_tokens)
+
+
+async def test_the_openai_sdk_resumes_through_the_waiting_comments(
+        router: RouterProcess, http: httpx.AsyncClient) -> None:
+    # (the comment was followed by a blank line: the SDK, which keeps the
+    # last event id across events, dispatched an event with empty data there
+    # and raised JSONDecodeError 2 s into every resume that waited)
+    import openai
+
+    prompt, max_tokens = "Le caf", 120
+    async with dropped_then_blocked(router, http, False, prompt, max_tokens, 500) as (rid, events):
+        client = openai.AsyncOpenAI(base_url=router.base_url + "/v1", api_key=KEY_ONE, max_retries=0, timeout=30)
+        _, body = request(False, prompt, max_tokens, stream=True)
+        stream = await client.completions.create(
+            **{k: body[k] for k in ("model", "prompt", "max_tokens", "temperature", "stream", "stream_options")},
+            extra_body={"ignore_eos": True},
+            # (from an earlier event: the buffer's events after it come first, then the wait)
+            extra_headers={"Last-Event-ID": events[5].id, "X-Resume-Request-Id": rid})
+        started = asyncio.get_running_loop().time()
+        chunks = [c async for c in stream]
+        waited = asyncio.get_running_loop().time() - started
+        await client.close()
+    assert waited > 2.5, waited  # (it waited through at least one comment)
+    ref, _ = await reference(http, False, prompt, max_tokens)
+    had = "".join(piece(ev, False) for ev in events[:6])
+    assert had + "".join(c.choices[0].text for c in chunks if c.choices) == ref
+    assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens == max_tokens
 
 
 async def test_a_continuation_dropped_while_it_waits_leaves_the_stream_resumable(
