@@ -162,6 +162,11 @@ class Scheduler:
         except TimeoutError:
             self._leave(w)
             self.metrics.limited(policy.name, "queue_wait")
+            try:
+                self.pool.serving(model, needs)
+            except NoReplica as e:  # (its replicas went down while it waited: not a full cluster)
+                raise ReplicaUnavailable(f"{e} (the request waited {wait + waited:g}s in the queue, the limit "
+                                         f"for tenant {policy.name!r}); retry later.") from None
             raise ServiceUnavailable(
                 f"The cluster is over capacity: the request waited {wait + waited:g}s, the limit for "
                 f"tenant {policy.name!r}; retry later.",

@@ -98,3 +98,22 @@ async def test_fail_tenant_ends_only_that_tenants_queued_requests() -> None:
     (await asyncio.wait_for(stays, 1)).release()
     sched.restore(["a"])  # (added back by a later reload)
     (await sched.acquire(a, 1, MODEL, 8)).release()
+
+
+async def test_a_request_whose_replicas_went_down_while_it_waited_says_so_at_its_queue_limit() -> None:
+    # (it said "The cluster is over capacity" with every replica of its model down)
+    from msgspec.structs import replace
+
+    from router.errors import ReplicaUnavailable
+
+    pool, _, sched = _one_slot()
+    a = queueing_policy("a")
+    a = replace(a, limits=replace(a.limits, queue_wait=0.2))
+    held = await sched.acquire(a, 1, MODEL, 8)
+    waiting = asyncio.create_task(sched.acquire(a, 1, MODEL, 8))
+    await asyncio.sleep(0.05)
+    pool.slots[0].state = "down"  # its replica died
+    with pytest.raises(ReplicaUnavailable) as info:
+        await waiting
+    assert "waited 0.2s in the queue" in info.value.message and info.value.code == "no_replica_available"
+    held.release()
