@@ -183,6 +183,7 @@ class ReplicaClient:
         self._on_close = on_close
         self.closed: BaseException | None = None
         self.refused = False  # (an upstream's: see replicas/upstream.py; never set here)
+        self.continues = True  # continues a stream from its token ids (an upstream's may not)
         self._task = asyncio.get_running_loop().create_task(self._read(), name=f"replica-reader-{name}")
 
     @property

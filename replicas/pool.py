@@ -22,10 +22,16 @@ from replicas.spec import ReplicaSpec
 
 log = logging.getLogger("fairstream.pool")
 
-__all__ = ["ReplicaSlot", "ReplicaPool", "LoadHandle", "NoReplica"]
+__all__ = ["ReplicaSlot", "ReplicaPool", "LoadHandle", "NoReplica", "CONTINUES"]
 
 
 AFFINITY_ENTRIES = 4096  # prompt prefixes remembered for affinity
+
+# A bit of ``needs`` that is no protocol ``Feature``: the request continues
+# a stream from its token ids (``prefix_token_ids``: a failover, a resume),
+# which a replica's client can (``continues``) unless it is an upstream
+# that returns no token ids.
+CONTINUES = 1 << 30
 
 
 class NoReplica(RuntimeError):
@@ -128,6 +134,13 @@ class LoadHandle:
                 self._on_release(self.slot)
 
 
+def _takes(slot: ReplicaSlot) -> int:
+    """The ``needs`` bits a ready replica takes."""
+    client = slot.client
+    assert client is not None
+    return client.ready.features | CONTINUES if client.continues else client.ready.features
+
+
 class ReplicaPool:
     def __init__(self, specs: list[ReplicaSpec], rng: random.Random | None = None) -> None:
         names = [s.name for s in specs]
@@ -176,7 +189,7 @@ class ReplicaPool:
                 continue
             if exclude and s.name in exclude:
                 continue
-            if needs and needs & ~s.client.ready.features:  # type: ignore[union-attr]
+            if needs and needs & ~_takes(s):
                 continue
             out.append(s)
         return out
@@ -200,9 +213,13 @@ class ReplicaPool:
             # (the fields none of them takes; or, each taken by some, all of them)
             lacking = needs
             for s in serving:
-                lacking &= ~s.client.ready.features  # type: ignore[union-attr]
+                lacking &= ~_takes(s)
+            fields = Feature((lacking or needs) & ~CONTINUES)
+            if not fields:
+                raise NoReplica(f"no ready replica of model {model!r} can continue a stream from its token ids: "
+                                "the upstreams serving it return none (token_ids)")
             raise NoReplica(
-                f"no ready replica of model {model!r} takes {Feature(lacking or needs).names()}: the replicas "
+                f"no ready replica of model {model!r} takes {fields.names()}: the replicas "
                 "serving it run an older fairstream, which would ignore it (a rolling upgrade under way?)")
         raise NoReplica(f"no ready replica serves model {model!r}")
 

@@ -120,6 +120,12 @@ class UpstreamClient:
         return len(self._streams)
 
     @property
+    def continues(self) -> bool:
+        """It can continue a stream from its token ids (``prefix_token_ids``):
+        not once it is known to return none (``replicas.pool.CONTINUES``)."""
+        return self.token_ids is not False
+
+    @property
     def load(self) -> LoadReport:
         """vLLM's scheduler stats (polled every METRICS_INTERVAL s) when the
         upstream serves them, else just the streams the router has on it."""

@@ -32,7 +32,7 @@ class WaitsForReplica:
     whose attributes and ``_choose_again``, ``_moved``, ``_attach``,
     ``_end`` and ``_give_up`` it uses)."""
 
-    __slots__ = ("failover_wait", "_waiting", "_full")
+    __slots__ = ("failover_wait", "_waiting", "_full", "_until", "_on_the_way")
 
     def _wait_for_replica(self, why: str, failure: BaseException) -> bool:
         """No replica can take the stream over now (its only replica, or
@@ -43,13 +43,18 @@ class WaitsForReplica:
         sched = self.scheduler
         if self.failover_wait <= 0 or (sched is not None and sched.stopping):
             return False
-        dl = self.deadlines
         now = time.monotonic()
-        until, limit = now + self.failover_wait, ""
-        if dl.first_token and not self.produced and dl.start + dl.first_token < until:
-            until, limit = dl.start + dl.first_token, "first_token"
-        if dl.total and dl.start + dl.total < until:
-            until, limit = dl.start + dl.total, "total"
+        if self._on_the_way:
+            # (the replica it waited for failed it on the way there: the same
+            # wait goes on, to the same end, in its place in line)
+            until, limit = self._until
+        else:
+            dl = self.deadlines
+            until, limit = now + self.failover_wait, ""
+            if dl.first_token and not self.produced and dl.start + dl.first_token < until:
+                until, limit = dl.start + dl.first_token, "first_token"
+            if dl.total and dl.start + dl.total < until:
+                until, limit = dl.start + dl.total, "total"
         if until <= now:
             return False
         # (what every failover's line says: the replica, the tokens so far, why; then why it waits)
@@ -57,18 +62,20 @@ class WaitsForReplica:
                  "up to %.1fs for one", self.replica, len(self.completion_ids), failure, why, until - now,
                  extra={"request_id": self.request_id, "replica": self.replica})
         self._full = ()  # (ready replicas it found full)
-        self._waiting = asyncio.get_running_loop().call_later(until - now, self._waited, why, limit)
-        self.pool.when_ready(self._replica_ready, self.job.model, self.job.needs)
+        self._until = (until, limit)
+        self._waiting = asyncio.get_running_loop().call_at(until, self._waited, why, limit)
+        self.pool.when_ready(self._replica_ready, self.job.model, self.needs)
         if sched is not None:
             sched.running.add(self)  # (a router that stops ends it: stop_all)
         return True
 
-    def _stop_waiting(self) -> None:
+    def _stop_waiting(self, keep_place: bool = False) -> None:
         waiting, self._waiting = self._waiting, None
         if waiting is None:
             return
         waiting.cancel()
-        self.pool.forget(self._replica_ready)
+        if not keep_place:  # (the pool forgets it when ``_replica_ready`` returns other than True)
+            self.pool.forget(self._replica_ready)
         if self.scheduler is not None:
             self.scheduler.running.discard(self)
 
@@ -80,18 +87,22 @@ class WaitsForReplica:
         job = self.job
         try:
             handle = self.pool.choose_room(job.model, job.params.max_tokens - len(self.completion_ids),
-                                           self._exclude, job.needs)
+                                           self._exclude, self.needs)
         except NoReplica:
             return True  # (one for another model)
         if handle is None:  # (ready ones, all full: waits for room, or past the cap at failover_wait)
             self._full = {s.name for s in self.pool.ready_slots(job.model)}
             return True
-        self._stop_waiting()
+        self._stop_waiting(keep_place=True)
         self._moved(self.replica or "")
         log.info("stream on %s continues on %s, %s", self.replica, handle.slot.name,
                  "which has room now" if handle.slot.name in self._full else "which became ready",
                  extra={"request_id": self.request_id})
-        self._attach_as_own(handle)
+        self._on_the_way = True
+        try:
+            self._attach_as_own(handle)
+        finally:
+            self._on_the_way = False
         return self._waiting is not None  # (found dead on the way, and waiting again)
 
     def _attach_as_own(self, handle: LoadHandle) -> None:

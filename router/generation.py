@@ -18,7 +18,7 @@ from collections.abc import AsyncIterator, Collection
 from typing import TYPE_CHECKING
 
 from replicas.client import ReplicaDead
-from replicas.pool import LoadHandle, NoReplica, ReplicaPool
+from replicas.pool import CONTINUES, LoadHandle, NoReplica, ReplicaPool
 from replicas.protocol import Delta, FinishReason
 from router.deadlines import Deadlines, Stalled, Watchdog
 from router.errors import BadRequest, ReplicaUnavailable, RouterShutdown
@@ -111,6 +111,8 @@ class Generation(WaitsForReplica):
         self.failover_wait = failover_wait
         self._waiting: asyncio.TimerHandle | None = None  # waiting for one: its deadline
         self._full: Collection[str] = ()  # (while it waits: ready replicas it found full, failover_wait.py)
+        self._until: tuple[float, str] = (0.0, "")  # (while it waits: when the wait ends, and which limit ends it)
+        self._on_the_way = False  # (going to the replica it waited for)
         # (its failovers are logged from a replica reader, outside the request's context)
         self.request_id = request_id_var.get()
 
@@ -121,6 +123,12 @@ class Generation(WaitsForReplica):
     @property
     def completion_tokens(self) -> int:
         return len(self.completion_ids) + self.uncounted
+
+    @property
+    def needs(self) -> int:
+        """What its replica must take: the request's ``Feature`` bits, and
+        once it has tokens, continuing from them (``CONTINUES``)."""
+        return self.job.needs | CONTINUES if self.completion_ids else self.job.needs
 
     @property
     def produced(self) -> bool:
@@ -169,9 +177,9 @@ class Generation(WaitsForReplica):
             if self.scheduler is not None and self.policy is not None:
                 waited = time.monotonic() - self.deadlines.start  # e.g. for a rate limit
                 handle = await self.scheduler.acquire(self.policy, self.rank, job.model, remaining, waited,
-                                                      job.affinity_key(), job.needs)
+                                                      job.affinity_key(), self.needs)
             else:
-                handle = self.pool.choose(job.model, remaining, self._exclude, job.needs)
+                handle = self.pool.choose(job.model, remaining, self._exclude, self.needs)
         except NoReplica as e:
             raise self._no_replica(str(e), ReplicaUnavailable(str(e))) from e
         if self.ended:  # closed while it waited
@@ -434,7 +442,7 @@ class Generation(WaitsForReplica):
         """A replica for the rest of the generation, avoiding those that failed
         it (``NoReplica``: none is ready)."""
         job = self.job
-        return self.pool.choose(job.model, job.params.max_tokens - len(self.completion_ids), self._exclude, job.needs)
+        return self.pool.choose(job.model, job.params.max_tokens - len(self.completion_ids), self._exclude, self.needs)
 
     def _lose(self, why: str) -> None:
         """End with ``StreamLost``; counted as a lost stream if it had output."""

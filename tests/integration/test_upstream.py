@@ -831,6 +831,7 @@ async def test_upstream_without_token_ids_reports_usage_at_its_finish(ending, mo
             assert sink.deltas[0].prompt_token_ids == [1, 2, 3, 4, 5, 6, 7] and client.token_ids is True
         else:
             assert client.token_ids is False
+        assert client.continues is (ending == "ids")  # (the pool sends it no continuation: CONTINUES)
         asked = [("return_token_ids" in b, "stream_options" in b) for b in server.bodies]
         assert asked == ([(True, True), (False, True), (False, False), (False, False)] if ending == "strict"
                          else [(True, True)])

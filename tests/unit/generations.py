@@ -15,6 +15,8 @@ from router.metrics import Metrics
 class Client:
     """The replica connection: hands out collectors, records releases."""
 
+    continues = True
+
     def __init__(self) -> None:
         self.released: list[int] = []
 

@@ -16,6 +16,7 @@ class ReadyClient:
     model = MODEL
     closed = None
     refused = False
+    continues = True
     load = LoadReport(0, 0, 0.0)
 
     def __init__(self, features: int = int(FEATURES)) -> None:

@@ -17,7 +17,7 @@ from replicas.client import Collector, ReplicaDead
 from replicas.protocol import FEATURES, Delta, FinishReason, Ready, SamplingParams
 from router.errors import BadRequest, RouterShutdown
 from policies.batching import AimdSettings
-from replicas.pool import LoadHandle, ReplicaPool, ReplicaSlot
+from replicas.pool import CONTINUES, LoadHandle, ReplicaPool, ReplicaSlot
 from replicas.spec import ReplicaSpec
 from router.deadlines import Deadlines, Stalled, StreamTimeout
 from router.generation import Generation, StreamLost
@@ -585,3 +585,67 @@ async def test_a_stream_whose_wait_runs_out_while_the_ready_replicas_are_full_co
     r1.state = "down"
     moving._col.fail(ReplicaDead("replica r1 closed the connection"))
     assert moving.replica == "r0" and moving._col is not None and slot.inflight == 2
+
+
+class _NoIds(_Replica):
+    """An upstream known to return no token ids: it cannot continue a stream
+    (``UpstreamClient.generate`` refuses a prefix)."""
+
+    continues = False
+
+    def generate(self, params, **kw) -> Collector:
+        if kw.get("prefix_token_ids"):
+            self.asked.append(kw)
+            raise ReplicaDead("upstream r1 returns no token ids, so it cannot continue a resumed stream")
+        return super().generate(params, **kw)
+
+
+async def test_streams_that_wait_are_not_sent_to_an_upstream_that_cannot_continue_them() -> None:
+    # (the upstream refused each on the way, and the pool's next round asked
+    # again: 3 waiting streams used up their failovers in 0.8 ms and were lost)
+    pool, gens, sinks = _waiting_for_replicas(3, 4, "r0", "r1")
+    r1 = pool.slots[1]
+    no_ids = r1.client = _NoIds()  # type: ignore[assignment]
+    r1.state = "ready"
+    pool.notify_ready()
+    assert no_ids.asked == [] and all(g._waiting is not None and not g.ended for g in gens)
+    assert pool.choose("m", 8).slot is r1  # (a request from the start goes there)
+    pool.choose("m", 8).release()
+    back = _back(pool, "r0")
+    assert len(back.asked) == 3 and [g.replica for g in gens] == ["r0"] * 3 and no_ids.asked == []
+    assert all(s.failure is None for s in sinks)
+
+
+async def test_a_failover_to_only_an_upstream_that_cannot_continue_it_says_so() -> None:
+    pool = _ready_pool("r0", "r1")
+    pool.slots[1].client = _NoIds()  # type: ignore[assignment]
+    pool.slots[1].state = "down"
+    gen, sink = _running(pool, Metrics(), max_tokens=8, max_failovers=3, failover_wait=0.0)
+    pool.slots[1].state = "ready"
+    gen._col.put(Delta(1, [5], "a", NONE))
+    pool.slots[0].state = "down"
+    gen._col.fail(ReplicaDead("killed"))
+    assert isinstance(sink.failure, StreamLost) and pool.slots[1].client.asked == []
+    assert "can continue a stream from its token ids" in str(sink.failure), sink.failure
+
+
+async def test_a_waiting_stream_its_replica_fails_on_the_way_keeps_its_place_and_its_deadline() -> None:
+    # (it went to the back of the line, and waited failover_wait again)
+    pool, gens, sinks = _waiting_for_replicas(2, 1, "r0", failover_wait=5.0)
+    ends = [g._waiting.when() for g in gens]
+    slot = pool.slots[0]
+
+    class _DiesOnTheWay(_Replica):
+        def generate(self, params, **kw) -> Collector:
+            self.closed = ReplicaDead("replica r0 closed the connection")  # (seen at once: down)
+            raise self.closed
+
+    slot.client, slot.state = _DiesOnTheWay(), "ready"  # type: ignore[assignment]
+    pool.notify_ready()
+    assert all(g._waiting is not None for g in gens)
+    assert [g._waiting.when() for g in gens] == ends
+    assert sorted(pool._ready_waiters[("m", CONTINUES)].values()) == \
+        [pool._ready_waiters[("m", CONTINUES)][g._replica_ready] for g in gens]  # first still first
+    _back(pool, "r0")  # (room for one)
+    assert gens[0]._col is not None and gens[1]._waiting is not None
+    assert sinks[0].failure is None and gens[0].failovers == 2
