@@ -240,6 +240,28 @@ class HttpConnection(HttpToolsProtocol):
         self._deadline = self.loop.call_later(LINGER, transport.close)
         return True
 
+    def answer_unread(self, cycle, status: int, headers: list[tuple[bytes, bytes]], body: bytes) -> bool:
+        """Answer ``cycle``'s request, whose body has not been read (a refusal
+        made from its head: no key, a body over the limit), and close the
+        connection after a lingering close (``_linger``). Closed at once
+        with that body unread or still arriving, the socket was reset, and a
+        client that writes its whole request before it reads (the async
+        openai SDK, httpx's AsyncClient) saw a connection error, which the
+        SDK retries, instead of the answer. False (nothing done) unless
+        ``cycle`` is this connection's latest request and nothing was
+        answered yet: the caller then answers as before."""
+        if cycle is not self.cycle or cycle.response_started or self._refused or self.transport.is_closing():
+            return False
+        self._limit(0, None)
+        self._refused = True  # (what the client still sends is dropped: data_received)
+        cycle.response_started = cycle.response_complete = True  # (uvicorn's cycle: nothing more to send)
+        head = b"".join(k + b": " + v + b"\r\n" for k, v in headers if k.lower() != b"connection")
+        self.transport.write(b"HTTP/1.1 %d %s\r\n%sconnection: close\r\n\r\n%s"
+                             % (status, HTTPStatus(status).phrase.encode(), head, body))
+        if not self._linger():
+            self.transport.close()
+        return True
+
     def _refuse_over_cap(self) -> None:
         """Answer a connection past ``max_connections`` (its request read,
         or ``OVER_CAP_READ`` passed)."""
@@ -328,6 +350,8 @@ class HttpConnection(HttpToolsProtocol):
             # what the request's handler wants called when the connection
             # is lost (router.fastpath: no waiter task per request)
             self.cycle.lost_callbacks = self._lost
+            # (and what answers an error before the body is read: router.fastpath)
+            self.cycle.answer_unread = self.answer_unread
 
     def on_body(self, body: bytes) -> None:
         if self._refused:

@@ -146,9 +146,10 @@ class FastPath:
 
         http10 = scope.get("http_version") == "1.0"
         wire: TransportWire | None = None
+        held = None  # an error's start, answered with its body by _answer_unread (the request's body unread)
 
         async def bounded_send(message) -> None:
-            nonlocal wire
+            nonlocal wire, held
             if http10 and wire is None and message["type"] == "http.response.start":
                 wire = _http10_stream(send, message, timeout)
                 if wire is not None:
@@ -156,10 +157,19 @@ class FastPath:
             if wire is not None:  # (a body message of that stream)
                 await _wire_body(wire, message, timeout, scope)
                 return
-            if message["type"] == "http.response.start" and message.get("status", 200) >= 400:
+            if held is not None:
+                start, held = held, None
+                if not message.get("more_body", False) and _answer_unread(
+                        send, start["status"], list(start.get("headers", ())), message.get("body", b"")):
+                    return
+                await bounded_send(start)
+            elif message["type"] == "http.response.start" and message.get("status", 200) >= 400:
                 close = _close_unless_read(send)
                 if close and not any(k.lower() == b"connection" for k, _ in message.get("headers", ())):
                     message = {**message, "headers": [*message.get("headers", ()), (b"connection", b"close")]}
+                    if held is None and _answer_unread_possible(send):
+                        held = message  # (its body comes next: both go in one write, then a lingering close)
+                        return
             if not timeout:
                 return await send(message)
             try:
@@ -323,6 +333,20 @@ async def _wire_body(wire: TransportWire, message, timeout: float, scope) -> Non
         wire.abort()
 
 
+def _answer_unread(send, status: int, headers: list[tuple[bytes, bytes]], body: bytes) -> bool:
+    """Answer a request whose body has not been read, on the router's own
+    connection protocol (``HttpConnection.answer_unread``: a lingering
+    close, not a reset under a client still sending its body). False on
+    another server, or when that cannot be done: answer through ``send``."""
+    cycle = getattr(send, "__self__", None)
+    answer = getattr(cycle, "answer_unread", None)
+    return answer is not None and bool(cycle.more_body) and answer(cycle, status, headers, body)
+
+
+def _answer_unread_possible(send) -> bool:
+    return getattr(getattr(send, "__self__", None), "answer_unread", None) is not None
+
+
 def _close_unless_read(send) -> dict[str, str]:
     """``connection: close`` for a response to a request whose body uvicorn
     has not read to its end (it then closes the connection after the
@@ -366,5 +390,7 @@ async def _start_sse(send, cors: list[tuple[bytes, bytes]], sse_headers: dict[st
 async def _error(send, cors: list[tuple[bytes, bytes]], status: int, body: bytes,
                  headers: dict[str, str] | None = None) -> None:
     hs = [_JSON, (b"content-length", str(len(body)).encode()), *_header_list(headers or {}), *cors]
+    if headers and headers.get("connection") == "close" and _answer_unread(send, status, hs, body):
+        return
     await send({"type": "http.response.start", "status": status, "headers": hs})
     await send({"type": "http.response.body", "body": body, "more_body": False})

@@ -707,3 +707,62 @@ def test_bytes_that_are_not_http_get_an_openai_error(shared_router: RouterProces
     assert head.startswith(b"HTTP/1.1 400 ") and b"application/json" in head.lower(), answer[:300]
     err = json.loads(body)["error"]
     assert err["code"] == "invalid_http_request" and err["type"] == "invalid_request_error", err
+
+
+@pytest.mark.parametrize("key, status", [(None, 401), ("wrong-key", 401), (GOLD, 413)],
+                         ids=["no-key", "wrong-key", "over-the-limit"])
+def test_a_client_that_writes_its_whole_body_first_reads_the_early_refusal_not_a_reset(
+        shared_router: RouterProcess, key: str | None, status: int) -> None:
+    # Most clients (the async openai SDK, httpx.AsyncClient) write the whole
+    # request before they read. A refusal answered before the body is read
+    # (no key, a wrong key, a body over max_body_bytes) was followed by a
+    # plain close with the body's bytes unread or still arriving: the socket
+    # was reset, and the client saw a connection error (which the SDK
+    # retries) instead of its 401 or 413.
+    body = json.dumps(chat_body(messages=[{"role": "user", "content": "a" * 4_000_000}])).encode()
+    auth = f"Authorization: Bearer {key}\r\n" if key else ""
+    head = (f"POST {CHAT} HTTP/1.1\r\nHost: x\r\n{auth}Content-Type: application/json\r\n"
+            f"Content-Length: {len(body)}\r\n\r\n").encode()
+    for _ in range(3):
+        sock = socket.create_connection(("127.0.0.1", shared_router.port), timeout=10)
+        try:
+            try:
+                sock.sendall(head + body)
+            except (BrokenPipeError, ConnectionResetError) as e:
+                raise AssertionError(f"the router reset the connection while the body was sent: {e!r}") from e
+            answer = b""
+            try:
+                while chunk := sock.recv(65536):
+                    answer += chunk
+            except ConnectionResetError as e:
+                raise AssertionError(f"the answer was lost to a reset (got {answer[:100]!r})") from e
+        finally:
+            sock.close()
+        assert answer.startswith(b"HTTP/1.1 %d " % status), answer[:200]
+        assert json.loads(answer.partition(b"\r\n\r\n")[2])["error"]["message"]
+
+
+@pytest.mark.parametrize("path, extra", [("/admin/reload", ""), (CHAT + "/", ""), ("/v1/embeddings", ""),
+                                          (CHAT, "X-Resume-Request-Id: abc\r\nLast-Event-ID: 1\r\n")],
+                         ids=["admin", "trailing-slash", "unknown-path", "resume-post"])
+def test_an_early_refusal_on_the_other_routes_is_read_not_reset_either(shared_router: RouterProcess, path: str,
+                                                                        extra: str) -> None:
+    # (the Litestar routes: their 401 or 404, answered before the body is
+    # read, was followed by a reset under a client still sending it)
+    body = b"{" + b"a" * 4_000_000
+    head = (f"POST {path} HTTP/1.1\r\nHost: x\r\n{extra}Content-Type: application/json\r\n"
+            f"Content-Length: {len(body)}\r\n\r\n").encode()
+    sock = socket.create_connection(("127.0.0.1", shared_router.port), timeout=10)
+    try:
+        try:
+            sock.sendall(head + body)
+            answer = b""
+            while chunk := sock.recv(65536):
+                answer += chunk
+        except (BrokenPipeError, ConnectionResetError) as e:
+            raise AssertionError(f"the router reset the connection: {e!r}") from e
+    finally:
+        sock.close()
+    assert answer.startswith((b"HTTP/1.1 401 ", b"HTTP/1.1 404 ")), answer[:200]
+    assert b"connection: close" in answer.lower(), answer[:400]
+    assert json.loads(answer.partition(b"\r\n\r\n")[2])["error"]["message"]
