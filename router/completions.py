@@ -250,7 +250,7 @@ async def start_generation(
             await pieces.aclose()
         else:
             gen.close()
-        await svc.admission.finish(ticket, gen.prompt_tokens + gen.completion_tokens)
+        await svc.admission.finish(ticket, gen.used_tokens)
         told = error_before_output(svc.metrics, policy.name, e, {"x-request-id": request_id, **ticket.headers})
         outcome.record(outcome_of(e), error=told)  # (its line has the status the client gets)
         if told is e:

@@ -66,7 +66,7 @@ class Generation(WaitsForReplica):
     __slots__ = ("pool", "scheduler", "policy", "rank", "deadlines", "job", "metrics", "max_failovers",
                  "prompt_token_ids", "completion_ids", "text_len", "failovers", "text_parts", "finish", "replica",
                  "sink", "ended", "_base", "_col", "_client", "_handle", "_dog", "_died_at", "_exclude", "_dispatched",
-                 "_charged_prompt", "uncounted", "prompt_count", "_attached_at",
+                 "_charged_prompt", "uncounted", "prompt_count", "_attached_at", "prompt_taken",
                  "_free_retries", "_charged", "request_id", "_straight_back")
 
     def __init__(self, pool: ReplicaPool, job: Job, metrics: Metrics, max_failovers: int,
@@ -85,6 +85,10 @@ class Generation(WaitsForReplica):
         # output tokens without their ids (an upstream that returns none)
         self.uncounted = 0
         self.prompt_count = 0  # the prompt's tokens, where their ids are not known
+        # a replica took the prompt (a delta other than its refusal came): only
+        # then is it used, and settled (``used_tokens``); a token-id prompt's
+        # count is known before, and was charged for a refused one too
+        self.prompt_taken = False
         self.text_len = 0
         self.failovers = 0
         self.text_parts: list[str] | None = [] if policy is not None and policy.log_content else None
@@ -119,6 +123,12 @@ class Generation(WaitsForReplica):
     @property
     def prompt_tokens(self) -> int:
         return len(self.prompt_token_ids) if self.prompt_token_ids is not None else self.prompt_count
+
+    @property
+    def used_tokens(self) -> int:
+        """What the request used, to settle its admission with: its output,
+        and its prompt once a replica took it (not a prompt it refused)."""
+        return (self.prompt_tokens if self.prompt_taken else 0) + self.completion_tokens
 
     @property
     def completion_tokens(self) -> int:
@@ -305,8 +315,11 @@ class Generation(WaitsForReplica):
                 self.prompt_token_ids = col.prompt_token_ids
             elif d.prompt_count:
                 self.prompt_count = d.prompt_count
+        refused = finish == FinishReason.ERROR and not (self.produced or n or text)
+        if not refused:
+            self.prompt_taken = True
         policy = self.policy
-        if sched is not None and policy is not None:
+        if sched is not None and policy is not None and not refused:
             if not self._charged_prompt and (self.prompt_token_ids is not None or self.prompt_count):
                 self._charged_prompt = True
                 sched.charge(policy, self.prompt_tokens, n)

@@ -481,3 +481,23 @@ async def test_redis_killed_mid_run(tmp_path, redis_server, mode):
 
 def _store_up(router) -> bool:
     return router.metrics().value("fairstream_state_store_up") == 1
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_token_id_prompt_the_replica_refuses_takes_no_tokens(tmp_path, stream):
+    # A prompt of token ids longer than the model's context is refused by the
+    # replica (400 context_length_exceeded) before anything runs. Its ids'
+    # count was settled as used all the same (a text prompt's is not): three
+    # such mistakes took a tenant's whole tokens_per_minute, and its next
+    # valid requests waited (or got 429) for up to a minute.
+    t = tmp_path / "tenants.yaml"
+    tenants_yaml(t, tpm=20000)
+    with RouterProcess(tmp_path / "r", tenants=t) as router:
+        url = router.base_url + "/v1/completions"
+        long_ids = {"model": MODEL, "prompt": list(range(6000)), "max_tokens": 4, "stream": stream}
+        for _ in range(4):  # (6,004 reserved each: four of them, settled as used, are 24,016 of 20,000)
+            r = httpx.post(url, headers=auth(KEY_A), json=long_ids, timeout=20)
+            assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded", r.text
+        r = httpx.post(url, headers=auth(KEY_A), json=body(4), timeout=20)
+        assert r.status_code == 200, r.text
+        assert int(r.headers["x-ratelimit-remaining-tokens"]) >= 20000 - 100, r.headers
