@@ -39,6 +39,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from contextlib import aclosing
+from typing import Any
 
 import msgspec
 from litestar import WebSocket, websocket
@@ -73,6 +74,23 @@ class _Msg(msgspec.Struct, forbid_unknown_fields=True):
 
 
 _decode = msgspec.json.Decoder(_Msg).decode
+
+
+class _IdOnly(msgspec.Struct):
+    id: Any = ""
+
+
+_decode_id = msgspec.json.Decoder(_IdOnly).decode
+
+
+def _id_of(raw: str) -> str:
+    """The ``id`` of a message ``_read`` refused (a field too many, a wrong
+    type elsewhere), to answer it under: "" when it has none that could be one."""
+    try:
+        cid = _decode_id(raw).id
+    except (msgspec.DecodeError, RecursionError):
+        return ""
+    return cid if isinstance(cid, str) and len(cid) <= MAX_ID else ""
 
 
 def _err(cid: str, e: ApiError, request_id: str = "") -> bytes:
@@ -237,7 +255,7 @@ async def _authenticate(conn: _Conn, raw: str) -> None:
     """A message before authentication: the auth message, or an error."""
     msg = _read(raw)
     if isinstance(msg, ApiError):
-        await conn.send(_err("", msg))
+        await conn.send(_err(_id_of(raw), msg))
     elif msg.type != "auth":
         await conn.send(_err(msg.id, BadRequest('Authenticate first: send {"type": "auth", "api_key": KEY}.',
                                                 code="missing_api_key")))
@@ -290,7 +308,7 @@ async def chat_socket(socket: WebSocket) -> None:
                 return
             msg = _read(raw)
             if isinstance(msg, ApiError):
-                await conn.send(_err("", msg))
+                await conn.send(_err(_id_of(raw) if raw else "", msg))
                 continue
             if msg.type == "chat.completions.create":
                 if conn.revoked is not None:

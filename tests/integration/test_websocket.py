@@ -671,3 +671,18 @@ async def test_an_upgrade_to_the_endpoint_spelled_as_litestar_routes_it_is_accep
                        open_timeout=10, close_timeout=5) as ws:
         await create(ws, "x", chat_body("hi", 2))
         assert "chunk" in await recv(ws)
+
+
+async def test_a_message_the_envelope_refuses_is_answered_under_its_id(router: RouterProcess) -> None:
+    # A request whose envelope is wrong (a field beside type/id/body, such as
+    # "stream" put at the top level; a body of the wrong kind) was answered
+    # with id "": a client that matches answers to its requests by id waited
+    # for "s1" for good.
+    async with open_ws(router) as ws:
+        await ws.send(json.dumps({"type": "chat.completions.create", "id": "s1", "body": chat_body("hi", 4),
+                                  "stream": True}))
+        assert "stream" in assert_error(await recv(ws), "s1", code="invalid_json")["message"]
+        await ws.send(json.dumps({"type": 5, "id": "s2"}))
+        assert_error(await recv(ws), "s2", code="invalid_json")
+        await ws.send(json.dumps({"type": "chat.completions.create", "id": 7, "body": chat_body("hi", 4)}))
+        assert_error(await recv(ws), "", code="invalid_json")  # (no id it could be answered under)
