@@ -29,6 +29,9 @@ __all__ = ["PolicySnapshot", "PolicyRegistry", "ReloadResult"]
 log = logging.getLogger("fairstream.policy")
 logging.getLogger("watchfiles").setLevel(logging.WARNING)  # it logs every change at INFO
 
+SETTLE = 0.2  # the watcher reads the file once it has not changed for this long
+SETTLE_MAX = 2.0  # (or this long after the change it saw, for a file written on and on)
+
 
 class PolicySnapshot:
     __slots__ = ("file", "tenants", "keys", "loaded_at", "version", "digest")
@@ -142,6 +145,21 @@ class PolicyRegistry:
             except asyncio.CancelledError:
                 pass
 
+    async def _settled(self) -> None:
+        """Wait until the file has not changed for ``SETTLE`` seconds (at most
+        ``SETTLE_MAX``): a save in several writes is read whole. (watchfiles
+        cannot say: it keeps one entry per path, so a second write of the
+        same file in its batch does not hold the batch back.)"""
+        loop = asyncio.get_running_loop()
+        until = loop.time() + SETTLE_MAX
+        last = await asyncio.to_thread(_stat, self.path)
+        while loop.time() < until:
+            await asyncio.sleep(SETTLE)
+            now = await asyncio.to_thread(_stat, self.path)
+            if now == last:
+                return
+            last = now
+
     async def _watch_file(self) -> None:
         from watchfiles import awatch
 
@@ -166,6 +184,7 @@ class PolicyRegistry:
                 # (not recursive: a link into /etc or $HOME must not watch all below it)
                 async for _changes in awatch(*dirs, stop_event=self._stop, debounce=200, step=50,
                                              watch_filter=relevant, recursive=False):
+                    await self._settled()
                     await self.reload()
                     if self.path.resolve() != target:
                         break  # (the link points elsewhere now: watch there)
@@ -175,6 +194,15 @@ class PolicyRegistry:
             except Exception:  # noqa: BLE001 - a bug must not end live reload for good
                 log.exception("watching %s failed; retrying", ", ".join(map(str, dirs)))
                 await asyncio.sleep(1.0)
+
+
+def _stat(path: Path) -> tuple[int, int, int] | None:
+    """What changes when the file (the one a link points to) is written or replaced."""
+    try:
+        st = path.stat()
+    except OSError:
+        return None
+    return st.st_ino, st.st_size, st.st_mtime_ns
 
 
 def _configmap_data(directory: Path, target: Path) -> bool:

@@ -77,3 +77,30 @@ async def test_a_change_before_the_watcher_started_is_read_at_start(tmp_path: Pa
         assert registry.current.version == 2
     finally:
         await registry.close()
+
+
+async def test_a_file_written_in_two_steps_0_15_s_apart_is_applied_whole(tmp_path: Path) -> None:
+    # README: "the watcher applies what it reads 0.2 s after the last change";
+    # it applied it 0.05 s after (watchfiles' step), so a save in two writes
+    # 0.1 s apart removed the tenants of the second half (their waiting
+    # requests got 401) until the rest landed
+    path = tmp_path / "tenants.yaml"
+    path.write_text(TEXT)
+    seen: list[set[str]] = []
+    registry = PolicyRegistry(path, on_reload=lambda ok, changed: seen.append(set(registry.current.tenants)))
+    await registry.start()
+    try:
+        await asyncio.sleep(1.0)  # (the watcher sets itself up)
+        whole = CHANGED
+        cut = whole.index("  free:")  # the first half is valid YAML without tenant 'free'
+        with open(path, "w") as f:
+            f.write(whole[:cut])
+            f.flush()
+            await asyncio.sleep(0.15)
+            f.write(whole[cut:])
+        await apoll(lambda: registry.current.version == 2, 10, what="the reload")
+        await asyncio.sleep(0.5)
+        assert all("free" in names for names in seen), seen
+        assert registry.current.version == 2
+    finally:
+        await registry.close()
