@@ -218,6 +218,19 @@ def read_text(path: str | Path) -> str:
 
 
 def load_yaml(path: str | Path, type_: type[T], text: str | None = None) -> tuple[T, Located]:
+    """``_load_yaml``, with a file nested too deeply for the parser's and
+    the checks' recursion (libyaml refuses 1,000 levels, Python's stack ends
+    a little before) refused as one error, like the libyaml limit, not a
+    ``RecursionError`` (a 500 on ``POST /admin/reload``, a reload that
+    failed without saying so)."""
+    try:
+        return _load_yaml(path, type_, text)
+    except RecursionError:
+        raise ConfigError([f"{path}:1: (syntax): nested too deeply to read; "
+                           "write the values with fewer levels"]) from None
+
+
+def _load_yaml(path: str | Path, type_: type[T], text: str | None = None) -> tuple[T, Located]:
     """Parse and validate ``path`` (or ``text`` reported as ``path``) as ``type_``.
 
     Raises ``ConfigError`` with every located message found (see the
