@@ -18,6 +18,7 @@ from collections.abc import Callable, Collection, Mapping
 from policies.balance import ReplicaLoad, choose
 from replicas.client import ReplicaClient
 from replicas.protocol import Feature
+from replicas.sim import DEFAULT_MODEL as SIM_DEFAULT_MODEL
 from replicas.spec import ReplicaSpec
 
 log = logging.getLogger("fairstream.pool")
@@ -79,8 +80,12 @@ class ReplicaSlot:
         names ("" when only a connection will tell, e.g. an ``address``)."""
         if self.client is not None:
             return self.client.model
-        cfg = self.spec.config
-        return str(cfg.get("served_name") or cfg.get("model") or "")
+        spec = self.spec
+        cfg = spec.config
+        name = cfg.get("served_name") or cfg.get("model")
+        if not name and spec.engine == "sim" and spec.address is None and spec.url is None:
+            name = SIM_DEFAULT_MODEL  # (a local sim replica's model when its config names none)
+        return str(name or "")
 
     @property
     def cap(self) -> int:
@@ -169,6 +174,12 @@ class ReplicaPool:
         seen = {s.model for s in self.slots}
         seen.discard("")
         return sorted(seen)
+
+    def models_unknown(self) -> int:
+        """How many replicas serve a model only their connection will tell
+        (an ``address`` or ``url`` replica not connected yet): until then a
+        request for a model no other replica serves may be theirs."""
+        return sum(1 for s in self.slots if not s.model)
 
     def max_model_len(self, model: str) -> int | None:
         """The context length a ready replica of ``model`` reports (the

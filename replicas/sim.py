@@ -56,10 +56,13 @@ ORDER = 6
 _MASK32 = 0xFFFFFFFF
 
 
+DEFAULT_MODEL = "fairstream-sim"
+
+
 class SimConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     """Timing, capacity and model knobs of a ``sim`` replica."""
 
-    model: str = "fairstream-sim"
+    model: str = DEFAULT_MODEL
     """Model name the replica serves (what clients put in ``model``)."""
     seed: int = 0
     """Engine seed; replicas that must produce identical text share it."""

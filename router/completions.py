@@ -24,7 +24,8 @@ from litestar import Response
 from replicas.protocol import FinishReason
 from router.admission import Ticket
 from router.deadlines import Deadlines, StreamTimeout
-from router.errors import ApiError, BadRequest, NotFound, PayloadTooLarge, UnsupportedMediaType, clip
+from router.errors import (ApiError, BadRequest, NotFound, PayloadTooLarge, ReplicaUnavailable,
+                           UnsupportedMediaType, clip)
 from router.generation import Generation, StreamLost
 from router.ids import new_id
 from router.job import Job
@@ -91,6 +92,13 @@ def response_id_of(chat: bool, request_id: str) -> str:
 
 def check_model(svc: RouterService, policy: TenantPolicy, model: str) -> None:
     """Raise OpenAI's 404 unless a replica serves ``model`` and the tenant may use it."""
+    if policy.allows_model(model) and model not in svc.pool.models():
+        unknown = svc.pool.models_unknown()
+        if unknown:
+            # (a replica not connected yet may serve it: a 503 to retry, not a 404, which clients do not retry)
+            raise ReplicaUnavailable(
+                f"no ready replica serves model '{clip(model)}' ({unknown} replica(s) not connected yet "
+                "may serve it); retry shortly.")
     if model not in svc.pool.models() or not policy.allows_model(model):
         raise NotFound(f"The model '{clip(model)}' does not exist or you do not have access to it.",
                        param="model", code="model_not_found")

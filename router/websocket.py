@@ -145,14 +145,18 @@ class _Conn:
         self.tasks.add(task)
         task.add_done_callback(lambda t: self._ended(cid, t))
 
-    def _ended(self, cid: str, task: asyncio.Task[None]) -> None:
-        """``cid``'s last message is out (or its task ended): an abort of it
-        gets no answer, its id may run again."""
-        if task.done():
-            self.tasks.discard(task)
+    def _unlist(self, cid: str, task: asyncio.Task[None] | None) -> None:
+        """``cid``'s last message is being sent: an abort of it gets no
+        answer from now on, its id may run again."""
         if self.running.get(cid) is task:  # (an aborted one's id may run again already)
             del self.running[cid]
             self.active = asyncio.get_running_loop().time()
+
+    def _ended(self, cid: str, task: asyncio.Task[None]) -> None:
+        """``cid``'s last message is out (or its task ended)."""
+        if task.done():
+            self.tasks.discard(task)
+        self._unlist(cid, task)
         if self.draining and not self.running:
             self._close_soon()
 
@@ -217,10 +221,12 @@ class _Conn:
         try:
             st = await start_generation(svc, policy, body, True, request_id, "websocket", stream_implied=True)
         except ApiError as e:
+            self._unlist(cid, asyncio.current_task())  # (its last message: an abort meanwhile gets no answer)
             await self.send(_err(cid, e, request_id))
             return
         except Exception as e:  # noqa: BLE001 - answer this request, keep the connection's others
             log.exception("websocket request %s failed", request_id, exc_info=e)
+            self._unlist(cid, asyncio.current_task())
             await self.send(_err(cid, ApiError("Internal server error."), request_id))
             return
         req, gen = st.req, st.gen
@@ -228,11 +234,14 @@ class _Conn:
         es = EventStream(svc, gen, enc, usage_options(req), policy, st.ticket, st.outcome, None)
         async with aclosing(relay_stream(es, st.pieces, st.first)) as frames:
             async for frame in frames:
+                final = frame is es.final  # (done, or its error: an abort from now on gets no answer)
+                if final:
+                    self._unlist(cid, asyncio.current_task())
                 await self.send(frame)
                 if self.gone:
                     break  # (closing the relay settles the request as cancelled)
-                if frame is es.final:  # (done, or its error: an abort now gets no answer)
-                    self._ended(cid, asyncio.current_task())
+                if final:
+                    self._ended(cid, asyncio.current_task())  # (out: a draining socket may close now)
 
 
 def _read(raw: str) -> _Msg | ApiError:

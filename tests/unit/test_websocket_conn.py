@@ -105,3 +105,39 @@ def test_a_websocket_stream_ended_by_shutdown_numbers_its_error_as_the_next_even
     last = json.loads(enc.delta(" there", FinishReason.NONE))["event"]
     notice = json.loads(enc.notice(RouterShutdown().body()))
     assert notice["event"] == last + 1 and notice["error"]["code"] == "router_shutdown", notice
+
+
+class SlowSocket:
+    """A client that takes frames, each after a moment (a send yields to the loop)."""
+
+    scope: dict = {}
+
+    def __init__(self) -> None:
+        self.release = asyncio.Event()
+        self.frames: list[str] = []
+
+    async def send_data(self, data: str, mode: str) -> None:
+        await self.release.wait()
+        self.frames.append(data)
+
+
+async def test_an_abort_after_a_refusal_was_sent_gets_no_answer(monkeypatch) -> None:
+    """A request refused before its first chunk ends with its error: an
+    abort that comes while that error is being sent finds nothing running
+    (it was answered ``aborted`` too, after the error, 3 times in 30)."""
+    import router.websocket as ws
+    from router.errors import BadRequest
+
+    async def refuse(*a, **kw):
+        raise BadRequest("'max_tokens' is too large.", param="max_tokens")
+
+    monkeypatch.setattr(ws, "start_generation", refuse)
+    sock = SlowSocket()
+    conn = _Conn(service(60), sock)  # type: ignore[arg-type]
+    conn.start("r1", b"{}", None)  # type: ignore[arg-type]
+    for _ in range(5):
+        await asyncio.sleep(0)  # (the task runs up to the error's send, which waits)
+    assert "r1" not in conn.running  # (an abort now: nothing to answer)
+    sock.release.set()
+    await asyncio.gather(*conn.tasks)
+    assert len(sock.frames) == 1 and json.loads(sock.frames[0])["error"]["param"] == "max_tokens"
