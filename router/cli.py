@@ -84,15 +84,22 @@ def _unset_api_keys(config) -> list[str]:
 
 
 def _check(args: argparse.Namespace) -> int:
-    from router.config import RouterConfig
+    from router.config import RouterConfig, tenants_path
     from router.configfile import ConfigError, load_yaml
+    from router.tenants import TenantsFile
 
     failed = False
-    for path in args.files:
+    files = list(args.files)
+    given = {os.path.realpath(f) for f in files}
+    for path in files:  # (grows: the tenants file a router.yaml names, unless given too)
         try:
-            kind = _config_kind(path)
+            kind = TenantsFile if os.path.realpath(path) not in given else _config_kind(path)
             loaded, _ = load_yaml(path, kind)
             print(f"{path}: ok ({'router' if kind is RouterConfig else 'tenants'} config)")
+            if kind is RouterConfig:
+                tenants = str(tenants_path(loaded, path))
+                if os.path.realpath(tenants) not in given and tenants not in files:
+                    files.append(tenants)  # (serve refuses to start without it)
             unset = _unset_secrets(loaded) if kind is RouterConfig else []
             if unset:  # (a note, not an error: the file may be checked where the secrets are not, e.g. in CI)
                 print(f"{path}: note: {', '.join(unset)} (a replica's secret_env) is not set or empty in this "

@@ -194,7 +194,10 @@ def _check_engine_config(spec: ReplicaSpec, at: tuple, located: Located) -> list
 def load_router_config(path: str | Path) -> tuple[RouterConfig, Path]:
     """Load router.yaml; return it and the resolved tenants path."""
     cfg, _ = load_yaml(path, RouterConfig)
+    return cfg, tenants_path(cfg, path)
+
+
+def tenants_path(cfg: RouterConfig, path: str | Path) -> Path:
+    """The tenants file router.yaml at ``path`` names (relative to its directory)."""
     tenants = Path(cfg.tenants)
-    if not tenants.is_absolute():
-        tenants = Path(path).parent / tenants
-    return cfg, tenants
+    return tenants if tenants.is_absolute() else Path(path).parent / tenants

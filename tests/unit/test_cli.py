@@ -197,7 +197,7 @@ def test_serve_refuses_an_unset_replica_secret(tmp_path) -> None:
                             str(tmp_path / "router.yaml")], capture_output=True, text=True, timeout=30, env=env,
                            cwd=ROOT, check=False)
     assert check.returncode == 0, check.stderr
-    assert check.stdout.endswith(": ok (router config)\n"), check.stdout
+    assert ": ok (router config)\n" in check.stdout, check.stdout
     assert "note: FS_TEST_UNSET_SECRET" in check.stderr and "refuses to start" in check.stderr, check.stderr
 
 
@@ -361,3 +361,18 @@ def test_check_config_tells_an_empty_file_by_its_name(tmp_path, name: str, kind:
     path = tmp_path / name
     path.write_text("# nothing yet\n")
     assert cli._config_kind(str(path)) is (TenantsFile if kind == "tenants" else RouterConfig)
+
+
+def test_check_config_checks_the_tenants_file_router_yaml_names(tmp_path) -> None:
+    # (it said "ok" of a router.yaml whose tenants file does not exist; serve then refused to start)
+    (tmp_path / "router.yaml").write_text("tenants: missing.yaml\nreplicas:\n  - {name: sim-0, engine: sim}\n")
+    proc = _cli("check-config", str(tmp_path / "router.yaml"))
+    assert proc.returncode == 1, proc.stdout
+    assert "missing.yaml:1: (file): cannot read" in proc.stderr, proc.stderr
+    (tmp_path / "missing.yaml").write_text((ROOT / "configs" / "tenants.yaml").read_text())
+    proc = _cli("check-config", str(tmp_path / "router.yaml"))
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.splitlines() == [f"{tmp_path / 'router.yaml'}: ok (router config)",
+                                        f"{tmp_path / 'missing.yaml'}: ok (tenants config)"], proc.stdout
+    proc = _cli("check-config", str(tmp_path / "router.yaml"), str(tmp_path / "missing.yaml"))  # (once, not twice)
+    assert proc.returncode == 0 and len(proc.stdout.splitlines()) == 2, proc.stdout
