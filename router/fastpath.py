@@ -30,6 +30,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import re
+import time
 
 from litestar import Litestar
 from litestar.routes import WebSocketRoute
@@ -38,10 +39,10 @@ from litestar.utils import normalize_path
 from router.auth import SEVERAL
 from router.completions import new_request_id, open_stream, respond_whole, start_generation
 from router.cors import preflight_refusal, response_headers
-from router.errors import ApiError, RouterShutdown, error_body, unknown_path
+from router.errors import ApiError, PayloadTooLarge, RouterShutdown, error_body, unknown_path
 from router.handshake import deny
 from router.push import ClientTooSlow, TransportWire, bounded, wire_for
-from router.relay import log_refused
+from router.relay import Outcome, log_refused, outcome_of
 from router.service import RouterService
 
 __all__ = ["FastPath"]
@@ -188,6 +189,7 @@ class FastPath:
                           client_rid: str = "", length: int | None = None) -> None:
         svc = self.svc
         request_id = new_request_id()
+        started = time.monotonic()
         endpoint = "chat" if chat else "completions"
         # The key and the declared size are checked before the body is read
         # (and before a client that sent ``Expect: 100-continue`` is told to
@@ -203,7 +205,8 @@ class FastPath:
         body = b""
         limit = svc.config.max_body_bytes
         if length is not None and length > limit:
-            await _too_large(send, cors, limit, request_id)
+            await _too_large(send, cors, limit, Outcome(svc, policy, endpoint, started, request_id,
+                                                        client_request_id=client_rid))
             return
         while True:
             msg = await receive()
@@ -211,7 +214,8 @@ class FastPath:
                 return
             body += msg.get("body", b"")
             if len(body) > limit:
-                await _too_large(send, cors, limit, request_id)
+                await _too_large(send, cors, limit, Outcome(svc, policy, endpoint, started, request_id,
+                                                            client_request_id=client_rid))
                 return
             if not msg.get("more_body", False):
                 break
@@ -357,10 +361,12 @@ def _close_unless_read(send) -> dict[str, str]:
     return {"connection": "close"} if getattr(cycle, "more_body", False) else {}
 
 
-async def _too_large(send, cors: list[tuple[bytes, bytes]], limit: int, request_id: str) -> None:
-    body = error_body(f"The request body is too large (over {limit} bytes).", "invalid_request_error", None,
-                      "request_too_large")
-    await _error(send, cors, 413, body, {"x-request-id": request_id, **_close_unless_read(send)})
+async def _too_large(send, cors: list[tuple[bytes, bytes]], limit: int, outcome: Outcome) -> None:
+    """A 413 for a body over ``max_body_bytes``, counted and logged as the
+    tenant's request (outcome ``client_error``), as every other refusal."""
+    e = PayloadTooLarge(f"The request body is too large (over {limit} bytes).")
+    outcome.record(outcome_of(e), error=e)
+    await _error(send, cors, 413, e.body(), {"x-request-id": outcome.request_id, **_close_unless_read(send)})
 
 
 def _headers_only(send):

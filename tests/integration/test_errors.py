@@ -241,10 +241,17 @@ def test_a_completion_without_max_tokens_gets_16_as_openai_and_vllm_give(shared_
     assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 256, r.text  # (default_max_tokens)
 
 
+def _client_errors(router: RouterProcess) -> float:
+    return router.metrics().value("fairstream_requests_total", 0.0, tenant="gold", endpoint="completions",
+                                  outcome="client_error")
+
+
 def test_body_over_the_limit_is_413(shared_router: RouterProcess) -> None:
+    before = _client_errors(shared_router)
     body = {"model": MODEL, "prompt": "x" * (MAX_BODY + 10)}
     err = error_of(post(shared_router, COMPLETIONS, json=body), 413)
     assert err["type"] == "invalid_request_error"
+    assert _client_errors(shared_router) == before + 1  # (counted and logged as the tenant's: it was neither)
 
 
 def test_chunked_body_over_the_limit_is_413(shared_router: RouterProcess) -> None:
@@ -256,7 +263,9 @@ def test_chunked_body_over_the_limit_is_413(shared_router: RouterProcess) -> Non
             yield b"x" * 4096
         yield b'"}'
 
+    before = _client_errors(shared_router)
     error_of(post(shared_router, COMPLETIONS, content=chunks()), 413)
+    assert _client_errors(shared_router) == before + 1
 
 
 def _head_only(router: RouterProcess, head: str) -> tuple[bytes, bool]:
