@@ -33,6 +33,8 @@ MAX_STOP = 4
 # naming its field here, not a failure to encode it after dispatch.
 Int = Annotated[int, msgspec.Meta(ge=-(2**63), le=2**63 - 1)]
 MAX_TOKEN_ID = 2**32 - 1
+# A token id: a prompt's, a stop's (a bool is no int to msgspec)
+TokenId = Annotated[int, msgspec.Meta(ge=0, le=MAX_TOKEN_ID)]
 
 
 class StreamOptions(msgspec.Struct, forbid_unknown_fields=True):
@@ -62,7 +64,7 @@ class _Common(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     min_tokens: Int | None = None
     ignore_eos: bool | None = None
     repetition_penalty: float | None = None
-    stop_token_ids: list[Annotated[int, msgspec.Meta(ge=0, le=MAX_TOKEN_ID)]] | None = None
+    stop_token_ids: list[TokenId] | None = None
     include_stop_str_in_output: bool | None = None
 
 
@@ -319,7 +321,9 @@ def completion_prompt(req: CompletionRequest) -> str | list[int]:
         raise BadRequest("'prompt' must not be empty.", param="prompt")
     if isinstance(prompt, str):
         return prompt
-    if not all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t <= MAX_TOKEN_ID for t in prompt):
+    try:
+        return msgspec.convert(prompt, list[TokenId])  # (a generator over 400,000 ids took 0.3-1 s of the loop)
+    except msgspec.ValidationError:
         raise BadRequest("'prompt' must be a string or a list of token ids (integers from 0 to "
-                         f"{MAX_TOKEN_ID}).", param="prompt")
-    return prompt
+                         f"{MAX_TOKEN_ID}).", param="prompt") from None
+
