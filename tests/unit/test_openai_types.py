@@ -11,6 +11,7 @@ from router.openai_types import (
     StreamOptions,
     chat_messages,
     chat_template_kwargs,
+    completion_prompt,
     decode_request,
     to_params,
 )
@@ -221,3 +222,18 @@ def test_an_error_echoes_at_most_a_clip_of_what_the_client_sent(body):
         chat_messages(decode_request(json.dumps(body).encode(), ChatRequest))
     assert len(e.value.message) < 1000 and len(e.value.param or "") < 300, (len(e.value.message), e.value.param)
     assert len(e.value.body()) < 2000
+
+
+@pytest.mark.parametrize("prompt, ok", [
+    ([0, 5, 2**32 - 1], True), ([[1, 2]], True),
+    ([1, True], False), ([1, -1], False), ([1, 2**32], False), ([1, "a"], False), ([1, 2.0], False),
+    ([1, None], False),
+])
+def test_a_token_id_prompt_takes_integers_from_0_to_the_largest_id_and_no_bools(prompt, ok) -> None:
+    req = CompletionRequest(model="m", prompt=prompt)
+    if ok:
+        assert completion_prompt(req) == (prompt[0] if isinstance(prompt[0], list) else prompt)
+    else:
+        with pytest.raises(BadRequest) as e:
+            completion_prompt(req)
+        assert e.value.param == "prompt" and "list of token ids" in e.value.message
