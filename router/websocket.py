@@ -121,12 +121,13 @@ class _Conn:
         self._close_code = (1012, "router shutting down")
         self.gone = False
         self.closing: asyncio.Task[None] | None = None
+        self.finals = 0  # last messages unlisted and not sent yet: a draining socket closes after them
 
     def drain(self) -> None:
         """The router is shutting down: take no new requests, and close the
         socket (1012) once the running ones have ended."""
         self.draining = True
-        if not self.running:
+        if not self.running and not self.finals:
             self._close_soon()
 
     def revoke(self, e: ApiError) -> None:
@@ -136,7 +137,7 @@ class _Conn:
         self.revoked = e
         self.draining = True
         self._close_code = (4000 + e.status if e.status in (401, 403) else 4400, e.message[:120])
-        if not self.running:
+        if not self.running and not self.finals:
             self._close_soon()
 
     def start(self, cid: str, body: bytes, policy: TenantPolicy) -> None:
@@ -152,12 +153,22 @@ class _Conn:
             del self.running[cid]
             self.active = asyncio.get_running_loop().time()
 
+    async def _send_last(self, cid: str, frame: bytes) -> None:
+        """Send ``cid``'s last message, unlisted first (an abort meanwhile
+        gets no answer); a draining socket closes only after it is out."""
+        self._unlist(cid, asyncio.current_task())
+        self.finals += 1
+        try:
+            await self.send(frame)
+        finally:
+            self.finals -= 1
+
     def _ended(self, cid: str, task: asyncio.Task[None]) -> None:
         """``cid``'s last message is out (or its task ended)."""
         if task.done():
             self.tasks.discard(task)
         self._unlist(cid, task)
-        if self.draining and not self.running:
+        if self.draining and not self.running and not self.finals:
             self._close_soon()
 
     def authenticated(self, auth: str) -> None:
@@ -221,13 +232,11 @@ class _Conn:
         try:
             st = await start_generation(svc, policy, body, True, request_id, "websocket", stream_implied=True)
         except ApiError as e:
-            self._unlist(cid, asyncio.current_task())  # (its last message: an abort meanwhile gets no answer)
-            await self.send(_err(cid, e, request_id))
+            await self._send_last(cid, _err(cid, e, request_id))  # (an abort meanwhile gets no answer)
             return
         except Exception as e:  # noqa: BLE001 - answer this request, keep the connection's others
             log.exception("websocket request %s failed", request_id, exc_info=e)
-            self._unlist(cid, asyncio.current_task())
-            await self.send(_err(cid, ApiError("Internal server error."), request_id))
+            await self._send_last(cid, _err(cid, ApiError("Internal server error."), request_id))
             return
         req, gen = st.req, st.gen
         enc = ChunkEncoder(True, response_id_of(True, request_id), req.model, st.created, channel=cid)
@@ -236,8 +245,9 @@ class _Conn:
             async for frame in frames:
                 final = frame is es.final  # (done, or its error: an abort from now on gets no answer)
                 if final:
-                    self._unlist(cid, asyncio.current_task())
-                await self.send(frame)
+                    await self._send_last(cid, frame)
+                else:
+                    await self.send(frame)
                 if self.gone:
                     break  # (closing the relay settles the request as cancelled)
                 if final:

@@ -1,0 +1,86 @@
+"""A draining (or revoked) socket with two requests that end together: the
+second one's last message must go out before the socket closes."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from types import SimpleNamespace
+
+from router.errors import BadRequest
+from router.websocket import _Conn
+
+
+class SlowSocket:
+    scope: dict = {}
+
+    def __init__(self) -> None:
+        self.release = asyncio.Event()
+        self.frames: list[str] = []
+        self.closed: tuple | None = None
+
+    async def send_data(self, data: str, mode: str) -> None:
+        await self.release.wait()
+        self.frames.append(data)
+
+    async def close(self, code: int, reason: str) -> None:
+        self.closed = (code, reason)
+
+
+async def test_two_refusals_on_a_draining_socket_both_get_their_answer(monkeypatch) -> None:
+    import router.websocket as ws
+
+    async def refuse(*a, **kw):
+        raise BadRequest("'max_tokens' is too large.", param="max_tokens")
+
+    monkeypatch.setattr(ws, "start_generation", refuse)
+    sock = SlowSocket()
+    conn = _Conn(SimpleNamespace(config=SimpleNamespace(send_timeout=60)), sock)  # type: ignore[arg-type]
+    conn.start("r1", b"{}", None)  # type: ignore[arg-type]
+    conn.start("r2", b"{}", None)  # type: ignore[arg-type]
+    conn.drain()  # (router shutting down: close once r1 and r2 have ended)
+    for _ in range(5):
+        await asyncio.sleep(0)
+    sock.release.set()
+    await asyncio.gather(*conn.tasks)
+    if conn.closing is not None:
+        await conn.closing
+    ids = sorted(json.loads(f)["id"] for f in sock.frames)
+    assert ids == ["r1", "r2"], sock.frames
+    assert sock.closed is not None and sock.closed[0] == 1012
+
+
+async def test_two_streams_ending_together_on_a_draining_socket_both_get_their_last_frame(monkeypatch) -> None:
+    """Shutdown's stop_all ends every stream of a socket at once: each
+    one's last frame (done, or its error) must reach the client."""
+    import router.websocket as ws
+
+    class ES:
+        def __init__(self, svc, gen, enc, *a) -> None:
+            self.final = enc
+
+    async def start(svc, policy, body, *a, **kw):
+        return SimpleNamespace(req=SimpleNamespace(model="m"), gen=None, ticket=None, outcome=None, created=0,
+                               pieces=None, first=None, cid=body.decode())
+
+    async def relay(es, pieces, first):
+        yield es.final
+
+    monkeypatch.setattr(ws, "start_generation", start)
+    monkeypatch.setattr(ws, "ChunkEncoder", lambda *a, channel, **kw: json.dumps({"id": channel}).encode())
+    monkeypatch.setattr(ws, "EventStream", ES)
+    monkeypatch.setattr(ws, "relay_stream", relay)
+    monkeypatch.setattr(ws, "usage_options", lambda req: None)
+    sock = SlowSocket()
+    conn = _Conn(SimpleNamespace(config=SimpleNamespace(send_timeout=60)), sock)  # type: ignore[arg-type]
+    for cid in ("r1", "r2", "r3"):
+        conn.start(cid, cid.encode(), None)  # type: ignore[arg-type]
+    conn.drain()
+    for _ in range(10):
+        await asyncio.sleep(0)
+    sock.release.set()
+    await asyncio.gather(*conn.tasks)
+    if conn.closing is not None:
+        await conn.closing
+    ids = sorted(json.loads(f)["id"] for f in sock.frames)
+    assert ids == ["r1", "r2", "r3"], sock.frames
