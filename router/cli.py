@@ -91,15 +91,24 @@ def _check(args: argparse.Namespace) -> int:
     failed = False
     files = list(args.files)
     given = {os.path.realpath(f) for f in files}
+    seen = set(given)  # (each file once, however it is spelled)
+    tenants_given = False  # (a tenants file given stands for the one router.yaml names, as serve --tenants)
     for path in files:  # (grows: the tenants file a router.yaml names, unless given too)
+        named = os.path.realpath(path) not in given
+        if named and tenants_given:
+            print(f"{path}: not checked: the tenants file given is checked instead (as `serve --tenants` "
+                  "uses it)", file=sys.stderr)
+            continue
         try:
-            kind = TenantsFile if os.path.realpath(path) not in given else _config_kind(path)
+            kind = TenantsFile if named else _config_kind(path)
+            tenants_given = tenants_given or kind is TenantsFile
             loaded, _ = load_yaml(path, kind)
             print(f"{path}: ok ({'router' if kind is RouterConfig else 'tenants'} config)")
             if kind is RouterConfig:
                 tenants = str(tenants_path(loaded, path))
-                if os.path.realpath(tenants) not in given and tenants not in files:
-                    files.append(tenants)  # (serve refuses to start without it)
+                if os.path.realpath(tenants) not in seen:
+                    seen.add(os.path.realpath(tenants))
+                    files.append(tenants)  # (serve refuses to start without it, unless given --tenants)
             unset = _unset_secrets(loaded) if kind is RouterConfig else []
             if unset:  # (a note, not an error: the file may be checked where the secrets are not, e.g. in CI)
                 print(f"{path}: note: {', '.join(unset)} (a replica's secret_env) is not set or empty in this "

@@ -376,3 +376,24 @@ def test_check_config_checks_the_tenants_file_router_yaml_names(tmp_path) -> Non
                                         f"{tmp_path / 'missing.yaml'}: ok (tenants config)"], proc.stdout
     proc = _cli("check-config", str(tmp_path / "router.yaml"), str(tmp_path / "missing.yaml"))  # (once, not twice)
     assert proc.returncode == 0 and len(proc.stdout.splitlines()) == 2, proc.stdout
+
+
+def test_check_config_takes_a_tenants_file_given_for_the_one_router_yaml_names(tmp_path) -> None:
+    # (serve --tenants FILE runs a router.yaml whose default tenants.yaml does not exist;
+    # check-config of the two said "cannot read" of that default and exited 1)
+    (tmp_path / "app").mkdir()
+    (tmp_path / "etc").mkdir()
+    (tmp_path / "app" / "router.yaml").write_text("replicas:\n  - {name: sim-0, engine: sim}\n")
+    (tmp_path / "etc" / "tenants.yaml").write_text((ROOT / "configs" / "tenants.yaml").read_text())
+    proc = _cli("check-config", str(tmp_path / "app" / "router.yaml"), str(tmp_path / "etc" / "tenants.yaml"))
+    assert proc.returncode == 0, proc.stderr
+    assert "cannot read" not in proc.stderr, proc.stderr
+
+
+def test_check_config_checks_a_tenants_file_once_however_router_yaml_is_spelled(tmp_path) -> None:
+    (tmp_path / "sub").mkdir()
+    (tmp_path / "router.yaml").write_text("replicas:\n  - {name: sim-0, engine: sim}\n")
+    (tmp_path / "tenants.yaml").write_text((ROOT / "configs" / "tenants.yaml").read_text())
+    proc = _cli("check-config", str(tmp_path / "router.yaml"), str(tmp_path / "sub" / ".." / "router.yaml"))
+    assert proc.returncode == 0, proc.stderr
+    assert sum("(tenants config)" in line for line in proc.stdout.splitlines()) == 1, proc.stdout
