@@ -256,6 +256,8 @@ class HttpConnection(HttpToolsProtocol):
         self._refused = True  # (what the client still sends is dropped: data_received)
         cycle.response_started = cycle.response_complete = True  # (uvicorn's cycle: nothing more to send)
         head = b"".join(k + b": " + v + b"\r\n" for k, v in headers if k.lower() != b"connection")
+        if cycle.scope.get("method") == "HEAD":
+            body = b""  # (its head only, as uvicorn sends it: RFC 9110 9.3.2)
         self.transport.write(b"HTTP/1.1 %d %s\r\n%sconnection: close\r\n\r\n%s"
                              % (status, HTTPStatus(status).phrase.encode(), head, body))
         if not self._linger():

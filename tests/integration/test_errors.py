@@ -775,3 +775,19 @@ def test_an_early_refusal_on_the_other_routes_is_read_not_reset_either(shared_ro
     assert answer.startswith((b"HTTP/1.1 401 ", b"HTTP/1.1 404 ")), answer[:200]
     assert b"connection: close" in answer.lower(), answer[:400]
     assert json.loads(answer.partition(b"\r\n\r\n")[2])["error"]["message"]
+
+
+def test_an_early_refusal_of_a_head_request_with_a_body_has_no_content(shared_router: RouterProcess) -> None:
+    # (answered before its body was read, it was written with its JSON body:
+    # RFC 9110 9.3.2, a HEAD response has none, as uvicorn sends it)
+    sock = socket.create_connection(("127.0.0.1", shared_router.port), timeout=10)
+    try:
+        sock.sendall(f"HEAD {CHAT} HTTP/1.1\r\nHost: x\r\nContent-Length: 100\r\n\r\n".encode())
+        answer = b""
+        while chunk := sock.recv(65536):
+            answer += chunk
+    finally:
+        sock.close()
+    head, _, rest = answer.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 405 "), answer[:200]
+    assert rest == b"", answer
