@@ -35,18 +35,7 @@ async def test_two_refusals_on_a_draining_socket_both_get_their_answer(monkeypat
 
     monkeypatch.setattr(ws, "start_generation", refuse)
     sock = SlowSocket()
-    conn = _Conn(SimpleNamespace(config=SimpleNamespace(send_timeout=60)), sock)  # type: ignore[arg-type]
-    conn.start("r1", b"{}", None)  # type: ignore[arg-type]
-    conn.start("r2", b"{}", None)  # type: ignore[arg-type]
-    conn.drain()  # (router shutting down: close once r1 and r2 have ended)
-    for _ in range(5):
-        await asyncio.sleep(0)
-    sock.release.set()
-    await asyncio.gather(*conn.tasks)
-    if conn.closing is not None:
-        await conn.closing
-    ids = sorted(json.loads(f)["id"] for f in sock.frames)
-    assert ids == ["r1", "r2"], sock.frames
+    assert await _drained(sock, {"r1": b"{}", "r2": b"{}"}) == ["r1", "r2"], sock.frames
     assert sock.closed is not None and sock.closed[0] == 1012
 
 
@@ -72,9 +61,16 @@ async def test_two_streams_ending_together_on_a_draining_socket_both_get_their_l
     monkeypatch.setattr(ws, "relay_stream", relay)
     monkeypatch.setattr(ws, "usage_options", lambda req: None)
     sock = SlowSocket()
+    assert await _drained(sock, {cid: cid.encode() for cid in ("r1", "r2", "r3")}) == ["r1", "r2", "r3"], sock.frames
+
+
+async def _drained(sock: SlowSocket, bodies: dict[str, bytes]) -> list[str]:
+    """Start ``bodies`` on a socket, drain it (router shutting down: close
+    once they have ended) while their sends wait, then let the sends go:
+    the ids of the messages that reached the client."""
     conn = _Conn(SimpleNamespace(config=SimpleNamespace(send_timeout=60)), sock)  # type: ignore[arg-type]
-    for cid in ("r1", "r2", "r3"):
-        conn.start(cid, cid.encode(), None)  # type: ignore[arg-type]
+    for cid, body in bodies.items():
+        conn.start(cid, body, None)  # type: ignore[arg-type]
     conn.drain()
     for _ in range(10):
         await asyncio.sleep(0)
@@ -82,5 +78,4 @@ async def test_two_streams_ending_together_on_a_draining_socket_both_get_their_l
     await asyncio.gather(*conn.tasks)
     if conn.closing is not None:
         await conn.closing
-    ids = sorted(json.loads(f)["id"] for f in sock.frames)
-    assert ids == ["r1", "r2", "r3"], sock.frames
+    return sorted(json.loads(f)["id"] for f in sock.frames)
