@@ -105,6 +105,11 @@ async def model(request: Request) -> Response:
     svc = _svc(request)
     policy = svc.tenant(authorization(request.headers))
     name = model.removeprefix("/")
+    if name not in svc.pool.models() and "/" + name in svc.pool.models():
+        # a model id that starts with a slash (a model directory's path, what
+        # vLLM and a replica config without served_name report): the SDK asks
+        # for /v1/models//abs/dir, whose slashes the router squeezes
+        name = "/" + name
     check_model(svc, policy, name)
     return Response(msgspec.json.encode(_card(svc, name)), media_type=_JSON)
 
