@@ -11,7 +11,8 @@ import os
 import sys
 
 from replicas.engine import EngineError
-from replicas.logs import LOG_FORMAT_ENV, LOG_LEVEL_ENV, REPLICA_NAME_ENV, JsonFormatter, setup_logging
+from replicas.logs import (LOG_FORMAT_ENV, LOG_LEVEL_ENV, REPLICA_NAME_ENV, JsonFormatter, setup_logging,
+                           write_error_file)
 from replicas.spec import host_port
 
 __all__ = ["main", "add_arguments", "run"]
@@ -116,6 +117,7 @@ def run(args: argparse.Namespace) -> None:
         told = isinstance(e, (EngineError, msgspec.ValidationError, OSError))
         logging.getLogger("fairstream.replica").error("replica failed: %s: %s", type(e).__name__, e,
                                                       exc_info=not told)
+        write_error_file(f"{type(e).__name__}: {e}")
         sys.exit(1)
 
 

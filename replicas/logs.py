@@ -23,11 +23,13 @@ import time
 import msgspec
 
 __all__ = ["JsonFormatter", "TextFormatter", "TurnHandler", "setup_logging", "batch_lines",
-           "LOG_FORMAT_ENV", "LOG_LEVEL_ENV", "REPLICA_NAME_ENV"]
+           "LOG_FORMAT_ENV", "LOG_LEVEL_ENV", "REPLICA_NAME_ENV", "REPLICA_ERROR_FILE_ENV", "write_error_file"]
 
 LOG_FORMAT_ENV = "FAIRSTREAM_LOG_FORMAT"
 LOG_LEVEL_ENV = "FAIRSTREAM_LOG_LEVEL"
 REPLICA_NAME_ENV = "FAIRSTREAM_REPLICA_NAME"
+# where a replica the supervisor started writes why it failed (its exit status says nothing more)
+REPLICA_ERROR_FILE_ENV = "FAIRSTREAM_REPLICA_ERROR_FILE"
 
 _encode = msgspec.json.Encoder().encode
 _RESERVED = set(vars(logging.makeLogRecord({}))) | {"message", "asctime"}
@@ -227,3 +229,15 @@ def setup_logging(level: str = "info", json: bool = True, formatter: logging.For
     root.setLevel(level.upper())
     os.environ[LOG_FORMAT_ENV] = "json" if json else "text"
     os.environ[LOG_LEVEL_ENV] = level.lower()
+
+
+def write_error_file(reason: str) -> None:
+    """Tell the supervisor that started this replica why it fails (its
+    /admin/replicas ``last_error``); nothing when no supervisor asked."""
+    path = os.environ.get(REPLICA_ERROR_FILE_ENV)
+    if path:
+        try:
+            with open(path, "w", encoding="utf-8") as f:
+                f.write(reason[:2000])
+        except OSError:
+            pass

@@ -19,6 +19,7 @@ from typing import Any
 import msgspec
 
 from replicas.engine import Engine, EngineDead, EngineError
+from replicas.logs import write_error_file
 from replicas.output import OutputProcessor
 from replicas.prepare import prepare
 from replicas.spec import join_host_port
@@ -293,6 +294,7 @@ def exit_if_dead(engine: Engine) -> None:
     the supervisor (or systemd) restarts this replica."""
     if engine.dead:
         log.error("engine died (%s); exiting so that this replica is restarted", engine.death)
+        write_error_file(f"engine died ({engine.death})")
         raise SystemExit(1)
 
 

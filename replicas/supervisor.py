@@ -26,7 +26,7 @@ from typing import Any
 
 from replicas.client import ReplicaClient, ReplicaDead, ReplicaRefused, connect
 from replicas.cpubind import BIND_ENV, core_lists, workers
-from replicas.logs import REPLICA_NAME_ENV
+from replicas.logs import REPLICA_ERROR_FILE_ENV, REPLICA_NAME_ENV
 from replicas.pool import ReplicaPool, ReplicaSlot
 from replicas.protocol import FEATURES, Feature
 from replicas.rundirs import make_run_dir, sweep
@@ -124,6 +124,14 @@ async def answered_within(aw, timeout: float) -> Any:
                 raise TimeoutError
     finally:
         _abandon(task)
+
+
+def _exited(proc: asyncio.subprocess.Process, run_dir: str | None, name: str, when: str = "") -> RuntimeError:
+    """A local replica exited: its status, and why (``replicas.logs.write_error_file``, beside its socket)."""
+    why = ""
+    with contextlib.suppress(OSError, TypeError), open(os.path.join(run_dir, f"{name}.sock.error")) as f:
+        why = ": " + f.read().strip()
+    return RuntimeError(f"process exited with code {proc.returncode}{when}{why if why != ': ' else ''}")
 
 
 def _abandon(task: asyncio.Future) -> None:
@@ -351,7 +359,7 @@ class Supervisor:
                 done, _ = await asyncio.wait({ping, exited} - {None}, return_when=asyncio.FIRST_COMPLETED)
                 if exited is not None and exited in done:
                     _abandon(ping)
-                    raise RuntimeError(f"process exited with code {proc.returncode}")
+                    raise _exited(proc, self._run_dir, slot.name)
                 try:
                     pong = ping.result()
                 except (asyncio.TimeoutError, TimeoutError):
@@ -373,7 +381,7 @@ class Supervisor:
                 if exited is not None:
                     done, _ = await asyncio.wait({exited}, timeout=s.health_interval)
                     if done:
-                        raise RuntimeError(f"process exited with code {proc.returncode}")
+                        raise _exited(proc, self._run_dir, slot.name)
                 elif check_now is not None:  # until the next check, or one asked for now
                     if not check_now.is_set():
                         with contextlib.suppress(TimeoutError):
@@ -395,18 +403,17 @@ class Supervisor:
     async def _spawn(self, slot: ReplicaSlot) -> tuple[asyncio.subprocess.Process, str]:
         spec = slot.spec
         if self._run_dir is None:
-            # (synchronous: once, before the first replica starts, and quick:
-            # a listing of the temp dir and the removal of what a killed
-            # router left there)
+            # (synchronous: once, before the first replica starts, and quick: a listing
+            # of the temp dir and the removal of what a killed router left there)
             sweep()
             self._run_dir = make_run_dir()
         path = os.path.join(self._run_dir, f"{spec.name}.sock")
-        try:
-            os.unlink(path)
-        except FileNotFoundError:
-            pass
+        for stale in (path, path + ".error"):
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(stale)
         env = self._env(spec)
         env["FAIRSTREAM_REPLICA_SECRET"] = self._secret(slot)
+        env[REPLICA_ERROR_FILE_ENV] = path + ".error"  # (why it failed: _exited)
         cmd = [
             sys.executable,
             "-m",
@@ -454,7 +461,7 @@ class Supervisor:
         path = address[5:]
         while True:
             if proc.returncode is not None:
-                raise RuntimeError(f"process exited with code {proc.returncode} while starting")
+                raise _exited(proc, self._run_dir, slot.name, " while starting")
             if os.path.exists(path):
                 try:
                     return await connect(slot.name, address, secret=self._secret(slot), timeout=10)
