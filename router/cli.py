@@ -96,8 +96,8 @@ def _check(args: argparse.Namespace) -> int:
     for path in files:  # (grows: the tenants file a router.yaml names, unless given too)
         named = os.path.realpath(path) not in given
         if named and tenants_given:
-            print(f"{path}: not checked: the tenants file given is checked instead (as `serve --tenants` "
-                  "uses it)", file=sys.stderr)
+            print(f"{path}: note: not checked; the tenants file given stands for it (as with `serve --tenants`)",
+                  file=sys.stderr)
             continue
         try:
             kind = TenantsFile if named else _config_kind(path)
