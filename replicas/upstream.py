@@ -5,24 +5,22 @@ same single-slot ``Collector``; ``abort``, ``release``, ``ping``, ``load``,
 ``close``), so the pool, the supervisor and the router's failover treat an
 upstream like any other replica. Each request is one task that POSTs a
 streaming request through ``replicas.http11`` (keep-alive pool, httptools
-parsing) and then only waits: the response body is parsed into deltas for
-its collector inside the connection's ``data_received``, with no task
-wake-up per chunk (``replicas.upstream_sse``). Health checks, ``/metrics``
-and ``/detokenize`` go through one aiohttp session per upstream (its load:
-``replicas.upstream_load``). A stream
-resumed here with stop strings continues through a ``Splice``
-(``replicas.splice``); ``replicas.upstream_errors`` reads its error bodies
-and the 400s that refuse a field the router adds.
+parsing) and then only waits: the response body is parsed into deltas for its
+collector inside the connection's ``data_received``, with no task wake-up per
+chunk (``replicas.upstream_sse``). Health checks, ``/metrics`` and
+``/detokenize`` go through one aiohttp session per upstream (its load:
+``replicas.upstream_load``). A stream resumed here with stop strings continues
+through a ``Splice`` (``replicas.splice``); ``replicas.upstream_errors`` reads
+its error bodies and the 400s that refuse a field the router adds.
 
 Token ids (docs/upstreams.md). With ``return_token_ids`` (vLLM >= 0.10) the
 upstream returns the prompt's token ids in its first chunk and the new token
 ids in every chunk, and accepts token-id prompts on ``/v1/completions``; a
 stream it served can then move to any replica token-exact, and it can take
 over streams from others. An upstream that returns no token ids gets requests
-as text or messages only: it may be replaced before its first output (the
-collector fails with ``ReplicaDead``), but a failure after output ends the
-request with ``FinishReason.ERROR``, never with a restart that would repeat
-text.
+as text or messages only, and no continuation (``continues``): it may be
+replaced before its first output, but a failure after output ends the request
+with ``FinishReason.ERROR``, never with a restart that would repeat text.
 """
 
 from __future__ import annotations
@@ -101,9 +99,8 @@ class UpstreamClient:
         # Whether the upstream returns token ids (None: not known yet).
         self.token_ids: bool | None = {"yes": True, "no": False}.get(spec.token_ids)
         self._require_ids = spec.token_ids == "yes"
-        # Whether to ask for the usage chunk (stream_options.include_usage)
-        # while token ids are not known to come: where they never come, it
-        # is the only count of the prompt's tokens. False once refused.
+        # Whether to ask for the usage chunk (stream_options.include_usage) while token ids are
+        # not known to come: where they never come, the only count of the prompt. False once refused.
         self._ask_usage = True
         self._session = session
         self._http = http
@@ -121,14 +118,12 @@ class UpstreamClient:
 
     @property
     def continues(self) -> bool:
-        """It can continue a stream from its token ids (``prefix_token_ids``):
-        not once it is known to return none (``replicas.pool.CONTINUES``)."""
+        """It can continue a stream from its token ids: unless known to return none (pool.CONTINUES)."""
         return self.token_ids is not False
 
     @property
     def load(self) -> LoadReport:
-        """vLLM's scheduler stats (polled every METRICS_INTERVAL s) when the
-        upstream serves them, else just the streams the router has on it."""
+        """vLLM's scheduler stats (polled every METRICS_INTERVAL s) if served, else the router's streams on it."""
         return self._vllm_load or LoadReport(len(self._streams), 0, 0.0)
 
     def generate(
@@ -278,8 +273,7 @@ class UpstreamClient:
     def _request(self, params: SamplingParams, prompt: str | None, messages: list[dict[str, str]] | None,
                  prompt_ids: list[int] | None, prefix: list[int],
                  template_kwargs: dict[str, Any] | None = None) -> tuple[str, bytes, tuple[bool, bool]]:
-        """The path and JSON body of one generation request, and whether it
-        asks for token ids and for the usage chunk."""
+        """The path and JSON body of one generation request; whether it asks for token ids and usage."""
         if prompt_ids is not None:
             path, payload = "/completions", {"prompt": prompt_ids + prefix}
         elif messages is not None:
