@@ -92,16 +92,16 @@ def response_id_of(chat: bool, request_id: str) -> str:
 
 def check_model(svc: RouterService, policy: TenantPolicy, model: str) -> None:
     """Raise OpenAI's 404 unless a replica serves ``model`` and the tenant may use it."""
-    if policy.allows_model(model) and model not in svc.pool.models():
-        unknown = svc.pool.models_unknown()
-        if unknown:
-            # (a replica not connected yet may serve it: a 503 to retry, not a 404, which clients do not retry)
-            raise ReplicaUnavailable(
-                f"no ready replica serves model '{clip(model)}' ({unknown} replica(s) not connected yet "
-                "may serve it); retry shortly.")
-    if model not in svc.pool.models() or not policy.allows_model(model):
-        raise NotFound(f"The model '{clip(model)}' does not exist or you do not have access to it.",
-                       param="model", code="model_not_found")
+    if model in svc.pool.models() and policy.allows_model(model):
+        return
+    unknown = svc.pool.models_unknown() if policy.allows_model(model) else 0
+    if unknown:
+        # (a replica not connected yet may serve it: a 503 to retry, not a 404, which clients do not retry)
+        raise ReplicaUnavailable(
+            f"no ready replica serves model '{clip(model)}' ({unknown} replica(s) not connected yet "
+            "may serve it); retry shortly.")
+    raise NotFound(f"The model '{clip(model)}' does not exist or you do not have access to it.",
+                   param="model", code="model_not_found")
 
 
 # max_tokens of a /v1/completions request that does not set it, as OpenAI's

@@ -208,11 +208,16 @@ class HttpConnection(HttpToolsProtocol):
             else:
                 body = error_body(message, "invalid_request_error", None, code)
                 head = b"content-type: application/json\r\n"
-            self.transport.write(b"HTTP/1.1 %d %s\r\n%scontent-length: %d\r\nconnection: close\r\n\r\n%s"
-                                 % (status, HTTPStatus(status).phrase.encode(), head, len(body), body))
-            if self._linger():
+            if self._answer_closing(status, head + b"content-length: %d\r\n" % len(body), body):
                 return
         self.transport.close()
+
+    def _answer_closing(self, status: int, head: bytes, body: bytes) -> bool:
+        """Write a response with ``connection: close`` and close after a
+        lingering close (``_linger``); False: that cannot be (TLS), close now."""
+        self.transport.write(b"HTTP/1.1 %d %s\r\n%sconnection: close\r\n\r\n%s"
+                             % (status, HTTPStatus(status).phrase.encode(), head, body))
+        return self._linger()
 
     def _linger(self) -> bool:
         """Close the connection's sending side after a refusal and discard
@@ -258,9 +263,7 @@ class HttpConnection(HttpToolsProtocol):
         head = b"".join(k + b": " + v + b"\r\n" for k, v in headers if k.lower() != b"connection")
         if cycle.scope.get("method") == "HEAD":
             body = b""  # (its head only, as uvicorn sends it: RFC 9110 9.3.2)
-        self.transport.write(b"HTTP/1.1 %d %s\r\n%sconnection: close\r\n\r\n%s"
-                             % (status, HTTPStatus(status).phrase.encode(), head, body))
-        if not self._linger():
+        if not self._answer_closing(status, head, body):
             self.transport.close()
         return True
 

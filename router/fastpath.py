@@ -189,7 +189,6 @@ class FastPath:
                           client_rid: str = "", length: int | None = None) -> None:
         svc = self.svc
         request_id = new_request_id()
-        started = time.monotonic()
         endpoint = "chat" if chat else "completions"
         # The key and the declared size are checked before the body is read
         # (and before a client that sent ``Expect: 100-continue`` is told to
@@ -205,7 +204,7 @@ class FastPath:
         body = b""
         limit = svc.config.max_body_bytes
         if length is not None and length > limit:
-            await _too_large(send, cors, limit, Outcome(svc, policy, endpoint, started, request_id,
+            await _too_large(send, cors, limit, Outcome(svc, policy, endpoint, time.monotonic(), request_id,
                                                         client_request_id=client_rid))
             return
         while True:
@@ -214,7 +213,7 @@ class FastPath:
                 return
             body += msg.get("body", b"")
             if len(body) > limit:
-                await _too_large(send, cors, limit, Outcome(svc, policy, endpoint, started, request_id,
+                await _too_large(send, cors, limit, Outcome(svc, policy, endpoint, time.monotonic(), request_id,
                                                             client_request_id=client_rid))
                 return
             if not msg.get("more_body", False):
