@@ -22,7 +22,7 @@ import time
 
 import msgspec
 
-__all__ = ["JsonFormatter", "TextFormatter", "TurnHandler", "setup_logging", "batch_lines",
+__all__ = ["JsonFormatter", "TextFormatter", "TurnHandler", "SummaryLog", "setup_logging", "batch_lines",
            "LOG_FORMAT_ENV", "LOG_LEVEL_ENV", "REPLICA_NAME_ENV", "REPLICA_ERROR_FILE_ENV", "write_error_file"]
 
 LOG_FORMAT_ENV = "FAIRSTREAM_LOG_FORMAT"
@@ -44,34 +44,53 @@ class JsonFormatter(logging.Formatter):
         self.static = static or {}
         self._date: tuple[int, str] = (-1, "")  # (whole second, its formatted date)
 
-    def fields(self, record: logging.LogRecord) -> dict[str, object]:
-        created = record.created
+    def head(self, created: float, level: str, name: str, msg: str) -> dict[str, object]:
+        """A line's fields before its record's own: time, level, logger,
+        message, then ``static``."""
         second = int(created)
         cached, date = self._date  # one tuple: a record formatted on another thread cannot mix them
         if second != cached:  # strftime once a second, not once a line
             date = time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(second))
             self._date = (second, date)
-        out: dict[str, object] = {
+        return {
             "ts": round(created, 6),
-            "time": f"{date}.{int(record.msecs):03d}Z",
-            "level": record.levelname.lower(),
-            "logger": record.name,
-            "msg": record.getMessage(),
+            "time": f"{date}.{int((created - second) * 1000):03d}Z",  # (LogRecord.msecs)
+            "level": level,
+            "logger": name,
+            "msg": msg,
             **self.static,
         }
+
+    def more(self, out: dict[str, object]) -> None:
+        """Fields a subclass adds last (router.logs: the request's id)."""
+
+    def fields(self, record: logging.LogRecord) -> dict[str, object]:
+        out = self.head(record.created, record.levelname.lower(), record.name, record.getMessage())
         for key, value in record.__dict__.items():
             if key not in _RESERVED and not key.startswith("_"):
                 out[key] = value
         if record.exc_info:
             out["exc"] = self.formatException(record.exc_info)
+        self.more(out)
         return out
 
     def format(self, record: logging.LogRecord) -> str:
-        out = self.fields(record)
-        try:
-            return _encode(out).decode()
-        except (TypeError, msgspec.EncodeError):
-            return _encode({k: str(v) for k, v in out.items()}).decode()
+        return _encoded(self.fields(record))
+
+    def line(self, name: str, msg: str, fields: dict[str, object]) -> str:
+        """The line ``logging.getLogger(name).info(msg, extra=fields)`` would
+        make, with no record (``SummaryLog``)."""
+        out = self.head(time.time(), "info", name, msg)
+        out.update(fields)
+        self.more(out)
+        return _encoded(out)
+
+
+def _encoded(out: dict[str, object]) -> str:
+    try:
+        return _encode(out).decode()
+    except (TypeError, msgspec.EncodeError):
+        return _encode({k: str(v) for k, v in out.items()}).decode()
 
 
 class TextFormatter(logging.Formatter):
@@ -137,12 +156,7 @@ class TurnHandler(logging.StreamHandler):
             self._write_waiting()
 
     def emit(self, record: logging.LogRecord) -> None:  # (called with the handler's lock held)
-        loop = self._loop
-        if loop is not None and loop.is_closed():  # closed without unbind (a start that failed, a forced exit)
-            self._loop = self._thread = loop = None
-        if loop is None or threading.get_ident() != self._thread:
-            if self._lines:
-                self._write_waiting()
+        if not self._batching():
             super().emit(record)
             return
         try:
@@ -152,10 +166,41 @@ class TurnHandler(logging.StreamHandler):
         except Exception:  # noqa: BLE001 - logging's own contract: report, do not raise
             self.handleError(record)
             return
-        if not self._lines:
-            loop.call_soon(self._turn_end)
-        self._lines.append(line)
+        self._add(line)
         self._last = record
+
+    def emit_line(self, line: str) -> None:
+        """Write a line formatted already (``SummaryLog``), as ``emit``
+        writes a record's."""
+        with self.lock:  # type: ignore[union-attr]
+            if self._batching():
+                self._add(line)
+                self._last = None
+                return
+            try:
+                self.stream.write(line + self.terminator)
+                self.flush()
+            except RecursionError:
+                raise
+            except Exception:  # noqa: BLE001 - as StreamHandler.emit: report, do not raise
+                self.handleError(logging.makeLogRecord({"msg": line}))
+
+    def _batching(self) -> bool:
+        """Whether a line logged now waits for the turn's end (else: written
+        at once, after the lines that wait). With the lock held."""
+        loop = self._loop
+        if loop is not None and loop.is_closed():  # closed without unbind (a start that failed, a forced exit)
+            self._loop = self._thread = loop = None
+        if loop is None or threading.get_ident() != self._thread:
+            if self._lines:
+                self._write_waiting()
+            return False
+        return True
+
+    def _add(self, line: str) -> None:
+        if not self._lines:
+            self._loop.call_soon(self._turn_end)  # type: ignore[union-attr]
+        self._lines.append(line)
 
     def _turn_end(self) -> None:
         with self.lock:  # type: ignore[union-attr]
@@ -188,7 +233,50 @@ class TurnHandler(logging.StreamHandler):
         except RecursionError:
             raise
         except Exception:  # noqa: BLE001 - as StreamHandler.emit: report, do not raise
-            self.handleError(last)  # type: ignore[arg-type]
+            self.handleError(last if last is not None else logging.makeLogRecord({"msg": lines[-1]}))
+
+
+class SummaryLog:
+    """The INFO lines of one logger whose fields are all given (the router's
+    line per request): written straight to ``setup_logging``'s JSON handler
+    while it is the only thing that would see them. A ``LogRecord`` and the
+    logging module's dispatch cost three quarters of such a line (~28 of
+    ~37 us; docs/perf.md, "Session 28"). Whenever anything else listens (a
+    filter, another handler such as pytest's ``caplog``, a logger that does
+    not propagate) or the format is text, the line goes through ``logging``,
+    so it reaches whatever a record would."""
+
+    __slots__ = ("logger",)
+
+    def __init__(self, name: str) -> None:
+        self.logger = logging.getLogger(name)
+
+    def info(self, msg: str, fields: dict[str, object]) -> None:
+        """``logger.info(msg, extra=fields)``; ``msg`` is not %-formatted."""
+        logger = self.logger
+        if not logger.isEnabledFor(logging.INFO):
+            return
+        handler = _sole_handler(logger)
+        if handler is None:
+            logger.info(msg, extra=fields)
+        else:
+            handler.emit_line(handler.formatter.line(logger.name, msg, fields))  # type: ignore[union-attr]
+
+
+def _sole_handler(logger: logging.Logger) -> TurnHandler | None:
+    """The one handler an INFO record of ``logger`` would reach, if it is a
+    ``TurnHandler`` writing JSON and no filter is on the way; else None."""
+    while logger.parent is not None:
+        if logger.filters or logger.handlers or not logger.propagate:
+            return None
+        logger = logger.parent
+    if logger.filters or len(logger.handlers) != 1:
+        return None
+    handler = logger.handlers[0]
+    if (type(handler) is not TurnHandler or handler.filters or handler.level > logging.INFO
+            or not isinstance(handler.formatter, JsonFormatter)):
+        return None
+    return handler
 
 
 def batch_lines(loop: asyncio.AbstractEventLoop | None) -> None:

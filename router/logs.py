@@ -11,7 +11,6 @@ whose policy sets ``log_content``.
 from __future__ import annotations
 
 import contextvars
-import logging
 import os
 
 from replicas import logs as _logs
@@ -24,12 +23,10 @@ request_id_var: contextvars.ContextVar[str] = contextvars.ContextVar("request_id
 
 
 class JsonFormatter(_logs.JsonFormatter):
-    def fields(self, record: logging.LogRecord) -> dict[str, object]:
-        out = super().fields(record)
+    def more(self, out: dict[str, object]) -> None:
         rid = request_id_var.get()
         if rid:
             out.setdefault("request_id", rid)
-        return out
 
 
 def setup_logging(level: str = "info", json: bool = True, worker: bool = False) -> None:

@@ -17,6 +17,7 @@ import time
 from collections.abc import AsyncIterator
 from contextlib import aclosing
 
+from replicas.logs import SummaryLog
 from replicas.protocol import FinishReason
 from router.admission import Ticket
 from router.deadlines import StreamTimeout
@@ -37,7 +38,7 @@ NOT_RESUMABLE = "not_resumable"
 # the longest a stream's ending waits for its ticket's settlement on a shared
 # store (``EventStream.release``); then it goes out, the settlement goes on
 RELEASE_WAIT = 0.25
-request_log = logging.getLogger("fairstream.request")
+request_log = SummaryLog("fairstream.request")
 
 
 class Outcome:
@@ -93,7 +94,7 @@ class Outcome:
                 extra["prompt"] = job.messages if job.messages is not None else (
                     job.prompt if job.prompt is not None else job.prompt_token_ids)
                 extra["completion"] = "".join(gen.text_parts or ())
-        request_log.info("request %s", outcome, extra=extra)
+        request_log.info(f"request {outcome}", extra)
 
 
 def _line_fields(request_id: str, tenant: str, endpoint: str, outcome: str, client_request_id: str,
@@ -164,7 +165,7 @@ def log_refused(svc, endpoint: str, request_id: str, e: ApiError, client_request
     extra = _line_fields(request_id, "", endpoint, "unauthorized", client_request_id, e)
     if suppressed:
         extra["suppressed"] = suppressed
-    request_log.info("request unauthorized", extra=extra)
+    request_log.info("request unauthorized", extra)
 
 
 def shutdown_error(svc, resumable: bool) -> RouterShutdown:

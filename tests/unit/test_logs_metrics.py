@@ -231,3 +231,93 @@ def test_reload_results_are_exported_at_zero_before_the_first_reload():
     text = generate_latest(Metrics().registry).decode()
     assert 'fairstream_config_reloads_total{result="success"} 0.0' in text
     assert 'fairstream_config_reloads_total{result="failure"} 0.0' in text
+
+
+def _json_root(monkeypatch, formatter: logging.Formatter) -> _Writes:
+    """The root logger as ``setup_logging`` leaves it (one ``TurnHandler``),
+    without pytest's capture handlers."""
+    stream = _Writes()
+    handler = TurnHandler(stream)
+    handler.setFormatter(formatter)
+    root = logging.getLogger()
+    monkeypatch.setattr(root, "handlers", [handler])
+    monkeypatch.setattr(root, "level", logging.INFO)
+    logging.getLogger("test.summary").setLevel(logging.NOTSET)
+    return stream
+
+
+def test_a_summary_line_is_the_line_its_record_would_make_and_costs_no_record(monkeypatch):
+    from replicas.logs import SummaryLog
+    from router.logs import request_id_var
+
+    stream = _json_root(monkeypatch, JsonFormatter({"pid": 7}))
+    made: list[object] = []
+    make = logging.Logger.makeRecord
+    monkeypatch.setattr(logging.Logger, "makeRecord", lambda *a, **k: made.append(a) or make(*a, **k))
+    fields = {"request_id": "r1", "tenant": "t", "outcome": "ok", "duration_s": 0.25, "prompt_tokens": 3,
+              "prompt": [{"role": "user", "content": "é \"quoted\""}]}
+    token = request_id_var.set("ctx-id")
+    try:
+        SummaryLog("test.summary").info("request ok", fields)
+        assert made == []  # straight to the handler
+        logging.getLogger("test.summary").info("request %s", "ok", extra=fields)
+        assert len(made) == 1
+        del fields["request_id"]  # the context's id fills in, as on a record
+        SummaryLog("test.summary").info("request ok", fields)
+    finally:
+        request_id_var.reset(token)
+    direct, logged, filled = (json.loads(w) for w in stream.writes)
+    for line in (direct, logged, filled):
+        assert abs(line.pop("ts") - time.time()) < 5 and line.pop("time").endswith("Z")
+    assert list(direct.items()) == list(logged.items())  # same fields, same order
+    assert direct["pid"] == 7 and direct["msg"] == "request ok" and direct["prompt"][0]["content"] == 'é "quoted"'
+    assert filled["request_id"] == "ctx-id"
+
+
+def test_a_summary_line_goes_through_logging_whenever_anything_else_would_see_it(monkeypatch):
+    from replicas.logs import SummaryLog, TextFormatter
+
+    log = SummaryLog("test.summary")
+    stream = _json_root(monkeypatch, JsonFormatter())
+    seen: list[logging.LogRecord] = []
+    other = logging.Handler()
+    other.emit = seen.append  # type: ignore[method-assign]
+    logging.getLogger().handlers.append(other)  # (pytest's caplog is such a handler)
+    log.info("request ok", {"tenant": "t"})
+    assert [(r.getMessage(), r.tenant) for r in seen] == [("request ok", "t")]  # type: ignore[attr-defined]
+    assert json.loads(stream.writes[0])["tenant"] == "t"
+    logging.getLogger().handlers.remove(other)
+
+    logger = logging.getLogger("test.summary")
+    monkeypatch.setattr(logger, "filters", [lambda r: False])
+    log.info("request ok", {"tenant": "filtered"})
+    monkeypatch.setattr(logger, "filters", [])
+    monkeypatch.setattr(logger, "level", logging.WARNING)
+    logger.manager._clear_cache()
+    log.info("request ok", {"tenant": "quiet"})
+    monkeypatch.setattr(logger, "level", logging.NOTSET)
+    logger.manager._clear_cache()
+    assert len(stream.writes) == 1
+
+    stream = _json_root(monkeypatch, TextFormatter("%(name)s %(levelname)s %(message)s"))
+    log.info("request ok", {"tenant": "t"})
+    assert stream.writes == ["test.summary INFO request ok tenant=t\n"]
+
+
+async def test_a_summary_line_that_cannot_be_written_is_reported_with_its_text(monkeypatch) -> None:
+    class Broken(_Writes):
+        def write(self, text: str) -> None:
+            raise BrokenPipeError("the log reader is gone")
+
+    handler = TurnHandler(Broken())
+    reported: list[logging.LogRecord] = []
+    monkeypatch.setattr(handler, "handleError", reported.append)
+    handler.emit_line("at once")  # (no loop bound)
+    handler.bind(asyncio.get_running_loop())
+    try:
+        handler.emit_line("one")
+        handler.emit_line("two")
+        await asyncio.sleep(0)
+    finally:
+        handler.unbind()
+    assert [r.getMessage() for r in reported] == ["at once", "two"]
