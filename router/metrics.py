@@ -118,7 +118,7 @@ class Metrics:
             ["tenant", "priority"], buckets=_LATENCY_BUCKETS,
         )
         self.replica_cap = Gauge(
-            "fairstream_replica_inflight_cap", "Adaptive in-flight cap of the replica.", ["replica"], registry=r, multiprocess_mode="livesum"
+            "fairstream_replica_inflight_cap", "In-flight cap the router holds the replica to: the adaptive cap, never above its max_concurrency.", ["replica"], registry=r, multiprocess_mode="livesum"
         )
         self.admission_waiting = tenant(
             Gauge, "fairstream_admission_waiting", "Requests waiting for a tenant limit (on_limit: queue).",

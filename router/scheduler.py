@@ -84,7 +84,8 @@ class Scheduler:
             lim = AimdLimiter(batching, now)
             self._limiters[slot.name] = lim
             slot.cap_fn = lambda lim=lim: lim.cap
-            metrics.replica_cap.labels(slot.name).set(lim.cap)
+            # (the cap the router enforces: the adaptive one, never above max_concurrency)
+            metrics.replica_cap.labels(slot.name).set(slot.cap)
         pool.on_release = self._on_release
         pool.on_ready = self._wake_queue  # (a replica restarted, or is chosen again after a refused connect)
         # dispatch-rate estimate for Retry-After (EWMA of dispatches per second)
@@ -196,7 +197,7 @@ class Scheduler:
             lim.observe_ttft(ttft)
         lim.note_inflight(slot.inflight)
         if lim.tick(self.clock()):
-            self.metrics.replica_cap.labels(slot.name).set(lim.cap)
+            self.metrics.replica_cap.labels(slot.name).set(slot.cap)
             if self._queued or self.pool.waiting:
                 self._schedule_dispatch()
 

@@ -152,7 +152,7 @@ def _panels() -> list[dict[str, Any]]:
         [_q(f"sum by (tenant, limit) (rate(fairstream_rate_limited_total{{{T}}}{RI}))", "{{tenant}} {{limit}}")],
         "reqps"), 8, 8)
     L.add(_timeseries(
-        "Timeouts by kind", "Requests ended by a tenant time limit (queue_wait, first_token, stall, total).",
+        "Timeouts by kind", "Requests ended by a tenant time limit (first_token, total; a queue_wait is under Rate-limited by limit, a stall is a failover).",
         [_q(f"sum by (tenant, timeout) (rate(fairstream_timeouts_total{{{T}}}{RI}))", "{{tenant}} {{timeout}}")],
         "reqps"), 8, 8)
 
@@ -161,7 +161,7 @@ def _panels() -> list[dict[str, Any]]:
         "Replica up", "1 when the replica is connected and ready.",
         [_q(f"fairstream_replica_up{{{R}}}", "{{replica}}")], mappings=_UP_DOWN, thresholds=_RED_BELOW_1), 6, 8)
     L.add(_timeseries(
-        "Replica in-flight vs adaptive cap", "Requests the router has on each replica, and its adaptive cap.",
+        "Replica in-flight vs adaptive cap", "Requests the router has on each replica, and the cap the router holds it to (adaptive, never above max_concurrency).",
         [_q(f"fairstream_replica_inflight_requests{{{R}}}", "{{replica}} in-flight"),
          _q(f"fairstream_replica_inflight_cap{{{R}}}", "{{replica}} cap", "B")],
         "short"), 9, 8)
