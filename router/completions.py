@@ -258,7 +258,10 @@ async def start_generation(
             await pieces.aclose()
         else:
             gen.close()
-        await svc.admission.finish(ticket, gen.used_tokens)
+        # (a prompt its tenant's max_prompt_tokens refuses takes nothing, as any
+        # refusal by the tenant's limits; nothing of its output was sent)
+        refused = isinstance(e, BadRequest) and e.code == "prompt_too_long"
+        await svc.admission.finish(ticket, 0 if refused else gen.used_tokens)
         told = error_before_output(svc.metrics, policy.name, e, {"x-request-id": request_id, **ticket.headers})
         outcome.record(outcome_of(e), error=told)  # (its line has the status the client gets)
         if told is e:

@@ -43,6 +43,19 @@ class Deadlines:
         self.total = total
         self.start = time.monotonic() if start is None else start
 
+    def wait_limit(self, delivered: bool) -> tuple[float, StreamTimeout] | None:
+        """Seconds from now until the limit that ends a wait for a replica
+        (first token, while there is no output; total), and the timeout it
+        is then; None: neither is set."""
+        at, which = None, ""
+        if self.first_token and not delivered:
+            at, which = self.start + self.first_token, "first_token"
+        if self.total and (at is None or self.start + self.total < at):
+            at, which = self.start + self.total, "total"
+        if at is None:
+            return None
+        return at - time.monotonic(), StreamTimeout(which, getattr(self, which))
+
 
 class Watchdog:
     """The first-token, stall and total limits of one run on a replica, as one

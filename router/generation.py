@@ -187,7 +187,7 @@ class Generation(WaitsForReplica):
             if self.scheduler is not None and self.policy is not None:
                 waited = time.monotonic() - self.deadlines.start  # e.g. for a rate limit
                 handle = await self.scheduler.acquire(self.policy, self.rank, job.model, remaining, waited,
-                                                      job.affinity_key(), self.needs)
+                                                      job.affinity_key(), self.needs, self._wait_limit)
             else:
                 handle = self.pool.choose(job.model, remaining, self._exclude, self.needs)
         except NoReplica as e:
@@ -196,6 +196,11 @@ class Generation(WaitsForReplica):
             handle.release()
             return
         self._attach(handle)
+
+    def _wait_limit(self):
+        """The tenant's first-token (or total) limit ends a wait for a replica
+        as it would the run: "its waits for limits and a replica included"."""
+        return self.deadlines.wait_limit(bool(self.completion_ids))
 
     def close(self) -> None:
         """Stop: abort on the replica if it is still running there."""

@@ -104,13 +104,17 @@ class Scheduler:
         return self._limiters[slot.name]
 
     async def acquire(self, policy: TenantPolicy, rank: int, model: str, tokens: int,
-                      waited: float = 0.0, affinity: int | None = None, needs: int = 0) -> LoadHandle:
+                      waited: float = 0.0, affinity: int | None = None, needs: int = 0,
+                      limit: Callable[[], tuple[float, BaseException] | None] | None = None) -> LoadHandle:
         """A load handle on a replica for this request, when the scheduler
         says it is its turn. 429 when the tenant's queue is full, 503 when the
         queue wait passes the tenant's limit (``waited``: seconds the request
         already waited for admission, which count against the same limit),
         or when no ready replica serves ``model`` with the features of
-        ``needs``; cancellation leaves the queue."""
+        ``needs``; cancellation leaves the queue. ``limit``, asked only when
+        the request must wait: seconds until another limit of the request
+        ends its wait first (its first-token or total time), and the error
+        it then gets."""
         if self.stopping:
             raise RouterShutdown()
         gone = self._gone.get(policy.name)
@@ -155,6 +159,11 @@ class Scheduler:
         wait = policy.limits.queue_wait
         if wait:
             wait = max(0.001, wait - waited)
+        ends = limit() if limit is not None else None
+        if ends is not None and (not wait or ends[0] < wait):
+            wait = max(0.001, ends[0])
+        else:
+            ends = None
         try:
             if wait:
                 async with asyncio.timeout(wait):
@@ -162,6 +171,8 @@ class Scheduler:
             return await asyncio.shield(w.future)
         except TimeoutError:
             self._leave(w)
+            if ends is not None:
+                raise ends[1] from None
             self.metrics.limited(policy.name, "queue_wait")
             try:
                 self.pool.serving(model, needs)

@@ -44,6 +44,7 @@ __all__ = ["RouterService"]
 
 class _Drains(Protocol):
     def drain(self) -> None: ...
+    def recheck(self) -> None: ...
 
 log = logging.getLogger("fairstream.router")
 
@@ -90,6 +91,8 @@ class RouterService:
         if changed:
             m.declare((), self.policy.current.tenants)
             self._refuse_removed()
+            for conn in list(self.sockets):  # (a revoked key's socket closes once its requests end)
+                conn.recheck()
             self.peers.soon()
             self._warn_unserved_models()
 

@@ -140,6 +140,20 @@ class _Conn:
         if not self.running and not self.finals:
             self._close_soon()
 
+    def recheck(self) -> None:
+        """A reload changed the tenant policy: a socket whose key it revoked
+        (or whose tenant it removed) takes no new request and closes (4401)
+        once its running ones have ended, whether or not its client sends
+        another request; it stops counting against ``max_sockets`` then."""
+        if self.auth is None or self.revoked is not None:
+            return
+        try:
+            policy = self.svc.tenant(self.auth)
+        except ApiError as e:
+            self.revoke(e)
+            return
+        self.tenant = policy.name  # (a key moved to another tenant: the socket is that tenant's now)
+
     def start(self, cid: str, body: bytes, policy: TenantPolicy) -> None:
         task = asyncio.get_running_loop().create_task(self.run_one(cid, body, policy))
         self.running[cid] = task

@@ -501,3 +501,26 @@ def test_a_token_id_prompt_the_replica_refuses_takes_no_tokens(tmp_path, stream)
         r = httpx.post(url, headers=auth(KEY_A), json=body(4), timeout=20)
         assert r.status_code == 200, r.text
         assert int(r.headers["x-ratelimit-remaining-tokens"]) >= 20000 - 100, r.headers
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_prompt_over_max_prompt_tokens_takes_no_tokens(tmp_path, stream):
+    # limits.max_prompt_tokens refuses a prompt on its real count (first
+    # delta: 400 prompt_too_long). "A request its limits refuse takes
+    # nothing", but its prompt (and first token) was settled as used: four
+    # such mistakes took a tenant's whole tokens_per_minute, and its next
+    # valid request got a 429 for the better part of a minute.
+    t = tmp_path / "tenants.yaml"
+    tenants_yaml(t, tpm=3000, extra="")
+    doc = yaml.safe_load(t.read_text())
+    doc["tenants"]["a"]["limits"]["max_prompt_tokens"] = 100
+    t.write_text(yaml.safe_dump(doc, sort_keys=False))
+    with RouterProcess(tmp_path / "r", tenants=t) as router:
+        url = router.base_url + "/v1/completions"
+        long_prompt = {**body(4, stream=stream), "prompt": "Le café " * 100}  # (~900 tokens)
+        for _ in range(4):
+            r = httpx.post(url, headers=auth(KEY_A), json=long_prompt, timeout=20)
+            assert r.status_code == 400 and r.json()["error"]["code"] == "prompt_too_long", r.text
+        r = httpx.post(url, headers=auth(KEY_A), json=body(4), timeout=20)
+        assert r.status_code == 200, r.text
+        assert int(r.headers["x-ratelimit-remaining-tokens"]) >= 3000 - 100, r.headers

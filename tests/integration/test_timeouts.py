@@ -404,3 +404,28 @@ async def test_a_resume_whose_client_stops_reading_is_dropped_after_send_timeout
         finally:
             sock.close()
 
+
+
+async def test_first_token_timeout_ends_a_request_waiting_for_a_busy_replica_at_its_limit(tmp_path) -> None:
+    # first_token counts "its waits for limits and a replica included"; a
+    # request queued behind a full replica was checked only once dispatched:
+    # with first_token 1 and queue_wait 30 it waited the 7 s the replica was
+    # busy, was dispatched, and only then got its 504.
+    tenants = tmp_path / "tenants.yaml"
+    tenants.write_text(yaml.safe_dump({"admin_keys": [hash_key(ADMIN)], "tenants": {
+        "t": {"keys": [hash_key(KEY)], "timeouts": {"first_token": 1.0, "queue_wait": 30}},
+        "b": {"keys": [hash_key("busy-key")]}}}))
+    settings = {"replicas": [{"name": "sim-0", "engine": "sim", "max_concurrency": 1,
+                              "config": {"model": MODEL, "seed": 0, "step_base_ms": 2}}]}
+    with RouterProcess(tmp_path / "r", replicas=1, tenants=tenants, settings=settings) as r:
+        busy = openai.AsyncOpenAI(base_url=r.base_url + "/v1", api_key="busy-key", max_retries=0)
+        cli = openai.AsyncOpenAI(base_url=r.base_url + "/v1", api_key=KEY, max_retries=0)
+        body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "extra_body": {"ignore_eos": True}}
+        hold = await busy.chat.completions.create(**body, max_tokens=3000, stream=True)  # (~6 s)
+        await hold.__anext__()
+        t0 = time.monotonic()
+        with pytest.raises(openai.APIStatusError) as info:
+            await cli.chat.completions.create(**body, max_tokens=5, stream=True)
+        assert info.value.status_code == 504 and info.value.body["code"] == "first_token_timeout", info.value.body
+        assert time.monotonic() - t0 < 2.5, time.monotonic() - t0
+        await hold.close()

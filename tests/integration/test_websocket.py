@@ -420,6 +420,40 @@ async def test_a_reload_reaches_open_sockets_a_revoked_key_closes_them(tmp_path:
                 assert info.value.rcvd is not None and info.value.rcvd.code == 4401, info.value
 
 
+async def test_a_socket_whose_key_a_reload_revoked_closes_after_its_requests_without_another(tmp_path: Path) -> None:
+    # A socket whose key a reload revoked, with requests running, that sends
+    # nothing more: it closed only at its next request (or ws_idle_timeout,
+    # 1000 "idle"), and meanwhile held its tenant's max_sockets slot, so the
+    # rotated-in key was refused (4429). It closes with 4401 once they end.
+    tenants = tmp_path / "tenants.yaml"
+
+    def write(keys: list[str]) -> None:
+        tenants.write_text(yaml.safe_dump({
+            "admin_keys": [hash_key(ADMIN)],
+            "tenants": {"a": {"keys": [hash_key(k) for k in keys], "limits": {"max_sockets": 1}}},
+        }, sort_keys=False))
+
+    write([KEY_A, KEY_LIM])
+    with RouterProcess(tmp_path / "r", replicas=1, tenants=tenants, sim={"step_base_ms": 1}) as r:
+        async with httpx.AsyncClient(base_url=r.base_url, timeout=30) as admin:
+            async with open_ws(r, KEY_LIM) as revoked:
+                col = Collector(revoked)
+                for cid in ("one", "two"):
+                    await create(revoked, cid, chat_body("hello", 600))
+                await col.until(lambda: col.of("one") and col.of("two"), what="the first chunks")
+                write([KEY_A])
+                resp = await admin.post("/admin/reload", headers={"Authorization": f"Bearer {ADMIN}"})
+                assert resp.status_code == 200 and resp.json()["changed"], resp.text
+                await col.until(lambda: col.finished("one") and col.finished("two"), what="the requests' ends")
+                assert col.of("one")[-1] == {"id": "one", "done": True}, col.of("one")[-1]
+                with pytest.raises(ConnectionClosed) as info:
+                    await recv(revoked, timeout=5)
+                assert info.value.rcvd is not None and info.value.rcvd.code == 4401, info.value
+            async with open_ws(r, KEY_A) as fresh:  # (the tenant's one socket slot is free again)
+                await create(fresh, "new", chat_body("hello", 5))
+                assert "chunk" in await recv(fresh), "the new key's socket was refused"
+
+
 async def test_an_idle_socket_is_closed_and_a_tenant_has_at_most_max_sockets(tmp_path: Path) -> None:
     # (uvicorn's pings kept a silent authenticated socket open for good: 20
     # of them held every connection slot of a router with max_connections 20)

@@ -117,3 +117,26 @@ async def test_a_request_whose_replicas_went_down_while_it_waited_says_so_at_its
         await waiting
     assert "waited 0.2s in the queue" in info.value.message and info.value.code == "no_replica_available"
     held.release()
+
+
+async def test_a_request_limit_shorter_than_queue_wait_ends_its_wait_and_leaves_the_queue() -> None:
+    # (the tenant's first-token limit counts the wait for a replica; it was
+    # checked only once dispatched, after the whole wait)
+    from router.deadlines import StreamTimeout
+
+    pool, metrics, sched = _one_slot()
+    a = queueing_policy("a")
+    held = await sched.acquire(a, 1, MODEL, 8)
+    asked: list[int] = []
+
+    def limit():
+        asked.append(1)
+        return 0.05, StreamTimeout("first_token", 1.0)
+
+    with pytest.raises(StreamTimeout):
+        await asyncio.wait_for(sched.acquire(a, 1, MODEL, 8, limit=limit), 5)
+    assert sched.queued("a") == 0 and metrics.queued.labels("a", "normal")._value.get() == 0
+    held.release()
+    # a replica with room: the limit is not even asked
+    (await sched.acquire(a, 1, MODEL, 8, limit=limit)).release()
+    assert asked == [1]
