@@ -42,6 +42,16 @@ class ReplicaDead(ConnectionError):
     """The replica's connection is gone; its streams can be resumed elsewhere."""
 
 
+class ReplicaBusy(ReplicaDead):
+    """The replica answered that it takes no request now (an upstream's 429 or
+    503): alive, not dead, so going straight back to it is not "finding it
+    still dead"; ``retry_after``: the seconds it asked for (0: none said)."""
+
+    def __init__(self, reason: str, retry_after: float = 0.0) -> None:
+        super().__init__(reason)
+        self.retry_after = retry_after
+
+
 class ReplicaRefused(ConnectionError):
     """The replica refused the handshake (bad secret or version)."""
 

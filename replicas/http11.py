@@ -27,16 +27,21 @@ KEEPALIVE = 30.0  # seconds an idle connection is kept for reuse
 
 
 def sse_data(buf: bytes) -> tuple[list[bytes], bytes]:
-    """The ``data:`` payloads (stripped, one per data line) of the complete
-    server-sent events in ``buf``, and the incomplete rest to keep."""
+    """The ``data:`` payloads (stripped) of the complete server-sent events
+    in ``buf``, one per event, and the incomplete rest to keep. An event's
+    data lines are one payload, joined by newlines, as the SSE standard has
+    it (a proxy or server that folds a JSON chunk over several lines)."""
     if b"\r" in buf:
         buf = buf.replace(b"\r\n", b"\n")
     *events, rest = buf.split(b"\n\n")
     out = []
     for event in events:
-        for line in event.split(b"\n"):
-            if line.startswith(b"data:"):
-                out.append(line[5:].strip())
+        if event.startswith(b"data:") and b"\n" not in event:
+            out.append(event[5:].strip())  # (the usual event: one data line)
+            continue
+        lines = [line[5:].strip() for line in event.split(b"\n") if line.startswith(b"data:")]
+        if lines:
+            out.append(b"\n".join(lines))
     return out, rest
 
 

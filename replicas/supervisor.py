@@ -310,9 +310,9 @@ class Supervisor:
         try:
             if slot.spec.url is not None:
                 # An OpenAI-compatible server (docs/upstreams.md); pings are GET /models.
-                from replicas.upstream import open_upstream
+                from replicas.upstream_open import open_upstream
 
-                client = await open_upstream(slot.name, slot.spec, timeout=10)
+                client = await open_upstream(slot.name, slot.spec, timeout=10, head_timeout=self.settings.health_timeout)
             elif slot.spec.local:
                 proc, address = await self._spawn(slot)
                 client = await self._connect_when_up(slot, address, proc)

@@ -28,14 +28,13 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
-import os
 from collections.abc import Callable
 from typing import Any
 
 import aiohttp
 import msgspec
 
-from replicas.client import Collector, ReplicaDead, ReplicaRefused
+from replicas.client import Collector, ReplicaBusy, ReplicaDead
 from replicas.http11 import HttpError, HttpPool, Response, Sent
 from replicas.protocol import (
     FEATURES,
@@ -54,21 +53,21 @@ from replicas.protocol import (
 )
 from replicas.spec import ReplicaSpec
 from replicas.splice import post_detokenize, splice_at
-from replicas.upstream_errors import UpstreamFailed, error_text, rejects_field
+from replicas.upstream_errors import UpstreamFailed, error_text, rejects_field, retry_after_seconds
 from replicas.upstream_load import poll_vllm_load
 from replicas.upstream_sse import Chunk, SseReader, Stream
 
-__all__ = ["UpstreamClient", "open_upstream"]
+__all__ = ["UpstreamClient", "ModelCard", "ModelList"]
 
 log = logging.getLogger("fairstream.upstream")
 
-class _Model(msgspec.Struct):
+class ModelCard(msgspec.Struct):
     id: str
     max_model_len: int | None = None
 
 
-class _Models(msgspec.Struct):
-    data: list[_Model]
+class ModelList(msgspec.Struct):
+    data: list[ModelCard]
 
 
 def _root(url: str) -> str:
@@ -81,8 +80,11 @@ class UpstreamClient:
     """One OpenAI-compatible upstream, duck-typed as a ``ReplicaClient``."""
 
     def __init__(self, name: str, spec: ReplicaSpec, session: aiohttp.ClientSession, http: HttpPool,
-                 model: str, upstream_model: str, max_model_len: int) -> None:
+                 model: str, upstream_model: str, max_model_len: int, head_timeout: float = 0.0) -> None:
         self.name = name
+        # longest wait for a response head (health_timeout; 0: none; vLLM sends it before the first
+        # token): one that never comes (a proxy whose backend hangs) fails over, not a 504 at first_token
+        self.head_timeout = head_timeout
         self.url = (spec.url or "").rstrip("/")
         self.model = model
         self.upstream_model = upstream_model
@@ -199,9 +201,13 @@ class UpstreamClient:
                     body = await r.read()
                     if r.status != 200:
                         raise UpstreamFailed(f"GET /models: HTTP {r.status}: {error_text(body)}")
+            # (restarted with another model, or a balancer now reaching another server: 404 to everything)
+            listed = [m.id for m in msgspec.json.decode(body, type=ModelList).data]
+            if listed and self.upstream_model not in listed:
+                raise UpstreamFailed(f"GET /models no longer lists {self.upstream_model!r} (it lists {listed})")
         except TimeoutError:
             raise
-        except (aiohttp.ClientError, OSError, UpstreamFailed) as e:
+        except (aiohttp.ClientError, OSError, UpstreamFailed, msgspec.ValidationError, msgspec.DecodeError) as e:
             self.closed = ReplicaDead(f"upstream {self.name} failed its health check: {e}")
             raise self.closed from e
         finally:
@@ -312,10 +318,14 @@ class UpstreamClient:
                                                                      template_kwargs)
                     st.asked_usage = ask_usage
                     sent = None
-                if sent is not None:
-                    resp = await self._http.response_to(sent)
-                else:
-                    resp = await self._http.request("POST", path, body, on_head)
+                try:
+                    async with asyncio.timeout(self.head_timeout or None):
+                        if sent is not None:
+                            resp = await self._http.response_to(sent)
+                        else:
+                            resp = await self._http.request("POST", path, body, on_head)
+                except TimeoutError:
+                    raise UpstreamFailed(f"no response within {self.head_timeout:g}s") from None
                 if resp.status == 200:
                     streaming = True  # on_head attached its SSE reader
                     return
@@ -332,10 +342,13 @@ class UpstreamClient:
                             self._ask_usage = False
                             log.info("upstream %s refuses stream_options: its prompt tokens go uncounted", self.name)
                         continue
-                if 400 <= resp.status < 500 and resp.status not in (401, 403, 408, 429):
+                # (404: the model or path is not served there: the upstream's state, not the client's error)
+                if 400 <= resp.status < 500 and resp.status not in (401, 403, 404, 408, 429):
                     self.finish(st, Delta(col.rid, [], "", FinishReason.ERROR, None, msg))
                     return
-                raise UpstreamFailed(f"HTTP {resp.status}: {msg}")
+                busy = resp.status in (429, 503)
+                raise UpstreamFailed(f"HTTP {resp.status}: {msg}", busy,
+                                     retry_after_seconds(resp.headers.get(b"retry-after")) if busy else 0.0)
         except asyncio.CancelledError:
             raise
         except (HttpError, aiohttp.ClientError, OSError, UpstreamFailed, msgspec.DecodeError, ValueError) as e:
@@ -352,7 +365,11 @@ class UpstreamClient:
                     log.warning("upstream %s refused a connection; not chosen until a health check on a new "
                                 "connection answers", self.name)
             if not st.done:
-                self._lost(st, f"upstream {self.name} failed: {e or type(e).__name__}")
+                if isinstance(e, UpstreamFailed) and e.busy and not st.delivered:
+                    self._streams.pop(col.rid, None)
+                    st.col.fail(ReplicaBusy(f"upstream {self.name} failed: {e}", e.retry_after))
+                else:
+                    self._lost(st, f"upstream {self.name} failed: {e or type(e).__name__}")
         except Exception as e:  # noqa: BLE001 - a bug here must not leave the stream hanging
             log.exception("upstream %s: request %d failed", self.name, col.rid)
             if not st.done:
@@ -448,53 +465,3 @@ class UpstreamClient:
 
     def _loaded(self, report: LoadReport | None) -> None:
         self._vllm_load = report
-
-
-def _auth(spec: ReplicaSpec) -> dict[str, str]:
-    key = os.environ.get(spec.api_key_env, "") if spec.api_key_env else ""
-    return {"authorization": f"Bearer {key}"} if key else {}
-
-
-def _session(spec: ReplicaSpec) -> aiohttp.ClientSession:
-    """The aiohttp session for control calls (generation streams use ``HttpPool``)."""
-    connector = aiohttp.TCPConnector(limit=4, keepalive_timeout=30)
-    return aiohttp.ClientSession(
-        connector=connector, headers=_auth(spec),
-        timeout=aiohttp.ClientTimeout(total=None, sock_connect=10), auto_decompress=False,
-    )
-
-
-async def open_upstream(name: str, spec: ReplicaSpec, *, timeout: float = 10.0) -> UpstreamClient:
-    """Connect to ``spec.url``: list its models, pick the one to serve."""
-    session = _session(spec)
-    url = (spec.url or "").rstrip("/")
-    try:
-        async with asyncio.timeout(timeout):
-            async with session.get(url + "/models") as r:
-                raw = await r.read()
-                if r.status in (401, 403):
-                    raise ReplicaRefused(f"upstream {name} refused the API key: HTTP {r.status}: {error_text(raw)}")
-                if r.status != 200:
-                    raise ReplicaDead(f"upstream {name}: GET /models: HTTP {r.status}: {error_text(raw)}")
-        models = msgspec.json.decode(raw, type=_Models).data
-        if spec.upstream_model is not None:
-            found = [m for m in models if m.id == spec.upstream_model]
-            if models and not found:
-                raise ReplicaRefused(f"upstream {name} does not serve {spec.upstream_model!r} "
-                                     f"(it lists {[m.id for m in models]})")
-            card = found[0] if found else _Model(spec.upstream_model)
-        elif models:
-            card = models[0]
-        else:
-            raise ReplicaDead(f"upstream {name} lists no models")
-        model = str(spec.config.get("model") or card.id)
-        http = HttpPool(url, _auth(spec), limit=spec.max_concurrency or 0)
-        return UpstreamClient(name, spec, session, http, model, card.id, card.max_model_len or 0)
-    except aiohttp.ServerDisconnectedError as e:
-        await session.close()
-        # (closed before any answer: a tunnel or proxy whose upstream is down;
-        # the supervisor retries it as unreachable, as a refused connect)
-        raise ConnectionResetError(f"upstream {name} closed the connection before answering GET /models") from e
-    except BaseException:
-        await session.close()
-        raise

@@ -19,7 +19,21 @@ __all__ = ["UpstreamFailed", "error_text", "rejects_field"]
 
 
 class UpstreamFailed(Exception):
-    """The upstream failed the request (5xx, error event, cut stream)."""
+    """The upstream failed the request (5xx, error event, cut stream);
+    ``busy``: it answered 429 or 503, asking for ``retry_after`` seconds."""
+
+    def __init__(self, message: str = "", busy: bool = False, retry_after: float = 0.0) -> None:
+        super().__init__(message)
+        self.busy = busy
+        self.retry_after = retry_after
+
+
+def retry_after_seconds(value: bytes | None) -> float:
+    """A Retry-After header's delay in seconds (0: absent, or an HTTP date)."""
+    try:
+        return max(0.0, float(value)) if value else 0.0
+    except ValueError:
+        return 0.0
 
 
 def error_text(body: bytes | str | Any, limit: int = 500) -> str:

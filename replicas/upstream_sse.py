@@ -23,11 +23,14 @@ from replicas.protocol import Delta, FinishReason
 from replicas.splice import Splice
 from replicas.upstream_errors import UpstreamFailed, error_text
 
-__all__ = ["SseReader", "Stream", "StreamOwner", "Chunk", "USAGE_WAIT"]
+__all__ = ["SseReader", "Stream", "StreamOwner", "Chunk", "USAGE_WAIT", "MAX_EVENT"]
 
 # How long a stream without token ids waits after its finish for the usage
 # chunk (normally the next event, in the same read) before finishing without.
 USAGE_WAIT = 1.0
+# The longest SSE event taken from an upstream (the replica protocol's
+# MAX_FRAME): one that grows past it without its blank line fails the request.
+MAX_EVENT = 64 * 1024 * 1024
 _FINISH = {"stop": FinishReason.STOP, "length": FinishReason.LENGTH}
 
 
@@ -104,14 +107,20 @@ class SseReader:
     same read), so the finish carries the prompt's token count and the
     upstream's own completion count where it exceeds the chunks counted."""
 
-    __slots__ = ("client", "st", "resumed", "response", "buf", "first", "ended", "counted", "held", "usage", "timer")
+    __slots__ = ("client", "st", "resumed", "response", "first", "ended", "counted", "held", "usage", "timer",
+                 "parts", "size", "tail")
 
     def __init__(self, client: StreamOwner, st: Stream, resumed: bool, response: Response) -> None:
         self.client = client
         self.st = st
         self.resumed = resumed
         self.response = response
-        self.buf = b""
+        # an incomplete event's reads, joined only once a read may end it (its
+        # blank line): a large event in many reads is not copied and split again
+        # at every read, which held the event loop for seconds (16 MB: 3.4 s)
+        self.parts: list[bytes] = []
+        self.size = 0  # bytes in ``parts``
+        self.tail = b""  # the last 3 bytes of ``parts``
         self.first = True
         self.ended = False
         self.counted = 0  # tokens counted one per chunk (no token ids)
@@ -122,7 +131,24 @@ class SseReader:
     def feed(self, data: bytes) -> None:
         if self.ended:
             return
-        payloads, self.buf = sse_data(self.buf + data)
+        if self.parts:
+            seam = self.tail + data
+            self.parts.append(data)
+            self.size += len(data)
+            self.tail = seam[-3:]
+            if b"\n\n" not in seam and b"\n\r\n" not in seam:
+                if self.size > MAX_EVENT:
+                    raise UpstreamFailed(f"an SSE event larger than {MAX_EVENT} bytes")
+                return
+            data = b"".join(self.parts)
+            self.parts = []
+        payloads, rest = sse_data(data)
+        if rest:  # (not on the usual read, which ends its events)
+            if len(rest) > MAX_EVENT:
+                raise UpstreamFailed(f"an SSE event larger than {MAX_EVENT} bytes")
+            self.parts = [rest]
+            self.size = len(rest)
+            self.tail = rest[-3:]
         if not payloads:
             return
         st = self.st

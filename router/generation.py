@@ -13,11 +13,12 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import time
 from collections.abc import AsyncIterator, Collection
 from typing import TYPE_CHECKING
 
-from replicas.client import ReplicaDead
+from replicas.client import ReplicaBusy, ReplicaDead
 from replicas.pool import CONTINUES, LoadHandle, NoReplica, ReplicaPool
 from replicas.protocol import Delta, FinishReason
 from router.deadlines import Deadlines, Stalled, Watchdog
@@ -411,6 +412,17 @@ class Generation(WaitsForReplica):
             # over would repeat it.
             self._lose(f"replica {name} failed and its output has no token ids to resume from: {e}")
             return
+        if (self.completion_ids and len(self.completion_ids) >= self.job.params.max_tokens
+                and not self.job.params.stop):
+            # Every token it may have was delivered, only the finish was missing (sent in a chunk of its
+            # own, as OpenAI does, before which the upstream died): a continuation of 0 tokens would be
+            # refused; any replica ends here. (With stop strings a replica may hold text back: those go on.)
+            log.info("stream on %s failed after its last token (%s); finished with length", name, e,
+                     extra={"request_id": self.request_id, "replica": name})
+            self.finish = FinishReason.LENGTH
+            self.sink.piece("", 0, FinishReason.LENGTH)
+            self.ended = True
+            return
         self._died_at = time.monotonic()
         if self._exclude is None:
             self._exclude = {}
@@ -418,7 +430,9 @@ class Generation(WaitsForReplica):
         self._exclude[name] = None
         straight_back, self._straight_back = self._straight_back, False
         # (dead: a stall there is a replica alive and slow, charged as any other)
-        freed = straight_back and isinstance(e, ReplicaDead) and len(self.completion_ids) == self._attached_at
+        # (a 429/503 is a replica alive that refused: charged, or it was asked 9 times at once)
+        freed = (straight_back and isinstance(e, ReplicaDead) and not isinstance(e, ReplicaBusy)
+                 and len(self.completion_ids) == self._attached_at)
         if freed:
             # (found still dead: the failover that sent it there is the one this death costs; once per
             # death, since a stream that goes straight back again after this one is not freed again)
@@ -430,7 +444,8 @@ class Generation(WaitsForReplica):
             # of the replicas that serve it)
             self._free_retries -= 1
         elif self._charged >= self.max_failovers:
-            self._give_up(f"gave up after {self.max_failovers} failovers: {e}")
+            self._give_up(f"gave up after {self.max_failovers} failovers: {e}",
+                          getattr(e, "retry_after", 0.0))
             return
         else:
             self._charged += 1
@@ -468,11 +483,12 @@ class Generation(WaitsForReplica):
             self.metrics.streams_lost.inc()
         self._end(StreamLost(why))
 
-    def _give_up(self, why: str) -> None:
-        """No replica can go on after the request's replica failed."""
+    def _give_up(self, why: str, retry_after: float = 0.0) -> None:
+        """No replica can go on after the request's replica failed
+        (``retry_after``: the pause the last one asked for, if it said)."""
         self._end(self._no_replica(why, ReplicaUnavailable(
             f"The request's replica failed before its first token and no other replica could take it: {why}",
-            headers={"retry-after": "1"},
+            headers={"retry-after": str(max(1, math.ceil(retry_after)))},
         )))
 
     def _no_replica(self, why: str, unavailable: ReplicaUnavailable) -> Exception:

@@ -30,7 +30,7 @@ from replicas.protocol import FinishReason, SamplingParams
 from replicas.sim import ByteTokenizer, SimConfig, SimEngine
 from replicas.spec import ReplicaSpec
 from replicas import upstream_sse
-from replicas.upstream import open_upstream
+from replicas.upstream_open import open_upstream
 from replicas.upstream_load import parse_vllm_metrics
 from router.auth import hash_key
 from tests.helpers import GOLD, MODEL, RouterProcess, aiter_sse, poll

@@ -649,3 +649,38 @@ async def test_a_waiting_stream_its_replica_fails_on_the_way_keeps_its_place_and
     _back(pool, "r0")  # (room for one)
     assert gens[0]._col is not None and gens[1]._waiting is not None
     assert sinks[0].failure is None and gens[0].failovers == 2
+
+
+async def test_a_replica_that_fails_after_the_last_token_of_max_tokens_ends_the_stream_with_length() -> None:
+    # (an upstream that sends the finish in a chunk of its own, as OpenAI does, and dies or stalls
+    # between the last token and that chunk; or one that never sends a finish_reason before
+    # [DONE]: every token was delivered, yet the failover asked another replica for 0 tokens,
+    # which refused ("max_tokens already reached by the resumed prefix"), and the client got
+    # stream_lost after the whole text)
+    pool = _ready_pool("r0", "r1")
+    metrics = Metrics()
+    gen, sink = _running(pool, metrics, max_tokens=3, max_failovers=3, failover_wait=0.0)
+    gen._col.put(Delta(1, [5, 6, 7], "abc", NONE))
+    gen._col.fail(ReplicaDead("the stream ended before the request finished"))
+    assert sink.failure is None, sink.failure
+    assert sink.pieces == [("abc", 3, NONE), ("", 0, FinishReason.LENGTH)]
+    assert gen.ended and gen.finish == FinishReason.LENGTH and lost(metrics) == 0
+    assert all(not s.client.asked[1:] for s in pool.slots)  # no replica was asked for 0 tokens
+
+
+async def test_an_only_upstream_that_answers_429_is_asked_within_the_failover_budget_and_its_pause_is_passed_on() -> None:
+    # (one url: upstream answering 429 Retry-After: 7: each 429 read as "found still dead", so a
+    # request asked it 9 times within milliseconds, and the client was told Retry-After: 1)
+    from replicas.client import ReplicaBusy
+    from router.errors import ReplicaUnavailable
+
+    pool = _ready_pool("solo")
+    gen, sink = _running(pool, Metrics(), max_tokens=20, max_failovers=3, failover_wait=0.0)
+    asks = 1
+    while not gen.ended:
+        gen._col.fail(ReplicaBusy("upstream solo failed: HTTP 429: rate limited", 7.0))
+        asks += 1 if not gen.ended else 0
+        assert asks <= 10
+    assert asks == 1 + 1 + 3, asks  # the first try, its one free retry, max_failovers charged
+    assert isinstance(sink.failure, ReplicaUnavailable)
+    assert sink.failure.headers["retry-after"] == "7"

@@ -255,7 +255,7 @@ async def _models_server(seen: list[tuple[object, str | None]]):
 async def test_the_check_after_a_refused_connect_goes_on_a_new_connection() -> None:
     # the control session keeps its connection alive: a check on it would
     # not show whether the upstream (or a proxy before it) takes new ones
-    from replicas.upstream import open_upstream
+    from replicas.upstream_open import open_upstream
 
     seen: list[tuple[object, str | None]] = []
     runner, url = await _models_server(seen)
@@ -399,7 +399,7 @@ async def test_an_upstream_that_closes_before_answering_counts_as_unreachable() 
     # reads the request and closes: retried every reconnect_interval, as a
     # refused connect is)
     from replicas.supervisor import _unreachable
-    from replicas.upstream import open_upstream
+    from replicas.upstream_open import open_upstream
 
     async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         await reader.read(4096)

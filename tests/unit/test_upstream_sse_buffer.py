@@ -1,0 +1,98 @@
+"""An upstream's SSE body with a large event: its pieces are not scanned
+again and again (the router's event loop, shared by every tenant's
+streams, was held for seconds by one 16 MB event), and an event past the
+limit fails the request instead of growing the buffer without end."""
+
+from __future__ import annotations
+
+import pytest
+
+import replicas.upstream_sse as upstream_sse
+from replicas.client import Collector
+from replicas.protocol import FinishReason
+from replicas.upstream_errors import UpstreamFailed
+from replicas.upstream_sse import SseReader, Stream
+
+
+class _Owner:
+    def __init__(self) -> None:
+        self.finished = []
+
+    def first_chunk(self, st, chunk, resumed) -> None:
+        st.resumable = True
+        if st.prompt_ids is None:
+            st.prompt_ids = chunk.choices[0].prompt_token_ids
+
+    def finish(self, st, delta) -> None:
+        st.done = True
+        self.finished.append(delta)
+        st.col.put(delta)
+
+    def current(self, st) -> bool:
+        return not st.done
+
+
+class _Resp:
+    def close(self, exc=None) -> None:
+        pass
+
+
+def _reader():
+    col = Collector(1)
+    st = Stream(col, None)
+    owner = _Owner()
+    return SseReader(owner, st, False, _Resp()), owner, col  # type: ignore[arg-type]
+
+
+def _events(size: int) -> bytes:
+    big = b'data: {"choices":[{"index":0,"text":"a","token_ids":[1],"prompt_token_ids":[7],"finish_reason":null}],' \
+          b'"pad":"' + b"x" * size + b'"}\n\n'
+    return big + b'data: {"choices":[{"index":0,"text":"b","token_ids":[2],"finish_reason":"length"}]}\n\n' \
+        + b"data: [DONE]\n\n"
+
+
+async def test_a_large_event_in_many_reads_is_scanned_about_once(monkeypatch) -> None:
+    scanned = []
+    real = upstream_sse.sse_data
+
+    def counting(buf: bytes):
+        scanned.append(len(buf))
+        return real(buf)
+
+    monkeypatch.setattr(upstream_sse, "sse_data", counting)
+    body = _events(4 << 20)
+    reader, owner, col = _reader()
+    for i in range(0, len(body), 16384):
+        reader.feed(body[i:i + 16384])
+    assert [d.finish for d in owner.finished] == [FinishReason.LENGTH]
+    assert sum(scanned) < 3 * len(body), sum(scanned)  # (was ~ len(body)**2 / 32 KB: 560 MB here)
+
+
+async def test_an_event_split_anywhere_still_parses(monkeypatch) -> None:
+    for sep in (b"\n", b"\r\n"):
+        body = _events(100).replace(b"\n", sep)
+        for step in (1, 2, 3, 5, 7):
+            reader, owner, col = _reader()
+            for i in range(0, len(body), step):
+                reader.feed(body[i:i + step])
+            assert [d.finish for d in owner.finished] == [FinishReason.LENGTH], (sep, step)
+            assert col.prompt_token_ids == [7]
+
+
+async def test_an_event_past_the_limit_fails_the_request(monkeypatch) -> None:
+    monkeypatch.setattr(upstream_sse, "MAX_EVENT", 1 << 20)
+    reader, owner, col = _reader()
+    with pytest.raises(UpstreamFailed, match="event"):
+        for _ in range(100):
+            reader.feed(b"data: " + b"x" * 65536)  # never a blank line
+
+
+def test_the_data_lines_of_one_event_are_one_payload() -> None:
+    # (valid SSE: a JSON chunk over several data lines, joined by newlines; each
+    # line was decoded on its own, and the request failed on the upstream)
+    from replicas.http11 import sse_data
+
+    body = (b': keep-alive\nevent: message\nid: 3\ndata: {"choices":\ndata: [{"index":0,"text":"a"}]}\n\n'
+            b"data: [DONE]\n\n")
+    payloads, rest = sse_data(body)
+    assert payloads == [b'{"choices":\n[{"index":0,"text":"a"}]}', b"[DONE]"] and rest == b""
