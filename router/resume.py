@@ -110,6 +110,7 @@ class ResumeWriter:
         # so the store can tell a buffer that misses some (stream_append's ``first``)
         self._written: dict[str, int] = {}
         self._refused: set[str] = set()  # buffers the store refused an append of (warned once)
+        self._unwritten: set[str] = set()  # buffers an append of failed for an outage (warned once)
         # releases on their way to the store, per stream: a claim of this router's meanwhile would
         # be undone by them when they land (the store takes both from the same owner)
         self._releasing: dict[str, int] = {}
@@ -189,6 +190,7 @@ class ResumeWriter:
         self.live.discard(sid)
         self._written.pop(sid, None)
         self._refused.discard(sid)
+        self._unwritten.discard(sid)
         self._releasing[sid] = self._releasing.get(sid, 0) + 1
         try:
             await self.store.stream_release(sid, self.owner)
@@ -275,7 +277,11 @@ class ResumeWriter:
                     sid, p.events, p.token_ids, p.text_len, p.finished, self.owner, self.retention, p.first
                 )
             except StoreUnavailable as e:
-                log.warning("resume buffer append for %s failed: %s", sid, e)
+                # (once per stream: in fail-closed mode every flush of every
+                # stream fails while Redis is down, one line per event each)
+                if sid not in self._unwritten:
+                    self._unwritten.add(sid)
+                    log.warning("resume buffer append for %s failed: %s (its later failures are not logged)", sid, e)
                 return
             if not done and sid not in self._refused:
                 self._refused.add(sid)

@@ -20,6 +20,7 @@ import redis.asyncio as aioredis
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 from redis.commands.core import AsyncScript
+from redis.exceptions import AuthenticationError
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import NoScriptError, RedisError
 
@@ -50,6 +51,9 @@ def _unavailable(e: Exception) -> BaseException:
     task = asyncio.current_task()
     if task is not None and task.cancelling():
         return asyncio.CancelledError()
+    if isinstance(e, AuthenticationError):  # (Redis answers, but not to this router: a config error)
+        return StoreUnavailable(f"redis refused the router's credentials (the password or user in state.url is "
+                                f"missing or wrong): {e}")
     return StoreUnavailable(f"redis: {e}")
 
 class RedisStore(StateStore):
@@ -253,8 +257,13 @@ class RedisStore(StateStore):
         return dict(zip(out[::2], out[1::2]))
 
     async def ping(self) -> None:
+        """A write, not a PING: a Redis that answers but refuses writes (at
+        ``maxmemory`` with ``noeviction``: OOM; a replica after a failover:
+        READONLY; a full disk with ``stop-writes-on-bgsave-error``: MISCONF)
+        fails every script, and a PING that passes made the probe call it back
+        after 0.1 s, so the router went down and up with every request."""
         try:
-            await self._redis.ping()
+            await self._redis.set(f"{self._prefix}:probe", b"1", px=10_000)
         except RedisError as e:
             raise _unavailable(e) from e
 

@@ -134,13 +134,13 @@ class ResilientStore(StateStore):
                         log.exception("state store %s: the first contact failed unexpectedly", self.name)
                     self._say(False)  # (down until it answers: fairstream_state_store_up 0)
                     if loop.time() + CONNECT_RETRY - began >= self._connect_timeout:
-                        log.error("state store %s did not answer within connect_timeout (%gs, %d tries)",
-                                  self.name, self._connect_timeout, tries)
+                        log.error("state store %s could not be used within connect_timeout (%gs, %d tries): %s",
+                                  self.name, self._connect_timeout, tries, e)
                         self.connecting = False
                         self._down("connect", e)
                         return
                     if tries == 1:
-                        log.warning("state store %s did not answer at the first try (%s); trying again for up "
+                        log.warning("state store %s could not be used at the first try (%s); trying again for up "
                                     "to %gs before it counts as an outage", self.name, e, self._connect_timeout)
                     await asyncio.sleep(CONNECT_RETRY)
                     continue
@@ -168,6 +168,7 @@ class ResilientStore(StateStore):
                 await self.primary.ping()
                 await self.primary.prepare()  # (a restarted Redis has no scripts)
                 await self._pay_back()
+                await self._move_streams()
             except StoreUnavailable:
                 continue
             self.healthy = True
@@ -181,6 +182,25 @@ class ResilientStore(StateStore):
             log.warning("state store %s is back", self.name)
             self._say(True)
             return
+
+    async def _move_streams(self) -> None:
+        """Copy the resume buffers the fallback took during the outage (the
+        streams that began then) to Redis, which resumes read from now on:
+        dropped, a stream begun in a moment's outage could not be resumed
+        on any router, its own included, for the rest of its life, and its
+        resume was a 404 naming causes that were not its own. The writer's
+        appends check the count of events (``first``): one that went to the
+        fallback after this copy marks the buffer broken, never a hole."""
+        fb = self.fallback
+        now = fb._clock()
+        for sid, st in list(fb._streams.items()):
+            if st.expires <= now or st.broken:
+                continue
+            ttl = st.expires - now
+            await self.primary.stream_open(sid, st.meta, st.owner, ttl)
+            if st.events or st.token_ids or st.finished:
+                await self.primary.stream_append(sid, list(st.events), list(st.token_ids), st.text_len, st.finished,
+                                                 st.owner, ttl, 0)
 
     async def _pay_back(self) -> None:
         """Make the releases and settlements Redis missed, oldest first;
@@ -212,6 +232,13 @@ class ResilientStore(StateStore):
             decision = await store.admit(tenant, req)
         except StoreUnavailable as e:
             self._down("admit", e)
+            if store is self.primary:
+                # (a call that timed out was sent: a Redis that only hung runs it
+                # when it wakes, and its lease would hold one of the tenant's
+                # slots on every router until its TTL, though no stream has it.
+                # Undone on Redis's return, unless its stream still runs there:
+                # then the renewal that moves the lease counts it, as it should)
+                self._owe(lambda s, lid=req.lease_id: self._undo_admit(s, tenant, lid))
             store = self._current()
             decision = await store.admit(tenant, req)
         if decision.ok:
@@ -222,6 +249,10 @@ class ResilientStore(StateStore):
                 # (Redis took it, but an outage began meanwhile: ``_hold_locally`` ran without it)
                 self.fallback.hold(tenant, [req.lease_id], req.lease_ttl)
         return decision
+
+    async def _undo_admit(self, store: StateStore, tenant: str, lease_id: str) -> None:
+        if lease_id not in self._lease_store:  # (its stream has ended, or it was never admitted)
+            await store.release(tenant, lease_id)
 
     async def leave(self, tenant: str, lease_id: str) -> None:
         if self._connect is not None:

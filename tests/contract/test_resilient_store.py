@@ -490,3 +490,93 @@ async def test_the_scripts_are_loaded_at_the_first_contact_and_when_redis_is_bac
         own_redis.restart()  # (no persistence: no scripts either)
         await h.wait_healthy(5.0)
         assert await loaded() == [True] * 13
+
+
+async def test_an_admission_redis_runs_late_after_a_hang_holds_no_slot(harness: Harness) -> None:
+    # A Redis that hangs (SIGSTOP, a long fork, a network stall) runs the
+    # admission that timed out when it wakes. The router admitted the stream
+    # locally (fail-open) or refused it (fail-closed); either way Redis's
+    # lease must not hold the tenant's only slot for its TTL (30 s) once
+    # the stream has ended and Redis is back.
+    h, store = harness, harness.store
+    t = f"late-{uuid.uuid4().hex[:8]}"
+    lid = uuid.uuid4().hex
+    await store.start()  # (loads the scripts, as a router's start does: an EVALSHA of an
+    await store._connected()  # unknown script would only come back NOSCRIPT)
+    h.server.pause()
+    try:
+        try:
+            d = await store.admit(t, req(max_concurrent=1, lease=lid))
+        except StoreUnavailable:
+            d = None  # (fail-closed)
+        assert store.healthy is False
+        if d is not None:
+            assert d.ok
+            await store.release(t, lid)  # (the stream ended during the hang)
+    finally:
+        h.server.resume()
+    await h.wait_healthy(5.0)
+    await asyncio.sleep(0.2)
+    assert (await store.primary.usage(t, rpm=0, tpm=0)).active_streams == 0
+    assert (await store.admit(t, req(max_concurrent=1))).ok
+
+
+async def test_a_redis_that_refuses_writes_is_an_outage_until_it_takes_them(open_harness: Harness) -> None:
+    # At maxmemory with noeviction (or a read-only replica) Redis answers a
+    # PING but refuses every script: the router must stay in its outage (one
+    # log line, fairstream_state_store_up 0), not be called back by a PING
+    # 0.1 s later and go down again at the next request, over and over.
+    h, store = open_harness, open_harness.store
+    t = f"oom-{uuid.uuid4().hex[:8]}"
+    await store.start()
+    await store._connected()
+    r = store.primary._redis
+    await r.config_set("maxmemory-policy", "noeviction")
+    await r.config_set("maxmemory", 1)
+    try:
+        for _ in range(5):
+            assert (await store.admit(t, req())).ok  # (fail-open: locally)
+            await asyncio.sleep(0.3)
+        await store.check()
+        assert store.healthy is False
+        assert h.changes == [False], h.changes
+    finally:
+        await r.config_set("maxmemory", 0)
+    await h.wait_healthy(5.0)
+    assert h.changes == [False, True]
+
+
+async def test_a_redis_that_wants_a_password_the_router_lacks_says_so(own_redis: RedisServer, caplog) -> None:
+    # Not "did not answer": Redis answered, refusing the router's credentials,
+    # which no retry mends. The log must name the cause and where to fix it.
+    import redis.asyncio as aioredis
+
+    admin = aioredis.Redis.from_url(own_redis.url)
+    await admin.config_set("requirepass", "s3cret")
+    await admin.aclose()
+    async for h in _harness(own_redis, True, connect_timeout=0.5):
+        with caplog.at_level("WARNING", logger="fairstream.state"):
+            await h.store.start()
+            await h.store._connected()
+        assert h.store.healthy is False
+        text = caplog.text
+        assert "did not answer" not in text
+        assert "credentials" in text and "state.url" in text, text
+
+
+async def test_a_stream_begun_during_an_outage_stays_resumable_once_redis_is_back(open_harness: Harness) -> None:
+    # Its buffer was in the fallback, which Redis's return empties: every
+    # resume of it was a 404 (on its own router too) for the rest of the stream.
+    h, store = open_harness, open_harness.store
+    await store.start()
+    await store._connected()
+    h.server.kill()
+    await store.stream_open("s-during", b"meta", "me", 60.0)
+    assert store.healthy is False
+    assert await store.stream_append("s-during", [b"e0", b"e1"], [1, 2], 2, False, "me", 60.0, 0)
+    h.server.restart()
+    await h.wait_healthy(5.0)
+    assert await store.stream_append("s-during", [b"e2"], [3], 3, False, "me", 60.0, 2)
+    snap = await store.stream_read("s-during", 0)
+    assert snap is not None and not snap.broken
+    assert snap.events == [b"e0", b"e1", b"e2"] and snap.token_ids == [1, 2, 3] and snap.meta == b"meta"
