@@ -375,6 +375,17 @@ def main() -> None:
     p.add_argument("--max-tokens", type=int, default=48)
     p.add_argument("--configs", default=",".join(CONFIGS), help="comma-separated subset of " + ", ".join(CONFIGS))
     args = p.parse_args()
+    # (a run measures from --warmup to --seconds: without this an empty window,
+    # no clients or max_tokens 0 printed a whole table of zeros and exited 0)
+    if args.warmup < 0:
+        p.error("--warmup must not be negative")
+    if not args.seconds > args.warmup:
+        p.error(f"--seconds must be more than --warmup ({args.seconds:g} <= {args.warmup:g}): "
+                "nothing would be measured")
+    if args.clients < 1:
+        p.error("--clients must be at least 1")
+    if args.max_tokens < 1:
+        p.error("--max-tokens must be at least 1")
     runs = max(2, args.runs)
     names = [c for c in args.configs.split(",") if c]
     for c in names:

@@ -56,6 +56,7 @@ class ChaosConfig:
     mode: str = "mixed"  # kill | freeze | mixed (as the command line)
     seed: int = 0
     max_requests: int = 10_000
+    recover: float = 30.0  # seconds the replicas get to be ready again after the run
 
 
 @dataclass
@@ -70,6 +71,7 @@ class ChaosReport:
     streams_lost: float = 0.0
     failover_p99: float | None = None
     restarts: int = 0
+    not_back: list[str] = field(default_factory=list)  # replicas not ready ``recover`` s after the run
     duration: float = 0.0
 
     def table(self) -> str:
@@ -83,6 +85,7 @@ class ChaosReport:
             ("failover latency p99 (from detection; histogram bucket bound)",
              "n/a" if self.failover_p99 is None else f"{self.failover_p99 * 1000:.0f} ms"),
             ("replica restarts", self.restarts),
+            ("replicas not back (not ready after the run)", ", ".join(self.not_back) or "none"),
             ("chaos actions", len(self.actions)),
             ("duration", f"{self.duration:.1f} s"),
         ]
@@ -94,16 +97,23 @@ class ChaosReport:
         return "\n".join(lines)
 
 
-def _check_loopback(url: str) -> None:
-    host = urlparse(url).hostname or ""
-    if host == "localhost":
-        return
+def _base_url(url: str) -> str:
+    """The router's root from ``--base-url`` (a trailing ``/v1``, the openai
+    SDK's base URL, is dropped, as the load generator drops it); ``ChaosError``
+    (exit 2) for a URL it will not use."""
+    parts = urlparse(url)
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        raise ChaosError(f"--base-url must be http:// or https:// with a host, not {url!r}")
+    host = parts.hostname
+    loopback = host == "localhost"
     try:
-        if ipaddress.ip_address(host).is_loopback:
-            return
+        loopback = loopback or ipaddress.ip_address(host).is_loopback
     except ValueError:
         pass
-    raise SystemExit(f"chaos: refusing non-loopback target {url!r}; run it on the router's host")
+    if not loopback:
+        raise ChaosError(f"refusing non-loopback target {url!r}; run it on the router's host")
+    url = url.rstrip("/")
+    return url[:-3] if url.endswith("/v1") else url
 
 
 def _body(cfg: ChaosConfig, prompt: str, stream: bool) -> dict:
@@ -170,8 +180,14 @@ async def _one_stream(client: httpx.AsyncClient, cfg: ChaosConfig, prompt: str, 
         rep.mismatches += 1
 
 
-async def _metrics(client: httpx.AsyncClient) -> dict[str, float]:
-    text = (await client.get("/metrics")).text
+async def _metrics(admin: httpx.AsyncClient) -> dict[str, float]:
+    """The counters the report takes from ``/metrics``, read with the admin key
+    (router.yaml's ``metrics_require_admin_key`` refuses a tenant's); a refusal
+    is an error, never a count of 0."""
+    r = await admin.get("/metrics")
+    if r.status_code != 200:
+        raise _refused("GET /metrics (--admin-key)", r)
+    text = r.text
     out: dict[str, float] = {}
     for line in text.splitlines():
         if line.startswith("#") or not line:
@@ -257,12 +273,12 @@ class ChaosError(Exception):
 
 
 async def run_chaos(cfg: ChaosConfig, progress=None) -> ChaosReport:
-    _check_loopback(cfg.base_url)
+    base_url = _base_url(cfg.base_url)
     rep = ChaosReport()
     headers = {"Authorization": f"Bearer {cfg.api_key}"}
     limits = httpx.Limits(max_connections=cfg.streams + 4, max_keepalive_connections=cfg.streams + 4)
-    async with httpx.AsyncClient(base_url=cfg.base_url, headers=headers, timeout=120, limits=limits) as client, \
-            httpx.AsyncClient(base_url=cfg.base_url, headers={"Authorization": f"Bearer {cfg.admin_key}"},
+    async with httpx.AsyncClient(base_url=base_url, headers=headers, timeout=120, limits=limits) as client, \
+            httpx.AsyncClient(base_url=base_url, headers={"Authorization": f"Bearer {cfg.admin_key}"},
                               timeout=10) as admin:
         reps = await _replicas(admin)
         usable = [r for r in reps if r["local"] and r["pid"]]
@@ -271,7 +287,7 @@ async def run_chaos(cfg: ChaosConfig, progress=None) -> ChaosReport:
                 f"chaos needs at least two local replicas it can signal; this router lists {len(usable)} of "
                 f"{len(reps)} (a `serve --workers` router lists its replicas as remote: use a single-process one)")
         refs = await _reference(client, cfg)
-        before = await _metrics(client)
+        before = await _metrics(admin)
         restarts0 = sum(r["restarts"] for r in await _replicas(admin))
         stop = asyncio.Event()
         t0 = time.monotonic()
@@ -292,14 +308,17 @@ async def run_chaos(cfg: ChaosConfig, progress=None) -> ChaosReport:
             await chaos  # (it thaws what it froze, a Ctrl-C included)
         rep.duration = time.monotonic() - t0
         # let the supervisor bring replicas back before reading the counters
-        deadline = time.monotonic() + 30
-        while time.monotonic() < deadline:
+        deadline = time.monotonic() + cfg.recover
+        while True:
             reps = await _replicas(admin)
-            if all(r["ready"] for r in reps):
+            if all(r["ready"] for r in reps) or time.monotonic() >= deadline:
                 break
             await asyncio.sleep(0.2)
+        # (a replica that never came back is a failure the streams do not show:
+        # they went to the others)
+        rep.not_back = sorted(r["name"] for r in reps if not r["ready"])
         rep.restarts = sum(r["restarts"] for r in reps) - restarts0
-        after = await _metrics(client)
+        after = await _metrics(admin)
         rep.failovers = after.get("fairstream_failovers_total", 0) - before.get("fairstream_failovers_total", 0)
         rep.streams_lost = after.get("fairstream_streams_lost_total", 0) - before.get(
             "fairstream_streams_lost_total", 0)
@@ -320,7 +339,8 @@ def _positive(kind):
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("--base-url", default="http://127.0.0.1:8080", help="the router (loopback only)")
+    p.add_argument("--base-url", default="http://127.0.0.1:8080",
+                   help="the router (loopback only; a trailing /v1, as the SDK's base URL has, is dropped)")
     p.add_argument("--api-key", default="fs-demo-gold", help="a tenant's key, for the streams")
     p.add_argument("--admin-key", default="fs-demo-admin", help="for GET /admin/replicas (the replicas' pids)")
     p.add_argument("--model", default="fairstream-sim", help="the model the streams ask for")
@@ -344,6 +364,10 @@ def main(argv: list[str] | None = None) -> int:
                          f"mismatches {rep.mismatches} actions {len(rep.actions)}   ")
         sys.stderr.flush()
 
+    # SIGTERM (kill, `timeout`, a CI job's end) ends the run as Ctrl-C does:
+    # asyncio.run then cancels the run and the chaos task thaws what it froze
+    # (the default action killed the process with replicas left SIGSTOPped)
+    signal.signal(signal.SIGTERM, signal.default_int_handler)
     try:
         rep = asyncio.run(run_chaos(cfg, progress))
     except ChaosError as e:
@@ -363,7 +387,7 @@ def main(argv: list[str] | None = None) -> int:
         print("chaos: no action was taken (fewer than two replicas were ready at every tick); nothing was tested",
               file=sys.stderr)
         return 1
-    ok = rep.errored == 0 and rep.mismatches == 0 and rep.streams_lost == 0
+    ok = rep.errored == 0 and rep.mismatches == 0 and rep.streams_lost == 0 and not rep.not_back
     return 0 if ok else 1
 
 

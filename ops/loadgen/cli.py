@@ -2,7 +2,8 @@
 
     python -m ops.loadgen --scenario ops/scenarios/demo.yaml --base-url http://127.0.0.1:8080
 
-Exit status: 0 after a run (whatever the requests' outcomes), 2 when the
+Exit status: 0 after a run in which at least one request succeeded (whatever
+the others' outcomes), 1 when every request failed, 2 when the
 scenario or the base URL is refused, 130 after a run cut short by Ctrl-C
 (what was measured is reported and written all the same; a second Ctrl-C
 ends the requests still open).
@@ -145,4 +146,11 @@ def main(argv: list[str] | None = None) -> int:
 
         paths += write_plots(out, data)
     console.print(f"wrote {len(paths)} files to {out}/: " + ", ".join(p.name for p in paths), highlight=False)
-    return 130 if data.interrupted else 0
+    if data.interrupted:
+        return 130
+    if data.results and not any(r.ok for r in data.results):
+        # (nothing was measured but failures: a router that is down, a wrong
+        # key or model; a script must not take that for a run)
+        err.print(f"no request succeeded ({len(data.results)} failed): see the errors above", highlight=False)
+        return 1
+    return 0

@@ -20,6 +20,7 @@ a mapping tagged by ``dist``::
 
 from __future__ import annotations
 
+import math
 import os
 from pathlib import Path
 from typing import Literal
@@ -81,8 +82,17 @@ class Choice(msgspec.Struct, forbid_unknown_fields=True, tag_field="dist", tag="
 Dist = int | Uniform | Normal | LogNormal | Choice
 
 
+def _not_finite(values) -> bool:
+    return any(v is not None and not math.isfinite(v) for v in values)
+
+
 def _dist_errors(d: Dist, at: tuple, located: Located) -> list[str]:
     err = lambda reason: located.error(at, reason)  # noqa: E731
+    if isinstance(d, (Normal, LogNormal)) and _not_finite(
+            (d.mean, d.stddev) if isinstance(d, Normal) else (d.median, d.sigma)):
+        return [err("needs finite numbers (not .nan or .inf)")]
+    if isinstance(d, Choice) and _not_finite(d.weights or ()):
+        return [err("weights must be finite numbers (not .nan or .inf)")]
     if isinstance(d, int):
         return [] if d >= 1 else [err("must be at least 1")]
     if isinstance(d, Uniform):
@@ -187,6 +197,26 @@ class Scenario(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     def validate(self, located: Located) -> list[str]:
         errors: list[str] = []
         e = lambda at, reason: errors.append(located.error(at, reason))  # noqa: E731
+        # (.nan passes every comparison below and .inf most of them: a NaN
+        # weight silently sent nothing, an infinite chars_per_token killed
+        # every worker and the run reported 0 requests)
+        finite = "must be a finite number (not .nan or .inf)"
+        for key in ("duration_s", "drain_timeout_s", "request_timeout_s", "rate", "error_pause_s",
+                    "chars_per_token", "scrape_interval_s"):
+            if _not_finite((getattr(self, key),)):
+                e((key,), finite)
+        for name, c in self.classes.items():
+            for key in ("weight", "temperature"):
+                if _not_finite((getattr(c, key),)):
+                    e(("classes", name, key), finite)
+        for name, t in self.tenants.items():
+            if _not_finite((t.weight,)):
+                e(("tenants", name, "weight"), finite)
+            for cname, w in (t.classes or {}).items():
+                if _not_finite((w,)):
+                    e(("tenants", name, "classes", cname), finite)
+        if errors:
+            return errors
         if self.duration_s is None and self.max_requests is None:
             e(("duration_s",), "set duration_s and/or max_requests: a run must be bounded")
         if self.duration_s is not None and not (0 < self.duration_s <= MAX_DURATION_S):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import random
+import socket
 import struct
 import subprocess
 import sys
@@ -75,6 +76,25 @@ def test_scenario_rejects_bad_distribution(tmp_path: Path) -> None:
     text = TINY.replace("{dist: uniform, min: 16, max: 64}", "{dist: uniform, min: 64, max: 16}")
     with pytest.raises(ConfigError, match=r"s.yaml:10: classes.chat.prompt_tokens: needs 1 <= min <= max"):
         load_scenario(write(tmp_path, text))
+
+
+@pytest.mark.parametrize("change, new, where", [
+    ("chars_per_token: 1.0", "chars_per_token: .inf", "s.yaml:8: chars_per_token: must be a finite number"),
+    ("drain_timeout_s: 10", "drain_timeout_s: .nan", "s.yaml:5: drain_timeout_s: must be a finite number"),
+    ("max_tokens: 32, weight: 3}", "max_tokens: 32, weight: .nan}", "s.yaml:10: classes.chat.weight: must be a finite"),
+    ("{api_key: fs-demo-gold, weight: 2}", "{api_key: fs-demo-gold, weight: .nan}",
+     "s.yaml:14: tenants.gold.weight: must be a finite"),
+    ("classes: {chat: 1}}", "classes: {chat: .inf}}", "tenants.silver.classes.chat: must be a finite"),
+    ("{dist: uniform, min: 16, max: 64}", "{dist: normal, mean: .nan, stddev: 3}",
+     "s.yaml:10: classes.chat.prompt_tokens: needs finite numbers"),
+])
+def test_scenario_refuses_nan_and_inf(tmp_path: Path, change: str, new: str, where: str) -> None:
+    # (accepted before: NaN weights silently sent nothing, an infinite
+    # chars_per_token killed every worker with OverflowError, 0 requests, exit 0)
+    assert change in TINY
+    with pytest.raises(ConfigError) as e:
+        load_scenario(write(tmp_path, TINY.replace(change, new)))
+    assert where in str(e.value), str(e.value)
 
 
 # -- pure parts ----------------------------------------------------------------------
@@ -152,6 +172,21 @@ def test_cli_refuses_remote_without_flag(tmp_path: Path, capsys) -> None:
     assert "--allow-remote" in capsys.readouterr().err
     assert not (tmp_path / "o").exists()
     assert check_base_url("http://192.0.2.1:8080", allow_remote=True) == "http://192.0.2.1:8080"
+
+
+def test_a_run_in_which_no_request_succeeded_exits_1(tmp_path: Path, capsys) -> None:
+    # (a router that is down, a wrong key or model: every request failed, and
+    # the run exited 0 like a good one, so a script or CI job went on)
+    port = socket.socket()
+    port.bind(("127.0.0.1", 0))
+    dead = port.getsockname()[1]
+    port.close()
+    scenario = write(tmp_path, TINY)
+    code = main(["--scenario", str(scenario), "--base-url", f"http://127.0.0.1:{dead}", "--max-requests", "3",
+                 "--no-progress", "--no-scrape", "--no-plots", "--out", str(tmp_path / "o")])
+    assert code == 1
+    assert "no request succeeded" in capsys.readouterr().err
+    assert (tmp_path / "o" / "summary.json").exists()  # (what was measured is still written)
 
 
 # -- a real run ---------------------------------------------------------------------
