@@ -31,6 +31,7 @@ import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
 __all__ = [
+    "read_request",
     "ROOT",
     "DEMO_TENANTS",
     "MODEL",
@@ -191,6 +192,18 @@ def cmdline(pid: int) -> list[str]:
         return Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace").split("\0")[:-1]
     except (FileNotFoundError, ProcessLookupError):
         return []
+
+
+async def read_request(reader) -> bytes:
+    """One HTTP/1.1 request off a loopback test server's ``StreamReader``:
+    its head (the body, by its content-length, is read and dropped)."""
+    head = await reader.readuntil(b"\r\n\r\n")
+    length = 0
+    for line in head.split(b"\r\n"):
+        if line.lower().startswith(b"content-length:"):
+            length = int(line.split(b":")[1])
+    await reader.readexactly(length)
+    return head
 
 
 def free_port() -> int:

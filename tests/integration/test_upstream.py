@@ -33,7 +33,7 @@ from replicas import upstream_sse
 from replicas.upstream_open import open_upstream
 from replicas.upstream_load import parse_vllm_metrics
 from router.auth import hash_key
-from tests.helpers import GOLD, MODEL, RouterProcess, aiter_sse, poll
+from tests.helpers import GOLD, MODEL, RouterProcess, aiter_sse, poll, read_request
 from tests.sim_openai import SimOpenAI
 
 PROMPT = "Once upon a time"
@@ -251,12 +251,7 @@ async def test_many_upstream_events_in_one_read_are_cut_at_chunk_tokens(tmp_path
     async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         try:
             while True:
-                head = await reader.readuntil(b"\r\n\r\n")
-                length = 0
-                for line in head.split(b"\r\n"):
-                    if line.lower().startswith(b"content-length:"):
-                        length = int(line.split(b":")[1])
-                await reader.readexactly(length)
+                head = await read_request(reader)
                 path = head.split(b" ")[1]
                 if path.endswith(b"/models"):
                     writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\n"

@@ -1,0 +1,94 @@
+"""Upstreams whose state, not the client's request, makes them fail: each
+request moves to another replica (``ReplicaDead`` on its collector) instead
+of reaching the client as an error.
+
+* One that takes a generation request and never answers it (its front end
+  still lists its models, so health checks pass) fails the request over
+  after the head timeout (the supervisor's ``health_timeout``), not at the
+  tenant's first-token limit with a 504.
+* One that no longer serves the model the router sends it (restarted with
+  another, or a balancer in front now reaching another server): its 404
+  "model does not exist" is not the client's error, and its health check
+  takes it down."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Awaitable, Callable
+
+import pytest
+
+from replicas.client import ReplicaDead
+from replicas.protocol import SamplingParams
+from replicas.spec import ReplicaSpec
+from replicas.upstream_open import open_upstream
+from tests.helpers import read_request
+
+_JSON = b"HTTP/1.1 %s\r\ncontent-type: application/json\r\ncontent-length: %d\r\n\r\n%s"
+
+
+async def _server(models: Callable[[], bytes], post: Callable[[asyncio.StreamWriter], Awaitable[None]]):
+    """A loopback upstream: ``GET /models`` answers ``models()``; a POST, ``post``."""
+    async def handle(reader, writer):
+        try:
+            while True:
+                head = await read_request(reader)
+                if head.startswith(b"GET"):
+                    body = models()
+                    writer.write(_JSON % (b"200 OK", len(body), body))
+                else:
+                    await post(writer)
+        except (asyncio.IncompleteReadError, ConnectionError, asyncio.CancelledError):
+            pass
+        finally:
+            writer.close()
+
+    server = await asyncio.start_server(handle, "127.0.0.1", 0)
+    return server, server.sockets[0].getsockname()[1]
+
+
+def _listing(model: str) -> bytes:
+    return b'{"object":"list","data":[{"id":"%s","object":"model","max_model_len":4096}]}' % model.encode()
+
+
+async def test_a_request_the_upstream_never_answers_fails_over_after_the_head_timeout() -> None:
+    async def never(writer) -> None:
+        await asyncio.sleep(3600)  # takes the request, never answers
+
+    server, port = await _server(lambda: _listing("m"), never)
+    client = await open_upstream("hung", ReplicaSpec(name="hung", url=f"http://127.0.0.1:{port}/v1"),
+                                 timeout=5, head_timeout=0.3)
+    try:
+        t0 = time.monotonic()
+        col = client.generate(SamplingParams(max_tokens=4), prompt="hi")
+        with pytest.raises(ReplicaDead, match="no response within 0.3s"):
+            async with asyncio.timeout(5):
+                await col.get()
+        assert time.monotonic() - t0 < 2
+        assert client.active == 0  # nothing left in flight there
+    finally:
+        await client.close()
+        server.close()
+
+
+async def test_an_upstream_that_no_longer_serves_the_model_fails_the_request_over_and_its_health_check() -> None:
+    served = {"model": "m"}
+
+    async def not_found(writer) -> None:
+        body = b'{"object":"error","message":"The model `m` does not exist.","type":"NotFoundError","code":404}'
+        writer.write(_JSON % (b"404 Not Found", len(body), body))
+
+    server, port = await _server(lambda: _listing(served["model"]), not_found)
+    client = await open_upstream("up", ReplicaSpec(name="up", url=f"http://127.0.0.1:{port}/v1"), timeout=5)
+    try:
+        served["model"] = "other"
+        col = client.generate(SamplingParams(max_tokens=4), prompt="hi")
+        with pytest.raises(ReplicaDead, match="does not exist"):  # was: a finish ERROR, the client's 400
+            async with asyncio.timeout(5):
+                await col.get()
+        with pytest.raises(ReplicaDead, match="no longer lists 'm'"):
+            await client.ping(5)
+    finally:
+        await client.close()
+        server.close()
