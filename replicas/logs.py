@@ -260,7 +260,14 @@ class SummaryLog:
         if handler is None:
             logger.info(msg, extra=fields)
         else:
-            handler.emit_line(handler.formatter.line(logger.name, msg, fields))  # type: ignore[union-attr]
+            try:
+                line = handler.formatter.line(logger.name, msg, fields)  # type: ignore[union-attr]
+            except RecursionError:
+                raise
+            except Exception:  # noqa: BLE001 - as emit: a line that cannot be formatted is reported, not raised
+                handler.handleError(logging.makeLogRecord({"name": logger.name, "msg": msg}))
+                return
+            handler.emit_line(line)
 
 
 def _sole_handler(logger: logging.Logger) -> TurnHandler | None:

@@ -321,3 +321,20 @@ async def test_a_summary_line_that_cannot_be_written_is_reported_with_its_text(m
     finally:
         handler.unbind()
     assert [r.getMessage() for r in reported] == ["at once", "two"]
+
+
+def test_a_summary_line_that_cannot_be_formatted_is_reported_not_raised(monkeypatch):
+    # (a record's formatting errors are logging's to report; the line without
+    # a record raised into the request's settlement instead)
+    from replicas.logs import SummaryLog
+
+    class Bad:
+        def __str__(self) -> str:
+            raise ValueError("no str")
+
+    stream = _json_root(monkeypatch, JsonFormatter())
+    handler = logging.getLogger().handlers[0]
+    reported: list[logging.LogRecord] = []
+    monkeypatch.setattr(handler, "handleError", reported.append)
+    SummaryLog("test.summary").info("request ok", {"bad": Bad()})
+    assert [r.getMessage() for r in reported] == ["request ok"] and stream.writes == []
