@@ -171,14 +171,15 @@ class Scheduler:
             return await asyncio.shield(w.future)
         except TimeoutError:
             self._leave(w)
-            if ends is not None:
-                raise ends[1] from None
-            self.metrics.limited(policy.name, "queue_wait")
+            if ends is None:
+                self.metrics.limited(policy.name, "queue_wait")
             try:
                 self.pool.serving(model, needs)
             except NoReplica as e:  # (its replicas went down while it waited: not a full cluster)
                 raise ReplicaUnavailable(f"{e} (the request waited {wait + waited:g}s in the queue, the limit "
                                          f"for tenant {policy.name!r}); retry later.") from None
+            if ends is not None:
+                raise ends[1] from None
             raise ServiceUnavailable(
                 f"The cluster is over capacity: the request waited {wait + waited:g}s, the limit for "
                 f"tenant {policy.name!r}; retry later.",

@@ -140,3 +140,21 @@ async def test_a_request_limit_shorter_than_queue_wait_ends_its_wait_and_leaves_
     # a replica with room: the limit is not even asked
     (await sched.acquire(a, 1, MODEL, 8, limit=limit)).release()
     assert asked == [1]
+
+
+async def test_a_request_limit_that_ends_a_wait_while_the_replicas_are_down_is_no_replica_available() -> None:
+    # (a 504 first_token_timeout would tell the client its request was slow,
+    # when the model had no replica left: the queue_wait branch's 503)
+    from router.deadlines import StreamTimeout
+    from router.errors import ReplicaUnavailable
+
+    pool, metrics, sched = _one_slot()
+    a = queueing_policy("a")
+    held = await sched.acquire(a, 1, MODEL, 8)
+    waiting = asyncio.create_task(sched.acquire(a, 1, MODEL, 8, limit=lambda: (0.05, StreamTimeout("total", 1.0))))
+    await asyncio.sleep(0)
+    pool.slots[0].state = "down"
+    with pytest.raises(ReplicaUnavailable):
+        await asyncio.wait_for(waiting, 5)
+    assert sched.queued("a") == 0
+    held.release()
