@@ -299,19 +299,21 @@ class HttpPool:
         return Sent(conn, response, conn.send(request, response), request)
 
     async def request(self, method: str, path: str, body: bytes,
-                      on_head: Callable[[Response], None] | None = None) -> Response:
+                      on_head: Callable[[Response], None] | None = None, head_timeout: float = 0.0) -> Response:
         """Send the request; return once the response's status and headers
-        are in. ``on_head``: the response's ``on_head`` hook."""
-        return await self._exchange(self._encode(method, path, body), None, on_head)
+        are in. ``on_head``: the response's ``on_head`` hook. ``head_timeout``
+        (0: none): the longest wait for the head once the request is written
+        (not for a connection or a slot): ``HttpError`` then."""
+        return await self._exchange(self._encode(method, path, body), None, on_head, head_timeout)
 
-    async def response_to(self, sent: Sent) -> Response:
+    async def response_to(self, sent: Sent, head_timeout: float = 0.0) -> Response:
         """``request`` for a request ``send_now`` wrote. If the kept-alive
         connection was closed under it, the new connection's response gets
         the hook ``send_now`` was given (still unused: no byte came back)."""
-        return await self._exchange(sent.request, sent, sent.response.on_head)
+        return await self._exchange(sent.request, sent, sent.response.on_head, head_timeout)
 
     async def _exchange(self, request: bytes, sent: Sent | None,
-                        on_head: Callable[[Response], None] | None) -> Response:
+                        on_head: Callable[[Response], None] | None, head_timeout: float = 0.0) -> Response:
         slots = self._slots
         if slots is not None:
             await slots.acquire()
@@ -327,7 +329,11 @@ class HttpPool:
                     response = Response(conn, on_head)
                     head = conn.send(request, response)
                 try:
-                    await head
+                    if head_timeout:
+                        async with asyncio.timeout(head_timeout):
+                            await head
+                    else:
+                        await head
                 except HttpError:
                     # A kept-alive connection the server closed meanwhile: the
                     # request never reached it (no byte came back); once more
@@ -335,6 +341,9 @@ class HttpPool:
                     if reused and not conn.got_bytes and attempt == 0:
                         continue
                     raise
+                except TimeoutError:  # (the server has the request: not sent again)
+                    response.close()
+                    raise HttpError(f"no response head within {head_timeout:g}s") from None
                 except BaseException:
                     response.close()
                     raise

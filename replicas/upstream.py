@@ -318,14 +318,10 @@ class UpstreamClient:
                                                                      template_kwargs)
                     st.asked_usage = ask_usage
                     sent = None
-                try:
-                    async with asyncio.timeout(self.head_timeout or None):
-                        if sent is not None:
-                            resp = await self._http.response_to(sent)
-                        else:
-                            resp = await self._http.request("POST", path, body, on_head)
-                except TimeoutError:
-                    raise UpstreamFailed(f"no response within {self.head_timeout:g}s") from None
+                if sent is not None:
+                    resp = await self._http.response_to(sent, self.head_timeout)
+                else:
+                    resp = await self._http.request("POST", path, body, on_head, self.head_timeout)
                 if resp.status == 200:
                     streaming = True  # on_head attached its SSE reader
                     return

@@ -181,6 +181,36 @@ async def test_limit_bounds_concurrent_requests() -> None:
         await pool.close()
 
 
+async def test_the_head_timeout_times_the_head_not_the_wait_for_a_slot() -> None:
+    # (it once covered the wait for the pool's slot and the connect too, so a
+    # request queued behind a slow body failed over as if its server hung)
+    release = asyncio.Event()
+
+    async def script(path, w, r):
+        if path.endswith("/hang"):
+            await release.wait()  # has the request, answers nothing
+            return "close"
+        w.write(HEAD)
+        await w.drain()
+        await release.wait()
+        w.write(chunked(b"x"))
+
+    async with Server(script) as srv:
+        pool = HttpPool(srv.url, limit=1)
+        first = await pool.request("POST", "/x", b"{}", head_timeout=0.2)
+        second = asyncio.ensure_future(pool.request("POST", "/x", b"{}", head_timeout=0.2))
+        await asyncio.sleep(0.4)  # (past the head timeout, waiting for the slot)
+        release.set()
+        assert await first.read() == b"x"
+        r2 = await asyncio.wait_for(second, 2)
+        assert await r2.read() == b"x"
+        release.clear()
+        with pytest.raises(HttpError, match="no response head within 0.2s"):
+            await pool.request("POST", "/hang", b"{}", head_timeout=0.2)
+        release.set()
+        await pool.close()
+
+
 async def test_connection_refused_is_an_http_error() -> None:
     srv = await asyncio.start_server(lambda r, w: None, "127.0.0.1", 0)
     port = srv.sockets[0].getsockname()[1]
