@@ -158,16 +158,24 @@ async def test_a_connection_cut_mid_body_is_an_http_error() -> None:
         await pool.close()
 
 
-async def test_limit_bounds_concurrent_requests() -> None:
-    release = asyncio.Event()
-
+def held_until(release: asyncio.Event):
+    """A script: the head at once and the body's one chunk once ``release`` is
+    set; a request to ``/hang`` gets nothing until then."""
     async def script(path, w, r):
+        if path.endswith("/hang"):
+            await release.wait()  # has the request, answers nothing
+            return "close"
         w.write(HEAD)
         await w.drain()
         await release.wait()
         w.write(chunked(b"x"))
 
-    async with Server(script) as srv:
+    return script
+
+
+async def test_limit_bounds_concurrent_requests() -> None:
+    release = asyncio.Event()
+    async with Server(held_until(release)) as srv:
         pool = HttpPool(srv.url, limit=2)
         first = [await pool.request("POST", "/x", b"{}") for _ in range(2)]
         third = asyncio.ensure_future(pool.request("POST", "/x", b"{}"))
@@ -185,17 +193,7 @@ async def test_the_head_timeout_times_the_head_not_the_wait_for_a_slot() -> None
     # (it once covered the wait for the pool's slot and the connect too, so a
     # request queued behind a slow body failed over as if its server hung)
     release = asyncio.Event()
-
-    async def script(path, w, r):
-        if path.endswith("/hang"):
-            await release.wait()  # has the request, answers nothing
-            return "close"
-        w.write(HEAD)
-        await w.drain()
-        await release.wait()
-        w.write(chunked(b"x"))
-
-    async with Server(script) as srv:
+    async with Server(held_until(release)) as srv:
         pool = HttpPool(srv.url, limit=1)
         first = await pool.request("POST", "/x", b"{}", head_timeout=0.2)
         second = asyncio.ensure_future(pool.request("POST", "/x", b"{}", head_timeout=0.2))
