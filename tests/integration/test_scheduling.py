@@ -321,9 +321,14 @@ async def test_one_tenant_alone_gets_the_whole_cluster(router: RouterProcess) ->
     assert len(busy) >= 10, samples
     assert max(inflight for _, inflight in samples) <= CAPACITY
     # a stream that just ended frees its slot for one loop turn before the
-    # next dispatch; allow a few such samples, never a lasting hole
+    # next dispatch, and a scrape (built in a thread while the loop runs)
+    # can read the gauges on either side of it: a few such samples, never a
+    # lasting hole (two in a row, 50 ms apart; a fresh-clone run under the
+    # whole suite saw 3 single ones in 20)
     full = sum(1 for x in busy if x == CAPACITY)
-    assert full >= 0.9 * len(busy), busy
+    assert full >= 0.75 * len(busy), busy
+    pairs = list(zip(samples, samples[1:]))
+    assert not any(q1 > 0 and q2 > 0 and a < CAPACITY and b < CAPACITY for (q1, a), (q2, b) in pairs), samples
 
 
 # -- (d) client disconnect while queued ---------------------------------------------
