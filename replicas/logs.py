@@ -176,14 +176,9 @@ class TurnHandler(logging.StreamHandler):
             if self._batching():
                 self._add(line)
                 self._last = None
-                return
-            try:
-                self.stream.write(line + self.terminator)
-                self.flush()
-            except RecursionError:
-                raise
-            except Exception:  # noqa: BLE001 - as StreamHandler.emit: report, do not raise
-                self.handleError(logging.makeLogRecord({"msg": line}))
+            else:  # (written at once, as a batch of one: _write_waiting reports a failed write)
+                self._lines.append(line)
+                self._write_waiting()
 
     def _batching(self) -> bool:
         """Whether a line logged now waits for the turn's end (else: written

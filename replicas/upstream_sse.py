@@ -19,7 +19,7 @@ import msgspec
 
 from replicas.client import Collector
 from replicas.http11 import Response, sse_data
-from replicas.protocol import Delta, FinishReason
+from replicas.protocol import MAX_FRAME, Delta, FinishReason
 from replicas.splice import Splice
 from replicas.upstream_errors import UpstreamFailed, error_text
 
@@ -28,9 +28,9 @@ __all__ = ["SseReader", "Stream", "StreamOwner", "Chunk", "USAGE_WAIT", "MAX_EVE
 # How long a stream without token ids waits after its finish for the usage
 # chunk (normally the next event, in the same read) before finishing without.
 USAGE_WAIT = 1.0
-# The longest SSE event taken from an upstream (the replica protocol's
-# MAX_FRAME): one that grows past it without its blank line fails the request.
-MAX_EVENT = 64 * 1024 * 1024
+# The longest SSE event taken from an upstream (as the replica protocol's
+# longest frame): one that grows past it without its blank line fails the request.
+MAX_EVENT = MAX_FRAME
 _FINISH = {"stop": FinishReason.STOP, "length": FinishReason.LENGTH}
 
 

@@ -239,6 +239,7 @@ async def start_generation(
     relay = PushRelay(gen.chunk_tokens) if push and req.stream else None
     pieces = gen.stream() if relay is None else None
     first = None
+    prompt_refused = False  # (max_prompt_tokens: takes nothing, as any refusal by the tenant's limits)
     try:
         if pieces is not None:
             first = await pieces.__anext__()
@@ -249,6 +250,7 @@ async def start_generation(
         if gen.prompt_token_ids is not None:
             svc.estimates.learn(job, base, gen.prompt_tokens)
         if lim.max_prompt_tokens and gen.prompt_token_ids is not None and gen.prompt_tokens > lim.max_prompt_tokens:
+            prompt_refused = True
             raise BadRequest(
                 f"The prompt has {gen.prompt_tokens} tokens; this tenant's limit is {lim.max_prompt_tokens}.",
                 param="messages" if chat else "prompt", code="prompt_too_long",
@@ -258,10 +260,7 @@ async def start_generation(
             await pieces.aclose()
         else:
             gen.close()
-        # (a prompt its tenant's max_prompt_tokens refuses takes nothing, as any
-        # refusal by the tenant's limits; nothing of its output was sent)
-        refused = isinstance(e, BadRequest) and e.code == "prompt_too_long"
-        await svc.admission.finish(ticket, 0 if refused else gen.used_tokens)
+        await svc.admission.finish(ticket, 0 if prompt_refused else gen.used_tokens)
         told = error_before_output(svc.metrics, policy.name, e, {"x-request-id": request_id, **ticket.headers})
         outcome.record(outcome_of(e), error=told)  # (its line has the status the client gets)
         if told is e:

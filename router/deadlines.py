@@ -43,15 +43,20 @@ class Deadlines:
         self.total = total
         self.start = time.monotonic() if start is None else start
 
+    def or_total(self, at: float | None, which: str) -> tuple[float | None, str]:
+        """The limit at ``at`` (None: none), or the total limit if it comes first."""
+        if self.total:
+            total_at = self.start + self.total
+            if at is None or total_at <= at:
+                return total_at, "total"
+        return at, which
+
     def wait_limit(self, delivered: bool) -> tuple[float, StreamTimeout] | None:
         """Seconds from now until the limit that ends a wait for a replica
         (first token, while there is no output; total), and the timeout it
         is then; None: neither is set."""
-        at, which = None, ""
-        if self.first_token and not delivered:
-            at, which = self.start + self.first_token, "first_token"
-        if self.total and (at is None or self.start + self.total < at):
-            at, which = self.start + self.total, "total"
+        at, which = self.or_total(self.start + self.first_token if self.first_token and not delivered else None,
+                                  "first_token")
         if at is None:
             return None
         return at - time.monotonic(), StreamTimeout(which, getattr(self, which))
@@ -99,11 +104,7 @@ class Watchdog:
             at, which = (self.last_token + dl.stall if dl.stall else None), "stall"
         else:
             at, which = (dl.start + dl.first_token if dl.first_token else None), "first_token"
-        if dl.total:
-            total_at = dl.start + dl.total
-            if at is None or total_at <= at:
-                at, which = total_at, "total"
-        return at, which
+        return dl.or_total(at, which)
 
     def _arm(self, at: float | None = None) -> None:
         if at is None:

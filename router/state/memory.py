@@ -145,6 +145,12 @@ class MemoryStore(StateStore):
             return None
         return st
 
+    def held_streams(self) -> list[tuple[str, _Stream, float]]:
+        """The live buffers that missed nothing, with their seconds left (a
+        fallback's, handed to the store it stood in for once that is back)."""
+        now = self._clock()
+        return [(sid, st, st.expires - now) for sid, st in self._streams.items() if st.expires > now and not st.broken]
+
     def drop_streams(self) -> None:
         """Forget every resume buffer (a fallback's, once the store it stood in for is back)."""
         self._streams.clear()

@@ -191,12 +191,7 @@ class ResilientStore(StateStore):
         resume was a 404 naming causes that were not its own. The writer's
         appends check the count of events (``first``): one that went to the
         fallback after this copy marks the buffer broken, never a hole."""
-        fb = self.fallback
-        now = fb._clock()
-        for sid, st in list(fb._streams.items()):
-            if st.expires <= now or st.broken:
-                continue
-            ttl = st.expires - now
+        for sid, st, ttl in self.fallback.held_streams():
             await self.primary.stream_open(sid, st.meta, st.owner, ttl)
             if st.events or st.token_ids or st.finished:
                 await self.primary.stream_append(sid, list(st.events), list(st.token_ids), st.text_len, st.finished,
