@@ -17,8 +17,12 @@ router's host, and it refuses a non-loopback URL. It needs at least two local
 replicas with pids (a ``serve --workers`` router lists its replicas as
 remote: run it against a single-process router), and refuses to report a
 run in which it took no action. A freeze (7 s by default) outlasts the
-router's ``health_timeout`` (5 s), so the router notices it. Bounded in time
-and count.
+router's ``health_interval`` + ``health_timeout`` (6 s), so the router notices
+it; while a replica is frozen the runner watches ``/admin/replicas`` for it
+to go not ready, and a run whose actions the router never noticed (no
+failover, no restart, no frozen replica seen not ready: a ``--freeze`` too
+short for the router's settings) fails with "nothing was tested". Bounded in
+time and count.
 """
 
 from __future__ import annotations
@@ -71,6 +75,8 @@ class ChaosReport:
     streams_lost: float = 0.0
     failover_p99: float | None = None
     restarts: int = 0
+    freezes: int = 0
+    freezes_seen: int = 0  # freezes the router marked not ready (or restarted) while they lasted
     not_back: list[str] = field(default_factory=list)  # replicas not ready ``recover`` s after the run
     duration: float = 0.0
 
@@ -85,6 +91,7 @@ class ChaosReport:
             ("failover latency p99 (from detection; histogram bucket bound)",
              "n/a" if self.failover_p99 is None else f"{self.failover_p99 * 1000:.0f} ms"),
             ("replica restarts", self.restarts),
+            ("freezes the router noticed (replica not ready)", f"{self.freezes_seen} of {self.freezes}"),
             ("replicas not back (not ready after the run)", ", ".join(self.not_back) or "none"),
             ("chaos actions", len(self.actions)),
             ("duration", f"{self.duration:.1f} s"),
@@ -95,6 +102,12 @@ class ChaosReport:
         if self.errors:
             lines.append("errors: " + ", ".join(f"{k}={v}" for k, v in sorted(self.errors.items())))
         return "\n".join(lines)
+
+    def noticed(self) -> bool:
+        """Whether the router noticed any of the run's actions: a run whose
+        freezes were all too short for its health check, with no failover
+        and no restart, tested nothing."""
+        return bool(self.failovers or self.restarts or self.freezes_seen)
 
 
 def _base_url(url: str) -> str:
@@ -228,29 +241,52 @@ def _thaw(pid: int, frozen: dict[int, asyncio.TimerHandle]) -> None:
         pass  # the supervisor killed it for not answering pings
 
 
+# how often the runner looks at /admin/replicas while a replica is frozen
+# (to see whether the router noticed the freeze)
+WATCH_EVERY = 0.25
+
+
 async def _chaos(admin: httpx.AsyncClient, cfg: ChaosConfig, rep: ChaosReport, stop: asyncio.Event) -> None:
     """An action every ``kill_every`` seconds; a frozen replica is thawed
     ``freeze`` seconds later by a timer, so freezes do not hold up the next
     actions, and every replica still frozen is thawed when this ends
-    (cancelled too: a Ctrl-C leaves none stopped)."""
+    (cancelled too: a Ctrl-C leaves none stopped). While a replica is
+    frozen, ``/admin/replicas`` is read every ``WATCH_EVERY`` seconds: a
+    frozen replica listed not ready (or with another pid: restarted) counts
+    in ``freezes_seen``."""
     rng = random.Random(cfg.seed)
     loop = asyncio.get_running_loop()
     frozen: dict[int, asyncio.TimerHandle] = {}
+    watched: dict[int, str] = {}  # pid -> name of a frozen replica not yet seen not ready
+    next_action = loop.time() + cfg.kill_every
     try:
         while not stop.is_set():
+            watching = bool(watched) and any(pid in frozen for pid in watched)
+            wait = next_action - loop.time()
             try:
-                await asyncio.wait_for(stop.wait(), cfg.kill_every)
+                await asyncio.wait_for(stop.wait(), min(wait, WATCH_EVERY) if watching else wait)
                 return
             except asyncio.TimeoutError:
                 pass
+            acting = loop.time() >= next_action
+            if not (acting or watching):
+                continue
             try:
                 listed = await _replicas(admin)
             except (httpx.HTTPError, ChaosError) as e:  # (a slow or failed answer: this tick acts on nothing)
                 key = f"admin: {type(e).__name__}"
                 rep.errors[key] = rep.errors.get(key, 0) + 1
+                if acting:
+                    next_action = loop.time() + cfg.kill_every
                 continue
+            _seen(listed, watched, rep)
+            for pid in [pid for pid in watched if pid not in frozen]:
+                del watched[pid]  # thawed before the router noticed it
             if stop.is_set():
                 return  # (the run ended while the router answered: no action after it)
+            if not acting:
+                continue
+            next_action = loop.time() + cfg.kill_every
             ready = [r for r in listed if r["ready"] and r["local"] and r["pid"] and r["pid"] not in frozen]
             if len(ready) < 2:
                 continue  # keep one replica serving
@@ -262,10 +298,23 @@ async def _chaos(admin: httpx.AsyncClient, cfg: ChaosConfig, rep: ChaosReport, s
             else:
                 os.kill(victim["pid"], signal.SIGSTOP)
                 frozen[victim["pid"]] = loop.call_later(cfg.freeze, _thaw, victim["pid"], frozen)
+                watched[victim["pid"]] = victim["name"]
+                rep.freezes += 1
                 rep.actions.append(f"freeze {victim['name']} pid {victim['pid']} for {cfg.freeze}s")
     finally:
         for pid in list(frozen):
             _thaw(pid, frozen)
+
+
+def _seen(listed: list[dict], watched: dict[int, str], rep: ChaosReport) -> None:
+    """Count the frozen replicas the router lists as not ready, or under a
+    new pid (its supervisor restarted one that stopped answering)."""
+    by_name = {r["name"]: r for r in listed}
+    for pid, name in list(watched.items()):
+        r = by_name.get(name)
+        if r is not None and (not r["ready"] or r["pid"] != pid):
+            del watched[pid]
+            rep.freezes_seen += 1
 
 
 class ChaosError(Exception):
@@ -386,6 +435,11 @@ def main(argv: list[str] | None = None) -> int:
     if not rep.actions:
         print("chaos: no action was taken (fewer than two replicas were ready at every tick); nothing was tested",
               file=sys.stderr)
+        return 1
+    if not rep.noticed():
+        print(f"chaos: the router noticed none of the {len(rep.actions)} actions (no failover, no restart, no frozen "
+              "replica listed not ready); nothing was tested: make --freeze longer than the router's "
+              "health_interval + health_timeout", file=sys.stderr)
         return 1
     ok = rep.errored == 0 and rep.mismatches == 0 and rep.streams_lost == 0 and not rep.not_back
     return 0 if ok else 1

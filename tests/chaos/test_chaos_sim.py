@@ -34,6 +34,9 @@ async def test_streams_survive_replica_chaos(make_router, mode):
     assert rep.streams_lost == 0
     assert rep.failovers >= 1
     assert rep.restarts >= 1
+    if mode == "freeze":
+        assert rep.freezes_seen >= 1, rep.table()
+    assert rep.noticed()
     # the restarted replicas take traffic again
     before = {r: router.metrics().value("fairstream_replica_up", replica=r) for r in router.replica_names}
     assert all(v == 1 for v in before.values()), before
@@ -169,3 +172,24 @@ async def test_a_replica_that_does_not_come_back_fails_the_run(make_router):
     finally:
         rundir.unlink()
         shutil.move(str(rundir) + ".moved", rundir)
+
+
+def test_a_freeze_too_short_for_the_router_to_notice_fails_the_run(make_router):
+    # `--freeze 0.3` against the default health settings (a replica is not
+    # ready after health_interval + health_timeout, 6 s): it froze replicas,
+    # nothing failed over, and it exited 0 as if the router had passed
+    import re
+    import subprocess
+    import sys
+
+    from tests.helpers import ROOT
+
+    router = make_router(replicas=2, sim=SIM)
+    done = subprocess.run(
+        [sys.executable, str(ROOT / "ops" / "chaos.py"), "--base-url", router.base_url, "--duration", "3",
+         "--mode", "freeze", "--kill-every", "0.8", "--freeze", "0.3", "--streams", "2", "--max-tokens", "50"],
+        capture_output=True, text=True, timeout=60)
+    assert done.returncode == 1, done.stdout + done.stderr
+    assert "freeze" in done.stdout  # (it acted)
+    assert "nothing was tested" in done.stderr
+    assert re.search(r"\| freezes the router noticed \(replica not ready\) +\| 0 of [1-9]", done.stdout), done.stdout

@@ -40,3 +40,41 @@ async def test_a_freeze_does_not_hold_up_the_next_action_and_everything_frozen_i
         for p in procs:
             p.kill()
             p.wait()
+
+
+
+@pytest.mark.parametrize("notices", [True, False])
+async def test_a_freeze_counts_as_noticed_once_the_router_lists_it_not_ready(notices: bool) -> None:
+    # (a freeze too short for the router's health check took actions, caused
+    # nothing, and the run passed: nothing said that it had tested nothing)
+    procs = [subprocess.Popen(["sleep", "30"]) for _ in range(2)]
+    try:
+        stopped_at: dict[int, float] = {}
+
+        def answer(request: httpx.Request) -> httpx.Response:
+            now = asyncio.get_running_loop().time()
+            listed = []
+            for i, p in enumerate(procs):
+                if _state(p.pid) == "T":
+                    stopped_at.setdefault(p.pid, now)
+                # a router that notices marks a replica stopped 0.5 s not ready
+                ready = not (notices and p.pid in stopped_at and now - stopped_at[p.pid] > 0.5)
+                listed.append({"name": f"r{i}", "ready": ready, "local": True, "pid": p.pid})
+            return httpx.Response(200, json={"replicas": listed})
+
+        admin = httpx.AsyncClient(base_url="http://router", transport=httpx.MockTransport(answer))
+        cfg = ChaosConfig("http://127.0.0.1:1", "k", "a", kill_every=0.3, freeze=3.0, mode="freeze")
+        rep, stop = ChaosReport(), asyncio.Event()
+        task = asyncio.create_task(_chaos(admin, cfg, rep, stop))
+        await asyncio.sleep(1.6)
+        stop.set()
+        await task
+        assert rep.freezes == 1, rep.actions  # (one replica left serving)
+        assert rep.freezes_seen == (1 if notices else 0)
+        assert rep.noticed() == notices
+        assert f"{rep.freezes_seen} of 1" in rep.table()
+        await admin.aclose()
+    finally:
+        for p in procs:
+            p.kill()
+            p.wait()
