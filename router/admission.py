@@ -5,7 +5,9 @@ policy, and returns a ``Ticket`` (a concurrency lease and a token
 reservation) or raises ``RateLimited`` with a Retry-After computed from the
 bucket. With ``on_limit: queue`` it waits instead, up to the tenant's
 ``queue_wait``, in the tenant's line (first come, first served in this
-process; at most ``queue_depth`` long). Only the line's head asks the state
+process; at most ``queue_depth`` long), or less when the request's
+first-token or total limit ends the wait first (as it ends a wait for a
+replica: the request then gets that limit's timeout, a 504). Only the line's head asks the state
 store again, when its limit should have freed or one of the tenant's streams
 ends, and hands the turn on when it leaves. The store keeps a line too, of
 the heads of every router's line (``StateStore.admit``), so routers sharing
@@ -27,6 +29,7 @@ from collections.abc import Callable, Iterable, Mapping
 import msgspec
 
 from policies.ratelimit import QUEUED_RETRY, Decision
+from router.deadlines import Deadlines, StreamTimeout
 from router.errors import RateLimited, RouterShutdown, ServiceUnavailable
 from router.ids import new_id
 from router.leases import LEASE_TTL, LeaseKeeper
@@ -142,6 +145,15 @@ class _Waiter:
                 timer.cancel()
 
 
+def _wait_limit(deadlines: Deadlines | None, delivered: bool, now: float) -> tuple[float, StreamTimeout | None]:
+    """When (on the clock of ``now``) the request's first-token or total limit
+    ends its wait, and the timeout it then gets; ``inf``: neither is set."""
+    ends = deadlines.wait_limit(delivered) if deadlines is not None else None
+    if ends is None:
+        return math.inf, None
+    return now + ends[0], ends[1]
+
+
 class Admission:
     def __init__(self, store: StateStore, metrics: Metrics) -> None:
         self.store = store
@@ -174,7 +186,8 @@ class Admission:
         await self._keeper.close()
 
     async def admit(self, policy: TenantPolicy, cost_tokens: int, *, count_request: bool = True,
-                    prompt_tokens: int = 0, lease_id: str = "", replaces: tuple[str, ...] = ()) -> Ticket:
+                    prompt_tokens: int = 0, lease_id: str = "", replaces: tuple[str, ...] = (),
+                    deadlines: Deadlines | None = None, delivered: bool = False) -> Ticket:
         """``count_request=False`` for the continuation of a resumed stream:
         it holds a lease and reserves tokens, but is not a new request.
         ``prompt_tokens``: the prompt's share of ``cost_tokens`` (what a
@@ -185,7 +198,15 @@ class Admission:
         the stream's earlier generators, which a router that died running
         it left in the store, counted against the continuation for their
         TTL). The lease is a new one all the same: one ticket, one lease,
-        whatever the original's ending does with its own."""
+        whatever the original's ending does with its own.
+
+        ``deadlines``: the request's time limits, asked only when it has to
+        wait (``Deadlines.wait_limit``, with ``delivered``: the stream has
+        output, so only its total limit applies): the wait ends at its
+        first-token or total limit when that comes before ``queue_wait``
+        does, with that limit's ``StreamTimeout`` (the caller's 504), as a
+        wait for a replica does (``Scheduler.acquire``); being admitted
+        after it would only time out at once."""
         if self._stopped.is_set():
             raise RouterShutdown()
         lim = policy.limits
@@ -205,6 +226,8 @@ class Admission:
         name = policy.name
         line = self._lines.get(name)
         decision: Decision | None = None
+        limit_at: float | None = None  # (the wait's other end, and its error: asked once it has to wait)
+        timeout: StreamTimeout | None = None
         ends = self._ends.get(name, 0)
         too_large = bool(lim.tokens_per_minute) and cost_tokens > lim.tokens_per_minute
         if policy.on_limit == "queue" and line and len(line) >= policy.queue_depth and not too_large:
@@ -221,8 +244,11 @@ class Admission:
             try:
                 self._check_fits(policy, decision, cost_tokens, prompt_tokens)
                 line = self._lines.get(name)  # (the await may have made or ended the line)
-                if policy.on_limit != "queue" or loop.time() + min(decision.retry_after, 0.05) >= deadline:
+                if policy.on_limit != "queue":
                     raise self._refused(policy, decision)
+                limit_at, timeout = _wait_limit(deadlines, delivered, loop.time())
+                if loop.time() + min(decision.retry_after, 0.05) >= min(deadline, limit_at):
+                    raise self._time_up(policy, decision, deadline, limit_at, timeout)
                 if len(line or ()) >= policy.queue_depth:
                     raise self._line_full(policy)
                 self._raise_if_gone(name)
@@ -238,6 +264,8 @@ class Admission:
         # request admitted or given up hands the turn to the next at once.
         if line is None:
             line = self._lines[name] = collections.deque()
+        if limit_at is None:
+            limit_at, timeout = _wait_limit(deadlines, delivered, loop.time())
         me = _Waiter()
         line.append(me)
         if self._ends.get(name, 0) != ends:
@@ -248,13 +276,15 @@ class Admission:
             while True:
                 now = loop.time()
                 if line[0] is not me:
-                    await me.sleep(deadline - now)
+                    await me.sleep(min(deadline, limit_at) - now)
                     self._raise_if_gone(name)
                     # (a reload's policy: its limits, and its wait, which may end later or sooner now)
                     policy, req, deadline = self._follow(policy, req, count_request, started, deadline)
                     if line[0] is not me:
-                        if loop.time() < deadline:
+                        if loop.time() < min(deadline, limit_at):
                             continue
+                        if timeout is not None and limit_at < deadline:
+                            raise timeout
                         # its time is up before its turn came: one last try, then a 429
                         decision = await self._admit_once(name, req)
                         if not decision.ok:
@@ -267,13 +297,18 @@ class Admission:
                     # (a stream ending on another router, or tokens it gives
                     # back, wake nothing here: look again soon)
                     wait = min(decision.retry_after, HEAD_POLL.get(decision.reason, HEAD_POLL[""]))
-                    if now + wait > deadline + DEADLINE_SLACK:  # (a limit that frees just after the deadline is waited for)
-                        if now >= deadline:
-                            raise self._refused(policy, decision)
-                        wait = deadline - now  # one more try at the deadline (or when a stream ends)
+                    end = min(deadline, limit_at)
+                    # (a limit that frees just after queue_wait's end is waited for; past the
+                    # request's own time limit, never: it would time out as soon as admitted)
+                    if now + wait > end + (DEADLINE_SLACK if deadline <= limit_at else 0.0):
+                        if now >= end:
+                            raise self._time_up(policy, decision, deadline, limit_at, timeout)
+                        wait = end - now  # one more try at the end (or when a stream ends)
                     await me.sleep(max(0.01, wait))
                     self._raise_if_gone(name)
                 policy, req, deadline = self._follow(policy, req, count_request, started, deadline)
+                if timeout is not None and loop.time() >= limit_at:
+                    raise timeout
                 decision = await self._admit_once(name, req)
                 if decision.ok:
                     admitted = True
@@ -343,6 +378,14 @@ class Admission:
             f"Please try again in {fmt_duration(max(retry, 0.001))}.",
             retry_after=retry, headers=ratelimit_headers(policy, decision),
         )
+
+    def _time_up(self, policy: TenantPolicy, decision: Decision, deadline: float, limit_at: float,
+                 timeout: StreamTimeout | None) -> Exception:
+        """What ends a wait whose time is up: the request's time limit when it
+        came before ``queue_wait``'s end (``deadline``), else the refusal."""
+        if timeout is not None and limit_at < deadline:
+            return timeout
+        return self._refused(policy, decision)
 
     def _line_full(self, policy: TenantPolicy) -> RateLimited:
         self.metrics.limited(policy.name, "queue")

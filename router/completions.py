@@ -224,16 +224,19 @@ async def start_generation(
     try:
         req, job = _job(svc, policy, body, chat, stream_implied, content_encoding)
         prompt_estimate, base = svc.estimates.estimate(job)
-        ticket = await svc.admission.admit(policy, prompt_estimate + job.params.max_tokens, prompt_tokens=prompt_estimate)
+        lim = policy.limits
+        deadlines = Deadlines(lim.first_token, lim.stall, lim.total, start=started)
+        ticket = await svc.admission.admit(policy, prompt_estimate + job.params.max_tokens,
+                                           prompt_tokens=prompt_estimate, deadlines=deadlines)
     except BaseException as e:
-        if isinstance(e, ApiError):
-            e.headers.setdefault("x-request-id", request_id)
-        outcome.record(outcome_of(e), error=e)
-        raise
-    lim = policy.limits
+        # (a wait for the tenant's limits that its first-token or total limit ended: that 504)
+        told = error_before_output(svc.metrics, policy.name, e, {"x-request-id": request_id})
+        outcome.record(outcome_of(e), error=told)
+        if told is e:
+            raise
+        raise told from e
     gen = Generation(
-        svc.pool, job, svc.metrics, svc.config.max_failovers,
-        Deadlines(lim.first_token, lim.stall, lim.total, start=started),
+        svc.pool, job, svc.metrics, svc.config.max_failovers, deadlines,
         scheduler=svc.scheduler, policy=policy, rank=policy.rank, failover_wait=svc.config.failover_wait,
     )
     relay = PushRelay(gen.chunk_tokens) if push and req.stream else None

@@ -468,7 +468,7 @@ async def _continue(svc: RouterService, policy: TenantPolicy, sid: str, meta: Re
     ticket = pieces = None
     try:
         ticket = await svc.admission.admit(policy, max(1, remaining), count_request=False, lease_id=leases[0],
-                                           replaces=leases[1])
+                                           replaces=leases[1], deadlines=gen.deadlines, delivered=bool(tokens))
         log.info("resuming stream %s at %d tokens on this router", sid, len(tokens))
         pieces = gen.stream()
         first = await pieces.__anext__()

@@ -74,7 +74,8 @@ class _PolicyFields(msgspec.Struct, forbid_unknown_fields=True, kw_only=True, om
     """Most tokens merged into one SSE event (a slow client gets up to this many per event)."""
     on_limit: Literal["reject", "queue"] | None = None
     """Over a rate or concurrency limit: ``reject`` answers 429 at once;
-    ``queue`` waits until the request fits, up to ``timeouts.queue_wait``, first come first served
+    ``queue`` waits until the request fits, up to ``timeouts.queue_wait`` (or its ``first_token`` or
+    ``total``, a 504, when that passes first), first come first served
     (the first in line holds back later ones, even smaller ones; routers sharing Redis take turns)."""
     log_content: bool | None = None
     """Log prompts and completions of this tenant (off by default)."""

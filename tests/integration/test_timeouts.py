@@ -429,3 +429,44 @@ async def test_first_token_timeout_ends_a_request_waiting_for_a_busy_replica_at_
         assert info.value.status_code == 504 and info.value.body["code"] == "first_token_timeout", info.value.body
         assert time.monotonic() - t0 < 2.5, time.monotonic() - t0
         await hold.close()
+
+
+@pytest.mark.parametrize("limit,store", [("requests_per_minute", "memory"), ("max_concurrent", "redis")])
+async def test_first_token_timeout_ends_a_request_waiting_for_its_tenant_s_limit_at_its_limit(
+        tmp_path, request, limit, store) -> None:
+    # a request waiting in its tenant's admission line (on_limit: queue) waited
+    # its whole queue_wait, 30 s here, and then got its 504 first_token_timeout
+    tenants = tmp_path / "tenants.yaml"
+    tenants.write_text(yaml.safe_dump({"admin_keys": [hash_key(ADMIN)], "tenants": {
+        "t": {"keys": [hash_key(KEY)], "on_limit": "queue", "limits": {limit: 1},
+              "timeouts": {"first_token": 1.0, "queue_wait": 30}}}}))
+    settings: dict[str, Any] = {}
+    if store == "redis":
+        settings["state"] = {"backend": "redis", "url": request.getfixturevalue("redis_server").url}
+    with RouterProcess(tmp_path / "r", replicas=1, tenants=tenants, settings=settings) as r:
+        cli = openai.AsyncOpenAI(base_url=r.base_url + "/v1", api_key=KEY, max_retries=0)
+        body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "extra_body": {"ignore_eos": True}}
+        hold = await cli.chat.completions.create(**body, max_tokens=3000, stream=True)  # (its one request or slot)
+        await hold.__anext__()
+        t0 = time.monotonic()
+        with pytest.raises(openai.APIStatusError) as info:
+            await cli.chat.completions.create(**body, max_tokens=5, stream=True)
+        waited = time.monotonic() - t0
+        assert info.value.status_code == 504, info.value.body
+        assert_openai_error({"error": info.value.body}, "first_token_timeout")
+        assert 0.9 <= waited < 2.5, waited
+        async with httpx.AsyncClient(base_url=r.base_url, timeout=10) as http:
+            m = await r.ametrics(http)
+            assert m.value("fairstream_admission_waiting", tenant="t") == 0
+            assert m.value("fairstream_timeouts_total", tenant="t", timeout="first_token") == 1
+            assert m.value("fairstream_requests_total", tenant="t", outcome="timeout_first_token") == 1
+            assert m.value("fairstream_rate_limited_total", 0.0, tenant="t", limit="queue_wait") == 0
+            rec = await request_line(r, info.value.response.headers["x-request-id"])
+            assert rec["status"] == 504 and rec["error_code"] == "first_token_timeout", rec
+        await hold.close()
+        if limit == "max_concurrent":
+            # the slot is free again, and no place the 504 left in the store's line
+            # holds the next request back (it would, for its retry_after plus 2 s)
+            t0 = time.monotonic()
+            await cli.chat.completions.create(**body, max_tokens=2)
+            assert time.monotonic() - t0 < 1.0, time.monotonic() - t0
