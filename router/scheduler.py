@@ -25,6 +25,7 @@ import time
 from collections import deque
 from collections.abc import Callable, Iterable
 from policies.batching import AimdLimiter, AimdSettings
+from policies.dispatch_pace import DispatchPace
 from policies.fairshare import HeadIndex, VirtualCounters
 from replicas.pool import LoadHandle, NoReplica, ReplicaPool, ReplicaSlot
 from router.errors import RateLimited, ReplicaUnavailable, RouterShutdown, ServiceUnavailable
@@ -88,9 +89,8 @@ class Scheduler:
             metrics.replica_cap.labels(slot.name).set(slot.cap)
         pool.on_release = self._on_release
         pool.on_ready = self._wake_queue  # (a replica restarted, or is chosen again after a refused connect)
-        # dispatch-rate estimate for Retry-After (EWMA of dispatches per second)
-        self._rate = 0.0
-        self._rate_ts = now
+        # the pace at which waiting requests get replicas, for Retry-After
+        self._pace = DispatchPace()
 
     # -- what requests call ------------------------------------------------
 
@@ -143,7 +143,7 @@ class Scheduler:
             raise RateLimited(
                 f"Too many queued requests for tenant {policy.name!r} "
                 f"(queue depth {policy.queue_depth}); retry later.",
-                retry_after=self._retry_after(len(q)), code="queue_full",
+                retry_after=self._pace.retry_after(len(q), self.clock()), code="queue_full",
             )
         now = self.clock()
         w = _Waiter(policy, rank, model, tokens, now, affinity, needs)
@@ -153,6 +153,7 @@ class Scheduler:
         if len(q) == 1:
             self._head_changed(policy.name, q)
         self._by_route[w.route] = self._by_route.get(w.route, 0) + 1
+        self._pace.waiting(now)
         self._queued += 1
         self.metrics.gauge_up(self.metrics.queued, policy.name, policy.priority)
         self._dispatch()
@@ -183,7 +184,8 @@ class Scheduler:
             raise ServiceUnavailable(
                 f"The cluster is over capacity: the request waited {wait + waited:g}s, the limit for "
                 f"tenant {policy.name!r}; retry later.",
-                code="queue_timeout", headers={"retry-after": str(int(self._retry_after(self._queued)) + 1)},
+                code="queue_timeout",
+                headers={"retry-after": str(int(self._pace.retry_after(self._queued, self.clock())) + 1)},
             ) from None
         except asyncio.CancelledError:
             self._leave(w)
@@ -267,6 +269,8 @@ class Scheduler:
                     self._head_changed(w.policy.name, q)
                 self._by_route[w.route] -= 1
                 self._queued -= 1
+                if not self._queued:
+                    self._pace.idle()
                 self.metrics.gauge_down(self.metrics.queued, w.policy.name, w.policy.priority)
 
     def _on_release(self, slot: ReplicaSlot) -> None:
@@ -324,7 +328,10 @@ class Scheduler:
             q.popleft()
             self._head_changed(tenant, q)
             self._by_route[w.route] -= 1
+            self._pace.dispatched(now)
             self._queued -= 1
+            if not self._queued:
+                self._pace.idle()
             self.metrics.gauge_down(self.metrics.queued, w.policy.name, w.policy.priority)
             self._dispatched(w.policy, now - w.enqueued)
             w.future.set_result(handle)
@@ -332,14 +339,6 @@ class Scheduler:
     def _dispatched(self, policy: TenantPolicy, waited: float) -> None:
         self.counters.served(policy.name)
         self.metrics.child(self.metrics.queue_wait, policy.name, policy.priority).observe(waited)
-        now = self.clock()
-        dt = max(1e-3, now - self._rate_ts)
-        self._rate = 0.8 * self._rate + 0.2 * (1.0 / dt)
-        self._rate_ts = now
-
-    def _retry_after(self, ahead: int) -> float:
-        rate = self._rate if self._rate > 0 else 1.0
-        return max(1.0, ahead / rate)
 
 
 _NO_COUNTERS = VirtualCounters()
