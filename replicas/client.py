@@ -33,7 +33,7 @@ from replicas.protocol import (
 )
 from replicas.spec import host_port
 
-__all__ = ["ReplicaClient", "Collector", "ReplicaDead", "ReplicaRefused", "connect"]
+__all__ = ["ReplicaClient", "Collector", "CredentialsRefused", "ReplicaDead", "ReplicaRefused", "connect"]
 
 log = logging.getLogger("fairstream.replica_client")
 
@@ -50,6 +50,14 @@ class ReplicaBusy(ReplicaDead):
     def __init__(self, reason: str, retry_after: float = 0.0) -> None:
         super().__init__(reason)
         self.retry_after = retry_after
+
+
+class CredentialsRefused(ReplicaDead):
+    """An upstream refused the router's credentials (HTTP 401 or 403 to a
+    generation request): the operator's configuration, not the client's
+    request, and no death either; the upstream is not chosen again until a
+    health check shows it takes them (``replicas.upstream``), so a request
+    moves off it once, and with no other replica ready ends at once."""
 
 
 class ReplicaRefused(ConnectionError):
@@ -193,6 +201,7 @@ class ReplicaClient:
         self._on_close = on_close
         self.closed: BaseException | None = None
         self.refused = False  # (an upstream's: see replicas/upstream.py; never set here)
+        self.credentials_refused: str | None = None  # (the same)
         self.continues = True  # continues a stream from its token ids (an upstream's may not)
         self._task = asyncio.get_running_loop().create_task(self._read(), name=f"replica-reader-{name}")
 

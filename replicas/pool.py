@@ -60,7 +60,8 @@ class ReplicaSlot:
     @property
     def ready(self) -> bool:
         c = self.client
-        return self.state == "ready" and c is not None and c.closed is None and not c.refused
+        return (self.state == "ready" and c is not None and c.closed is None and not c.refused
+                and c.credentials_refused is None)
 
     def failed(self, why: str) -> None:
         """It failed (the supervisor's reason, as logged)."""
@@ -232,7 +233,10 @@ class ReplicaPool:
             raise NoReplica(
                 f"no ready replica of model {model!r} takes {fields.names()}: the replicas "
                 "serving it run an older fairstream, which would ignore it (a rolling upgrade under way?)")
-        raise NoReplica(f"no ready replica serves model {model!r}")
+        # (an upstream that refuses the router's credentials: the operator's to fix, so the message says so)
+        why = [s.client.credentials_refused for s in self.slots
+               if s.client is not None and s.client.model == model and s.client.credentials_refused]
+        raise NoReplica(f"no ready replica serves model {model!r}" + (f" ({'; '.join(why)})" if why else ""))
 
     def when_ready(self, callback: Callable[[], bool | None], model: str | None = None, needs: int = 0) -> None:
         """Call ``callback`` when a replica of ``model`` (taking ``needs``)

@@ -1,13 +1,11 @@
 """Starts, watches and restarts replicas; owns their processes and connections.
 
-One task per slot runs the slot's life cycle: start the process (local),
-connect (remote) or open an HTTP client (``url`` upstream), wait for
-readiness, health-check with pings, and on death restart with exponential
-backoff (a replica it does not start, while it cannot be reached: connect
-again every ``reconnect_interval`` at most). ``close()`` ends every task and
-process.
-Local replicas also die with the router: the child gets PR_SET_PDEATHSIG and
-watches its parent pid.
+One task per slot runs the slot's life cycle: start the process (local), connect
+(remote) or open an HTTP client (``url`` upstream), wait for readiness, health-check
+with pings, and on death restart with exponential backoff (a replica it does not
+start, while it cannot be reached: connect again every ``reconnect_interval`` at
+most). ``close()`` ends every task and process. Local replicas also die with the
+router: the child gets PR_SET_PDEATHSIG and watches its parent pid.
 """
 
 from __future__ import annotations
@@ -353,7 +351,10 @@ class Supervisor:
         try:
             while client.closed is None and not self._closing:
                 refused, refusals = client.refused, getattr(client, "refusals", 0)
-                if refused:  # not chosen until this check clears it (fairstream_replica_up 0 meanwhile)
+                unauthorized = client.credentials_refused  # (an upstream's 401/403, until its probe passes)
+                if refused or unauthorized:  # not chosen until a check clears it (fairstream_replica_up 0 meanwhile)
+                    if unauthorized:
+                        slot.failed(unauthorized)  # (why /admin/replicas shows it down)
                     self._on_event("refused", slot)
                 ping = asyncio.ensure_future(answered_within(client.ping(None), s.health_timeout))
                 done, _ = await asyncio.wait({ping, exited} - {None}, return_when=asyncio.FIRST_COMPLETED)
@@ -366,11 +367,10 @@ class Supervisor:
                     raise _Stalled(f"no pong within {s.health_timeout}s (stalled)") from None
                 except ConnectionError:
                     break
-                if refused and client.refusals == refusals:
-                    # a connect was refused before this check began, none
-                    # since, and it answers: chosen again
+                if refused and client.refusals == refusals:  # (refused before this check, not since: it answers)
                     client.refused = False
                     log.info("replica %s answers its health check after a refused connection", slot.name)
+                if (refused and not client.refused) or (unauthorized and not client.credentials_refused):
                     self._on_event("answers", slot)
                     self.pool.notify_ready()
                 if progress.stuck(pong.load, loop.time(), paused):

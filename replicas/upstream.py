@@ -11,7 +11,8 @@ chunk (``replicas.upstream_sse``). Health checks, ``/metrics`` and
 ``/detokenize`` go through one aiohttp session per upstream (its load:
 ``replicas.upstream_load``). A stream resumed here with stop strings continues
 through a ``Splice`` (``replicas.splice``); ``replicas.upstream_errors`` reads
-its error bodies and the 400s that refuse a field the router adds.
+its error bodies and the 400s that refuse a field the router adds;
+``replicas.upstream_credentials`` keeps whether it takes the router's API key.
 
 Token ids (docs/upstreams.md). With ``return_token_ids`` (vLLM >= 0.10) the
 upstream returns the prompt's token ids in its first chunk and the new token
@@ -34,7 +35,7 @@ from typing import Any
 import aiohttp
 import msgspec
 
-from replicas.client import Collector, ReplicaBusy, ReplicaDead
+from replicas.client import Collector, CredentialsRefused, ReplicaBusy, ReplicaDead
 from replicas.http11 import HttpError, HttpPool, Response, Sent
 from replicas.protocol import (
     FEATURES,
@@ -53,6 +54,7 @@ from replicas.protocol import (
 )
 from replicas.spec import ReplicaSpec
 from replicas.splice import post_detokenize, splice_at
+from replicas.upstream_credentials import Credentials
 from replicas.upstream_errors import UpstreamFailed, error_text, rejects_field, retry_after_seconds
 from replicas.upstream_load import poll_vllm_load
 from replicas.upstream_sse import Chunk, SseReader, Stream
@@ -98,6 +100,10 @@ class UpstreamClient:
         self.refused = False
         self.refusals = 0  # (one during a check keeps it refused: the supervisor checks again)
         self.check_now = asyncio.Event()
+        # A 401/403 to a generation request (its /models may need no key, so
+        # health checks pass): not chosen until its health check's probe, or
+        # a request, shows the key is taken (``credentials_refused``).
+        self.credentials = Credentials(name, spec.api_key_env, self.check_now)
         # Whether the upstream returns token ids (None: not known yet).
         self.token_ids: bool | None = {"yes": True, "no": False}.get(spec.token_ids)
         self._require_ids = spec.token_ids == "yes"
@@ -117,6 +123,11 @@ class UpstreamClient:
     @property
     def active(self) -> int:
         return len(self._streams)
+
+    @property
+    def credentials_refused(self) -> str | None:
+        """Why it refuses the router's API key (None: it takes it): not ready meanwhile."""
+        return self.credentials.refused
 
     @property
     def continues(self) -> bool:
@@ -205,6 +216,8 @@ class UpstreamClient:
             listed = [m.id for m in msgspec.json.decode(body, type=ModelList).data]
             if listed and self.upstream_model not in listed:
                 raise UpstreamFailed(f"GET /models no longer lists {self.upstream_model!r} (it lists {listed})")
+            if self.credentials.refused is not None:  # (/models may need no key: ask a generation endpoint)
+                await self.credentials.probe(session, self.url, self.upstream_model)
         except TimeoutError:
             raise
         except (aiohttp.ClientError, OSError, UpstreamFailed, msgspec.ValidationError, msgspec.DecodeError) as e:
@@ -324,6 +337,8 @@ class UpstreamClient:
                     resp = await self._http.request("POST", path, body, on_head, self.head_timeout)
                 if resp.status == 200:
                     streaming = True  # on_head attached its SSE reader
+                    if self.credentials.refused is not None:
+                        self.credentials.taken()
                     return
                 try:
                     msg = error_text(await resp.read())
@@ -338,6 +353,10 @@ class UpstreamClient:
                             self._ask_usage = False
                             log.info("upstream %s refuses stream_options: its prompt tokens go uncounted", self.name)
                         continue
+                if resp.status in (401, 403):  # (the router's key: the request moves on, and not back here)
+                    self._streams.pop(col.rid, None)
+                    col.fail(CredentialsRefused(self.credentials.refuse(resp.status, msg)))
+                    return
                 # (404: the model or path is not served there: the upstream's state, not the client's error)
                 if 400 <= resp.status < 500 and resp.status not in (401, 403, 404, 408, 429):
                     self.finish(st, Delta(col.rid, [], "", FinishReason.ERROR, None, msg))

@@ -18,6 +18,7 @@ import asyncio
 import logging
 import time
 
+from replicas.client import CredentialsRefused
 from replicas.pool import LoadHandle, NoReplica
 from router.deadlines import StreamTimeout
 from router.logs import request_id_var
@@ -42,6 +43,10 @@ class WaitsForReplica:
         ``_waited`` ends the wait)."""
         sched = self.scheduler
         if self.failover_wait <= 0 or (sched is not None and sched.stopping):
+            return False
+        if isinstance(failure, CredentialsRefused) and not self.produced:
+            # (an upstream that refused the router's key does not come back by itself: the client,
+            # sent nothing yet, gets the 503 naming it now, not after failover_wait)
             return False
         now = time.monotonic()
         if self._on_the_way:

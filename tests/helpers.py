@@ -194,15 +194,18 @@ def cmdline(pid: int) -> list[str]:
         return []
 
 
-async def read_request(reader) -> bytes:
+async def read_request(reader, bodies: list[bytes] | None = None) -> bytes:
     """One HTTP/1.1 request off a loopback test server's ``StreamReader``:
-    its head (the body, by its content-length, is read and dropped)."""
+    its head (the body, by its content-length, is read and dropped, or
+    appended to ``bodies``)."""
     head = await reader.readuntil(b"\r\n\r\n")
     length = 0
     for line in head.split(b"\r\n"):
         if line.lower().startswith(b"content-length:"):
             length = int(line.split(b":")[1])
-    await reader.readexactly(length)
+    body = await reader.readexactly(length)
+    if bodies is not None:
+        bodies.append(body)
     return head
 
 

@@ -37,6 +37,7 @@ class _FakeClient:
         self.model = model
         self.closed = None
         self.refused = False
+        self.credentials_refused = None
         self.load = LoadReport(0, 0, 0.0)
 
 

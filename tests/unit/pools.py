@@ -16,6 +16,7 @@ class ReadyClient:
     model = MODEL
     closed = None
     refused = False
+    credentials_refused = None
     continues = True
     load = LoadReport(0, 0, 0.0)
 

@@ -70,7 +70,7 @@ def test_a_replica_whose_connection_closed_shows_down_before_the_supervisor_noti
     slot = ReplicaSlot(ReplicaSpec(name="solo"))
     assert slot.status == "starting"
     slot.state = "ready"
-    slot.client = SimpleNamespace(closed=None, refused=False)  # type: ignore[assignment]
+    slot.client = SimpleNamespace(closed=None, refused=False, credentials_refused=None)  # type: ignore[assignment]
     assert slot.ready and slot.status == "ready"
     slot.client.closed = ConnectionResetError("gone")  # type: ignore[union-attr]
     assert not slot.ready and slot.status == "down"

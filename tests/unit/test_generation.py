@@ -194,6 +194,7 @@ class _Replica(Client):
 
     closed = None
     refused = False
+    credentials_refused = None
     model = "m"
     load = None
     ready = Ready(1, "m", "sim", 4096, 1, int(FEATURES))  # (this version's: every field taken)

@@ -166,6 +166,7 @@ class _Upstream:
 
         self.closed: BaseException | None = None
         self.refused = False
+        self.credentials_refused: str | None = None
         self.refusals = 0
         self.check_now = asyncio.Event()
         self.pings = 0
@@ -494,6 +495,7 @@ def test_a_ping_under_way_when_the_supervisor_stops_is_not_reported_as_never_ret
     class _Client:
         closed = None
         refused = False
+        credentials_refused = None
 
         def __init__(self, loop) -> None:
             self.pong = loop.create_future()

@@ -9,7 +9,11 @@ of reaching the client as an error.
 * One that no longer serves the model the router sends it (restarted with
   another, or a balancer in front now reaching another server): its 404
   "model does not exist" is not the client's error, and its health check
-  takes it down."""
+  takes it down.
+* One that refuses the router's API key on its generation endpoints while
+  its ``/models`` needs none (so health checks alone pass): the request
+  moves on as ``CredentialsRefused``, and the upstream is not chosen until a
+  health check's probe of a generation endpoint shows the key taken."""
 
 from __future__ import annotations
 
@@ -19,7 +23,7 @@ from collections.abc import Awaitable, Callable
 
 import pytest
 
-from replicas.client import ReplicaDead
+from replicas.client import CredentialsRefused, ReplicaDead
 from replicas.protocol import SamplingParams
 from replicas.spec import ReplicaSpec
 from replicas.upstream_open import open_upstream
@@ -89,6 +93,40 @@ async def test_an_upstream_that_no_longer_serves_the_model_fails_the_request_ove
                 await col.get()
         with pytest.raises(ReplicaDead, match="no longer lists 'm'"):
             await client.ping(5)
+    finally:
+        await client.close()
+        server.close()
+
+
+async def test_an_upstream_that_refuses_the_key_for_generation_is_refused_until_a_probe_passes(caplog) -> None:
+    key = {"taken": False}
+
+    async def post(writer) -> None:  # (a request, or the health check's probe: no prompt)
+        if key["taken"]:
+            body = b'{"error":{"message":"prompt is required","type":"BadRequestError","code":400}}'
+            writer.write(_JSON % (b"400 Bad Request", len(body), body))
+        else:
+            body = b'{"error":{"message":"Unauthorized","type":"invalid_request_error","code":401}}'
+            writer.write(_JSON % (b"401 Unauthorized", len(body), body))
+
+    server, port = await _server(lambda: _listing("m"), post)
+    client = await open_upstream("up", ReplicaSpec(name="up", url=f"http://127.0.0.1:{port}/v1",
+                                                   api_key_env="FS_TEST_WRONG_KEY"), timeout=5)
+    try:
+        assert client.credentials_refused is None
+        col = client.generate(SamplingParams(max_tokens=4), prompt="hi")
+        with pytest.raises(CredentialsRefused, match=r"refused the router's credentials .*HTTP 401: Unauthorized"):
+            async with asyncio.timeout(5):
+                await col.get()
+        assert "FS_TEST_WRONG_KEY" in (client.credentials_refused or "")
+        assert client.check_now.is_set()  # (the supervisor shows it down at once)
+        errors = [r for r in caplog.records if r.levelname == "ERROR" and "credentials" in r.getMessage()]
+        assert len(errors) == 1 and "HTTP 401" in errors[0].getMessage()
+        await client.ping(5)  # /models answers, the probe is refused: alive, still refused
+        assert client.credentials_refused is not None and client.closed is None
+        key["taken"] = True
+        await client.ping(5)
+        assert client.credentials_refused is None
     finally:
         await client.close()
         server.close()

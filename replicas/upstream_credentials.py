@@ -1,0 +1,72 @@
+"""Whether an OpenAI-compatible upstream takes the router's credentials.
+
+An upstream whose ``/models`` needs no key (many do not) passes its health
+check with a wrong one, and then answers every generation request 401 or
+403. That is the operator's configuration, not the client's request: the
+``UpstreamClient`` reports it here, which logs it once as an error and keeps
+the reason (``refused``) until a probe of a generation endpoint, made with
+each health check meanwhile, or a request's 200 shows the key is taken. The
+pool does not choose the upstream while it is set (``ReplicaSlot.ready``)."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+
+import aiohttp
+
+from replicas.upstream_errors import error_text
+
+__all__ = ["Credentials"]
+
+log = logging.getLogger("fairstream.upstream")
+
+
+class Credentials:
+    """One upstream's standing with the router's API key."""
+
+    __slots__ = ("name", "key_env", "refused", "check_now", "_refusals")
+
+    def __init__(self, name: str, key_env: str | None, check_now: asyncio.Event) -> None:
+        self.name = name
+        self.key_env = key_env
+        self.refused: str | None = None  # why, while it refuses them
+        self.check_now = check_now  # (the supervisor's: set to show it down at once)
+        self._refusals = 0  # (one during a probe keeps it refused)
+
+    def refuse(self, status: int, message: str) -> str:
+        """It answered ``status`` (401/403): refused until taken again;
+        logged at the first refusal. Returns why, for the request's failure."""
+        self._refusals += 1
+        if not self.key_env:
+            key = "it sent no API key: api_key_env is not set"
+        elif not os.environ.get(self.key_env):
+            key = f"it sent no API key: ${self.key_env} is empty"
+        else:
+            key = f"the key in ${self.key_env}"
+        why = f"upstream {self.name} refused the router's credentials ({key}): HTTP {status}: {message}"
+        if self.refused is None:
+            log.error("%s; not chosen until a health check shows it takes them", why)
+            self.check_now.set()
+        self.refused = why
+        return why
+
+    def taken(self) -> None:
+        """A generation endpoint took them (a request's 200, or a probe)."""
+        if self.refused is not None:
+            self.refused = None
+            log.warning("upstream %s takes the router's credentials again", self.name)
+
+    async def probe(self, session: aiohttp.ClientSession, url: str, model: str) -> None:
+        """POST a request with no prompt to ``url``/completions: an OpenAI
+        server (vLLM, api.openai.com) refuses a wrong key with 401/403 before
+        it reads the body, and a right one's request as the client's error
+        (400), generating nothing."""
+        before = self._refusals
+        async with session.post(url + "/completions", json={"model": model}) as r:
+            body = await r.read()
+        if r.status in (401, 403):
+            self.refuse(r.status, error_text(body))
+        elif self._refusals == before:  # (no request was refused meanwhile)
+            self.taken()

@@ -1,0 +1,118 @@
+"""A ``url:`` upstream that refuses the router's API key on its generation
+endpoints while its ``/models`` needs none, so its health check alone passes
+(docs/upstreams.md, "Health and load"): the operator's configuration error.
+A request moves off it once (it used to be tried on every failover, up to 9
+times, and logged at INFO), the upstream is not ready (``/ready``,
+``/admin/replicas``, ``fairstream_replica_up``) and gets no more requests,
+and with no other replica the client gets a 503 at once that says why."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections.abc import AsyncIterator
+import contextlib
+
+import httpx
+
+from tests.helpers import ADMIN, GOLD, MODEL, poll, read_request
+from tests.integration.test_upstream import PROMPT, UPSTREAM, cleanup, upstream_router
+
+__all__ = ["cleanup"]  # (the fixture, from test_upstream)
+
+_MODELS = json.dumps({"object": "list", "data": [{"id": MODEL, "object": "model"}]}).encode()
+_UNAUTHORIZED = json.dumps({"error": {"message": "Incorrect API key provided", "type": "invalid_request_error",
+                                      "code": "invalid_api_key"}}).encode()
+
+
+@contextlib.asynccontextmanager
+async def _key_refusing_upstream() -> AsyncIterator[tuple[str, list[bytes]]]:
+    """A loopback upstream: ``GET /models`` 200, every POST 401. Yields its
+    URL and the bodies of the generation requests it got (not the health
+    check's probes, which carry no prompt)."""
+    generations: list[bytes] = []
+
+    async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            while True:
+                bodies: list[bytes] = []
+                head = await read_request(reader, bodies)
+                if head.startswith(b"GET"):
+                    status, body = b"200 OK", _MODELS
+                else:
+                    if b'"prompt"' in bodies[0] or b'"messages"' in bodies[0]:
+                        generations.append(bodies[0])
+                    status, body = b"401 Unauthorized", _UNAUTHORIZED
+                writer.write(b"HTTP/1.1 %s\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n%s"
+                             % (status, len(body), body))
+                await writer.drain()
+        except (asyncio.IncompleteReadError, ConnectionError, asyncio.CancelledError):
+            pass  # (the client closed, or the test ended)
+        finally:
+            writer.close()
+
+    server = await asyncio.start_server(serve, "127.0.0.1", 0)
+    try:
+        yield f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}/v1", generations
+    finally:
+        server.close()
+
+
+async def test_an_upstream_refusing_the_key_is_tried_once_and_goes_not_ready(tmp_path, cleanup):
+    async with _key_refusing_upstream() as (url, generations):
+        router = upstream_router(tmp_path / "router", url, local=1, api_key_env="FS_TEST_NO_SUCH_KEY")
+        cleanup(router)
+        await asyncio.to_thread(router.start)  # its readiness check needs this loop's server
+        async with httpx.AsyncClient(base_url=router.base_url, headers={"Authorization": f"Bearer {GOLD}"},
+                                     timeout=30) as http:
+            # (equal loads: the first ready replica, the upstream, is chosen)
+            r = await http.post("/v1/completions", json={"model": MODEL, "prompt": PROMPT, "max_tokens": 8})
+            assert r.status_code == 200, r.text
+            assert r.json()["choices"][0]["text"]
+            assert len(generations) == 1  # tried once, then on the sim replica
+
+            ready = (await http.get("/ready")).json()
+            assert ready["replicas"][UPSTREAM] == "down" and ready["ready"], ready
+            assert router.metrics().value("fairstream_replica_up", replica=UPSTREAM) == 0
+
+            def admin_says() -> dict | None:
+                rows = httpx.get(router.base_url + "/admin/replicas", headers={"Authorization": f"Bearer {ADMIN}"},
+                                 timeout=5).json()["replicas"]
+                row = next(x for x in rows if x["name"] == UPSTREAM)
+                return row if "refused the router's credentials" in (row["last_error"] or "") else None
+
+            row = await asyncio.to_thread(poll, admin_says, 10, what="/admin/replicas naming the refusal")
+            assert not row["ready"] and "HTTP 401" in row["last_error"], row
+
+            for _ in range(3):  # the scheduler sends nothing more there
+                r = await http.post("/v1/chat/completions", json={
+                    "model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4})
+                assert r.status_code == 200, r.text
+            assert len(generations) == 1
+        m = router.metrics()
+        assert m.value("fairstream_failovers_total", replica=UPSTREAM, default=0) <= 1
+        assert m.value("fairstream_requests_total", tenant="gold", outcome="ok") == 4
+    lines = [json.loads(line) for line in router.log().splitlines() if line.startswith("{")]
+    errors = [x["msg"] for x in lines if x["level"] == "error" and "refused the router's credentials" in x["msg"]]
+    assert len(errors) == 1 and UPSTREAM in errors[0] and "HTTP 401" in errors[0], errors
+
+
+async def test_a_request_whose_only_upstream_refuses_the_key_gets_a_503_at_once(tmp_path, cleanup):
+    async with _key_refusing_upstream() as (url, generations):
+        router = upstream_router(tmp_path / "router", url, local=0, api_key_env="FS_TEST_NO_SUCH_KEY")
+        cleanup(router)
+        await asyncio.to_thread(router.start)
+        async with httpx.AsyncClient(base_url=router.base_url, headers={"Authorization": f"Bearer {GOLD}"},
+                                     timeout=30) as http:
+            for i in range(2):  # the first one tried there, the second refused before
+                t0 = time.monotonic()
+                r = await http.post("/v1/completions", json={"model": MODEL, "prompt": PROMPT, "max_tokens": 8,
+                                                             "stream": True})
+                assert time.monotonic() - t0 < 5  # not after failover_wait (30 s)
+                assert r.status_code == 503, r.text
+                err = r.json()["error"]
+                assert err["code"] == "no_replica_available", err
+                assert "refused the router's credentials" in err["message"], err
+                assert "FS_TEST_NO_SUCH_KEY" in err["message"] and "HTTP 401" in err["message"], err
+            assert len(generations) == 1
