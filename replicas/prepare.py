@@ -14,9 +14,9 @@ import msgspec
 
 from replicas.engine import Engine, EngineError, Tokenizer
 from replicas.output import OutputProcessor
-from replicas.protocol import SamplingParams
+from replicas.protocol import FinishReason, SamplingParams
 
-__all__ = ["prepare", "context_error", "prompt_error"]
+__all__ = ["prepare", "finish_prefix", "context_error", "prompt_error"]
 
 # Prompt tokens an output processor sees as context when it is primed with the
 # prompt: enough to hold the start of one unfinished UTF-8 character.
@@ -65,7 +65,8 @@ def prepare(
     vLLM's detokenizer does: a prompt that ends inside a multi-byte character
     gets that character completed by the first new token. Raises
     ``EngineError`` (or ``ValueError`` for a bad prefix) when the request
-    cannot run.
+    cannot run. ``max_tokens`` 0 in the params returned: the prefix holds
+    every token the request may have, nothing is to run (``finish_prefix``).
     """
     room = engine.max_model_len - len(prompt_ids)
     if room <= 0:
@@ -77,7 +78,7 @@ def prepare(
         # as the router's default, as vLLM's server does (get_max_tokens)
         params = msgspec.structs.replace(params, max_tokens=room, min_tokens=min(params.min_tokens, room))
     remaining = params.max_tokens - len(prefix_token_ids)
-    if remaining <= 0:
+    if remaining < 0 or (remaining == 0 and not prefix_token_ids):
         raise EngineError("max_tokens already reached by the resumed prefix")
     include = params.include_stop_str_in_output
     if prefix_token_ids:
@@ -95,6 +96,16 @@ def prepare(
     else:
         proc = OutputProcessor(engine.tokenizer, params.stop, min_tokens=params.min_tokens, include_stop_str=include)
     return prompt_ids + list(prefix_token_ids), params, proc
+
+
+def finish_prefix(proc: OutputProcessor) -> tuple[str, FinishReason]:
+    """The end of a resumed stream whose prefix holds all its ``max_tokens``
+    tokens (``prepare`` gave ``max_tokens`` 0: its replica failed after the
+    last token, before the finish): the text that replica held back, since it
+    could have started a stop string (less the bytes of a character the
+    sequence ends inside), and ``LENGTH``, as that replica would have ended
+    it; the client then has every character of an uninterrupted run."""
+    return proc.process([], FinishReason.LENGTH)
 
 
 def _prime_window(tok: Tokenizer, prompt_ids: list[int]) -> list[int]:

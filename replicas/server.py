@@ -21,7 +21,7 @@ import msgspec
 from replicas.engine import Engine, EngineDead, EngineError
 from replicas.logs import write_error_file
 from replicas.output import OutputProcessor
-from replicas.prepare import prepare
+from replicas.prepare import finish_prefix, prepare
 from replicas.spec import join_host_port
 from replicas.protocol import (
     FEATURES,
@@ -236,6 +236,10 @@ class ReplicaServer:
             else:
                 raise EngineError("request has no prompt")
             ids, params, proc = prepare(eng, prompt_ids, msg.params, msg.prefix_token_ids, msg.prefix_text_len)
+            if params.max_tokens == 0:  # (every token delivered, the finish lost: its held-back text and length)
+                text, finish = finish_prefix(proc)
+                conn.queue(Delta(msg.rid, [], text, finish, prompt_ids))
+                return
             erid = next(self._ids)
             self._requests[erid] = _Request(conn, msg.rid, proc, prompt_ids)
             conn.requests[msg.rid] = erid

@@ -317,6 +317,13 @@ class UpstreamClient:
         prompt_ids = st.prompt_ids
         streaming = False
         try:
+            if prefix and params.max_tokens == len(prefix):
+                # (its replica failed after the last token, before the finish: nothing to generate; the text it
+                # held back, which could have started a stop string, then length, as replicas.prepare ends it)
+                text, stopped = (await splice_at(self._detokenize, prefix, prefix_text_len, params)).feed(
+                    "", True) if params.stop else ("", False)
+                self.finish(st, Delta(col.rid, [], text, FinishReason.STOP if stopped else FinishReason.LENGTH))
+                return
             if params.max_tokens - len(prefix) <= 0:
                 self.finish(st, Delta(col.rid, [], "", FinishReason.ERROR, None,
                                       "max_tokens already reached by the resumed prefix"))

@@ -414,9 +414,9 @@ class Generation(WaitsForReplica):
             return
         if (self.completion_ids and len(self.completion_ids) >= self.job.params.max_tokens
                 and not self.job.params.stop):
-            # All its tokens were out, only the finish was lost (sent alone, as OpenAI does): a 0-token
-            # continuation is refused, any replica ends here. (With stop strings a replica may hold text
-            # back, which this would drop: those still fail over, and end as lost.)
+            # All its tokens were out, only the finish was lost (sent alone, as OpenAI does): it ends here.
+            # (With stop strings a replica may have held text back, which this would drop: those fail over to
+            # a 0-token continuation, which sends that text, then length: replicas.prepare.finish_prefix.)
             log.info("stream on %s failed after its last token (%s); finished with length", name, e,
                      extra={"request_id": self.request_id, "replica": name})
             self.finish = FinishReason.LENGTH

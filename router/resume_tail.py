@@ -13,7 +13,13 @@ stream generated past its end (after an end-of-sequence) or, at
 ``finish_tail`` reads the buffer's last events, and where the output has
 ended, sends what of the end is not stored (after what the client already
 has), stores it and finishes the buffer, with no replica and no admission:
-nothing is generated.
+nothing is generated. Except at ``max_tokens`` with stop strings (and
+without ``include_stop_str_in_output``): the finish the buffer lacks may
+have carried the last characters its replica held back (they could have
+started a stop string), which only a replica can rebuild from the tokens.
+That stream is continued: a replica asked for no more tokens sends that
+text, then ``length`` (``replicas.prepare.finish_prefix``), as it does for
+a failover after the last token.
 """
 
 from __future__ import annotations
@@ -87,7 +93,7 @@ def _missing(tail: StreamSnapshot, snap: StreamSnapshot, meta: ResumeMeta) -> tu
     the buffer lacks, in order (``FINISH``, ``USAGE``; ``[DONE]`` always):
     it ended when a stored event has a finish reason, or when its stored
     tokens reached ``max_tokens`` (a finish sent in an event of its own, not
-    stored)."""
+    stored) and no text can have been held back for a stop string."""
     finished = usage = False
     for event in tail.events:
         chunk = _chunk(event)
@@ -97,7 +103,9 @@ def _missing(tail: StreamSnapshot, snap: StreamSnapshot, meta: ResumeMeta) -> tu
             finished = True
         elif not chunk.choices and chunk.usage is not None and finished:
             usage = True
-    if not finished and len(snap.token_ids) < meta.params.max_tokens:
+    params = meta.params
+    if not finished and (len(snap.token_ids) < params.max_tokens
+                         or (params.stop and not params.include_stop_str_in_output)):
         return None
     return (() if finished else (FINISH,)) + ((USAGE,) if meta.include_usage and not usage else ())
 

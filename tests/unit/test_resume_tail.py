@@ -29,7 +29,8 @@ PROMPT = [1, 2, 3]
 
 
 async def died_at_the_end(max_tokens: int = 8, include_usage: bool = False, finish: FinishReason = FinishReason.STOP,
-                          stored: str = "finish", chat: bool = False, continuous_usage: bool = False):
+                          stored: str = "finish", chat: bool = False, continuous_usage: bool = False,
+                          stop: list[str] | None = None, include: bool = False):
     """Stream s1 of router a: "Hello" (2 tokens), then " world" (1 token)
     with ``finish`` (or, ``finish`` NONE, without: the finish came in an
     event of its own). ``stored``: how far its end reached the store before
@@ -39,7 +40,8 @@ async def died_at_the_end(max_tokens: int = 8, include_usage: bool = False, fini
     store = MemoryStore(clock)
     svc = await service()
     svc.store, svc.resume, svc.admission = store, ResumeWriter(store, 60), Admission(store, svc.metrics)
-    meta = ResumeMeta("t", chat, "m", "cmpl-s1", 7, include_usage, SamplingParams(max_tokens=max_tokens), PROMPT,
+    params = SamplingParams(max_tokens=max_tokens, stop=stop or [], include_stop_str_in_output=include)
+    meta = ResumeMeta("t", chat, "m", "cmpl-s1", 7, include_usage, params, PROMPT,
                       continuous_usage, lease="lease-a")
     enc = ChunkEncoder(chat, "cmpl-s1", "m", 7)
     # a's admission lease for the stream (a tenant at max_concurrent 1 is at its limit with it)
@@ -103,6 +105,19 @@ async def test_at_max_tokens_without_a_stored_finish_the_finish_is_sent_not_a_st
         "index": 0, "delta": {}, "logprobs": None, "finish_reason": "length"}
     assert out[1].startswith(b"id: 4-3-11\n") and chunk(out[1])["usage"]["completion_tokens"] == 3
     assert (await store.stream_read("s1", 0)).finished
+
+
+async def test_at_max_tokens_with_stop_strings_the_end_is_generated_not_sent_without_the_held_back_text() -> None:
+    # (its replica may have held back its last characters, which came with the finish a did not store:
+    # finishing here would drop them, so a replica is asked for no more tokens, which sends that text)
+    svc, store = await died_at_the_end(max_tokens=3, finish=FinishReason.NONE, stop=["wolves"])
+    out = await resume_at(svc, Position(2, 3, 11))
+    assert b'"code":"no_replica_available"' in out[-1], out  # it tried to generate the end
+    assert not (await store.stream_read("s1", 0)).finished
+    # (with include_stop_str_in_output nothing is held back: the end is sent as without stop strings)
+    svc, store = await died_at_the_end(max_tokens=3, finish=FinishReason.NONE, stop=["wolves"], include=True)
+    out = await resume_at(svc, Position(2, 3, 11))
+    assert len(out) == 2 and chunk(out[0])["choices"][0]["finish_reason"] == "length" and out[1] == DONE, out
 
 
 async def test_with_continuous_usage_the_finish_it_sends_has_the_usage_so_far() -> None:
