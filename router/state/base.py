@@ -128,8 +128,12 @@ class StateStore(abc.ABC):
     # -- stream resume buffers ----------------------------------------------
 
     @abc.abstractmethod
-    async def stream_open(self, sid: str, meta: bytes, owner: str, ttl: float) -> None:
-        """Create the resume buffer of stream ``sid``, claimed by ``owner``."""
+    async def stream_open(self, sid: str, meta: bytes, owner: str, ttl: float, *, lease: str = "",
+                          lost: bool = False) -> None:
+        """Create the resume buffer of stream ``sid``, claimed by ``owner``
+        (none: ""). ``lease`` and ``lost``: a buffer copied from another
+        store (a fallback's, when Redis is back) keeps its last claim's
+        leases and whether a router that held it died (``StreamSnapshot``)."""
 
     @abc.abstractmethod
     async def stream_append(

@@ -145,11 +145,18 @@ class MemoryStore(StateStore):
             return None
         return st
 
-    def held_streams(self) -> list[tuple[str, _Stream, float]]:
-        """The live buffers that missed nothing, with their seconds left (a
-        fallback's, handed to the store it stood in for once that is back)."""
+    def held_streams(self) -> list[str]:
+        """The ids of the live buffers that missed nothing (a fallback's,
+        handed to the store it stood in for once that is back)."""
         now = self._clock()
-        return [(sid, st, st.expires - now) for sid, st in self._streams.items() if st.expires > now and not st.broken]
+        return [sid for sid, st in self._streams.items() if st.expires > now and not st.broken]
+
+    def held_stream(self, sid: str) -> tuple[StreamSnapshot, float] | None:
+        """One of ``held_streams``, as ``stream_read`` gives it, and its
+        seconds left; None when it is gone, expired or broken."""
+        now = self._clock()
+        st = self._stream(sid, now)
+        return None if st is None or st.broken else (self._snapshot(st, now, 0, True), st.expires - now)
 
     def drop_streams(self) -> None:
         """Forget every resume buffer (a fallback's, once the store it stood in for is back)."""
@@ -161,10 +168,12 @@ class MemoryStore(StateStore):
             for sid in [k for k, v in self._streams.items() if v.expires <= now]:
                 del self._streams[sid]
 
-    async def stream_open(self, sid: str, meta: bytes, owner: str, ttl: float) -> None:
+    async def stream_open(self, sid: str, meta: bytes, owner: str, ttl: float, *, lease: str = "",
+                          lost: bool = False) -> None:
         now = self._clock()
         self._expire(now)
-        self._streams[sid] = _Stream(meta, owner, now + CLAIM_TTL, now + ttl)
+        st = self._streams[sid] = _Stream(meta, owner, now + CLAIM_TTL, now + ttl)
+        st.lease, st.lost = lease, lost
 
     async def stream_append(self, sid, events, token_ids, text_len, finished, owner, ttl, first=-1) -> bool:
         # (the same checks as stream_append.lua: this store is also the
@@ -227,6 +236,10 @@ class MemoryStore(StateStore):
         st = self._stream(sid, now)
         if st is None:
             return None
+        return self._snapshot(st, now, after, tokens)
+
+    @staticmethod
+    def _snapshot(st: _Stream, now: float, after: int, tokens: bool) -> StreamSnapshot:
         owner = st.owner if st.owner and st.owner_until > now else ""
         return StreamSnapshot(
             st.meta, list(st.token_ids) if tokens else [], st.text_len, st.events[max(0, after):], len(st.events),

@@ -174,9 +174,10 @@ class RedisStore(StateStore):
         base = f"{self._prefix}:stream:{{{sid}}}"
         return [f"{base}:h", f"{base}:ev", f"{base}:tok"]
 
-    async def stream_open(self, sid: str, meta: bytes, owner: str, ttl: float) -> None:
+    async def stream_open(self, sid: str, meta: bytes, owner: str, ttl: float, *, lease: str = "",
+                          lost: bool = False) -> None:
         try:
-            await self._s_open(keys=self._skeys(sid), args=[meta, owner, ttl, CLAIM_TTL])
+            await self._s_open(keys=self._skeys(sid), args=[meta, owner, ttl, CLAIM_TTL, lease, int(lost)])
         except RedisError as e:
             raise _unavailable(e) from e
 

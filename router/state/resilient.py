@@ -50,6 +50,10 @@ log = logging.getLogger("fairstream.state")
 MAX_OWED = 10_000  # releases and settlements kept for Redis's return
 CONNECT_RETRY = 0.2  # seconds between two tries of the first contact
 PROBE_FIRST = 0.1  # seconds from an outage's start to the probe's first try (then doubling)
+# looks at one fallback buffer while it moves to Redis: what its writer adds
+# meanwhile goes after it, until a look finds nothing new (past this, its
+# next write finds Redis short of events and marks the buffer broken)
+MOVE_TRIES = 8
 
 
 class ResilientStore(StateStore):
@@ -83,6 +87,8 @@ class ResilientStore(StateStore):
         self._reserve_store: dict[str, StateStore] = {}  # where each reservation was taken (it never moves)
         # what Redis missed while it was down, made when it answers again
         self._owed: collections.deque[Callable[[StateStore], Awaitable[None]]] = collections.deque(maxlen=MAX_OWED)
+        # while the fallback's resume buffers move to Redis: those not moved yet (``_stream_store``)
+        self._moving: set[str] | None = None
 
     def _down(self, op: str, err: Exception) -> None:
         self._on_error(op)
@@ -188,14 +194,46 @@ class ResilientStore(StateStore):
         streams that began then) to Redis, which resumes read from now on:
         dropped, a stream begun in a moment's outage could not be resumed
         on any router, its own included, for the rest of its life, and its
-        resume was a 404 naming causes that were not its own. The writer's
-        appends check the count of events (``first``): one that went to the
-        fallback after this copy marks the buffer broken, never a hole."""
-        for sid, st, ttl in self.fallback.held_streams():
-            await self.primary.stream_open(sid, st.meta, st.owner, ttl)
-            if st.events or st.token_ids or st.finished:
-                await self.primary.stream_append(sid, list(st.events), list(st.token_ids), st.text_len, st.finished,
-                                                 st.owner, ttl, 0)
+        resume was a 404 naming causes that were not its own. One buffer at
+        a time: what its writer adds to the fallback while it is copied goes
+        after it (Redis checks the count of events, ``first``), until a look
+        finds nothing new; from that look on (no await between), its reads
+        and writes go to Redis, as do those of a stream opened while the
+        move runs (``_stream_store``), which the fallback would have taken
+        and dropped. A buffer keeps its last claim's leases and whether a
+        router that held it died (``lost``: a client may have events it
+        lacks); a claim that ran out moves as none, as a read shows it."""
+        self._moving = set(self.fallback.held_streams())
+        try:
+            for sid in list(self._moving):
+                at = None  # (events, tokens, finished) in Redis
+                for _ in range(MOVE_TRIES):
+                    held = self.fallback.held_stream(sid)
+                    if held is None:
+                        break
+                    st, ttl = held
+                    has = (st.total_events, len(st.token_ids), st.finished)
+                    if has == at:
+                        break  # (all of it in Redis: its next writes go there, with no await since this look)
+                    if at is None:
+                        await self.primary.stream_open(sid, st.meta, st.owner, ttl, lease=st.lease, lost=st.lost)
+                        at = (0, 0, False)
+                    if has != at:
+                        await self.primary.stream_append(sid, st.events[at[0]:], st.token_ids[at[1]:], st.text_len,
+                                                         st.finished, st.owner, ttl, at[0])
+                    at = has
+                self._moving.discard(sid)
+        finally:
+            self._moving = None
+
+    def _stream_store(self, sid: str) -> StateStore:
+        """Where stream ``sid``'s buffer is: while the fallback's move to
+        Redis runs, in Redis unless it is one the fallback holds that has not
+        moved yet (a stream opened meanwhile is opened there, not missed)."""
+        moving = self._moving
+        if moving is not None and sid not in moving:
+            return self.primary
+        return self._current()
 
     async def _pay_back(self) -> None:
         """Make the releases and settlements Redis missed, oldest first;
@@ -330,36 +368,40 @@ class ResilientStore(StateStore):
     # Resume buffers: on an outage they live in the local fallback (fail-open)
     # so streams keep going; resuming on another router needs Redis back.
 
-    async def _stream_op(self, op: str, call):
+    async def _stream_op(self, op: str, call, sid: str | None = None):
         if self._connect is not None:
             await self._connected()
-        store = self._current()
+        store = self._current() if sid is None else self._stream_store(sid)
         try:
             return await call(store)
         except StoreUnavailable as e:
             self._down(op, e)
             return await call(self._current())
 
-    async def stream_open(self, sid, meta, owner, ttl) -> None:
-        await self._stream_op("stream_open", lambda s: s.stream_open(sid, meta, owner, ttl))
+    async def stream_open(self, sid, meta, owner, ttl, *, lease="", lost=False) -> None:
+        await self._stream_op("stream_open", lambda s: s.stream_open(sid, meta, owner, ttl, lease=lease, lost=lost),
+                              sid)
 
     async def stream_append(self, sid, events, token_ids, text_len, finished, owner, ttl, first=-1) -> bool:
         return await self._stream_op(
             "stream_append",
-            lambda s: s.stream_append(sid, events, token_ids, text_len, finished, owner, ttl, first),
+            lambda s: s.stream_append(sid, events, token_ids, text_len, finished, owner, ttl, first), sid,
         )
 
     async def stream_read(self, sid, after, tokens=True):
-        return await self._stream_op("stream_read", lambda s: s.stream_read(sid, after, tokens))
+        return await self._stream_op("stream_read", lambda s: s.stream_read(sid, after, tokens), sid)
 
     async def stream_claim(self, sid, owner, claim_ttl, lease="") -> bool:
-        return await self._stream_op("stream_claim", lambda s: s.stream_claim(sid, owner, claim_ttl, lease))
+        return await self._stream_op("stream_claim", lambda s: s.stream_claim(sid, owner, claim_ttl, lease), sid)
 
     async def stream_renew(self, sids, owner, claim_ttl) -> list[bool]:
+        if self._moving is not None:  # (each where it is: ``_stream_store``)
+            return [(await self._stream_op("stream_renew", lambda s, i=i: s.stream_renew([i], owner, claim_ttl), i))[0]
+                    for i in sids]
         return await self._stream_op("stream_renew", lambda s: s.stream_renew(sids, owner, claim_ttl))
 
     async def stream_release(self, sid, owner) -> None:
-        await self._stream_op("stream_release", lambda s: s.stream_release(sid, owner))
+        await self._stream_op("stream_release", lambda s: s.stream_release(sid, owner), sid)
 
     async def peers(self, router: str, digest: str, ttl: float) -> dict[str, str]:
         if self._connect is not None:

@@ -580,3 +580,50 @@ async def test_a_stream_begun_during_an_outage_stays_resumable_once_redis_is_bac
     snap = await store.stream_read("s-during", 0)
     assert snap is not None and not snap.broken
     assert snap.events == [b"e0", b"e1", b"e2"] and snap.token_ids == [1, 2, 3] and snap.meta == b"meta"
+
+
+async def test_the_move_to_redis_keeps_lease_and_lost_and_misses_no_stream_written_while_it_runs(
+        open_harness: Harness) -> None:
+    # (the copy carried neither a buffer's last claim's leases nor its being lost, so a resume after
+    # it replaced the wrong leases and trusted a client's events it could not have; a stream opened
+    # while the copy ran went to the fallback and was dropped with it; events written to a buffer
+    # after its copy broke it)
+    h, store = open_harness, open_harness.store
+    await store.start()
+    await store._connected()
+    h.server.kill()
+    await store.stream_open("s-claimed", b"m1", "a", 60.0)
+    assert await store.stream_append("s-claimed", [b"e0"], [1], 1, False, "a", 60.0, 0)
+    await store.stream_release("s-claimed", "a")
+    assert await store.stream_claim("s-claimed", "b", 10.0, "lease-b lease-a")
+    await store.stream_open("s-lost", b"m2", "dead", 60.0)
+    assert await store.stream_append("s-lost", [b"e0", b"e1"], [1, 2], 2, False, "dead", 60.0, 0)
+    store.fallback._streams["s-lost"].owner_until = 0.0  # (its router died: its claim ran out unreleased)
+    assert store.healthy is False
+
+    moving = store.primary.stream_append
+    during: list[str] = []
+
+    async def append_then_write_more(sid, events, *args):
+        done = await moving(sid, events, *args)
+        if not during:  # (while the first copy is under way: another stream opens, this one goes on)
+            during.append(sid)
+            await store.stream_open("s-new", b"m3", "me", 60.0)
+            assert await store.stream_append("s-new", [b"n0"], [7], 1, False, "me", 60.0, 0)
+            # (to the buffer copied now, or to the one still to copy)
+            assert await store.stream_append("s-claimed", [b"late"], [9], 9, False, "b", 60.0, 1)
+        return done
+
+    store.primary.stream_append = append_then_write_more  # type: ignore[method-assign]
+    h.server.restart()
+    await h.wait_healthy(5.0)
+    assert during  # (the copy ran)
+
+    claimed = await store.primary.stream_read("s-claimed", 0)
+    lost = await store.primary.stream_read("s-lost", 0)
+    new = await store.primary.stream_read("s-new", 0)
+    assert claimed is not None and (claimed.lease, claimed.lost, claimed.owner) == ("lease-b lease-a", False, "b")
+    assert not claimed.broken and (claimed.events, claimed.token_ids, claimed.text_len) == ([b"e0", b"late"], [1, 9], 9)
+    assert lost is not None and lost.lost and lost.owner == "" and not lost.broken
+    assert (lost.events, lost.token_ids, lost.text_len) == ([b"e0", b"e1"], [1, 2], 2)
+    assert new is not None and (new.events, new.token_ids) == ([b"n0"], [7]) and not new.broken
