@@ -20,10 +20,13 @@ passed in.
 
 from __future__ import annotations
 
-__all__ = ["DispatchPace", "PRIOR_INTERVAL", "MIN_RETRY_AFTER"]
+__all__ = ["DispatchPace", "PRIOR_INTERVAL", "MIN_RETRY_AFTER", "MAX_RETRY_AFTER"]
 
 PRIOR_INTERVAL = 1.0  # seconds between dispatches until one was measured
 MIN_RETRY_AFTER = 1.0  # the least a client is told to wait
+# the most: a stall of an hour (or one, long past, still in the average) is no
+# forecast of the next ten minutes, and clients that honour it stay away for hours
+MAX_RETRY_AFTER = 300.0
 ALPHA = 0.2  # weight of the newest interval
 
 
@@ -65,4 +68,4 @@ class DispatchPace:
     def retry_after(self, ahead: int, now: float) -> float:
         """Seconds until ``ahead`` more waiting requests are likely dispatched
         (at least ``MIN_RETRY_AFTER``)."""
-        return max(MIN_RETRY_AFTER, ahead * self.mean_interval(now))
+        return min(MAX_RETRY_AFTER, max(MIN_RETRY_AFTER, ahead * self.mean_interval(now)))

@@ -361,9 +361,13 @@ class UpstreamClient:
                             log.info("upstream %s refuses stream_options: its prompt tokens go uncounted", self.name)
                         continue
                 if resp.status in (401, 403):  # (the router's key: the request moves on, and not back here)
-                    self._streams.pop(col.rid, None)
-                    col.fail(CredentialsRefused(self.credentials.refuse(resp.status, msg)))
-                    return
+                    why = await self.credentials.confirm(self._session, self.url, self.upstream_model, path,
+                                                         resp.status, msg, self.head_timeout or None)
+                    if why is not None:
+                        self._streams.pop(col.rid, None)
+                        col.fail(CredentialsRefused(why))
+                        return
+                    # (the key is taken: this request's own refusal; it moves on as before, the upstream ready)
                 # (404: the model or path is not served there: the upstream's state, not the client's error)
                 if 400 <= resp.status < 500 and resp.status not in (401, 403, 404, 408, 429):
                     self.finish(st, Delta(col.rid, [], "", FinishReason.ERROR, None, msg))

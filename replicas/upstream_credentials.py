@@ -26,19 +26,26 @@ log = logging.getLogger("fairstream.upstream")
 class Credentials:
     """One upstream's standing with the router's API key."""
 
-    __slots__ = ("name", "key_env", "refused", "check_now", "_refusals")
+    __slots__ = ("name", "key_env", "refused", "check_now", "path", "_refusals", "_confirming")
 
     def __init__(self, name: str, key_env: str | None, check_now: asyncio.Event) -> None:
         self.name = name
         self.key_env = key_env
         self.refused: str | None = None  # why, while it refuses them
         self.check_now = check_now  # (the supervisor's: set to show it down at once)
+        # the generation endpoint refused last, which the probes ask (a chat-only
+        # upstream's gateway may answer 403 to /completions whatever the key)
+        self.path = "/completions"
         self._refusals = 0  # (one during a probe keeps it refused)
+        self._confirming: asyncio.Future[bool] | None = None  # (one probe for a burst of refusals)
 
-    def refuse(self, status: int, message: str) -> str:
-        """It answered ``status`` (401/403): refused until taken again;
-        logged at the first refusal. Returns why, for the request's failure."""
+    def refuse(self, status: int, message: str, path: str = "") -> str:
+        """It answered ``status`` (401/403) (to a request to ``path``):
+        refused until taken again; logged at the first refusal. Returns why,
+        for the request's failure."""
         self._refusals += 1
+        if path:
+            self.path = path
         if not self.key_env:
             key = "it sent no API key: api_key_env is not set"
         elif not os.environ.get(self.key_env):
@@ -58,15 +65,46 @@ class Credentials:
             self.refused = None
             log.warning("upstream %s takes the router's credentials again", self.name)
 
+    async def confirm(self, session: aiohttp.ClientSession, url: str, model: str, path: str, status: int,
+                      message: str, timeout: float | None) -> str | None:
+        """A generation request to ``path`` got ``status`` (401/403): is it
+        the key, or that request (an upstream's moderation, a per-model
+        rule)? A probe of ``path`` tells (one for a burst of refusals): the
+        key refused there too, or it already was, gives why (the request
+        moves on, the upstream is not ready); else None (the upstream stays
+        ready: that refusal was the request's own)."""
+        if self.refused is not None:
+            return self.refuse(status, message, path)
+        if self._confirming is None:
+            self._confirming = asyncio.ensure_future(self._refuses(session, url + path, model, timeout))
+            self._confirming.add_done_callback(lambda _: setattr(self, "_confirming", None))
+        try:
+            refused = await asyncio.shield(self._confirming)
+        except (aiohttp.ClientError, OSError, TimeoutError):
+            refused = False  # (not known: the request moves on as any failure, the upstream ready)
+        return self.refuse(status, message, path) if refused else None
+
     async def probe(self, session: aiohttp.ClientSession, url: str, model: str) -> None:
-        """POST a request with no prompt to ``url``/completions: an OpenAI
-        server (vLLM, api.openai.com) refuses a wrong key with 401/403 before
-        it reads the body, and a right one's request as the client's error
-        (400), generating nothing."""
+        """A health check's while it is refused: whether ``path`` still
+        refuses the key (see ``_post``)."""
         before = self._refusals
-        async with session.post(url + "/completions", json={"model": model}) as r:
-            body = await r.read()
-        if r.status in (401, 403):
-            self.refuse(r.status, error_text(body))
+        status, body = await _post(session, url + self.path, model)
+        if status in (401, 403):
+            self.refuse(status, error_text(body))
         elif self._refusals == before:  # (no request was refused meanwhile)
             self.taken()
+
+    @staticmethod
+    async def _refuses(session: aiohttp.ClientSession, url: str, model: str, timeout: float | None) -> bool:
+        async with asyncio.timeout(timeout):
+            status, _ = await _post(session, url, model)
+        return status in (401, 403)
+
+
+async def _post(session: aiohttp.ClientSession, url: str, model: str) -> tuple[int, bytes]:
+    """POST a request with no prompt (or messages) to a generation endpoint:
+    an OpenAI server (vLLM, api.openai.com) refuses a wrong key with 401/403
+    before it reads the body, and a right one's request as the client's
+    error (400), generating nothing."""
+    async with session.post(url, json={"model": model}) as r:
+        return r.status, await r.read()

@@ -116,3 +116,82 @@ async def test_a_request_whose_only_upstream_refuses_the_key_gets_a_503_at_once(
                 assert "refused the router's credentials" in err["message"], err
                 assert "FS_TEST_NO_SUCH_KEY" in err["message"] and "HTTP 401" in err["message"], err
             assert len(generations) == 1
+
+
+async def test_a_per_request_403_with_the_right_key_leaves_the_upstream_ready(tmp_path, cleanup):
+    """An upstream that takes the key but refuses one request's content with
+    403 (OpenRouter's moderation): other requests there are not refused."""
+    from aiohttp import web
+    from replicas.openai_server import OpenAIServer
+
+    class Moderated(OpenAIServer):
+        async def _completions(self, request):
+            if "FLAGGED" in json.dumps(await request.json()):
+                return web.json_response({"error": {"message": "your input was flagged"}}, status=403)
+            return await super()._completions(request)
+
+    srv = Moderated("sim", {"model": MODEL, "seed": 0, "step_base_ms": 0, "step_per_seq_ms": 0})
+    port = await srv.start("127.0.0.1", 0)
+    cleanup(srv)  # (stopped last)
+    srv.stop = lambda: None  # (closed below, in this loop)
+    try:
+        router = upstream_router(tmp_path / "router", f"http://127.0.0.1:{port}/v1", local=0)
+        cleanup(router)
+        await asyncio.to_thread(router.start)
+        async with httpx.AsyncClient(base_url=router.base_url, headers={"Authorization": f"Bearer {GOLD}"},
+                                     timeout=30) as http:
+            async def flagged():
+                return await http.post("/v1/completions", json={"model": MODEL, "prompt": "FLAGGED", "max_tokens": 4})
+
+            async def ordinary():
+                await asyncio.sleep(0.005)
+                return await http.post("/v1/completions", json={"model": MODEL, "prompt": PROMPT, "max_tokens": 4})
+
+            for _ in range(10):
+                rs = await asyncio.gather(flagged(), *(ordinary() for _ in range(4)))
+                assert all(r.status_code == 200 for r in rs[1:]), [r.text for r in rs[1:] if r.status_code != 200]
+            assert (await http.get("/ready")).json()["replicas"][UPSTREAM] == "ready"
+        assert "refused the router's credentials" not in router.log()
+    finally:
+        await srv.close()
+
+
+async def test_a_chat_only_upstream_comes_back_once_its_key_is_taken(tmp_path, cleanup):
+    """A chat-only upstream behind a gateway that answers 403 to a route it
+    does not define (AWS API Gateway's 'Missing Authentication Token'): its
+    key refused on /chat/completions, then fixed, it is ready again (the
+    probe asks the endpoint that refused, not /completions)."""
+    from aiohttp import web
+    from replicas.openai_server import OpenAIServer
+
+    key_ok = False
+
+    class Gateway(OpenAIServer):
+        async def _completions(self, request):
+            return web.json_response({"message": "Missing Authentication Token"}, status=403)
+
+        async def _chat(self, request):
+            if not key_ok:
+                return web.json_response({"error": {"message": "Incorrect API key provided"}}, status=401)
+            return await super()._chat(request)
+
+    srv = Gateway("sim", {"model": MODEL, "seed": 0, "step_base_ms": 0, "step_per_seq_ms": 0})
+    port = await srv.start("127.0.0.1", 0)
+    try:
+        router = upstream_router(tmp_path / "router", f"http://127.0.0.1:{port}/v1", local=0)
+        cleanup(router)
+        await asyncio.to_thread(router.start)
+        chat = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
+        async with httpx.AsyncClient(base_url=router.base_url, headers={"Authorization": f"Bearer {GOLD}"},
+                                     timeout=30) as http:
+            r = await http.post("/v1/chat/completions", json=chat)
+            assert r.status_code == 503, r.text
+            key_ok = True
+            deadline = time.monotonic() + 10
+            while (await http.get("/ready")).json()["replicas"][UPSTREAM] != "ready":
+                assert time.monotonic() < deadline, "still not ready 10 s after its key was taken"
+                await asyncio.sleep(0.2)
+            r = await http.post("/v1/chat/completions", json=chat)
+            assert r.status_code == 200, r.text
+    finally:
+        await srv.close()

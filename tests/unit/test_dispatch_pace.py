@@ -181,3 +181,17 @@ def test_the_pace_counts_only_time_in_which_requests_waited() -> None:
     assert pace.interval == pytest.approx(0.8 * 2.0 + 0.2 * 0.5)
     assert pace.mean_interval(101.0) == pace.interval  # (open 0.5 s: shorter than the mean)
     assert pace.mean_interval(110.5) == pytest.approx(0.8 * pace.interval + 0.2 * 10)
+
+
+def test_retry_after_is_bounded_after_a_long_stall():
+    from policies.dispatch_pace import DispatchPace, MAX_RETRY_AFTER
+    p = DispatchPace()
+    p.waiting(0.0)
+    for i in range(1, 51):
+        p.dispatched(i * 0.5)
+    t = 25.0
+    assert p.retry_after(64, t + 3600) <= MAX_RETRY_AFTER  # (was 46106 s: 12.8 h)
+    p.dispatched(t + 3600)
+    p.idle()
+    p.waiting(t + 86400)  # (the next day: the old stall is still in the average)
+    assert p.retry_after(64, t + 86400) <= MAX_RETRY_AFTER
