@@ -209,6 +209,31 @@ async def read_request(reader, bodies: list[bytes] | None = None) -> bytes:
     return head
 
 
+@contextlib.asynccontextmanager
+async def loopback_http(answer: Callable[[bytes, bytes, asyncio.StreamWriter], Any]) -> AsyncIterator[int]:
+    """A loopback HTTP/1.1 test server (a fake upstream): for each request of
+    a kept-alive connection, ``await answer(head, body, writer)`` writes the
+    response (returning False ends the connection). Yields its port."""
+    async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            while True:
+                bodies: list[bytes] = []
+                head = await read_request(reader, bodies)
+                if await answer(head, bodies[0], writer) is False:
+                    return
+                await writer.drain()
+        except (asyncio.IncompleteReadError, ConnectionError, asyncio.CancelledError):
+            pass  # (the client closed, or the test ended)
+        finally:
+            writer.close()
+
+    server = await asyncio.start_server(serve, "127.0.0.1", 0)
+    try:
+        yield server.sockets[0].getsockname()[1]
+    finally:
+        server.close()
+
+
 def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))

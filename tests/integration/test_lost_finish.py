@@ -18,7 +18,7 @@ import httpx
 
 from replicas.protocol import FinishReason, SamplingParams
 from replicas.stops import StopMatcher
-from tests.helpers import GOLD, MODEL, aiter_sse, read_request
+from tests.helpers import GOLD, MODEL, aiter_sse, loopback_http
 from tests.integration.test_upstream import TOK, _drain, _sim_upstream, cleanup, upstream_router
 
 __all__ = ["cleanup"]  # (the fixture, from test_upstream)
@@ -36,44 +36,32 @@ async def _dies_before_the_finish() -> AsyncIterator[str]:
     finish chunk (and the held-back text it would carry). Yields its URL."""
     models = json.dumps({"data": [{"id": MODEL}]}).encode()
 
-    async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        try:
-            while True:
-                bodies: list[bytes] = []
-                head = await read_request(reader, bodies)
-                if head.startswith(b"GET"):
-                    writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\n"
-                                 b"Content-Length: %d\r\n\r\n%s" % (len(models), models))
-                    await writer.drain()
-                    continue
-                req = json.loads(bodies[0])
-                assert req["stop"] == STOP and req["max_tokens"] == len(TEXT), req
-                writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\n"
-                             b"Transfer-Encoding: chunked\r\n\r\n")
-                stops = StopMatcher(STOP)
-                for i, t in enumerate(TOK.encode(TEXT)):
-                    text, stopped = stops.feed(chr(t))
-                    assert not stopped
-                    choice = {"index": 0, "text": text, "token_ids": [t], "finish_reason": None}
-                    chunk = {"choices": [choice]}
-                    if i == 0:
-                        chunk["prompt_token_ids"] = TOK.encode(PROMPT)
-                    event = b"data: %s\n\n" % json.dumps(chunk).encode()
-                    writer.write(b"%x\r\n%s\r\n" % (len(event), event))
-                    await writer.drain()
-                await asyncio.sleep(0.05)
-                writer.transport.abort()  # dies after the last token, before the finish
-                return
-        except (asyncio.IncompleteReadError, ConnectionError, asyncio.CancelledError):
-            pass
-        finally:
-            writer.close()
+    async def answer(head: bytes, body: bytes, writer: asyncio.StreamWriter) -> bool:
+        if head.startswith(b"GET"):
+            writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\n"
+                         b"Content-Length: %d\r\n\r\n%s" % (len(models), models))
+            return True
+        req = json.loads(body)
+        assert req["stop"] == STOP and req["max_tokens"] == len(TEXT), req
+        writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\n"
+                     b"Transfer-Encoding: chunked\r\n\r\n")
+        stops = StopMatcher(STOP)
+        for i, t in enumerate(TOK.encode(TEXT)):
+            text, stopped = stops.feed(chr(t))
+            assert not stopped
+            choice = {"index": 0, "text": text, "token_ids": [t], "finish_reason": None}
+            chunk = {"choices": [choice]}
+            if i == 0:
+                chunk["prompt_token_ids"] = TOK.encode(PROMPT)
+            event = b"data: %s\n\n" % json.dumps(chunk).encode()
+            writer.write(b"%x\r\n%s\r\n" % (len(event), event))
+            await writer.drain()
+        await asyncio.sleep(0.05)
+        writer.transport.abort()  # dies after the last token, before the finish
+        return False
 
-    server = await asyncio.start_server(serve, "127.0.0.1", 0)
-    try:
-        yield f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}/v1"
-    finally:
-        server.close()
+    async with loopback_http(answer) as port:
+        yield f"http://127.0.0.1:{port}/v1"
 
 
 async def test_a_lost_finish_with_stop_strings_gets_the_held_back_text_then_length(tmp_path, cleanup):

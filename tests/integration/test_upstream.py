@@ -33,7 +33,7 @@ from replicas import upstream_sse
 from replicas.upstream_open import open_upstream
 from replicas.upstream_load import parse_vllm_metrics
 from router.auth import hash_key
-from tests.helpers import GOLD, MODEL, RouterProcess, aiter_sse, poll, read_request
+from tests.helpers import GOLD, MODEL, RouterProcess, aiter_sse, loopback_http, poll
 from tests.sim_openai import SimOpenAI
 
 PROMPT = "Once upon a time"
@@ -248,32 +248,23 @@ async def test_many_upstream_events_in_one_read_are_cut_at_chunk_tokens(tmp_path
     head_sse, rest_sse = sse[0], b"".join(sse[1:]) + b"data: [DONE]\n\n"
     models = json.dumps({"data": [{"id": MODEL}]}).encode()
 
-    async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        try:
-            while True:
-                head = await read_request(reader)
-                path = head.split(b" ")[1]
-                if path.endswith(b"/models"):
-                    writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\n"
-                                 b"Content-Length: %d\r\n\r\n%s" % (len(models), models))
-                elif path.endswith(b"/completions"):
-                    # the first event, then (once the client has its head) the rest in one write
-                    writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\n"
-                                 b"Transfer-Encoding: chunked\r\n\r\n%x\r\n%s\r\n" % (len(head_sse), head_sse))
-                    await writer.drain()
-                    await asyncio.sleep(0.5)
-                    writer.write(b"%x\r\n%s\r\n0\r\n\r\n" % (len(rest_sse), rest_sse))
-                else:
-                    writer.write(b"HTTP/1.1 404 Not Found\r\nContent-Length: 0\r\n\r\n")
-                await writer.drain()
-        except (asyncio.IncompleteReadError, ConnectionError):
-            pass
-        finally:
-            writer.close()
+    async def answer(head: bytes, body: bytes, writer: asyncio.StreamWriter) -> None:
+        path = head.split(b" ")[1]
+        if path.endswith(b"/models"):
+            writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\n"
+                         b"Content-Length: %d\r\n\r\n%s" % (len(models), models))
+        elif path.endswith(b"/completions"):
+            # the first event, then (once the client has its head) the rest in one write
+            writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\n"
+                         b"Transfer-Encoding: chunked\r\n\r\n%x\r\n%s\r\n" % (len(head_sse), head_sse))
+            await writer.drain()
+            await asyncio.sleep(0.5)
+            writer.write(b"%x\r\n%s\r\n0\r\n\r\n" % (len(rest_sse), rest_sse))
+        else:
+            writer.write(b"HTTP/1.1 404 Not Found\r\nContent-Length: 0\r\n\r\n")
 
-    server = await asyncio.start_server(serve, "127.0.0.1", 0)
-    try:
-        url = f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}/v1"
+    async with loopback_http(answer) as port:
+        url = f"http://127.0.0.1:{port}/v1"
         router = upstream_router(tmp_path / "router", url, local=0)
         cleanup(router)
         await asyncio.to_thread(router.start)  # its readiness check needs this loop's server
@@ -291,8 +282,6 @@ async def test_many_upstream_events_in_one_read_are_cut_at_chunk_tokens(tmp_path
                     sizes.append(tokens - before)
                     before = tokens
                     text.append(ev.json()["choices"][0]["text"])
-    finally:
-        server.close()
     assert before == n and "".join(text) == "a" * n
     assert max(sizes) <= 16, sizes
     assert len(sizes) >= n // 16

@@ -16,7 +16,7 @@ import contextlib
 
 import httpx
 
-from tests.helpers import ADMIN, GOLD, MODEL, poll, read_request
+from tests.helpers import ADMIN, GOLD, MODEL, loopback_http, poll
 from tests.integration.test_upstream import PROMPT, UPSTREAM, cleanup, upstream_router
 
 __all__ = ["cleanup"]  # (the fixture, from test_upstream)
@@ -33,30 +33,18 @@ async def _key_refusing_upstream() -> AsyncIterator[tuple[str, list[bytes]]]:
     check's probes, which carry no prompt)."""
     generations: list[bytes] = []
 
-    async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        try:
-            while True:
-                bodies: list[bytes] = []
-                head = await read_request(reader, bodies)
-                if head.startswith(b"GET"):
-                    status, body = b"200 OK", _MODELS
-                else:
-                    if b'"prompt"' in bodies[0] or b'"messages"' in bodies[0]:
-                        generations.append(bodies[0])
-                    status, body = b"401 Unauthorized", _UNAUTHORIZED
-                writer.write(b"HTTP/1.1 %s\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n%s"
-                             % (status, len(body), body))
-                await writer.drain()
-        except (asyncio.IncompleteReadError, ConnectionError, asyncio.CancelledError):
-            pass  # (the client closed, or the test ended)
-        finally:
-            writer.close()
+    async def answer(head: bytes, body: bytes, writer: asyncio.StreamWriter) -> None:
+        if head.startswith(b"GET"):
+            status, reply = b"200 OK", _MODELS
+        else:
+            if b'"prompt"' in body or b'"messages"' in body:
+                generations.append(body)
+            status, reply = b"401 Unauthorized", _UNAUTHORIZED
+        writer.write(b"HTTP/1.1 %s\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n%s"
+                     % (status, len(reply), reply))
 
-    server = await asyncio.start_server(serve, "127.0.0.1", 0)
-    try:
-        yield f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}/v1", generations
-    finally:
-        server.close()
+    async with loopback_http(answer) as port:
+        yield f"http://127.0.0.1:{port}/v1", generations
 
 
 async def test_an_upstream_refusing_the_key_is_tried_once_and_goes_not_ready(tmp_path, cleanup):
