@@ -407,9 +407,8 @@ class Generation(WaitsForReplica):
         if self.ended:
             return
         if (self.text_len or self.uncounted) and not (self.exact and self.completion_ids):
-            # Text went out without token ids (an upstream that returns
-            # none): no replica can continue it exactly, and starting
-            # over would repeat it.
+            # Text went out without token ids (an upstream that returns none): no replica
+            # can continue it exactly, and starting over would repeat it.
             self._lose(f"replica {name} failed and its output has no token ids to resume from: {e}")
             return
         if (self.completion_ids and len(self.completion_ids) >= self.job.params.max_tokens
