@@ -75,6 +75,10 @@ class ChatMessage(msgspec.Struct, kw_only=True):
     tool_calls: Any = None
     tool_call_id: str | None = None
     refusal: Any = None
+    # an assistant turn's other parts the SDK sends back (ChatCompletionAssistantMessageParam):
+    # none has text the template could show, so one that is set is refused, not dropped
+    function_call: Any = None
+    audio: Any = None
 
 
 class ChatRequest(_Common, kw_only=True):
@@ -87,13 +91,14 @@ class ChatRequest(_Common, kw_only=True):
     functions: Any = None
     function_call: Any = None
     response_format: Any = None
-    service_tier: Any = None
-    store: Any = None
-    metadata: Any = None
+    # accepted and ignored, but typed as OpenAI types them: a client's mistake is a 400, not ignored twice
+    service_tier: str | None = None
+    store: bool | None = None
+    metadata: dict[str, str] | None = None
     modalities: Any = None
     audio: Any = None
     prediction: Any = None
-    reasoning_effort: Any = None
+    reasoning_effort: str | None = None
     web_search_options: Any = None
     verbosity: Any = None
     moderation: Any = None
@@ -262,6 +267,11 @@ def chat_messages(req: ChatRequest) -> list[dict[str, str]]:
             )
         if m.tool_calls:  # (an empty list asks for nothing)
             raise BadRequest("Tool calls are not supported by this server.", param=f"messages[{i}].tool_calls")
+        # (null, as the SDK's own message objects send them back, asks for nothing)
+        for key in ("function_call", "audio", "refusal"):
+            if getattr(m, key):
+                raise BadRequest(f"'messages[{i}].{key}' is not supported by this server (the model would not "
+                                 "see it).", param=f"messages[{i}].{key}")
         content = m.content
         if content is None and m.role != "assistant":  # an assistant turn may be all tool calls
             raise BadRequest(f"Missing required parameter: 'messages[{i}].content'.", param=f"messages[{i}].content")

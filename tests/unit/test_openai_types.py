@@ -77,6 +77,34 @@ def test_an_assistant_message_with_no_tool_calls_is_a_message():
     assert info.value.param == "messages[1].tool_calls"
 
 
+@pytest.mark.parametrize("key, value", [
+    ("function_call", {"name": "get_weather", "arguments": "{}"}),
+    ("refusal", "I can't help with that."),
+    ("audio", {"id": "audio_abc123"}),
+])
+def test_an_assistant_turn_the_template_cannot_show_is_refused_not_dropped(key, value):
+    # (dropped, the model saw an empty assistant turn where the client sent a call or a refusal)
+    req = chat(messages=[*MSG, {"role": "assistant", "content": None, key: value}, {"role": "user", "content": "so?"}])
+    with pytest.raises(BadRequest) as info:
+        chat_messages(req)
+    assert info.value.param == f"messages[1].{key}"
+    # null, as the SDK's message objects carry them back, asks for nothing
+    req = chat(messages=[*MSG, {"role": "assistant", "content": "hello", key: None}])
+    assert [m["content"] for m in chat_messages(req)] == ["hi", "hello"]
+
+
+@pytest.mark.parametrize("kw, name", [
+    ({"store": "true"}, "store"), ({"metadata": "x"}, "metadata"), ({"metadata": {"a": 1}}, "metadata[...]"),
+    ({"service_tier": 5}, "service_tier"), ({"reasoning_effort": ["low"]}, "reasoning_effort"),
+])
+def test_ignored_fields_of_the_wrong_type_are_a_400(kw, name):
+    with pytest.raises(BadRequest) as info:
+        chat(**kw)
+    assert info.value.param == name, info.value
+    chat(store=True, metadata={"a": "b"}, service_tier="auto", reasoning_effort="low")
+    chat(store=None, metadata=None, service_tier=None, reasoning_effort=None)
+
+
 def _sdk_keys(params) -> set[str]:
     keys: set[str] = set()
     for base in params.__mro__:
