@@ -42,11 +42,12 @@ from typing import Any
 import msgspec
 from aiohttp import web
 
+from replicas import openai_requests as rq
 from replicas.client import Collector
 from replicas.engine import EngineDead, EngineError
 from replicas.output import OutputProcessor
 from replicas.prepare import prepare
-from replicas.protocol import REFUSED_TEMPLATE_KWARGS, Delta, FinishReason, SamplingParams
+from replicas.protocol import Delta, FinishReason, SamplingParams
 from replicas.server import create_engine, exit_if_dead, wait_for_stop, watch_engine
 from replicas.spec import join_host_port
 
@@ -57,124 +58,6 @@ log = logging.getLogger("fairstream.openai_server")
 _enc = msgspec.json.encode
 _DONE = b"data: [DONE]\n\n"
 _SSE_HEADERS = {"content-type": "text/event-stream", "cache-control": "no-cache"}
-
-
-# -- request bodies (unknown fields are ignored, as vLLM does) ----------------
-
-
-class _StreamOptions(msgspec.Struct):
-    include_usage: bool | None = False
-    continuous_usage_stats: bool | None = False
-
-
-class _Sampling(msgspec.Struct, kw_only=True):
-    model: str | None = None
-    max_tokens: int | None = None
-    temperature: float | None = None
-    top_p: float | None = None
-    top_k: int | None = None
-    min_p: float | None = None
-    seed: int | None = None
-    stop: str | list[str] | None = None
-    stop_token_ids: list[int] | None = None
-    ignore_eos: bool | None = False
-    min_tokens: int | None = 0
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
-    repetition_penalty: float | None = None
-    stream: bool | None = False
-    stream_options: _StreamOptions | None = None
-    return_token_ids: bool | None = False
-    include_stop_str_in_output: bool | None = False
-    n: int | None = 1
-    logprobs: Any = None
-
-
-class _CompletionRequest(_Sampling, kw_only=True):
-    prompt: Any
-    max_tokens: int | None = 16
-    echo: bool | None = False
-
-
-class _ChatRequest(_Sampling, kw_only=True):
-    messages: list[dict[str, Any]]
-    max_completion_tokens: int | None = None
-    chat_template_kwargs: dict[str, Any] | None = None
-
-
-class _DetokenizeRequest(msgspec.Struct):
-    tokens: list[int]
-    model: str | None = None
-
-
-class _TokenizeRequest(msgspec.Struct):
-    model: str | None = None
-    prompt: str | None = None
-    messages: list[dict[str, Any]] | None = None
-    chat_template_kwargs: dict[str, Any] | None = None
-
-
-class _BadRequest(Exception):
-    def __init__(self, message: str, status: int = 400, param: str | None = None) -> None:
-        super().__init__(message)
-        self.status = status
-        self.param = param
-
-
-def _error_json(message: str, status: int, param: str | None = None) -> bytes:
-    kind = "BadRequestError" if status < 500 else "InternalServerError"
-    if status == 401:
-        kind = "AuthenticationError"
-    elif status == 404:
-        kind = "NotFoundError"
-    return _enc({"error": {"message": message, "type": kind, "param": param, "code": status}})
-
-
-def _error(message: str, status: int = 400, param: str | None = None) -> web.Response:
-    return web.Response(body=_error_json(message, status, param), status=status, content_type="application/json")
-
-
-def _message_text(content: Any) -> str:
-    if content is None:
-        return ""
-    if isinstance(content, str):
-        return content
-    if isinstance(content, list):
-        parts = []
-        for p in content:
-            if not isinstance(p, dict) or p.get("type") != "text":
-                raise _BadRequest("only text content parts are supported", param="messages")
-            parts.append(str(p.get("text", "")))
-        return "".join(parts)
-    raise _BadRequest("message content must be a string or a list of text parts", param="messages")
-
-
-def _chat_messages(messages: list[dict[str, Any]]) -> list[dict[str, str]]:
-    if not messages:
-        raise _BadRequest("messages must not be empty", param="messages")
-    return [{"role": str(m.get("role", "user")), "content": _message_text(m.get("content"))} for m in messages]
-
-
-def _template_kwargs(kwargs: dict[str, Any] | None) -> dict[str, Any] | None:
-    """A request's ``chat_template_kwargs``, refused as vLLM refuses them."""
-    refused = REFUSED_TEMPLATE_KWARGS & (kwargs or {}).keys()
-    if refused:
-        raise _BadRequest(f"Found unexpected chat template kwargs from request: {sorted(refused)}",
-                          param="chat_template_kwargs")
-    return kwargs
-
-
-def _token_prompt(prompt: Any) -> list[int] | str:
-    """A completion request's one prompt, as token ids or text."""
-    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
-        prompt = prompt[0]  # a batch of one
-    if isinstance(prompt, str):
-        return prompt
-    if isinstance(prompt, list) and all(type(t) is int for t in prompt):
-        if any(t < 0 for t in prompt):
-            raise _BadRequest("token ids must not be negative", param="prompt")
-        return prompt
-    raise _BadRequest("prompt must be a string or a list of token ids (one prompt per request)", param="prompt")
 
 
 class _Request:
@@ -276,7 +159,7 @@ class OpenAIServer:
 
     async def _models(self, request: web.Request) -> web.Response:
         if not self._authorized(request):
-            return _error("invalid API key", 401)
+            return rq.error_response("invalid API key", 401)
         eng = self.engine
         card = {"id": eng.model, "object": "model", "created": self._created, "owned_by": "fairstream",
                 "root": eng.model, "parent": None, "max_model_len": eng.max_model_len}
@@ -300,22 +183,22 @@ class OpenAIServer:
 
     async def _tokenize(self, request: web.Request) -> web.Response:
         try:
-            req = msgspec.json.decode(await request.read(), type=_TokenizeRequest)
+            req = msgspec.json.decode(await request.read(), type=rq.TokenizeRequest)
             tok = self.engine.tokenizer
             if req.messages is not None:
-                ids = tok.chat(_chat_messages(req.messages), _template_kwargs(req.chat_template_kwargs))
+                ids = tok.chat(rq.chat_messages(req.messages), rq.template_kwargs(req.chat_template_kwargs))
             else:
                 ids = tok.encode(req.prompt or "")
-        except (msgspec.DecodeError, _BadRequest, EngineError) as e:
-            return _error(str(e))
+        except (msgspec.DecodeError, rq.RequestError, EngineError) as e:
+            return rq.error_response(str(e))
         body = {"count": len(ids), "max_model_len": self.engine.max_model_len, "tokens": ids}
         return web.Response(body=_enc(body), content_type="application/json")
 
     async def _detokenize(self, request: web.Request) -> web.Response:
         try:
-            req = msgspec.json.decode(await request.read(), type=_DetokenizeRequest)
+            req = msgspec.json.decode(await request.read(), type=rq.DetokenizeRequest)
         except msgspec.DecodeError as e:
-            return _error(str(e))
+            return rq.error_response(str(e))
         text = self.engine.tokenizer.decode(req.tokens)
         return web.Response(body=_enc({"prompt": text}), content_type="application/json")
 
@@ -327,44 +210,44 @@ class OpenAIServer:
 
     async def _generate(self, request: web.Request, chat: bool) -> web.StreamResponse:
         if not self._authorized(request):
-            return _error("invalid API key", 401)
+            return rq.error_response("invalid API key", 401)
         eng = self.engine
         try:
             body = await request.read()
-            req: _Sampling
+            req: rq.Sampling
             if chat:
-                req = msgspec.json.decode(body, type=_ChatRequest)
-                prompt_ids = eng.tokenizer.chat(_chat_messages(req.messages),
-                                                _template_kwargs(req.chat_template_kwargs))
+                req = msgspec.json.decode(body, type=rq.ChatRequest)
+                prompt_ids = eng.tokenizer.chat(rq.chat_messages(req.messages),
+                                                rq.template_kwargs(req.chat_template_kwargs))
                 max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
             else:
-                req = msgspec.json.decode(body, type=_CompletionRequest)
-                prompt = _token_prompt(req.prompt)
+                req = msgspec.json.decode(body, type=rq.CompletionRequest)
+                prompt = rq.token_prompt(req.prompt)
                 prompt_ids = eng.tokenizer.encode(prompt) if isinstance(prompt, str) else prompt
                 max_tokens = req.max_tokens
                 if req.echo:
-                    raise _BadRequest("echo is not supported", param="echo")
+                    raise rq.RequestError("echo is not supported", param="echo")
             if req.model is not None and req.model != eng.model:
-                raise _BadRequest(f"The model `{req.model}` does not exist.", 404, "model")
+                raise rq.RequestError(f"The model `{req.model}` does not exist.", 404, "model")
             if (req.n or 1) != 1:
-                raise _BadRequest("only n=1 is supported", param="n")
+                raise rq.RequestError("only n=1 is supported", param="n")
             if req.logprobs not in (None, False):
-                raise _BadRequest("logprobs are not supported", param="logprobs")
+                raise rq.RequestError("logprobs are not supported", param="logprobs")
             if not prompt_ids:
-                raise _BadRequest("The prompt cannot be empty", param="messages" if chat else "prompt")
+                raise rq.RequestError("The prompt cannot be empty", param="messages" if chat else "prompt")
             if max_tokens is None:
                 max_tokens = max(1, eng.max_model_len - len(prompt_ids))
             if max_tokens < 1:
-                raise _BadRequest("max_tokens must be at least 1", param="max_tokens")
+                raise rq.RequestError("max_tokens must be at least 1", param="max_tokens")
             if req.min_p is not None and not 0.0 <= req.min_p <= 1.0:  # (the sim would take it as 0 or 1)
-                raise _BadRequest(f"min_p must be in [0, 1], got {req.min_p}.", param="min_p")
+                raise rq.RequestError(f"min_p must be in [0, 1], got {req.min_p}.", param="min_p")
             stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
             params = SamplingParams.from_openai(req, max_tokens, stop)
             ids, params, proc = prepare(eng, prompt_ids, params, prime=True)
-        except _BadRequest as e:
-            return _error(str(e), e.status, e.param)
+        except rq.RequestError as e:
+            return rq.error_response(str(e), e.status, e.param)
         except (msgspec.DecodeError, EngineError, ValueError) as e:
-            return _error(str(e))
+            return rq.error_response(str(e))
         rid = next(self._ids)
         col = Collector(rid)
         self._requests[rid] = _Request(col, proc)
@@ -372,10 +255,10 @@ class OpenAIServer:
             eng.add(rid, ids, params)
         except EngineDead as e:  # (the process exits: the caller retries elsewhere)
             del self._requests[rid]
-            return _error(str(e), 503)
+            return rq.error_response(str(e), 503)
         except EngineError as e:
             del self._requests[rid]
-            return _error(str(e))
+            return rq.error_response(str(e))
         enc = _Encoder(chat, eng.model, prompt_ids, self.token_ids and bool(req.return_token_ids))
         try:
             if req.stream:
@@ -395,7 +278,7 @@ class OpenAIServer:
                 ids, text, finish = await col.get()
                 if finish == FinishReason.ERROR:
                     out = enc.chunk(ids, text, FinishReason.NONE) if ids or text else b""
-                    error = _error_json(col.error or "generation failed", 500)
+                    error = rq.error_json(col.error or "generation failed", 500)
                     await resp.write(out + b"data: " + error + b"\n\n" + _DONE)
                     break
                 out = enc.chunk(ids, text, finish)
@@ -419,7 +302,7 @@ class OpenAIServer:
             all_ids.extend(ids)
             enc.completion_tokens += len(ids)
             if finish == FinishReason.ERROR:
-                return _error(col.error or "generation failed", 500)
+                return rq.error_response(col.error or "generation failed", 500)
             if finish != FinishReason.NONE:
                 break
         return web.Response(body=enc.full("".join(parts), all_ids, finish), content_type="application/json")
