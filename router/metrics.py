@@ -43,6 +43,7 @@ TIMEOUTS = ("first_token", "total")
 # closed or failed before accepting it
 CONNECTION_REFUSALS = ("max_connections", "header_timeout", "body_timeout", "header_too_large", "invalid_http",
                        "shutdown", "invalid_websocket_handshake", "websocket_not_found", "websocket_refused")
+DECLARE_BATCH = 100  # tenants ``declare_gradually`` declares per turn of the event loop (~12 ms)
 _ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.015, 0.02, 0.03, 0.05, 0.075, 0.1, 0.2, 0.5, 1, 2, 5)
 
 
@@ -180,14 +181,39 @@ class Metrics:
         for name in replicas:
             self.replica_restarts.labels(name)
             self.failovers.labels(name)
+        tenants = list(tenants)
+        self.unretire(tenants)
         for name in tenants:
-            if name in self._retired:
-                self._retired.discard(name)
-                self._draining = {k for k in self._draining if k[1][0] != name}  # (now plain gauges again)
-            for limit in RATE_LIMITS:
-                self.child(self.rate_limited, name, limit)
-            for which in TIMEOUTS:
-                self.child(self.timeouts, name, which)
+            self._declare_tenant(name)
+
+    def unretire(self, tenants: Iterable[str]) -> None:
+        """``tenants`` are in the policy (again): what is counted for them is
+        exported from now on (``declare``'s first half, cheap: a reload does
+        it at once, and its counters at 0 a batch per loop turn)."""
+        back = self._retired.intersection(tenants)
+        if back:
+            self._retired -= back
+            self._draining = {k for k in self._draining if k[1][0] not in back}  # (now plain gauges again)
+
+    def _declare_tenant(self, name: str) -> None:
+        for limit in RATE_LIMITS:
+            self.child(self.rate_limited, name, limit)
+        for which in TIMEOUTS:
+            self.child(self.timeouts, name, which)
+
+    async def declare_gradually(self, tenants: Iterable[str], batch: int = DECLARE_BATCH) -> None:
+        """``declare`` for a reload: ``unretire`` at once, then the tenants'
+        counters at 0, ``batch`` tenants per turn of the event loop. Making a
+        child costs prometheus-client ~15 us, and a reload that added 2,000
+        tenants made 16,000 of them in one turn: every stream stopped ~0.3 s.
+        (A tenant's request before its turn here makes its children itself;
+        one a later reload retired meanwhile gets unexported ones.)"""
+        tenants = list(tenants)
+        self.unretire(tenants)
+        for i in range(0, len(tenants), batch):
+            for name in tenants[i:i + batch]:
+                self._declare_tenant(name)
+            await asyncio.sleep(0)
 
     def retire(self, *tenants: str) -> None:
         """A reload removed ``tenants``: their series leave /metrics now, except
@@ -213,6 +239,7 @@ class Metrics:
         for family in self.by_tenant:
             gauge = isinstance(family, Gauge)
             # (prometheus-client keeps a family's children by label values, tenant first)
+            drop = []
             for values, c in family._metrics.copy().items():
                 if values[0] not in gone:
                     continue
@@ -221,7 +248,12 @@ class Metrics:
                     # (``gauge_down`` must reach the exported child, even one made without ``child``)
                     self._children[(family, values)] = c
                 else:
-                    family.remove(*values)
+                    drop.append(values)
+            # (as ``family.remove`` each, without its per-call checks: 16,000
+            # of those, for 2,000 tenants removed, held the loop ~0.15 s)
+            with family._lock:
+                for values in drop:
+                    family._metrics.pop(values, None)
         for key in [k for k in self._children if k[1] and k[1][0] in gone and k[0] in self.by_tenant
                     and k not in self._draining]:
             del self._children[key]

