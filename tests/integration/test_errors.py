@@ -147,7 +147,7 @@ def test_integers_too_large_for_the_replica_protocol_are_400_and_leave_nothing_b
 
 def test_json_nested_too_deeply_is_400(shared_router: RouterProcess) -> None:
     body = chat_body()
-    raw = json.dumps(body)[:-1] + ', "metadata": ' + '{"a":' * 5000 + "1" + "}" * 5000 + "}"
+    raw = json.dumps(body)[:-1] + ', "prediction": ' + '{"a":' * 5000 + "1" + "}" * 5000 + "}"
     err = error_of(post(shared_router, CHAT, content=raw, headers={**AUTH, "content-type": "application/json"}), 400)
     assert err["code"] == "invalid_json" and "nested too deeply" in err["message"]
 
