@@ -335,12 +335,9 @@ class Supervisor:
             # (its process, if any, is stopped by _supervise, or by close on a cancel)
 
     async def _watch(self, slot: ReplicaSlot, client: ReplicaClient, proc) -> None:
-        """Return when the replica is dead, disconnected or stops answering pings.
-
-        A local replica's exit is noticed at once, not at the next ping: its
-        engine's children may hold the connection open after it died (forked
-        with its sockets), so no EOF would tell the router.
-        """
+        """Return when the replica is dead, disconnected or stops answering pings. A local replica's
+        exit is noticed at once, not at the next ping: its engine's children may hold the connection
+        open after it died (forked with its sockets), so no EOF would tell the router."""
         s = self.settings
         exited = asyncio.ensure_future(proc.wait()) if proc is not None else None
         progress = Progress(s.health_timeout)
@@ -437,13 +434,16 @@ class Supervisor:
         return proc, "unix:" + path
 
     def _env(self, spec: ReplicaSpec) -> dict[str, str]:
-        """A local replica's environment: the router's, the spec's ``env``,
-        its GPU, and for vLLM its CPU workers' cores (``replicas.cpubind``)."""
+        """A local replica's environment: the router's, the spec's ``env``, its GPU, and for vLLM
+        its CPU workers' cores (``replicas.cpubind``) and where its engine's IPC sockets go."""
         env = dict(os.environ)
         env.update(spec.env)
         if spec.gpu is not None:
             env["CUDA_VISIBLE_DEVICES"] = str(spec.gpu)
         env[REPLICA_NAME_ENV] = spec.name  # on its log lines
+        # its engine's ZMQ sockets, named by a uuid: in the run dir (swept), not left in /tmp (a Unix path fits 107 bytes)
+        if spec.engine == "vllm" and self._run_dir and len(os.fsencode(self._run_dir)) <= 64:
+            env.setdefault("VLLM_RPC_BASE_PATH", self._run_dir)
         if spec.engine == "vllm" and spec.gpu is None and BIND_ENV not in env:
             if self._cores is None:
                 local = [s.spec for s in self.pool.slots if s.spec.local and s.spec.engine == "vllm"
