@@ -77,12 +77,20 @@ class Credentials:
             return self.refuse(status, message, path)
         if self._confirming is None:
             self._confirming = asyncio.ensure_future(self._refuses(session, url + path, model, timeout))
-            self._confirming.add_done_callback(lambda _: setattr(self, "_confirming", None))
+            self._confirming.add_done_callback(self._confirmed)
         try:
             refused = await asyncio.shield(self._confirming)
         except (aiohttp.ClientError, OSError, TimeoutError):
             refused = False  # (not known: the request moves on as any failure, the upstream ready)
         return self.refuse(status, message, path) if refused else None
+
+    def _confirmed(self, probe: asyncio.Future[bool]) -> None:
+        """The probe ended: the next refusal asks again. Its error is taken
+        here, so that one whose waiters all left (cancelled) is not reported
+        as never retrieved."""
+        self._confirming = None
+        if not probe.cancelled():
+            probe.exception()
 
     async def probe(self, session: aiohttp.ClientSession, url: str, model: str) -> None:
         """A health check's while it is refused: whether ``path`` still
