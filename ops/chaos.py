@@ -7,7 +7,10 @@ It first computes a reference completion for each of a few prompts (greedy,
 ``ignore_eos``, a fixed ``max_tokens``), then keeps ``--streams`` streams
 running for ``--duration`` seconds while, every ``--kill-every`` seconds, it
 picks a ready replica (from ``GET /admin/replicas``) and sends it SIGKILL, or
-SIGSTOP followed by SIGCONT after ``--freeze`` seconds (``--mode``). Every
+SIGSTOP followed by SIGCONT after ``--freeze`` seconds (``--mode``), as long
+as another ready replica it has not frozen stays serving: a turn that finds
+fewer than two skips its action (with the demo's two replicas, until the one
+frozen or killed is back: about one action per freeze and restart). Every
 stream's text is compared with its reference. The report counts streams
 started, completed and errored, token mismatches, failovers and lost streams
 (from /metrics), the p99 failover latency, and replica restarts.
@@ -397,7 +400,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--duration", type=_positive(float), default=20.0, help="seconds of load and actions")
     p.add_argument("--max-tokens", type=_positive(int), default=200, help="tokens per stream (greedy, ignore_eos)")
     p.add_argument("--kill-every", type=_positive(float), default=3.0,
-                   help="seconds between two actions on replicas (a freeze does not hold up the next one)")
+                   help="seconds between two actions on replicas (a freeze does not hold up the next one, but a turn "
+                   "with fewer than two ready replicas it has not frozen is skipped: one is kept serving)")
     p.add_argument("--freeze", type=_positive(float), default=7.0,
                    help="seconds a frozen replica stays stopped; above the router's health_interval + health_timeout "
                         "(6 s by default) for the router to notice it")
