@@ -10,6 +10,7 @@ from router.auth import authorization
 from router.errors import error_body
 from router.service import RouterService
 from router.state import StoreUnavailable
+from router.tenants import Timeouts, TenantPolicy
 
 __all__ = ["admin_routes"]
 
@@ -36,6 +37,18 @@ async def reload_policy(request: Request) -> Response:
     return Response(msgspec.json.encode(body), media_type=_JSON, status_code=422)
 
 
+def policy_view(pol: TenantPolicy, keys: int) -> dict:
+    """A tenant's effective policy in the shape of tenants.yaml: the router
+    holds limits and timeouts in one resolved struct, which an admin
+    looking for ``timeouts.queue_wait``, as the file has it, would not find
+    (it showed the timeouts under ``limits``)."""
+    policy = msgspec.to_builtins(pol)
+    limits = policy["limits"]
+    policy["timeouts"] = {k: limits.pop(k) for k in Timeouts.__struct_fields__}
+    policy["keys"] = keys
+    return policy
+
+
 @get("/admin/tenants")
 async def tenants(request: Request) -> Response:
     """Effective policy and live usage per tenant (no key material)."""
@@ -52,9 +65,7 @@ async def tenants(request: Request) -> Response:
         live["waiting_for_limits"] = svc.admission.queued(name)
         live["queued"] = svc.scheduler.queued(name)
         live["virtual_counter"] = round(svc.scheduler.counters.get(name), 3)
-        policy = msgspec.to_builtins(pol)
-        policy["keys"] = len(snap.file.tenants[name].keys)
-        out[name] = {"policy": policy, "usage": live}
+        out[name] = {"policy": policy_view(pol, keys=len(snap.file.tenants[name].keys)), "usage": live}
     body = {
         "version": snap.version,
         "digest": snap.digest,

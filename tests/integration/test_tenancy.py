@@ -132,6 +132,17 @@ def test_admin_endpoints_need_the_admin_key(tmp_path):
         assert view["tenants"]["gold"]["policy"]["weight"] == 3.0
 
 
+def test_admin_tenants_shows_limits_and_timeouts_as_tenants_yaml_has_them(tmp_path):
+    # (the view's `limits` held the four timeouts too and it had no `timeouts`:
+    # an admin who looked for `timeouts.queue_wait` as the file has it found none)
+    with RouterProcess(tmp_path / "r") as router:
+        view = httpx.get(router.base_url + "/admin/tenants", headers=auth(ADMIN), timeout=5).json()
+    free = view["tenants"]["free"]["policy"]
+    assert free.get("timeouts") == {"queue_wait": 10.0, "first_token": 60.0, "stall": 10.0, "total": 600.0}, free
+    assert free["limits"] == {"requests_per_minute": 60, "tokens_per_minute": 20000, "max_concurrent": 4,
+                              "max_prompt_tokens": 3072, "max_tokens": 256, "max_sockets": 0}
+
+
 def bomb() -> bytes:
     lines = ['a: &a ["x", "x", "x", "x", "x", "x", "x", "x", "x"]']
     for prev, name in zip("abcdefgh", "bcdefghi"):
