@@ -413,6 +413,10 @@ def main(argv: list[str] | None = None) -> int:
                       a.kill_every, a.freeze, a.mode, a.seed)
 
     def progress(rep: ChaosReport) -> None:
+        """A line rewritten in place, on a terminal only: in a log or a pipe
+        its updates, one per stream, would pile up as one long line."""
+        if not sys.stderr.isatty():
+            return
         sys.stderr.write(f"\rstarted {rep.started} completed {rep.completed} errored {rep.errored} "
                          f"mismatches {rep.mismatches} actions {len(rep.actions)}   ")
         sys.stderr.flush()

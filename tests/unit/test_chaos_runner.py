@@ -78,3 +78,23 @@ async def test_a_freeze_counts_as_noticed_once_the_router_lists_it_not_ready(not
         for p in procs:
             p.kill()
             p.wait()
+
+
+@pytest.mark.parametrize("tty", [False, True])
+def test_the_progress_line_goes_to_a_terminal_only(monkeypatch, capsys, tty: bool) -> None:
+    # (its carriage-return updates, one per stream, went into logs and pipes
+    # as one line: 12 KB for a 30 s run, ahead of the report)
+    import ops.chaos as chaos
+
+    async def fake_run(cfg, progress=None):
+        rep = ChaosReport(actions=["kill r0 pid 1"], failovers=1.0)
+        for n in range(3):
+            rep.started = rep.completed = n
+            progress(rep)
+        return rep
+
+    monkeypatch.setattr(chaos, "run_chaos", fake_run)
+    monkeypatch.setattr(chaos.sys.stderr, "isatty", lambda: tty)
+    assert chaos.main(["--duration", "1"]) == 0
+    err = capsys.readouterr().err
+    assert ("\rstarted 2 completed 2" in err) == tty, err
