@@ -43,6 +43,7 @@ from router.relay import (
     NOT_RESUMABLE, EventStream, Outcome, charged_tokens, error_before_output, outcome_of, relay_stream, shutdown_notice,
 )
 from router.resume import ResumeMeta, decode_meta
+from router.resume_charge import charge_resume
 from router.resume_tail import error_code, finish_tail, last_event
 from router.service import RouterService
 from router.sse import DONE, ChunkEncoder
@@ -97,9 +98,8 @@ def parse_last_event_id(value: str | None) -> Position:
     if value is None or value == "":
         return Position(0)
     parts = value.split("-")
-    # (digits only: int() also takes "1_0", " 1" and other scripts' digits;
-    # at most 15: the state store's scripts count in doubles, and a larger
-    # number failed a Redis script as if the store were down)
+    # (digits only: int() also takes "1_0", " 1" and other scripts' digits; at most 15: the
+    # store's scripts count in doubles, and a larger number failed a Redis script as if it were down)
     nums = [int(p) for p in parts] if all(p.isascii() and p.isdigit() and len(p) <= 15 for p in parts) else []
     if len(nums) not in (1, 3):
         raise BadRequest(f"Last-Event-ID must be an event id this router sent (N or N-T-C); got {clip(repr(value))}.",
@@ -130,6 +130,7 @@ async def serve_resume(svc: RouterService, policy: TenantPolicy, sid: str | None
         if not sid:  # a reconnect: a new generation would repeat its text
             raise BadRequest("Last-Event-ID resumes a stream: send X-Resume-Request-Id with the stream's "
                              "x-request-id as well, or GET /v1/streams/{id}.", param="X-Resume-Request-Id")
+        await charge_resume(svc, policy)  # (before the lookup: trying ids costs requests too)
         return await handle_resume(svc, policy, sid, parse_last_event_id(last_event_id), chat)
     except ApiError as e:
         request_id = new_id()
