@@ -118,7 +118,7 @@ def decoded_body(body: bytes, encoding: str, limit: int) -> bytes:
     if not codings:
         return body
     if len(codings) > 1 or codings[0] not in ("gzip", "x-gzip", "deflate"):
-        raise UnsupportedMediaType(f"Content-Encoding {encoding!r} is not supported; send the body as is, "
+        raise UnsupportedMediaType(f"Content-Encoding {clip(repr(encoding))} is not supported; send the body as is, "
                                    "or compressed with gzip or deflate.")
     # gzip; deflate as RFC 9110 means it (zlib-wrapped), raw deflate too (what some clients send)
     if codings[0] != "deflate":

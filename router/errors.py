@@ -91,7 +91,7 @@ class NotFound(ApiError):
 def unknown_path(path: str) -> NotFound:
     """The 404 of a path the router serves nothing on, an HTTP request's or
     a WebSocket upgrade's (``path`` as the request sent it, decoded)."""
-    return NotFound(f"Unknown path {path}.")
+    return NotFound(f"Unknown path {clip(path)}.")
 
 
 class UnsupportedMediaType(ApiError):

@@ -419,6 +419,18 @@ def test_unknown_path_and_method(shared_router: RouterProcess) -> None:
     assert err["message"].startswith("/v1/ws takes WebSocket connections only"), err  # (not "Method GET ...")
 
 
+def test_errors_echo_a_header_or_path_clipped(shared_router: RouterProcess) -> None:
+    """A value the client sent, echoed in an error, is clipped as a model
+    name is: a 40 KB Content-Encoding or path came back whole."""
+    junk = "x" * 40_000
+    r = post(shared_router, CHAT, headers={**AUTH, "content-type": "application/json", "content-encoding": junk},
+             json=chat_body())
+    err = error_of(r, 415)
+    assert len(err["message"]) < 400 and "(40002 characters)" in err["message"], err["message"][:200]
+    err = error_of(httpx.get(shared_router.base_url + "/" + junk, headers=AUTH, timeout=10), 404)
+    assert len(err["message"]) < 400 and "(40001 characters)" in err["message"], err["message"][:200]
+
+
 @pytest.mark.parametrize("path", ["/health", "/ready", "/metrics", "/v1/models", f"/v1/models/{MODEL}"])
 def test_head_answers_like_get_without_a_body(shared_router: RouterProcess, path: str) -> None:
     """(load balancers' health checks use HEAD)"""
