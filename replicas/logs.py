@@ -14,6 +14,7 @@ formats them itself).
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import os
 import sys
@@ -109,13 +110,19 @@ class TextFormatter(logging.Formatter):
 
 
 def _text_value(v: object) -> str:
+    """``v`` bare, or JSON-quoted when it has a space, a quote, an ``=`` or
+    anything unprintable: a client's ``\r`` or other control character
+    (a path, a model name) could otherwise rewrite what a terminal or a log
+    viewer shows of the line."""
     s = v if isinstance(v, str) else str(v)
-    if s and not any(c in s for c in ' "=\n'):
+    if s and s.isprintable() and not any(c in s for c in ' "='):
         return s
     try:
-        return _encode(v if isinstance(v, str) else s).decode()
-    except (TypeError, msgspec.EncodeError):
-        return repr(s)
+        out = _encode(s).decode()
+    except (TypeError, UnicodeEncodeError, msgspec.EncodeError):  # (a lone surrogate)
+        return json.dumps(s)
+    # (JSON lets C1 controls and U+2028 through as they are: those go \u-escaped)
+    return out if out.isprintable() else json.dumps(s)
 
 
 class TurnHandler(logging.StreamHandler):

@@ -338,3 +338,18 @@ def test_a_summary_line_that_cannot_be_formatted_is_reported_not_raised(monkeypa
     monkeypatch.setattr(handler, "handleError", reported.append)
     SummaryLog("test.summary").info("request ok", {"bad": Bad()})
     assert [r.getMessage() for r in reported] == ["request ok"] and stream.writes == []
+
+
+def test_a_text_line_quotes_a_field_with_a_control_character():
+    from replicas.logs import TextFormatter
+    fmt = TextFormatter("%(message)s")
+    for value in ("a\rforged", "a\x1b[2Jb", "a\tb", "a\x85b", "a\u2028b", "a\nb", "caf\u00e9 \ud800"):
+        record = logging.LogRecord("fairstream.request", logging.INFO, __file__, 1, "request ok", None, None)
+        record.path = value
+        line = fmt.format(record)
+        # (a bare \r let a client's path overwrite the start of the line on a terminal)
+        assert line.isprintable(), repr(line)
+        assert json.loads(line.split("path=", 1)[1]) == value
+    record = logging.LogRecord("fairstream.request", logging.INFO, __file__, 1, "request ok", None, None)
+    record.path = "/v1/completions"
+    assert fmt.format(record) == "request ok path=/v1/completions"
