@@ -175,6 +175,9 @@ class ResilientStore(StateStore):
                 await self.primary.prepare()  # (a restarted Redis has no scripts)
                 await self._pay_back()
                 await self._move_streams()
+                # (and those owed while the buffers moved: from the last look
+                # at the list to ``healthy``, no await lets one in)
+                await self._pay_back()
             except StoreUnavailable:
                 continue
             self.healthy = True
@@ -301,6 +304,11 @@ class ResilientStore(StateStore):
         if self._connect is not None:
             await self._connected()
         store = self._reserve_store.pop(lease_id, self.primary) if lease_id else self.primary
+        if store is self.primary and not self.healthy:
+            # (known to be down: made on its return, without waiting here for a
+            # timeout, which held back the tenant's next request in line)
+            self._owe(lambda s: s.settle(tenant, tpm=tpm, reserved=reserved, used=used))
+            return
         try:
             await store.settle(tenant, tpm=tpm, reserved=reserved, used=used)
         except StoreUnavailable as e:
@@ -349,6 +357,8 @@ class ResilientStore(StateStore):
         store = self._lease_store.pop(lease_id, self.primary)
         if store is self.primary and not self.healthy:
             self.fallback.drop(tenant, lease_id)  # (``_hold_locally``'s count)
+            self._owe(lambda s: s.release(tenant, lease_id))  # (as ``settle``)
+            return
         try:
             await store.release(tenant, lease_id)
         except StoreUnavailable as e:

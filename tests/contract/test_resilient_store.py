@@ -521,6 +521,37 @@ async def test_an_admission_redis_runs_late_after_a_hang_holds_no_slot(harness: 
     assert (await store.admit(t, req(max_concurrent=1))).ok
 
 
+async def test_a_stream_that_ends_while_redis_is_known_to_hang_is_settled_once_and_waits_for_nothing(
+        harness: Harness) -> None:
+    # (a review: a stream that ended during a known outage still sent its
+    # settlement and release to the hung Redis and waited its timeout for
+    # each, 1 s in all, before its tenant's next request, waiting in line
+    # for that slot, was woken; both are owed and made once Redis is back)
+    h, store = harness, harness.store
+    t = f"hang-{uuid.uuid4().hex[:8]}"
+    lid = uuid.uuid4().hex
+    await store.start()
+    await store._connected()
+    reserve = AdmitRequest(rpm=0, tpm=10_000, max_concurrent=1, cost_tokens=6000, lease_id=lid, lease_ttl=30.0)
+    assert (await store.admit(t, reserve)).ok  # (in Redis: its bucket at 4000)
+    h.server.pause()
+    try:
+        await store.check()  # (the outage is known: the ping timed out)
+        assert store.healthy is False
+        began = time.monotonic()
+        await store.settle(t, tpm=10_000, reserved=6000, used=4000, lease_id=lid)  # (2000 back, once)
+        await store.release(t, lid)
+        assert time.monotonic() - began < 0.25, "the end of a stream waited for a Redis known to be down"
+    finally:
+        h.server.resume()
+    await h.wait_healthy(5.0)
+    await asyncio.sleep(0.2)
+    usage = await store.primary.usage(t, rpm=0, tpm=10_000)
+    assert usage.active_streams == 0
+    # 6000 (4000 and the 2000 given back, once) and the refill of a few seconds (167/s)
+    assert 5900 < usage.tokens_available < 7500, usage
+
+
 async def test_a_redis_that_refuses_writes_is_an_outage_until_it_takes_them(open_harness: Harness) -> None:
     # At maxmemory with noeviction (or a read-only replica) Redis answers a
     # PING but refuses every script: the router must stay in its outage (one
@@ -627,3 +658,31 @@ async def test_the_move_to_redis_keeps_lease_and_lost_and_misses_no_stream_writt
     assert lost is not None and lost.lost and lost.owner == "" and not lost.broken
     assert (lost.events, lost.token_ids, lost.text_len) == ([b"e0", b"e1"], [1, 2], 2)
     assert new is not None and (new.events, new.token_ids) == ([b"n0"], [7]) and not new.broken
+
+
+async def test_a_release_owed_while_the_buffers_move_is_made_before_redis_counts_as_back() -> None:
+    # (a release while Redis is known to be down is owed, not sent: one that
+    # came while the probe copied the fallback's resume buffers, after it
+    # made the owed ones, waited for the next outage's return, and the
+    # tenant's slot stayed taken in Redis until the lease's TTL)
+    with RedisServer(require_redis_server(), persist=True) as server:
+        async for h in _harness(server, True):
+            store = h.store
+            await store.start()
+            await store._connected()
+            t = f"moving-{uuid.uuid4().hex[:8]}"
+            lid = uuid.uuid4().hex
+            assert (await store.admit(t, req(max_concurrent=1, lease=lid))).ok  # (in Redis)
+            server.kill()
+            await store.stream_open("s-moving", b"meta", "me", 60.0)  # (in the fallback: the probe moves it)
+            assert store.healthy is False
+            opened = store.primary.stream_open
+
+            async def open_and_end_a_stream(*args, **kwargs):
+                await store.release(t, lid)  # (its stream ends while the buffer moves)
+                return await opened(*args, **kwargs)
+
+            store.primary.stream_open = open_and_end_a_stream
+            server.restart()
+            await h.wait_healthy(10.0)
+            assert (await store.primary.usage(t, rpm=0, tpm=0)).active_streams == 0
