@@ -368,12 +368,14 @@ class ResilientStore(StateStore):
     async def usage(self, tenant: str, *, rpm: int, tpm: int) -> TenantUsage:
         if self._connect is not None:
             await self._connected()
-        store = self.primary if self.healthy else self.fallback
+        # (fail-open: the fallback's, what this router admits by in the
+        # outage; fail-closed: none, the fallback's being empty and unused)
+        store = self._current()
         try:
             return await store.usage(tenant, rpm=rpm, tpm=tpm)
         except StoreUnavailable as e:
             self._down("usage", e)
-            return await self.fallback.usage(tenant, rpm=rpm, tpm=tpm)
+            return await self._current().usage(tenant, rpm=rpm, tpm=tpm)
 
     # Resume buffers: on an outage they live in the local fallback (fail-open)
     # so streams keep going; resuming on another router needs Redis back.

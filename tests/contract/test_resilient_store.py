@@ -162,6 +162,26 @@ async def test_fail_closed_raises_then_recovers(closed_harness: Harness) -> None
     assert (await store.primary.usage(t, rpm=0, tpm=0)).active_streams == 1
 
 
+async def test_fail_closed_tells_no_usage_while_redis_is_down(closed_harness: Harness) -> None:
+    # (/admin/tenants answers a store that cannot tell with an error; in a
+    # fail-closed outage it showed the empty fallback's usage instead: every
+    # tenant idle with full buckets while its streams ran, and limited by nothing
+    # of it, since that router admits nobody)
+    h, store = closed_harness, closed_harness.store
+    t = f"usage-{uuid.uuid4().hex[:8]}"
+    assert (await store.admit(t, req(rpm=10, max_concurrent=5))).ok
+    h.server.kill()
+    with pytest.raises(StoreUnavailable):
+        await store.usage(t, rpm=10, tpm=0)  # (the call that finds the outage)
+    assert store.healthy is False
+    with pytest.raises(StoreUnavailable):
+        await store.usage(t, rpm=10, tpm=0)  # (known down)
+    h.server.restart()
+    await h.wait_healthy(5.0)
+    usage = await store.usage(t, rpm=10, tpm=0)
+    assert usage.active_streams == 0 and usage.requests_available == 10  # (a restart without its data)
+
+
 async def test_outage_during_concurrent_admissions(harness: Harness) -> None:
     """Redis dies while a burst is in flight: every call ends (admitted, refused
     or StoreUnavailable in fail-closed), none hangs, and the probe recovers."""
