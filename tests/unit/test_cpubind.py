@@ -67,7 +67,7 @@ def test_the_supervisor_binds_local_vllm_replicas_unless_told(monkeypatch) -> No
     assert Supervisor(pool)._env(pool.slots[0].spec)[BIND_ENV] == "auto"
 
 
-def test_a_local_vllm_replica_s_engine_sockets_go_in_the_run_dir(monkeypatch, tmp_path) -> None:
+def test_a_local_vllm_replica_s_engine_sockets_go_in_the_run_dir(monkeypatch) -> None:
     # (vLLM's EngineCore opens its ZMQ IPC sockets in the temp dir: every
     # replica a chaos run or a failover test killed left some in /tmp for good;
     # the run dir is removed at the router's stop, or swept after its death)
@@ -78,8 +78,9 @@ def test_a_local_vllm_replica_s_engine_sockets_go_in_the_run_dir(monkeypatch, tm
         ReplicaSpec(name="s0", engine="sim", config={"model": "m"}),
         ReplicaSpec(name="v1", engine="vllm", config={"model": "m"}, env={"VLLM_RPC_BASE_PATH": "/srv/ipc"}),
     ])
-    sup = Supervisor(pool, settings=SupervisorSettings(run_dir=str(tmp_path)))
-    assert sup._env(pool.slots[0].spec)["VLLM_RPC_BASE_PATH"] == str(tmp_path)
+    run_dir = "/tmp/fairstream-run"  # (a short one: pytest's tmp_path under xdist is past the 64-byte cut)
+    sup = Supervisor(pool, settings=SupervisorSettings(run_dir=run_dir))
+    assert sup._env(pool.slots[0].spec)["VLLM_RPC_BASE_PATH"] == run_dir
     assert "VLLM_RPC_BASE_PATH" not in sup._env(pool.slots[1].spec)
     assert sup._env(pool.slots[2].spec)["VLLM_RPC_BASE_PATH"] == "/srv/ipc"  # (the replica's env wins)
     # (a run dir too long for a uuid-named Unix socket under it leaves vLLM its default)
