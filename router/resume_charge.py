@@ -17,23 +17,20 @@ seconds, far less than ``resume_retention``) and gets a 429 with
 ``Retry-After`` meanwhile; the stream stays resumable.
 
 Cost: none for a tenant without a request limit; else one store admission
-and one release per resume request (Redis: two round trips), nothing per
-event.
+without a lease per resume request (Redis: one round trip), nothing per
+event. A resume does not wait in an ``on_limit: queue`` tenant's line: it
+takes a request if one is there, else it is refused at once.
 """
 
 from __future__ import annotations
 
 from router.admission import fmt_duration, ratelimit_headers
 from router.errors import RateLimited, ServiceUnavailable
-from router.ids import new_id
 from router.service import RouterService
 from router.state import AdmitRequest, StoreUnavailable
 from router.tenants import TenantPolicy
 
 __all__ = ["charge_resume"]
-
-# the store takes a lease with every admission; this one is given back at once
-_LEASE_TTL = 5.0
 
 
 async def charge_resume(svc: RouterService, policy: TenantPolicy) -> None:
@@ -42,12 +39,10 @@ async def charge_resume(svc: RouterService, policy: TenantPolicy) -> None:
     rpm = policy.limits.requests_per_minute
     if not rpm:
         return
-    lease_id = new_id()
-    req = AdmitRequest(rpm=rpm, tpm=0, max_concurrent=0, cost_tokens=0, lease_id=lease_id, lease_ttl=_LEASE_TTL)
+    # (no lease: a resume holds no concurrency slot, not even for the round trip)
+    req = AdmitRequest(rpm=rpm, tpm=0, max_concurrent=0, cost_tokens=0, lease_id="", lease_ttl=0.0)
     try:
         decision = await svc.store.admit(policy.name, req)
-        if decision.ok:
-            await svc.store.release(policy.name, lease_id)
     except StoreUnavailable as e:
         raise ServiceUnavailable("Rate-limit state is unavailable and this router is configured to fail closed; "
                                  "retry shortly.", code="state_store_unavailable",
@@ -56,4 +51,11 @@ async def charge_resume(svc: RouterService, policy: TenantPolicy) -> None:
         svc.metrics.limited(policy.name, "requests")
         raise RateLimited(f"Rate limit reached for tenant {policy.name!r} on requests per minute (a resume is a "
                           f"request). Please try again in {fmt_duration(max(decision.retry_after, 0.001))}.",
-                          retry_after=decision.retry_after, headers=ratelimit_headers(policy, decision))
+                          retry_after=decision.retry_after, headers=_request_headers(policy, decision))
+
+
+def _request_headers(policy: TenantPolicy, decision) -> dict[str, str]:
+    """The refusal's ``x-ratelimit-*-requests`` headers only: the admission
+    asked with ``tpm=0``, so its token figures (0 remaining, reset 0ms) are
+    not the tenant's bucket, which a resume does not touch."""
+    return {k: v for k, v in ratelimit_headers(policy, decision).items() if not k.endswith("-tokens")}

@@ -32,7 +32,7 @@ class AdmitRequest(msgspec.Struct, frozen=True, gc=False):
     tpm: int
     max_concurrent: int
     cost_tokens: int
-    lease_id: str
+    lease_id: str  # "": no lease (a resume's charge: one request, no slot)
     lease_ttl: float
     # The tenant queues (``on_limit: queue``): the store keeps its line of
     # waiting requests across routers (see ``StateStore.admit``).

@@ -91,7 +91,8 @@ class MemoryStore(StateStore):
         if decision.ok:
             for lid in replaced:
                 del t.leases[lid]
-            t.leases[req.lease_id] = now + req.lease_ttl
+            if req.lease_id:  # ("": a resume's charge, requests only)
+                t.leases[req.lease_id] = now + req.lease_ttl
             t.line.pop(req.lease_id, None)
         elif req.line and decision.reason != "too_large":
             t.line[req.lease_id] = now + decision.retry_after + LINE_SLACK

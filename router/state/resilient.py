@@ -274,10 +274,11 @@ class ResilientStore(StateStore):
                 # slots on every router until its TTL, though no stream has it.
                 # Undone on Redis's return, unless its stream still runs there:
                 # then the renewal that moves the lease counts it, as it should)
-                self._owe(lambda s, lid=req.lease_id: self._undo_admit(s, tenant, lid))
+                if req.lease_id:
+                    self._owe(lambda s, lid=req.lease_id: self._undo_admit(s, tenant, lid))
             store = self._current()
             decision = await store.admit(tenant, req)
-        if decision.ok:
+        if decision.ok and req.lease_id:
             self._lease_store[req.lease_id] = store
             self._lease_of[req.lease_id] = (tenant, req.lease_ttl)
             self._reserve_store[req.lease_id] = store

@@ -605,3 +605,16 @@ async def test_a_continuation_replaces_every_lease_it_names(backend: Backend) ->
     third = msgspec.structs.replace(req(max_concurrent=1), replaces=(second, first))
     assert (await backend.store.admit(t, third)).ok
     assert await active(backend.store, t) == 1
+
+
+async def test_an_admission_without_a_lease_takes_a_request_and_no_slot(backend: Backend) -> None:
+    # (a resume's charge: it held a concurrency slot for its round trip on Redis,
+    # where another request of the tenant at its max_concurrent was refused)
+    t = backend.tenant()
+    charge = AdmitRequest(rpm=2, tpm=0, max_concurrent=0, cost_tokens=0, lease_id="", lease_ttl=30.0)
+    assert (await backend.store.admit(t, charge)).ok
+    assert await active(backend.store, t) == 0
+    assert (await backend.store.admit(t, req(rpm=2, max_concurrent=1))).ok  # the request left, and the slot
+    assert await active(backend.store, t) == 1
+    refused = await backend.store.admit(t, charge)
+    assert not refused.ok and refused.reason == "requests", refused

@@ -127,8 +127,10 @@ if tpm > 0 then
   rem_tok = tok_level - cost; rst_tok = reset(rem_tok, tpm); store(KEYS[2], rem_tok, tpm)
 end
 for r in pairs(replaced) do redis.call('ZREM', KEYS[3], r) end
-redis.call('ZADD', KEYS[3], now + ttl, lease_id)
--- the set lives as long as its longest lease
-local last = redis.call('ZRANGE', KEYS[3], -1, -1, 'WITHSCORES')
-redis.call('PEXPIRE', KEYS[3], math.ceil((tonumber(last[2]) - now) * 1000) + 1000)
+if lease_id ~= '' then  -- (none: a resume's charge, requests only)
+  redis.call('ZADD', KEYS[3], now + ttl, lease_id)
+  -- the set lives as long as its longest lease
+  local last = redis.call('ZRANGE', KEYS[3], -1, -1, 'WITHSCORES')
+  redis.call('PEXPIRE', KEYS[3], math.ceil((tonumber(last[2]) - now) * 1000) + 1000)
+end
 return {1, '', '0', tostring(rem_req), tostring(rem_tok), tostring(rst_req), tostring(rst_tok)}
