@@ -60,13 +60,11 @@ class Outcome:
         self.client_request_id = client_request_id
 
     def record(self, outcome: str, gen: Generation | None = None, error: BaseException | None = None,
-               *, streamed: bool = False, completion: int | None = None) -> None:
+               *, streamed: bool = False) -> None:
         """Count the request in metrics and log its summary line (once); an
         ``error`` that ended it is named there (code, status, message).
         ``streamed``: the error came as the stream's last event, after the
-        response's 200 (or a WebSocket's first message): its ``status`` is 200.
-        ``completion``: the stream's completion tokens to count, when not all
-        of ``gen``'s (``EventStream.settle``)."""
+        response's 200 (or a WebSocket's first message): its ``status`` is 200."""
         if self.done:
             return
         self.done = True
@@ -83,15 +81,14 @@ class Outcome:
             # this request's own tokens: a resume's line does not count again
             # what the request it continues counted (sums of lines = the metric)
             prompt = max(0, gen.prompt_tokens - self.counted[0])
-            stream_completion = gen.completion_tokens if completion is None else completion
-            completion = max(0, stream_completion - self.counted[1])
+            completion = max(0, gen.completion_tokens - self.counted[1])
             m.child(m.tokens, tenant, "prompt").inc(prompt)
             m.child(m.tokens, tenant, "completion").inc(completion)
             m.child(m.e2e, tenant, self.policy.priority).observe(elapsed)
             extra.update(prompt_tokens=prompt, completion_tokens=completion, replica=gen.replica,
                          failovers=gen.failovers)
             if self.counted != (0, 0):
-                extra.update(stream_prompt_tokens=gen.prompt_tokens, stream_completion_tokens=stream_completion)
+                extra.update(stream_prompt_tokens=gen.prompt_tokens, stream_completion_tokens=gen.completion_tokens)
             if self.policy.log_content:
                 job = gen.job
                 extra["prompt"] = job.messages if job.messages is not None else (
@@ -205,12 +202,10 @@ def outcome_of(e: BaseException) -> str:
     return "error"  # a bug: the client got a 500
 
 
-def charged_tokens(gen: Generation, counted: tuple[int, int], completion: int | None = None) -> int:
+def charged_tokens(gen: Generation, counted: tuple[int, int]) -> int:
     """The tokens a request of ``gen``'s stream is charged: the stream's, less
-    those an earlier request of it was charged for (``Outcome.counted``);
-    ``completion``: the stream's completion tokens, when not all of ``gen``'s."""
-    done = gen.completion_tokens if completion is None else completion
-    return max(0, gen.prompt_tokens + done - sum(counted))
+    those an earlier request of it was charged for (``Outcome.counted``)."""
+    return max(0, gen.prompt_tokens + gen.completion_tokens - sum(counted))
 
 
 def error_before_output(metrics, tenant: str, e: BaseException, headers: dict[str, str]) -> BaseException:
@@ -380,24 +375,19 @@ class EventStream:
             task = self.svc.background(self.svc.admission.finish(self.ticket, self._used()))
             await asyncio.wait((task,), timeout=RELEASE_WAIT)
 
-    def _used(self, completion: int | None = None) -> int:
-        return charged_tokens(self.gen, self.outcome.counted, completion)
+    def _used(self) -> int:
+        return charged_tokens(self.gen, self.outcome.counted)
 
     def settle(self) -> None:
         """Count the request once and settle its buffer and ticket (in the
-        background: on disconnect this runs where every await is cancelled).
-        A stream left resumable (its client gone, or this router stopping)
-        counts the tokens its buffer holds: those its generation had past its
-        events (waiting behind a slow client's transport, or arrived as it
-        left) are generated again by its resume, which counts them."""
+        background: on disconnect this runs where every await is cancelled)."""
         gen = self.gen
         if self.tokens > self.sent_ids:
             self.writer.append(self.sid, None, gen.completion_ids[self.sent_ids:self.tokens], self.chars)
             self.sent_ids = self.tokens
-        kept = self.tokens if self.sid is not None and self.result in ("cancelled", "shutdown") else None
-        self.outcome.record(self.result, gen, self.error, streamed=True, completion=kept)
+        self.outcome.record(self.result, gen, self.error, streamed=True)
         self.svc.background(_settle(self.svc, self.writer, self.sid or "", self.result, self.final, self.chars,
-                                    self.ticket, self._used(kept)))
+                                    self.ticket, self._used()))
 
 
 async def relay_stream(es: EventStream, pieces: AsyncIterator[Piece], first: Piece | None) -> AsyncIterator[bytes]:
