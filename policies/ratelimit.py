@@ -52,6 +52,12 @@ class Decision(msgspec.Struct, gc=False):
     remaining_tokens: float = 0.0
     reset_requests: float = 0.0  # seconds until the requests bucket is full
     reset_tokens: float = 0.0
+    # An admitted continuation of a resumed stream: the tokens of its
+    # earlier generators' unsettled reservations it took over (it needed that
+    # many fewer), and how many of the stream's tokens came before them
+    # (``AdmitRequest.base``); 0 and 0 when it took over none.
+    taken: int = 0
+    base: int = 0
 
 
 QUEUED_RETRY = 0.25  # seconds; when a request waiting behind others of its tenant asks again

@@ -36,6 +36,7 @@ from router.leases import LEASE_TTL, LeaseKeeper
 from router.metrics import Metrics
 from router.state import AdmitRequest, StateStore, StoreUnavailable
 from router.tenants import TenantPolicy
+from router.ticket import Ticket, fmt_duration, ratelimit_headers
 
 __all__ = ["Admission", "Ticket", "ratelimit_headers", "fmt_duration"]
 
@@ -48,61 +49,6 @@ DEADLINE_SLACK = 0.05
 # refused: a stream that ends or tokens given back on another router wake
 # nothing here, and the store's line holds the other routers' heads behind it
 HEAD_POLL = {"concurrency": QUEUED_RETRY, "queued": QUEUED_RETRY, "": 1.0}
-
-
-def fmt_duration(seconds: float) -> str:
-    """OpenAI's reset format: ``20ms``, ``1.5s``, ``6m0s``; rounded up, so a
-    client that waits exactly that long is not refused for the rest."""
-    if seconds <= 0.999:
-        return f"{max(0, math.ceil(seconds * 1000 - 1e-6))}ms"  # (- 1e-6: 0.29 * 1000 is 290.00000000000006)
-    if seconds < 10:
-        return f"{math.ceil(seconds * 100 - 1e-6) / 100:g}s"
-    if seconds < 60:
-        return f"{math.ceil(seconds * 10 - 1e-6) / 10:g}s"
-    m, s = divmod(math.ceil(seconds - 1e-6), 60)
-    return f"{m}m{s}s"
-
-
-def ratelimit_headers(policy: TenantPolicy, d: Decision) -> dict[str, str]:
-    """``x-ratelimit-*`` headers for limits the tenant has."""
-    lim = policy.limits
-    h: dict[str, str] = {}
-    if lim.requests_per_minute:
-        h["x-ratelimit-limit-requests"] = str(lim.requests_per_minute)
-        h["x-ratelimit-remaining-requests"] = str(max(0, math.floor(d.remaining_requests)))
-        h["x-ratelimit-reset-requests"] = fmt_duration(d.reset_requests)
-    if lim.tokens_per_minute:
-        h["x-ratelimit-limit-tokens"] = str(lim.tokens_per_minute)
-        h["x-ratelimit-remaining-tokens"] = str(max(0, math.floor(d.remaining_tokens)))
-        h["x-ratelimit-reset-tokens"] = fmt_duration(d.reset_tokens)
-    return h
-
-
-class Ticket:
-    """An admitted request: its lease and its token reservation."""
-
-    __slots__ = ("lease_id", "reserved", "done", "_policy", "_decision")
-
-    def __init__(self, policy: TenantPolicy, lease_id: str, reserved: int, decision: Decision) -> None:
-        self.lease_id = lease_id
-        self.reserved = reserved
-        self.done = False
-        self._policy = policy  # as admitted (a reload makes new policy objects)
-        self._decision = decision
-
-    @property
-    def tenant(self) -> str:
-        return self._policy.name
-
-    @property
-    def tpm(self) -> int:
-        return self._policy.limits.tokens_per_minute
-
-    @property
-    def headers(self) -> dict[str, str]:
-        """The ``x-ratelimit-*`` headers as of admission (built when asked:
-        a long stream does not hold them)."""
-        return ratelimit_headers(self._policy, self._decision)
 
 
 _REASONS = {
@@ -187,7 +133,8 @@ class Admission:
 
     async def admit(self, policy: TenantPolicy, cost_tokens: int, *, count_request: bool = True,
                     prompt_tokens: int = 0, lease_id: str = "", replaces: tuple[str, ...] = (),
-                    deadlines: Deadlines | None = None, delivered: bool = False) -> Ticket:
+                    deadlines: Deadlines | None = None, delivered: bool = False, hold: float = 0.0,
+                    base: int = 0) -> Ticket:
         """``count_request=False`` for the continuation of a resumed stream:
         it holds a lease and reserves tokens, but is not a new request.
         ``prompt_tokens``: the prompt's share of ``cost_tokens`` (what a
@@ -198,7 +145,10 @@ class Admission:
         the stream's earlier generators, which a router that died running
         it left in the store, counted against the continuation for their
         TTL). The lease is a new one all the same: one ticket, one lease,
-        whatever the original's ending does with its own.
+        whatever the original's ending does with its own. ``hold``, ``base``:
+        keep the reservation for a continuation to take over if this router
+        dies (a resumable stream's; ``AdmitRequest``): a continuation that
+        takes one over settles for the tokens its generators used too.
 
         ``deadlines``: the request's time limits, asked only when it has to
         wait (``Deadlines.wait_limit``, with ``delivered``: the stream has
@@ -219,6 +169,8 @@ class Admission:
             lease_ttl=LEASE_TTL,
             line=policy.on_limit == "queue",
             replaces=replaces,
+            hold=hold if lim.tokens_per_minute else 0.0,
+            base=base,
         )
         loop = asyncio.get_running_loop()
         started = loop.time()
@@ -353,7 +305,8 @@ class Admission:
         if waited_since is not None:
             self.metrics.child(self.metrics.admission_wait, policy.name, policy.priority).observe(
                 asyncio.get_running_loop().time() - waited_since)
-        ticket = Ticket(policy, req.lease_id, cost_tokens, decision)
+        ticket = Ticket(policy, req.lease_id, max(cost_tokens, decision.taken), decision,
+                        req.base - decision.base if decision.taken else 0)
         self._leases[req.lease_id] = ticket
         return ticket
 
@@ -482,7 +435,7 @@ class Admission:
         try:
             if ticket.tpm:
                 await self.store.settle(ticket.tenant, tpm=ticket.tpm, reserved=ticket.reserved,
-                                        used=used_tokens, lease_id=ticket.lease_id)
+                                        used=used_tokens + ticket.inherited, lease_id=ticket.lease_id)
             await self.store.release(ticket.tenant, ticket.lease_id)
         except StoreUnavailable as e:
             log.warning("could not settle lease of %s: %s (it expires by itself)", ticket.tenant, e)

@@ -226,8 +226,10 @@ async def start_generation(
         prompt_estimate, base = svc.estimates.estimate(job)
         lim = policy.limits
         deadlines = Deadlines(lim.first_token, lim.stall, lim.total, start=started)
+        # (a stream's reservation is kept for a continuation to take over if this router dies)
+        hold = svc.resume.retention if req.stream or stream_implied else 0.0
         ticket = await svc.admission.admit(policy, prompt_estimate + job.params.max_tokens,
-                                           prompt_tokens=prompt_estimate, deadlines=deadlines)
+                                           prompt_tokens=prompt_estimate, deadlines=deadlines, hold=hold)
     except BaseException as e:
         # (a wait for the tenant's limits that its first-token or total limit ended: that 504)
         told = error_before_output(svc.metrics, policy.name, e, {"x-request-id": request_id})

@@ -460,16 +460,16 @@ async def _continue(svc: RouterService, policy: TenantPolicy, sid: str, meta: Re
         Deadlines(lim.first_token, lim.stall, lim.total, start=started),
         scheduler=svc.scheduler, policy=policy, rank=policy.rank, failover_wait=svc.config.failover_wait,
     )
-    gen.completion_ids = tokens
-    gen.text_len = text_len
+    gen.completion_ids, gen.text_len = tokens, text_len
     enc = ChunkEncoder(meta.chat, meta.response_id, meta.model, meta.created, event_id=cursor,
                        role_sent=bool(tokens) or skip_chars > 0)
     outcome = Outcome(svc, policy, "resume", started, sid, counted=(len(meta.prompt_token_ids), len(tokens)))
-    remaining = meta.params.max_tokens - len(tokens)
     ticket = pieces = None
-    try:
-        ticket = await svc.admission.admit(policy, max(1, remaining), count_request=False, lease_id=leases[0],
-                                           replaces=leases[1], deadlines=gen.deadlines, delivered=bool(tokens))
+    try:  # (it takes over the reservations its dead generators left unsettled: AdmitRequest.hold)
+        ticket = await svc.admission.admit(
+            policy, max(1, meta.params.max_tokens - len(tokens)), count_request=False, lease_id=leases[0],
+            replaces=leases[1], deadlines=gen.deadlines, delivered=bool(tokens), hold=svc.resume.retention,
+            base=sum(outcome.counted))
         log.info("resuming stream %s at %d tokens on this router", sid, len(tokens))
         pieces = gen.stream()
         first = await pieces.__anext__()

@@ -33,7 +33,9 @@ class Limits(msgspec.Struct, forbid_unknown_fields=True, kw_only=True, omit_defa
     """Requests admitted per minute (token bucket, refilled continuously)."""
     tokens_per_minute: int | None = None
     """Prompt + completion tokens per minute. Reserved at admission as
-    estimated prompt tokens + max_tokens, settled with the real usage at the end."""
+    estimated prompt tokens + max_tokens, settled with the real usage at the end;
+    a stream's reservation that a router dying mid-stream left unsettled is
+    taken over by its resumed continuation (the tenant pays for the stream once)."""
     max_concurrent: int | None = None
     """Streams in flight at once (a lease held until the stream's end, freed before its `[DONE]` goes out)."""
     max_prompt_tokens: int | None = None

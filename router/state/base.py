@@ -43,6 +43,13 @@ class AdmitRequest(msgspec.Struct, frozen=True, gc=False):
     # started it, the last continuation: ``StreamSnapshot.lease``), which a
     # router that died running it left in the store for their TTL.
     replaces: tuple[str, ...] = ()
+    # Keep this admission's token reservation for ``hold`` seconds (0: not
+    # at all), for a continuation to take over if its router dies before it
+    # settles (``StateStore.admit``). ``base``: the stream's tokens before
+    # this request (its prompt and the completion tokens delivered before a
+    # continuation), which its reservation does not hold.
+    hold: float = 0.0
+    base: int = 0
 
 
 class TenantUsage(msgspec.Struct, frozen=True):
@@ -100,7 +107,17 @@ class StateStore(abc.ABC):
         renewing it; an admitted one leaves it. A router puts only the head
         of its own line there, so the routers with waiting requests take
         turns, and a line on a crashed router blocks the others a few
-        seconds at most."""
+        seconds at most.
+
+        Held reservations: with ``req.hold`` the admitted request's
+        reservation is kept under its lease id for that long, until settled.
+        Those of ``req.replaces`` (a continuation's; the stream's earlier
+        generators', which a router that died never settled) are taken over
+        if they are still kept: the request needs that many tokens fewer
+        (none below 0), its own kept reservation grows by them, and the
+        decision says how many (``Decision.taken``) and the ``base`` of the
+        oldest of them. Taken over once: a settlement of a taken-over lease
+        changes nothing (the continuation settles the stream for it)."""
 
     @abc.abstractmethod
     async def leave(self, tenant: str, lease_id: str) -> None:
@@ -108,7 +125,8 @@ class StateStore(abc.ABC):
 
     @abc.abstractmethod
     async def settle(self, tenant: str, *, tpm: int, reserved: int, used: int, lease_id: str = "") -> None:
-        """Correct the tokens bucket with the real usage (see policies.ratelimit.settle)."""
+        """Correct the tokens bucket with the real usage (see policies.ratelimit.settle);
+        nothing if a continuation took over ``lease_id``'s reservation (``admit``)."""
 
     @abc.abstractmethod
     async def renew(self, tenant: str, lease_ids: list[str], ttl: float) -> None:

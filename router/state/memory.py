@@ -16,7 +16,7 @@ __all__ = ["MemoryStore"]
 
 
 class _Tenant:
-    __slots__ = ("requests", "tokens", "leases", "next_prune", "line")
+    __slots__ = ("requests", "tokens", "leases", "next_prune", "line", "held")
 
     def __init__(self) -> None:
         self.requests: Bucket | None = None
@@ -24,6 +24,9 @@ class _Tenant:
         self.leases: dict[str, float] = {}
         self.next_prune = 0.0
         self.line: dict[str, float] = {}  # waiting lease id -> until when; in arrival order
+        # lease id -> (reserved tokens, base, until when) of reservations kept
+        # for a continuation (``AdmitRequest.hold``); tokens -1: taken over
+        self.held: dict[str, tuple[int, int, float]] = {}
 
 
 SWEEP_INTERVAL = 1.0  # expired leases and buffers are swept at most this often (O(n) each)
@@ -69,9 +72,16 @@ class MemoryStore(StateStore):
             # Amortized: a lease that expired less than SWEEP_INTERVAL ago
             # may still count; leases are released explicitly at stream end.
             t.leases = ratelimit.prune_leases(t.leases, now)
+            if t.held:
+                t.held = {k: h for k, h in t.held.items() if h[2] > now}
             t.next_prune = now + SWEEP_INTERVAL
         # (a continuation's: never a new request's, which pays nothing for it)
         replaced = {lid for lid in req.replaces if lid in t.leases and lid != req.lease_id} if req.replaces else ()
+        # the reservations it takes over (if admitted): kept, and not taken over before
+        took = [(lid, h) for lid in dict.fromkeys(req.replaces) if lid != req.lease_id
+                and (h := t.held.get(lid)) is not None and h[0] >= 0 and h[2] > now] if req.tpm and t.held else ()
+        taken = sum(h[0] for _, h in took)
+        base = min(h[1] for _, h in took) if took else req.base
         blocked = False
         if req.line and t.line:
             for lid in [k for k, until in t.line.items() if until <= now]:
@@ -84,13 +94,19 @@ class MemoryStore(StateStore):
             rpm=req.rpm,
             tpm=req.tpm,
             max_concurrent=req.max_concurrent,
-            cost_tokens=req.cost_tokens,
+            cost_tokens=max(0, req.cost_tokens - taken),
             now=now,
             behind=blocked,
         )
         if decision.ok:
             for lid in replaced:
                 del t.leases[lid]
+            for lid, h in took:
+                t.held[lid] = (-1, 0, max(h[2], now + req.hold))  # (its settlement, if it comes, changes nothing)
+            if took:
+                decision.taken, decision.base = taken, base
+            if req.hold > 0 and req.tpm:
+                t.held[req.lease_id] = (max(req.cost_tokens, taken), base, now + req.hold)
             if req.lease_id:  # ("": a resume's charge, requests only)
                 t.leases[req.lease_id] = now + req.lease_ttl
             t.line.pop(req.lease_id, None)
@@ -105,7 +121,11 @@ class MemoryStore(StateStore):
 
     async def settle(self, tenant: str, *, tpm: int, reserved: int, used: int, lease_id: str = "") -> None:
         t = self._t(tenant)
-        t.tokens = ratelimit.settle(t.tokens, tpm=tpm, reserved=reserved, used=used, now=self._clock())
+        now = self._clock()
+        held = t.held.pop(lease_id, None) if lease_id and t.held else None
+        if held is not None and held[0] < 0 and held[2] > now:
+            return  # (a continuation took its reservation over, and settles it)
+        t.tokens = ratelimit.settle(t.tokens, tpm=tpm, reserved=reserved, used=used, now=now)
 
     async def renew(self, tenant: str, lease_ids: list[str], ttl: float) -> None:
         self.hold(tenant, lease_ids, ttl)

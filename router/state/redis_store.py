@@ -108,18 +108,21 @@ class RedisStore(StateStore):
 
     def _keys(self, tenant: str) -> list[str]:
         base = f"{self._prefix}:{{{tenant}}}"
-        return [f"{base}:rq", f"{base}:tk", f"{base}:leases", f"{base}:line", f"{base}:line-until"]
+        return [f"{base}:rq", f"{base}:tk", f"{base}:leases", f"{base}:line", f"{base}:line-until", f"{base}:held",
+                f"{base}:held-until"]
 
     async def admit(self, tenant: str, req: AdmitRequest) -> Decision:
         try:
             res = await self._admit(
                 keys=self._keys(tenant),
                 args=[req.rpm, req.tpm, req.max_concurrent, req.cost_tokens, req.lease_id, req.lease_ttl,
-                      int(req.line), QUEUED_RETRY, LINE_SLACK, self._channel, tenant, *req.replaces],
+                      int(req.line), QUEUED_RETRY, LINE_SLACK, self._channel, tenant, req.hold, req.base,
+                      *req.replaces],
             )
         except RedisError as e:
             raise _unavailable(e) from e
-        ok, reason, wait, rem_req, rem_tok, rst_req, rst_tok = res
+        ok, reason, wait, rem_req, rem_tok, rst_req, rst_tok = res[:7]
+        taken, base = (int(res[7]), int(res[8])) if len(res) > 7 else (0, 0)
         retry = float(wait)
         return Decision(
             bool(int(ok)),
@@ -129,6 +132,8 @@ class RedisStore(StateStore):
             float(rem_tok),
             float(rst_req),
             float(rst_tok),
+            taken,
+            base,
         )
 
     async def leave(self, tenant: str, lease_id: str) -> None:
@@ -137,7 +142,7 @@ class RedisStore(StateStore):
     async def _turn_op(self, op: str, tenant: str, lease_id: str) -> None:
         keys = self._keys(tenant)
         try:
-            await self._turn(keys=keys[2:], args=[op, lease_id, self._channel, tenant])
+            await self._turn(keys=keys[2:5], args=[op, lease_id, self._channel, tenant])
         except RedisError as e:
             raise _unavailable(e) from e
 
@@ -146,7 +151,8 @@ class RedisStore(StateStore):
             return
         try:
             keys = self._keys(tenant)
-            await self._settle(keys=[keys[1], keys[3]], args=[tpm, reserved, used, self._channel, tenant])
+            await self._settle(keys=[keys[1], keys[3], keys[5], keys[6]],
+                               args=[tpm, reserved, used, self._channel, tenant, lease_id])
         except RedisError as e:
             raise _unavailable(e) from e
 

@@ -308,13 +308,13 @@ class ResilientStore(StateStore):
         if store is self.primary and not self.healthy:
             # (known to be down: made on its return, without waiting here for a
             # timeout, which held back the tenant's next request in line)
-            self._owe(lambda s: s.settle(tenant, tpm=tpm, reserved=reserved, used=used))
+            self._owe(lambda s: s.settle(tenant, tpm=tpm, reserved=reserved, used=used, lease_id=lease_id))
             return
         try:
-            await store.settle(tenant, tpm=tpm, reserved=reserved, used=used)
+            await store.settle(tenant, tpm=tpm, reserved=reserved, used=used, lease_id=lease_id)
         except StoreUnavailable as e:
             self._down("settle", e)
-            self._owe(lambda s: s.settle(tenant, tpm=tpm, reserved=reserved, used=used))
+            self._owe(lambda s: s.settle(tenant, tpm=tpm, reserved=reserved, used=used, lease_id=lease_id))
 
     async def renew(self, tenant: str, lease_ids: list[str], ttl: float) -> None:
         if self._connect is not None:

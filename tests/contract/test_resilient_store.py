@@ -706,3 +706,35 @@ async def test_a_release_owed_while_the_buffers_move_is_made_before_redis_counts
             server.restart()
             await h.wait_healthy(10.0)
             assert (await store.primary.usage(t, rpm=0, tpm=0)).active_streams == 0
+
+
+async def test_a_reservation_a_continuation_took_over_is_not_settled_again_now_or_when_owed(
+        harness: Harness) -> None:
+    # (the wrapper passed a settlement on without its lease id: Redis could
+    # not tell one whose reservation another router's continuation had taken
+    # over, and gave the tenant back what the continuation settles too)
+    h, store = harness, harness.store
+    t = f"held-{uuid.uuid4().hex[:8]}"
+    await store.start()
+    await store._connected()
+    firsts = []
+    for _ in range(2):
+        first = AdmitRequest(rpm=0, tpm=60, max_concurrent=0, cost_tokens=20, lease_id=uuid.uuid4().hex,
+                             lease_ttl=30.0, hold=300.0)
+        assert (await store.admit(t, first)).ok  # (in Redis: its bucket at 40, then 20)
+        cont = AdmitRequest(rpm=0, tpm=60, max_concurrent=0, cost_tokens=15, lease_id=uuid.uuid4().hex,
+                            lease_ttl=30.0, replaces=(first.lease_id,), hold=300.0, base=8)
+        assert (await store.primary.admit(t, cont)).taken == 20  # (another router's continuation)
+        firsts.append(first)
+    await store.settle(t, tpm=60, reserved=20, used=8, lease_id=firsts[0].lease_id)
+    h.server.pause()
+    try:
+        await store.check()
+        assert store.healthy is False
+        await store.settle(t, tpm=60, reserved=20, used=8, lease_id=firsts[1].lease_id)  # (owed)
+    finally:
+        h.server.resume()
+    await h.wait_healthy(5.0)
+    await asyncio.sleep(0.2)
+    usage = await store.primary.usage(t, rpm=0, tpm=60)
+    assert usage.tokens_available < 20 + 12, usage  # (20 and a few seconds' refill; not 24 more given back)

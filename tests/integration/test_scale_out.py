@@ -344,7 +344,9 @@ async def test_a_refused_continuation_does_not_hide_the_lease_of_a_router_that_d
     one = {"keys": [hash_key(LIMITED)], "on_limit": "reject", "limits": {"max_concurrent": 1}}
     demo = yaml.safe_load(open("configs/tenants.yaml"))
     files = {}
-    for name, limits in (("normal", {}), ("tight", {"tokens_per_minute": 40})):
+    # (no token limit where the stream runs: a, b and d keep no reservation,
+    # which c's continuation would take over and need no tokens of its own)
+    for name, limits in (("normal", {"tokens_per_minute": 0}), ("tight", {"tokens_per_minute": 40})):
         files[name] = tmp_path / f"{name}.yaml"
         demo["tenants"]["one"] = {**one, "limits": {**one["limits"], **limits}}
         files[name].write_text(yaml.safe_dump(demo, sort_keys=False))
@@ -398,3 +400,49 @@ async def test_a_refused_continuation_does_not_hide_the_lease_of_a_router_that_d
         b.stop(check=False)
         c.stop()
         d.stop()
+
+
+async def test_a_continuation_takes_over_the_token_reservation_of_a_router_that_died(tmp_path, redis_server) -> None:
+    # A stream reserves its estimated prompt + max_tokens (43 tokens here) at
+    # admission and settles it when it ends; a router killed mid-stream never
+    # settles it. The continuation on the other router reserved its own
+    # remaining tokens on top, so the tenant paid the rest of the stream
+    # twice, and with 60 tokens a minute it was refused ("rate_limit_exceeded
+    # ... on tokens per minute. Please try again in 1.84s") though the dead
+    # router's reservation held the whole stream. It takes that reservation over.
+    tenants = tmp_path / "tenants.yaml"
+    demo = yaml.safe_load(open("configs/tenants.yaml"))
+    demo["tenants"]["tight"] = {"keys": [hash_key(LIMITED)], "on_limit": "reject",
+                                "limits": {"tokens_per_minute": 60}}
+    tenants.write_text(yaml.safe_dump(demo, sort_keys=False))
+    settings = {"state": {"backend": "redis", "url": redis_server.url}}
+    a = RouterProcess(tmp_path / "a", replicas=1, tenants=tenants, settings=settings, sim=SIM).start()
+    b = RouterProcess(tmp_path / "b", replicas=1, tenants=tenants, settings=settings, sim=SIM).start()
+    headers = {"Authorization": f"Bearer {LIMITED}"}
+    body = {"model": MODEL, "prompt": "ab", "max_tokens": 40, "temperature": 0, "ignore_eos": True, "stream": True}
+    try:
+        async with httpx.AsyncClient(timeout=60) as client:
+            ref = (await client.post(b.base_url + "/v1/completions", json={**body, "stream": False},
+                                     headers={"Authorization": f"Bearer {GOLD}"})).json()["choices"][0]["text"]
+            parts: list[str] = []
+            async with client.stream("POST", a.base_url + "/v1/completions", json=body, headers=headers) as r:
+                assert r.status_code == 200, await r.aread()
+                rid = r.headers["x-request-id"]
+                events = aiter_sse(r)
+                for _ in range(11):
+                    ev = await events.__anext__()
+                    parts.append(ev.json()["choices"][0]["text"])
+                os.kill(a.pid, signal.SIGKILL)
+            async with client.stream("GET", f"{b.base_url}/v1/streams/{rid}",
+                                     headers={**headers, "Last-Event-ID": ev.id}) as r:
+                assert r.status_code == 200, await r.aread()
+                async for ev in aiter_sse(r):
+                    if ev.data == "[DONE]":
+                        break
+                    d = ev.json()
+                    assert "error" not in d, d
+                    parts.append(d["choices"][0]["text"])
+            assert "".join(parts) == ref
+    finally:
+        a.stop(check=False)
+        b.stop()

@@ -351,6 +351,22 @@ async def test_a_continuation_replaces_the_lease_it_names_with_one_of_its_own() 
     await adm.finish(await adm.admit(policy, 1), 1)
 
 
+async def test_a_continuation_settles_the_reservation_it_took_over_for_the_whole_stream() -> None:
+    # (a router killed mid-stream never settled the stream's reservation; its
+    # continuation reserved its own tokens on top, and at 60 tokens a minute
+    # was refused the rest of a stream the tenant had paid for)
+    limits = msgspec.structs.replace(_policy(0.0).limits, requests_per_minute=0, tokens_per_minute=60)
+    policy = msgspec.structs.replace(_policy(0.0), on_limit="reject", limits=limits)
+    store = MemoryStore(clock=lambda: 1000.0)
+    adm = Admission(store, Metrics())
+    original = await adm.admit(policy, 43, hold=300.0)  # (its router dies after 3 + 11 tokens)
+    continuation = await adm.admit(policy, 29, count_request=False, replaces=(original.lease_id,), hold=300.0,
+                                   base=3 + 11)
+    assert (continuation.reserved, continuation.inherited) == (43, 14)
+    await adm.finish(continuation, 29)  # (its own 29 tokens, and the 14 before them: 43)
+    assert (await store.usage("t", rpm=0, tpm=60)).tokens_available == 17
+
+
 @pytest.mark.parametrize("raised", [True, False], ids=["raised", "lowered"])
 async def test_a_reload_s_limits_reach_the_requests_already_waiting(raised: bool) -> None:
     # (a request kept the limits it arrived with: raising max_concurrent to

@@ -5,14 +5,21 @@
 -- one not in the line is refused while anyone waits, one in it while anyone
 -- waits ahead (reason 'queued' where its limits pass); a refused one joins
 -- the line's end (unless it can never fit) until its retry plus a slack.
+-- Held reservations (StateStore.admit): an admitted request with a hold keeps
+-- its reservation under its lease id, 'tokens base', until settled; it takes
+-- over those of the leases it replaces ('-1 0' once taken over) and needs
+-- that many tokens fewer.
 -- KEYS: 1 requests bucket (hash), 2 tokens bucket (hash), 3 leases (zset),
---       4 line (zset: lease id -> arrival), 5 line expiry (zset: lease id -> until)
+--       4 line (zset: lease id -> arrival), 5 line expiry (zset: lease id -> until),
+--       6 held reservations (hash: lease id -> 'tokens base'),
+--       7 their expiry (zset: lease id -> until)
 -- ARGV: rpm, tpm, max_concurrent, cost_tokens, lease_id, lease_ttl, line (0/1),
 --       queued retry, line slack, channel, tenant (a request admitted from the
 --       line with others behind it: the routers are told, the next one's
---       router asks again at once), then the leases this one takes the place
---       of, if any (a resumed stream's continuation: the leases of those that
---       generated the stream before it, which a router that died left)
+--       router asks again at once), hold (seconds), base, then the leases
+--       this one takes the place of, if any (a resumed stream's continuation:
+--       the leases of those that generated the stream before it, which a
+--       router that died left)
 local t = redis.call('TIME')
 local now = tonumber(t[1]) + tonumber(t[2]) / 1000000
 local rpm = tonumber(ARGV[1])
@@ -22,6 +29,8 @@ local cost = tonumber(ARGV[4])
 local lease_id = ARGV[5]
 local ttl = tonumber(ARGV[6])
 local in_line = ARGV[7] == '1'
+local hold = tonumber(ARGV[12])
+local FIRST_REPLACED = 14
 local INF = 1e300
 
 local function level(key, per_min)
@@ -53,12 +62,43 @@ redis.call('ZREMRANGEBYSCORE', KEYS[3], '-inf', now)
 local leases = redis.call('ZCARD', KEYS[3])
 -- the leases this one replaces are not counted against it (and go if it is admitted)
 local replaced = {}
-for i = 12, #ARGV do
+for i = FIRST_REPLACED, #ARGV do
   local r = ARGV[i]
   if r ~= '' and r ~= lease_id and not replaced[r] and redis.call('ZSCORE', KEYS[3], r) then
     replaced[r] = true
     leases = leases - 1
   end
+end
+-- the held reservations it takes over (if admitted)
+local took = {}
+local taken = 0
+local base = tonumber(ARGV[13])
+local own_cost = cost
+if tpm > 0 and redis.call('EXISTS', KEYS[6]) == 1 then
+  local gone = redis.call('ZRANGEBYSCORE', KEYS[7], '-inf', now)
+  if #gone > 0 then
+    redis.call('HDEL', KEYS[6], unpack(gone))
+    redis.call('ZREM', KEYS[7], unpack(gone))
+  end
+  local seen = {}
+  for i = FIRST_REPLACED, #ARGV do
+    local r = ARGV[i]
+    if r ~= '' and r ~= lease_id and not seen[r] then
+      seen[r] = true
+      local h = redis.call('HGET', KEYS[6], r)
+      if h then
+        local sp = string.find(h, ' ', 1, true)
+        local amount = tonumber(string.sub(h, 1, sp - 1))
+        local b = tonumber(string.sub(h, sp + 1))
+        if amount >= 0 then
+          if #took == 0 or b < base then base = b end
+          taken = taken + amount
+          took[#took + 1] = r
+        end
+      end
+    end
+  end
+  cost = math.max(0, cost - taken)
 end
 local req_level = INF
 local tok_level = INF
@@ -133,4 +173,20 @@ if lease_id ~= '' then  -- (none: a resume's charge, requests only)
   local last = redis.call('ZRANGE', KEYS[3], -1, -1, 'WITHSCORES')
   redis.call('PEXPIRE', KEYS[3], math.ceil((tonumber(last[2]) - now) * 1000) + 1000)
 end
-return {1, '', '0', tostring(rem_req), tostring(rem_tok), tostring(rst_req), tostring(rst_tok)}
+for _, r in ipairs(took) do
+  -- (its settlement, if it comes, changes nothing: the continuation settles for it)
+  redis.call('HSET', KEYS[6], r, '-1 0')
+  redis.call('ZADD', KEYS[7], math.max(tonumber(redis.call('ZSCORE', KEYS[7], r) or 0), now + hold), r)
+end
+if hold > 0 and tpm > 0 then
+  redis.call('HSET', KEYS[6], lease_id, string.format('%d %d', math.max(own_cost, taken), base))
+  redis.call('ZADD', KEYS[7], now + hold, lease_id)
+end
+if #took > 0 or (hold > 0 and tpm > 0) then
+  local longest = redis.call('ZRANGE', KEYS[7], -1, -1, 'WITHSCORES')
+  local ms = math.ceil((tonumber(longest[2]) - now) * 1000) + 1000
+  redis.call('PEXPIRE', KEYS[6], ms)
+  redis.call('PEXPIRE', KEYS[7], ms)
+end
+if #took == 0 then base = 0 end
+return {1, '', '0', tostring(rem_req), tostring(rem_tok), tostring(rst_req), tostring(rst_tok), taken, base}

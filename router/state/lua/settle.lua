@@ -1,8 +1,20 @@
 -- Correct the tokens bucket with the real usage (policies/ratelimit.py settle).
--- KEYS: 1 tokens bucket, 2 the tenant's line; ARGV: tpm, reserved, used,
--- channel, tenant (tokens given back while requests wait: tell the routers)
+-- KEYS: 1 tokens bucket, 2 the tenant's line, 3 held reservations, 4 their
+-- expiry (admit.lua); ARGV: tpm, reserved, used, channel, tenant (tokens given
+-- back while requests wait: tell the routers), lease id (its reservation taken
+-- over by a continuation: nothing to do, the continuation settles for it)
 local t = redis.call('TIME')
 local now = tonumber(t[1]) + tonumber(t[2]) / 1000000
+local lease_id = ARGV[6] or ''
+if lease_id ~= '' then
+  local h = redis.call('HGET', KEYS[3], lease_id)
+  if h then
+    local until_ = tonumber(redis.call('ZSCORE', KEYS[4], lease_id) or 0)
+    redis.call('HDEL', KEYS[3], lease_id)
+    redis.call('ZREM', KEYS[4], lease_id)
+    if string.sub(h, 1, 3) == '-1 ' and until_ > now then return 0 end
+  end
+end
 local tpm = tonumber(ARGV[1])
 local delta = tonumber(ARGV[2]) - tonumber(ARGV[3])
 local v = redis.call('HMGET', KEYS[1], 'tokens', 'ts')

@@ -1,0 +1,70 @@
+"""An admitted request (``Ticket``) and the ``x-ratelimit-*`` headers of a decision."""
+
+from __future__ import annotations
+
+import math
+
+from policies.ratelimit import Decision
+from router.tenants import TenantPolicy
+
+__all__ = ["Ticket", "ratelimit_headers", "fmt_duration"]
+
+
+def fmt_duration(seconds: float) -> str:
+    """OpenAI's reset format: ``20ms``, ``1.5s``, ``6m0s``; rounded up, so a
+    client that waits exactly that long is not refused for the rest."""
+    if seconds <= 0.999:
+        return f"{max(0, math.ceil(seconds * 1000 - 1e-6))}ms"  # (- 1e-6: 0.29 * 1000 is 290.00000000000006)
+    if seconds < 10:
+        return f"{math.ceil(seconds * 100 - 1e-6) / 100:g}s"
+    if seconds < 60:
+        return f"{math.ceil(seconds * 10 - 1e-6) / 10:g}s"
+    m, s = divmod(math.ceil(seconds - 1e-6), 60)
+    return f"{m}m{s}s"
+
+
+def ratelimit_headers(policy: TenantPolicy, d: Decision) -> dict[str, str]:
+    """``x-ratelimit-*`` headers for limits the tenant has."""
+    lim = policy.limits
+    h: dict[str, str] = {}
+    if lim.requests_per_minute:
+        h["x-ratelimit-limit-requests"] = str(lim.requests_per_minute)
+        h["x-ratelimit-remaining-requests"] = str(max(0, math.floor(d.remaining_requests)))
+        h["x-ratelimit-reset-requests"] = fmt_duration(d.reset_requests)
+    if lim.tokens_per_minute:
+        h["x-ratelimit-limit-tokens"] = str(lim.tokens_per_minute)
+        h["x-ratelimit-remaining-tokens"] = str(max(0, math.floor(d.remaining_tokens)))
+        h["x-ratelimit-reset-tokens"] = fmt_duration(d.reset_tokens)
+    return h
+
+
+class Ticket:
+    """An admitted request: its lease and its token reservation."""
+
+    __slots__ = ("lease_id", "reserved", "inherited", "done", "_policy", "_decision")
+
+    def __init__(self, policy: TenantPolicy, lease_id: str, reserved: int, decision: Decision,
+                 inherited: int = 0) -> None:
+        self.lease_id = lease_id
+        self.reserved = reserved
+        # a continuation that took over its stream's earlier generators'
+        # reservations (``Decision.taken``): the tokens they used, which it
+        # settles for (``reserved`` holds theirs)
+        self.inherited = inherited
+        self.done = False
+        self._policy = policy  # as admitted (a reload makes new policy objects)
+        self._decision = decision
+
+    @property
+    def tenant(self) -> str:
+        return self._policy.name
+
+    @property
+    def tpm(self) -> int:
+        return self._policy.limits.tokens_per_minute
+
+    @property
+    def headers(self) -> dict[str, str]:
+        """The ``x-ratelimit-*`` headers as of admission (built when asked:
+        a long stream does not hold them)."""
+        return ratelimit_headers(self._policy, self._decision)

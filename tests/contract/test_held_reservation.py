@@ -1,0 +1,112 @@
+"""Held reservations (``AdmitRequest.hold``), run on every backend.
+
+A stream's token reservation is kept under its lease id until it is
+settled. A router killed mid-stream never settles it, and the stream's
+continuation on another router (which names the dead router's lease in
+``replaces``) takes it over: it needs that many tokens fewer, and settles
+for the whole stream. Before, it reserved its own tokens on top, and a
+tenant whose bucket the dead router's reservation had emptied was refused
+the rest of a stream it had paid for.
+"""
+
+from __future__ import annotations
+
+import uuid
+
+from router.state import AdmitRequest
+from tests.contract.conftest import Backend
+
+TPM = 60
+
+
+def req(cost: int, *, hold: float = 300.0, base: int = 0, replaces: tuple[str, ...] = (), lease: str = "",
+        max_concurrent: int = 0) -> AdmitRequest:
+    return AdmitRequest(rpm=0, tpm=TPM, max_concurrent=max_concurrent, cost_tokens=cost,
+                        lease_id=lease or uuid.uuid4().hex, lease_ttl=30.0, replaces=replaces, hold=hold, base=base)
+
+
+async def level(backend: Backend, t: str) -> float:
+    return (await backend.store.usage(t, rpm=0, tpm=TPM)).tokens_available
+
+
+def near(value: float, expected: float, backend: Backend) -> bool:
+    lo, hi = backend.level_range(expected, TPM)
+    return lo <= value <= hi
+
+
+async def test_a_continuation_takes_over_the_reservation_of_the_lease_it_replaces(backend: Backend) -> None:
+    t, store = backend.tenant(), backend.store
+    first = req(43)  # (a 40-token stream of a 3-token prompt)
+    assert (await store.admit(t, first)).ok
+    # its router dies after 11 tokens; the rest (29) would not fit in the 17 left
+    cont = req(29, base=3 + 11, replaces=(first.lease_id,))
+    d = await store.admit(t, cont)
+    assert d.ok, d
+    assert (d.taken, d.base) == (43, 0)
+    assert near(await level(backend, t), 17, backend)  # (it took nothing more)
+    # it settles for the whole stream (3 + 40 of the 43 held)
+    await store.settle(t, tpm=TPM, reserved=43, used=43, lease_id=cont.lease_id)
+    assert near(await level(backend, t), 17, backend)
+    # the first's own settlement (its router only froze) changes nothing: the continuation made it
+    await store.settle(t, tpm=TPM, reserved=43, used=14, lease_id=first.lease_id)
+    assert near(await level(backend, t), 17, backend)
+
+
+async def test_a_settled_reservation_is_not_taken_over(backend: Backend) -> None:
+    t, store = backend.tenant(), backend.store
+    first = req(43)
+    assert (await store.admit(t, first)).ok
+    await store.settle(t, tpm=TPM, reserved=43, used=14, lease_id=first.lease_id)  # (its client left)
+    assert near(await level(backend, t), 46, backend)
+    d = await store.admit(t, req(29, base=14, replaces=(first.lease_id,)))
+    assert d.ok and (d.taken, d.base) == (0, 0), d
+    assert near(await level(backend, t), 17, backend)
+
+
+async def test_a_refused_continuation_takes_nothing_over(backend: Backend) -> None:
+    t, store = backend.tenant(), backend.store
+    first, other = req(43), req(1)
+    assert (await store.admit(t, first)).ok and (await store.admit(t, other)).ok
+    refused = await store.admit(t, req(29, base=14, replaces=(first.lease_id,), max_concurrent=1))
+    assert (refused.ok, refused.reason, refused.taken) == (False, "concurrency", 0), refused
+    await store.release(t, other.lease_id)
+    d = await store.admit(t, req(29, base=14, replaces=("never-admitted", first.lease_id), max_concurrent=1))
+    assert d.ok and d.taken == 43, d
+
+
+async def test_a_chain_of_continuations_hands_the_reservation_on_once(backend: Backend) -> None:
+    t, store = backend.tenant(), backend.store
+    first = req(43)
+    assert (await store.admit(t, first)).ok
+    second = req(29, base=14, replaces=(first.lease_id,))
+    assert (await store.admit(t, second)).taken == 43
+    # the second's router dies too: the third names both, and takes the 43 once, from the first's base
+    third = req(10, base=33, replaces=(second.lease_id, first.lease_id))
+    d = await store.admit(t, third)
+    assert d.ok and (d.taken, d.base) == (43, 0), d
+    assert near(await level(backend, t), 17, backend)
+    d = await store.admit(t, req(5, base=40, replaces=(second.lease_id, first.lease_id)))
+    assert d.ok and d.taken == 0, d  # (the third holds it now; it did not die)
+
+
+async def test_a_continuation_that_took_nothing_over_keeps_its_own_base(backend: Backend) -> None:
+    t, store = backend.tenant(), backend.store
+    first = req(43, hold=0)  # (kept for nobody: a store or router without holds)
+    assert (await store.admit(t, first)).ok
+    second = req(10, base=33, replaces=(first.lease_id,))
+    assert (await store.admit(t, second)).taken == 0
+    d = await store.admit(t, req(5, base=40, replaces=(second.lease_id, first.lease_id)))
+    assert d.ok and (d.taken, d.base) == (10, 33), d
+
+
+async def test_a_held_reservation_is_kept_for_its_hold_only(backend: Backend) -> None:
+    t, store = backend.tenant(), backend.store
+    first = req(43, hold=1.0)
+    assert (await store.admit(t, first)).ok
+    await backend.sleep(1.0 + backend.slack)
+    d = await store.admit(t, req(10, base=33, replaces=(first.lease_id,)))
+    assert d.ok and d.taken == 0, d
+    # and the first's settlement, had its router lived, is made as any other
+    before = await level(backend, t)
+    await store.settle(t, tpm=TPM, reserved=43, used=3, lease_id=first.lease_id)
+    assert await level(backend, t) >= before + 40 - 1e-6
