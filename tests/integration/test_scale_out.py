@@ -303,24 +303,7 @@ async def test_a_tenant_at_its_limit_resumes_the_stream_of_a_router_that_died(tm
             body = {**_body(0), "max_tokens": 120}
             ref = (await client.post(b.base_url + "/v1/completions", json={**body, "stream": False},
                                      headers=headers)).json()["choices"][0]["text"]
-            parts: list[str] = []
-            async with client.stream("POST", a.base_url + "/v1/completions", json=body, headers=headers) as r:
-                rid = r.headers["x-request-id"]
-                events = aiter_sse(r)
-                for _ in range(10):
-                    ev = await events.__anext__()
-                    parts.append(ev.json()["choices"][0]["text"])
-                os.kill(a.pid, signal.SIGKILL)
-            async with client.stream("GET", f"{b.base_url}/v1/streams/{rid}",
-                                     headers={**headers, "Last-Event-ID": ev.id}) as r:
-                assert r.status_code == 200, await r.aread()
-                async for ev in aiter_sse(r):
-                    if ev.data == "[DONE]":
-                        break
-                    d = ev.json()
-                    assert "error" not in d, d
-                    parts.append(d["choices"][0]["text"])
-            assert "".join(parts) == ref
+            assert await _killed_and_resumed(client, a, b, body, headers, 10) == ref
             # it held the dead router's slot, and gave it back: the tenant's one stream is free again
             r = await client.post(b.base_url + "/v1/completions", json={**body, "stream": False}, headers=headers)
             assert r.status_code == 200, r.text
@@ -424,25 +407,32 @@ async def test_a_continuation_takes_over_the_token_reservation_of_a_router_that_
         async with httpx.AsyncClient(timeout=60) as client:
             ref = (await client.post(b.base_url + "/v1/completions", json={**body, "stream": False},
                                      headers={"Authorization": f"Bearer {GOLD}"})).json()["choices"][0]["text"]
-            parts: list[str] = []
-            async with client.stream("POST", a.base_url + "/v1/completions", json=body, headers=headers) as r:
-                assert r.status_code == 200, await r.aread()
-                rid = r.headers["x-request-id"]
-                events = aiter_sse(r)
-                for _ in range(11):
-                    ev = await events.__anext__()
-                    parts.append(ev.json()["choices"][0]["text"])
-                os.kill(a.pid, signal.SIGKILL)
-            async with client.stream("GET", f"{b.base_url}/v1/streams/{rid}",
-                                     headers={**headers, "Last-Event-ID": ev.id}) as r:
-                assert r.status_code == 200, await r.aread()
-                async for ev in aiter_sse(r):
-                    if ev.data == "[DONE]":
-                        break
-                    d = ev.json()
-                    assert "error" not in d, d
-                    parts.append(d["choices"][0]["text"])
-            assert "".join(parts) == ref
+            assert await _killed_and_resumed(client, a, b, body, headers, 11) == ref
     finally:
         a.stop(check=False)
         b.stop()
+
+
+async def _killed_and_resumed(client: httpx.AsyncClient, a: RouterProcess, b: RouterProcess, body: dict,
+                              headers: dict[str, str], events: int) -> str:
+    """The text of ``body`` streamed on router ``a``, SIGKILLed after
+    ``events`` events, then resumed on ``b`` from the last one."""
+    parts: list[str] = []
+    async with client.stream("POST", a.base_url + "/v1/completions", json=body, headers=headers) as r:
+        assert r.status_code == 200, await r.aread()
+        rid = r.headers["x-request-id"]
+        sse = aiter_sse(r)
+        for _ in range(events):
+            ev = await sse.__anext__()
+            parts.append(ev.json()["choices"][0]["text"])
+        os.kill(a.pid, signal.SIGKILL)
+    async with client.stream("GET", f"{b.base_url}/v1/streams/{rid}",
+                             headers={**headers, "Last-Event-ID": ev.id}) as r:
+        assert r.status_code == 200, await r.aread()
+        async for ev in aiter_sse(r):
+            if ev.data == "[DONE]":
+                break
+            d = ev.json()
+            assert "error" not in d, d
+            parts.append(d["choices"][0]["text"])
+    return "".join(parts)
