@@ -306,7 +306,7 @@ class Admission:
             self.metrics.child(self.metrics.admission_wait, policy.name, policy.priority).observe(
                 asyncio.get_running_loop().time() - waited_since)
         ticket = Ticket(policy, req.lease_id, max(cost_tokens, decision.taken), decision,
-                        req.base - decision.base if decision.taken else 0)
+                        req.base - decision.base if decision.taken else 0, req.hold > 0)
         self._leases[req.lease_id] = ticket
         return ticket
 
@@ -435,7 +435,8 @@ class Admission:
         try:
             if ticket.tpm:
                 await self.store.settle(ticket.tenant, tpm=ticket.tpm, reserved=ticket.reserved,
-                                        used=used_tokens + ticket.inherited, lease_id=ticket.lease_id)
+                                        used=used_tokens + ticket.inherited, lease_id=ticket.lease_id,
+                                        held=ticket.held)
             await self.store.release(ticket.tenant, ticket.lease_id)
         except StoreUnavailable as e:
             log.warning("could not settle lease of %s: %s (it expires by itself)", ticket.tenant, e)

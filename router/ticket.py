@@ -41,11 +41,12 @@ def ratelimit_headers(policy: TenantPolicy, d: Decision) -> dict[str, str]:
 class Ticket:
     """An admitted request: its lease and its token reservation."""
 
-    __slots__ = ("lease_id", "reserved", "inherited", "done", "_policy", "_decision")
+    __slots__ = ("lease_id", "reserved", "inherited", "held", "done", "_policy", "_decision")
 
     def __init__(self, policy: TenantPolicy, lease_id: str, reserved: int, decision: Decision,
-                 inherited: int = 0) -> None:
+                 inherited: int = 0, held: bool = False) -> None:
         self.lease_id = lease_id
+        self.held = held  # (admitted with a hold: AdmitRequest.hold)
         self.reserved = reserved
         # a continuation that took over its stream's earlier generators'
         # reservations (``Decision.taken``): the tokens they used, which it

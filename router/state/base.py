@@ -124,9 +124,12 @@ class StateStore(abc.ABC):
         """Take a request out of the tenant's line (it gave up; idempotent)."""
 
     @abc.abstractmethod
-    async def settle(self, tenant: str, *, tpm: int, reserved: int, used: int, lease_id: str = "") -> None:
+    async def settle(self, tenant: str, *, tpm: int, reserved: int, used: int, lease_id: str = "",
+                     held: bool = False) -> None:
         """Correct the tokens bucket with the real usage (see policies.ratelimit.settle);
-        nothing if a continuation took over ``lease_id``'s reservation (``admit``)."""
+        nothing if a continuation took over ``lease_id``'s reservation (``admit``). ``held``: it was
+        admitted with a hold; its record gone (expired: its router was out of touch longer than
+        the hold, a continuation may have taken it over and settled it), no tokens come back."""
 
     @abc.abstractmethod
     async def renew(self, tenant: str, lease_ids: list[str], ttl: float) -> None:

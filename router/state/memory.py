@@ -24,9 +24,9 @@ class _Tenant:
         self.leases: dict[str, float] = {}
         self.next_prune = 0.0
         self.line: dict[str, float] = {}  # waiting lease id -> until when; in arrival order
-        # lease id -> (reserved tokens, base, until when) of reservations kept
-        # for a continuation (``AdmitRequest.hold``); tokens -1: taken over
-        self.held: dict[str, tuple[int, int, float]] = {}
+        # lease id -> (reserved tokens, base, until when, hold) of reservations
+        # kept for a continuation (``AdmitRequest.hold``); tokens -1: taken over
+        self.held: dict[str, tuple[int, int, float, float]] = {}
 
 
 SWEEP_INTERVAL = 1.0  # expired leases and buffers are swept at most this often (O(n) each)
@@ -102,11 +102,11 @@ class MemoryStore(StateStore):
             for lid in replaced:
                 del t.leases[lid]
             for lid, h in took:
-                t.held[lid] = (-1, 0, max(h[2], now + req.hold))  # (its settlement, if it comes, changes nothing)
+                t.held[lid] = (-1, 0, max(h[2], now + req.hold), 0.0)  # (its settlement, if it comes, changes nothing)
             if took:
                 decision.taken, decision.base = taken, base
             if req.hold > 0 and req.tpm:
-                t.held[req.lease_id] = (max(req.cost_tokens, taken), base, now + req.hold)
+                t.held[req.lease_id] = (max(req.cost_tokens, taken), base, now + req.hold, req.hold)
             if req.lease_id:  # ("": a resume's charge, requests only)
                 t.leases[req.lease_id] = now + req.lease_ttl
             t.line.pop(req.lease_id, None)
@@ -119,16 +119,27 @@ class MemoryStore(StateStore):
         if t is not None:
             t.line.pop(lease_id, None)
 
-    async def settle(self, tenant: str, *, tpm: int, reserved: int, used: int, lease_id: str = "") -> None:
+    async def settle(self, tenant: str, *, tpm: int, reserved: int, used: int, lease_id: str = "",
+                     held: bool = False) -> None:
         t = self._t(tenant)
         now = self._clock()
-        held = t.held.pop(lease_id, None) if lease_id and t.held else None
-        if held is not None and held[0] < 0 and held[2] > now:
+        rec = t.held.pop(lease_id, None) if lease_id and t.held else None
+        if rec is not None and rec[0] < 0 and rec[2] > now:
             return  # (a continuation took its reservation over, and settles it)
+        if held and (rec is None or rec[0] < 0 or rec[2] <= now):
+            reserved = min(reserved, used)  # (maybe taken over and settled: no refund, only what it used beyond)
         t.tokens = ratelimit.settle(t.tokens, tpm=tpm, reserved=reserved, used=used, now=now)
 
     async def renew(self, tenant: str, lease_ids: list[str], ttl: float) -> None:
         self.hold(tenant, lease_ids, ttl)
+        t = self._t(tenant)
+        if t.held:
+            # (a stream that runs on keeps its reservation for ``hold`` after its last renewal)
+            now = self._clock()
+            for lid in lease_ids:
+                h = t.held.get(lid)
+                if h is not None and h[0] >= 0 and h[2] > now:
+                    t.held[lid] = (h[0], h[1], max(h[2], now + ttl + h[3]), h[3])
 
     def hold(self, tenant: str, lease_ids: list[str], ttl: float) -> None:
         """Count ``lease_ids`` for ``tenant`` for ``ttl`` seconds from now

@@ -146,13 +146,14 @@ class RedisStore(StateStore):
         except RedisError as e:
             raise _unavailable(e) from e
 
-    async def settle(self, tenant: str, *, tpm: int, reserved: int, used: int, lease_id: str = "") -> None:
+    async def settle(self, tenant: str, *, tpm: int, reserved: int, used: int, lease_id: str = "",
+                     held: bool = False) -> None:
         if not tpm:
             return
         try:
             keys = self._keys(tenant)
             await self._settle(keys=[keys[1], keys[3], keys[5], keys[6]],
-                               args=[tpm, reserved, used, self._channel, tenant, lease_id])
+                               args=[tpm, reserved, used, self._channel, tenant, lease_id, int(held)])
         except RedisError as e:
             raise _unavailable(e) from e
 
@@ -160,7 +161,8 @@ class RedisStore(StateStore):
         if not lease_ids:
             return
         try:
-            await self._renew(keys=[self._keys(tenant)[2]], args=[ttl, *lease_ids])
+            k = self._keys(tenant)
+            await self._renew(keys=[k[2], k[5], k[6]], args=[ttl, *lease_ids])
         except RedisError as e:
             raise _unavailable(e) from e
 

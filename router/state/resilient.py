@@ -301,20 +301,21 @@ class ResilientStore(StateStore):
             except StoreUnavailable as e:
                 self._down("leave", e)  # (its place in the line expires within seconds)
 
-    async def settle(self, tenant: str, *, tpm: int, reserved: int, used: int, lease_id: str = "") -> None:
+    async def settle(self, tenant: str, *, tpm: int, reserved: int, used: int, lease_id: str = "",
+                     held: bool = False) -> None:
         if self._connect is not None:
             await self._connected()
         store = self._reserve_store.pop(lease_id, self.primary) if lease_id else self.primary
         if store is self.primary and not self.healthy:
             # (known to be down: made on its return, without waiting here for a
             # timeout, which held back the tenant's next request in line)
-            self._owe(lambda s: s.settle(tenant, tpm=tpm, reserved=reserved, used=used, lease_id=lease_id))
+            self._owe(lambda s: s.settle(tenant, tpm=tpm, reserved=reserved, used=used, lease_id=lease_id, held=held))
             return
         try:
-            await store.settle(tenant, tpm=tpm, reserved=reserved, used=used, lease_id=lease_id)
+            await store.settle(tenant, tpm=tpm, reserved=reserved, used=used, lease_id=lease_id, held=held)
         except StoreUnavailable as e:
             self._down("settle", e)
-            self._owe(lambda s: s.settle(tenant, tpm=tpm, reserved=reserved, used=used, lease_id=lease_id))
+            self._owe(lambda s: s.settle(tenant, tpm=tpm, reserved=reserved, used=used, lease_id=lease_id, held=held))
 
     async def renew(self, tenant: str, lease_ids: list[str], ttl: float) -> None:
         if self._connect is not None:

@@ -110,3 +110,38 @@ async def test_a_held_reservation_is_kept_for_its_hold_only(backend: Backend) ->
     before = await level(backend, t)
     await store.settle(t, tpm=TPM, reserved=43, used=3, lease_id=first.lease_id)
     assert await level(backend, t) >= before + 40 - 1e-6
+
+
+async def test_a_late_settlement_after_the_marker_expired_is_not_a_second_refund(backend: Backend) -> None:
+    # (router A froze, or lost Redis with its settlement owed, longer than the
+    # hold after its stream's continuation took its reservation over and
+    # settled the whole stream: its late settlement refunded it a second time)
+    t, store = backend.tenant(), backend.store
+    first = req(43, hold=1.0)  # (a 40-token stream of a 3-token prompt; hold: resume_retention)
+    assert (await store.admit(t, first)).ok
+    cont = req(29, hold=1.0, base=3 + 11, replaces=(first.lease_id,))
+    d = await store.admit(t, cont)
+    assert d.ok and d.taken == 43, d
+    # the continuation ends the stream and settles all of it: 43 used of the 43 held
+    await store.settle(t, tpm=TPM, reserved=43, used=43, lease_id=cont.lease_id)
+    await backend.sleep(1.0 + backend.slack)  # (A is still frozen)
+    before = await level(backend, t)
+    # A wakes and settles its own ticket: 14 used of 43 reserved
+    await store.settle(t, tpm=TPM, reserved=43, used=14, lease_id=first.lease_id, held=True)
+    after = await level(backend, t)
+    assert after - before < 1.0, f"refunded again: {before:.1f} -> {after:.1f}"
+
+
+async def test_a_stream_longer_than_its_hold_is_still_taken_over(backend: Backend) -> None:
+    # (a stream that ran longer than resume_retention, its router renewing its
+    # lease, then lost its router: its continuation found no reservation to
+    # take over and paid for the rest of the stream again)
+    t, store = backend.tenant(), backend.store
+    first = req(43, hold=1.0)
+    assert (await store.admit(t, first)).ok
+    for _ in range(3):  # (the stream runs on; its router renews its lease)
+        await backend.sleep(0.5)
+        await store.renew(t, [first.lease_id], 30.0)
+    cont = req(29, hold=1.0, base=3 + 30, replaces=(first.lease_id,))
+    d = await store.admit(t, cont)
+    assert d.ok and d.taken == 43, d

@@ -89,7 +89,8 @@ if tpm > 0 and redis.call('EXISTS', KEYS[6]) == 1 then
       if h then
         local sp = string.find(h, ' ', 1, true)
         local amount = tonumber(string.sub(h, 1, sp - 1))
-        local b = tonumber(string.sub(h, sp + 1))
+        local sp2 = string.find(h, ' ', sp + 1, true)
+        local b = tonumber(string.sub(h, sp + 1, (sp2 or 0) - 1))
         if amount >= 0 then
           if #took == 0 or b < base then base = b end
           taken = taken + amount
@@ -179,7 +180,7 @@ for _, r in ipairs(took) do
   redis.call('ZADD', KEYS[7], math.max(tonumber(redis.call('ZSCORE', KEYS[7], r) or 0), now + hold), r)
 end
 if hold > 0 and tpm > 0 then
-  redis.call('HSET', KEYS[6], lease_id, string.format('%d %d', math.max(own_cost, taken), base))
+  redis.call('HSET', KEYS[6], lease_id, string.format('%d %d %s', math.max(own_cost, taken), base, ARGV[12]))
   redis.call('ZADD', KEYS[7], now + hold, lease_id)
 end
 if #took > 0 or (hold > 0 and tpm > 0) then

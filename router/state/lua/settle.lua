@@ -6,6 +6,8 @@
 local t = redis.call('TIME')
 local now = tonumber(t[1]) + tonumber(t[2]) / 1000000
 local lease_id = ARGV[6] or ''
+-- (admitted with a hold, its record gone: maybe taken over and settled; no refund)
+local no_refund = ARGV[7] == '1'
 if lease_id ~= '' then
   local h = redis.call('HGET', KEYS[3], lease_id)
   if h then
@@ -13,10 +15,12 @@ if lease_id ~= '' then
     redis.call('HDEL', KEYS[3], lease_id)
     redis.call('ZREM', KEYS[4], lease_id)
     if string.sub(h, 1, 3) == '-1 ' and until_ > now then return 0 end
+    if string.sub(h, 1, 3) ~= '-1 ' and until_ > now then no_refund = false end
   end
 end
 local tpm = tonumber(ARGV[1])
 local delta = tonumber(ARGV[2]) - tonumber(ARGV[3])
+if no_refund and delta > 0 then delta = 0 end
 local v = redis.call('HMGET', KEYS[1], 'tokens', 'ts')
 local lvl = tpm  -- no key: a full bucket (admit.lua lets full buckets expire)
 if v[1] then
