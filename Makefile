@@ -23,10 +23,9 @@ run: setup
 # The suite runs in TEST_WORKERS pytest processes (pytest-xdist; a test file
 # stays in one, so its module-scoped router is started once), then the tests
 # marked vllm alone: each starts real vLLM engines pinned to cores of their
-# own. (Exit status 5, no test collected, is PYTEST_ARGS naming no vllm test.)
+# own. Exit status 5 (no test collected) of either run alone is PYTEST_ARGS
+# naming only the other's tests (e.g. tests/vllm); of both, a failure.
 TEST_WORKERS ?= 2
-# (Exit status 5 of either run alone is PYTEST_ARGS naming only the other's
-# tests, e.g. PYTEST_ARGS=tests/vllm; of both, no test at all: a failure.)
 test: setup
 	@a=0; $(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile -m "not vllm" $(PYTEST_ARGS) || a=$$?; \
 	[ $$a -eq 0 ] || [ $$a -eq 5 ] || exit $$a; \

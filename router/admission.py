@@ -187,7 +187,7 @@ class Admission:
         if policy.on_limit != "queue" or not line or too_large:
             # nobody of this tenant waits here (or the tenant does not queue): try now
             try:
-                decision = await self._admit_once(name, req)
+                decision = await self.admit_once(name, req)
             except BaseException:
                 await self._leave(name, req)  # (cancelled: the store may have put it in its line)
                 raise
@@ -238,7 +238,7 @@ class Admission:
                         if timeout is not None and limit_at < deadline:
                             raise timeout
                         # its time is up before its turn came: one last try, then a 429
-                        decision = await self._admit_once(name, req)
+                        decision = await self.admit_once(name, req)
                         if not decision.ok:
                             self._check_fits(policy, decision, cost_tokens, prompt_tokens)
                             raise self._refused(policy, decision)
@@ -261,7 +261,7 @@ class Admission:
                 policy, req, deadline = self._follow(policy, req, count_request, started, deadline)
                 if timeout is not None and loop.time() >= limit_at:
                     raise timeout
-                decision = await self._admit_once(name, req)
+                decision = await self.admit_once(name, req)
                 if decision.ok:
                     admitted = True
                     return await self._waited(policy, req, cost_tokens, decision, started)
@@ -405,7 +405,9 @@ class Admission:
                 w.wake()
         return waiting
 
-    async def _admit_once(self, tenant: str, req: AdmitRequest) -> Decision:
+    async def admit_once(self, tenant: str, req: AdmitRequest) -> Decision:
+        """One ask of the store, no waiting; a store that cannot answer (fail
+        closed) is the 503 ``state_store_unavailable``."""
         try:
             return await self.store.admit(tenant, req)
         except StoreUnavailable as e:

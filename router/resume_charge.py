@@ -24,11 +24,11 @@ takes a request if one is there, else it is refused at once.
 
 from __future__ import annotations
 
-from router.admission import fmt_duration, ratelimit_headers
-from router.errors import RateLimited, ServiceUnavailable
+from router.errors import RateLimited
 from router.service import RouterService
-from router.state import AdmitRequest, StoreUnavailable
+from router.state import AdmitRequest
 from router.tenants import TenantPolicy
+from router.ticket import fmt_duration, ratelimit_headers
 
 __all__ = ["charge_resume"]
 
@@ -41,12 +41,7 @@ async def charge_resume(svc: RouterService, policy: TenantPolicy) -> None:
         return
     # (no lease: a resume holds no concurrency slot, not even for the round trip)
     req = AdmitRequest(rpm=rpm, tpm=0, max_concurrent=0, cost_tokens=0, lease_id="", lease_ttl=0.0)
-    try:
-        decision = await svc.store.admit(policy.name, req)
-    except StoreUnavailable as e:
-        raise ServiceUnavailable("Rate-limit state is unavailable and this router is configured to fail closed; "
-                                 "retry shortly.", code="state_store_unavailable",
-                                 headers={"retry-after": "1"}) from e
+    decision = await svc.admission.admit_once(policy.name, req)
     if not decision.ok:
         svc.metrics.limited(policy.name, "requests")
         raise RateLimited(f"Rate limit reached for tenant {policy.name!r} on requests per minute (a resume is a "

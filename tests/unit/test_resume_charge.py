@@ -6,6 +6,7 @@ from types import SimpleNamespace
 
 import pytest
 
+from router.admission import Admission
 from router.errors import RateLimited
 from router.resume_charge import charge_resume
 from router.state.memory import MemoryStore
@@ -20,7 +21,8 @@ def _policy() -> TenantPolicy:
 
 
 async def test_a_resume_refused_for_requests_does_not_say_the_tokens_are_gone() -> None:
-    svc = SimpleNamespace(store=MemoryStore(), metrics=SimpleNamespace(limited=lambda *a: None))
+    metrics = SimpleNamespace(limited=lambda *a: None)
+    svc = SimpleNamespace(admission=Admission(MemoryStore(), metrics), metrics=metrics)
     pol = _policy()
     await charge_resume(svc, pol)  # type: ignore[arg-type]
     with pytest.raises(RateLimited) as e:
