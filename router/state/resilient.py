@@ -331,6 +331,10 @@ class ResilientStore(StateStore):
                 moving.append(lid)
             by_store.setdefault(id(store), (store, []))[1].append(lid)
         for store, ids in by_store.values():
+            if store is self.primary and not self.healthy:
+                # (fail-closed, Redis known to be down: not sent to wait out its
+                # timeout; the first renewal once it is back adds them again)
+                continue
             # (not one released while an earlier group's renewal was on its way)
             ids = [lid for lid in ids if lid in self._lease_store]
             try:

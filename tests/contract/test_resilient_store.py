@@ -572,6 +572,31 @@ async def test_a_stream_that_ends_while_redis_is_known_to_hang_is_settled_once_a
     assert 5900 < usage.tokens_available < 7500, usage
 
 
+async def test_a_lease_renewal_while_redis_is_known_to_hang_waits_for_nothing(closed_harness: Harness) -> None:
+    # (in fail-closed the renewal still went to the hung Redis and waited its
+    # timeout, 0.5 s per tenant, in the lease keeper's round; the lease is
+    # added again by the first renewal once Redis is back, as one that
+    # expired meanwhile)
+    h, store = closed_harness, closed_harness.store
+    t = f"renew-{uuid.uuid4().hex[:8]}"
+    lid = uuid.uuid4().hex
+    await store.start()
+    await store._connected()
+    assert (await store.admit(t, req(max_concurrent=1, lease=lid))).ok
+    h.server.pause()
+    try:
+        await store.check()
+        assert store.healthy is False
+        began = time.monotonic()
+        await store.renew(t, [lid], 30.0)
+        assert time.monotonic() - began < 0.25, "a lease renewal waited for a Redis known to be down"
+    finally:
+        h.server.resume()
+    await h.wait_healthy(5.0)
+    await store.renew(t, [lid], 30.0)
+    assert (await store.primary.usage(t, rpm=0, tpm=0)).active_streams == 1
+
+
 async def test_a_redis_that_refuses_writes_is_an_outage_until_it_takes_them(open_harness: Harness) -> None:
     # At maxmemory with noeviction (or a read-only replica) Redis answers a
     # PING but refuses every script: the router must stay in its outage (one
