@@ -78,6 +78,18 @@ def timed(path):
         return None
 
 
+def choose(here, times):
+    """The interpreter to use, and why (None: ``here``, the one running
+    this) from each usable candidate's loop time."""
+    base = times.get(here)
+    best = min(times, key=times.get) if times else here
+    if best == here or (base is not None and times[best] * MARGIN > base):
+        return here, None
+    if base is None:
+        return best, "can make a virtualenv, unlike"
+    return best, "runs Python code %.1fx as fast as" % (base / times[best])
+
+
 def main():
     version = sys.version_info[:2]
     here = sys.executable
@@ -87,15 +99,11 @@ def main():
             t = timed(path)
             if t is not None:
                 times[path] = t
-    base = times.get(here)
-    best = min(times, key=times.get) if times else here
-    if best == here or (base is not None and times[best] * MARGIN > base):
-        print(here)
-        return
-    why = "runs Python code %.1fx as fast as" % (base / times[best]) if base is not None else "can make a venv, unlike"
-    sys.stderr.write("make setup: %s %s %s: the virtualenv uses it (make setup PYTHON=... chooses another)\n"
-                     % (best, why, here))
-    print(best)
+    path, why = choose(here, times)
+    if why is not None:
+        sys.stderr.write("make setup: %s %s %s: the virtualenv uses it (make setup PYTHON=... chooses another)\n"
+                         % (path, why, here))
+    print(path)
 
 
 if __name__ == "__main__":

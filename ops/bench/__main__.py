@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import platform
 import resource
 import shutil
 import subprocess
@@ -251,13 +252,15 @@ def main(argv: list[str] | None = None) -> int:
     cmd = "python -m ops.bench " + " ".join(argv if argv is not None else sys.argv[1:])
     header = (f"## fairstream benchmark ({args.rounds} rounds, {elapsed / 60:.1f} min, "
               f"{os.cpu_count()} cores, load average {load_start:.2f} at start, {load_end:.2f} at end)\n\n"
-              f"`{cmd}`\n\nEach cell: median over rounds [min-max]; xN: median ratio to direct in the same round "
+              f"`{cmd}`\n\nPython systems run on {sys.executable} (Python {platform.python_version()}; its build "
+              f"matters: docs/perf.md, \"Session 31\"). Each cell: median over rounds [min-max]; xN: median ratio to direct in the same round "
               f"(fairstream-sim: to sim-direct). Client: {args.workers} processes.")
     text = header + "\n" + tables + "\n\n### Targets\n\n" + verdicts + "\n"
     print(text)
     (out / "results.md").write_text(text)
     (out / "results.json").write_text(json.dumps({
-        "command": cmd, "load_start": load_start, "load_end": load_end, "elapsed_s": elapsed,
+        "command": cmd, "python": sys.executable, "python_version": platform.python_version(),
+        "load_start": load_start, "load_end": load_end, "elapsed_s": elapsed,
         "measurements": [m.to_json() for m in ms], "micro": micro,
         "targets": [{"target": n, "pass": ok} for n, ok in results],
     }, indent=1))
