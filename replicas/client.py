@@ -250,7 +250,13 @@ class ReplicaClient:
         self._streams.pop(col.rid, None)
 
     async def ping(self, timeout: float | None) -> Pong:
-        """A pong (the replica's load); TimeoutError after ``timeout`` s (None: no limit)."""
+        """A pong (the replica's load); TimeoutError after ``timeout`` s (None: no limit).
+        ``ReplicaDead`` at once if the connection has closed: the reader that
+        would take the pong has ended (its EOF can come in the loop iteration
+        that starts this ping), so the ping would wait out ``timeout`` and the
+        supervisor take a lost connection for a stall."""
+        if self.closed is not None:
+            raise ReplicaDead(f"replica {self.name} is disconnected") from self.closed
         seq = next(self._ping_ids)
         fut: asyncio.Future[Pong] = asyncio.get_running_loop().create_future()
         self._pings[seq] = fut

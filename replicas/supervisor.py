@@ -360,10 +360,12 @@ class Supervisor:
                     raise _exited(proc, self._run_dir, slot.name)
                 try:
                     pong = ping.result()
-                except (asyncio.TimeoutError, TimeoutError):
-                    raise _Stalled(f"no pong within {s.health_timeout}s (stalled)") from None
-                except ConnectionError:
-                    break
+                except Exception as e:  # (closed meanwhile: lost, whichever error its ping saw: a timeout too)
+                    if isinstance(e, ConnectionError) or client.closed is not None:
+                        break
+                    if isinstance(e, TimeoutError):
+                        raise _Stalled(f"no pong within {s.health_timeout}s (stalled)") from None
+                    raise
                 if refused and client.refusals == refusals:  # (refused before this check, not since: it answers)
                     client.refused = False
                     log.info("replica %s answers its health check after a refused connection", slot.name)
@@ -472,9 +474,7 @@ class Supervisor:
             await asyncio.sleep(0.1)
 
     def _secret(self, slot: ReplicaSlot) -> str:
-        if slot.spec.secret_env:
-            return os.environ.get(slot.spec.secret_env, "")
-        return ""
+        return os.environ.get(slot.spec.secret_env, "") if slot.spec.secret_env else ""
 
     async def _stop_process(self, proc: asyncio.subprocess.Process, grace: float | None = None) -> None:
         """SIGTERM the replica's process group, SIGKILL it after ``grace``

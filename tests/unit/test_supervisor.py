@@ -372,6 +372,70 @@ async def test_only_a_lost_connection_is_a_disconnect_an_error_answer_or_a_stall
             await sup._watch(slot, SimpleNamespace(closed=closed, refused=False), None)  # type: ignore[arg-type]
 
 
+async def test_a_ping_on_a_connection_that_already_closed_fails_at_once(replica_address: str) -> None:
+    # (its pong could never come: the reader that would take it has ended;
+    # the ping waited for the health timeout instead)
+    from replicas.client import ReplicaDead, connect
+
+    client = await connect("r0", replica_address, timeout=5)
+    try:
+        client._reader.feed_eof()  # (what the replica closing its end delivers)
+        await apoll(lambda: client.closed is not None, 5, what="the connection closed")
+        with pytest.raises(ReplicaDead):
+            await asyncio.wait_for(client.ping(None), 1)
+    finally:
+        await client.close()
+
+
+async def test_a_connection_that_closes_as_its_health_check_pings_is_a_disconnect_not_a_stall(
+        replica_address: str) -> None:
+    """Deterministic replay of a CI failure under CPU load: the replica's EOF
+    and the health check's next turn came in one loop iteration, the check
+    saw the connection open, the reader then ended, and the ping it had
+    started waited health_timeout for a pong that could not come: a stall,
+    the restart backoff, the replica unused for 5 s after its return."""
+    from replicas.client import connect
+    from replicas.supervisor import _Disconnected
+
+    pool = ReplicaPool([ReplicaSpec(name="r0", address=replica_address)])
+    sup = Supervisor(pool, SupervisorSettings(health_timeout=2.0))
+    client = await connect("r0", replica_address, timeout=5)
+    try:
+        await client.ping(5)  # (its reader waits for the next frame)
+        watch = asyncio.ensure_future(sup._watch(pool.slots[0], client, None))
+        # (its EOF wakes the reader after the check's turn, before the ping's)
+        client._reader.feed_eof()
+        with pytest.raises(_Disconnected):
+            await asyncio.wait_for(watch, 1.0)  # (at once, not after the health timeout)
+    finally:
+        await client.close()
+
+
+@pytest.mark.parametrize("seen", [None, RuntimeError("unable to perform operation: the handler is closed")])
+async def test_a_ping_that_fails_in_any_way_once_its_connection_closed_is_a_disconnect(seen) -> None:
+    # (a lost connection is told by the connection, not by whichever error
+    # its last ping happened to see: a timeout there took the backoff)
+    from replicas.client import ReplicaDead
+    from replicas.pool import ReplicaSlot
+    from replicas.supervisor import _Disconnected
+
+    class ClosedDuringThePing:
+        closed = None
+        refused = False
+        credentials_refused = None
+
+        async def ping(self, timeout):
+            self.closed = ReplicaDead("replica r0 closed the connection")
+            if seen is not None:
+                raise seen
+            await asyncio.Event().wait()  # (no pong comes)
+
+    sup = Supervisor(ReplicaPool([]), SupervisorSettings(health_timeout=0.3))
+    slot = ReplicaSlot(ReplicaSpec(name="r0", address="unix:/nonexistent"))
+    with pytest.raises(_Disconnected):
+        await asyncio.wait_for(sup._watch(slot, ClosedDuringThePing(), None), 3)  # type: ignore[arg-type]
+
+
 def test_only_a_connect_that_did_not_get_through_counts_as_unreachable() -> None:
     # (an upstream answering 503 or 429 on /models, or a bad handshake,
     # keeps the restart backoff: it is there, and polling it every second
