@@ -380,14 +380,21 @@ class EventStream:
 
     def settle(self) -> None:
         """Count the request once and settle its buffer and ticket (in the
-        background: on disconnect this runs where every await is cancelled)."""
+        background: on disconnect this runs where every await is cancelled).
+        It counts every token its generation had, those past its events too
+        (behind a slow client's paused transport, or arrived as it left): a
+        client that never resumes pays for what the replicas made. A stream
+        left resumable keeps that count with its buffer, so that a resume's
+        continuation, which generates those tokens again, does not count
+        them again (``Outcome.counted``, router/continuation.py)."""
         gen = self.gen
         if self.tokens > self.sent_ids:
             self.writer.append(self.sid, None, gen.completion_ids[self.sent_ids:self.tokens], self.chars)
             self.sent_ids = self.tokens
         self.outcome.record(self.result, gen, self.error, streamed=True)
+        charged = max(self.outcome.counted[1], gen.completion_tokens)  # (the stream's, as counted so far)
         self.svc.background(_settle(self.svc, self.writer, self.sid or "", self.result, self.final, self.chars,
-                                    self.ticket, self._used()))
+                                    self.ticket, self._used(), charged))
 
 
 async def relay_stream(es: EventStream, pieces: AsyncIterator[Piece], first: Piece | None) -> AsyncIterator[bytes]:
@@ -420,11 +427,11 @@ async def relay_stream(es: EventStream, pieces: AsyncIterator[Piece], first: Pie
 
 
 async def _settle(svc, writer, sid: str, result: str, final: bytes | None, chars: int,
-                  ticket: Ticket | None, used: int) -> None:
+                  ticket: Ticket | None, used: int, charged: int) -> None:
     if result in ("cancelled", "shutdown"):
         # The client left (or this router stops): keep what was delivered so
-        # a resume can continue it.
-        await writer.detach(sid, chars)
+        # a resume can continue it, and what its tokens were charged.
+        await writer.detach(sid, chars, charged)
     else:
         await writer.finish(sid, final, chars)
     if ticket is not None:
@@ -440,7 +447,7 @@ class _NoBuffer:
     def appender(self, sid):
         return None
 
-    async def detach(self, sid, text_len) -> None:
+    async def detach(self, sid, text_len, charged=0) -> None:
         pass
 
     async def finish(self, sid, final, text_len) -> None:

@@ -185,15 +185,17 @@ class ResumeWriter:
         if self._now is None:
             self._written[sid] = events
 
-    async def release(self, sid: str) -> None:
-        """Drop this router's claim on ``sid`` (it no longer generates it)."""
+    async def release(self, sid: str, charged: int = 0) -> None:
+        """Drop this router's claim on ``sid`` (it no longer generates it);
+        ``charged``: the stream's completion tokens counted and charged so
+        far (``StateStore.stream_release``)."""
         self.live.discard(sid)
         self._written.pop(sid, None)
         self._refused.discard(sid)
         self._unwritten.discard(sid)
         self._releasing[sid] = self._releasing.get(sid, 0) + 1
         try:
-            await self.store.stream_release(sid, self.owner)
+            await self.store.stream_release(sid, self.owner, charged)
         except StoreUnavailable:
             pass
         finally:
@@ -225,12 +227,16 @@ class ResumeWriter:
         await self._flush_one(sid)
         await self.release(sid)
 
-    async def detach(self, sid: str, text_len: int) -> None:
+    async def detach(self, sid: str, text_len: int, charged: int = 0) -> None:
         """The client went away mid-stream: flush and drop the claim so a
-        resuming client (on any router) can continue the stream."""
+        resuming client (on any router) can continue the stream. ``charged``:
+        the completion tokens its requests counted and charged the tenant
+        for, its generation's (more than the buffer's when it ran past the
+        events sent): kept with the buffer, so that the continuation of a
+        resume charges only those past them (router/continuation.py)."""
         self._put(sid, (), (), text_len, False)
         await self._flush_one(sid)
-        await self.release(sid)
+        await self.release(sid, charged)
 
     def _put(self, sid: str, events, token_ids, text_len: int | None, finished: bool) -> None:
         """To the store at once (in-process store), or into the next flush

@@ -33,15 +33,11 @@ import msgspec
 from litestar import Response
 from litestar.response import Stream
 
-from router.deadlines import Deadlines
+from router.continuation import continue_stream
 from router.errors import ApiError, BadRequest, NotFound, ServiceUnavailable, clip, error_body
-from router.generation import Generation
 from router.ids import new_id
-from router.job import Job
 from router.leases import lease_chain
-from router.relay import (
-    NOT_RESUMABLE, EventStream, Outcome, charged_tokens, error_before_output, outcome_of, relay_stream, shutdown_notice,
-)
+from router.relay import NOT_RESUMABLE, Outcome, outcome_of, shutdown_notice
 from router.resume import ResumeMeta, decode_meta
 from router.resume_charge import charge_resume
 from router.resume_tail import error_code, finish_tail, last_event
@@ -405,11 +401,11 @@ async def _take_over(svc: RouterService, policy: TenantPolicy, sid: str, meta: R
                     "regenerating %d characters it already has", sid, cursor - snap.total_events, skip_chars)
     outcome.done = True  # (the continuation is the request: its own line and count)
     try:
-        async with aclosing(_continue(svc, policy, sid, meta, tokens, text_len, cursor, skip_chars,
-                                      leases, max(0, cursor - snap.total_events))) as chunks:
+        async with aclosing(continue_stream(svc, policy, sid, meta, tokens, text_len, cursor, skip_chars,
+                                            leases, max(0, cursor - snap.total_events), snap.charged)) as chunks:
             async for chunk in _waiting_until_first(chunks):
                 yield chunk
-    except ApiError as e:  # (refused before any output: ``_continue`` gave the claim back)
+    except ApiError as e:  # (refused before any output: ``continue_stream`` gave the claim back)
         # no id of its own: the stream stays resumable from the client's last
         # one (a numbered error made that resume a 400, one past the buffer)
         yield enc_error.notice(e.body())
@@ -442,59 +438,4 @@ async def _waiting_until_first(chunks: AsyncIterator[bytes]) -> AsyncIterator[by
         return
     yield chunk
     async for chunk in chunks:
-        yield chunk
-
-
-async def _continue(svc: RouterService, policy: TenantPolicy, sid: str, meta: ResumeMeta, tokens: list[int],
-                    text_len: int, cursor: int, skip_chars: int,
-                    leases: tuple[str, tuple[str, ...]], pad: int) -> AsyncIterator[bytes]:
-    """The continuation of a claimed stream. ``leases``: its admission
-    lease's id (named in the claim) and the leases it replaces; ``pad``:
-    the events the client has that the buffer lacks (lost with a router),
-    for which it gets placeholders once the continuation runs."""
-    started = time.monotonic()
-    lim = policy.limits
-    job = Job(meta.model, meta.params, prompt_token_ids=meta.prompt_token_ids)
-    gen = Generation(
-        svc.pool, job, svc.metrics, svc.config.max_failovers,
-        Deadlines(lim.first_token, lim.stall, lim.total, start=started),
-        scheduler=svc.scheduler, policy=policy, rank=policy.rank, failover_wait=svc.config.failover_wait,
-    )
-    gen.completion_ids, gen.text_len = tokens, text_len
-    enc = ChunkEncoder(meta.chat, meta.response_id, meta.model, meta.created, event_id=cursor,
-                       role_sent=bool(tokens) or skip_chars > 0)
-    outcome = Outcome(svc, policy, "resume", started, sid, counted=(len(meta.prompt_token_ids), len(tokens)))
-    ticket = pieces = None
-    try:  # (it takes over the reservations its dead generators left unsettled: AdmitRequest.hold)
-        ticket = await svc.admission.admit(
-            policy, max(1, meta.params.max_tokens - len(tokens)), count_request=False, lease_id=leases[0],
-            replaces=leases[1], deadlines=gen.deadlines, delivered=bool(tokens), hold=svc.resume.retention,
-            base=sum(outcome.counted))
-        log.info("resuming stream %s at %d tokens on this router", sid, len(tokens))
-        pieces = gen.stream()
-        first = await pieces.__anext__()
-    except BaseException as e:
-        # Refused (a limit, no replica for now, a time limit) or the client
-        # left: nothing was relayed, so the buffer stays as it was and the
-        # stream stays resumable.
-        if pieces is not None:
-            await pieces.aclose()
-        if ticket is not None:
-            await svc.admission.finish(ticket, charged_tokens(gen, outcome.counted))
-        told = error_before_output(svc.metrics, policy.name, e, {})
-        # (the resume's 200 is out: an error reaches the client as an event)
-        outcome.record(outcome_of(e), gen, told, streamed=isinstance(told, ApiError))
-        svc.background(svc.resume.release(sid))
-        if told is e:
-            raise
-        raise told from e
-    if pad:
-        # keep the buffer's numbering aligned with the client's event ids, now
-        # that this continuation appends after them (padded before a refusal,
-        # the next continuation took the placeholders for the events the client
-        # had, and sent their text again)
-        svc.resume.pad(sid, pad)
-    es = EventStream(svc, gen, enc, (meta.include_usage, meta.continuous_usage), policy, ticket, outcome, sid,
-                     skip_chars=skip_chars)
-    async for chunk in relay_stream(es, pieces, first):
         yield chunk

@@ -70,7 +70,12 @@ class StreamSnapshot(msgspec.Struct):
     generating it (empty when none holds a live claim), ``lease`` the
     admission leases the last claim named (``stream_claim``), ``lost``
     whether a router ever held it and died (its claim ran out unreleased):
-    only then can a client have events the buffer lacks.
+    only then can a client have events the buffer lacks. ``charged``: the
+    completion tokens the stream's requests counted and charged the tenant
+    for, as their routers let go of it (``stream_release``); more than
+    ``token_ids`` when a generation ran past its events (behind a slow
+    client, or as its client left), which a continuation generates again
+    and must not charge again.
     """
 
     meta: bytes
@@ -83,6 +88,7 @@ class StreamSnapshot(msgspec.Struct):
     broken: bool = False  # (it misses events: see ``stream_append``; it cannot be resumed)
     lease: str = ""
     lost: bool = False
+    charged: int = 0
 
 
 class StateStore(abc.ABC):
@@ -150,11 +156,12 @@ class StateStore(abc.ABC):
 
     @abc.abstractmethod
     async def stream_open(self, sid: str, meta: bytes, owner: str, ttl: float, *, lease: str = "",
-                          lost: bool = False) -> None:
+                          lost: bool = False, charged: int = 0) -> None:
         """Create the resume buffer of stream ``sid``, claimed by ``owner``
-        (none: ""). ``lease`` and ``lost``: a buffer copied from another
-        store (a fallback's, when Redis is back) keeps its last claim's
-        leases and whether a router that held it died (``StreamSnapshot``)."""
+        (none: ""). ``lease``, ``lost`` and ``charged``: a buffer copied from
+        another store (a fallback's, when Redis is back) keeps its last
+        claim's leases, whether a router that held it died, and the tokens
+        charged for it (``StreamSnapshot``)."""
 
     @abc.abstractmethod
     async def stream_append(
@@ -193,8 +200,11 @@ class StateStore(abc.ABC):
         is (False)."""
 
     @abc.abstractmethod
-    async def stream_release(self, sid: str, owner: str) -> None:
-        """Drop ``owner``'s claim (the buffer itself stays for its retention)."""
+    async def stream_release(self, sid: str, owner: str, charged: int = 0) -> None:
+        """Drop ``owner``'s claim (the buffer itself stays for its retention).
+        ``charged``: the stream's completion tokens counted and charged so
+        far (its generation's, which may be past its buffer's), kept as the
+        largest given (``StreamSnapshot.charged``); only with the claim."""
 
     async def peers(self, router: str, digest: str, ttl: float) -> dict[str, str]:
         """Publish ``router``'s tenants-file digest for ``ttl`` seconds and

@@ -34,7 +34,7 @@ SWEEP_INTERVAL = 1.0  # expired leases and buffers are swept at most this often 
 
 class _Stream:
     __slots__ = ("meta", "token_ids", "text_len", "events", "finished", "owner", "owner_until", "expires", "broken",
-                 "lease", "lost")
+                 "lease", "lost", "charged")
 
     def __init__(self, meta: bytes, owner: str, owner_until: float, expires: float) -> None:
         self.meta = meta
@@ -48,6 +48,7 @@ class _Stream:
         self.broken = False
         self.lease = ""
         self.lost = False  # (a router that held it died: StreamSnapshot.lost)
+        self.charged = 0  # (StreamSnapshot.charged)
 
 
 class MemoryStore(StateStore):
@@ -201,11 +202,11 @@ class MemoryStore(StateStore):
                 del self._streams[sid]
 
     async def stream_open(self, sid: str, meta: bytes, owner: str, ttl: float, *, lease: str = "",
-                          lost: bool = False) -> None:
+                          lost: bool = False, charged: int = 0) -> None:
         now = self._clock()
         self._expire(now)
         st = self._streams[sid] = _Stream(meta, owner, now + CLAIM_TTL, now + ttl)
-        st.lease, st.lost = lease, lost
+        st.lease, st.lost, st.charged = lease, lost, charged
 
     async def stream_append(self, sid, events, token_ids, text_len, finished, owner, ttl, first=-1) -> bool:
         # (the same checks as stream_append.lua: this store is also the
@@ -275,7 +276,7 @@ class MemoryStore(StateStore):
         owner = st.owner if st.owner and st.owner_until > now else ""
         return StreamSnapshot(
             st.meta, list(st.token_ids) if tokens else [], st.text_len, st.events[max(0, after):], len(st.events),
-            st.finished, owner, st.broken, st.lease, st.lost or bool(st.owner and not owner),
+            st.finished, owner, st.broken, st.lease, st.lost or bool(st.owner and not owner), st.charged,
         )
 
     async def stream_claim(self, sid: str, owner: str, claim_ttl: float, lease: str = "") -> bool:
@@ -303,7 +304,8 @@ class MemoryStore(StateStore):
             out.append(mine)
         return out
 
-    async def stream_release(self, sid: str, owner: str) -> None:
+    async def stream_release(self, sid: str, owner: str, charged: int = 0) -> None:
         st = self._streams.get(sid)
         if st is not None and st.owner == owner:
             st.owner = ""
+            st.charged = max(st.charged, charged)

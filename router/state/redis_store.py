@@ -183,9 +183,9 @@ class RedisStore(StateStore):
         return [f"{base}:h", f"{base}:ev", f"{base}:tok"]
 
     async def stream_open(self, sid: str, meta: bytes, owner: str, ttl: float, *, lease: str = "",
-                          lost: bool = False) -> None:
+                          lost: bool = False, charged: int = 0) -> None:
         try:
-            await self._s_open(keys=self._skeys(sid), args=[meta, owner, ttl, CLAIM_TTL, lease, int(lost)])
+            await self._s_open(keys=self._skeys(sid), args=[meta, owner, ttl, CLAIM_TTL, lease, int(lost), charged])
         except RedisError as e:
             raise _unavailable(e) from e
 
@@ -210,11 +210,11 @@ class RedisStore(StateStore):
             raise _unavailable(e) from e
         if not res:
             return None
-        meta, toks, text_len, events, total, finished, owner, broken, lease, lost = res
+        meta, toks, text_len, events, total, finished, owner, broken, lease, lost, charged = res
         return StreamSnapshot(
             bytes(meta), _unpack(toks or b""), int(text_len), [bytes(e) for e in events], int(total),
             finished in (b"1", "1", 1), _text(owner), broken in (b"1", "1", 1), _text(lease),
-            lost in (b"1", "1", 1),
+            lost in (b"1", "1", 1), int(charged),
         )
 
     async def stream_claim(self, sid: str, owner: str, claim_ttl: float, lease: str = "") -> bool:
@@ -251,9 +251,9 @@ class RedisStore(StateStore):
                 pipe.evalsha(sha, 1, self._skeys(sid)[0], owner, claim_ttl)
             return [bool(r) for r in await pipe.execute()]
 
-    async def stream_release(self, sid: str, owner: str) -> None:
+    async def stream_release(self, sid: str, owner: str, charged: int = 0) -> None:
         try:
-            await self._s_release(keys=self._skeys(sid)[:1], args=[owner])
+            await self._s_release(keys=self._skeys(sid)[:1], args=[owner, charged])
         except RedisError as e:
             raise _unavailable(e) from e
 

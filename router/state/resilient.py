@@ -203,9 +203,10 @@ class ResilientStore(StateStore):
         finds nothing new; from that look on (no await between), its reads
         and writes go to Redis, as do those of a stream opened while the
         move runs (``_stream_store``), which the fallback would have taken
-        and dropped. A buffer keeps its last claim's leases and whether a
+        and dropped. A buffer keeps its last claim's leases, whether a
         router that held it died (``lost``: a client may have events it
-        lacks); a claim that ran out moves as none, as a read shows it."""
+        lacks) and the tokens charged for it (``charged``); a claim that ran
+        out moves as none, as a read shows it."""
         self._moving = set(self.fallback.held_streams())
         try:
             for sid in list(self._moving):
@@ -219,7 +220,8 @@ class ResilientStore(StateStore):
                     if has == at:
                         break  # (all of it in Redis: its next writes go there, with no await since this look)
                     if at is None:
-                        await self.primary.stream_open(sid, st.meta, st.owner, ttl, lease=st.lease, lost=st.lost)
+                        await self.primary.stream_open(sid, st.meta, st.owner, ttl, lease=st.lease, lost=st.lost,
+                                                       charged=st.charged)
                         at = (0, 0, False)
                     if has != at:
                         await self.primary.stream_append(sid, st.events[at[0]:], st.token_ids[at[1]:], st.text_len,
@@ -396,8 +398,9 @@ class ResilientStore(StateStore):
             self._down(op, e)
             return await call(self._current())
 
-    async def stream_open(self, sid, meta, owner, ttl, *, lease="", lost=False) -> None:
-        await self._stream_op("stream_open", lambda s: s.stream_open(sid, meta, owner, ttl, lease=lease, lost=lost),
+    async def stream_open(self, sid, meta, owner, ttl, *, lease="", lost=False, charged=0) -> None:
+        await self._stream_op("stream_open", lambda s: s.stream_open(sid, meta, owner, ttl, lease=lease, lost=lost,
+                                                                     charged=charged),
                               sid)
 
     async def stream_append(self, sid, events, token_ids, text_len, finished, owner, ttl, first=-1) -> bool:
@@ -418,8 +421,8 @@ class ResilientStore(StateStore):
                     for i in sids]
         return await self._stream_op("stream_renew", lambda s: s.stream_renew(sids, owner, claim_ttl))
 
-    async def stream_release(self, sid, owner) -> None:
-        await self._stream_op("stream_release", lambda s: s.stream_release(sid, owner), sid)
+    async def stream_release(self, sid, owner, charged=0) -> None:
+        await self._stream_op("stream_release", lambda s: s.stream_release(sid, owner, charged), sid)
 
     async def peers(self, router: str, digest: str, ttl: float) -> dict[str, str]:
         if self._connect is not None:

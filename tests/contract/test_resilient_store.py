@@ -670,7 +670,7 @@ async def test_the_move_to_redis_keeps_lease_and_lost_and_misses_no_stream_writt
     h.server.kill()
     await store.stream_open("s-claimed", b"m1", "a", 60.0)
     assert await store.stream_append("s-claimed", [b"e0"], [1], 1, False, "a", 60.0, 0)
-    await store.stream_release("s-claimed", "a")
+    await store.stream_release("s-claimed", "a", 3)  # (its client left: 3 tokens charged, 1 in the buffer)
     assert await store.stream_claim("s-claimed", "b", 10.0, "lease-b lease-a")
     await store.stream_open("s-lost", b"m2", "dead", 60.0)
     assert await store.stream_append("s-lost", [b"e0", b"e1"], [1, 2], 2, False, "dead", 60.0, 0)
@@ -699,6 +699,7 @@ async def test_the_move_to_redis_keeps_lease_and_lost_and_misses_no_stream_writt
     lost = await store.primary.stream_read("s-lost", 0)
     new = await store.primary.stream_read("s-new", 0)
     assert claimed is not None and (claimed.lease, claimed.lost, claimed.owner) == ("lease-b lease-a", False, "b")
+    assert (claimed.charged, lost.charged if lost else None) == (3, 0)
     assert not claimed.broken and (claimed.events, claimed.token_ids, claimed.text_len) == ([b"e0", b"late"], [1, 9], 9)
     assert lost is not None and lost.lost and lost.owner == "" and not lost.broken
     assert (lost.events, lost.token_ids, lost.text_len) == ([b"e0", b"e1"], [1, 2], 2)

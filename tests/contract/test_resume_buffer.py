@@ -88,6 +88,30 @@ async def test_a_buffer_is_lost_once_a_router_held_it_and_died(backend: Backend)
     assert (await store.stream_read(s, 0)).lost  # (for good: what r3 sent and lost stays lost)
 
 
+async def test_a_buffer_keeps_the_most_tokens_charged_by_those_that_held_it(backend: Backend) -> None:
+    # (a request whose client left counted every token its generation had,
+    # more than the buffer holds: the continuation of a resume counts from
+    # there, so the tokens it generates again are not charged twice)
+    store, s = backend.store, sid()
+    await store.stream_open(s, encode_meta(META), "r1", 60)
+    await store.stream_append(s, [b"e1"], [10], 2, False, "r1", 60)
+    assert (await store.stream_read(s, 0)).charged == 0
+    await store.stream_release(s, "r1", 4)  # (its client left: 4 tokens counted, 1 in the buffer)
+    snap = await store.stream_read(s, 0, tokens=False)
+    assert (snap.charged, snap.token_ids, snap.owner) == (4, [], "")
+    assert await store.stream_claim(s, "r2", 10, "lease-2")
+    await store.stream_release(s, "r3", 9)  # not its claim: nothing changes
+    assert (await store.stream_read(s, 0)).charged == 4
+    await store.stream_release(s, "r2", 2)  # (a continuation cut short of it: the count stays)
+    assert (await store.stream_read(s, 0)).charged == 4
+    assert await store.stream_claim(s, "r2", 10, "lease-3")
+    await store.stream_release(s, "r2", 7)
+    assert (await store.stream_read(s, 0)).charged == 7
+    copied = sid()  # (a fallback's buffer copied to Redis keeps it)
+    await store.stream_open(copied, encode_meta(META), "", 60, lease="lease-3", charged=7)
+    assert (await store.stream_read(copied, 0)).charged == 7
+
+
 async def test_a_finished_buffer_says_so(backend: Backend) -> None:
     store, s = backend.store, sid()
     await store.stream_open(s, encode_meta(META), "r1", 60)

@@ -318,9 +318,9 @@ async def test_a_claim_waits_for_this_routers_release_of_the_stream_to_land() ->
     landed = asyncio.Event()
 
     class SlowRelease(MemoryStore):
-        async def stream_release(self, sid, owner):
+        async def stream_release(self, sid, owner, charged=0):
             await landed.wait()
-            return await super().stream_release(sid, owner)
+            return await super().stream_release(sid, owner, charged)
 
     store = SlowRelease(Clock())
     writer = ResumeWriter(store, 60)
