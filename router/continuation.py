@@ -48,13 +48,15 @@ def counted(meta: ResumeMeta, tokens: list[int], charged: int) -> tuple[int, int
 
 async def continue_stream(svc: RouterService, policy: TenantPolicy, sid: str, meta: ResumeMeta, tokens: list[int],
                           text_len: int, cursor: int, skip_chars: int, leases: tuple[str, tuple[str, ...]], pad: int,
-                          charged: int) -> AsyncIterator[bytes]:
+                          charged: int, had_end: int = 0) -> AsyncIterator[bytes]:
     """The continuation of a claimed stream, from the buffer's ``tokens``.
     ``leases``: its admission lease's id (named in the claim) and the leases
     it replaces; ``pad``: the events the client has that the buffer lacks
     (lost with a router), for which it gets placeholders once the
     continuation runs; ``charged``: the completion tokens the stream's
-    earlier requests counted and charged (``StreamSnapshot.charged``)."""
+    earlier requests counted and charged (``StreamSnapshot.charged``);
+    ``had_end``: of those events, the stream's finish (1), and its usage
+    event (2), which it does not send again (``EventStream``)."""
     started = time.monotonic()
     lim = policy.limits
     job = Job(meta.model, meta.params, prompt_token_ids=meta.prompt_token_ids)
@@ -98,6 +100,6 @@ async def continue_stream(svc: RouterService, policy: TenantPolicy, sid: str, me
         # had, and sent their text again)
         svc.resume.pad(sid, pad)
     es = EventStream(svc, gen, enc, (meta.include_usage, meta.continuous_usage), policy, ticket, outcome, sid,
-                     skip_chars=skip_chars)
+                     skip_chars=skip_chars, had_end=had_end)
     async for chunk in relay_stream(es, pieces, first):
         yield chunk

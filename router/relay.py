@@ -24,7 +24,7 @@ from router.deadlines import StreamTimeout
 from router.errors import ApiError, GatewayTimeout, RouterShutdown, error_body
 from router.generation import Generation, StreamLost
 from router.pieces import Piece
-from router.sse import ChunkEncoder, Usage
+from router.sse import END_FINISH, END_USAGE, ChunkEncoder, Usage
 from router.tenants import TenantPolicy
 
 __all__ = ["Outcome", "EventStream", "charged_tokens", "relay_stream", "outcome_of", "shutdown_notice", "error_fields", "log_refused",
@@ -236,16 +236,21 @@ class EventStream:
     ``sid`` names the resume buffer (None: not resumable, e.g. WebSocket);
     SSE event ids then carry the stream position. ``skip_chars`` drops that
     much text first: a resume regenerating text the client already has.
-    The stream's position (``tokens``, ``chars``: what the client has) is
-    its own, not the generation's, which may be ahead of what was sent.
+    ``had_end``: that client also has the stream's finish event (1), and
+    its usage event (2) (their ids said so: router/sse.py); a finish left
+    with no text after the skip is then not sent again, nor that usage
+    event (the buffer holds placeholders for them already). The stream's
+    position (``tokens``, ``chars``: what the client has) is its own, not
+    the generation's, which may be ahead of what was sent.
     """
 
     __slots__ = ("svc", "gen", "enc", "include_usage", "usage_each", "policy", "ticket", "outcome", "sid", "writer",
-                 "ttft", "itl", "last", "tokens", "chars", "sent_ids", "skip_chars", "result", "final",
+                 "ttft", "itl", "last", "tokens", "chars", "sent_ids", "skip_chars", "had_end", "result", "final",
                  "error")
 
     def __init__(self, svc, gen: Generation, enc: ChunkEncoder, usage: tuple[bool, bool], policy: TenantPolicy,
-                 ticket: Ticket | None, outcome: Outcome, sid: str | None, *, skip_chars: int = 0) -> None:
+                 ticket: Ticket | None, outcome: Outcome, sid: str | None, *, skip_chars: int = 0,
+                 had_end: int = 0) -> None:
         """``usage``: (a usage event at the end, the usage so far in every
         event too), as ``openai_types.usage_options`` reads them."""
         self.svc = svc
@@ -264,6 +269,7 @@ class EventStream:
         self.tokens, self.chars = gen.base  # where the generation started
         self.sent_ids = self.tokens  # token ids handed to the resume buffer
         self.skip_chars = skip_chars
+        self.had_end = had_end
         self.result = "cancelled"
         self.final: bytes | None = None
         self.error: BaseException | None = None
@@ -285,13 +291,17 @@ class EventStream:
             cut = min(self.skip_chars, len(text))
             text = text[cut:]
             self.skip_chars -= cut
-        if not text and finish == FinishReason.NONE:
+        if not text and (finish == FinishReason.NONE or self.had_end):
+            if finish != FinishReason.NONE:  # the client has this finish: its tokens only, to the buffer
+                self.writer.append(self.sid, None, self.gen.completion_ids[self.sent_ids:self.tokens], self.chars)
+                self.sent_ids = self.tokens
             return None
+        pos = self._pos() if finish == FinishReason.NONE else self._pos(END_FINISH)
         if self.usage_each:
             prompt = self.gen.prompt_tokens
-            event = self.enc.delta(text, finish, self._pos(), Usage(prompt, self.tokens, prompt + self.tokens))
+            event = self.enc.delta(text, finish, pos, Usage(prompt, self.tokens, prompt + self.tokens))
         else:
-            event = self.enc.delta(text, finish, self._pos())
+            event = self.enc.delta(text, finish, pos)
         self.writer.append(self.sid, event, self.gen.completion_ids[self.sent_ids:self.tokens], self.chars)
         self.sent_ids = self.tokens
         return event
@@ -308,16 +318,17 @@ class EventStream:
             "server_error", None, NOT_RESUMABLE))
         self.svc.background(writer.finish(sid, final, self.chars))
 
-    def _pos(self) -> bytes:
-        """The stream position appended to a resumable event's id (``-T-C``)."""
-        return b"-%d-%d" % (self.tokens, self.chars) if self.sid is not None else b""
+    def _pos(self, end: bytes = b"") -> bytes:
+        """The stream position appended to a resumable event's id (``-T-C``,
+        then ``end``: what of the stream's end the event carries)."""
+        return b"-%d-%d%s" % (self.tokens, self.chars, end) if self.sid is not None else b""
 
     def tail(self) -> list[bytes]:
         """After the last piece: the usage event (if asked) and ``[DONE]``."""
         out = []
         gen = self.gen
-        if self.include_usage:
-            event = self.enc.usage(gen.prompt_tokens, gen.completion_tokens, self._pos())
+        if self.include_usage and self.had_end < 2:
+            event = self.enc.usage(gen.prompt_tokens, gen.completion_tokens, self._pos(END_USAGE))
             self.writer.append(self.sid, event, [], self.chars)
             out.append(event)
         self.final = self.enc.done()

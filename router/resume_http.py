@@ -10,15 +10,18 @@ Two ways in, same behaviour:
 Only the tenant that started a stream can resume it (others get 404).
 
 Event ids are ``N-T-C`` (event number, completion tokens, text characters;
-see router/sse.py). Usually event N is in the buffer and the replay starts
+see router/sse.py), ``N-T-C-1`` for the finish event and ``N-T-C-2`` for the
+usage event after it. Usually event N is in the buffer and the replay starts
 after it. The buffer is written a few milliseconds behind the stream, so a
 router that dies can take the last events with it while its client already
 has them: then the client is ahead of the buffer (N > events stored). The
 resuming router continues generating from the tokens the buffer has and
 drops the ``C - stored characters`` of text the client already holds before
-sending anything. That regeneration is exact for greedy requests (the
-replicas are deterministic); a sampled request in that position ends with
-an explicit ``resume_gap`` error event rather than a text that may diverge.
+sending anything; where the id says the client has the finish (and the
+usage event), the regenerated finish is not sent again (nor the usage
+event). That regeneration is exact for greedy requests (the replicas are
+deterministic); a sampled request in that position ends with an explicit
+``resume_gap`` error event rather than a text that may diverge.
 """
 
 from __future__ import annotations
@@ -83,23 +86,26 @@ class _Reader:
 
 class Position(msgspec.Struct, frozen=True):
     """Where a client is in a stream: its last event and, if known, the
-    completion tokens and characters it has."""
+    completion tokens and characters it has, and what of the stream's end
+    (``end``: 0 none, 1 the finish event, 2 the finish and the usage event)."""
 
     event: int
     tokens: int | None = None
     chars: int | None = None
+    end: int = 0
 
 
 def parse_last_event_id(value: str | None) -> Position:
+    """``N``, ``N-T-C``, or ``N-T-C-E`` with E 1 or 2 (router/sse.py)."""
     if value is None or value == "":
         return Position(0)
     parts = value.split("-")
     # (digits only: int() also takes "1_0", " 1" and other scripts' digits; at most 15: the
     # store's scripts count in doubles, and a larger number failed a Redis script as if it were down)
     nums = [int(p) for p in parts] if all(p.isascii() and p.isdigit() and len(p) <= 15 for p in parts) else []
-    if len(nums) not in (1, 3):
-        raise BadRequest(f"Last-Event-ID must be an event id this router sent (N or N-T-C); got {clip(repr(value))}.",
-                         param="Last-Event-ID")
+    if len(nums) not in (1, 3, 4) or (len(nums) == 4 and nums[3] not in (1, 2)):
+        raise BadRequest("Last-Event-ID must be an event id this router sent (N, N-T-C, or N-T-C-1 or N-T-C-2 "
+                         f"for the events of a stream's end); got {clip(repr(value))}.", param="Last-Event-ID")
     return Position(*nums)
 
 
@@ -363,7 +369,7 @@ async def _take_over(svc: RouterService, policy: TenantPolicy, sid: str, meta: R
                      pos: Position, cursor: int, outcome: Outcome,
                      leases: tuple[str, tuple[str, ...]]) -> AsyncIterator[bytes]:
     enc_error = ChunkEncoder(meta.chat, meta.response_id, meta.model, meta.created, event_id=cursor)
-    skip_chars = 0
+    skip_chars = had_end = 0  # (what the client has past the buffer: text, and the end's events)
     tokens, text_len = list(snap.token_ids), snap.text_len
     try:  # (its router may have died with the end of the stream half stored)
         end = await finish_tail(svc, sid, meta, snap, pos, cursor, lambda after: _reread(svc, sid, after, False),
@@ -392,17 +398,19 @@ async def _take_over(svc: RouterService, policy: TenantPolicy, sid: str, meta: R
                           "(temperature > 0) generation cannot be regenerated exactly; retry the request.", "resume_gap")
             return
         skip_chars = pos.chars - text_len
-        if skip_chars < 0 or pos.tokens < len(tokens):
+        if skip_chars < 0 or pos.tokens < len(tokens) or (pos.end == 2 and not meta.include_usage):
             await svc.resume.release(sid)
             outcome.record("client_error")
             yield _mismatch(meta)
             return
+        had_end = pos.end
         log.warning("stream %s: client is %d events ahead of the buffer (lost with their router); "
                     "regenerating %d characters it already has", sid, cursor - snap.total_events, skip_chars)
     outcome.done = True  # (the continuation is the request: its own line and count)
     try:
         async with aclosing(continue_stream(svc, policy, sid, meta, tokens, text_len, cursor, skip_chars,
-                                            leases, max(0, cursor - snap.total_events), snap.charged)) as chunks:
+                                            leases, max(0, cursor - snap.total_events), snap.charged,
+                                            had_end)) as chunks:
             async for chunk in _waiting_until_first(chunks):
                 yield chunk
     except ApiError as e:  # (refused before any output: ``continue_stream`` gave the claim back)

@@ -31,7 +31,7 @@ import msgspec
 
 from replicas.protocol import FinishReason
 from router.resume import ResumeMeta
-from router.sse import DONE, ChunkEncoder, Usage
+from router.sse import DONE, END_FINISH, END_USAGE, ChunkEncoder, Usage
 from router.state import StoreUnavailable, StreamSnapshot
 
 __all__ = ["finish_tail", "last_event", "error_code"]
@@ -39,6 +39,8 @@ __all__ = ["finish_tail", "last_event", "error_code"]
 log = logging.getLogger("fairstream.resume")
 
 FINISH, USAGE = "finish", "usage"  # the parts of a stream's end that go before [DONE]
+# each part's ``Position.end`` (router/resume_http.py): the last part of its event's id
+_END = {FINISH: 1, USAGE: 2}
 
 
 class _Choice(msgspec.Struct):
@@ -121,9 +123,11 @@ async def finish_tail(svc, sid: str, meta: ResumeMeta, snap: StreamSnapshot, pos
     them) go on in the background, whether the client stays or not. None:
     its output has not ended, continue it. ``[]``: the client's position
     (``pos``, ``cursor`` events) cannot be in this stream (the claim is
-    dropped). ``read(after)``: the buffer again, or None when it cannot be
-    read (then ``StoreUnavailable``: a stream whose end is unknown is not
-    continued)."""
+    dropped; so is one whose id says its last event, one the buffer lacks,
+    was another part of the end than the buffer's events make it: ``pos.end``;
+    an id without that part, from a router before it, is taken as it was).
+    ``read(after)``: the buffer again, or None when it cannot be read (then
+    ``StoreUnavailable``: a stream whose end is unknown is not continued)."""
     tail = await read(max(0, snap.total_events - 2))
     if tail is None:
         raise StoreUnavailable(f"stream {sid}: its last events cannot be read")
@@ -132,7 +136,8 @@ async def finish_tail(svc, sid: str, meta: ResumeMeta, snap: StreamSnapshot, pos
         return None
     tokens, chars = len(snap.token_ids), snap.text_len
     had = cursor - snap.total_events  # the events of that end the client has (the buffer lost them)
-    if had > len(missing) or (had and (pos.tokens, pos.chars) != (tokens, chars)):
+    if had > len(missing) or (had and ((pos.tokens, pos.chars) != (tokens, chars)
+                                       or pos.end not in (0, _END[missing[had - 1]]))):
         await svc.resume.release(sid)
         return []
     enc = ChunkEncoder(meta.chat, meta.response_id, meta.model, meta.created, event_id=cursor, role_sent=True)
@@ -147,9 +152,9 @@ async def finish_tail(svc, sid: str, meta: ResumeMeta, snap: StreamSnapshot, pos
             # (``length``: the tokens reached max_tokens. An upstream that ended
             # on a stop at that very token, in a chunk of its own, said ``stop``)
             usage = Usage(prompt, tokens, prompt + tokens) if meta.continuous_usage else None
-            event = enc.delta("", FinishReason.LENGTH, at, usage)
+            event = enc.delta("", FinishReason.LENGTH, at + END_FINISH, usage)
         else:
-            event = enc.usage(prompt, tokens, at)
+            event = enc.usage(prompt, tokens, at + END_USAGE)
         svc.resume.append(sid, event, [], chars)
         out.append(event)
     log.info("stream %s: its output had ended when its router stopped (%d tokens); sending what of its end "

@@ -8,7 +8,13 @@ Every SSE event carries an ``id:`` so a client can resume with
 tokens and text characters the client has once it has this event. The
 number finds the event in the resume buffer; the position lets a router
 continue the stream exactly even when the buffer lost the last events with
-the router that produced them (see router/resume_http.py).
+the router that produced them (see router/resume_http.py). The events of a
+stream's end say so with a fourth part: the finish event (the one with a
+``finish_reason``) ``N-T-C-1`` (``END_FINISH``), the usage event after it
+``N-T-C-2`` (``END_USAGE``). A client whose last events the buffer lost
+with their router then is not sent that end again (``N-T-C`` alone does
+not say whether its event had the finish). Plain token events never carry
+one: their ids are unchanged.
 """
 
 from __future__ import annotations
@@ -17,9 +23,11 @@ import msgspec
 
 from replicas.protocol import FinishReason
 
-__all__ = ["ChunkEncoder", "Usage", "DONE"]
+__all__ = ["ChunkEncoder", "Usage", "DONE", "END_FINISH", "END_USAGE"]
 
 DONE = b"data: [DONE]\n\n"
+# the last part of the id of a resumable stream's finish event, and of its usage event
+END_FINISH, END_USAGE = b"-1", b"-2"
 _enc = msgspec.json.encode
 
 
@@ -82,7 +90,7 @@ class ChunkEncoder:
 
     def delta(self, text: str, finish: FinishReason = FinishReason.NONE, pos: bytes = b"",
               usage: Usage | None = None) -> bytes:
-        """One chunk; ``pos`` (``b"-T-C"``) is appended to the SSE event id;
+        """One chunk; ``pos`` (``b"-T-C"``, ``b"-T-C-1"`` with a finish) is appended to the SSE event id;
         ``usage``: the usage so far, in the chunk (vLLM's continuous usage)."""
         end = b"}]}" if usage is None else b'}],"usage":' + _enc(usage) + b"}"
         if self.chat and not self._role_sent:

@@ -1,7 +1,8 @@
 """Client resume with ``Last-Event-ID`` against a real router and a sim replica.
 
 Event ids are ``N-T-C``: event number, completion tokens and text characters
-the client has once it holds the event. A client that lost its connection
+the client has once it holds the event (``N-T-C-1`` for the finish event,
+``N-T-C-2`` for the usage event). A client that lost its connection
 asks ``GET /v1/streams/{x-request-id}`` (or re-sends the POST with
 ``Last-Event-ID`` and ``X-Resume-Request-Id``) and gets the events it missed,
 then the rest of the stream, text-exact.
@@ -127,11 +128,14 @@ def check_whole_stream(events: list[SseEvent], chat: bool, ref: str, prompt_toke
     # numbering continues across the reconnect: 1, 2, 3, ... without a gap or a repeat
     assert [ev.number for ev in body] == list(range(1, len(body) + 1)), [ev.id for ev in body]
     # every id carries the position: tokens and characters the client has with it
+    # (and, the events of the end, which: 1 the finish, 2 the usage event)
     text = ""
     last_tokens = 0
     for ev in body:
         text += piece(ev, chat)
-        _, tokens, chars = (int(x) for x in ev.id.split("-"))
+        _, tokens, chars, *end = (int(x) for x in ev.id.split("-"))
+        d = ev.json()
+        assert end == ([1] if d["choices"] and d["choices"][0]["finish_reason"] else [2] if d.get("usage") else []), ev
         assert chars == len(text), (ev.id, len(text))
         assert tokens >= last_tokens
         last_tokens = tokens
@@ -214,7 +218,7 @@ async def test_resume_keeps_continuous_usage(router: RouterProcess, http: httpx.
     assert final["choices"] == [] and final["usage"]["completion_tokens"] == 80
     prompt_tokens = final["usage"]["prompt_tokens"]
     for ev in content:
-        _, tokens, _ = (int(x) for x in ev.id.split("-"))
+        tokens = int(ev.id.split("-")[1])
         assert ev.json()["usage"] == {"prompt_tokens": prompt_tokens, "completion_tokens": tokens,
                                       "total_tokens": prompt_tokens + tokens}, ev
     assert len(rest) > 2, "the stream ended before the client dropped it"

@@ -48,9 +48,10 @@ async def died_at_the_end(max_tokens: int = 8, include_usage: bool = False, fini
     await svc.admission.admit(policy(max_concurrent=1), 1, lease_id="lease-a")
     await store.stream_open("s1", encode_meta(meta), "router-a", 60)
     store.append_now("s1", [enc.delta("Hello", FinishReason.NONE, b"-2-5")], [10, 11], 5, False, "router-a", 60)
-    store.append_now("s1", [enc.delta(" world", finish, b"-3-11")], [12], 11, False, "router-a", 60)
+    store.append_now("s1", [enc.delta(" world", finish, b"-3-11-1" if finish else b"-3-11")], [12], 11, False,
+                     "router-a", 60)
     if stored == "usage":
-        store.append_now("s1", [enc.usage(len(PROMPT), 3, b"-3-11")], [], 11, False, "router-a", 60)
+        store.append_now("s1", [enc.usage(len(PROMPT), 3, b"-3-11-2")], [], 11, False, "router-a", 60)
     clock.now += CLAIM_TTL + 1  # a died, its claim ran out
     return svc, store
 
@@ -85,7 +86,7 @@ async def test_the_usage_event_it_asked_for_and_did_not_store_is_sent_with_the_w
     svc, store = await died_at_the_end(include_usage=True)
     out = await resume_at(svc, Position(2, 3, 11))
     assert len(out) == 2 and out[1] == DONE, out
-    assert out[0].startswith(b"id: 3-3-11\n") and chunk(out[0])["choices"] == []
+    assert out[0].startswith(b"id: 3-3-11-2\n") and chunk(out[0])["choices"] == []
     assert chunk(out[0])["usage"] == {"prompt_tokens": 3, "completion_tokens": 3, "total_tokens": 6}
     after = await store.stream_read("s1", 2)
     assert after.finished and after.events == [out[0], DONE]
@@ -101,9 +102,9 @@ async def test_at_max_tokens_without_a_stored_finish_the_finish_is_sent_not_a_st
     svc, store = await died_at_the_end(max_tokens=3, finish=FinishReason.NONE, chat=True, include_usage=True)
     out = await resume_at(svc, Position(2, 3, 11))
     assert len(out) == 3 and out[2] == DONE, out
-    assert out[0].startswith(b"id: 3-3-11\n") and chunk(out[0])["choices"][0] == {
+    assert out[0].startswith(b"id: 3-3-11-1\n") and chunk(out[0])["choices"][0] == {
         "index": 0, "delta": {}, "logprobs": None, "finish_reason": "length"}
-    assert out[1].startswith(b"id: 4-3-11\n") and chunk(out[1])["usage"]["completion_tokens"] == 3
+    assert out[1].startswith(b"id: 4-3-11-2\n") and chunk(out[1])["usage"]["completion_tokens"] == 3
     assert (await store.stream_read("s1", 0)).finished
 
 
