@@ -2,8 +2,8 @@
 #   make run   - create .venv, install, start the router with the demo config
 #   make test  - create .venv, install, run the whole test suite
 # The venv's interpreter: the fastest build of python3's version on the
-# machine (ops/pick_python.py: pyenv's default build ran the router's Python
-# about 1.7x slower than Debian's); PYTHON=... chooses it yourself.
+# machine (ops/pick_python.py: on pyenv's default build the router used 8-26%
+# more CPU than on Debian's PGO build); PYTHON=... chooses it yourself.
 PYTHON ?= $(shell python3 ops/pick_python.py)
 VENV   ?= .venv
 PY     := $(VENV)/bin/python

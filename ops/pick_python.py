@@ -3,10 +3,10 @@
 ``make setup`` runs it with ``python3`` and makes ``.venv`` with the path it
 prints. The same Python version can be built very differently: pyenv's
 default build (no profile-guided optimization, no LTO, the interpreter in a
-shared library) ran this project's pure-Python code about 1.7x slower than
-Debian's ``/usr/bin/python3.11`` on the same machine (docs/perf.md,
-"Session 31: the interpreter"), and the router's request and token paths
-are pure Python. So every interpreter of the same major.minor version found
+shared library) ran pure-Python code 1.7-2.0x slower than Debian's
+``/usr/bin/python3.11`` on the same machine, and the router, whose request
+and token paths are Python around native parts, used 8-26% more CPU on it
+(docs/perf.md, "Session 31: the interpreter"). So every interpreter of the same major.minor version found
 (the one running this, ``pythonX.Y`` on PATH, ``/usr/bin``,
 ``/usr/local/bin``) that can make a virtualenv runs a short loop, and the
 fastest wins if it is at least 10% faster than the one running this; else
