@@ -18,7 +18,6 @@ the client got.
 
 from __future__ import annotations
 
-import asyncio
 
 import httpx
 import pytest
