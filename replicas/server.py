@@ -41,11 +41,14 @@ from replicas.protocol import (
     router_decoder,
 )
 
-__all__ = ["ReplicaServer", "create_engine", "serve", "wait_for_stop", "watch_engine", "exit_if_dead"]
+__all__ = ["ReplicaServer", "create_engine", "serve", "wait_for_stop", "watch_engine", "exit_if_dead",
+           "PARENT_PID_ENV"]
 
 log = logging.getLogger("fairstream.replica")
 
 LOAD_REPORT_INTERVAL = 0.2
+# the pid of the process that started a replica with --exit-with-parent (its supervisor)
+PARENT_PID_ENV = "FAIRSTREAM_PARENT_PID"
 ENGINE_CHECK_INTERVAL = 1.0  # seconds between checks that the engine is alive
 ENGINE_CLOSE_TIMEOUT = 10.0  # seconds a dead engine gets to shut down before the process exits anyway
 
@@ -310,7 +313,10 @@ async def wait_for_stop(exit_with_parent: bool, died=None) -> None:
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
-    parent = os.getppid()
+    # (the pid of the process that started it, if it said: one that died
+    # before this looked left it a child of init, and getppid() then named
+    # init as the parent to wait for: the replica outlived its router for good)
+    parent = int(os.environ.get(PARENT_PID_ENV) or os.getppid())
 
     async def watch_parent() -> None:
         while os.getppid() == parent:

@@ -28,6 +28,7 @@ from replicas.logs import REPLICA_ERROR_FILE_ENV, REPLICA_NAME_ENV
 from replicas.pool import ReplicaPool, ReplicaSlot
 from replicas.protocol import FEATURES, Feature
 from replicas.rundirs import make_run_dir, sweep
+from replicas.server import PARENT_PID_ENV
 from replicas.spec import ReplicaSpec
 from replicas.upstream_errors import UpstreamFailed
 
@@ -413,18 +414,9 @@ class Supervisor:
         env = self._env(spec)
         env["FAIRSTREAM_REPLICA_SECRET"] = self._secret(slot)
         env[REPLICA_ERROR_FILE_ENV] = path + ".error"  # (why it failed: _exited)
-        cmd = [
-            sys.executable,
-            "-m",
-            "replicas",
-            "--engine",
-            spec.engine,
-            "--socket",
-            path,
-            "--config-json",
-            json.dumps(spec.config),
-            "--exit-with-parent",
-        ]
+        env[PARENT_PID_ENV] = str(os.getpid())  # (--exit-with-parent: a parent gone before it looked)
+        cmd = [sys.executable, "-m", "replicas", "--engine", spec.engine, "--socket", path,
+               "--config-json", json.dumps(spec.config), "--exit-with-parent"]
         # Its own process group, so that stopping it also stops what the
         # engine spawned (vLLM's EngineCore and workers), even after a SIGKILL.
         proc = await asyncio.create_subprocess_exec(

@@ -620,3 +620,12 @@ async def test_an_upstream_ready_line_names_its_url_not_a_pid(caplog) -> None:
     finally:
         await sup.close()
         await runner.cleanup()
+
+
+async def test_a_replica_whose_parent_died_before_it_looked_stops_at_once(monkeypatch) -> None:
+    # (started as its router was killed, it found itself a child of init and
+    # waited for init to exit: an orphan replica outlived the test run)
+    from replicas.server import PARENT_PID_ENV, wait_for_stop
+
+    monkeypatch.setenv(PARENT_PID_ENV, str(os.getppid() + 1_000_000))  # (not this process's parent)
+    await asyncio.wait_for(wait_for_stop(True), 3.0)
