@@ -57,6 +57,9 @@ class Proc:
     def cpu(self) -> float:
         return cpu_seconds(self.pid)
 
+    def sys_cpu(self) -> float:
+        return cpu_seconds(self.pid, system_only=True)
+
     def rss(self) -> int:
         return rss_bytes(self.pids())
 
@@ -117,17 +120,19 @@ def tree_pids(root: int) -> list[int]:
     return out
 
 
-def cpu_seconds(root: int) -> float:
-    """User + system CPU seconds of ``root``, its live descendants and its reaped children."""
+def cpu_seconds(root: int, system_only: bool = False) -> float:
+    """User + system CPU seconds of ``root``, its live descendants and its
+    reaped children; ``system_only``: the kernel's part alone (system calls,
+    and on loopback the TCP work of delivering what they write)."""
     total = 0
     for pid in tree_pids(root):
         st = _stat(pid)
         if st is None:
             continue
         # fields after comm: state(0) ppid(1) ... utime(11) stime(12) cutime(13) cstime(14)
-        total += int(st[11]) + int(st[12])
+        total += int(st[12]) if system_only else int(st[11]) + int(st[12])
         if pid == root:
-            total += int(st[13]) + int(st[14])
+            total += int(st[14]) if system_only else int(st[13]) + int(st[14])
     return total / _TCK
 
 

@@ -81,6 +81,14 @@ class _Grid:
         return s
 
 
+def _kernel_share(m) -> float | None:
+    """The kernel's part of the router's CPU (system calls, and on loopback
+    the TCP work of delivering what they write), as a fraction."""
+    if m.router_cpu_s and getattr(m, "router_sys_s", None) is not None:
+        return m.router_sys_s / m.router_cpu_s
+    return None
+
+
 def _errors(ms) -> str:
     tot = defaultdict(int)
     n = 0
@@ -96,8 +104,8 @@ def _errors(ms) -> str:
 def _stream_table(g: _Grid, scen: str) -> list[str]:
     out = [
         "| system | TTFT p50 ms | TTFT p99 ms | ITL p50 ms | ITL p99 ms | tokens/s | tokens/event "
-        "| router CPU s/1k tok | router RSS peak MB | errors | client CPU s/1k tok |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        "| router CPU s/1k tok | of it kernel % | router RSS peak MB | errors | client CPU s/1k tok |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for sy in g.systems(scen):
         ms = g.by[(scen, sy)]
@@ -110,6 +118,7 @@ def _stream_table(g: _Grid, scen: str) -> list[str]:
             g.cell(scen, sy, lambda m: m.tok_s, digits=0),
             g.cell(scen, sy, lambda m: m.tokens / m.events if m.events else None, ratio=False),
             g.cell(scen, sy, lambda m: m.cpu_per_1k, ratio=False, digits=2),
+            g.cell(scen, sy, _kernel_share, 100, ratio=False, digits=0),
             g.cell(scen, sy, lambda m: m.rss_peak, 1 / MB, ratio=False),
             _errors(ms),
             g.cell(scen, sy, lambda m: m.client_cpu_per_1k, ratio=False, digits=2),

@@ -43,6 +43,7 @@ class Measurement:
     itl_p50: float | None = None
     itl_p99: float | None = None
     router_cpu_s: float | None = None
+    router_sys_s: float | None = None  # the kernel's part of router_cpu_s
     cpu_per_1k: float | None = None
     rss_before: int | None = None
     rss_peak: int | None = None
@@ -147,7 +148,7 @@ def measure(target: Target, scen: Scenario, rnd: int, workers: int, upstream_cpu
     time.sleep(0.5)  # let background work of the previous run settle
     if router is not None:
         m.rss_before = router.rss()
-        cpu0 = router.cpu()
+        cpu0, sys0 = router.cpu(), router.sys_cpu()
     up0 = upstream_cpu() if upstream_cpu else 0.0
     spy = None
     if profile is not None and router is not None:
@@ -158,6 +159,7 @@ def measure(target: Target, scen: Scenario, rnd: int, workers: int, upstream_cpu
         _stop_profiler(spy)
     if router is not None:
         m.router_cpu_s = router.cpu() - cpu0
+        m.router_sys_s = router.sys_cpu() - sys0
         m.rss_after = router.rss()
     m.upstream_cpu_s = (upstream_cpu() - up0) if upstream_cpu else 0.0
     ttft: list[float] = []
