@@ -30,9 +30,16 @@ def sse_data(buf: bytes) -> tuple[list[bytes], bytes]:
     """The ``data:`` payloads (stripped) of the complete server-sent events
     in ``buf``, one per event, and the incomplete rest to keep. An event's
     data lines are one payload, joined by newlines, as the SSE standard has
-    it (a proxy or server that folds a JSON chunk over several lines)."""
+    it (a proxy or server that folds a JSON chunk over several lines). A
+    line ends with LF, CRLF or a lone CR, as the standard has it. A CR that
+    ends ``buf`` after a line's text stays in the rest (the next read may
+    bring its LF); one that ends a blank line ends its event now (an LF
+    after it is an empty line, which is nothing)."""
+    held = b""
     if b"\r" in buf:
-        buf = buf.replace(b"\r\n", b"\n")
+        if buf[-1:] == b"\r" and buf[-2:-1] not in (b"\r", b"\n"):
+            buf, held = buf[:-1], b"\r"
+        buf = buf.replace(b"\r\n", b"\n").replace(b"\r", b"\n")
     *events, rest = buf.split(b"\n\n")
     out = []
     for event in events:
@@ -42,7 +49,7 @@ def sse_data(buf: bytes) -> tuple[list[bytes], bytes]:
         lines = [line[5:].strip() for line in event.split(b"\n") if line.startswith(b"data:")]
         if lines:
             out.append(b"\n".join(lines))
-    return out, rest
+    return out, rest + held
 
 
 class HttpError(Exception):

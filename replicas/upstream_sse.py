@@ -136,7 +136,8 @@ class SseReader:
             self.parts.append(data)
             self.size += len(data)
             self.tail = seam[-3:]
-            if b"\n\n" not in seam and b"\n\r\n" not in seam:
+            # (a blank line: LF LF, CRLF CRLF, or with a lone CR ending a line)
+            if b"\n\n" not in seam and b"\n\r" not in seam and b"\r\r" not in seam:
                 if self.size > MAX_EVENT:
                     raise UpstreamFailed(f"an SSE event larger than {MAX_EVENT} bytes")
                 return

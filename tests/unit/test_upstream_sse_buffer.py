@@ -79,6 +79,30 @@ async def test_an_event_split_anywhere_still_parses(monkeypatch) -> None:
             assert col.prompt_token_ids == [7]
 
 
+async def test_every_line_ending_the_standard_allows_parses_split_anywhere() -> None:
+    # (SSE ends a line with CRLF, LF or a lone CR; a JSON chunk folded over two
+    # data lines is one event: a CRLF split between two reads must not end it)
+    folded = (b'data: {"choices":[{"index":0,"text":"a","token_ids":[1],\n'
+              b'data: "prompt_token_ids":[7],"finish_reason":null}]}\n\n')
+    for sep in (b"\n", b"\r\n", b"\r"):
+        body = (folded + _events(10)).replace(b"\n", sep)
+        for step in (1, 2, 3, 5, 7, len(body)):
+            reader, owner, col = _reader()
+            for i in range(0, len(body), step):
+                reader.feed(body[i:i + step])
+            assert [d.finish for d in owner.finished] == [FinishReason.LENGTH], (sep, step)
+            assert col.prompt_token_ids == [7]
+
+
+def test_an_event_that_a_lone_cr_ends_is_not_held_for_the_next_read() -> None:
+    from replicas.http11 import sse_data
+
+    assert sse_data(b"data: 1\r\r") == ([b"1"], b"")
+    assert sse_data(b"data: 1\r\n\r") == ([b"1"], b"")  # (an LF may follow: an empty line)
+    assert sse_data(b"\ndata: 2\r\n\r\n") == ([b"2"], b"")
+    assert sse_data(b"data: 1\r") == ([], b"data: 1\r")  # (its LF may be in the next read)
+
+
 async def test_an_event_past_the_limit_fails_the_request(monkeypatch) -> None:
     monkeypatch.setattr(upstream_sse, "MAX_EVENT", 1 << 20)
     reader, owner, col = _reader()
