@@ -151,7 +151,8 @@ class Response:
 class _Conn(asyncio.Protocol):
     """One keep-alive connection; serves one response at a time."""
 
-    __slots__ = ("pool", "transport", "parser", "response", "head", "keep_alive", "closed", "got_bytes", "idle_since")
+    __slots__ = ("pool", "transport", "parser", "response", "head", "keep_alive", "closed", "got_bytes", "idle_since",
+                 "body")
 
     def __init__(self, pool: HttpPool) -> None:
         self.pool = pool
@@ -163,6 +164,11 @@ class _Conn(asyncio.Protocol):
         self.closed = False
         self.got_bytes = False
         self.idle_since = 0.0
+        # the body pieces of the read being parsed: httptools gives every
+        # chunk of a chunked body on its own (an upstream writes one per SSE
+        # event), and they go on as one piece when the read is parsed, so a
+        # read of many events is one pass of the SSE reader, not one per event
+        self.body: list[bytes] = []
 
     # asyncio.Protocol
     def connection_made(self, transport) -> None:  # type: ignore[override]
@@ -173,7 +179,10 @@ class _Conn(asyncio.Protocol):
         try:
             self.parser.feed_data(data)
         except httptools.HttpParserError as e:
+            self._flush()  # (what came before the bad bytes is the response's)
             self._fail(HttpError(f"bad HTTP response: {e}"))
+            return
+        self._flush()
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.closed = True
@@ -203,9 +212,10 @@ class _Conn(asyncio.Protocol):
 
     def on_body(self, body: bytes) -> None:
         if self.response is not None:
-            self.response._body(body)
+            self.body.append(body)
 
     def on_message_complete(self) -> None:
+        self._flush()
         r, self.response = self.response, None
         self.parser = httptools.HttpResponseParser(self)
         if self.keep_alive and not self.closed:
@@ -216,6 +226,15 @@ class _Conn(asyncio.Protocol):
             r._end(None)
 
     # ours
+    def _flush(self) -> None:
+        """The body pieces parsed so far to the response, as one piece."""
+        body = self.body
+        if body:
+            self.body = []
+            r = self.response
+            if r is not None:
+                r._body(body[0] if len(body) == 1 else b"".join(body))
+
     def send(self, request: bytes, response: Response) -> asyncio.Future[Response]:
         self.response = response
         self.got_bytes = False

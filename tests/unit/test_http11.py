@@ -88,6 +88,34 @@ async def test_streams_the_body_to_the_sink_and_reuses_the_connection() -> None:
         await pool.close()
 
 
+async def test_the_chunks_of_one_read_reach_the_sink_as_one_piece() -> None:
+    # (an upstream writes every SSE event as a chunk of its own: a read that
+    # holds many went to the SSE reader one chunk at a time, a pass of the
+    # reader and a delta per token when the upstream outpaced the router)
+    events = [b"data: %d\n\n" % i for i in range(50)]
+
+    async def script(path, w, r):
+        w.write(HEAD + chunked(*events[:25]))  # (the body's end in the same read)
+        await w.drain()
+
+    async def split(path, w, r):
+        w.write(HEAD + chunked(*events[:25])[:-5])
+        await w.drain()
+        await asyncio.sleep(0.05)
+        w.write(b"0\r\n\r\n")
+
+    for s in (script, split):
+        async with Server(s) as srv:
+            pool = HttpPool(srv.url)
+            r = await pool.request("POST", "/completions", b"{}")
+            got: list[bytes] = []
+            r.stream_to(got.append)
+            await r.finished()
+            assert b"".join(got) == b"".join(events[:25])
+            assert len(got) <= 2, len(got)  # the read with the head, and the one after it at most
+            await pool.close()
+
+
 async def test_error_bodies_are_read_whole() -> None:
     async def script(path, w, r):
         body = b'{"error": {"message": "bad"}}'
