@@ -19,9 +19,12 @@ resuming router continues generating from the tokens the buffer has and
 drops the ``C - stored characters`` of text the client already holds before
 sending anything; where the id says the client has the finish (and the
 usage event), the regenerated finish is not sent again (nor the usage
-event). That regeneration is exact for greedy requests (the replicas are
-deterministic); a sampled request in that position ends with an explicit
-``resume_gap`` error event rather than a text that may diverge.
+event). A resume cut off while it regenerates that text leaves the buffer
+level with the client in events but short of it in text (``_ahead``): the
+next resume from that id drops the text the same way. That regeneration is
+exact for greedy requests (the replicas are deterministic); a sampled
+request in that position ends with an explicit ``resume_gap`` error event
+rather than a text that may diverge.
 """
 
 from __future__ import annotations
@@ -388,7 +391,7 @@ async def _take_over(svc: RouterService, policy: TenantPolicy, sid: str, meta: R
             yield event
         return
     svc.resume.continue_at(sid, snap.total_events)  # (what this router appends follows the buffer's events)
-    if cursor > snap.total_events:
+    if _ahead(snap, pos, cursor):
         # The client is ahead of the buffer: regenerate what it has, silently.
         assert pos.tokens is not None and pos.chars is not None
         if meta.params.temperature > 0:
@@ -398,14 +401,16 @@ async def _take_over(svc: RouterService, policy: TenantPolicy, sid: str, meta: R
                           "(temperature > 0) generation cannot be regenerated exactly; retry the request.", "resume_gap")
             return
         skip_chars = pos.chars - text_len
-        if skip_chars < 0 or pos.tokens < len(tokens) or (pos.end == 2 and not meta.include_usage):
+        if (skip_chars < 0 or pos.tokens < len(tokens) or (pos.end == 2 and not meta.include_usage)
+                or not (snap.lost or cursor > snap.total_events)):  # (level: only placeholders explain it)
             await svc.resume.release(sid)
             outcome.record("client_error")
             yield _mismatch(meta)
             return
         had_end = pos.end
-        log.warning("stream %s: client is %d events ahead of the buffer (lost with their router); "
-                    "regenerating %d characters it already has", sid, cursor - snap.total_events, skip_chars)
+        log.warning("stream %s: client is %d events, %d tokens ahead of the buffer (lost with a router, or "
+                    "with a resume cut off); regenerating %d characters it already has", sid,
+                    cursor - snap.total_events, pos.tokens - len(tokens), skip_chars)
     outcome.done = True  # (the continuation is the request: its own line and count)
     try:
         async with aclosing(continue_stream(svc, policy, sid, meta, tokens, text_len, cursor, skip_chars,
@@ -417,6 +422,24 @@ async def _take_over(svc: RouterService, policy: TenantPolicy, sid: str, meta: R
         # no id of its own: the stream stays resumable from the client's last
         # one (a numbered error made that resume a 400, one past the buffer)
         yield enc_error.notice(e.body())
+
+
+def _ahead(snap: StreamSnapshot, pos: Position, cursor: int) -> bool:
+    """Whether the client (at ``pos``, ``cursor`` events) has more of the
+    stream than the buffer (``snap``, read after its last event): events it
+    lacks (lost with the router that sent them), or, level with it in
+    events, tokens or text. A resume that continued a client ahead by events
+    padded the buffer with placeholders for them, then regenerated their text
+    without sending it (or storing an event); cut off there (its client left
+    again, its router died), it left the buffer level with that client in
+    events and behind it in tokens and text, which the client's id
+    (``N-T-C``) shows. (Only the client's own id: after events replayed here,
+    the client has the buffer's text, and ``pos`` is from before them.)"""
+    if cursor > snap.total_events:
+        return True
+    if cursor != pos.event or pos.tokens is None or pos.chars is None:
+        return False
+    return pos.tokens > len(snap.token_ids) or pos.chars > snap.text_len
 
 
 async def _waiting_until_first(chunks: AsyncIterator[bytes]) -> AsyncIterator[bytes]:

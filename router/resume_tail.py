@@ -146,8 +146,14 @@ async def finish_tail(svc, sid: str, meta: ResumeMeta, snap: StreamSnapshot, pos
     svc.resume.continue_at(sid, snap.total_events)
     if had:
         svc.resume.pad(sid, had)
+    # (level with the buffer in events, a client can still have parts of the end
+    # the buffer holds placeholders for: a resume that padded for them was cut off
+    # before it stored them; its id says which it has, ``pos.end``, unless events
+    # were replayed after it)
+    has = pos.end if cursor == pos.event else 0
+    left = tuple(part for part in missing[had:] if _END[part] > has)
     out = []
-    for part in missing[had:]:
+    for part in left:
         if part == FINISH:
             # (``length``: the tokens reached max_tokens. An upstream that ended
             # on a stop at that very token, in a chunk of its own, said ``stop``)
@@ -158,7 +164,7 @@ async def finish_tail(svc, sid: str, meta: ResumeMeta, snap: StreamSnapshot, pos
         svc.resume.append(sid, event, [], chars)
         out.append(event)
     log.info("stream %s: its output had ended when its router stopped (%d tokens); sending what of its end "
-             "the buffer lacks: %s", sid, tokens, ", ".join((*missing[had:], "[DONE]")))
+             "the buffer lacks: %s", sid, tokens, ", ".join((*left, "[DONE]")))
     svc.background(_finish(svc, sid, meta.tenant, chars, leases))
     out.append(DONE)
     return out

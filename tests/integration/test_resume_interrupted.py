@@ -1,0 +1,164 @@
+"""A resume cut off while it regenerated text its client already had.
+
+A client ahead of its dead router's buffer (it got events the router had not
+stored) resumes: the continuation pads the buffer with placeholders for
+those events, so that it numbers as the client does, then regenerates their
+text silently. Cut off there (its client left again, or its router died),
+it leaves a buffer level with the client in events but behind it in text:
+with its tokens (the client left: those regenerated so far) or without them
+(the router died). The next resume from the same event id found the client
+level, skipped nothing, and sent the client that text again. The client's
+id says how far ahead it is in tokens and characters (``N-T-C``): the
+continuation drops those characters, as for a client ahead by events.
+
+The dead router's state is made as in test_resume_past_finish: a stream
+served whole, its Redis buffer rewritten to hold only its first events.
+"""
+
+from __future__ import annotations
+
+import httpx
+import pytest
+
+from router.state.redis_store import RedisStore
+from tests.helpers import GOLD, MODEL, RouterProcess, SseEvent, aiter_sse, apoll
+
+MAX_TOKENS = 48
+STORED = 6  # the events the dead router stored
+HAD = 40  # the events its client had (the buffer lacks 34; regenerating them takes ~1 s)
+SIM = {"step_base_ms": 30}
+
+
+def _text(events: list[SseEvent]) -> str:
+    out = ""
+    for ev in events:
+        if ev.data == "[DONE]":
+            continue
+        d = ev.json()
+        assert "error" not in d, d
+        out += "".join(c["text"] for c in d["choices"])
+    return out
+
+
+def _finishes(events: list[SseEvent]) -> list[str]:
+    return [c["finish_reason"] for ev in events if ev.data != "[DONE]"
+            for c in ev.json()["choices"] if c["finish_reason"]]
+
+
+async def _died_before_storing(store: RedisStore, rid: str, events: list[SseEvent], stored: int) -> None:
+    """``rid``'s finished buffer rewritten as a router that died having
+    stored only its first ``stored`` events leaves it (``lost``)."""
+    whole = await store.stream_read(rid, 0)
+    assert whole is not None and whole.finished
+    tokens, chars = (int(x) for x in events[stored - 1].id.split("-")[1:3])
+    await store.stream_open(rid, whole.meta, "", 600, lost=True)
+    assert await store.stream_append(rid, whole.events[:stored], list(whole.token_ids[:tokens]), chars, False,
+                                     "router-a", 600)
+
+
+@pytest.mark.parametrize("cut", ["client-left", "router-died"])
+async def test_a_resume_cut_off_while_it_regenerated_the_clients_text_does_not_send_it_again(
+        tmp_path, redis_server, cut: str) -> None:
+    settings = {"state": {"backend": "redis", "url": redis_server.url}}
+    a = RouterProcess(tmp_path / "a", replicas=1, sim=SIM, settings=settings).start()
+    # (the router the first resume runs on: a second one, killed, for "router-died")
+    b = RouterProcess(tmp_path / "b", replicas=1, sim=SIM, settings=settings).start() if cut == "router-died" else a
+    store = RedisStore(redis_server.url)
+    body = {"model": MODEL, "prompt": "The cluster", "max_tokens": MAX_TOKENS, "temperature": 0,
+            "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
+    try:
+        async with httpx.AsyncClient(headers={"Authorization": f"Bearer {GOLD}"}, timeout=60) as http:
+            async with http.stream("POST", a.base_url + "/v1/completions", json=body) as r:
+                assert r.status_code == 200, await r.aread()
+                rid = r.headers["x-request-id"]
+                events = [ev async for ev in aiter_sse(r)]
+            assert events[-1].data == "[DONE]" and len(events) > HAD + 3, [ev.id for ev in events]
+
+            async def buffer():
+                snap = await store.stream_read(rid, 0, tokens=False)
+                assert snap is not None
+                return snap
+
+            await apoll(lambda: _finished(buffer), 10, what="the stream's buffer finished")
+            await _died_before_storing(store, rid, events, STORED)
+            have, last = events[:HAD], events[HAD - 1].id
+            _, tokens, chars = (int(x) for x in last.split("-"))
+
+            # the first resume: padded, regenerating the client's text silently, and cut off
+            async with http.stream("GET", f"{b.base_url}/v1/streams/{rid}", headers={"Last-Event-ID": last}) as r:
+                assert r.status_code == 200, await r.aread()
+
+                async def padded() -> bool:
+                    return (await buffer()).total_events == HAD
+
+                await apoll(padded, 10, interval=0.01, what="the buffer padded to the client's events")
+                if cut == "router-died":
+                    b.proc.kill()
+                    b.proc.wait(5)
+            snap = await store.stream_read(rid, 0)
+            assert snap is not None
+            # (cut off before it sent anything: no event past the client's, text still behind it)
+            assert snap.total_events == HAD and snap.text_len < chars and len(snap.token_ids) < tokens, (
+                snap.total_events, snap.text_len, len(snap.token_ids))
+            assert all(e == b"" for e in snap.events[STORED:])
+
+            # the next resume from the same id (a router that died: once its claim runs out)
+            async with http.stream("GET", f"{a.base_url}/v1/streams/{rid}", headers={"Last-Event-ID": last}) as r:
+                assert r.status_code == 200, await r.aread()
+                rest = [ev async for ev in aiter_sse(r)]
+            assert rest and rest[-1].data == "[DONE]", [ev.data for ev in rest]
+            assert _text(have) + _text(rest) == _text(events)  # (was: the text from event STORED on, again)
+            assert [ev.number for ev in rest[:-1]] == list(range(HAD + 1, HAD + len(rest))), [ev.id for ev in rest]
+            assert _finishes(have + rest) == ["length"]
+            assert [ev.id for ev in rest[-3:-1]] == [ev.id for ev in events[-3:-1]]  # finish, usage: same ids
+    finally:
+        await store.close()
+        if b is not a:
+            b.stop(check=False)
+        a.stop()
+
+
+async def test_a_resume_cut_off_after_it_regenerated_the_clients_finish_does_not_send_it_again(
+        tmp_path, redis_server) -> None:
+    # The client had the finish event; the resume that padded for it stored the
+    # tokens it regenerated (every one: its router flushed them) and died before
+    # its usage event reached the buffer. The next resume found the output ended
+    # at max_tokens and sent the finish again: ``finish_reason`` twice.
+    settings = {"state": {"backend": "redis", "url": redis_server.url}}
+    router = RouterProcess(tmp_path / "r", replicas=1, sim=SIM, settings=settings).start()
+    store = RedisStore(redis_server.url)
+    body = {"model": MODEL, "prompt": "The cluster", "max_tokens": MAX_TOKENS, "temperature": 0,
+            "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
+    try:
+        async with httpx.AsyncClient(headers={"Authorization": f"Bearer {GOLD}"}, timeout=60) as http:
+            async with http.stream("POST", router.base_url + "/v1/completions", json=body) as r:
+                assert r.status_code == 200, await r.aread()
+                rid = r.headers["x-request-id"]
+                events = [ev async for ev in aiter_sse(r)]
+            finish, usage = events[-3], events[-2]
+            assert _finishes([finish]) == ["length"], finish.data
+
+            async def finished() -> bool:
+                snap = await store.stream_read(rid, 0)
+                return snap is not None and snap.finished
+
+            await apoll(finished, 10, what="the stream's buffer finished")
+            whole = await store.stream_read(rid, 0)
+            assert whole is not None and len(whole.token_ids) == MAX_TOKENS
+            have = events[:-2]  # up to the finish
+            await store.stream_open(rid, whole.meta, "", 600, lost=True)
+            assert await store.stream_append(rid, whole.events[:STORED] + [b""] * (len(have) - STORED),
+                                             list(whole.token_ids), whole.text_len, False, "router-b", 600)
+            async with http.stream("GET", f"{router.base_url}/v1/streams/{rid}",
+                                   headers={"Last-Event-ID": finish.id}) as r:
+                assert r.status_code == 200, await r.aread()
+                rest = [ev async for ev in aiter_sse(r)]
+            assert len(rest) == 2 and rest[0].id == usage.id, [ev.data for ev in rest]  # (was: the finish first)
+            assert rest[0].data == usage.data and rest[-1].data == "[DONE]"
+    finally:
+        await store.close()
+        router.stop()
+
+
+async def _finished(buffer) -> bool:
+    return (await buffer()).finished
