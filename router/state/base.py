@@ -14,11 +14,18 @@ import msgspec
 
 from policies.ratelimit import Decision
 
-__all__ = ["StateStore", "AdmitRequest", "LINE_SLACK", "TenantUsage", "StoreUnavailable", "StreamSnapshot"]
+__all__ = ["StateStore", "AdmitRequest", "LINE_SLACK", "SETTLED_TTL", "TenantUsage", "StoreUnavailable",
+           "StreamSnapshot"]
 
 
 CLAIM_TTL = 10.0  # a stream's generating router loses its claim if it stops appending this long
 LINE_SLACK = 2.0  # a waiting request stays in its tenant's line this long past its retry_after
+# A settled lease id is kept this long, and settling it again changes nothing:
+# a settlement that timed out on a Redis that only hung runs when Redis wakes,
+# and the router makes it again from its list of missed ones once its probe
+# finds Redis back (about a second later; longer only if Redis is lost again
+# in between). (Redis: one sorted-set entry per stream ended in that time.)
+SETTLED_TTL = 300.0
 
 
 class StoreUnavailable(ConnectionError):
@@ -135,7 +142,10 @@ class StateStore(abc.ABC):
         """Correct the tokens bucket with the real usage (see policies.ratelimit.settle);
         nothing if a continuation took over ``lease_id``'s reservation (``admit``). ``held``: it was
         admitted with a hold; its record gone (expired: its router was out of touch longer than
-        the hold, a continuation may have taken it over and settled it), no tokens come back."""
+        the hold, a continuation may have taken it over and settled it), no tokens come back.
+        Once per ``lease_id``: settled again within ``SETTLED_TTL``, nothing changes (a
+        settlement made again after a timeout that Redis ran all the same); one without a lease
+        id counts each time."""
 
     @abc.abstractmethod
     async def renew(self, tenant: str, lease_ids: list[str], ttl: float) -> None:

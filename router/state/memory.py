@@ -10,13 +10,14 @@ from collections.abc import Callable
 
 from policies import ratelimit
 from policies.ratelimit import Bucket, Decision
-from router.state.base import CLAIM_TTL, LINE_SLACK, AdmitRequest, StateStore, StreamSnapshot, TenantUsage
+from router.state.base import (CLAIM_TTL, LINE_SLACK, SETTLED_TTL, AdmitRequest, StateStore, StreamSnapshot,
+                               TenantUsage)
 
 __all__ = ["MemoryStore"]
 
 
 class _Tenant:
-    __slots__ = ("requests", "tokens", "leases", "next_prune", "line", "held")
+    __slots__ = ("requests", "tokens", "leases", "next_prune", "line", "held", "settled")
 
     def __init__(self) -> None:
         self.requests: Bucket | None = None
@@ -27,6 +28,9 @@ class _Tenant:
         # lease id -> (reserved tokens, base, until when, hold) of reservations
         # kept for a continuation (``AdmitRequest.hold``); tokens -1: taken over
         self.held: dict[str, tuple[int, int, float, float]] = {}
+        # lease id -> until when: settled, a second settlement changes nothing
+        # (``SETTLED_TTL``; in expiry order, as each gets the same TTL)
+        self.settled: dict[str, float] = {}
 
 
 SWEEP_INTERVAL = 1.0  # expired leases and buffers are swept at most this often (O(n) each)
@@ -124,6 +128,16 @@ class MemoryStore(StateStore):
                      held: bool = False) -> None:
         t = self._t(tenant)
         now = self._clock()
+        if lease_id and tpm:  # (as the Redis store, which keeps nothing for tpm 0)
+            settled = t.settled
+            while settled:  # (the expired ones, oldest first)
+                oldest = next(iter(settled))
+                if settled[oldest] > now:
+                    break
+                del settled[oldest]
+            if lease_id in settled:
+                return  # (settled already: this is the same settlement made again)
+            settled[lease_id] = now + SETTLED_TTL
         rec = t.held.pop(lease_id, None) if lease_id and t.held else None
         if rec is not None and rec[0] < 0 and rec[2] > now:
             return  # (a continuation took its reservation over, and settles it)

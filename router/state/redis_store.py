@@ -25,7 +25,8 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import NoScriptError, RedisError
 
 from policies.ratelimit import QUEUED_RETRY, Decision
-from router.state.base import CLAIM_TTL, LINE_SLACK, AdmitRequest, StateStore, StoreUnavailable, StreamSnapshot, TenantUsage
+from router.state.base import (CLAIM_TTL, LINE_SLACK, SETTLED_TTL, AdmitRequest, StateStore, StoreUnavailable,
+                               StreamSnapshot, TenantUsage)
 
 __all__ = ["RedisStore"]
 
@@ -80,7 +81,8 @@ class RedisStore(StateStore):
             # outage after ``timeout``, not after twice that. (A reply lost after
             # the command ran runs it twice: an admission counted twice, an
             # append that then marks its resume buffer broken. Rare, and on
-            # the safe side: a limit reached early, a resume refused.)
+            # the safe side: a limit reached early, a resume refused. A
+            # settlement counts once all the same: ``SETTLED_TTL``.)
             retry=Retry(NoBackoff(), 1, supported_errors=(RedisConnectionError,)),
             retry_on_error=[RedisConnectionError],  # (redis-py 5 retries only what this lists)
         )
@@ -109,12 +111,12 @@ class RedisStore(StateStore):
     def _keys(self, tenant: str) -> list[str]:
         base = f"{self._prefix}:{{{tenant}}}"
         return [f"{base}:rq", f"{base}:tk", f"{base}:leases", f"{base}:line", f"{base}:line-until", f"{base}:held",
-                f"{base}:held-until"]
+                f"{base}:held-until", f"{base}:settled"]
 
     async def admit(self, tenant: str, req: AdmitRequest) -> Decision:
         try:
             res = await self._admit(
-                keys=self._keys(tenant),
+                keys=self._keys(tenant)[:7],
                 args=[req.rpm, req.tpm, req.max_concurrent, req.cost_tokens, req.lease_id, req.lease_ttl,
                       int(req.line), QUEUED_RETRY, LINE_SLACK, self._channel, tenant, req.hold, req.base,
                       *req.replaces],
@@ -152,8 +154,8 @@ class RedisStore(StateStore):
             return
         try:
             keys = self._keys(tenant)
-            await self._settle(keys=[keys[1], keys[3], keys[5], keys[6]],
-                               args=[tpm, reserved, used, self._channel, tenant, lease_id, int(held)])
+            await self._settle(keys=[keys[1], keys[3], keys[5], keys[6], keys[7]],
+                               args=[tpm, reserved, used, self._channel, tenant, lease_id, int(held), SETTLED_TTL])
         except RedisError as e:
             raise _unavailable(e) from e
 

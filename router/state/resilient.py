@@ -28,7 +28,9 @@ the lease keeper makes at once (``generation`` changes with every return),
 so every router counts those streams again; the
 releases and settlements Redis missed during the outage are made when it
 returns (at most ``MAX_OWED``; a lease whose release is dropped still expires
-with its TTL).
+with its TTL). One that timed out on a Redis that only hung may have run when
+it woke: made again, a release changes nothing, nor does a settlement (the
+store keeps settled lease ids: ``SETTLED_TTL``).
 """
 
 from __future__ import annotations

@@ -1,11 +1,24 @@
 -- Correct the tokens bucket with the real usage (policies/ratelimit.py settle).
+-- Once per lease id: one settled within the last SETTLED_TTL changes nothing
+-- (a settlement that timed out on a Redis that only hung runs when Redis
+-- wakes, and its router makes it again from its list of missed ones).
 -- KEYS: 1 tokens bucket, 2 the tenant's line, 3 held reservations, 4 their
--- expiry (admit.lua); ARGV: tpm, reserved, used, channel, tenant (tokens given
--- back while requests wait: tell the routers), lease id (its reservation taken
--- over by a continuation: nothing to do, the continuation settles for it)
+-- expiry (admit.lua), 5 settled lease ids (zset: lease id -> until);
+-- ARGV: tpm, reserved, used, channel, tenant (tokens given back while requests
+-- wait: tell the routers), lease id (its reservation taken over by a
+-- continuation: nothing to do, the continuation settles for it), held (1:
+-- admitted with a hold), how long a settled lease id is kept (seconds)
 local t = redis.call('TIME')
 local now = tonumber(t[1]) + tonumber(t[2]) / 1000000
 local lease_id = ARGV[6] or ''
+if lease_id ~= '' then
+  redis.call('ZREMRANGEBYSCORE', KEYS[5], '-inf', now)
+  if redis.call('ZSCORE', KEYS[5], lease_id) then return 0 end
+  local keep = tonumber(ARGV[8])
+  redis.call('ZADD', KEYS[5], now + keep, lease_id)
+  -- (every entry is kept as long: the newest is the last to go)
+  redis.call('PEXPIRE', KEYS[5], math.ceil(keep * 1000) + 1000)
+end
 -- (admitted with a hold, its record gone: maybe taken over and settled; no refund)
 local no_refund = ARGV[7] == '1'
 if lease_id ~= '' then
