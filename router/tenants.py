@@ -73,7 +73,9 @@ class _PolicyFields(msgspec.Struct, forbid_unknown_fields=True, kw_only=True, om
     queue_depth: int | None = None
     """Requests that may wait at once, more get 429: this many in the queue for a replica, and (``on_limit: queue``) this many waiting for the tenant's limits, a separate queue before it. 0: none may wait (unlike the limits, where 0 means none)."""
     chunk_tokens: int | None = None
-    """Most tokens merged into one SSE event (a slow client gets up to this many per event)."""
+    """Most tokens merged into one SSE event: tokens that arrive together (one read from an upstream that is
+    ahead of the router) and tokens waiting for a slow client go out as one event of up to this many; tokens
+    that arrive apart go out one by one."""
     on_limit: Literal["reject", "queue"] | None = None
     """Over a rate or concurrency limit: ``reject`` answers 429 at once;
     ``queue`` waits until the request fits, up to ``timeouts.queue_wait`` (or its ``first_token`` or
