@@ -217,6 +217,28 @@ def read_text(path: str | Path) -> str:
         raise ConfigError([f"{path}:{line}: (file): not UTF-8 text (byte {e.start}: {e.reason})"]) from e
 
 
+def _syntax_error(name: str, text: str, e: yaml.MarkedYAMLError) -> str:
+    """``file:line: (syntax): reason`` for a parser error. The parser stops
+    where the text can no longer be read, which may be far past the mistake:
+    an unclosed quote is found at the end of the file. Its context (the token
+    or structure it was reading, and where that began) names the mistake's
+    line, so a token that began on an earlier line (a quoted scalar) is
+    reported at that line, and a structure (a ``[`` or ``{`` left open) at
+    the stopping line with the line it began on."""
+    mark, context = e.problem_mark, e.context_mark
+    line = (mark.line + 1) if mark else 1
+    problem = str(e.problem or e)
+    lines = text.splitlines()
+    if mark and mark.line < len(lines) and "\t" in lines[mark.line][:mark.column + 1]:
+        problem += " (a tab: YAML indents with spaces)"  # (what the parser says does not name it)
+    if not (mark and context and e.context and context.line < mark.line):
+        return f"{name}:{line}: (syntax): {problem}"
+    began = context.line + 1
+    if e.context.startswith("while scanning"):  # (one token: the mistake is where it began)
+        return f"{name}:{began}: (syntax): {e.context} from this line: {problem} at line {line}"
+    return f"{name}:{line}: (syntax): {problem} ({e.context} from line {began})"
+
+
 def load_yaml(path: str | Path, type_: type[T], text: str | None = None) -> tuple[T, Located]:
     """``_load_yaml``, with a file nested too deeply for the parser's and
     the checks' recursion (libyaml refuses 1,000 levels, Python's stack ends
@@ -254,13 +276,7 @@ def _load_yaml(path: str | Path, type_: type[T], text: str | None = None) -> tup
         finally:
             loader.dispose()
     except yaml.MarkedYAMLError as e:
-        mark = e.problem_mark
-        line = (mark.line + 1) if mark else 1
-        problem = str(e.problem or e)
-        lines = text.splitlines()
-        if mark and mark.line < len(lines) and "\t" in lines[mark.line][:mark.column + 1]:
-            problem += " (a tab: YAML indents with spaces)"  # (what the parser says does not name it)
-        raise ConfigError([f"{name}:{line}: (syntax): {problem}"]) from e
+        raise ConfigError([_syntax_error(name, text, e)]) from e
     except yaml.YAMLError as e:
         raise ConfigError([f"{name}:1: (syntax): {e}"]) from e
     if data is None:

@@ -36,7 +36,7 @@ BAD = [
     ("infinite_weight.yaml", 8, "tenants.beta.weight", r"must be finite", None),
     ("huge_limit.yaml", 10, "tenants.beta.limits.max_concurrent", r"must be at most 9007199254740992", None),
     ("infinite_timeout.yaml", 5, "tenants.alpha.timeouts.total", r"must be at most 9007199254740992", None),
-    ("syntax_error.yaml", 6, "(syntax)", r"expected ',' or '}'", None),
+    ("syntax_error.yaml", 6, "(syntax)", r"expected ',' or '}' \(while parsing a flow mapping from line 5\)$", None),
     ("empty_tenants.yaml", 4, "tenants", r"at least one tenant is needed", None),
     ("duplicate_tenant.yaml", 6, "tenants.alpha", r"twice|duplicate", None),
 ]
