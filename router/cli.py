@@ -124,8 +124,10 @@ def _check(args: argparse.Namespace) -> int:
 
 
 def _config_kind(path: str) -> type:
-    """Tenants file or router config, by its top-level keys (a file that does
-    not parse is handed to the router schema, whose loader reports the error)."""
+    """Tenants file or router config, by its top-level keys; a file that does
+    not parse (its loader reports the error either way), or has none, by its
+    name, so a broken tenants file given beside router.yaml still stands for
+    the one router.yaml names."""
     import yaml
 
     from router.config import RouterConfig
@@ -135,8 +137,8 @@ def _config_kind(path: str) -> type:
         with open(path, encoding="utf-8") as f:
             head = yaml.safe_load(f)
     except (OSError, ValueError, yaml.YAMLError):  # (ValueError: not UTF-8)
-        return RouterConfig
-    if head is None:  # (empty, or comments only: nothing tells but its name)
+        head = None
+    if head is None:  # (empty, comments only, or unreadable: nothing tells but its name)
         return TenantsFile if "tenant" in os.path.basename(path).lower() else RouterConfig
     # (router.yaml's ``tenants`` names a file and it must list replicas; a
     # tenants file's ``tenants`` is a mapping, or a mistake in one)

@@ -129,6 +129,20 @@ def test_check_config_reports_every_bad_file_in_one_run() -> None:
     check_error_line(paths[2], errors[1])
 
 
+def test_check_config_a_tenants_file_that_does_not_parse_stands_for_router_yamls() -> None:
+    """A tenants file given beside router.yaml is checked in its place (as
+    ``serve --tenants``), also when it does not parse: its name says what it
+    is, and the file router.yaml names is not checked as well."""
+    paths = [ROOT / "configs" / "router.yaml", BAD / "tenants_unclosed_quote.yaml"]
+    proc = _cli("check-config", *map(str, paths))
+    assert proc.returncode == 1
+    assert f"{ROOT / 'configs' / 'tenants.yaml'}: note: not checked" in proc.stderr, proc.stderr
+    assert "configs/tenants.yaml: ok" not in proc.stdout, proc.stdout
+    errors = [line for line in proc.stderr.splitlines() if ": note: " not in line]
+    assert len(errors) == 1, proc.stderr
+    check_error_line(paths[1], errors[0])
+
+
 def test_serve_refuses_a_bad_config_with_the_same_message() -> None:
     path = BAD / "unknown_top_key.yaml"
     proc = _cli("serve", "--config", str(path), "--port", "1", timeout=60)
