@@ -564,9 +564,15 @@ async def test_a_stream_that_ends_while_redis_is_known_to_hang_is_settled_once_a
         assert time.monotonic() - began < 0.25, "the end of a stream waited for a Redis known to be down"
     finally:
         h.server.resume()
+    await assert_settled_once(h, t)
+
+
+async def assert_settled_once(h: Harness, t: str) -> None:
+    """Once Redis is back: ``t``'s lease is gone and its bucket (10,000 a
+    minute, 6000 reserved, 4000 used) got the 2000 back once."""
     await h.wait_healthy(5.0)
     await asyncio.sleep(0.2)
-    usage = await store.primary.usage(t, rpm=0, tpm=10_000)
+    usage = await h.store.primary.usage(t, rpm=0, tpm=10_000)
     assert usage.active_streams == 0
     # 6000 (4000 and the 2000 given back, once) and the refill of a few seconds (167/s)
     assert 5900 < usage.tokens_available < 7500, usage
