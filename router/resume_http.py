@@ -20,8 +20,10 @@ drops the ``C - stored characters`` of text the client already holds before
 sending anything; where the id says the client has the finish (and the
 usage event), the regenerated finish is not sent again (nor the usage
 event). A resume cut off while it regenerates that text leaves the buffer
-level with the client in events but short of it in text (``_ahead``): the
-next resume from that id drops the text the same way. That regeneration is
+level with the client in events but short of it in text, its last events
+placeholders (``_ahead``): the next resume from that id drops the text the
+same way. (Level with a buffer whose event N is a real one, an id is not
+trusted for more: nothing is dropped.) That regeneration is
 exact for greedy requests (the replicas are deterministic); a sampled
 request in that position ends with an explicit ``resume_gap`` error event
 rather than a text that may diverge.
@@ -46,7 +48,7 @@ from router.leases import lease_chain
 from router.relay import NOT_RESUMABLE, Outcome, outcome_of, shutdown_notice
 from router.resume import ResumeMeta, decode_meta
 from router.resume_charge import charge_resume
-from router.resume_tail import error_code, finish_tail, last_event
+from router.resume_tail import client_on_placeholder, error_code, finish_tail, last_event, tail_after
 from router.service import RouterService
 from router.sse import DONE, ChunkEncoder
 from router.state import StoreUnavailable, StreamSnapshot
@@ -375,8 +377,10 @@ async def _take_over(svc: RouterService, policy: TenantPolicy, sid: str, meta: R
     skip_chars = had_end = 0  # (what the client has past the buffer: text, and the end's events)
     tokens, text_len = list(snap.token_ids), snap.text_len
     try:  # (its router may have died with the end of the stream half stored)
-        end = await finish_tail(svc, sid, meta, snap, pos, cursor, lambda after: _reread(svc, sid, after, False),
-                                leases[1])
+        tail = await _reread(svc, sid, tail_after(snap), False)
+        if tail is None:  # (a stream whose end is unknown is not continued)
+            raise StoreUnavailable(f"stream {sid}: its last events cannot be read")
+        end = await finish_tail(svc, sid, meta, snap, tail, pos, cursor, leases[1])
     except BaseException as e:  # (the client left, or the buffer cannot be read: the claim goes back)
         svc.background(svc.resume.release(sid))
         if not isinstance(e, StoreUnavailable):
@@ -391,7 +395,7 @@ async def _take_over(svc: RouterService, policy: TenantPolicy, sid: str, meta: R
             yield event
         return
     svc.resume.continue_at(sid, snap.total_events)  # (what this router appends follows the buffer's events)
-    if _ahead(snap, pos, cursor):
+    if _ahead(snap, pos, cursor, client_on_placeholder(snap, tail, pos, cursor)):
         # The client is ahead of the buffer: regenerate what it has, silently.
         assert pos.tokens is not None and pos.chars is not None
         if meta.params.temperature > 0:
@@ -401,8 +405,8 @@ async def _take_over(svc: RouterService, policy: TenantPolicy, sid: str, meta: R
                           "(temperature > 0) generation cannot be regenerated exactly; retry the request.", "resume_gap")
             return
         skip_chars = pos.chars - text_len
-        if (skip_chars < 0 or pos.tokens < len(tokens) or (pos.end == 2 and not meta.include_usage)
-                or not (snap.lost or cursor > snap.total_events)):  # (level: only placeholders explain it)
+        if (skip_chars < 0 or pos.tokens < len(tokens) or pos.tokens > meta.params.max_tokens
+                or (pos.end == 2 and not meta.include_usage)):
             await svc.resume.release(sid)
             outcome.record("client_error")
             yield _mismatch(meta)
@@ -424,7 +428,7 @@ async def _take_over(svc: RouterService, policy: TenantPolicy, sid: str, meta: R
         yield enc_error.notice(e.body())
 
 
-def _ahead(snap: StreamSnapshot, pos: Position, cursor: int) -> bool:
+def _ahead(snap: StreamSnapshot, pos: Position, cursor: int, padded: bool) -> bool:
     """Whether the client (at ``pos``, ``cursor`` events) has more of the
     stream than the buffer (``snap``, read after its last event): events it
     lacks (lost with the router that sent them), or, level with it in
@@ -433,11 +437,18 @@ def _ahead(snap: StreamSnapshot, pos: Position, cursor: int) -> bool:
     without sending it (or storing an event); cut off there (its client left
     again, its router died), it left the buffer level with that client in
     events and behind it in tokens and text, which the client's id
-    (``N-T-C``) shows. (Only the client's own id: after events replayed here,
-    the client has the buffer's text, and ``pos`` is from before them.)"""
+    (``N-T-C``) shows. Only where the client's last event is such a
+    placeholder in the buffer (``padded``, ``client_on_placeholder``): where
+    it is a real event, the buffer's text up to it is what every client
+    replaying it has, and an id that counts more (another stream's, a
+    made-up one, a second reader's whose events were cut differently) is
+    taken as level, as before: its holder may get text again, but no
+    characters are dropped from the buffer for the clients that hold its
+    ids. (After events replayed here, the client has the buffer's text, and
+    ``pos`` is from before them: never ``padded``.)"""
     if cursor > snap.total_events:
         return True
-    if cursor != pos.event or pos.tokens is None or pos.chars is None:
+    if not padded or pos.tokens is None or pos.chars is None:
         return False
     return pos.tokens > len(snap.token_ids) or pos.chars > snap.text_len
 

@@ -13,7 +13,13 @@ stream generated past its end (after an end-of-sequence) or, at
 ``finish_tail`` reads the buffer's last events, and where the output has
 ended, sends what of the end is not stored (after what the client already
 has), stores it and finishes the buffer, with no replica and no admission:
-nothing is generated. Except at ``max_tokens`` with stop strings (and
+nothing is generated. Its output has also ended where the client's own id
+says it has the finish (``N-T-C-1`` or ``-2``) with every token and
+character the buffer holds, and the buffer's event N is a placeholder: a
+resume that padded for that client's finish regenerated the rest (up to an
+end-of-sequence or a stop string as well as ``max_tokens``) and was cut off
+before its usage event or ``[DONE]`` were stored (``client_on_placeholder``).
+Except at ``max_tokens`` with stop strings (and
 without ``include_stop_str_in_output``): the finish the buffer lacks may
 have carried the last characters its replica held back (they could have
 started a stop string), which only a replica can rebuild from the tokens.
@@ -25,7 +31,6 @@ a failover after the last token.
 from __future__ import annotations
 
 import logging
-from collections.abc import Awaitable, Callable
 
 import msgspec
 
@@ -34,7 +39,7 @@ from router.resume import ResumeMeta
 from router.sse import DONE, END_FINISH, END_USAGE, ChunkEncoder, Usage
 from router.state import StoreUnavailable, StreamSnapshot
 
-__all__ = ["finish_tail", "last_event", "error_code"]
+__all__ = ["finish_tail", "tail_after", "client_on_placeholder", "last_event", "error_code"]
 
 log = logging.getLogger("fairstream.resume")
 
@@ -112,9 +117,32 @@ def _missing(tail: StreamSnapshot, snap: StreamSnapshot, meta: ResumeMeta) -> tu
     return (() if finished else (FINISH,)) + ((USAGE,) if meta.include_usage and not usage else ())
 
 
-async def finish_tail(svc, sid: str, meta: ResumeMeta, snap: StreamSnapshot, pos, cursor: int,
-                      read: Callable[[int], Awaitable[StreamSnapshot | None]],
-                      leases: tuple[str, ...]) -> list[bytes] | None:
+def tail_after(snap: StreamSnapshot) -> int:
+    """The event ``finish_tail``'s ``tail`` is read after: the buffer's last
+    two events (the finish and the usage event, at most) are in it."""
+    return max(0, snap.total_events - 2)
+
+
+def client_on_placeholder(snap: StreamSnapshot, tail: StreamSnapshot, pos, cursor: int) -> bool:
+    """Whether the client, level with the buffer (``snap``) in events by its
+    own id (``pos``: no events were replayed to it, ``cursor``), has for its
+    last event, N, a placeholder in the buffer (``tail``: its last events,
+    read after ``tail_after(snap)``). Only then can its id count more of the
+    stream than the buffer: a resume that padded for the events that client
+    had was cut off while it regenerated their text. Where event N is one
+    the buffer holds, every client that has it has the buffer's text up to
+    it, whatever its id says: an id of another stream, a made-up one, or
+    that of a second reader whose regenerated events were cut differently
+    (its text is then sent again rather than dropped from the buffer, which
+    every other client replays)."""
+    if not (cursor == pos.event == snap.total_events >= 1 and pos.tokens is not None and pos.chars is not None):
+        return False
+    at = cursor - 1 - tail_after(snap)  # (event N's index in ``tail.events``)
+    return 0 <= at < len(tail.events) and tail.events[at] == b""
+
+
+async def finish_tail(svc, sid: str, meta: ResumeMeta, snap: StreamSnapshot, tail: StreamSnapshot, pos,
+                      cursor: int, leases: tuple[str, ...]) -> list[bytes] | None:
     """For a claimed stream whose output has ended: the events of its end
     that the buffer lacks and the client does not have, and ``[DONE]``. They
     are queued for the buffer at once; its finish, which drops the claim,
@@ -126,15 +154,20 @@ async def finish_tail(svc, sid: str, meta: ResumeMeta, snap: StreamSnapshot, pos
     dropped; so is one whose id says its last event, one the buffer lacks,
     was another part of the end than the buffer's events make it: ``pos.end``;
     an id without that part, from a router before it, is taken as it was).
-    ``read(after)``: the buffer again, or None when it cannot be read (then
-    ``StoreUnavailable``: a stream whose end is unknown is not continued)."""
-    tail = await read(max(0, snap.total_events - 2))
-    if tail is None:
-        raise StoreUnavailable(f"stream {sid}: its last events cannot be read")
+    ``tail``: the buffer's last events (read after ``tail_after(snap)``)."""
+    tokens, chars = len(snap.token_ids), snap.text_len
+    # (its event N a placeholder, the client's id says which parts of the end it
+    # has, ``pos.end``: a resume that padded for them was cut off before it stored
+    # them. Event N one the buffer holds, the buffer's end is what counts)
+    padded = client_on_placeholder(snap, tail, pos, cursor)
     missing = _missing(tail, snap, meta)
+    if missing is None and padded and pos.end and (pos.tokens, pos.chars) == (tokens, chars):
+        # (that resume regenerated every token and character the client has, its
+        # finish's too (``EventStream.event`` stores those without an event),
+        # whatever ended it: generating on would go past its end)
+        missing = (FINISH, USAGE) if meta.include_usage else (FINISH,)
     if missing is None:
         return None
-    tokens, chars = len(snap.token_ids), snap.text_len
     had = cursor - snap.total_events  # the events of that end the client has (the buffer lost them)
     if had > len(missing) or (had and ((pos.tokens, pos.chars) != (tokens, chars)
                                        or pos.end not in (0, _END[missing[had - 1]]))):
@@ -146,11 +179,7 @@ async def finish_tail(svc, sid: str, meta: ResumeMeta, snap: StreamSnapshot, pos
     svc.resume.continue_at(sid, snap.total_events)
     if had:
         svc.resume.pad(sid, had)
-    # (level with the buffer in events, a client can still have parts of the end
-    # the buffer holds placeholders for: a resume that padded for them was cut off
-    # before it stored them; its id says which it has, ``pos.end``, unless events
-    # were replayed after it)
-    has = pos.end if cursor == pos.event else 0
+    has = pos.end if padded else 0
     left = tuple(part for part in missing[had:] if _END[part] > has)
     out = []
     for part in left:

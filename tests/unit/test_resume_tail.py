@@ -137,6 +137,20 @@ async def test_a_client_that_had_the_end_the_buffer_lacks_gets_only_the_rest() -
     assert after.finished and after.total_events == 5 and after.events[2:4] == [b"", b""]
 
 
+async def test_a_finish_id_for_an_event_the_buffer_holds_does_not_drop_the_finish() -> None:
+    # (``N-T-C-1`` where the buffer's event N is a token's, no finish: another
+    # stream's id, or a made-up one. Only a placeholder for event N, from a
+    # resume cut off after padding for it, says what of the end a level client
+    # has: the buffer was finished without its finish, and every client that
+    # resumed from it got none)
+    svc, store = await died_at_the_end(max_tokens=3, finish=FinishReason.NONE, include_usage=True)
+    out = await resume_at(svc, Position(2, 3, 11, 1))
+    assert len(out) == 3 and out[0].startswith(b"id: 3-3-11-1\n") and out[2] == DONE, out
+    assert chunk(out[0])["choices"][0]["finish_reason"] == "length"
+    after = await store.stream_read("s1", 2)
+    assert after.finished and after.events == out
+
+
 async def test_an_id_past_what_the_end_could_hold_is_a_mismatch_and_the_stream_stays_open() -> None:
     svc, store = await died_at_the_end(include_usage=True)
     for bogus in (Position(4, 3, 11), Position(3, 4, 13)):  # two events past the finish; a token more than it has
