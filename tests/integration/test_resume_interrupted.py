@@ -27,6 +27,7 @@ import pytest
 
 from router.state.redis_store import RedisStore
 from tests.helpers import GOLD, MODEL, RouterProcess, SseEvent, aiter_sse, apoll
+from tests.integration.test_resume_past_finish import _died_before_storing, _finishes
 
 MAX_TOKENS = 48
 STORED = 6  # the events the dead router stored
@@ -44,22 +45,6 @@ def _text(events: list[SseEvent]) -> str:
         assert "error" not in d, d
         out += "".join(c["text"] for c in d["choices"])
     return out
-
-
-def _finishes(events: list[SseEvent]) -> list[str]:
-    return [c["finish_reason"] for ev in events if ev.data != "[DONE]"
-            for c in ev.json()["choices"] if c["finish_reason"]]
-
-
-async def _died_before_storing(store: RedisStore, rid: str, events: list[SseEvent], stored: int) -> None:
-    """``rid``'s finished buffer rewritten as a router that died having
-    stored only its first ``stored`` events leaves it (``lost``)."""
-    whole = await store.stream_read(rid, 0)
-    assert whole is not None and whole.finished
-    tokens, chars = (int(x) for x in events[stored - 1].id.split("-")[1:3])
-    await store.stream_open(rid, whole.meta, "", 600, lost=True)
-    assert await store.stream_append(rid, whole.events[:stored], list(whole.token_ids[:tokens]), chars, False,
-                                     "router-a", 600)
 
 
 @pytest.mark.parametrize("cut", ["client-left", "router-died"])
