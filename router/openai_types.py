@@ -156,7 +156,7 @@ def _unsupported(req: _Common) -> str | None:
 def decode_request(body: bytes, kind: type[ChatRequest] | type[CompletionRequest]):
     """Decode and check a request body; ``BadRequest`` names the faulty field."""
     if not body:
-        raise BadRequest("The request body is empty; send a JSON object.")
+        raise BadRequest("The request body is empty; send a JSON object.", code="invalid_json")
     try:
         req = msgspec.json.decode(body, type=kind)
     except msgspec.ValidationError as e:

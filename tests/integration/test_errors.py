@@ -64,6 +64,7 @@ def test_bad_json(shared_router: RouterProcess, path: str) -> None:
 def test_empty_body(shared_router: RouterProcess) -> None:
     err = error_of(post(shared_router, CHAT, content=b""), 400)
     assert err["type"] == "invalid_request_error"
+    assert err["code"] == "invalid_json"  # (as for any body that is not a JSON object)
 
 
 def test_json_that_is_not_an_object(shared_router: RouterProcess) -> None:
