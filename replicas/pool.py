@@ -278,6 +278,11 @@ class ReplicaPool:
         if self._ready_waiters:
             self._offer(ready=True)
 
+    def any_room(self) -> bool:
+        """Whether some ready replica is under its in-flight cap (whatever
+        its model): when none is, nothing queued can start, whoever is next."""
+        return any(s.has_room for s in self.slots if s.ready)
+
     def offer_room(self) -> None:
         """A ready replica may have room (a release, a cap that grew): the
         streams waiting for one get it first."""

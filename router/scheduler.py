@@ -309,6 +309,8 @@ class Scheduler:
         counters = _NO_COUNTERS if self._fifo else self.counters
         skip = None
         while self._queued:
+            if not self.pool.any_room():
+                return  # (before the fair-share pick and the replica choice a full cluster makes in vain)
             now = self.clock()
             tenant = self._heads.pick(counters, now, skip)
             if tenant is None:
