@@ -98,9 +98,10 @@ def _missing(tail: StreamSnapshot, snap: StreamSnapshot, meta: ResumeMeta) -> tu
     """None: the stream's output has not ended (as far as the buffer's last
     events, ``tail``, show), so it is continued. Else the parts of its end
     the buffer lacks, in order (``FINISH``, ``USAGE``; ``[DONE]`` always):
-    it ended when a stored event has a finish reason, or when its stored
-    tokens reached ``max_tokens`` (a finish sent in an event of its own, not
-    stored) and no text can have been held back for a stop string."""
+    it ended when a stored event has a finish reason or is the usage event,
+    or when its stored tokens reached ``max_tokens`` (a finish sent in an
+    event of its own, not stored) and no text can have been held back for a
+    stop string."""
     finished = usage = False
     for event in tail.events:
         chunk = _chunk(event)
@@ -108,8 +109,11 @@ def _missing(tail: StreamSnapshot, snap: StreamSnapshot, meta: ResumeMeta) -> tu
             continue
         if chunk.choices and chunk.choices[0].finish_reason is not None:
             finished = True
-        elif not chunk.choices and chunk.usage is not None and finished:
-            usage = True
+        elif not chunk.choices and chunk.usage is not None:
+            # (a usage event is only ever written after the finish: where that
+            # finish is a placeholder, padded by a resume cut off after it
+            # stored the usage event, the usage event says the output ended)
+            finished = usage = True
     params = meta.params
     if not finished and (len(snap.token_ids) < params.max_tokens
                          or (params.stop and not params.include_stop_str_in_output)):

@@ -209,3 +209,38 @@ async def test_a_stream_that_had_not_ended_is_still_continued() -> None:
     svc, _ = await died_at_the_end(finish=FinishReason.NONE)
     out = await resume_at(svc, Position(2, 3, 11))
     assert b'"code":"no_replica_available"' in out[-1], out  # it tried to generate the rest
+
+
+async def padded_finish_then_usage(max_tokens: int):
+    """A resume (router b) padded for its client's finish event (event 2),
+    regenerated its tokens silently (stored with no event), stored the usage
+    event (3) and died before ``[DONE]`` reached the store: the buffer's
+    finish is a placeholder, its usage event real."""
+    clock = Clock()
+    store = MemoryStore(clock)
+    svc = await service()
+    svc.store, svc.resume, svc.admission = store, ResumeWriter(store, 60), Admission(store, svc.metrics)
+    meta = ResumeMeta("t", False, "m", "cmpl-s1", 7, True, SamplingParams(max_tokens=max_tokens), [1, 2, 3], False,
+                      lease="lease-a")
+    enc = ChunkEncoder(False, "cmpl-s1", "m", 7)
+    await svc.admission.admit(policy(max_concurrent=1), 1, lease_id="lease-a")
+    await store.stream_open("s1", encode_meta(meta), "router-b", 60, lost=True)
+    store.append_now("s1", [enc.delta("Hello", FinishReason.NONE, b"-2-5")], [10, 11], 5, False, "router-b", 60)
+    store.append_now("s1", [b""], [], None, False, "router-b", 60)  # the pad for the client's finish event
+    store.append_now("s1", [], [12], 11, False, "router-b", 60)  # its tokens, regenerated silently
+    usage = ChunkEncoder(False, "cmpl-s1", "m", 7, event_id=2).usage(3, 3, b"-3-11-2")
+    store.append_now("s1", [usage], [], 11, False, "router-b", 60)
+    clock.now += CLAIM_TTL + 1
+    return svc
+
+
+async def test_a_stored_usage_event_after_a_padded_finish_says_the_output_ended() -> None:
+    # (the buffer held no real finish, so the end went unseen: an end-of-sequence
+    # finish was continued past its end, one at max_tokens was sent again)
+    svc = await padded_finish_then_usage(8)  # (ended on a stop or end-of-sequence, below max_tokens)
+    assert await resume_at(svc, Position(3, 3, 11, 2)) == [DONE]
+    svc = await padded_finish_then_usage(8)
+    out = await resume_at(svc, Position(2, 3, 11, 1))  # (the client had the finish, not the usage event)
+    assert len(out) == 2 and chunk(out[0])["usage"] is not None and out[-1] == DONE, out
+    svc = await padded_finish_then_usage(3)  # (ended at max_tokens)
+    assert await resume_at(svc, Position(3, 3, 11, 2)) == [DONE]
