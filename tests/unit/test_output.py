@@ -143,13 +143,16 @@ def test_special_tokens_are_not_text() -> None:
 # -- resume on another replica ------------------------------------------------------------
 
 
+@example(text="\ufffd", k=1, raw=set())  # (a real U+FFFD at the end: dropped both ways)
 @given(any_text, st.integers(1, 1000), boundaries)
 def test_resume_at_any_point_gives_identical_text(text: str, k: int, raw: set[int]) -> None:
     ids = TOK.encode(text)
     assume(len(ids) >= 2)
     k = 1 + k % (len(ids) - 1)
     out, finish = run_with_resume(ids, points(raw, len(ids)), k, [])
-    assert out == text
+    # (what one processor gives: a text that ends in a real U+FFFD loses it, as
+    # vLLM's detokenizer drops an unfinished character's bytes: ``final_text``)
+    assert out == final_text(ids)
     assert finish == LENGTH
 
 
