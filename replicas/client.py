@@ -280,6 +280,24 @@ class ReplicaClient:
         decoder = FrameDecoder(replica_decoder())
         reason: BaseException = ReplicaDead(f"replica {self.name} closed the connection")
         streams = self._streams
+        # A read's plain deltas (token ids and text, nothing else) of one
+        # request go on as one, up to its collector's ``limit`` tokens: when
+        # the router is behind its replica, a read holds several engine
+        # steps, and their tokens are relayed in one step (one event), not
+        # one per step. Anything else of that request (its finish, an error)
+        # sends what it has merged first; the rest goes when the read is done,
+        # but for tokens without text (a character's first bytes, text held
+        # back for a stop string), which would make no event of their own but
+        # join the next one, past ``limit``: they wait for the next read's.
+        # (Tokens still here when the connection breaks are not delivered: the
+        # failover regenerates them.)
+        merged: dict[int, Delta] = {}
+
+        def send(d: Delta) -> None:
+            col = streams.get(d.rid)
+            if col is not None and not (col.lane is not None and col.lane.tokens(d.token_ids, d.text)):
+                col.put(d)
+
         try:
             while True:
                 data = await self._reader.read(262144)
@@ -289,13 +307,28 @@ class ReplicaClient:
                     if type(msg) is Deltas:
                         for d in msg.items:
                             col = streams.get(d.rid)
-                            if col is not None:
-                                if d.finish:
-                                    del streams[d.rid]
-                                elif (col.lane is not None and d.token_ids and d.prompt_token_ids is None
-                                      and not d.count and col.lane.tokens(d.token_ids, d.text)):
+                            if col is None:
+                                continue
+                            if (d.token_ids and not d.finish and d.prompt_token_ids is None and not d.count
+                                    and not d.error):
+                                m = merged.get(d.rid)
+                                if m is None:
+                                    merged[d.rid] = d
+                                elif col.limit and len(m.token_ids) + len(d.token_ids) > col.limit:
+                                    send(m)
+                                    merged[d.rid] = d
+                                else:
+                                    merged[d.rid] = Delta(d.rid, m.token_ids + d.token_ids, m.text + d.text)
+                                continue
+                            m = merged.pop(d.rid, None)
+                            if m is not None:
+                                send(m)
+                                col = streams.get(d.rid)  # (the merged piece may have ended its stream)
+                                if col is None:
                                     continue
-                                col.put(d)
+                            if d.finish:
+                                del streams[d.rid]
+                            col.put(d)
                     elif type(msg) is LoadReport:
                         self.load = msg
                     elif type(msg) is Pong:
@@ -303,6 +336,14 @@ class ReplicaClient:
                         fut = self._pings.get(msg.seq)
                         if fut is not None and not fut.done():
                             fut.set_result(msg)
+                if merged:
+                    kept = {}
+                    for rid, d in merged.items():
+                        if d.text:
+                            send(d)
+                        elif rid in streams:  # (see above)
+                            kept[rid] = d
+                    merged = kept
         except asyncio.CancelledError:
             reason = ReplicaDead(f"replica {self.name} connection closed by the router")
             raise

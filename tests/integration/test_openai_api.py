@@ -297,10 +297,13 @@ LONG_REQUEST = (b"POST /v1/completions HTTP/1.1\r\nhost: x\r\nconnection: close\
                 + b"\r\ncontent-length: %d\r\n\r\n" % len(_LONG_BODY) + _LONG_BODY)
 
 
-def _long_stream_router(tmp_path) -> RouterProcess:
-    """One fast sim replica; gold may ask for 40,000 tokens."""
+def _long_stream_router(tmp_path, chunk_tokens: int | None = None) -> RouterProcess:
+    """One fast sim replica; gold may ask for 40,000 tokens (in events of at
+    most ``chunk_tokens``, where given)."""
     tenants = yaml.safe_load(DEMO_TENANTS.read_text())
     tenants["tenants"]["gold"]["limits"]["max_tokens"] = 40000
+    if chunk_tokens is not None:
+        tenants["tenants"]["gold"]["chunk_tokens"] = chunk_tokens
     (tmp_path / "tenants.yaml").write_text(yaml.safe_dump(tenants))
     sim = {"step_base_ms": 0.2, "max_model_len": 65536}
     return RouterProcess(tmp_path / "r", replicas=1, sim=sim, tenants=tmp_path / "tenants.yaml")
@@ -366,8 +369,10 @@ def test_a_client_that_leaves_with_events_waiting_resumes_text_exact(tmp_path) -
     # The generation runs ahead of a client that reads slowly: its last
     # pieces wait in the router when the client leaves. The resume buffer
     # holds what the client was sent, not what the generation produced, so
-    # a resume from the client's last event id continues text-exact.
-    with _long_stream_router(tmp_path) as router:
+    # a resume from the client's last event id continues text-exact. (One token
+    # per event: 40,000 of them outgrow the socket buffers, so pieces wait in
+    # the router; the tokens of a read merged into events of 16 would fit.)
+    with _long_stream_router(tmp_path, chunk_tokens=1) as router:
         ref = _long_reference(router)
         sock, raw = _read_then_stall(router, 100_000)  # some events, then it leaves
         sock.close()

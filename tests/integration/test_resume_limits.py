@@ -68,8 +68,11 @@ def test_a_stream_left_behind_a_paused_transport_and_resumed_counts_each_token_o
     # past the buffer, and counted them again: 30,000 tokens of usage
     # counted (and charged to the token bucket) as tens of thousands more.
     tenants = tmp_path / "tenants.yaml"
+    # (one token per event: 30,000 of them outgrow every buffer on the way;
+    # the tokens of a read merged into events of 16 would all fit in them)
     tenants.write_text(yaml.safe_dump({"admin_keys": [hash_key(ADMIN)],
-                                       "tenants": {"a": {"keys": [hash_key(KEY)]}}}, sort_keys=False))
+                                       "tenants": {"a": {"keys": [hash_key(KEY)], "chunk_tokens": 1}}},
+                                      sort_keys=False))
     sim = {"step_base_ms": 0.0, "step_per_seq_ms": 0.0, "max_model_len": 40000}
     max_tokens = 30000
     with RouterProcess(tmp_path / "r", replicas=1, tenants=tenants, sim=sim,

@@ -36,14 +36,15 @@ OTHER = "timeouts-other-key"
 LONG = {"queue_wait": 30, "first_token": 30, "stall": 30, "total": 120}
 
 
-def write_tenants(path: Path, timeouts: dict[str, float], limits: dict[str, int] | None = None) -> Path:
-    """One tenant ``t`` (KEY) with ``timeouts`` over generous defaults, and an
-    unlimited tenant ``other`` (OTHER)."""
+def write_tenants(path: Path, timeouts: dict[str, float], limits: dict[str, int] | None = None,
+                  **extra: Any) -> Path:
+    """One tenant ``t`` (KEY) with ``timeouts`` over generous defaults (and
+    ``extra`` fields), and an unlimited tenant ``other`` (OTHER)."""
     doc: dict[str, Any] = {
         "admin_keys": [hash_key(ADMIN)],
         "defaults": {"timeouts": LONG, "on_limit": "reject"},
         "tenants": {
-            "t": {"keys": [hash_key(KEY)], "timeouts": {**LONG, **timeouts}, "limits": limits or {}},
+            "t": {"keys": [hash_key(KEY)], "timeouts": {**LONG, **timeouts}, "limits": limits or {}, **extra},
             "other": {"keys": [hash_key(OTHER)]},
         },
     }
@@ -334,7 +335,9 @@ async def test_a_client_that_stops_reading_is_dropped_after_send_timeout_and_fre
     # waits send_timeout (1.5 s), drops the connection and ends the request,
     # so the tenant's slot is free again. Before, the request, its lease and
     # its queued output stayed as long as TCP kept the connection.
-    tenants = write_tenants(tmp_path / "tenants.yaml", {}, {"max_concurrent": 1})
+    # (one token per event: 30,000 of them outgrow every buffer on the way;
+    # the tokens of a read merged into events of 16 would all fit in them)
+    tenants = write_tenants(tmp_path / "tenants.yaml", {}, {"max_concurrent": 1}, chunk_tokens=1)
     sim = {"step_base_ms": 0.0, "step_per_seq_ms": 0.0, "max_model_len": 40000}
     with RouterProcess(tmp_path / "r", replicas=1, tenants=tenants, sim=sim,
                        settings={"send_timeout": 1.5}) as router:
@@ -372,7 +375,7 @@ async def test_a_resume_whose_client_stops_reading_is_dropped_after_send_timeout
     # waits send_timeout (1.5 s) and closes the connection, as it does for a
     # completion's stream. Before, the replay waited as long as TCP kept the
     # connection.
-    tenants = write_tenants(tmp_path / "tenants.yaml", {})
+    tenants = write_tenants(tmp_path / "tenants.yaml", {}, chunk_tokens=1)  # (as above: 30,000 events)
     sim = {"step_base_ms": 0.0, "step_per_seq_ms": 0.0, "max_model_len": 40000}
     with RouterProcess(tmp_path / "r", replicas=1, tenants=tenants, sim=sim,
                        settings={"send_timeout": 1.5}) as router:
