@@ -47,6 +47,13 @@ def _text(events: list[SseEvent]) -> str:
     return out
 
 
+async def _stream(http: httpx.AsyncClient, base_url: str, body: dict) -> tuple[str, list[SseEvent]]:
+    """A completion streamed to its end: its request id and its events."""
+    async with http.stream("POST", base_url + "/v1/completions", json=body) as r:
+        assert r.status_code == 200, await r.aread()
+        return r.headers["x-request-id"], [ev async for ev in aiter_sse(r)]
+
+
 @pytest.mark.parametrize("cut", ["client-left", "router-died"])
 async def test_a_resume_cut_off_while_it_regenerated_the_clients_text_does_not_send_it_again(
         tmp_path, redis_server, cut: str) -> None:
@@ -59,10 +66,7 @@ async def test_a_resume_cut_off_while_it_regenerated_the_clients_text_does_not_s
             "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
     try:
         async with httpx.AsyncClient(headers={"Authorization": f"Bearer {GOLD}"}, timeout=60) as http:
-            async with http.stream("POST", a.base_url + "/v1/completions", json=body) as r:
-                assert r.status_code == 200, await r.aread()
-                rid = r.headers["x-request-id"]
-                events = [ev async for ev in aiter_sse(r)]
+            rid, events = await _stream(http, a.base_url, body)
             assert events[-1].data == "[DONE]" and len(events) > HAD + 3, [ev.id for ev in events]
 
             async def buffer():
@@ -126,10 +130,7 @@ async def test_a_resume_cut_off_after_it_regenerated_the_clients_finish_does_not
             "stream": True, "stream_options": {"include_usage": True}}
     try:
         async with httpx.AsyncClient(headers={"Authorization": f"Bearer {GOLD}"}, timeout=60) as http:
-            async with http.stream("POST", router.base_url + "/v1/completions", json=body) as r:
-                assert r.status_code == 200, await r.aread()
-                rid = r.headers["x-request-id"]
-                events = [ev async for ev in aiter_sse(r)]
+            rid, events = await _stream(http, router.base_url, body)
             finish, usage = events[-3], events[-2]
             assert _finishes([finish]) == ["length" if ended == "max_tokens" else "stop"], finish.data
             assert len(events) > STORED + 3, [ev.id for ev in events]
