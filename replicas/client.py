@@ -288,10 +288,14 @@ class ReplicaClient:
         # sends what it has merged first; the rest goes when the read is done,
         # but for tokens without text (a character's first bytes, text held
         # back for a stop string), which would make no event of their own but
-        # join the next one, past ``limit``: they wait for the next read's.
-        # (Tokens still here when the connection breaks are not delivered: the
-        # failover regenerates them.)
+        # join the next one, past ``limit``: they wait for the next read's,
+        # one read at most (the stall timer sees tokens when they come, so
+        # they are not held longer). Tokens still here when the connection
+        # breaks are not delivered: the failover regenerates them. A
+        # collector without a limit (a consumer that pulls and merges
+        # itself) gets every delta as it comes.
         merged: dict[int, Delta] = {}
+        held: set[int] = set()  # the requests whose piece without text waited one read
 
         def send(d: Delta) -> None:
             col = streams.get(d.rid)
@@ -309,12 +313,12 @@ class ReplicaClient:
                             col = streams.get(d.rid)
                             if col is None:
                                 continue
-                            if (d.token_ids and not d.finish and d.prompt_token_ids is None and not d.count
-                                    and not d.error):
+                            if (col.limit and d.token_ids and not d.finish and d.prompt_token_ids is None
+                                    and not d.count and not d.error):
                                 m = merged.get(d.rid)
                                 if m is None:
                                     merged[d.rid] = d
-                                elif col.limit and len(m.token_ids) + len(d.token_ids) > col.limit:
+                                elif len(m.token_ids) + len(d.token_ids) > col.limit:
                                     send(m)
                                     merged[d.rid] = d
                                 else:
@@ -339,11 +343,12 @@ class ReplicaClient:
                 if merged:
                     kept = {}
                     for rid, d in merged.items():
-                        if d.text:
+                        if d.text or rid in held:
                             send(d)
                         elif rid in streams:  # (see above)
                             kept[rid] = d
                     merged = kept
+                held = set(merged)
         except asyncio.CancelledError:
             reason = ReplicaDead(f"replica {self.name} connection closed by the router")
             raise

@@ -1,6 +1,6 @@
 """The replica connection's reader: a read's engine steps of one request go
-on as one piece (when the router is behind its replica), in order, and never
-past the collector's ``limit`` or across a finish."""
+on as one piece (when the router is behind its replica), in order, never
+across a finish and at most the collector's ``limit`` tokens a piece."""
 
 from __future__ import annotations
 
@@ -33,7 +33,7 @@ def _step(*items: Delta) -> bytes:
     return encode_frame(Deltas(list(items)))
 
 
-async def _client(limit: int = 0):
+async def _client(limit: int = 16):
     reader = asyncio.StreamReader()
     client = ReplicaClient("r", reader, _Writer(), Ready(1, "m", "sim", 64, 1))  # type: ignore[arg-type]
     sink = _Sink()
@@ -86,15 +86,44 @@ async def test_steps_in_reads_of_their_own_go_one_by_one() -> None:
     assert sink.got == [(1, [1], "a", FinishReason.NONE), (1, [2], "b", FinishReason.NONE)]
 
 
-async def test_tokens_without_text_wait_for_the_next_reads_so_no_event_passes_the_limit() -> None:
-    # (a character's first bytes come as tokens without text; they make no
-    # event of their own but join the next, which was then up to 3 tokens
-    # past chunk_tokens when the next read's 16 came as one piece)
-    client, reader, sink = await _client(limit=4)
-    reader.feed_data(_step(Delta(1, [1], "")) + _step(Delta(1, [2], "")))
+async def _read(reader: asyncio.StreamReader, data: bytes) -> None:
+    reader.feed_data(data)
     for _ in range(3):
         await asyncio.sleep(0)
+
+
+async def test_tokens_without_text_wait_for_the_next_reads_tokens() -> None:
+    # (a character's first bytes come as tokens without text; they make no
+    # event of their own but join the next, which was up to 3 tokens past
+    # chunk_tokens when the next read's 16 came as one piece)
+    client, reader, sink = await _client(limit=4)
+    await _read(reader, _step(Delta(1, [1], "")) + _step(Delta(1, [2], "")))
     assert sink.got == []
-    reader.feed_data(b"".join(_step(Delta(1, [t], "é" if t == 3 else "x")) for t in range(3, 7)))
+    await _read(reader, b"".join(_step(Delta(1, [t], "é" if t == 3 else "x")) for t in range(3, 7)))
     await _settle(client, reader)
     assert sink.got == [(1, [1, 2, 3, 4], "éx", FinishReason.NONE), (1, [5, 6], "xx", FinishReason.NONE)]
+
+
+async def test_tokens_without_text_wait_one_read_at_most() -> None:
+    # (the stall timer and the in-flight load see tokens as they come: a long
+    # run of them without text, text held back for a long stop string, is
+    # not held in the reader)
+    client, reader, sink = await _client()
+    await _read(reader, _step(Delta(1, [1], "")))
+    assert sink.got == []
+    await _read(reader, _step(Delta(1, [2], "")))
+    assert sink.got == [(1, [1, 2], "", FinishReason.NONE)]
+    await _read(reader, _step(Delta(1, [3], "")))
+    await _read(reader, _step(Delta(1, [4], "")))
+    await _settle(client, reader)
+    assert sink.got[1:] == [(1, [3, 4], "", FinishReason.NONE)]
+
+
+async def test_a_collector_without_a_limit_gets_every_step_as_it_came() -> None:
+    # (a consumer that pulls merges what waits itself; merging in the reader
+    # without a bound copied the piece at every step)
+    client, reader, sink = await _client(limit=0)
+    await _read(reader, _step(Delta(1, [1], "a")) + _step(Delta(1, [2], "")) + _step(Delta(1, [3], "b")))
+    await _settle(client, reader)
+    assert sink.got == [(1, [1], "a", FinishReason.NONE), (1, [2], "", FinishReason.NONE),
+                        (1, [3], "b", FinishReason.NONE)]
