@@ -296,10 +296,19 @@ class ReplicaClient:
         # itself) gets every delta as it comes.
         merged: dict[int, Delta] = {}
         held: set[int] = set()  # the requests whose piece without text waited one read
+        # tokens sent without text since the request's last piece with text:
+        # the next event carries them, so its merge leaves room for them
+        owed: dict[int, int] = {}
 
         def send(d: Delta) -> None:
             col = streams.get(d.rid)
-            if col is not None and not (col.lane is not None and col.lane.tokens(d.token_ids, d.text)):
+            if col is None:
+                return
+            if d.text:
+                owed.pop(d.rid, None)
+            else:
+                owed[d.rid] = owed.get(d.rid, 0) + len(d.token_ids)
+            if not (col.lane is not None and col.lane.tokens(d.token_ids, d.text)):
                 col.put(d)
 
         try:
@@ -318,7 +327,7 @@ class ReplicaClient:
                                 m = merged.get(d.rid)
                                 if m is None:
                                     merged[d.rid] = d
-                                elif len(m.token_ids) + len(d.token_ids) > col.limit:
+                                elif len(m.token_ids) + len(d.token_ids) + owed.get(d.rid, 0) > col.limit:
                                     send(m)
                                     merged[d.rid] = d
                                 else:
@@ -332,6 +341,7 @@ class ReplicaClient:
                                     continue
                             if d.finish:
                                 del streams[d.rid]
+                                owed.pop(d.rid, None)
                             col.put(d)
                     elif type(msg) is LoadReport:
                         self.load = msg
@@ -349,6 +359,9 @@ class ReplicaClient:
                             kept[rid] = d
                     merged = kept
                 held = set(merged)
+                if owed:  # (aborted or failed over meanwhile: theirs is no one's)
+                    for rid in [r for r in owed if r not in streams]:
+                        del owed[rid]
         except asyncio.CancelledError:
             reason = ReplicaDead(f"replica {self.name} connection closed by the router")
             raise

@@ -127,3 +127,15 @@ async def test_a_collector_without_a_limit_gets_every_step_as_it_came() -> None:
     await _settle(client, reader)
     assert sink.got == [(1, [1], "a", FinishReason.NONE), (1, [2], "", FinishReason.NONE),
                         (1, [3], "b", FinishReason.NONE)]
+
+
+async def test_a_merge_leaves_room_for_the_tokens_sent_without_text() -> None:
+    # (tokens without text that waited their read and went on join the next
+    # event: the next piece is merged to ``limit`` less them, not past it)
+    client, reader, sink = await _client(limit=4)
+    await _read(reader, _step(Delta(1, [1], "")))
+    await _read(reader, _step(Delta(1, [2], "")))  # (waited a read: goes on, 2 tokens owed)
+    await _read(reader, b"".join(_step(Delta(1, [t], "x")) for t in range(3, 8)))
+    await _settle(client, reader)
+    assert sink.got == [(1, [1, 2], "", FinishReason.NONE), (1, [3, 4], "xx", FinishReason.NONE),
+                        (1, [5, 6, 7], "xxx", FinishReason.NONE)]
