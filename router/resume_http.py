@@ -380,7 +380,8 @@ async def _take_over(svc: RouterService, policy: TenantPolicy, sid: str, meta: R
         tail = await _reread(svc, sid, tail_after(snap), False)
         if tail is None:  # (a stream whose end is unknown is not continued)
             raise StoreUnavailable(f"stream {sid}: its last events cannot be read")
-        end = await finish_tail(svc, sid, meta, snap, tail, pos, cursor, leases[1])
+        padded = client_on_placeholder(snap, tail, pos, cursor)
+        end = await finish_tail(svc, sid, meta, snap, tail, pos, cursor, padded, leases[1])
     except BaseException as e:  # (the client left, or the buffer cannot be read: the claim goes back)
         svc.background(svc.resume.release(sid))
         if not isinstance(e, StoreUnavailable):
@@ -395,7 +396,7 @@ async def _take_over(svc: RouterService, policy: TenantPolicy, sid: str, meta: R
             yield event
         return
     svc.resume.continue_at(sid, snap.total_events)  # (what this router appends follows the buffer's events)
-    if _ahead(snap, pos, cursor, client_on_placeholder(snap, tail, pos, cursor)):
+    if _ahead(snap, pos, cursor, padded):
         # The client is ahead of the buffer: regenerate what it has, silently.
         assert pos.tokens is not None and pos.chars is not None
         if meta.params.temperature > 0:

@@ -146,7 +146,7 @@ def client_on_placeholder(snap: StreamSnapshot, tail: StreamSnapshot, pos, curso
 
 
 async def finish_tail(svc, sid: str, meta: ResumeMeta, snap: StreamSnapshot, tail: StreamSnapshot, pos,
-                      cursor: int, leases: tuple[str, ...]) -> list[bytes] | None:
+                      cursor: int, padded: bool, leases: tuple[str, ...]) -> list[bytes] | None:
     """For a claimed stream whose output has ended: the events of its end
     that the buffer lacks and the client does not have, and ``[DONE]``. They
     are queued for the buffer at once; its finish, which drops the claim,
@@ -158,12 +158,12 @@ async def finish_tail(svc, sid: str, meta: ResumeMeta, snap: StreamSnapshot, tai
     dropped; so is one whose id says its last event, one the buffer lacks,
     was another part of the end than the buffer's events make it: ``pos.end``;
     an id without that part, from a router before it, is taken as it was).
-    ``tail``: the buffer's last events (read after ``tail_after(snap)``)."""
+    ``tail``: the buffer's last events (read after ``tail_after(snap)``);
+    ``padded``: ``client_on_placeholder`` of them."""
     tokens, chars = len(snap.token_ids), snap.text_len
     # (its event N a placeholder, the client's id says which parts of the end it
     # has, ``pos.end``: a resume that padded for them was cut off before it stored
     # them. Event N one the buffer holds, the buffer's end is what counts)
-    padded = client_on_placeholder(snap, tail, pos, cursor)
     missing = _missing(tail, snap, meta)
     if missing is None and padded and pos.end and (pos.tokens, pos.chars) == (tokens, chars):
         # (that resume regenerated every token and character the client has, its
