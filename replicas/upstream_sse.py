@@ -108,7 +108,7 @@ class SseReader:
     upstream's own completion count where it exceeds the chunks counted."""
 
     __slots__ = ("client", "st", "resumed", "response", "first", "ended", "counted", "held", "usage", "timer",
-                 "parts", "size", "tail")
+                 "parts", "size", "tail", "owed")
 
     def __init__(self, client: StreamOwner, st: Stream, resumed: bool, response: Response) -> None:
         self.client = client
@@ -124,6 +124,10 @@ class SseReader:
         self.first = True
         self.ended = False
         self.counted = 0  # tokens counted one per chunk (no token ids)
+        # tokens sent on without text (a character's first bytes) since the
+        # last piece with text: they make no event of their own but join the
+        # next one, so its merge leaves room for them
+        self.owed = 0
         self.held: Delta | None = None  # the finish, until the usage chunk
         self.usage: _Usage | None = None
         self.timer: asyncio.TimerHandle | None = None  # gives up waiting for the usage chunk
@@ -213,7 +217,7 @@ class SseReader:
             if not (ids or text or count or finish != none):
                 continue
             if finish == none:
-                if acc_text and limit and len(acc_ids) + acc_count + len(ids) + count > limit:
+                if acc_text and limit and len(acc_ids) + acc_count + len(ids) + count + self.owed > limit:
                     self._put(st, acc_ids, acc_text, acc_count)
                     acc_ids, acc_text, acc_count = [], [], 0
                 acc_ids += ids
@@ -245,6 +249,7 @@ class SseReader:
         st.delivered = True
         if count:
             self.counted += count
+        self.owed = 0 if text else self.owed + len(ids) + count
 
     def _release(self) -> None:
         """Finish with the held finish once the usage chunk (or the end of
