@@ -553,7 +553,11 @@ async def test_a_connection_costs_uvicorn_its_own_state_and_little_more() -> Non
     theirs, ours = (cls(config, ServerState(), app_state={}) for cls in (HttpToolsProtocol, hc.HttpConnection))
     for proto in (theirs, ours):
         proto.connection_made(Transport())
-    assert sys.getsizeof(vars(ours)) == sys.getsizeof(vars(theirs))
+    # (no key of the router's own in the instance dict: the same keys as
+    # uvicorn's. Their sizes are not compared: a dict shares its keys with
+    # the class's other instances only while those add attributes in the
+    # same order, so they depend on what ran before in the process)
+    assert list(vars(ours)) == list(vars(theirs))
     assert sys.getsizeof(ours.pipeline) < 100 and sys.getsizeof(ours.flow._is_writable_event._waiters) < 100
     ours.pipeline.appendleft("first")
     ours.pipeline.appendleft("second")
