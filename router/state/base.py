@@ -133,6 +133,22 @@ class StateStore(abc.ABC):
         changes nothing (the continuation settles the stream for it)."""
 
     @abc.abstractmethod
+    async def undo_admit(self, tenant: str, req: AdmitRequest, *, keep_lease: bool = False) -> None:
+        """Undo ``req``'s admission, whose answer the caller never used: it
+        timed out on a store that only hung, which runs it when it wakes
+        (the caller admitted the request elsewhere, or refused it). If it was
+        admitted (its lease is there): give back its request and the tokens
+        it took, hand back the held reservations it took over as they were
+        (another continuation may take them over, their own settlement
+        counts), drop its own, and end its lease unless ``keep_lease`` (the
+        caller runs its stream under that lease: the renewal that moves it
+        here counts it). Its own reservation taken over since by another
+        continuation (which settles for it): its request only. Refused or
+        never made: nothing. Made again, nothing more (its lease is gone,
+        or, kept, marked undone for ``SETTLED_TTL``); admitted late again
+        (another hang, another timeout), it is undone again."""
+
+    @abc.abstractmethod
     async def leave(self, tenant: str, lease_id: str) -> None:
         """Take a request out of the tenant's line (it gave up; idempotent)."""
 

@@ -17,7 +17,7 @@ __all__ = ["MemoryStore"]
 
 
 class _Tenant:
-    __slots__ = ("requests", "tokens", "leases", "next_prune", "line", "held", "settled")
+    __slots__ = ("requests", "tokens", "leases", "next_prune", "line", "held", "took", "settled")
 
     def __init__(self) -> None:
         self.requests: Bucket | None = None
@@ -28,6 +28,9 @@ class _Tenant:
         # lease id -> (reserved tokens, base, until when, hold) of reservations
         # kept for a continuation (``AdmitRequest.hold``); tokens -1: taken over
         self.held: dict[str, tuple[int, int, float, float]] = {}
+        # taken-over lease id -> (the lease that took it over, its record
+        # before), for an admission its router never used (``undo_admit``)
+        self.took: dict[str, tuple[str, tuple[int, int, float, float]]] = {}
         # lease id -> until when: settled, a second settlement changes nothing
         # (``SETTLED_TTL``; in expiry order, as each gets the same TTL)
         self.settled: dict[str, float] = {}
@@ -79,6 +82,7 @@ class MemoryStore(StateStore):
             t.leases = ratelimit.prune_leases(t.leases, now)
             if t.held:
                 t.held = {k: h for k, h in t.held.items() if h[2] > now}
+                t.took = {k: v for k, v in t.took.items() if k in t.held}
             t.next_prune = now + SWEEP_INTERVAL
         # (a continuation's: never a new request's, which pays nothing for it)
         replaced = {lid for lid in req.replaces if lid in t.leases and lid != req.lease_id} if req.replaces else ()
@@ -108,6 +112,7 @@ class MemoryStore(StateStore):
                 del t.leases[lid]
             for lid, h in took:
                 t.held[lid] = (-1, 0, max(h[2], now + req.hold), 0.0)  # (its settlement, if it comes, changes nothing)
+                t.took[lid] = (req.lease_id, h)
             if took:
                 decision.taken, decision.base = taken, base
             if req.hold > 0 and req.tpm:
@@ -128,22 +133,59 @@ class MemoryStore(StateStore):
                      held: bool = False) -> None:
         t = self._t(tenant)
         now = self._clock()
-        if lease_id and tpm:  # (as the Redis store, which keeps nothing for tpm 0)
-            settled = t.settled
-            while settled:  # (the expired ones, oldest first)
-                oldest = next(iter(settled))
-                if settled[oldest] > now:
-                    break
-                del settled[oldest]
-            if lease_id in settled:
-                return  # (settled already: this is the same settlement made again)
-            settled[lease_id] = now + SETTLED_TTL
+        if lease_id and tpm and not self._once(t, lease_id, now):  # (as Redis, which keeps nothing for tpm 0)
+            return  # (settled already: this is the same settlement made again)
         rec = t.held.pop(lease_id, None) if lease_id and t.held else None
+        t.took.pop(lease_id, None)
         if rec is not None and rec[0] < 0 and rec[2] > now:
             return  # (a continuation took its reservation over, and settles it)
         if held and (rec is None or rec[0] < 0 or rec[2] <= now):
             reserved = min(reserved, used)  # (maybe taken over and settled: no refund, only what it used beyond)
         t.tokens = ratelimit.settle(t.tokens, tpm=tpm, reserved=reserved, used=used, now=now)
+
+    @staticmethod
+    def _once(t: _Tenant, key: str, now: float) -> bool:
+        """False if ``key`` was done within ``SETTLED_TTL``; else marks it done."""
+        settled = t.settled
+        while settled:  # (the expired ones, oldest first)
+            oldest = next(iter(settled))
+            if settled[oldest] > now:
+                break
+            del settled[oldest]
+        if key in settled:
+            return False
+        settled[key] = now + SETTLED_TTL
+        return True
+
+    async def undo_admit(self, tenant: str, req: AdmitRequest, *, keep_lease: bool = False) -> None:
+        t = self._t(tenant)
+        now = self._clock()
+        lid = req.lease_id
+        if not lid or lid not in t.leases:
+            return  # (refused, never made, or undone already)
+        if not keep_lease:
+            del t.leases[lid]  # (made again, it finds no lease)
+        elif not self._once(t, "undo:" + lid, now):  # (not its settlement's mark, which may come too)
+            return
+        if req.rpm:
+            t.requests = ratelimit.settle(t.requests, tpm=req.rpm, reserved=1, used=0, now=now)
+        if not req.tpm:
+            return
+        own = t.held.get(lid)
+        if own is not None and own[0] < 0:
+            return  # (taken over since, with what it took over: that continuation settles for them)
+        t.held.pop(lid, None)
+        taken = 0
+        for r in dict.fromkeys(req.replaces):
+            prior = t.took.get(r)
+            if prior is not None and prior[0] == lid:
+                del t.took[r]
+                taken += prior[1][0]
+                if prior[1][2] > now:
+                    t.held[r] = prior[1]
+                else:
+                    t.held.pop(r, None)
+        t.tokens = ratelimit.settle(t.tokens, tpm=req.tpm, reserved=max(0, req.cost_tokens - taken), used=0, now=now)
 
     async def renew(self, tenant: str, lease_ids: list[str], ttl: float) -> None:
         self.hold(tenant, lease_ids, ttl)

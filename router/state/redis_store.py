@@ -91,6 +91,7 @@ class RedisStore(StateStore):
         r = self._redis
         self._admit = r.register_script(_script("admit.lua"))
         self._settle = r.register_script(_script("settle.lua"))
+        self._undo = r.register_script(_script("undo.lua"))
         self._renew = r.register_script(_script("renew.lua"))
         self._usage = r.register_script(_script("usage.lua"))
         self._s_open = r.register_script(_script("stream_open.lua"))
@@ -137,6 +138,17 @@ class RedisStore(StateStore):
             taken,
             base,
         )
+
+    async def undo_admit(self, tenant: str, req: AdmitRequest, *, keep_lease: bool = False) -> None:
+        if not req.lease_id:
+            return  # (nothing says whether it ran)
+        k = self._keys(tenant)
+        try:
+            await self._undo(keys=[k[0], k[1], k[2], k[5], k[6], k[7]],
+                             args=[req.rpm, req.tpm, req.cost_tokens, req.lease_id, int(keep_lease), SETTLED_TTL,
+                                   *req.replaces])
+        except RedisError as e:
+            raise _unavailable(e) from e
 
     async def leave(self, tenant: str, lease_id: str) -> None:
         await self._turn_op("leave", tenant, lease_id)

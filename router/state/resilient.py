@@ -30,7 +30,8 @@ releases and settlements Redis missed during the outage are made when it
 returns (at most ``MAX_OWED``; a lease whose release is dropped still expires
 with its TTL). One that timed out on a Redis that only hung may have run when
 it woke: made again, a release changes nothing, nor does a settlement (the
-store keeps settled lease ids: ``SETTLED_TTL``).
+store keeps settled lease ids: ``SETTLED_TTL``); an admission, whose answer
+the router never used, is undone (``undo_admit``) before them.
 """
 
 from __future__ import annotations
@@ -274,12 +275,13 @@ class ResilientStore(StateStore):
             self._down("admit", e)
             if store is self.primary:
                 # (a call that timed out was sent: a Redis that only hung runs it
-                # when it wakes, and its lease would hold one of the tenant's
-                # slots on every router until its TTL, though no stream has it.
-                # Undone on Redis's return, unless its stream still runs there:
-                # then the renewal that moves the lease counts it, as it should)
+                # when it wakes, and the tenant paid a request and tokens for an
+                # answer never used, its lease held a slot on every router until
+                # its TTL, a continuation's took over a dead router's reservation
+                # that nothing settled then. Undone on Redis's return; its lease
+                # stays if its stream still runs: the renewal that moves it counts it)
                 if req.lease_id:
-                    self._owe(lambda s, lid=req.lease_id: self._undo_admit(s, tenant, lid))
+                    self._owe(lambda s: s.undo_admit(tenant, req, keep_lease=req.lease_id in self._lease_store))
             store = self._current()
             decision = await store.admit(tenant, req)
         if decision.ok and req.lease_id:
@@ -291,9 +293,19 @@ class ResilientStore(StateStore):
                 self.fallback.hold(tenant, [req.lease_id], req.lease_ttl)
         return decision
 
-    async def _undo_admit(self, store: StateStore, tenant: str, lease_id: str) -> None:
-        if lease_id not in self._lease_store:  # (its stream has ended, or it was never admitted)
-            await store.release(tenant, lease_id)
+    async def undo_admit(self, tenant: str, req: AdmitRequest, *, keep_lease: bool = False) -> None:
+        # (``admit`` undoes its own that timed out; one asked for goes to Redis, now or on its return)
+        async def undo(s: StateStore) -> None:
+            await s.undo_admit(tenant, req, keep_lease=keep_lease)
+
+        if not self.healthy:
+            self._owe(undo)
+            return
+        try:
+            await undo(self.primary)
+        except StoreUnavailable as e:
+            self._down("undo_admit", e)
+            self._owe(undo)
 
     async def leave(self, tenant: str, lease_id: str) -> None:
         if self._connect is not None:

@@ -500,16 +500,16 @@ async def test_the_scripts_are_loaded_at_the_first_contact_and_when_redis_is_bac
         store = h.store
         lua = sorted((Path(router.state.__file__).parent / "lua").glob("*.lua"))
         shas = [hashlib.sha1(f.read_bytes()).hexdigest() for f in lua]  # (as EVALSHA names them)
-        assert len(shas) == 13 and not any(await loaded())
+        assert len(shas) == 14 and not any(await loaded())
         await store.start()
         await apoll(lambda: not store.connecting, 5, what="the first contact")
-        assert await loaded() == [True] * 13  # before any request
+        assert await loaded() == [True] * 14  # before any request
         own_redis.kill()
         await store.check()  # (an outage)
         assert not store.healthy
         own_redis.restart()  # (no persistence: no scripts either)
         await h.wait_healthy(5.0)
-        assert await loaded() == [True] * 13
+        assert await loaded() == [True] * 14
 
 
 async def test_an_admission_redis_runs_late_after_a_hang_holds_no_slot(harness: Harness) -> None:

@@ -7,8 +7,10 @@
 -- the line's end (unless it can never fit) until its retry plus a slack.
 -- Held reservations (StateStore.admit): an admitted request with a hold keeps
 -- its reservation under its lease id, 'tokens base', until settled; it takes
--- over those of the leases it replaces ('-1 0' once taken over) and needs
--- that many tokens fewer.
+-- over those of the leases it replaces and needs that many tokens fewer.
+-- One taken over is marked '-1 0' (what earlier versions read), then the
+-- lease that took it over, the record's end and the record as it was: an
+-- admission its router never used hands it back (undo.lua).
 -- KEYS: 1 requests bucket (hash), 2 tokens bucket (hash), 3 leases (zset),
 --       4 line (zset: lease id -> arrival), 5 line expiry (zset: lease id -> until),
 --       6 held reservations (hash: lease id -> 'tokens base'),
@@ -71,6 +73,7 @@ for i = FIRST_REPLACED, #ARGV do
 end
 -- the held reservations it takes over (if admitted)
 local took = {}
+local prior = {}  -- (each one's record as it was)
 local taken = 0
 local base = tonumber(ARGV[13])
 local own_cost = cost
@@ -95,6 +98,7 @@ if tpm > 0 and redis.call('EXISTS', KEYS[6]) == 1 then
           if #took == 0 or b < base then base = b end
           taken = taken + amount
           took[#took + 1] = r
+          prior[r] = h
         end
       end
     end
@@ -176,8 +180,9 @@ if lease_id ~= '' then  -- (none: a resume's charge, requests only)
 end
 for _, r in ipairs(took) do
   -- (its settlement, if it comes, changes nothing: the continuation settles for it)
-  redis.call('HSET', KEYS[6], r, '-1 0')
-  redis.call('ZADD', KEYS[7], math.max(tonumber(redis.call('ZSCORE', KEYS[7], r) or 0), now + hold), r)
+  local until_ = tonumber(redis.call('ZSCORE', KEYS[7], r) or 0)
+  redis.call('HSET', KEYS[6], r, '-1 0 ' .. lease_id .. ' ' .. tostring(until_) .. ' ' .. prior[r])
+  redis.call('ZADD', KEYS[7], math.max(until_, now + hold), r)
 end
 if hold > 0 and tpm > 0 then
   redis.call('HSET', KEYS[6], lease_id, string.format('%d %d %s', math.max(own_cost, taken), base, ARGV[12]))
