@@ -11,22 +11,22 @@ Only the tenant that started a stream can resume it (others get 404).
 
 Event ids are ``N-T-C`` (event number, completion tokens, text characters;
 see router/sse.py), ``N-T-C-1`` for the finish event and ``N-T-C-2`` for the
-usage event after it. Usually event N is in the buffer and the replay starts
-after it. The buffer is written a few milliseconds behind the stream, so a
-router that dies can take the last events with it while its client already
-has them: then the client is ahead of the buffer (N > events stored). The
-resuming router continues generating from the tokens the buffer has and
-drops the ``C - stored characters`` of text the client already holds before
-sending anything; where the id says the client has the finish (and the
-usage event), the regenerated finish is not sent again (nor the usage
-event). A resume cut off while it regenerates that text leaves the buffer
-level with the client in events but short of it in text, its last events
-placeholders (``_ahead``): the next resume from that id drops the text the
-same way. (Level with a buffer whose event N is a real one, an id is not
-trusted for more: nothing is dropped.) That regeneration is
-exact for greedy requests (the replicas are deterministic); a sampled
-request in that position ends with an explicit ``resume_gap`` error event
-rather than a text that may diverge.
+usage event after it. Usually event N is in the buffer, with those counts, and
+the replay starts after it; else the client is placed by its counts
+(router/resume_position.py). The buffer is written a few milliseconds behind
+the stream, so a router that dies can take the last events with it while its
+client already has them: then the client is ahead of the buffer (N > events
+stored, and more tokens and text). The resuming router continues generating
+from the tokens the buffer has and drops the ``C - stored characters`` of text
+the client already holds before sending anything; where the id says the
+client has the finish (and the usage event), the regenerated finish is not
+sent again (nor the usage event). A resume cut off while it regenerates that
+text leaves the buffer level with the client in events but short of it in
+text, its last events placeholders (``_ahead``): the next resume from that id
+drops the text the same way. (Level with a buffer whose event N is a real
+one, an id that counts more is not placed: a 400, or, while a live router
+stores more of it, a wait.) That regeneration is exact for greedy requests (the
+replicas are deterministic); a sampled one there ends with a ``resume_gap`` error.
 """
 
 from __future__ import annotations
@@ -37,7 +37,6 @@ import time
 from collections.abc import AsyncIterator
 from contextlib import aclosing
 
-import msgspec
 from litestar import Response
 from litestar.response import Stream
 
@@ -48,6 +47,7 @@ from router.leases import lease_chain
 from router.relay import NOT_RESUMABLE, Outcome, outcome_of, shutdown_notice
 from router.resume import ResumeMeta, decode_meta
 from router.resume_charge import charge_resume
+from router.resume_position import AHEAD, WAIT, Placed, Position, mismatch, parse_last_event_id, place
 from router.resume_tail import client_on_placeholder, error_code, finish_tail, last_event, tail_after
 from router.service import RouterService
 from router.sse import DONE, ChunkEncoder
@@ -87,31 +87,6 @@ class _Reader:
     def __init__(self) -> None:
         self.superseded = False
         self.continuing = False
-
-
-class Position(msgspec.Struct, frozen=True):
-    """Where a client is in a stream: its last event and, if known, the
-    completion tokens and characters it has, and what of the stream's end
-    (``end``: 0 none, 1 the finish event, 2 the finish and the usage event)."""
-
-    event: int
-    tokens: int | None = None
-    chars: int | None = None
-    end: int = 0
-
-
-def parse_last_event_id(value: str | None) -> Position:
-    """``N``, ``N-T-C``, or ``N-T-C-E`` with E 1 or 2 (router/sse.py)."""
-    if value is None or value == "":
-        return Position(0)
-    parts = value.split("-")
-    # (digits only: int() also takes "1_0", " 1" and other scripts' digits; at most 15: the
-    # store's scripts count in doubles, and a larger number failed a Redis script as if it were down)
-    nums = [int(p) for p in parts] if all(p.isascii() and p.isdigit() and len(p) <= 15 for p in parts) else []
-    if len(nums) not in (1, 3, 4) or (len(nums) == 4 and nums[3] not in (1, 2)):
-        raise BadRequest("Last-Event-ID must be an event id this router sent (N, N-T-C, or N-T-C-1 or N-T-C-2 "
-                         f"for the events of a stream's end); got {clip(repr(value))}.", param="Last-Event-ID")
-    return Position(*nums)
 
 
 def _not_found(svc: RouterService, sid: str) -> NotFound:
@@ -165,6 +140,17 @@ async def handle_resume(svc: RouterService, policy: TenantPolicy, sid: str, pos:
                          param="X-Resume-Request-Id", code="resume_wrong_endpoint")
     if snap.broken:
         raise BadRequest(_BROKEN.format(sid), code=NOT_RESUMABLE)
+    try:  # (a full id is placed by its counts: router/resume_position.py)
+        placed = await place(svc.store, sid, pos, meta.params.temperature > 0)
+        if isinstance(placed, Placed):
+            pos = placed.pos
+            snap = await svc.store.stream_read(sid, pos.event)
+    except StoreUnavailable as e:
+        raise _store_down(sid) from e
+    if snap is None:
+        raise _not_found(svc, sid)
+    if placed == WAIT and (snap.finished or not (snap.owner or sid in svc.resume.live)):
+        raise BadRequest(mismatch(sid, pos), param="Last-Event-ID", code="resume_mismatch")  # (none stores more)
     if b"" in snap.events:  # (before its stream starts: an error event then left an EventSource retrying)
         raise BadRequest(_GAP.format(pos.event + snap.events.index(b"") + 1, sid), param="Last-Event-ID",
                          code="resume_gap")
@@ -193,7 +179,7 @@ async def handle_resume(svc: RouterService, policy: TenantPolicy, sid: str, pos:
         raise BadRequest(f"Last-Event-ID {pos.event} is past the end of this stream: its last event id is "
                          f"{final}.", param="Last-Event-ID")
     headers = {"x-request-id": sid, "cache-control": "no-cache", "x-accel-buffering": "no"}
-    return Stream(_resume(svc, policy, sid, meta, snap, pos), media_type="text/event-stream", headers=headers)
+    return Stream(_resume(svc, policy, sid, meta, snap, pos, placed), media_type="text/event-stream", headers=headers)
 
 
 _GAP = ("Events from {} on of stream {} were lost with the router that produced them and cannot be replayed; "
@@ -208,7 +194,7 @@ def _store_down(sid: str) -> ServiceUnavailable:
 
 
 async def _resume(svc: RouterService, policy: TenantPolicy, sid: str, meta: ResumeMeta,
-                  snap: StreamSnapshot, pos: Position) -> AsyncIterator[bytes]:
+                  snap: StreamSnapshot, pos: Position, placed: Placed | str | None = None) -> AsyncIterator[bytes]:
     """The resume's events. One that continues the generation is counted and
     logged as the continuation's request (endpoint ``resume``); one that
     only replays or follows the buffer as a request of endpoint ``replay``,
@@ -226,7 +212,7 @@ async def _resume(svc: RouterService, policy: TenantPolicy, sid: str, meta: Resu
     reader = _Reader()
     readers.append(reader)
     try:
-        async for chunk in _replay(svc, policy, sid, meta, snap, pos, outcome, reader):
+        async for chunk in _replay(svc, policy, sid, meta, snap, pos, outcome, reader, placed):
             yield chunk
     except BaseException as e:  # (the client left: cancelled; a store that failed: unavailable)
         outcome.record("unavailable" if isinstance(e, StoreUnavailable) else outcome_of(e), error=e)
@@ -240,9 +226,15 @@ async def _resume(svc: RouterService, policy: TenantPolicy, sid: str, meta: Resu
 
 
 async def _replay(svc: RouterService, policy: TenantPolicy, sid: str, meta: ResumeMeta,
-                  snap: StreamSnapshot, pos: Position, outcome: Outcome, reader: _Reader) -> AsyncIterator[bytes]:
+                  snap: StreamSnapshot, pos: Position, outcome: Outcome, reader: _Reader,
+                  placed: Placed | str | None = None) -> AsyncIterator[bytes]:
+    # (``placed``: ``place``'s answer for ``pos``; ``AHEAD`` or ``WAIT``: placed again as the buffer grows)
     me = svc.resume.owner
     cursor = pos.event  # events the client has
+    unplaced = placed if placed in (AHEAD, WAIT) else None
+    placed_at = snap.total_events
+    if isinstance(placed, Placed) and placed.partial:
+        yield placed.partial  # (the rest of the stored event the client has part of)
     loop = asyncio.get_running_loop()
     catch_up_until = loop.time() + CATCH_UP
     sent_at = loop.time()
@@ -260,7 +252,31 @@ async def _replay(svc: RouterService, policy: TenantPolicy, sid: str, meta: Resu
             outcome.record("cancelled", error=ended, streamed=True)
             yield _notice(meta, ended.message, ended.code)
             return
-        for event in snap.events:  # the stored events after ``cursor``
+        if unplaced and snap.total_events != placed_at:
+            placed_at = snap.total_events
+            try:
+                again = await place(svc.store, sid, pos, meta.params.temperature > 0)
+            except BadRequest as e:
+                outcome.record("client_error")
+                yield _mismatch(meta, e.message, e.code or "resume_mismatch")
+                return
+            unplaced = again if again in (AHEAD, WAIT) else None
+            if isinstance(again, Placed):
+                if again.partial:
+                    yield again.partial
+                pos, cursor = again.pos, again.pos.event
+                nxt = await _reread(svc, sid, cursor, tokens=False)
+                if nxt is None or nxt.broken:
+                    outcome.record("unavailable")
+                    yield _cannot_go_on(meta, sid, nxt)
+                    return
+                snap = nxt
+                continue  # (from the top: it may have been superseded meanwhile)
+        if unplaced == WAIT and (snap.finished or not (sid in svc.resume.live or snap.owner)):
+            outcome.record("client_error")  # (its generation ended short of the client's counts: none stores more)
+            yield _mismatch(meta, mismatch(sid, pos))
+            return
+        for event in () if unplaced else snap.events:  # the stored events after ``cursor``
             if not event:  # a placeholder for events lost with a router (the client that was ahead had them)
                 outcome.record("lost")
                 yield _notice(meta, _GAP.format(cursor + 1, sid), "resume_gap")
@@ -356,9 +372,9 @@ def _notice(meta: ResumeMeta, message: str, code: str, kind: str = "server_error
     return enc.notice(error_body(message, kind, param, code))
 
 
-def _mismatch(meta: ResumeMeta) -> bytes:
-    return _notice(meta, "Last-Event-ID does not match this stream.", "resume_mismatch", "invalid_request_error",
-                   "Last-Event-ID")
+def _mismatch(meta: ResumeMeta, message: str = "Last-Event-ID does not match this stream.",
+              code: str = "resume_mismatch") -> bytes:
+    return _notice(meta, message, code, "invalid_request_error", "Last-Event-ID")
 
 
 def _cannot_go_on(meta: ResumeMeta, sid: str, snap: StreamSnapshot | None) -> bytes:
