@@ -140,13 +140,17 @@ class StateStore(abc.ABC):
         admitted (its lease is there): give back its request and the tokens
         it took, hand back the held reservations it took over as they were
         (another continuation may take them over, their own settlement
-        counts), drop its own, and end its lease unless ``keep_lease`` (the
-        caller runs its stream under that lease: the renewal that moves it
-        here counts it). Its own reservation taken over since by another
-        continuation (which settles for it): its request only. Refused or
-        never made: nothing. Made again, nothing more (its lease is gone,
-        or, kept, marked undone for ``SETTLED_TTL``); admitted late again
-        (another hang, another timeout), it is undone again."""
+        counts; one whose settlement came since the admission, which changed
+        nothing then, counts now), drop its own, and end its lease unless
+        ``keep_lease`` (the caller runs its stream under that lease: the
+        renewal that moves it here counts it). Its own reservation taken over
+        since by another continuation (which settles for it): its request
+        only. Refused or never made: nothing. Made again, nothing more (its
+        lease is gone, or, kept, marked undone for ``SETTLED_TTL``: made
+        again without ``keep_lease``, after its stream ended, it only ends
+        the lease); admitted late again (another hang, another timeout), it
+        is undone again. What it frees wakes the tenant's line, as a release
+        does."""
 
     @abc.abstractmethod
     async def leave(self, tenant: str, lease_id: str) -> None:

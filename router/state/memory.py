@@ -29,8 +29,9 @@ class _Tenant:
         # kept for a continuation (``AdmitRequest.hold``); tokens -1: taken over
         self.held: dict[str, tuple[int, int, float, float]] = {}
         # taken-over lease id -> (the lease that took it over, its record
-        # before), for an admission its router never used (``undo_admit``)
-        self.took: dict[str, tuple[str, tuple[int, int, float, float]]] = {}
+        # before, what its own settlement gave back if it came since: None
+        # until then), for an admission its router never used (``undo_admit``)
+        self.took: dict[str, tuple[str, tuple[int, int, float, float], int | None]] = {}
         # lease id -> until when: settled, a second settlement changes nothing
         # (``SETTLED_TTL``; in expiry order, as each gets the same TTL)
         self.settled: dict[str, float] = {}
@@ -112,7 +113,7 @@ class MemoryStore(StateStore):
                 del t.leases[lid]
             for lid, h in took:
                 t.held[lid] = (-1, 0, max(h[2], now + req.hold), 0.0)  # (its settlement, if it comes, changes nothing)
-                t.took[lid] = (req.lease_id, h)
+                t.took[lid] = (req.lease_id, h, None)
             if took:
                 decision.taken, decision.base = taken, base
             if req.hold > 0 and req.tpm:
@@ -136,9 +137,19 @@ class MemoryStore(StateStore):
         if lease_id and tpm and not self._once(t, lease_id, now):  # (as Redis, which keeps nothing for tpm 0)
             return  # (settled already: this is the same settlement made again)
         rec = t.held.pop(lease_id, None) if lease_id and t.held else None
-        t.took.pop(lease_id, None)
+        took = t.took.pop(lease_id, None)
         if rec is not None and rec[0] < 0 and rec[2] > now:
-            return  # (a continuation took its reservation over, and settles it)
+            # (a continuation took its reservation over, and settles it; unless
+            # it is undone, its router never having used it: then what this
+            # would have given back counts, as its reservation was)
+            if took is not None:
+                if took[2] is None:
+                    back = reserved - used
+                    if held and took[1][2] <= now:
+                        back = min(back, 0)
+                    took = (took[0], took[1], back)
+                t.held[lease_id], t.took[lease_id] = rec, took
+            return
         if held and (rec is None or rec[0] < 0 or rec[2] <= now):
             reserved = min(reserved, used)  # (maybe taken over and settled: no refund, only what it used beyond)
         t.tokens = ratelimit.settle(t.tokens, tpm=tpm, reserved=reserved, used=used, now=now)
@@ -163,9 +174,12 @@ class MemoryStore(StateStore):
         lid = req.lease_id
         if not lid or lid not in t.leases:
             return  # (refused, never made, or undone already)
+        mark = "undo:" + lid  # (not its settlement's mark, which may come too)
         if not keep_lease:
-            del t.leases[lid]  # (made again, it finds no lease)
-        elif not self._once(t, "undo:" + lid, now):  # (not its settlement's mark, which may come too)
+            del t.leases[lid]  # (made again, it finds no lease; not marked: admitted again, undone again)
+            if t.settled.get(mark, 0.0) > now:
+                return  # (given back with its lease kept, which ended since)
+        elif not self._once(t, mark, now):
             return
         if req.rpm:
             t.requests = ratelimit.settle(t.requests, tpm=req.rpm, reserved=1, used=0, now=now)
@@ -175,17 +189,21 @@ class MemoryStore(StateStore):
         if own is not None and own[0] < 0:
             return  # (taken over since, with what it took over: that continuation settles for them)
         t.held.pop(lid, None)
-        taken = 0
+        taken = given = 0  # (what it did not charge; what their own settlements since give back)
         for r in dict.fromkeys(req.replaces):
             prior = t.took.get(r)
             if prior is not None and prior[0] == lid:
                 del t.took[r]
                 taken += prior[1][0]
-                if prior[1][2] > now:
+                if prior[2] is not None:
+                    given += prior[2]
+                    t.held.pop(r, None)
+                elif prior[1][2] > now:
                     t.held[r] = prior[1]
                 else:
                     t.held.pop(r, None)
-        t.tokens = ratelimit.settle(t.tokens, tpm=req.tpm, reserved=max(0, req.cost_tokens - taken), used=0, now=now)
+        t.tokens = ratelimit.settle(t.tokens, tpm=req.tpm, reserved=max(0, req.cost_tokens - taken) + given, used=0,
+                                    now=now)
 
     async def renew(self, tenant: str, lease_ids: list[str], ttl: float) -> None:
         self.hold(tenant, lease_ids, ttl)

@@ -144,9 +144,9 @@ class RedisStore(StateStore):
             return  # (nothing says whether it ran)
         k = self._keys(tenant)
         try:
-            await self._undo(keys=[k[0], k[1], k[2], k[5], k[6], k[7]],
+            await self._undo(keys=[k[0], k[1], k[2], k[5], k[6], k[7], k[3]],
                              args=[req.rpm, req.tpm, req.cost_tokens, req.lease_id, int(keep_lease), SETTLED_TTL,
-                                   *req.replaces])
+                                   self._channel, tenant, *req.replaces])
         except RedisError as e:
             raise _unavailable(e) from e
 

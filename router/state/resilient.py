@@ -31,7 +31,8 @@ returns (at most ``MAX_OWED``; a lease whose release is dropped still expires
 with its TTL). One that timed out on a Redis that only hung may have run when
 it woke: made again, a release changes nothing, nor does a settlement (the
 store keeps settled lease ids: ``SETTLED_TTL``); an admission, whose answer
-the router never used, is undone (``undo_admit``) before them.
+the router never used, is undone (``undo_admit``), in its place among them
+(the list is made oldest first; the undo touches no other lease's).
 """
 
 from __future__ import annotations
@@ -279,7 +280,9 @@ class ResilientStore(StateStore):
                 # answer never used, its lease held a slot on every router until
                 # its TTL, a continuation's took over a dead router's reservation
                 # that nothing settled then. Undone on Redis's return; its lease
-                # stays if its stream still runs: the renewal that moves it counts it)
+                # stays if its stream still runs: the renewal that moves it counts it.
+                # Each try asks again: one made again after its stream ended, its
+                # reply lost, ends the lease and gives nothing back twice)
                 if req.lease_id:
                     self._owe(lambda s: s.undo_admit(tenant, req, keep_lease=req.lease_id in self._lease_store))
             store = self._current()

@@ -61,6 +61,23 @@ async def test_an_undone_admission_gives_back_its_request_and_tokens_once(backen
         assert active == (2 if keep_lease else 1)
 
 
+async def test_an_undo_made_again_once_its_stream_ended_ends_the_lease_and_gives_nothing_back_again(
+        backend: Backend) -> None:
+    # (made while the stream ran on the fallback, its reply lost in a second
+    # hang; the stream ended meanwhile, so the router makes it again with
+    # keep_lease False: the charge was given back once already)
+    t, store = backend.tenant(), backend.store
+    assert (await store.admit(t, req(200))).ok  # (another stream: 5 requests, 800 tokens left)
+    late = req(300)
+    assert (await store.admit(t, late)).ok  # (4, 500)
+    await store.undo_admit(t, late, keep_lease=True)
+    for _ in range(2):
+        await store.undo_admit(t, late, keep_lease=False)
+        rq, tk, active = await levels(backend, t)
+        assert near(rq, 5, RPM, backend) and near(tk, 800, TPM, backend), (rq, tk)
+        assert active == 1  # (its lease is gone: the stream it counted ended)
+
+
 async def test_a_request_admitted_late_again_after_another_hang_is_undone_again(backend: Backend) -> None:
     # (it waited in line on the fallback, then timed out on Redis once more)
     t, store = backend.tenant(), backend.store
@@ -106,6 +123,25 @@ async def test_an_undone_continuation_hands_back_the_reservation_it_took_over(ba
     await store.settle(t, tpm=TPM, reserved=200, used=50, lease_id=first.lease_id, held=True)
     _, tk, _ = await levels(backend, t)
     assert near(tk, 950, TPM, backend), tk
+
+
+@pytest.mark.parametrize("used", [50, 260], ids=["under", "over"])
+async def test_the_dead_routers_settlement_that_lands_before_the_undo_counts(backend: Backend, used: int) -> None:
+    # (the first's router only froze: its settlement came after the late
+    # continuation took its reservation over, and changed nothing then)
+    t, store = backend.tenant(), backend.store
+    first = req(200)  # (800 left)
+    assert (await store.admit(t, first)).ok
+    cont = req(500, rpm=0, base=20, replaces=(first.lease_id,))
+    assert (await store.admit(t, cont)).taken == 200  # (300 more: 500 left)
+    await store.settle(t, tpm=TPM, reserved=200, used=used, lease_id=first.lease_id, held=True)
+    _, tk, _ = await levels(backend, t)
+    assert near(tk, 500, TPM, backend), tk  # (the continuation settles for it, were it not undone)
+    await store.undo_admit(t, cont)
+    _, tk, _ = await levels(backend, t)
+    assert near(tk, 1000 - used, TPM, backend), tk  # (as if the continuation never ran: 800 + 200 - used)
+    # (settled: nothing left to take over)
+    assert (await store.admit(t, req(10, rpm=0, replaces=(first.lease_id,)))).taken == 0
 
 
 async def test_an_undone_continuation_whose_reservation_was_taken_over_since_gives_back_no_tokens(
@@ -246,3 +282,33 @@ async def test_a_continuation_admitted_late_leaves_the_reservation_to_the_next_c
 async def open_harness(own_redis) -> AsyncIterator[Harness]:  # noqa: F811
     async for h in _harness(own_redis, True):
         yield h
+
+
+@pytest.mark.redis
+async def test_an_undo_tells_the_routers_when_the_tenant_has_a_line(redis_server) -> None:  # noqa: F811
+    # (it frees what the admission took, as a release or a settlement does:
+    # a request of the tenant waiting on another router asks again at once)
+    from router.state.redis_store import RedisStore
+
+    a = RedisStore(redis_server.url, prefix="fs-test", timeout=2.0)
+    b = RedisStore(redis_server.url, prefix="fs-test", timeout=2.0)
+    heard: list[str] = []
+    try:
+        b.watch(heard.append)
+        await asyncio.sleep(0.2)  # (subscribed)
+        t = Backend.tenant("undo-turns")
+        late, kept = req(300, max_concurrent=2), req(300, max_concurrent=2)
+        assert (await a.admit(t, late)).ok and (await a.admit(t, kept)).ok
+        assert not (await a.admit(t, AdmitRequest(rpm=RPM, tpm=TPM, max_concurrent=2, cost_tokens=100,
+                                                  lease_id=uuid.uuid4().hex, lease_ttl=30.0, line=True))).ok
+        await a.undo_admit(t, late)  # (the tenant has a line now: said)
+        await a.undo_admit(t, late)  # (made again: nothing freed, nothing said)
+        await a.undo_admit(t, req(300))  # (never made: nothing said)
+        await a.undo_admit(t, kept, keep_lease=True)  # (its request and tokens back: said)
+        await a.undo_admit(t, kept, keep_lease=True)  # (made again: nothing)
+        await a.undo_admit(t, kept)  # (its stream ended before the reply came: its lease ends, said)
+        await asyncio.sleep(0.3)
+        assert heard == [t, t, t], heard
+    finally:
+        await a.close()
+        await b.close()

@@ -10,7 +10,9 @@
 -- over those of the leases it replaces and needs that many tokens fewer.
 -- One taken over is marked '-1 0' (what earlier versions read), then the
 -- lease that took it over, the record's end and the record as it was: an
--- admission its router never used hands it back (undo.lua).
+-- admission its router never used hands it back (undo.lua). Its own
+-- router's settlement makes it '-1 1', the taker, the amount taken over and
+-- what that settlement would have given back (settle.lua).
 -- KEYS: 1 requests bucket (hash), 2 tokens bucket (hash), 3 leases (zset),
 --       4 line (zset: lease id -> arrival), 5 line expiry (zset: lease id -> until),
 --       6 held reservations (hash: lease id -> 'tokens base'),

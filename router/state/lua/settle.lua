@@ -6,7 +6,8 @@
 -- expiry (admit.lua), 5 settled lease ids (zset: lease id -> until);
 -- ARGV: tpm, reserved, used, channel, tenant (tokens given back while requests
 -- wait: tell the routers), lease id (its reservation taken over by a
--- continuation: nothing to do, the continuation settles for it), held (1:
+-- continuation: nothing to do, the continuation settles for it; what it
+-- would have given back is kept in the mark for undo.lua), held (1:
 -- admitted with a hold), how long a settled lease id is kept (seconds)
 local t = redis.call('TIME')
 local now = tonumber(t[1]) + tonumber(t[2]) / 1000000
@@ -21,18 +22,31 @@ if lease_id ~= '' then
 end
 -- (admitted with a hold, its record gone: maybe taken over and settled; no refund)
 local no_refund = ARGV[7] == '1'
+local delta = tonumber(ARGV[2]) - tonumber(ARGV[3])
 if lease_id ~= '' then
   local h = redis.call('HGET', KEYS[3], lease_id)
   if h then
     local until_ = tonumber(redis.call('ZSCORE', KEYS[4], lease_id) or 0)
+    if string.sub(h, 1, 3) == '-1 ' and until_ > now then
+      -- (taken over. Unless the continuation is undone, its router never
+      -- having used it (undo.lua): then what this would have given back
+      -- counts, as its reservation was, kept in the mark until then)
+      local taker, end_, amount = string.match(h, '^%-1 0 (%S+) (%S+) (%S+)')
+      if taker then
+        if no_refund and tonumber(end_) <= now and delta > 0 then delta = 0 end
+        redis.call('HSET', KEYS[3], lease_id, '-1 1 ' .. taker .. ' ' .. amount .. ' ' .. tostring(delta))
+      elseif string.sub(h, 1, 5) ~= '-1 1 ' then  -- (an earlier version's mark, '-1 0' alone)
+        redis.call('HDEL', KEYS[3], lease_id)
+        redis.call('ZREM', KEYS[4], lease_id)
+      end
+      return 0
+    end
     redis.call('HDEL', KEYS[3], lease_id)
     redis.call('ZREM', KEYS[4], lease_id)
-    if string.sub(h, 1, 3) == '-1 ' and until_ > now then return 0 end
     if string.sub(h, 1, 3) ~= '-1 ' and until_ > now then no_refund = false end
   end
 end
 local tpm = tonumber(ARGV[1])
-local delta = tonumber(ARGV[2]) - tonumber(ARGV[3])
 if no_refund and delta > 0 then delta = 0 end
 local v = redis.call('HMGET', KEYS[1], 'tokens', 'ts')
 local lvl = tpm  -- no key: a full bucket (admit.lua lets full buckets expire)
