@@ -21,12 +21,13 @@ from contextlib import aclosing
 import msgspec
 from litestar import Response
 
-from replicas.protocol import FinishReason
+from replicas.protocol import FinishReason, SamplingParams
 from router.admission import Ticket
 from router.deadlines import Deadlines, StreamTimeout
 from router.errors import (ApiError, BadRequest, NotFound, PayloadTooLarge, ReplicaUnavailable,
                            UnsupportedMediaType, clip)
 from router.generation import Generation, StreamLost
+from router.estimate import base_estimate, messages_estimate
 from router.ids import new_id
 from router.job import Job
 from router.openai_types import (
@@ -42,6 +43,7 @@ from router.openai_types import (
 )
 from router.service import RouterService
 from router.logs import request_id_var
+from router.largebody import SLICE, large
 from router.pieces import Piece
 from router.push import PushRelay
 from router.relay import EventStream, Outcome, error_before_output, outcome_of
@@ -148,21 +150,17 @@ def decoded_body(body: bytes, encoding: str, limit: int) -> bytes:
     raise BadRequest(f"The request body has data after its {codings[0]} stream.", code="invalid_body")
 
 
-def _job(svc: RouterService, policy: TenantPolicy, body: bytes, chat: bool, stream_implied: bool,
-         content_encoding: str | None):
-    """Decode and check the request; return it and its job."""
-    if content_encoding is not None:
-        body = decoded_body(body, content_encoding, svc.config.max_body_bytes)
+def _decode(body: bytes, chat: bool, stream_implied: bool) -> ChatRequest | CompletionRequest:
+    """The request, decoded and checked on its own (no tenant, no replica)."""
     req = decode_request(body, ChatRequest if chat else CompletionRequest)
     if req.stream_options is not None and not (req.stream or stream_implied):  # (as OpenAI and vLLM answer)
         raise BadRequest("'stream_options' is only allowed when 'stream' is true.", param="stream_options")
-    check_model(svc, policy, req.model)
-    cap = policy.limits.max_tokens
-    default = svc.config.default_max_tokens
-    if not chat:  # (OpenAI's and vLLM's default for a completions request)
-        default = min(default, COMPLETIONS_DEFAULT_MAX_TOKENS)
-    if cap:
-        default = min(default, cap)
+    return req
+
+
+def _params(req: ChatRequest | CompletionRequest, default: int, cap: int) -> SamplingParams:
+    """The request's sampling parameters; ``default`` and ``cap``: the
+    ``max_tokens`` it gets when unset and the most it may ask for."""
     params = to_params(req, default)
     if cap and params.max_tokens > cap:
         name = max_tokens_param(req)
@@ -170,12 +168,65 @@ def _job(svc: RouterService, policy: TenantPolicy, body: bytes, chat: bool, stre
             f"'{name}' is {params.max_tokens}; this tenant may ask for at most {cap}.",
             param=name, code="max_tokens_exceeded",
         )
+    return params
+
+
+def _build(req: ChatRequest | CompletionRequest, default: int, cap: int) -> tuple[Job, int]:
+    """The job of a decoded request whose model was checked, and its prompt's
+    base estimate (``PromptEstimates.estimate``)."""
+    params = _params(req, default, cap)
     if isinstance(req, ChatRequest):
-        return req, Job(req.model, params, messages=chat_messages(req), template_kwargs=chat_template_kwargs(req))
-    prompt = completion_prompt(req)
-    if isinstance(prompt, list):
-        return req, Job(req.model, params, prompt_token_ids=prompt)
-    return req, Job(req.model, params, prompt=prompt)
+        job = Job(req.model, params, messages=chat_messages(req), template_kwargs=chat_template_kwargs(req))
+    else:
+        prompt = completion_prompt(req)
+        if isinstance(prompt, list):
+            job = Job(req.model, params, prompt_token_ids=prompt)
+        else:
+            job = Job(req.model, params, prompt=prompt)
+    return job, base_estimate(job)
+
+
+async def _sliced(svc: RouterService, policy: TenantPolicy, body: bytes, chat: bool, stream_implied: bool,
+                  default: int, cap: int) -> tuple[ChatRequest | CompletionRequest, Job, int]:
+    """``_build`` of a large body, in slices with a loop turn between two,
+    one large body at a time (``router.largebody``): the same checks in the
+    same order, so the same first error."""
+    turn = svc.large_bodies.turn
+    async with svc.large_bodies.lock:
+        req = _decode(body, chat, stream_implied)
+        await turn()
+        check_model(svc, policy, req.model)
+        if not isinstance(req, ChatRequest):
+            return req, *_build(req, default, cap)
+        params = _params(req, default, cap)
+        messages = chat_messages(req, 0, SLICE)
+        counted = messages_estimate(messages)
+        for start in range(SLICE, len(req.messages), SLICE):
+            await turn()
+            part = chat_messages(req, start, start + SLICE)
+            messages += part
+            counted += messages_estimate(part)
+        job = Job(req.model, params, messages=messages, template_kwargs=chat_template_kwargs(req))
+        return req, job, base_estimate(job, counted)
+
+
+async def _job(svc: RouterService, policy: TenantPolicy, body: bytes, chat: bool, stream_implied: bool,
+               content_encoding: str | None) -> tuple[ChatRequest | CompletionRequest, Job, int]:
+    """Decode and check the request; return it, its job and its prompt's base
+    estimate. A large body's work is sliced (``_sliced``)."""
+    if content_encoding is not None:  # (zlib, at most max_body_bytes out: a few ms)
+        body = decoded_body(body, content_encoding, svc.config.max_body_bytes)
+    cap = policy.limits.max_tokens
+    default = svc.config.default_max_tokens
+    if not chat:  # (OpenAI's and vLLM's default for a completions request)
+        default = min(default, COMPLETIONS_DEFAULT_MAX_TOKENS)
+    if cap:
+        default = min(default, cap)
+    if large(len(body)):
+        return await _sliced(svc, policy, body, chat, stream_implied, default, cap)
+    req = _decode(body, chat, stream_implied)
+    check_model(svc, policy, req.model)
+    return req, *_build(req, default, cap)
 
 
 class Started:
@@ -222,8 +273,8 @@ async def start_generation(
     request_id_var.set(request_id)
     outcome = Outcome(svc, policy, endpoint, started, request_id, client_request_id=client_request_id)
     try:
-        req, job = _job(svc, policy, body, chat, stream_implied, content_encoding)
-        prompt_estimate, base = svc.estimates.estimate(job)
+        req, job, base = await _job(svc, policy, body, chat, stream_implied, content_encoding)
+        prompt_estimate = svc.estimates.estimate(job, base)[0]
         lim = policy.limits
         deadlines = Deadlines(lim.first_token, lim.stall, lim.total, start=started)
         # (a stream's reservation is kept for a continuation to take over if this router dies)

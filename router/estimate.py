@@ -22,7 +22,7 @@ import msgspec
 
 from router.job import Job
 
-__all__ = ["PromptEstimates", "PER_MESSAGE", "FIRST_GUESS"]
+__all__ = ["PromptEstimates", "base_estimate", "messages_estimate", "PER_MESSAGE", "FIRST_GUESS"]
 
 PER_MESSAGE = 16  # tokens of a chat template's header around one message
 FIRST_GUESS = {"chat": 32, "text": 1, "ids": 0}  # a model's fixed part before its first real count
@@ -34,10 +34,16 @@ def _kind(job: Job) -> str:
     return "chat" if job.messages is not None else "text" if job.prompt is not None else "ids"
 
 
-def base_estimate(job: Job) -> int:
-    """What ``job``'s prompt takes at most, but for its model's fixed part."""
+def messages_estimate(messages: list[dict[str, str]]) -> int:
+    """What ``messages`` take at most, their template's headers included."""
+    return sum(len(str(m.get("content", "")).encode()) + PER_MESSAGE for m in messages)
+
+
+def base_estimate(job: Job, messages: int | None = None) -> int:
+    """What ``job``'s prompt takes at most, but for its model's fixed part;
+    ``messages``: ``messages_estimate(job.messages)``, if already counted."""
     if job.messages is not None:
-        n = sum(len(str(m.get("content", "")).encode()) + PER_MESSAGE for m in job.messages)
+        n = messages_estimate(job.messages) if messages is None else messages
         if job.template_kwargs:  # (a template may render them into the prompt: documents, tools)
             n += len(msgspec.json.encode(job.template_kwargs))
         return n
@@ -54,9 +60,11 @@ class PromptEstimates:
     def __init__(self) -> None:
         self._fixed: dict[tuple[str, str], int] = {}
 
-    def estimate(self, job: Job) -> tuple[int, int]:
-        """(the estimate, its base: ``learn``'s argument once counted)."""
-        base = base_estimate(job)
+    def estimate(self, job: Job, base: int | None = None) -> tuple[int, int]:
+        """(the estimate, its base: ``learn``'s argument once counted);
+        ``base``: ``base_estimate(job)``, if already computed."""
+        if base is None:
+            base = base_estimate(job)
         kind = _kind(job)
         return base + self._fixed.get((job.model, kind), FIRST_GUESS[kind]), base
 

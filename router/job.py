@@ -28,8 +28,16 @@ class Job:
         ids): requests sharing it prefer the replica that served it last,
         whose prefix cache may still hold it. None for short prompts."""
         if self.messages is not None:
-            text = "\x00".join(f"{m.get('role')}:{m.get('content')}" for m in self.messages)
-            return hash(text[:AFFINITY_PREFIX]) if len(text) >= AFFINITY_PREFIX else None
+            # (the first messages that make up the prefix: this runs on the
+            # event loop, and a chat may have 100,000 messages)
+            parts: list[str] = []
+            size = -1
+            for m in self.messages:
+                parts.append(f"{m.get('role')}:{m.get('content')}")
+                size += len(parts[-1]) + 1
+                if size >= AFFINITY_PREFIX:
+                    return hash("\x00".join(parts)[:AFFINITY_PREFIX])
+            return None
         if self.prompt is not None:
             return hash(self.prompt[:AFFINITY_PREFIX]) if len(self.prompt) >= AFFINITY_PREFIX else None
         ids = self.prompt_token_ids or []

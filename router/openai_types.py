@@ -68,7 +68,9 @@ class _Common(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     include_stop_str_in_output: bool | None = None
 
 
-class ChatMessage(msgspec.Struct, kw_only=True):
+# gc=False: decoded from JSON, a message is in no reference cycle, and a
+# body of 120,000 of them left as many objects for each cycle collection
+class ChatMessage(msgspec.Struct, kw_only=True, gc=False):
     role: str
     content: str | list[dict[str, Any]] | None = None
     name: str | None = None
@@ -254,12 +256,15 @@ def max_tokens_param(req: ChatRequest | CompletionRequest) -> str:
 _ROLES = ("system", "developer", "user", "assistant", "tool")
 
 
-def chat_messages(req: ChatRequest) -> list[dict[str, str]]:
-    """Messages as plain role/content strings for the model's chat template."""
+def chat_messages(req: ChatRequest, start: int = 0, stop: int | None = None) -> list[dict[str, str]]:
+    """Messages as plain role/content strings for the model's chat template
+    (``messages[start:stop]``: a large body's are checked a slice at a time,
+    ``router.largebody``)."""
     if not req.messages:
         raise BadRequest("'messages' must contain at least one message.", param="messages")
+    messages = req.messages if not start and stop is None else req.messages[start:stop]
     out = []
-    for i, m in enumerate(req.messages):
+    for i, m in enumerate(messages, start):
         if m.role not in _ROLES:
             raise BadRequest(
                 f"Invalid value for 'messages[{i}].role': {clip(repr(m.role))}; expected one of {', '.join(_ROLES)}.",

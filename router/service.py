@@ -29,6 +29,7 @@ from router.errors import Unauthorized
 from router.estimate import PromptEstimates
 from router.logs import batch_lines
 from router.metrics import Metrics
+from router.largebody import LargeBodies
 from router.peers import PolicyPeers
 from router.policy import PolicyRegistry
 from router.resume import ResumeWriter
@@ -64,6 +65,7 @@ class RouterService:
         )
         self.admission = Admission(self.store, m)
         self.estimates = PromptEstimates()  # the prompt-token estimates admission reserves
+        self.large_bodies = LargeBodies()  # large request bodies take turns (router.largebody)
         self.resume = ResumeWriter(self.store, config.resume_retention)
         self.peers = PolicyPeers(self.store, self.policy, m, self.resume.owner)
         self._tasks: set[asyncio.Task[None]] = set()

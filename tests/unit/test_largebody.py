@@ -1,0 +1,140 @@
+"""router.largebody and the sliced decode of a large body (router.completions._job).
+
+A large body gets the same request, job, estimate and first error as in one
+piece; the loop turns between its slices; large bodies take turns."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+
+from replicas.protocol import SamplingParams
+from router import completions
+from router.errors import ApiError
+from router.job import AFFINITY_PREFIX, Job
+from router.largebody import LARGE_BODY, SLICE, LargeBodies, large
+
+MODEL = "m"
+
+
+def _svc() -> Any:
+    pool = SimpleNamespace(models=lambda: {MODEL}, models_unknown=lambda: 0)
+    config = SimpleNamespace(default_max_tokens=256, max_body_bytes=8 * 1024 * 1024)
+    return SimpleNamespace(pool=pool, config=config, large_bodies=LargeBodies())
+
+
+def _policy(max_tokens: int = 0) -> Any:
+    return SimpleNamespace(allows_model=lambda m: True, limits=SimpleNamespace(max_tokens=max_tokens))
+
+
+def _chat(n: int, **kw: Any) -> dict[str, Any]:
+    msgs = [{"role": "user" if i % 2 else "assistant", "content": f"message {i} é"} for i in range(n)]
+    return {"model": MODEL, "messages": msgs, "max_tokens": 8, **kw}
+
+
+def _outcome(body: bytes, chat: bool = True, policy: Any = None) -> tuple:
+    """(request fields, job fields, base) or the error's (status, body)."""
+    async def run():
+        return await completions._job(_svc(), policy or _policy(), body, chat, False, None)
+
+    try:
+        req, job, base = asyncio.run(run())
+    except ApiError as e:
+        return ("error", e.status, e.body())
+    return (req, job.messages, job.prompt, job.prompt_token_ids, job.params, job.template_kwargs, base)
+
+
+def _pad(body: dict[str, Any]) -> bytes:
+    """``body`` as JSON, padded past LARGE_BODY with spaces (the same request, large)."""
+    raw = json.dumps(body).encode()
+    return raw + b" " * max(0, LARGE_BODY - len(raw))
+
+
+def test_the_threshold() -> None:
+    assert not large(LARGE_BODY - 1) and large(LARGE_BODY)
+
+
+@pytest.mark.parametrize("body", [
+    _chat(1), _chat(SLICE), _chat(SLICE + 1), _chat(3 * SLICE + 7, chat_template_kwargs={"x": [1, {"y": 2}]}),
+    _chat(0), _chat(5, max_tokens=0), _chat(5, model="other"), _chat(5, stream_options={"include_usage": True}),
+    {**_chat(3), "messages": [*_chat(SLICE + 3)["messages"], {"role": "robot", "content": "x"}]},
+    {**_chat(3), "messages": [*_chat(2 * SLICE)["messages"], {"role": "user", "content": [{"type": "image"}]}]},
+    {**_chat(3), "messages": [*_chat(SLICE)["messages"], {"role": "user"}], "max_tokens": 10**6},
+], ids=lambda b: f"{len(b['messages'])}-messages")
+def test_a_large_chat_gets_what_it_gets_in_one_piece(body: dict[str, Any]) -> None:
+    small = json.dumps(body).encode()
+    if large(len(small)):  # (the one-piece path, on the same body: as the router took it before)
+        one = asyncio.run(_one_piece(small, True))
+    else:
+        one = _outcome(small)
+    assert _outcome(_pad(body)) == one
+
+
+async def _one_piece(body: bytes, chat: bool) -> tuple:
+    svc, policy = _svc(), _policy()
+    cap, default = 0, 256 if chat else completions.COMPLETIONS_DEFAULT_MAX_TOKENS
+    try:
+        req = completions._decode(body, chat, False)
+        completions.check_model(svc, policy, req.model)
+        job, base = completions._build(req, default, cap)
+    except ApiError as e:
+        return ("error", e.status, e.body())
+    return (req, job.messages, job.prompt, job.prompt_token_ids, job.params, job.template_kwargs, base)
+
+
+@pytest.mark.parametrize("body", [
+    {"model": MODEL, "prompt": "x", "stop_token_ids": list(range(40_000))},
+    {"model": MODEL, "prompt": list(range(30_000))},
+    {"model": MODEL, "prompt": "x", "stop_token_ids": [1, 2, -1]},
+    {"model": MODEL, "prompt": [[1, 2], [3]]},
+])
+def test_a_large_completion_gets_what_it_gets_in_one_piece(body: dict[str, Any]) -> None:
+    assert _outcome(_pad(body), chat=False) == asyncio.run(_one_piece(json.dumps(body).encode(), False))
+
+
+def test_the_loop_turns_between_slices_and_large_bodies_take_turns() -> None:
+    body = _pad(_chat(10 * SLICE))
+    order: list[str] = []
+
+    async def run() -> int:
+        svc = _svc()
+        turns = 0
+        stop = False
+
+        async def ticker() -> None:
+            nonlocal turns
+            while not stop:
+                turns += 1
+                await asyncio.sleep(0)
+
+        async def one(name: str) -> None:
+            order.append(f"{name} start")
+            await completions._job(svc, _policy(), body, True, False, None)
+            order.append(f"{name} end")
+
+        tick = asyncio.create_task(ticker())
+        await asyncio.gather(one("a"), one("b"))
+        stop = True
+        await tick
+        return turns
+
+    turns = asyncio.run(run())
+    assert turns >= 2 * 10  # (at least one turn per slice of each body)
+    assert order == ["a start", "b start", "a end", "b end"]  # (b waited for a's turn to end)
+
+
+def test_the_affinity_key_of_a_chat_reads_only_its_prefix() -> None:
+    def whole(messages: list[dict[str, str]]) -> int | None:  # (what it was: the whole chat joined)
+        text = "\x00".join(f"{m.get('role')}:{m.get('content')}" for m in messages)
+        return hash(text[:AFFINITY_PREFIX]) if len(text) >= AFFINITY_PREFIX else None
+
+    rng = random.Random(7)
+    for _ in range(3000):
+        msgs = [{"role": rng.choice(["user", "assistant"]), "content": "x" * rng.choice([0, 1, 100, 505, 506, 511, 512])}
+                for _ in range(rng.randint(1, 6))]
+        assert Job(MODEL, SamplingParams(max_tokens=1), messages=msgs).affinity_key() == whole(msgs), msgs
