@@ -22,7 +22,7 @@ the client already holds before sending anything; where the id says the
 client has the finish (and the usage event), the regenerated finish is not
 sent again (nor the usage event). A resume cut off while it regenerates that
 text leaves the buffer level with the client in events but short of it in
-text, its last events placeholders (``_ahead``): the next resume from that id
+text, its last events placeholders (``ahead``): the next resume from that id
 drops the text the same way. (Level with a buffer whose event N is a real
 one, an id that counts more is not placed: a 400, or, while a live router
 stores more of it, a wait.) That regeneration is exact for greedy requests (the
@@ -47,7 +47,7 @@ from router.leases import lease_chain
 from router.relay import NOT_RESUMABLE, Outcome, outcome_of, shutdown_notice
 from router.resume import ResumeMeta, decode_meta
 from router.resume_charge import charge_resume
-from router.resume_position import AHEAD, WAIT, Placed, Position, mismatch, parse_last_event_id, place
+from router.resume_position import AHEAD, WAIT, Placed, Placer, Position, ahead, mismatch, parse_last_event_id
 from router.resume_tail import client_on_placeholder, error_code, finish_tail, last_event, tail_after
 from router.service import RouterService
 from router.sse import DONE, ChunkEncoder
@@ -140,8 +140,9 @@ async def handle_resume(svc: RouterService, policy: TenantPolicy, sid: str, pos:
                          param="X-Resume-Request-Id", code="resume_wrong_endpoint")
     if snap.broken:
         raise BadRequest(_BROKEN.format(sid), code=NOT_RESUMABLE)
+    placer = Placer(sid, pos, meta)
     try:  # (a full id is placed by its counts: router/resume_position.py)
-        placed = await place(svc.store, sid, pos, meta.params.temperature > 0)
+        placed = await placer.place(lambda after: svc.store.stream_read(sid, after, False))
         if isinstance(placed, Placed):
             pos = placed.pos
             snap = await svc.store.stream_read(sid, pos.event)
@@ -179,7 +180,8 @@ async def handle_resume(svc: RouterService, policy: TenantPolicy, sid: str, pos:
         raise BadRequest(f"Last-Event-ID {pos.event} is past the end of this stream: its last event id is "
                          f"{final}.", param="Last-Event-ID")
     headers = {"x-request-id": sid, "cache-control": "no-cache", "x-accel-buffering": "no"}
-    return Stream(_resume(svc, policy, sid, meta, snap, pos, placed), media_type="text/event-stream", headers=headers)
+    return Stream(_resume(svc, policy, sid, meta, snap, pos, placed, placer), media_type="text/event-stream",
+                  headers=headers)
 
 
 _GAP = ("Events from {} on of stream {} were lost with the router that produced them and cannot be replayed; "
@@ -194,7 +196,8 @@ def _store_down(sid: str) -> ServiceUnavailable:
 
 
 async def _resume(svc: RouterService, policy: TenantPolicy, sid: str, meta: ResumeMeta,
-                  snap: StreamSnapshot, pos: Position, placed: Placed | str | None = None) -> AsyncIterator[bytes]:
+                  snap: StreamSnapshot, pos: Position, placed: Placed | str | None = None,
+                  placer: Placer | None = None) -> AsyncIterator[bytes]:
     """The resume's events. One that continues the generation is counted and
     logged as the continuation's request (endpoint ``resume``); one that
     only replays or follows the buffer as a request of endpoint ``replay``,
@@ -212,7 +215,7 @@ async def _resume(svc: RouterService, policy: TenantPolicy, sid: str, meta: Resu
     reader = _Reader()
     readers.append(reader)
     try:
-        async for chunk in _replay(svc, policy, sid, meta, snap, pos, outcome, reader, placed):
+        async for chunk in _replay(svc, policy, sid, meta, snap, pos, outcome, reader, placed, placer):
             yield chunk
     except BaseException as e:  # (the client left: cancelled; a store that failed: unavailable)
         outcome.record("unavailable" if isinstance(e, StoreUnavailable) else outcome_of(e), error=e)
@@ -227,11 +230,17 @@ async def _resume(svc: RouterService, policy: TenantPolicy, sid: str, meta: Resu
 
 async def _replay(svc: RouterService, policy: TenantPolicy, sid: str, meta: ResumeMeta,
                   snap: StreamSnapshot, pos: Position, outcome: Outcome, reader: _Reader,
-                  placed: Placed | str | None = None) -> AsyncIterator[bytes]:
-    # (``placed``: ``place``'s answer for ``pos``; ``AHEAD`` or ``WAIT``: placed again as the buffer grows)
+                  placed: Placed | str | None = None, placer: Placer | None = None) -> AsyncIterator[bytes]:
+    # (``placed``: ``placer``'s answer for ``pos``; ``AHEAD`` or ``WAIT``: placed again as the buffer grows)
     me = svc.resume.owner
     cursor = pos.event  # events the client has
     unplaced = placed if placed in (AHEAD, WAIT) else None
+    placer = placer or Placer(sid, pos, meta)
+
+    async def read(after: int) -> StreamSnapshot:  # (``placer``'s reads, tried again as the others here)
+        if (got := await _reread(svc, sid, after, tokens=False)) is None:
+            raise StoreUnavailable(f"stream {sid} cannot be read")
+        return got
     placed_at = snap.total_events
     if isinstance(placed, Placed) and placed.partial:
         yield placed.partial  # (the rest of the stored event the client has part of)
@@ -255,16 +264,21 @@ async def _replay(svc: RouterService, policy: TenantPolicy, sid: str, meta: Resu
         if unplaced and snap.total_events != placed_at:
             placed_at = snap.total_events
             try:
-                again = await place(svc.store, sid, pos, meta.params.temperature > 0)
+                again = await placer.place(read)
             except BadRequest as e:
                 outcome.record("client_error")
                 yield _mismatch(meta, e.message, e.code or "resume_mismatch")
                 return
+            except StoreUnavailable:
+                outcome.record("unavailable")
+                yield _cannot_go_on(meta, sid, None)
+                return
             unplaced = again if again in (AHEAD, WAIT) else None
-            if isinstance(again, Placed):
-                if again.partial:
-                    yield again.partial
-                pos, cursor = again.pos, again.pos.event
+            if not unplaced:  # (placed, or its event N came: the events after it, which were not read)
+                if isinstance(again, Placed):
+                    if again.partial:
+                        yield again.partial
+                    pos, cursor = again.pos, again.pos.event
                 nxt = await _reread(svc, sid, cursor, tokens=False)
                 if nxt is None or nxt.broken:
                     outcome.record("unavailable")
@@ -338,7 +352,8 @@ async def _replay(svc: RouterService, policy: TenantPolicy, sid: str, meta: Resu
             return
         else:
             await asyncio.sleep(TAIL_POLL)
-        nxt = await _reread(svc, sid, cursor, tokens=False)  # (a take-over reads them again)
+        # (a take-over reads them again; an unplaced client is sent none: only those past the last read)
+        nxt = await _reread(svc, sid, max(cursor, snap.total_events) if unplaced else cursor, tokens=False)
         if nxt is None or nxt.broken:  # (broken while this client followed it: what it has is right)
             outcome.record("unavailable")
             yield _cannot_go_on(meta, sid, nxt)
@@ -412,7 +427,7 @@ async def _take_over(svc: RouterService, policy: TenantPolicy, sid: str, meta: R
             yield event
         return
     svc.resume.continue_at(sid, snap.total_events)  # (what this router appends follows the buffer's events)
-    if _ahead(snap, pos, cursor, padded):
+    if ahead(snap, pos, cursor, padded):
         # The client is ahead of the buffer: regenerate what it has, silently.
         assert pos.tokens is not None and pos.chars is not None
         if meta.params.temperature > 0:
@@ -443,31 +458,6 @@ async def _take_over(svc: RouterService, policy: TenantPolicy, sid: str, meta: R
         # no id of its own: the stream stays resumable from the client's last
         # one (a numbered error made that resume a 400, one past the buffer)
         yield enc_error.notice(e.body())
-
-
-def _ahead(snap: StreamSnapshot, pos: Position, cursor: int, padded: bool) -> bool:
-    """Whether the client (at ``pos``, ``cursor`` events) has more of the
-    stream than the buffer (``snap``, read after its last event): events it
-    lacks (lost with the router that sent them), or, level with it in
-    events, tokens or text. A resume that continued a client ahead by events
-    padded the buffer with placeholders for them, then regenerated their text
-    without sending it (or storing an event); cut off there (its client left
-    again, its router died), it left the buffer level with that client in
-    events and behind it in tokens and text, which the client's id
-    (``N-T-C``) shows. Only where the client's last event is such a
-    placeholder in the buffer (``padded``, ``client_on_placeholder``): where
-    it is a real event, the buffer's text up to it is what every client
-    replaying it has, and an id that counts more (another stream's, a
-    made-up one, a second reader's whose events were cut differently) is
-    taken as level, as before: its holder may get text again, but no
-    characters are dropped from the buffer for the clients that hold its
-    ids. (After events replayed here, the client has the buffer's text, and
-    ``pos`` is from before them: never ``padded``.)"""
-    if cursor > snap.total_events:
-        return True
-    if not padded or pos.tokens is None or pos.chars is None:
-        return False
-    return pos.tokens > len(snap.token_ids) or pos.chars > snap.text_len
 
 
 async def _waiting_until_first(chunks: AsyncIterator[bytes]) -> AsyncIterator[bytes]:

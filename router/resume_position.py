@@ -18,15 +18,19 @@ among placeholders for events lost with a router), the resume is refused
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import NamedTuple
+from collections.abc import Awaitable, Callable, Sequence
+from typing import TYPE_CHECKING, NamedTuple
 
 import msgspec
 
 from router.errors import BadRequest, clip
 
-__all__ = ["Position", "parse_last_event_id", "Mark", "Spot", "mark_of", "locate", "rest_of", "Placed",
-           "AHEAD", "WAIT", "place"]
+if TYPE_CHECKING:
+    from router.resume import ResumeMeta
+    from router.state import StreamSnapshot
+
+__all__ = ["Position", "parse_last_event_id", "Mark", "Spot", "mark_of", "locate", "Scan", "rest_of", "Placed",
+           "AHEAD", "WAIT", "Placer", "mismatch", "ahead"]
 
 
 class Position(msgspec.Struct, frozen=True):
@@ -94,31 +98,47 @@ class Spot(NamedTuple):
 
 def locate(marks: Sequence[Mark | None], have: Mark) -> Spot:
     """Where a client that has ``have`` is among a buffer's events, whose
-    ``marks`` (``mark_of``) are in order from event 1. Inside an event only
-    where the counts of the events around it bracket ``have`` in both tokens
-    and characters and the client has no part of the end (an event after a
-    placeholder has no known start: a client before it is in a ``GAP``)."""
-    prev: Mark | None = Mark(0, 0)  # the counts at the end of the last event passed (None: a placeholder)
-    last = prev  # (the last one with counts)
-    for k, m in enumerate(marks, 1):
-        if m is None:
-            prev = None
-            continue
-        if m is NO_ID:
-            continue
-        if m == have:
-            return Spot(AT, k)
-        # (the client is at most at this event's end; at the same counts with more of the end, past it)
-        if have.tokens <= m.tokens and have.chars <= m.chars and not (have[:2] == m[:2] and have.end > m.end):
-            if prev is None:
-                return Spot(GAP, k)
-            if have.end == 0 and prev.end == 0 and prev.tokens <= have.tokens and prev.chars <= have.chars:
-                return Spot(INSIDE, k)
-            return Spot(MISMATCH, k)
-        prev = last = m
-    if last.tokens <= have.tokens and last.chars <= have.chars:  # (past a finished end: the caller says so)
-        return Spot(BEYOND)
-    return Spot(MISMATCH)
+    ``marks`` (``mark_of``) are in order from event 1 (``Scan``)."""
+    return Scan(have).feed(marks)
+
+
+class Scan:
+    """``locate`` over a buffer read in parts as it grows: ``feed`` takes the
+    marks of the events after those fed before and answers for all of them.
+    Inside an event only where the counts of the events around it bracket
+    ``have`` in both tokens and characters and the client has no part of the
+    end (an event after a placeholder has no known start: a client before it
+    is in a ``GAP``). An answer at an event stands whatever comes after it."""
+
+    def __init__(self, have: Mark) -> None:
+        self.have = have
+        self.events = 0  # events fed
+        self.prev: Mark | None = Mark(0, 0)  # the counts at the end of the last event passed (None: a placeholder)
+        self.last = Mark(0, 0)  # (the last one with counts)
+
+    def feed(self, marks: Sequence[Mark | None]) -> Spot:
+        have = self.have
+        for m in marks:
+            self.events += 1
+            if m is None:
+                self.prev = None
+                continue
+            if m is NO_ID:
+                continue
+            if m == have:
+                return Spot(AT, self.events)
+            # (the client is at most at this event's end; at the same counts with more of the end, past it)
+            if have.tokens <= m.tokens and have.chars <= m.chars and not (have[:2] == m[:2] and have.end > m.end):
+                prev = self.prev
+                if prev is None:
+                    return Spot(GAP, self.events)
+                if have.end == 0 and prev.end == 0 and prev.tokens <= have.tokens and prev.chars <= have.chars:
+                    return Spot(INSIDE, self.events)  # (``prev``: the counts before it)
+                return Spot(MISMATCH, self.events)
+            self.prev = self.last = m
+        if self.last.tokens <= have.tokens and self.last.chars <= have.chars:  # (past a finished end: the caller says so)
+            return Spot(BEYOND)
+        return Spot(MISMATCH)
 
 
 def rest_of(event: bytes, start: Mark, have: Mark) -> bytes | None:
@@ -154,7 +174,7 @@ class Placed(NamedTuple):
     partial: bytes | None = None
 
 
-# ``place``'s answers for a client not placed (yet): ``AHEAD`` of the buffer by
+# ``Placer.place``'s answers for a client not placed (yet): ``AHEAD`` of the buffer by
 # events and by counts (a client whose router died with its last events: the
 # resume continues it as before, and places it again once the buffer grows);
 # ``WAIT``, level with or past the buffer in events but by counts past its
@@ -162,51 +182,102 @@ class Placed(NamedTuple):
 AHEAD, WAIT = "ahead", "wait"
 
 
-async def place(store, sid: str, pos: Position, sampled: bool) -> Placed | str | None:
-    """Place a client with a full id (``N-T-C``) in ``sid``'s buffer. None:
-    nothing to do (no counts in its id, its event N is there with those
-    counts, or is a placeholder, which router/resume_tail.py's
-    ``client_on_placeholder`` handles). Raises ``BadRequest`` where the
-    buffer cannot place it; may raise ``StoreUnavailable``. ``sampled``
-    (temperature > 0): a buffer whose router died may hold a continuation's
-    text where the client has the dead router's, the same counts of other
-    words; such a client is not placed."""
-    if pos.tokens is None or pos.chars is None or pos.event < 1:
-        return None
-    have = Mark(pos.tokens, pos.chars, pos.end)
-    near = await store.stream_read(sid, pos.event - 1, False)
-    if near is None:
-        return None  # (gone meanwhile: the resume's next read says so)
-    if near.events and (not near.events[0] or mark_of(near.events[0]) == have):
-        return None
-    whole = await store.stream_read(sid, 0, False)
-    if whole is None:
-        return None
-    if sampled and whole.lost:
-        raise BadRequest(f"Last-Event-ID {pos.event}-{pos.tokens}-{pos.chars} is not of stream {sid}'s stored events, "
-                         "whose router died: they may be a sampled (temperature > 0) continuation's, other text "
-                         "than the client's; retry the request.", param="Last-Event-ID", code="resume_gap")
-    marks = [mark_of(e) for e in whole.events]
-    spot = locate(marks, have)
-    if spot.kind == AT:
-        m = marks[spot.event - 1]
-        return Placed(Position(spot.event, m.tokens, m.chars, m.end))
-    if spot.kind == INSIDE:
-        start = next((m for m in reversed(marks[:spot.event - 1]) if m is not NO_ID), Mark(0, 0))
-        partial = rest_of(whole.events[spot.event - 1], start, have)
-        if partial is not None:
-            m = marks[spot.event - 1]
-            return Placed(Position(spot.event, m.tokens, m.chars, m.end), partial)
-    elif spot.kind == BEYOND:
-        return AHEAD if pos.event > whole.total_events else WAIT
-    elif spot.kind == GAP:
-        raise BadRequest(f"Last-Event-ID {pos.event}-{pos.tokens}-{pos.chars}: the text after it was lost with "
-                         f"the router that produced it (events up to {spot.event} of stream {sid} cannot be "
-                         "replayed); retry the request.", param="Last-Event-ID", code="resume_gap")
-    raise BadRequest(mismatch(sid, pos), param="Last-Event-ID", code="resume_mismatch")
+class Placer:
+    """Places a client with a full id (``N-T-C``) in ``sid``'s buffer, and
+    again as the buffer grows while it is ``AHEAD`` or ``WAIT``s. It keeps
+    its ``Scan`` of the events read and reads only those after them: placed
+    again on every poll that saw the buffer grow, a client that read the
+    buffer whole each time cost reads quadratic in its length (on Redis,
+    each a script that holds the server for every tenant)."""
+
+    def __init__(self, sid: str, pos: Position, meta: ResumeMeta) -> None:
+        self.sid, self.pos, self.meta = sid, pos, meta
+        full = pos.tokens is not None and pos.chars is not None and pos.event >= 1
+        self.scan = Scan(Mark(pos.tokens, pos.chars, pos.end)) if full else None  # type: ignore[arg-type]
+
+    async def place(self, read: Callable[[int], Awaitable[StreamSnapshot | None]]) -> Placed | str | None:
+        """``read(after)``: the buffer's events after ``after`` (None: gone).
+        None: nothing to do (no counts in the id, or its event N is there
+        with those counts, or is a placeholder, which router/resume_tail.py's
+        ``client_on_placeholder`` handles). Raises ``BadRequest`` where the
+        buffer cannot place it, and what ``read`` raises. A sampled
+        (temperature > 0) stream whose router died may hold a continuation's
+        text where the client has the dead router's, the same counts of
+        other words: such a client is not placed (one ahead of the buffer by
+        events goes on: a live router's buffer places it as it grows, and
+        ``_take_over`` refuses it where the router is dead)."""
+        pos, scan, params = self.pos, self.scan, self.meta.params
+        if scan is None:
+            return None
+        if scan.have.tokens > params.max_tokens or (pos.end == 2 and not self.meta.include_usage):
+            # (no event of this stream counts that: an id of another, or made up. Not
+            # refused, it waited for the stream's end, placed again as it grew)
+            raise BadRequest(mismatch(self.sid, pos), param="Last-Event-ID", code="resume_mismatch")
+        if scan.events == 0:  # (usually event N is there with those counts: a short read)
+            near = await read(pos.event - 1)
+            if near is None:
+                return None  # (gone meanwhile: the resume's next read says so)
+            if near.events and (not near.events[0] or mark_of(near.events[0]) == scan.have):
+                return None
+        done = scan.events
+        new = await read(done)
+        if new is None:
+            return None
+        marks = [mark_of(e) for e in new.events]
+        if done < pos.event <= done + len(marks) and marks[pos.event - done - 1] in (None, scan.have):
+            return None  # (event N came meanwhile)
+        spot = scan.feed(marks)
+        if spot.kind == BEYOND and pos.event > new.total_events:
+            return AHEAD
+        if params.temperature > 0 and new.lost:
+            raise BadRequest(f"Last-Event-ID {pos.event}-{pos.tokens}-{pos.chars} is not of stream {self.sid}'s "
+                             "stored events, whose router died: they may be a sampled (temperature > 0) "
+                             "continuation's, other text than the client's; retry the request.",
+                             param="Last-Event-ID", code="resume_gap")
+        k = spot.event
+        if spot.kind == AT:
+            m = marks[k - done - 1]
+            return Placed(Position(k, m.tokens, m.chars, m.end))
+        if spot.kind == INSIDE:
+            assert scan.prev is not None
+            partial = rest_of(new.events[k - done - 1], scan.prev, scan.have)
+            if partial is not None:
+                m = marks[k - done - 1]
+                return Placed(Position(k, m.tokens, m.chars, m.end), partial)
+        elif spot.kind == BEYOND:
+            return WAIT
+        elif spot.kind == GAP:
+            raise BadRequest(f"Last-Event-ID {pos.event}-{pos.tokens}-{pos.chars}: the text after it was lost with "
+                             f"the router that produced it (events up to {k} of stream {self.sid} cannot be "
+                             "replayed); retry the request.", param="Last-Event-ID", code="resume_gap")
+        raise BadRequest(mismatch(self.sid, pos), param="Last-Event-ID", code="resume_mismatch")
 
 
 def mismatch(sid: str, pos: Position) -> str:
     return (f"Last-Event-ID {pos.event}-{pos.tokens}-{pos.chars} does not match stream {sid}: no stored event "
             "ends at those completion tokens and characters or holds them; resume with an id this stream's "
             "events carry.")
+
+
+def ahead(snap: StreamSnapshot, pos: Position, cursor: int, padded: bool) -> bool:
+    """Whether the client (at ``pos``, ``cursor`` events) has more of the
+    stream than the buffer (``snap``, read after its last event): events it
+    lacks (lost with the router that sent them), or, level with it in
+    events, tokens or text. A resume that continued a client ahead by events
+    padded the buffer with placeholders for them, then regenerated their text
+    without sending it (or storing an event); cut off there (its client left
+    again, its router died), it left the buffer level with that client in
+    events and behind it in tokens and text, which the client's id
+    (``N-T-C``) shows. Only where the client's last event is such a
+    placeholder in the buffer (``padded``, ``client_on_placeholder``): where
+    it is a real event, an id that counts more is never taken as ahead (no
+    characters are dropped from the buffer for the clients that hold its
+    ids): ``Placer`` placed it among the stored events by its counts, or it
+    was refused (``resume_mismatch``) where no live router stores more. (After
+    events replayed, the client has the buffer's text, and ``pos`` is from
+    before them: never ``padded``.)"""
+    if cursor > snap.total_events:
+        return True
+    if not padded or pos.tokens is None or pos.chars is None:
+        return False
+    return pos.tokens > len(snap.token_ids) or pos.chars > snap.text_len

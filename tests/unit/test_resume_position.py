@@ -7,7 +7,7 @@ import msgspec
 import pytest
 
 from replicas.protocol import FinishReason
-from router.resume_position import (AT, BEYOND, GAP, INSIDE, MISMATCH, NO_ID, Mark, Spot, locate, mark_of,
+from router.resume_position import (AT, BEYOND, GAP, INSIDE, MISMATCH, NO_ID, Mark, Scan, Spot, locate, mark_of,
                                     parse_last_event_id, rest_of)
 from router.sse import DONE, END_FINISH, ChunkEncoder
 
@@ -48,6 +48,19 @@ def test_marks_come_from_the_ids() -> None:
 ])
 def test_locate(have: Mark, spot: Spot) -> None:
     assert locate(MARKS, have) == spot
+
+
+@pytest.mark.parametrize("have", [Mark(7, 7), Mark(10, 7), Mark(14, 12), Mark(8, 13), Mark(15, 14), Mark(15, 12),
+                                  Mark(21, 19), Mark(10, 9)])
+def test_a_scan_fed_in_parts_answers_as_one_over_the_whole_buffer(have: Mark) -> None:
+    # (a client placed again as the buffer grows reads only the events after those it read)
+    marks = [*MARKS, None, Mark(20, 18), Mark(22, 20)]
+    for cut in range(len(marks) + 1):
+        scan = Scan(have)
+        first = scan.feed(marks[:cut])
+        assert first == locate(marks[:cut], have)
+        if first.kind == BEYOND:  # (else the client is placed, or refused: nothing is read again)
+            assert scan.feed(marks[cut:]) == locate(marks, have), cut
 
 
 def test_a_finish_of_its_own_is_told_from_the_last_text_event() -> None:
