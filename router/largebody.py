@@ -8,9 +8,12 @@ estimate) ran in one piece: six 4 MB bodies of 120,000 chat messages or
 or more (decompressed) is worked on in slices instead (decode; the rest;
 ``SLICE`` messages at a time), with a turn of the loop between two slices,
 and the large bodies take turns: one at a time, in the order they came
-(``LargeBodies.lock``), so a loop turn runs one slice at most. The longest
-slice is msgspec's decode of the whole body, one C call (about 40 ms for
-4 MiB of small objects). Smaller bodies go through in one piece, as before.
+(``LargeBodies.lock``), so a loop turn runs one slice at most. Slices are
+cut by chat messages only: msgspec's decode of the whole body is one C call
+(about 40 ms for 4 MiB of small objects), and work that does not grow with
+the number of messages (one message's many content parts, a large
+``chat_template_kwargs``) is still one slice (README, "Large request
+bodies"). Smaller bodies go through in one piece, as before.
 
 Not a worker thread: the loop gives the GIL up at every write to a log or
 a large ``bytes.join``, the thread then holds it through a C call of tens
