@@ -128,9 +128,7 @@ async def handle_resume(svc: RouterService, policy: TenantPolicy, sid: str, pos:
     except StoreUnavailable as e:
         raise _store_down(sid) from e
     if snap is None:
-        if not getattr(svc.store, "healthy", True):  # (fail-open: the answer came from the local fallback)
-            raise _store_down(sid)
-        raise _not_found(svc, sid)
+        raise _gone(svc, sid)
     meta = decode_meta(snap.meta)
     if meta.tenant != policy.name:
         raise _not_found(svc, sid)
@@ -141,7 +139,7 @@ async def handle_resume(svc: RouterService, policy: TenantPolicy, sid: str, pos:
     if snap.broken:
         raise BadRequest(_BROKEN.format(sid), code=NOT_RESUMABLE)
     placer = Placer(sid, pos, meta)
-    try:  # (a full id is placed by its counts: router/resume_position.py)
+    try:  # (a full id is placed by its counts: router/resume_position.py; a read of None there is a 503)
         placed = await placer.place(lambda after: svc.store.stream_read(sid, after, False))
         if isinstance(placed, Placed):
             pos = placed.pos
@@ -149,7 +147,7 @@ async def handle_resume(svc: RouterService, policy: TenantPolicy, sid: str, pos:
     except StoreUnavailable as e:
         raise _store_down(sid) from e
     if snap is None:
-        raise _not_found(svc, sid)
+        raise _gone(svc, sid)
     if placed == WAIT and (snap.finished or not (snap.owner or sid in svc.resume.live)):
         raise BadRequest(mismatch(sid, pos), param="Last-Event-ID", code="resume_mismatch")  # (none stores more)
     if b"" in snap.events:  # (before its stream starts: an error event then left an EventSource retrying)
@@ -188,6 +186,13 @@ _GAP = ("Events from {} on of stream {} were lost with the router that produced 
         "retry the request.")
 _BROKEN = ("Stream {} cannot be resumed: its buffer misses events written while the state store was unavailable "
            "(a resume would give a wrong text); retry the request.")
+
+
+def _gone(svc: RouterService, sid: str) -> ApiError:
+    """The answer to a read of ``sid`` that found no buffer."""
+    if not getattr(svc.store, "healthy", True):  # (fail-open: the answer came from the local fallback)
+        return _store_down(sid)
+    return _not_found(svc, sid)
 
 
 def _store_down(sid: str) -> ServiceUnavailable:
@@ -304,7 +309,12 @@ async def _replay(svc: RouterService, policy: TenantPolicy, sid: str, meta: Resu
             yield WAITING
             sent_at = loop.time()
         have = snap.total_events
-        if snap.finished and have <= cursor:
+        if snap.finished and have < cursor:  # (ahead of it, followed while it lived: a 400 once it ended)
+            outcome.record("client_error")
+            yield _mismatch(meta, f"Last-Event-ID {pos.event} is past the end of stream {sid}: it ended at event "
+                            f"{have}; resume with an id this stream's events carry.")
+            return
+        if snap.finished and have == cursor:
             return
         if svc.scheduler.stopping:  # this router stops: the client goes on elsewhere
             enc = ChunkEncoder(meta.chat, meta.response_id, meta.model, meta.created)

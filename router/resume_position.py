@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, NamedTuple
 import msgspec
 
 from router.errors import BadRequest, clip
+from router.state import StoreUnavailable
 
 if TYPE_CHECKING:
     from router.resume import ResumeMeta
@@ -200,7 +201,11 @@ class Placer:
         None: nothing to do (no counts in the id, or its event N is there
         with those counts, or is a placeholder, which router/resume_tail.py's
         ``client_on_placeholder`` handles). Raises ``BadRequest`` where the
-        buffer cannot place it, and what ``read`` raises. A sampled
+        buffer cannot place it, what ``read`` raises, and ``StoreUnavailable``
+        where it reads None: a fail-open store answers a Redis timeout from
+        its local fallback, which lacks the stream, and a client taken as
+        placed there was replayed by its event number (text twice, or
+        missing, for a client of another split). A sampled
         (temperature > 0) stream whose router died may hold a continuation's
         text where the client has the dead router's, the same counts of
         other words: such a client is not placed (one ahead of the buffer by
@@ -214,15 +219,11 @@ class Placer:
             # refused, it waited for the stream's end, placed again as it grew)
             raise BadRequest(mismatch(self.sid, pos), param="Last-Event-ID", code="resume_mismatch")
         if scan.events == 0:  # (usually event N is there with those counts: a short read)
-            near = await read(pos.event - 1)
-            if near is None:
-                return None  # (gone meanwhile: the resume's next read says so)
+            near = await _must(read, pos.event - 1, self.sid)
             if near.events and (not near.events[0] or mark_of(near.events[0]) == scan.have):
                 return None
         done = scan.events
-        new = await read(done)
-        if new is None:
-            return None
+        new = await _must(read, done, self.sid)
         marks = [mark_of(e) for e in new.events]
         if done < pos.event <= done + len(marks) and marks[pos.event - done - 1] in (None, scan.have):
             return None  # (event N came meanwhile)
@@ -251,6 +252,12 @@ class Placer:
                              f"the router that produced it (events up to {k} of stream {self.sid} cannot be "
                              "replayed); retry the request.", param="Last-Event-ID", code="resume_gap")
         raise BadRequest(mismatch(self.sid, pos), param="Last-Event-ID", code="resume_mismatch")
+
+
+async def _must(read: Callable[[int], Awaitable[StreamSnapshot | None]], after: int, sid: str) -> StreamSnapshot:
+    if (got := await read(after)) is None:  # (not "nothing to do": the client is not placed)
+        raise StoreUnavailable(f"stream {sid} cannot be read to place the client")
+    return got
 
 
 def mismatch(sid: str, pos: Position) -> str:

@@ -12,7 +12,7 @@ import pytest
 
 import router.resume_http as resume_http
 from replicas.protocol import FinishReason, SamplingParams
-from router.errors import BadRequest
+from router.errors import BadRequest, ServiceUnavailable
 from router.resume import ResumeMeta, ResumeWriter, encode_meta
 from router.resume_http import Position, handle_resume
 from router.sse import ChunkEncoder
@@ -126,3 +126,47 @@ async def test_a_store_failing_while_a_client_is_placed_again_is_tried_again(mon
         assert out == [EVENTS[3]] and left == [0]
     else:
         assert len(out) == 1 and b'"code":"resume_unavailable"' in out[0], out
+
+
+@pytest.mark.parametrize("failing", [1, 2, 3])
+async def test_a_placing_read_the_store_cannot_answer_is_a_503_not_a_replay_by_number(monkeypatch, failing) -> None:
+    # A fail-open store answers a Redis timeout from its local fallback, which
+    # lacks the stream: the read is None (and the store unhealthy). Placing took
+    # that for "nothing to do" and the resume replayed the events after the
+    # client's number: a client of another split (it has "Hello world", the
+    # buffer's event 3, under id 2-4-11) got "ld" twice. (``failing``: the
+    # placing's first or second read, or the read of the events after where
+    # it placed the client, which answered 404 stream_not_found.)
+    svc, store = await _stream("", False, 0.0)
+    store.append_now("s1", EVENTS[2:], [13, 14], 12, True, "", 60)
+    read, reads = store.stream_read, [0]
+
+    async def fallback(sid, after, tokens=True):
+        reads[0] += 1
+        if reads[0] == failing + 1:  # (read 1: handle_resume's own, before placing)
+            store.healthy = False
+            return None
+        return await read(sid, after, tokens)
+
+    monkeypatch.setattr(store, "stream_read", fallback)
+    with pytest.raises(ServiceUnavailable) as e:
+        resp = await handle_resume(svc, policy(), "s1", Position(2, 4, 11))
+        pytest.fail(f"resumed: {[c async for c in resp.iterator]}")
+    assert e.value.code == "state_store_unavailable"
+    store.healthy = True  # (the store back: the same id gets the rest of the buffer's event 3 and event 4)
+    resp = await handle_resume(svc, policy(), "s1", Position(2, 4, 11))
+    assert [c async for c in resp.iterator] == [EVENTS[3]]
+
+
+async def test_a_client_ahead_of_a_buffer_that_finishes_short_of_it_is_told_in_the_stream(monkeypatch) -> None:
+    # Ahead of a live buffer by events, it follows it; the stream ended short
+    # of its id (another stream's, or made up): an empty 200, a silent end,
+    # where a resume after the end is a 400.
+    monkeypatch.setattr(resume_http, "TAIL_POLL", 0.001)
+    svc, store = await _stream("router-b", False, 0.0)
+    resp = await handle_resume(svc, policy(), "s1", Position(6, 8, 20))
+    store.append_now("s1", EVENTS[2:], [13, 14], 12, True, "router-b", 60)
+    out = [c async for c in resp.iterator]
+    assert len(out) == 1 and b'"code":"resume_mismatch"' in out[0] and b"past the end" in out[0], out
+    with pytest.raises(BadRequest, match="past the end"):
+        await handle_resume(svc, policy(), "s1", Position(6, 8, 20))
