@@ -169,14 +169,14 @@ async def handle_resume(svc: RouterService, policy: TenantPolicy, sid: str, pos:
     if pos.event > snap.total_events and (pos.tokens is None or pos.chars is None):
         raise BadRequest(f"Last-Event-ID {pos.event} is past the stream's last stored event "
                          f"({snap.total_events}); send the full id (N-T-C) this router sent.",
-                         param="Last-Event-ID")
+                         param="Last-Event-ID", code="resume_mismatch")
     if snap.finished and (pos.event > snap.total_events or last == DONE):
         # (a full id past the end is a client behind a router that died with
         # its last events; a finished stream has all of them: a wrong id.
         # Its last event, [DONE], carries no id: no client has its number.)
         final = snap.total_events - 1 if last == DONE else snap.total_events
         raise BadRequest(f"Last-Event-ID {pos.event} is past the end of this stream: its last event id is "
-                         f"{final}.", param="Last-Event-ID")
+                         f"{final}.", param="Last-Event-ID", code="resume_mismatch")
     headers = {"x-request-id": sid, "cache-control": "no-cache", "x-accel-buffering": "no"}
     return Stream(_resume(svc, policy, sid, meta, snap, pos, placed, placer), media_type="text/event-stream",
                   headers=headers)

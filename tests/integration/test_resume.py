@@ -349,11 +349,12 @@ async def test_other_tenants_unknown_ids_and_bad_event_ids_are_refused(
     assert "X-Resume-Request-Id" in assert_openai_error(r, 400, param="X-Resume-Request-Id")["message"]
     # a bare event number past the end cannot be placed
     r = await http.get(f"/v1/streams/{rid}", headers={"Last-Event-ID": str(len(events) + 5)})
-    assert_openai_error(r, 400, param="Last-Event-ID")
+    assert assert_openai_error(r, 400, param="Last-Event-ID")["code"] == "resume_mismatch"
     # nor a full id past the end of a finished stream (an empty 200 would be a silent end; its
     # tokens within max_tokens: more than that is no id of this stream, test_resume_placing)
     r = await http.get(f"/v1/streams/{rid}", headers={"Last-Event-ID": f"{len(events) + 5}-20-999"})
-    assert "past the end" in assert_openai_error(r, 400, param="Last-Event-ID")["message"]
+    error = assert_openai_error(r, 400, param="Last-Event-ID")
+    assert "past the end" in error["message"] and error["code"] == "resume_mismatch"
     # the last id sent gets the rest, [DONE]; the number after it was never sent ([DONE] has no id):
     # it was an empty 200, a silent end
     last_id = [e.id for e in events if e.id][-1]
