@@ -25,7 +25,6 @@ import json
 import socket
 import threading
 import time
-from pathlib import Path
 
 import httpx
 import pytest
