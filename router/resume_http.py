@@ -47,7 +47,7 @@ from router.leases import lease_chain
 from router.relay import NOT_RESUMABLE, Outcome, outcome_of, shutdown_notice
 from router.resume import ResumeMeta, decode_meta
 from router.resume_charge import charge_resume
-from router.resume_position import AHEAD, WAIT, Placed, Placer, Position, ahead, mismatch, parse_last_event_id
+from router.resume_position import AHEAD, WAIT, BufferUnread, Placed, Placer, Position, ahead, mismatch, parse_last_event_id
 from router.resume_tail import client_on_placeholder, error_code, finish_tail, last_event, tail_after
 from router.service import RouterService
 from router.sse import DONE, ChunkEncoder
@@ -144,8 +144,8 @@ async def handle_resume(svc: RouterService, policy: TenantPolicy, sid: str, pos:
         if isinstance(placed, Placed):
             pos = placed.pos
             snap = await svc.store.stream_read(sid, pos.event)
-    except StoreUnavailable as e:
-        raise _store_down(sid) from e
+    except StoreUnavailable as e:  # (no buffer found: the fallback's answer, or it expired meanwhile)
+        raise (_gone(svc, sid) if isinstance(e, BufferUnread) else _store_down(sid)) from e
     if snap is None:
         raise _gone(svc, sid)
     if placed == WAIT and (snap.finished or not (snap.owner or sid in svc.resume.live)):
@@ -311,8 +311,8 @@ async def _replay(svc: RouterService, policy: TenantPolicy, sid: str, meta: Resu
         have = snap.total_events
         if snap.finished and have < cursor:  # (ahead of it, followed while it lived: a 400 once it ended)
             outcome.record("client_error")
-            yield _mismatch(meta, f"Last-Event-ID {pos.event} is past the end of stream {sid}: it ended at event "
-                            f"{have}; resume with an id this stream's events carry.")
+            yield _mismatch(meta, f"Last-Event-ID {pos.event} is past the end of stream {sid}; resume with an id "
+                            "this stream's events carry.")
             return
         if snap.finished and have == cursor:
             return

@@ -30,7 +30,8 @@ if TYPE_CHECKING:
     from router.resume import ResumeMeta
     from router.state import StreamSnapshot
 
-__all__ = ["Position", "parse_last_event_id", "Mark", "Spot", "mark_of", "locate", "Scan", "rest_of", "Placed",
+__all__ = ["BufferUnread",
+           "Position", "parse_last_event_id", "Mark", "Spot", "mark_of", "locate", "Scan", "rest_of", "Placed",
            "AHEAD", "WAIT", "Placer", "mismatch", "ahead"]
 
 
@@ -254,9 +255,15 @@ class Placer:
         raise BadRequest(mismatch(self.sid, pos), param="Last-Event-ID", code="resume_mismatch")
 
 
+class BufferUnread(StoreUnavailable):
+    """A read that placed the client found no buffer: the store's fallback
+    answered (an outage: a 503), or the buffer expired meanwhile (a healthy
+    store: a 404). Either way not "nothing to do": the client is not placed."""
+
+
 async def _must(read: Callable[[int], Awaitable[StreamSnapshot | None]], after: int, sid: str) -> StreamSnapshot:
-    if (got := await read(after)) is None:  # (not "nothing to do": the client is not placed)
-        raise StoreUnavailable(f"stream {sid} cannot be read to place the client")
+    if (got := await read(after)) is None:
+        raise BufferUnread(f"stream {sid} cannot be read to place the client")
     return got
 
 

@@ -109,5 +109,5 @@ def test_large_bodies_are_answered_while_another_tenants_streams_go_on(router: R
 
     stamps, after = asyncio.run(run())
     assert statuses == [(429, "tokens_exceed_limit")] * BODIES, statuses  # (decoded, checked, estimated)
-    assert len(stamps) > 100  # (the other tenant's streams went on meanwhile)
+    assert len(stamps) > 100  # (the other tenant's streams lived through it: not a bound on their gaps)
     assert after > 0  # (and after: none was stalled for good or cut off)

@@ -12,7 +12,7 @@ import pytest
 
 import router.resume_http as resume_http
 from replicas.protocol import FinishReason, SamplingParams
-from router.errors import BadRequest, ServiceUnavailable
+from router.errors import BadRequest, NotFound, ServiceUnavailable
 from router.resume import ResumeMeta, ResumeWriter, encode_meta
 from router.resume_http import Position, handle_resume
 from router.sse import ChunkEncoder
@@ -156,6 +156,26 @@ async def test_a_placing_read_the_store_cannot_answer_is_a_503_not_a_replay_by_n
     store.healthy = True  # (the store back: the same id gets the rest of the buffer's event 3 and event 4)
     resp = await handle_resume(svc, policy(), "s1", Position(2, 4, 11))
     assert [c async for c in resp.iterator] == [EVENTS[3]]
+
+
+@pytest.mark.parametrize("failing", [1, 2])
+async def test_a_buffer_that_expires_while_the_client_is_placed_is_a_404_on_a_healthy_store(monkeypatch,
+                                                                                           failing) -> None:
+    # (the store healthy, the placing's read finds no buffer: it expired
+    # between two reads; "stream not found", as any read of it says, not a
+    # 503 that has the client retry a stream that is gone)
+    svc, store = await _stream("", False, 0.0)
+    store.append_now("s1", EVENTS[2:], [13, 14], 12, True, "", 60)
+    read, reads = store.stream_read, [0]
+
+    async def expired(sid, after, tokens=True):
+        reads[0] += 1
+        return None if reads[0] == failing + 1 else await read(sid, after, tokens)
+
+    monkeypatch.setattr(store, "stream_read", expired)
+    with pytest.raises(NotFound) as e:
+        await handle_resume(svc, policy(), "s1", Position(2, 4, 11))
+    assert e.value.code == "stream_not_found"
 
 
 async def test_a_client_ahead_of_a_buffer_that_finishes_short_of_it_is_told_in_the_stream(monkeypatch) -> None:
