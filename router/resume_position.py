@@ -202,9 +202,10 @@ class Placer:
         None: nothing to do (no counts in the id, or its event N is there
         with those counts, or is a placeholder, which router/resume_tail.py's
         ``client_on_placeholder`` handles). Raises ``BadRequest`` where the
-        buffer cannot place it, what ``read`` raises, and ``StoreUnavailable``
-        where it reads None: a fail-open store answers a Redis timeout from
-        its local fallback, which lacks the stream, and a client taken as
+        buffer cannot place it, what ``read`` raises, and ``BufferUnread`` (a
+        ``StoreUnavailable``) where it reads None: a fail-open store answers a
+        Redis timeout from its local fallback, which lacks the stream, or the
+        buffer expired between two reads; a client taken as
         placed there was replayed by its event number (text twice, or
         missing, for a client of another split). A sampled
         (temperature > 0) stream whose router died may hold a continuation's
