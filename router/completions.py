@@ -171,18 +171,22 @@ def _params(req: ChatRequest | CompletionRequest, default: int, cap: int) -> Sam
     return params
 
 
-def _build(req: ChatRequest | CompletionRequest, default: int, cap: int) -> tuple[Job, int]:
-    """The job of a decoded request whose model was checked, and its prompt's
-    base estimate (``PromptEstimates.estimate``)."""
-    params = _params(req, default, cap)
+def _build(req: ChatRequest | CompletionRequest, params: SamplingParams,
+           messages: list[dict[str, str]] | None = None, counted: int | None = None) -> tuple[Job, int]:
+    """The job of a decoded request whose model and parameters were checked,
+    and its prompt's base estimate (``PromptEstimates.estimate``); a chat's
+    ``messages`` and their ``counted`` estimate where a large body's slices
+    checked them already (``_sliced``)."""
     if isinstance(req, ChatRequest):
-        job = Job(req.model, params, messages=chat_messages(req), template_kwargs=chat_template_kwargs(req))
+        if messages is None:
+            messages = chat_messages(req)
+        job = Job(req.model, params, messages=messages, template_kwargs=chat_template_kwargs(req))
+        return job, base_estimate(job, counted)
+    prompt = completion_prompt(req)
+    if isinstance(prompt, list):
+        job = Job(req.model, params, prompt_token_ids=prompt)
     else:
-        prompt = completion_prompt(req)
-        if isinstance(prompt, list):
-            job = Job(req.model, params, prompt_token_ids=prompt)
-        else:
-            job = Job(req.model, params, prompt=prompt)
+        job = Job(req.model, params, prompt=prompt)
     return job, base_estimate(job)
 
 
@@ -196,9 +200,9 @@ async def _sliced(svc: RouterService, policy: TenantPolicy, body: bytes, chat: b
         req = _decode(body, chat, stream_implied)
         await turn()
         check_model(svc, policy, req.model)
-        if not isinstance(req, ChatRequest):
-            return req, *_build(req, default, cap)
         params = _params(req, default, cap)
+        if not isinstance(req, ChatRequest):
+            return req, *_build(req, params)
         messages = chat_messages(req, 0, SLICE)
         counted = messages_estimate(messages)
         for start in range(SLICE, len(req.messages), SLICE):
@@ -206,8 +210,7 @@ async def _sliced(svc: RouterService, policy: TenantPolicy, body: bytes, chat: b
             part = chat_messages(req, start, start + SLICE)
             messages += part
             counted += messages_estimate(part)
-        job = Job(req.model, params, messages=messages, template_kwargs=chat_template_kwargs(req))
-        return req, job, base_estimate(job, counted)
+        return req, *_build(req, params, messages, counted)
 
 
 async def _job(svc: RouterService, policy: TenantPolicy, body: bytes, chat: bool, stream_implied: bool,
@@ -226,7 +229,7 @@ async def _job(svc: RouterService, policy: TenantPolicy, body: bytes, chat: bool
         return await _sliced(svc, policy, body, chat, stream_implied, default, cap)
     req = _decode(body, chat, stream_implied)
     check_model(svc, policy, req.model)
-    return req, *_build(req, default, cap)
+    return req, *_build(req, _params(req, default, cap))
 
 
 class Started:

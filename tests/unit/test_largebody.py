@@ -81,7 +81,7 @@ async def _one_piece(body: bytes, chat: bool) -> tuple:
     try:
         req = completions._decode(body, chat, False)
         completions.check_model(svc, policy, req.model)
-        job, base = completions._build(req, default, cap)
+        job, base = completions._build(req, completions._params(req, default, cap))
     except ApiError as e:
         return ("error", e.status, e.body())
     return (req, job.messages, job.prompt, job.prompt_token_ids, job.params, job.template_kwargs, base)
