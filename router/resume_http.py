@@ -242,10 +242,8 @@ async def _replay(svc: RouterService, policy: TenantPolicy, sid: str, meta: Resu
     unplaced = placed if placed in (AHEAD, WAIT) else None
     placer = placer or Placer(sid, pos, meta)
 
-    async def read(after: int) -> StreamSnapshot:  # (``placer``'s reads, tried again as the others here)
-        if (got := await _reread(svc, sid, after, tokens=False)) is None:
-            raise StoreUnavailable(f"stream {sid} cannot be read")
-        return got
+    def read(after: int):  # (``placer``'s reads, tried again as the others here; None raises there)
+        return _reread(svc, sid, after, tokens=False)
     placed_at = snap.total_events
     if isinstance(placed, Placed) and placed.partial:
         yield placed.partial  # (the rest of the stored event the client has part of)
