@@ -15,6 +15,10 @@ took. Kinds of large body (``--kind``, about 4 MB each, under the default
 * ``chat``:   a chat completion with 120,000 messages
 * ``gzip``:   that chat body sent gzip-encoded
 * ``prompt``: a completion whose prompt is 400,000 token ids
+* ``kwargs``: a chat whose ``chat_template_kwargs`` are 1.2 MB of lists
+  nested 30 levels deep (a 400 since the router limits their size)
+* ``parts``:  a chat of one message of 150,000 text content parts
+* ``parts75``: a chat of 2,000 messages of 75 text content parts each
 
     .venv/bin/python ops/bigbody.py --kind stop --bodies 6 --rounds 3
 
@@ -71,9 +75,20 @@ def big_body(kind: str) -> tuple[str, bytes, dict[str, str]]:
     if kind == "prompt":
         body = {"model": MODEL_B, "prompt": [i % 250 for i in range(400_000)], "max_tokens": 1}
         return "/v1/completions", json.dumps(body).encode(), {}
-    msgs = [{"role": "user", "content": f"m{i % 100}"} for i in range(120_000)]
-    raw = json.dumps({"model": MODEL_B, "messages": msgs, "max_tokens": 1}, separators=(",", ":")).encode()
-    if kind == "chat":
+    chat: dict = {"model": MODEL_B, "max_tokens": 1}
+    if kind == "kwargs":
+        leaf: list = [0]
+        for _ in range(29):
+            leaf = [leaf]
+        chat.update(messages=[{"role": "user", "content": "hi"}], chat_template_kwargs={"x": [leaf] * 19_500})
+    elif kind == "parts":
+        chat["messages"] = [{"role": "user", "content": [{"type": "text", "text": "p"}] * 150_000}]
+    elif kind == "parts75":
+        chat["messages"] = [{"role": "user", "content": [{"type": "text", "text": "p"}] * 75} for _ in range(2_000)]
+    else:
+        chat["messages"] = [{"role": "user", "content": f"m{i % 100}"} for i in range(120_000)]
+    raw = json.dumps(chat, separators=(",", ":")).encode()
+    if kind != "gzip":
         return "/v1/chat/completions", raw, {}
     return "/v1/chat/completions", gzip.compress(raw, 6), {"content-encoding": "gzip"}
 
@@ -158,7 +173,7 @@ async def measure(base_url: str, kind: str, streams: int, bodies: int, rounds: i
 
 def main() -> None:
     p = argparse.ArgumentParser(prog="ops/bigbody.py", description=__doc__.split("\n\n")[0])
-    p.add_argument("--kind", choices=["stop", "chat", "gzip", "prompt"], default="stop")
+    p.add_argument("--kind", choices=["stop", "chat", "gzip", "prompt", "kwargs", "parts", "parts75"], default="stop")
     p.add_argument("--bodies", type=int, default=6, help="large requests sent at once")
     p.add_argument("--rounds", type=int, default=3, help="times the large requests are sent")
     p.add_argument("--streams", type=int, default=4, help="the other tenant's streams")

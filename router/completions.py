@@ -17,6 +17,7 @@ import logging
 import time
 import zlib
 from contextlib import aclosing
+from typing import Any
 
 import msgspec
 from litestar import Response
@@ -33,6 +34,7 @@ from router.job import Job
 from router.openai_types import (
     ChatRequest,
     CompletionRequest,
+    chat_message_slices,
     chat_messages,
     chat_template_kwargs,
     completion_prompt,
@@ -172,15 +174,18 @@ def _params(req: ChatRequest | CompletionRequest, default: int, cap: int) -> Sam
 
 
 def _build(req: ChatRequest | CompletionRequest, params: SamplingParams,
-           messages: list[dict[str, str]] | None = None, counted: int | None = None) -> tuple[Job, int]:
+           checked: tuple[dict[str, Any] | None, list[dict[str, str]], int] | None = None) -> tuple[Job, int]:
     """The job of a decoded request whose model and parameters were checked,
     and its prompt's base estimate (``PromptEstimates.estimate``); a chat's
-    ``messages`` and their ``counted`` estimate where a large body's slices
-    checked them already (``_sliced``)."""
+    ``checked`` template kwargs, messages and messages' estimate where a
+    large body's slices checked them already (``_sliced``). A chat's
+    template kwargs are checked first: that is cheap, whatever their size."""
     if isinstance(req, ChatRequest):
-        if messages is None:
-            messages = chat_messages(req)
-        job = Job(req.model, params, messages=messages, template_kwargs=chat_template_kwargs(req))
+        if checked is None:
+            kwargs = chat_template_kwargs(req)
+            checked = kwargs, chat_messages(req), None
+        kwargs, messages, counted = checked
+        job = Job(req.model, params, messages=messages, template_kwargs=kwargs)
         return job, base_estimate(job, counted)
     prompt = completion_prompt(req)
     if isinstance(prompt, list):
@@ -191,32 +196,37 @@ def _build(req: ChatRequest | CompletionRequest, params: SamplingParams,
 
 
 async def _sliced(svc: RouterService, policy: TenantPolicy, body: bytes, chat: bool, stream_implied: bool,
-                  default: int, cap: int) -> tuple[ChatRequest | CompletionRequest, Job, int]:
+                  default: int, cap: int, deadlines: Deadlines | None
+                  ) -> tuple[ChatRequest | CompletionRequest, Job, int]:
     """``_build`` of a large body, in slices with a loop turn between two,
     one large body at a time (``router.largebody``): the same checks in the
-    same order, so the same first error."""
+    same order, so the same first error. The wait for its turn ends at the
+    request's first-token or total limit (``deadlines``) with that timeout."""
     turn = svc.large_bodies.turn
-    async with svc.large_bodies.lock:
+    async with svc.large_bodies.turn_for(deadlines.wait_limit(False) if deadlines is not None else None):
         req = _decode(body, chat, stream_implied)
         await turn()
         check_model(svc, policy, req.model)
         params = _params(req, default, cap)
         if not isinstance(req, ChatRequest):
             return req, *_build(req, params)
-        messages = chat_messages(req, 0, SLICE)
-        counted = messages_estimate(messages)
-        for start in range(SLICE, len(req.messages), SLICE):
-            await turn()
-            part = chat_messages(req, start, start + SLICE)
+        kwargs = chat_template_kwargs(req)
+        messages: list[dict[str, str]] = []
+        counted = 0
+        for n, part in enumerate(chat_message_slices(req, SLICE)):
+            if n:
+                await turn()
             messages += part
             counted += messages_estimate(part)
-        return req, *_build(req, params, messages, counted)
+        return req, *_build(req, params, (kwargs, messages, counted))
 
 
 async def _job(svc: RouterService, policy: TenantPolicy, body: bytes, chat: bool, stream_implied: bool,
-               content_encoding: str | None) -> tuple[ChatRequest | CompletionRequest, Job, int]:
+               content_encoding: str | None, deadlines: Deadlines | None = None
+               ) -> tuple[ChatRequest | CompletionRequest, Job, int]:
     """Decode and check the request; return it, its job and its prompt's base
-    estimate. A large body's work is sliced (``_sliced``)."""
+    estimate. A large body's work is sliced (``_sliced``); ``deadlines``
+    end its wait for its turn."""
     if content_encoding is not None:  # (zlib, at most max_body_bytes out: a few ms)
         body = decoded_body(body, content_encoding, svc.config.max_body_bytes)
     cap = policy.limits.max_tokens
@@ -226,7 +236,7 @@ async def _job(svc: RouterService, policy: TenantPolicy, body: bytes, chat: bool
     if cap:
         default = min(default, cap)
     if large(len(body)):
-        return await _sliced(svc, policy, body, chat, stream_implied, default, cap)
+        return await _sliced(svc, policy, body, chat, stream_implied, default, cap, deadlines)
     req = _decode(body, chat, stream_implied)
     check_model(svc, policy, req.model)
     return req, *_build(req, _params(req, default, cap))
@@ -275,11 +285,11 @@ async def start_generation(
     started = time.monotonic()
     request_id_var.set(request_id)
     outcome = Outcome(svc, policy, endpoint, started, request_id, client_request_id=client_request_id)
+    lim = policy.limits
+    deadlines = Deadlines(lim.first_token, lim.stall, lim.total, start=started)
     try:
-        req, job, base = await _job(svc, policy, body, chat, stream_implied, content_encoding)
+        req, job, base = await _job(svc, policy, body, chat, stream_implied, content_encoding, deadlines)
         prompt_estimate = svc.estimates.estimate(job, base)[0]
-        lim = policy.limits
-        deadlines = Deadlines(lim.first_token, lim.stall, lim.total, start=started)
         # (a stream's reservation is kept for a continuation to take over if this router dies)
         hold = svc.resume.retention if req.stream or stream_implied else 0.0
         ticket = await svc.admission.admit(policy, prompt_estimate + job.params.max_tokens,

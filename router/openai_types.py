@@ -9,6 +9,7 @@ to anything but its neutral value: never a silent ignore.
 from __future__ import annotations
 
 import re
+from collections.abc import Iterator
 from typing import Annotated, Any
 
 import msgspec
@@ -22,7 +23,9 @@ __all__ = [
     "decode_request",
     "to_params",
     "chat_messages",
+    "chat_message_slices",
     "chat_template_kwargs",
+    "MAX_TEMPLATE_KWARGS_BYTES",
     "completion_prompt",
     "usage_options",
 ]
@@ -109,8 +112,10 @@ class ChatRequest(_Common, kw_only=True):
     prompt_cache_key: str | None = None
     prompt_cache_retention: Any = None
     prompt_cache_options: Any = None
-    # vLLM's extension the router passes on (checked by ``chat_template_kwargs``)
-    chat_template_kwargs: dict[str, Any] | None = None
+    # vLLM's extension the router passes on, kept as sent (its JSON) until
+    # ``chat_template_kwargs`` has checked its size: decoded with the body,
+    # 1.2 MB of nested lists took up to a second of the event loop
+    chat_template_kwargs: msgspec.Raw = msgspec.Raw()
 
 
 class CompletionRequest(_Common, kw_only=True):
@@ -256,15 +261,26 @@ def max_tokens_param(req: ChatRequest | CompletionRequest) -> str:
 _ROLES = ("system", "developer", "user", "assistant", "tool")
 
 
-def chat_messages(req: ChatRequest, start: int = 0, stop: int | None = None) -> list[dict[str, str]]:
-    """Messages as plain role/content strings for the model's chat template
-    (``messages[start:stop]``: a large body's are checked a slice at a time,
-    ``router.largebody``)."""
+def chat_messages(req: ChatRequest) -> list[dict[str, str]]:
+    """Messages as plain role/content strings for the model's chat template."""
+    return [m for part in chat_message_slices(req, 0) for m in part]
+
+
+def chat_message_slices(req: ChatRequest, work: int) -> Iterator[list[dict[str, str]]]:
+    """``chat_messages`` a slice at a time (a large body's are checked with
+    a loop turn between two slices, ``router.largebody``): each slice is at
+    most ``work`` units of work, a message or one of its content parts
+    being one unit (0: one slice), and gives the messages it completed,
+    none while one message's parts fill it."""
     if not req.messages:
         raise BadRequest("'messages' must contain at least one message.", param="messages")
-    messages = req.messages if not start and stop is None else req.messages[start:stop]
-    out = []
-    for i, m in enumerate(messages, start):
+    out: list[dict[str, str]] = []
+    left = work or -1  # (never 0 when unsliced)
+    for i, m in enumerate(req.messages):
+        if not left:
+            yield out
+            out, left = [], work
+        left -= 1
         if m.role not in _ROLES:
             raise BadRequest(
                 f"Invalid value for 'messages[{i}].role': {clip(repr(m.role))}; expected one of {', '.join(_ROLES)}.",
@@ -283,45 +299,77 @@ def chat_messages(req: ChatRequest, start: int = 0, stop: int | None = None) -> 
         if isinstance(content, list):
             parts = []
             for j, part in enumerate(content):
-                at = f"messages[{i}].content[{j}]"
+                if not left:
+                    yield out
+                    out, left = [], work
+                left -= 1
                 if part.get("type") != "text":
+                    at = f"messages[{i}].content[{j}]"
                     raise BadRequest(f"Only text content parts are supported; '{at}' has type "
                                      f"{clip(repr(part.get('type')))}.", param=f"{at}.type")
-                if not isinstance(part.get("text"), str):
+                text = part.get("text")
+                if not isinstance(text, str):
+                    at = f"messages[{i}].content[{j}]"
                     raise BadRequest(f"Missing required parameter: '{at}.text' (a string).", param=f"{at}.text")
-                parts.append(part["text"])
+                parts.append(text)
             content = "\n".join(parts)  # (as vLLM joins a message's text parts)
         out.append({"role": m.role, "content": content or ""})
-    return out
+    yield out
 
 
 # How deep ``chat_template_kwargs`` may nest: far more than a template takes
 # (tools, documents), and shallow enough for the replica protocol to encode.
 MAX_TEMPLATE_DEPTH = 32
+# How large ``chat_template_kwargs`` may be, as sent (README, "Request
+# limits"): they are a template's switches ({"enable_thinking": false}),
+# and this bounds the router's work on them (decode, checks, estimate, the
+# frame to the replica) to about 2 ms, whatever their shape (1.2 MB of
+# nested lists took 0.5-1.4 s: the decode, as the collector walked its
+# objects more than once, and the check of their depth).
+# A constant, not a setting: it protects the event loop every tenant's
+# streams share, as LARGE_BODY and SLICE do, and no template needs more.
+MAX_TEMPLATE_KWARGS_BYTES = 16 * 1024
 
 
 def chat_template_kwargs(req: ChatRequest) -> dict[str, Any] | None:
     """vLLM's ``chat_template_kwargs``: extra variables for the model's chat
     template (``{"enable_thinking": false}``), passed on as sent; None when
-    there are none. A 400 naming the field for what no replica can take:
-    the keys vLLM refuses (``chat_template``, ``tokenize``), an integer the
-    replica protocol cannot carry, nesting past ``MAX_TEMPLATE_DEPTH``."""
-    kwargs = req.chat_template_kwargs
+    there are none. A 400 naming the field for what no replica should take:
+    more than ``MAX_TEMPLATE_KWARGS_BYTES`` as sent (decided on their length
+    before they are decoded), anything but an object, the keys vLLM refuses
+    (``chat_template``, ``tokenize``), an integer the replica protocol
+    cannot carry, nesting past ``MAX_TEMPLATE_DEPTH``."""
+    raw = req.chat_template_kwargs
+    name = "chat_template_kwargs"
+    if len(raw) > MAX_TEMPLATE_KWARGS_BYTES:
+        raise BadRequest(f"'{name}' is {len(raw):,} bytes; it may be at most {MAX_TEMPLATE_KWARGS_BYTES:,} bytes "
+                         "(a chat template's switches, such as {\"enable_thinking\": false}).", param=name)
+    try:
+        kwargs = msgspec.json.decode(raw, type=dict[str, Any] | None) if raw else None
+    except msgspec.ValidationError as e:
+        raise BadRequest(f"Invalid value for '{name}': {clip(str(e), 300)}.", param=name) from e
+    except RecursionError as e:
+        raise BadRequest(f"'{name}' is nested more than {MAX_TEMPLATE_DEPTH} levels deep.", param=name) from e
     if not kwargs:
         return None
-    name = "chat_template_kwargs"
     refused = REFUSED_TEMPLATE_KWARGS & kwargs.keys()
     if refused:
         raise BadRequest(f"'{name}' must not set {', '.join(sorted(refused))} (vLLM refuses them too).", param=name)
-    stack: list[tuple[Any, int]] = [(kwargs, 1)]
-    while stack:
-        value, depth = stack.pop()
-        if isinstance(value, dict | list):
-            if depth > MAX_TEMPLATE_DEPTH:
-                raise BadRequest(f"'{name}' is nested more than {MAX_TEMPLATE_DEPTH} levels deep.", param=name)
-            stack.extend((v, depth + 1) for v in (value.values() if isinstance(value, dict) else value))
-        elif type(value) is int and not -(2**63) <= value <= 2**64 - 1:
-            raise BadRequest(f"'{name}' holds an integer out of the 64-bit range.", param=name)
+    # (a level at a time: each value is looked at once, with no tuple or generator per value)
+    level: list[Any] = [kwargs]
+    depth = 1
+    while level:
+        below: list[Any] = []
+        for value in level:
+            kind = type(value)
+            if kind is dict or kind is list:
+                if depth > MAX_TEMPLATE_DEPTH:
+                    raise BadRequest(f"'{name}' is nested more than {MAX_TEMPLATE_DEPTH} levels deep.", param=name)
+                below.extend(value.values() if kind is dict else value)
+            elif kind is int and not -(2**63) <= value <= 2**64 - 1:
+                raise BadRequest(f"'{name}' holds an integer out of the 64-bit range.", param=name)
+        level = below
+        depth += 1
     return kwargs
 
 

@@ -32,7 +32,7 @@ import yaml
 
 from tests.helpers import RouterProcess, aiter_sse
 
-KEY_A, KEY_B = "fs-large-a", "fs-large-b"
+KEY_A, KEY_B, KEY_C = "fs-large-a", "fs-large-b", "fs-large-c"
 BODIES = 10
 MESSAGES = 120_000
 
@@ -50,6 +50,10 @@ def router(tmp_path_factory) -> RouterProcess:
             "a": {"keys": [hashlib.sha256(KEY_A.encode()).hexdigest()], "chunk_tokens": 1},
             "b": {"keys": [hashlib.sha256(KEY_B.encode()).hexdigest()],
                   "limits": {**roomy, "tokens_per_minute": 100_000}},
+            # (as b, with a first-token limit that its large bodies' turns outlast)
+            "c": {"keys": [hashlib.sha256(KEY_C.encode()).hexdigest()],
+                  "limits": {**roomy, "tokens_per_minute": 100_000},
+                  "timeouts": {"queue_wait": 30, "first_token": 0.3, "stall": 30, "total": 120}},
         },
     }))
     r = RouterProcess(d, tenants=d / "tenants.yaml").start()
@@ -57,10 +61,10 @@ def router(tmp_path_factory) -> RouterProcess:
     r.stop()
 
 
-def _post_raw(port: int, body: bytes, out: list[tuple[int, str]]) -> None:
+def _post_raw(port: int, body: bytes, out: list[tuple[int, str]], key: str = KEY_B) -> None:
     """One POST on a socket of its own (the test's event loop stamps the other
     tenant's events: it does not write megabytes meanwhile)."""
-    head = (f"POST /v1/chat/completions HTTP/1.1\r\nhost: 127.0.0.1\r\nauthorization: Bearer {KEY_B}\r\n"
+    head = (f"POST /v1/chat/completions HTTP/1.1\r\nhost: 127.0.0.1\r\nauthorization: Bearer {key}\r\n"
             f"content-type: application/json\r\ncontent-length: {len(body)}\r\nconnection: close\r\n\r\n").encode()
     with socket.create_connection(("127.0.0.1", port), timeout=60) as s:
         s.sendall(head + body)
@@ -111,3 +115,28 @@ def test_large_bodies_are_answered_while_another_tenants_streams_go_on(router: R
     assert statuses == [(429, "tokens_exceed_limit")] * BODIES, statuses  # (decoded, checked, estimated)
     assert len(stamps) > 100  # (the other tenant's streams lived through it: not a bound on their gaps)
     assert after > 0  # (and after: none was stalled for good or cut off)
+
+
+def _chat_body() -> bytes:
+    msgs = [{"role": "user", "content": f"m{i % 100}"} for i in range(MESSAGES)]
+    return json.dumps({"model": "fairstream-sim", "messages": msgs, "max_tokens": 1}, separators=(",", ":")).encode()
+
+
+def test_a_large_body_waiting_for_its_turn_past_its_first_token_limit_gets_its_504(router: RouterProcess) -> None:
+    # (each body is 60 slices of messages: the later ones wait for their
+    # turn longer than tenant c's first-token limit of 0.3 s)
+    body = _chat_body()
+    statuses: list[tuple[int, str]] = []
+    senders = [threading.Thread(target=_post_raw, args=(router.port, body, statuses, KEY_C)) for _ in range(8)]
+    for t in senders:
+        t.start()
+    for t in senders:
+        t.join(90)
+    assert len(statuses) == 8
+    assert set(statuses) <= {(429, "tokens_exceed_limit"), (504, "first_token_timeout")}, statuses
+    assert (504, "first_token_timeout") in statuses, statuses  # (at its limit, not once its turn came)
+    assert (429, "tokens_exceed_limit") in statuses, statuses  # (the first took its turn at once)
+    # (the ones that left the line did not hold up the others: the router goes on)
+    statuses.clear()
+    _post_raw(router.port, body, statuses)
+    assert statuses == [(429, "tokens_exceed_limit")]

@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import json
 import random
+import time
 from types import SimpleNamespace
 from typing import Any
 
@@ -15,6 +16,7 @@ import pytest
 
 from replicas.protocol import SamplingParams
 from router import completions
+from router.deadlines import Deadlines, StreamTimeout
 from router.errors import ApiError
 from router.job import AFFINITY_PREFIX, Job
 from router.largebody import LARGE_BODY, SLICE, LargeBodies, large
@@ -138,3 +140,96 @@ def test_the_affinity_key_of_a_chat_reads_only_its_prefix() -> None:
         msgs = [{"role": rng.choice(["user", "assistant"]), "content": "x" * rng.choice([0, 1, 100, 505, 506, 511, 512])}
                 for _ in range(rng.randint(1, 6))]
         assert Job(MODEL, SamplingParams(max_tokens=1), messages=msgs).affinity_key() == whole(msgs), msgs
+
+
+def _parts(n: int) -> list[dict[str, str]]:
+    return [{"type": "text", "text": f"p{j}"} for j in range(n)]
+
+
+class _CountingTurns(LargeBodies):
+    """``LargeBodies`` that counts the loop turns a body's slices take."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.turns = 0
+
+    async def turn(self) -> None:
+        self.turns += 1
+        await asyncio.sleep(0)
+
+
+def _turns(body: bytes) -> int:
+    svc = _svc()
+    svc.large_bodies = _CountingTurns()
+    try:
+        asyncio.run(completions._job(svc, _policy(), body, True, False, None))
+    except ApiError:
+        pass
+    return svc.large_bodies.turns
+
+
+@pytest.mark.parametrize("shape", [
+    [{"role": "user", "content": _parts(20 * SLICE)}],  # (one message of many parts)
+    [{"role": "user", "content": _parts(20)} for _ in range(SLICE)],  # (many messages of some parts)
+    [{"role": "user", "content": _parts(3)} for _ in range(7 * SLICE)],
+], ids=["one-message", "2000-messages", "many-messages"])
+def test_slices_are_cut_by_content_parts_too(shape: list[dict[str, Any]]) -> None:
+    body = {"model": MODEL, "messages": shape, "max_tokens": 8}
+    work = sum(1 + len(m["content"]) for m in shape)  # (a message and each of its parts: one unit)
+    # (the decode's turn, then one per slice of at most SLICE units)
+    assert _turns(_pad(body)) >= work // SLICE
+    assert _outcome(_pad(body)) == asyncio.run(_one_piece(json.dumps(body).encode(), True))
+
+
+@pytest.mark.parametrize("body", [
+    {**_chat(3), "messages": [{"role": "user", "content": _parts(2 * SLICE + 5)}]},
+    {**_chat(3), "messages": [{"role": "user", "content": [*_parts(2 * SLICE + 5), {"type": "image"}]}]},
+    {**_chat(3), "messages": [{"role": "user", "content": _parts(SLICE - 1)}, {"role": "user"}]},
+], ids=["parts", "bad-part-past-a-slice", "bad-message-after-parts"])
+def test_a_large_chat_of_many_parts_gets_what_it_gets_in_one_piece(body: dict[str, Any]) -> None:
+    assert _outcome(_pad(body)) == asyncio.run(_one_piece(json.dumps(body).encode(), True))
+
+
+def test_large_chat_template_kwargs_are_refused_before_the_messages_are_checked() -> None:
+    leaf: Any = [0]
+    for _ in range(29):
+        leaf = [leaf]
+    body = {**_chat(10 * SLICE), "chat_template_kwargs": {"x": [leaf] * 20_000}}
+    body["messages"][-1]["role"] = "robot"
+    out = _outcome(_pad(body))
+    assert out[:2] == ("error", 400) and json.loads(out[2])["error"]["param"] == "chat_template_kwargs", out
+    assert _turns(_pad(body)) == 1  # (the decode's: no slice of messages was checked)
+
+
+def test_the_wait_for_the_large_body_lock_ends_at_the_requests_first_token_limit() -> None:
+    body = _pad(_chat(3))
+
+    async def run() -> tuple[float, list[str]]:
+        svc = _svc()
+        order: list[str] = []
+
+        async def one(name: str, first_token: float) -> None:
+            try:
+                await completions._job(svc, _policy(), body, True, False, None,
+                                       deadlines=Deadlines(first_token=first_token))
+            except StreamTimeout as e:
+                order.append(f"{name} {e.code}")
+            else:
+                order.append(f"{name} done")
+
+        await svc.large_bodies.lock.acquire()  # (a large body at work)
+        t0 = time.monotonic()
+        early = asyncio.create_task(one("early", 60.0))
+        await asyncio.sleep(0)
+        late = asyncio.create_task(one("short", 0.2))  # (behind the first in line)
+        after = asyncio.create_task(one("after", 60.0))  # (behind the one that leaves)
+        await asyncio.wait_for(asyncio.shield(late), 5)
+        took = time.monotonic() - t0
+        svc.large_bodies.lock.release()
+        await asyncio.wait_for(asyncio.gather(early, after), 5)
+        assert not svc.large_bodies.lock.locked()
+        return took, order
+
+    took, order = asyncio.run(run())
+    assert order == ["short first_token_timeout", "early done", "after done"]
+    assert 0.15 < took < 2.0  # (at its limit, not when the lock came)

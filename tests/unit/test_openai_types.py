@@ -265,3 +265,37 @@ def test_a_token_id_prompt_takes_integers_from_0_to_the_largest_id_and_no_bools(
         with pytest.raises(BadRequest) as e:
             completion_prompt(req)
         assert e.value.param == "prompt" and "list of token ids" in e.value.message
+
+
+def _nested(size: int) -> dict:
+    """``chat_template_kwargs`` of about ``size`` bytes, nested 30 levels
+    deep (within MAX_TEMPLATE_DEPTH): a shape whose decode and checks cost
+    the most per byte."""
+    leaf = [0]
+    for _ in range(29):
+        leaf = [leaf]
+    return {"x": [leaf] * (size // 62)}
+
+
+@pytest.mark.parametrize("size", [20_000, 1_200_000])
+def test_chat_template_kwargs_over_the_size_limit_are_a_400_naming_the_field_and_the_limit(size):
+    from router.openai_types import MAX_TEMPLATE_KWARGS_BYTES
+
+    with pytest.raises(BadRequest) as info:
+        chat_template_kwargs(chat(chat_template_kwargs=_nested(size)))
+    err = json.loads(info.value.body())["error"]
+    assert (err["param"], err["type"], info.value.status) == ("chat_template_kwargs", "invalid_request_error", 400)
+    assert f"at most {MAX_TEMPLATE_KWARGS_BYTES:,} bytes" in err["message"], err
+
+
+def test_chat_template_kwargs_up_to_the_size_limit_are_taken_whatever_their_spacing():
+    from router.openai_types import MAX_TEMPLATE_KWARGS_BYTES
+
+    # (the limit is on the field as sent: spacing counts)
+    kwargs = {"text": "x" * (MAX_TEMPLATE_KWARGS_BYTES - len('{"text": ""}'))}
+    body = json.dumps({"model": "m", "messages": MSG, "chat_template_kwargs": kwargs}).encode()
+    assert chat_template_kwargs(decode_request(body, ChatRequest)) == kwargs
+    kwargs["text"] += "x"
+    with pytest.raises(BadRequest, match="chat_template_kwargs"):
+        chat_template_kwargs(decode_request(json.dumps({"model": "m", "messages": MSG,
+                                                        "chat_template_kwargs": kwargs}).encode(), ChatRequest))
