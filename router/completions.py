@@ -179,7 +179,8 @@ def _build(req: ChatRequest | CompletionRequest, params: SamplingParams,
     and its prompt's base estimate (``PromptEstimates.estimate``); a chat's
     ``checked`` template kwargs, messages and messages' estimate where a
     large body's slices checked them already (``_sliced``). A chat's
-    template kwargs are checked first: that is cheap, whatever their size."""
+    template kwargs are checked first: that is cheap, as ``decode_request``
+    let through at most 16 KiB of them."""
     if isinstance(req, ChatRequest):
         if checked is None:
             kwargs = chat_template_kwargs(req)

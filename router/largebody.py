@@ -12,9 +12,11 @@ turn of the loop between two slices, and the large bodies take turns: one
 at a time, in the order they came (``LargeBodies.turn_for``), so a loop turn
 runs one slice at most. msgspec's decode of the whole body is still one C
 call (about 40 ms for 4 MiB of small objects); ``chat_template_kwargs``
-are kept undecoded in it and refused past 16 KiB before anything else
-(``router.openai_types.MAX_TEMPLATE_KWARGS_BYTES``). Smaller bodies go
-through in one piece, as before.
+are kept undecoded in it, then refused past 16 KiB
+(``router.openai_types.MAX_TEMPLATE_KWARGS_BYTES``) or decoded on their
+own, in the decode's slice: their size and decode errors come with the
+body's, before the checks of the model and parameters, as in one piece.
+Smaller bodies go through in one piece, as before.
 
 A body waits for its turn at most until its request's first-token (or
 total) limit passes, and then gets that 504, as a wait for the tenant's

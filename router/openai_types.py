@@ -112,9 +112,10 @@ class ChatRequest(_Common, kw_only=True):
     prompt_cache_key: str | None = None
     prompt_cache_retention: Any = None
     prompt_cache_options: Any = None
-    # vLLM's extension the router passes on, kept as sent (its JSON) until
-    # ``chat_template_kwargs`` has checked its size: decoded with the body,
-    # 1.2 MB of nested lists took up to a second of the event loop
+    # vLLM's extension the router passes on, kept as sent (its JSON) by the
+    # body's decode: decoded with it, 1.2 MB of nested lists took up to a
+    # second of the event loop. ``decode_request`` checks its size, then
+    # puts its decoded value (a dict or None) here in place of the JSON.
     chat_template_kwargs: msgspec.Raw = msgspec.Raw()
 
 
@@ -147,7 +148,7 @@ _UNSUPPORTED_NEUTRAL: dict[str, Any] = {
     "verbosity": (None, "medium"),  # (OpenAI's default)
     "moderation": (None,),
 }
-_LOC = re.compile(r" - at `\$\.?([^`]*)`$")
+_LOC = re.compile(r" - at `\$([^`]*)`$")  # (".messages[0].role", "[...]")
 
 
 def _unsupported(req: _Common) -> str | None:
@@ -160,35 +161,45 @@ def _unsupported(req: _Common) -> str | None:
     return None
 
 
+def _invalid(e: msgspec.ValidationError | msgspec.DecodeError | RecursionError, at: str = "") -> BadRequest:
+    """The 400 of a body msgspec refused, or of its field ``at`` (decoded
+    on its own, ``_template_kwargs``: msgspec's location in it is relative)."""
+    if isinstance(e, RecursionError):
+        return BadRequest("The request body is nested too deeply.", param=at or None, code="invalid_json")
+    text = str(e)
+    if isinstance(e, msgspec.DecodeError) and not isinstance(e, msgspec.ValidationError):
+        if text == "Input data was truncated":  # (msgspec's words for an unpaired surrogate escape too)
+            text += " (it ends early, or a string holds an unpaired surrogate escape such as \\ud800)"
+        return BadRequest(f"The request body is not valid JSON: {text}", param=at or None, code="invalid_json")
+    m = _LOC.search(text)
+    param = (at + m.group(1)).lstrip(".") if m else at
+    reason = text[: m.start()] if m else text
+    if not param and reason.startswith("Expected `object`"):
+        return BadRequest("The request body must be a JSON object.", code="invalid_json")
+    unknown = re.match(r"Object contains unknown field `([^`]+)`", reason)
+    if unknown:
+        name = (param + "." if param else "") + unknown.group(1)
+        return BadRequest(f"Unrecognized request argument supplied: {clip(name)}", param=name)
+    missing = re.match(r"Object missing required field `([^`]+)`", reason)
+    if missing:
+        name = (param + "." if param else "") + missing.group(1)
+        return BadRequest(f"Missing required parameter: '{clip(name)}'.", param=name)
+    return BadRequest(f"Invalid value for '{clip(param)}': {clip(reason, 300)}.", param=param or None)
+
+
 def decode_request(body: bytes, kind: type[ChatRequest] | type[CompletionRequest]):
-    """Decode and check a request body; ``BadRequest`` names the faulty field."""
+    """Decode and check a request body; ``BadRequest`` names the faulty field.
+    A chat's ``chat_template_kwargs`` are decoded here too, after their size
+    is checked (``_template_kwargs``): what the body's decode would have
+    refused in them is refused with it, before any other check."""
     if not body:
         raise BadRequest("The request body is empty; send a JSON object.", code="invalid_json")
     try:
         req = msgspec.json.decode(body, type=kind)
-    except msgspec.ValidationError as e:
-        text = str(e)
-        m = _LOC.search(text)
-        param = m.group(1) if m else None
-        reason = text[: m.start()] if m else text
-        if not param and reason.startswith("Expected `object`"):
-            raise BadRequest("The request body must be a JSON object.", code="invalid_json") from e
-        unknown = re.match(r"Object contains unknown field `([^`]+)`", reason)
-        if unknown:
-            name = (param + "." if param else "") + unknown.group(1)
-            raise BadRequest(f"Unrecognized request argument supplied: {clip(name)}", param=name) from e
-        missing = re.match(r"Object missing required field `([^`]+)`", reason)
-        if missing:
-            name = (param + "." if param else "") + missing.group(1)
-            raise BadRequest(f"Missing required parameter: '{clip(name)}'.", param=name) from e
-        raise BadRequest(f"Invalid value for '{clip(param or '')}': {clip(reason, 300)}.", param=param) from e
-    except msgspec.DecodeError as e:
-        why = str(e)
-        if why == "Input data was truncated":  # (msgspec's words for an unpaired surrogate escape too)
-            why += " (it ends early, or a string holds an unpaired surrogate escape such as \\ud800)"
-        raise BadRequest(f"The request body is not valid JSON: {why}", code="invalid_json") from e
-    except RecursionError as e:
-        raise BadRequest("The request body is nested too deeply.", code="invalid_json") from e
+    except (msgspec.DecodeError, RecursionError) as e:  # (ValidationError is a DecodeError)
+        raise _invalid(e) from e
+    if isinstance(req, ChatRequest):
+        req.chat_template_kwargs = _template_kwargs(req.chat_template_kwargs)
     bad = _unsupported(req)
     if bad is not None:
         raise BadRequest(f"'{bad}' is not supported by this server.", param=bad, code="unsupported_parameter")
@@ -331,25 +342,35 @@ MAX_TEMPLATE_DEPTH = 32
 MAX_TEMPLATE_KWARGS_BYTES = 16 * 1024
 
 
-def chat_template_kwargs(req: ChatRequest) -> dict[str, Any] | None:
-    """vLLM's ``chat_template_kwargs``: extra variables for the model's chat
-    template (``{"enable_thinking": false}``), passed on as sent; None when
-    there are none. A 400 naming the field for what no replica should take:
-    more than ``MAX_TEMPLATE_KWARGS_BYTES`` as sent (decided on their length
-    before they are decoded), anything but an object, the keys vLLM refuses
-    (``chat_template``, ``tokenize``), an integer the replica protocol
-    cannot carry, nesting past ``MAX_TEMPLATE_DEPTH``."""
-    raw = req.chat_template_kwargs
+def _template_kwargs(raw: msgspec.Raw) -> dict[str, Any] | None:
+    """``chat_template_kwargs`` as sent (``raw``), decoded. A 400 naming the
+    field past ``MAX_TEMPLATE_KWARGS_BYTES`` (decided on their length, before
+    any decode), and for what the body's decode refused in them before they
+    were kept raw, in the same words: invalid UTF-8 (``invalid_json``),
+    anything but an object or null, a number no float holds."""
     name = "chat_template_kwargs"
     if len(raw) > MAX_TEMPLATE_KWARGS_BYTES:
         raise BadRequest(f"'{name}' is {len(raw):,} bytes; it may be at most {MAX_TEMPLATE_KWARGS_BYTES:,} bytes "
-                         "(a chat template's switches, such as {\"enable_thinking\": false}).", param=name)
+                         "(a chat template's switches, such as {\"enable_thinking\": false}).", param=name,
+                         code="chat_template_kwargs_too_large")
+    if not raw:
+        return None
     try:
-        kwargs = msgspec.json.decode(raw, type=dict[str, Any] | None) if raw else None
-    except msgspec.ValidationError as e:
-        raise BadRequest(f"Invalid value for '{name}': {clip(str(e), 300)}.", param=name) from e
-    except RecursionError as e:
-        raise BadRequest(f"'{name}' is nested more than {MAX_TEMPLATE_DEPTH} levels deep.", param=name) from e
+        return msgspec.json.decode(raw, type=dict[str, Any] | None)
+    except (msgspec.DecodeError, RecursionError) as e:  # (RecursionError: at msgspec's limit, as for the body)
+        raise _invalid(e, name) from e
+
+
+def chat_template_kwargs(req: ChatRequest) -> dict[str, Any] | None:
+    """vLLM's ``chat_template_kwargs``: extra variables for the model's chat
+    template (``{"enable_thinking": false}``), passed on as sent; None when
+    there are none. ``decode_request`` decoded them (and refused them past
+    ``MAX_TEMPLATE_KWARGS_BYTES`` or as anything but an object); here a
+    400 naming the field for what no replica should take: the keys vLLM
+    refuses (``chat_template``, ``tokenize``), an integer the replica
+    protocol cannot carry, nesting past ``MAX_TEMPLATE_DEPTH``."""
+    kwargs: dict[str, Any] | None = req.chat_template_kwargs  # type: ignore[assignment]
+    name = "chat_template_kwargs"
     if not kwargs:
         return None
     refused = REFUSED_TEMPLATE_KWARGS & kwargs.keys()

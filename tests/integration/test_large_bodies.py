@@ -25,6 +25,7 @@ import json
 import socket
 import threading
 import time
+from typing import Any
 
 import httpx
 import pytest
@@ -61,9 +62,10 @@ def router(tmp_path_factory) -> RouterProcess:
     r.stop()
 
 
-def _post_raw(port: int, body: bytes, out: list[tuple[int, str]], key: str = KEY_B) -> None:
+def _post_raw(port: int, body: bytes, out: list[tuple[int, Any]], key: str = KEY_B, whole: bool = False) -> None:
     """One POST on a socket of its own (the test's event loop stamps the other
-    tenant's events: it does not write megabytes meanwhile)."""
+    tenant's events: it does not write megabytes meanwhile); ``out`` gets its
+    status and error code (``whole``: its whole error)."""
     head = (f"POST /v1/chat/completions HTTP/1.1\r\nhost: 127.0.0.1\r\nauthorization: Bearer {key}\r\n"
             f"content-type: application/json\r\ncontent-length: {len(body)}\r\nconnection: close\r\n\r\n").encode()
     with socket.create_connection(("127.0.0.1", port), timeout=60) as s:
@@ -72,7 +74,8 @@ def _post_raw(port: int, body: bytes, out: list[tuple[int, str]], key: str = KEY
         while chunk := s.recv(65536):
             data += chunk
     head, _, payload = data.partition(b"\r\n\r\n")
-    out.append((int(head.split(b" ", 2)[1]), json.loads(payload)["error"]["code"]))
+    error = json.loads(payload)["error"]
+    out.append((int(head.split(b" ", 2)[1]), error if whole else error["code"]))
 
 
 async def _stream(client: httpx.AsyncClient, i: int, stamps: list[float], stop: threading.Event) -> None:
@@ -140,3 +143,20 @@ def test_a_large_body_waiting_for_its_turn_past_its_first_token_limit_gets_its_5
     statuses.clear()
     _post_raw(router.port, body, statuses)
     assert statuses == [(429, "tokens_exceed_limit")]
+
+
+@pytest.mark.parametrize("size", ["small", "large"])
+def test_chat_template_kwargs_of_invalid_utf8_are_a_400_invalid_json(router: RouterProcess, size: str) -> None:
+    # (kept raw by the body's decode, they are decoded on their own: its
+    # DecodeError was an uncaught 500 with a traceback in the log)
+    body = (b'{"model":"fairstream-sim","max_tokens":2,"messages":[{"role":"user","content":"hi"}],'
+            b'"chat_template_kwargs":{"a":"\xff"}}')
+    if size == "large":
+        body = body.replace(b'"hi"', b'"' + b"x" * 70_000 + b'"')
+    tracebacks = router.log().count("Traceback")
+    out: list[tuple[int, str]] = []
+    _post_raw(router.port, body, out, KEY_A, whole=True)
+    status, err = out[0]
+    assert status == 400 and (err["code"], err["param"]) == ("invalid_json", "chat_template_kwargs"), out
+    assert err["message"] == "The request body is not valid JSON: Invalid UTF-8 encoded string", out
+    assert router.log().count("Traceback") == tracebacks

@@ -198,7 +198,7 @@ def test_large_chat_template_kwargs_are_refused_before_the_messages_are_checked(
     body["messages"][-1]["role"] = "robot"
     out = _outcome(_pad(body))
     assert out[:2] == ("error", 400) and json.loads(out[2])["error"]["param"] == "chat_template_kwargs", out
-    assert _turns(_pad(body)) == 1  # (the decode's: no slice of messages was checked)
+    assert _turns(_pad(body)) == 0  # (refused with the decode: no slice of messages was checked)
 
 
 def test_the_wait_for_the_large_body_lock_ends_at_the_requests_first_token_limit() -> None:
@@ -233,3 +233,16 @@ def test_the_wait_for_the_large_body_lock_ends_at_the_requests_first_token_limit
     took, order = asyncio.run(run())
     assert order == ["short first_token_timeout", "early done", "after done"]
     assert 0.15 < took < 2.0  # (at its limit, not when the lock came)
+
+
+@pytest.mark.parametrize("kwargs, code", [
+    ([1], None), ("s", None), ({"a": "1e400"}, None), ({"x": "y" * 20_000}, "chat_template_kwargs_too_large"),
+], ids=["array", "string", "out-of-range", "too-large"])
+def test_chat_template_kwargs_that_cannot_be_decoded_are_refused_before_the_model_is_checked(kwargs, code) -> None:
+    # (as before they were kept raw: with the body, large or not)
+    body = {**_chat(3), "model": "other", "max_tokens": 10**6, "chat_template_kwargs": kwargs}
+    raw = json.dumps(body).encode().replace(b'"1e400"', b"1e400")  # (a number no float holds)
+    for out in (_outcome(raw), _outcome(raw + b" " * LARGE_BODY)):
+        assert out[:2] == ("error", 400), out
+        err = json.loads(out[2])["error"]
+        assert err["param"].startswith("chat_template_kwargs") and err["code"] == code, err

@@ -299,3 +299,42 @@ def test_chat_template_kwargs_up_to_the_size_limit_are_taken_whatever_their_spac
     with pytest.raises(BadRequest, match="chat_template_kwargs"):
         chat_template_kwargs(decode_request(json.dumps({"model": "m", "messages": MSG,
                                                         "chat_template_kwargs": kwargs}).encode(), ChatRequest))
+
+
+def test_chat_template_kwargs_over_the_size_limit_have_a_code_of_their_own():
+    from router.openai_types import MAX_TEMPLATE_KWARGS_BYTES
+
+    with pytest.raises(BadRequest) as info:
+        chat(chat_template_kwargs={"text": "x" * MAX_TEMPLATE_KWARGS_BYTES})
+    assert info.value.code == "chat_template_kwargs_too_large"
+
+
+def test_chat_template_kwargs_that_are_not_valid_json_are_invalid_json_naming_the_field():
+    body = b'{"model":"m","messages":[{"role":"user","content":"hi"}],"chat_template_kwargs":{"a":"\xff"}}'
+    with pytest.raises(BadRequest) as info:
+        decode_request(body, ChatRequest)  # (msgspec.DecodeError: not an uncaught 500)
+    err = json.loads(info.value.body())["error"]
+    assert (err["code"], err["param"]) == ("invalid_json", "chat_template_kwargs"), err
+    assert err["message"] == "The request body is not valid JSON: Invalid UTF-8 encoded string", err
+
+
+@pytest.mark.parametrize("raw, param", [
+    (b'{"a":1e400}', "chat_template_kwargs[...]"),
+    (b'{"a":[1, 1e400]}', "chat_template_kwargs[...][1]"),
+])
+def test_a_number_out_of_range_in_chat_template_kwargs_is_named_by_where_it_is(raw, param):
+    body = b'{"model":"m","messages":[{"role":"user","content":"hi"}],"chat_template_kwargs":' + raw + b"}"
+    with pytest.raises(BadRequest) as info:
+        decode_request(body, ChatRequest)
+    err = json.loads(info.value.body())["error"]
+    assert err["param"] == param and err["message"] == f"Invalid value for '{param}': Number out of range.", err
+
+
+@pytest.mark.parametrize("kwargs", [[1], "s", {"text": "x" * 20_000}], ids=["array", "string", "too-large"])
+def test_chat_template_kwargs_that_cannot_be_decoded_are_refused_with_the_body(kwargs):
+    # (before the request's other checks, as a malformed body is: here its
+    # unsupported parameter and, in router.completions, its model)
+    body = json.dumps({"model": "m", "messages": MSG, "n": 2, "chat_template_kwargs": kwargs}).encode()
+    with pytest.raises(BadRequest) as info:
+        decode_request(body, ChatRequest)
+    assert info.value.param.startswith("chat_template_kwargs"), info.value.body()
