@@ -224,19 +224,74 @@ def _syntax_error(name: str, text: str, e: yaml.MarkedYAMLError) -> str:
     or structure it was reading, and where that began) names the mistake's
     line, so a token that began on an earlier line (a quoted scalar) is
     reported at that line, and a structure (a ``[`` or ``{`` left open) at
-    the stopping line with the line it began on."""
+    the stopping line with the line it began on. A key without its ':' reads
+    as plain text that runs on into the lines after it (``_run_on``)."""
     mark, context = e.problem_mark, e.context_mark
     line = (mark.line + 1) if mark else 1
     problem = str(e.problem or e)
     lines = text.splitlines()
     if mark and mark.line < len(lines) and "\t" in lines[mark.line][:mark.column + 1]:
         problem += " (a tab: YAML indents with spaces)"  # (what the parser says does not name it)
+    if mark and not e.context and problem.startswith("mapping values are not allowed"):
+        run_on = _run_on(text, mark)
+        if run_on is not None:
+            start, is_key = run_on
+            if is_key:
+                return _missing_colon(name, lines, start, line, problem)
+            return (f"{name}:{line}: (syntax): {problem} (the value {_quoted(lines, start)} from line "
+                    f"{start.line + 1} runs on as plain text into this line: a line indented deeper than its "
+                    "key continues the value)")
     if not (mark and context and e.context and context.line < mark.line):
         return f"{name}:{line}: (syntax): {problem}"
+    if e.context == "while scanning a simple key":  # (a key at its mapping's indent, and no ':' by the line's end)
+        return _missing_colon(name, lines, context, line, problem)
     began = context.line + 1
     if e.context.startswith("while scanning"):  # (one token: the mistake is where it began)
         return f"{name}:{began}: (syntax): {e.context} from this line: {problem} at line {line}"
     return f"{name}:{line}: (syntax): {problem} ({e.context} from line {began})"
+
+
+def _missing_colon(name: str, lines: list[str], start: yaml.Mark, line: int, problem: str) -> str:
+    return (f"{name}:{start.line + 1}: (syntax): a ':' is missing after a key on this line: "
+            f"{_quoted(lines, start)} runs on as plain text into line {line}, where the parser stopped ({problem})")
+
+
+def _quoted(lines: list[str], start: yaml.Mark) -> str:
+    """The text from ``start`` to the end of its line, in backquotes (cut short)."""
+    text = lines[start.line][start.column:].strip() if start.line < len(lines) else ""
+    return f"`{text if len(text) <= 60 else text[:57] + '...'}`"
+
+
+def _run_on(text: str, mark: yaml.Mark) -> tuple[yaml.Mark, bool] | None:
+    """Where the plain scalar that the parser was reading when a ':' at
+    ``mark`` was refused began, when that was on an earlier line, and
+    whether it stands first on its line, where a key goes (else it is a
+    value after its key's ':'). A plain scalar goes on over the lines
+    indented deeper than its mapping, so a key written without its ':'
+    swallows the lines under it, up to the first ':' it meets, which YAML
+    refuses in a scalar that spans lines: the parser stops there, lines
+    after the mistake. libyaml's error has no context mark (and where a
+    mapping that has not begun yet is concerned, no "simple key" to name), so
+    the tokens are read again with PyYAML's own scanner, up to its error."""
+    scanner = yaml.SafeLoader(text)
+    last: list[yaml.Token] = []  # the last two tokens read (the scanner's look-ahead included)
+    try:
+        while scanner.check_token():
+            last = (last + [scanner.get_token()])[-2:]
+    except yaml.MarkedYAMLError as e:
+        if not (e.problem_mark and e.problem_mark.line == mark.line):
+            return None  # (the scanners disagree: name no other line)
+        last = (last + list(scanner.tokens))[-2:]
+    finally:
+        scanner.dispose()
+    if not last or not isinstance(last[-1], yaml.ScalarToken) or last[-1].style is not None:
+        return None
+    scalar = last[-1]
+    if scalar.start_mark.line >= mark.line:
+        return None
+    after_value = (len(last) == 2 and isinstance(last[0], yaml.ValueToken)
+                   and last[0].end_mark.line == scalar.start_mark.line)
+    return scalar.start_mark, not after_value
 
 
 def load_yaml(path: str | Path, type_: type[T], text: str | None = None) -> tuple[T, Located]:
