@@ -93,6 +93,7 @@ def _check(args: argparse.Namespace) -> int:
     given = {os.path.realpath(f) for f in files}
     seen = set(given)  # (each file once, however it is spelled)
     tenants_given = False  # (a tenants file given stands for the one router.yaml names, as serve --tenants)
+    routers = {os.path.realpath(f) for f in files if _told_kind(f) is RouterConfig}
     for path in files:  # (grows: the tenants file a router.yaml names, unless given too)
         named = os.path.realpath(path) not in given
         if named and tenants_given:
@@ -100,7 +101,7 @@ def _check(args: argparse.Namespace) -> int:
                   file=sys.stderr)
             continue
         try:
-            kind = TenantsFile if named else _config_kind(path)
+            kind = TenantsFile if named else _config_kind(path, bool(routers - {os.path.realpath(path)}))
             tenants_given = tenants_given or kind is TenantsFile
             loaded, _ = load_yaml(path, kind)
             print(f"{path}: ok ({'router' if kind is RouterConfig else 'tenants'} config)")
@@ -123,11 +124,24 @@ def _check(args: argparse.Namespace) -> int:
     return 1 if failed else 0
 
 
-def _config_kind(path: str) -> type:
-    """Tenants file or router config, by its top-level keys; a file that does
-    not parse (its loader reports the error either way), or has none, by its
-    name, so a broken tenants file given beside router.yaml still stands for
-    the one router.yaml names."""
+def _config_kind(path: str, beside_router: bool = False) -> type:
+    """Tenants file or router config, by its top-level keys (those read
+    before a syntax error too: its loader reports the error either way). A
+    file with none read (empty, or the error before the first key's value)
+    is told by its name, and else, given ``beside_router`` (a router config
+    given with it, whose tenants file it then stands for), is the tenants file."""
+    from router.config import RouterConfig
+    from router.tenants import TenantsFile
+
+    kind = _told_kind(path)
+    if kind is not None:
+        return kind
+    name = os.path.basename(path).lower()
+    return TenantsFile if "tenant" in name or (beside_router and "router" not in name) else RouterConfig
+
+
+def _told_kind(path: str) -> type | None:
+    """``_config_kind`` by the file's top-level keys; None if none can be read."""
     import yaml
 
     from router.config import RouterConfig
@@ -135,11 +149,15 @@ def _config_kind(path: str) -> type:
 
     try:
         with open(path, encoding="utf-8") as f:
-            head = yaml.safe_load(f)
-    except (OSError, ValueError, yaml.YAMLError):  # (ValueError: not UTF-8)
-        head = None
-    if head is None:  # (empty, comments only, or unreadable: nothing tells but its name)
-        return TenantsFile if "tenant" in os.path.basename(path).lower() else RouterConfig
+            text = f.read()
+    except (OSError, ValueError):  # (ValueError: not UTF-8)
+        return None
+    try:
+        head = yaml.safe_load(text)
+    except yaml.YAMLError:
+        head = _keys_before_error(text)
+    if head is None or head == {}:
+        return None
     # (router.yaml's ``tenants`` names a file and it must list replicas; a
     # tenants file's ``tenants`` is a mapping, or a mistake in one)
     if isinstance(head, dict) and "replicas" not in head and not isinstance(head.get("tenants"), str) and (
@@ -147,6 +165,59 @@ def _config_kind(path: str) -> type:
     ):
         return TenantsFile
     return RouterConfig
+
+
+def _keys_before_error(text: str) -> dict[str, object]:
+    """The top-level keys of a file that does not parse, as far as the parser
+    reads before its error, each with its value as far as it tells the kind
+    of file: a scalar's text (None for null or a value not read), ``{}`` or
+    ``[]`` for a mapping or a list begun."""
+    import yaml
+
+    head: dict[str, object] = {}
+    loader = yaml.SafeLoader(text)
+    depth, in_mapping, is_key, key = 0, False, True, None
+    last: str | None = None  # the key whose value, the last event read, spans lines
+    try:
+        while (event := loader.get_event()) is not None:
+            last = None
+            if isinstance(event, yaml.CollectionEndEvent):
+                depth -= 1
+                continue
+            if depth == 1 and in_mapping:
+                if is_key:
+                    key = event.value if isinstance(event, yaml.ScalarEvent) else None
+                    if key is not None:
+                        head[key] = None
+                elif key is not None:
+                    head[key] = _value_kind(event)
+                    ran_on = isinstance(event, yaml.ScalarEvent) and event.start_mark.line < event.end_mark.line
+                    last = key if ran_on else None
+                is_key = not is_key
+            if isinstance(event, yaml.CollectionStartEvent):
+                in_mapping = in_mapping or (depth == 0 and isinstance(event, yaml.MappingStartEvent))
+                depth += 1
+    except yaml.YAMLError:
+        # (the keys read so far are what there is; a scalar over several lines
+        # just before the error may be a key without its ':' that ran on into
+        # the next key: ``tenants:\n  gold\n    keys: ...``)
+        if last is not None:
+            head[last] = None
+    finally:
+        loader.dispose()
+    return head
+
+
+def _value_kind(event: object) -> object:
+    import yaml
+
+    if isinstance(event, yaml.MappingStartEvent):
+        return {}
+    if isinstance(event, yaml.SequenceStartEvent):
+        return []
+    if isinstance(event, yaml.ScalarEvent) and not (event.implicit[0] and event.value in ("", "~", "null", "Null", "NULL")):
+        return event.value
+    return None
 
 
 def _hash_key(args: argparse.Namespace) -> int:

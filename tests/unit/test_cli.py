@@ -397,3 +397,37 @@ def test_check_config_checks_a_tenants_file_once_however_router_yaml_is_spelled(
     proc = _cli("check-config", str(tmp_path / "router.yaml"), str(tmp_path / "sub" / ".." / "router.yaml"))
     assert proc.returncode == 0, proc.stderr
     assert sum("(tenants config)" in line for line in proc.stdout.splitlines()) == 1, proc.stdout
+
+
+@pytest.mark.parametrize(("line", "edit"), [
+    (26, ("gold:", "gold")),  # (the parser reads the top-level keys before the error: tenants is a mapping)
+    (5, ("admin_keys:", "admin_keys")),  # (nothing can be read: it stands beside a router.yaml)
+])
+def test_check_config_takes_a_broken_tenants_file_given_for_the_one_router_yaml_names(
+        tmp_path, line: int, edit: tuple[str, str]) -> None:
+    # (a tenants file that did not parse and had no "tenant" in its name was
+    # taken for a router config: router.yaml's own tenants file was checked
+    # too, and "ok" printed next to the given file's error)
+    lines = (ROOT / "configs" / "tenants.yaml").read_text().splitlines(keepends=True)
+    lines[line - 1] = lines[line - 1].replace(*edit)
+    (tmp_path / "policy.yaml").write_text("".join(lines))
+    proc = _cli("check-config", "configs/router.yaml", str(tmp_path / "policy.yaml"))
+    assert proc.returncode == 1
+    assert proc.stdout.splitlines() == ["configs/router.yaml: ok (router config)"], proc.stdout
+    assert f"{tmp_path / 'policy.yaml'}:{line}: (syntax): a ':' is missing after a key" in proc.stderr, proc.stderr
+    assert "configs/tenants.yaml: note: not checked" in proc.stderr, proc.stderr
+
+
+@pytest.mark.parametrize(("text", "kind"), [
+    ("admin_keys: []\ntenants:\n  gold\n    keys: [x]\n", "tenants"),
+    ("host: 1.2.3.4\ntenants: t.yaml\nport 80\n  x: 1\n", "router"),
+    ("port: 1\nreplicas:\n  - name sim-0\n    engine: sim\n", "router"),
+])
+def test_check_config_tells_an_unparseable_file_by_the_keys_read_before_the_error(
+        tmp_path, text: str, kind: str) -> None:
+    from router.config import RouterConfig
+    from router.tenants import TenantsFile
+
+    path = tmp_path / "f.yaml"
+    path.write_text(text)
+    assert cli._config_kind(str(path)) is (TenantsFile if kind == "tenants" else RouterConfig)
