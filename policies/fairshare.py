@@ -28,6 +28,7 @@ Pure: no clock of its own, no I/O; ``now`` is passed in.
 from __future__ import annotations
 
 import heapq
+import sys
 from collections.abc import Callable, Iterable, Sequence
 
 import msgspec
@@ -36,6 +37,10 @@ __all__ = ["Head", "HeadIndex", "VirtualCounters", "pick", "aged_rank", "vtc_bou
 
 W_IN = 1.0  # weight of a prompt token in the counter (the paper's w_p)
 W_OUT = 2.0  # weight of a completion token (the paper's w_q)
+# Largest counter: the config keeps weights in [0.001, 1000], so no counter
+# gets near it, but an infinite one would compare equal to its like, and a
+# tenant lifted to it would be infinite too; a finite cap keeps them numbers.
+MAX_COUNTER = sys.float_info.max
 
 
 class Head(msgspec.Struct, frozen=True, gc=False):
@@ -92,7 +97,8 @@ class VirtualCounters:
         self.last = self.values.get(tenant, 0.0)
 
     def charge(self, tenant: str, prompt: int, completion: int, weight: float) -> None:
-        self.values[tenant] = self.values.get(tenant, 0.0) + (W_IN * prompt + W_OUT * completion) / weight
+        value = self.values.get(tenant, 0.0) + (W_IN * prompt + W_OUT * completion) / weight
+        self.values[tenant] = value if value <= MAX_COUNTER else MAX_COUNTER  # (NaN too: not <=)
 
     def forget(self, keep: Iterable[str]) -> None:
         """Drop counters of tenants no longer configured."""

@@ -14,6 +14,7 @@ those checks can do without the failed parts (``separable``).
 from __future__ import annotations
 
 import re
+from decimal import Decimal
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -345,7 +346,7 @@ def _load_yaml(path: str | Path, type_: type[T], text: str | None = None) -> tup
         for at, reason in schema_errors(data, type_):
             # (in a key defined twice the data holds the last value, the lines the first one's)
             if not any(at[: len(d)] == d for d in located.duplicated):
-                errors.append(located.error(at, reason))
+                errors.append(located.error(at, _number_hint(data, at, reason)))
                 failed.append(at)
     if not failed:
         errors += _own_checks(value, located)
@@ -356,6 +357,32 @@ def _load_yaml(path: str | Path, type_: type[T], text: str | None = None) -> tup
     if errors:
         raise ConfigError(_in_file_order(name, errors))
     return value, located
+
+
+# a number as text: quoted, or in a form YAML 1.1 (PyYAML) does not read as
+# one (``1e3``, ``1.5e3``: it wants a dot and a signed exponent, ``1.5e+3``)
+_NUMBER_TEXT = re.compile(r"[-+]?(?:\d+\.?\d*|\.\d+)(?:[eE][-+]?\d+)?")
+
+
+def _number_hint(data: Any, at: KeyPath, reason: str) -> str:
+    """``reason``, and when a number was expected and the value is a number
+    written as text, how to write it."""
+    if not (reason.startswith("Expected `") and reason.endswith(", got `str`")
+            and ("int" in reason or "float" in reason)):
+        return reason
+    value = data
+    try:
+        for part in at:
+            value = value[part]
+    except (KeyError, IndexError, TypeError):
+        return reason
+    if not (isinstance(value, str) and _NUMBER_TEXT.fullmatch(value.strip())):
+        return reason
+    if isinstance(yaml.safe_load(value), (int, float)):
+        return f"{reason}: `{value}` is in quotes, which make it text; write it without them"
+    plain = format(Decimal(value.strip()), "f")
+    return (f"{reason}: `{value}` is text in YAML 1.1, which this reader follows (a number with an exponent "
+            f"needs a dot and a signed exponent there, as in 1.0e+3); write it as a plain number: {plain}")
 
 
 def _own_checks(value: Any, located: Located) -> list[str]:

@@ -4,8 +4,8 @@ The file has a ``defaults`` block and one entry per tenant; a tenant inherits
 every field it leaves out from ``defaults``, and ``defaults`` from the
 built-in values below (field by field, also inside ``limits`` and
 ``timeouts``). API keys are stored only as SHA-256 hex digests
-(``fairstream hash-key KEY`` prints one). A limit or timeout of 0 means
-"none". docs/configuration.md is generated from the docstrings here and a test
+(``fairstream hash-key KEY`` prints one). A limit or timeout of 0 means no
+limit (not "none allowed"); ``queue_depth: 0`` means no request may wait. docs/configuration.md is generated from the docstrings here and a test
 keeps it in sync.
 """
 
@@ -22,48 +22,56 @@ from router.configfile import Located
 __all__ = ["Limits", "Timeouts", "TenantSpec", "Defaults", "TenantsFile", "TenantPolicy", "ResolvedLimits"]
 
 MAX_COUNT = 2**53  # largest limit, timeout or count: exact in a double (Redis's Lua scripts count in them)
+# A weight's range: the fair-share counters charge (tokens) / weight, which
+# must stay a finite number (5e-324 made it infinite), and shares past a
+# million to one are no longer a share
+MIN_WEIGHT, MAX_WEIGHT = 0.001, 1000.0
 _SHA256 = re.compile(r"^[0-9a-f]{64}$")
 _NAME = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
 
 
 class Limits(msgspec.Struct, forbid_unknown_fields=True, kw_only=True, omit_defaults=True):
-    """Rate and size limits. 0 means unlimited; a missing field is inherited."""
+    """Rate and size limits. 0 means no limit (not "none allowed"); a missing field is inherited."""
 
     requests_per_minute: int | None = None
-    """Requests admitted per minute (token bucket, refilled continuously)."""
+    """Requests admitted per minute (token bucket, refilled continuously). 0: no limit."""
     tokens_per_minute: int | None = None
     """Prompt + completion tokens per minute. Reserved at admission as
     estimated prompt tokens + max_tokens, settled with the real usage at the end;
     a stream's reservation that a router dying mid-stream left unsettled is
-    taken over by its resumed continuation (the tenant pays for the stream once)."""
+    taken over by its resumed continuation (the tenant pays for the stream once). 0: no limit."""
     max_concurrent: int | None = None
-    """Streams in flight at once (a lease held until the stream's end, freed before its `[DONE]` goes out)."""
+    """Streams in flight at once (a lease held until the stream's end, freed before its `[DONE]` goes out).
+    0: no limit (not "no streams": to shut a tenant out, remove it or its keys)."""
     max_prompt_tokens: int | None = None
-    """Longest prompt accepted, in tokens (checked on the real token count)."""
+    """Longest prompt accepted, in tokens (checked on the real token count). 0: no limit."""
     max_tokens: int | None = None
-    """Largest ``max_tokens`` a request may ask for."""
+    """Largest ``max_tokens`` a request may ask for. 0: no limit."""
     max_sockets: int | None = None
-    """WebSockets (``/v1/ws``) of the tenant open at once on one router process; one more is closed at authentication (code 4429, ``too_many_sockets``)."""
+    """WebSockets (``/v1/ws``) of the tenant open at once on one router process; one more is closed at authentication (code 4429, ``too_many_sockets``). 0: no limit."""
 
 
 class Timeouts(msgspec.Struct, forbid_unknown_fields=True, kw_only=True, omit_defaults=True):
-    """Time limits in seconds. 0 means none; a missing field is inherited."""
+    """Time limits in seconds. 0 means no limit (not "no time"); a missing field is inherited."""
 
     queue_wait: float | None = None
-    """Longest wait for admission (over a limit with ``on_limit: queue``, or for a replica)."""
+    """Longest wait for admission (over a limit with ``on_limit: queue``, or for a replica). 0: no limit
+    (a request waits until it is admitted, or its ``first_token`` or ``total`` limit passes)."""
     first_token: float | None = None
-    """Longest time from the request's arrival (its waits for limits and a replica included) to the first token."""
+    """Longest time from the request's arrival (its waits for limits and a replica included) to the first token.
+    0: no limit."""
     stall: float | None = None
-    """Longest gap between two tokens of a running stream."""
+    """Longest gap between two tokens of a running stream. 0: no limit."""
     total: float | None = None
-    """Longest time for a whole request."""
+    """Longest time for a whole request. 0: no limit."""
 
 
 class _PolicyFields(msgspec.Struct, forbid_unknown_fields=True, kw_only=True, omit_defaults=True):
     priority: str | None = None
     """Priority class, one of ``priority_classes`` (first is highest)."""
     weight: float | None = None
-    """Fair-share weight inside the priority class (> 0)."""
+    """Fair-share weight inside the priority class, from 0.001 to 1000: tenants that wait in one class get
+    service in proportion to their weights."""
     models: list[str] | None = None
     """Models the tenant may use; ``["*"]`` allows all."""
     limits: Limits | None = None
@@ -71,7 +79,7 @@ class _PolicyFields(msgspec.Struct, forbid_unknown_fields=True, kw_only=True, om
     timeouts: Timeouts | None = None
     """See Timeouts."""
     queue_depth: int | None = None
-    """Requests that may wait at once, more get 429: this many in the queue for a replica, and (``on_limit: queue``) this many waiting for the tenant's limits, a separate queue before it. 0: none may wait (unlike the limits, where 0 means none)."""
+    """Requests that may wait at once, more get 429: this many in the queue for a replica, and (``on_limit: queue``) this many waiting for the tenant's limits, a separate queue before it. 0: none may wait (unlike the limits, where 0 means no limit)."""
     chunk_tokens: int | None = None
     """Most tokens merged into one SSE event: tokens that arrive together (one read from an upstream that is
     ahead of the router) and tokens waiting for a slow client go out as one event of up to this many; tokens
@@ -158,9 +166,17 @@ class TenantsFile(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
 def _check_fields(spec: _PolicyFields, at: tuple, classes: list[str], err) -> None:
     if spec.priority is not None and spec.priority not in classes:
         err(at + ("priority",), f"unknown priority class {spec.priority!r} (known: {', '.join(classes)})")
-    if spec.weight is not None and not 0 < spec.weight < math.inf:
-        # (an infinite weight was never charged in the fair-share counters)
-        err(at + ("weight",), "must be greater than 0" if not spec.weight > 0 else "must be finite")
+    w = spec.weight
+    if w is not None and not MIN_WEIGHT <= w <= MAX_WEIGHT:
+        span = f"(weights go from {MIN_WEIGHT:g} to {MAX_WEIGHT:g}: a tenant's share is proportional to its weight)"
+        if math.isnan(w):
+            err(at + ("weight",), f"must be a number {span}")
+        elif w <= 0:
+            err(at + ("weight",), f"must be greater than 0 {span}")
+        elif w < MIN_WEIGHT:
+            err(at + ("weight",), f"must be at least {MIN_WEIGHT:g} {span}")
+        else:  # (an infinite weight was never charged in the fair-share counters)
+            err(at + ("weight",), f"must be {'finite, ' if w == math.inf else ''}at most {MAX_WEIGHT:g} {span}")
     if spec.queue_depth is not None and spec.queue_depth < 0:
         err(at + ("queue_depth",), "must not be negative")
     if spec.chunk_tokens is not None and spec.chunk_tokens < 1:

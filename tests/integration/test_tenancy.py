@@ -247,6 +247,39 @@ async def test_a_refused_reload_names_every_error_in_openai_error_shape(tmp_path
         router.stop()
 
 
+async def test_a_refused_reload_names_a_missing_colon_at_its_line_and_a_tiny_weight(tmp_path):
+    # (a first key without its ':' was named a line late as "mapping values
+    # are not allowed"; a weight of 5e-324 was taken, and that tenant's
+    # fair-share counter became infinite: virtual_counter null in /admin/tenants)
+    t = tmp_path / "tenants.yaml"
+    tenants_yaml(t)
+    router = RouterProcess(tmp_path / "r", tenants=t, replicas=1).start()
+    try:
+        async with httpx.AsyncClient(base_url=router.base_url, timeout=30) as client:
+            good = t.read_text()
+            lines = good.splitlines(keepends=True)
+            at = next(i for i, line in enumerate(lines) if line == "  a:\n")
+            t.write_text("".join(lines[:at] + ["  a\n"] + lines[at + 1:]))
+            want = f"{t}:{at + 1}: (syntax): a ':' is missing after a key on this line: `a` runs on"
+            r = await client.post("/admin/reload", headers=auth(ADMIN))
+            assert r.status_code == 422 and r.json()["errors"][0].startswith(want), r.text
+            view = (await client.get("/admin/tenants", headers=auth(ADMIN))).json()
+            assert view["version"] == 1 and view["last_reload_errors"][0].startswith(want), view
+            assert f"keeping version 1: {want}" in router.log(), router.log()[-3000:]
+            tenants_yaml(t, extra="")
+            doc = yaml.safe_load(t.read_text())
+            doc["tenants"]["b"]["weight"] = 5e-324
+            t.write_text(yaml.safe_dump(doc, sort_keys=False))
+            r = await client.post("/admin/reload", headers=auth(ADMIN))
+            assert r.status_code == 422, r.text
+            assert r.json()["errors"] == [next(f"{t}:{i}: tenants.b.weight: must be at least 0.001 (weights go from "
+                                               "0.001 to 1000: a tenant's share is proportional to its weight)"
+                                               for i, line in enumerate(t.read_text().splitlines(), 1)
+                                               if "weight" in line)], r.text
+    finally:
+        router.stop()
+
+
 async def test_reload_by_file_watch_and_sighup_applies_lowered_limit_at_once(tmp_path):
     t = tmp_path / "tenants.yaml"
     tenants_yaml(t)

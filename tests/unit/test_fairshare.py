@@ -636,3 +636,15 @@ def test_head_index_picks_what_pick_picks(ops, aging) -> None:
                 counters.charge(got, 0, op[1], weight=1 + int(h.tenant[1:]) % 3)
                 head_changed(got)
     assert len(index) == sum(1 for q in queues.values() if q)
+
+
+def test_a_charge_too_large_for_a_float_keeps_the_counter_finite() -> None:
+    # (weight 5e-324 passed the config's check: the counter became inf, and
+    # lifting another tenant to the minimum could spread it)
+    c = VirtualCounters()
+    c.charge("tiny", 10, 10, 5e-324)
+    c.charge("tiny", 10, 10, 5e-324)
+    c.charge("b", 10, 0, 1.0)
+    assert math.isfinite(c.get("tiny")) and c.get("tiny") > c.get("b")
+    c.lift("late", c.get("tiny"))
+    assert math.isfinite(c.get("late"))

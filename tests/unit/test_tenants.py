@@ -34,6 +34,12 @@ BAD = [
     ("unknown_priority.yaml", 6, "tenants.alpha.priority", r"unknown priority class 'urgent'", None),
     ("zero_weight.yaml", 8, "tenants.beta.weight", r"must be greater than 0", None),
     ("infinite_weight.yaml", 8, "tenants.beta.weight", r"must be finite", None),
+    ("tiny_weight.yaml", 8, "tenants.beta.weight", r"^must be at least 0\.001 ", None),
+    ("huge_weight.yaml", 3, "defaults.weight", r"^must be at most 1000 ", None),
+    ("exponent_as_text.yaml", 6, "tenants.alpha.limits.max_concurrent",
+     r"^Expected `int \| null`, got `str`: `1e3` is text in YAML 1\.1, .*write it as a plain number: 1000$", None),
+    ("quoted_number.yaml", 5, "tenants.alpha.timeouts.total",
+     r"got `str`: `1\.5e-3` is in quotes, which make it text; write it without them$", None),
     ("huge_limit.yaml", 10, "tenants.beta.limits.max_concurrent", r"must be at most 9007199254740992", None),
     ("infinite_timeout.yaml", 5, "tenants.alpha.timeouts.total", r"must be at most 9007199254740992", None),
     ("syntax_error.yaml", 6, "(syntax)", r"expected ',' or '}' \(while parsing a flow mapping from line 5\)$", None),
@@ -70,7 +76,8 @@ def test_text_is_reported_under_the_given_path() -> None:
     text = (DATA / "zero_weight.yaml").read_text()
     with pytest.raises(ConfigError) as info:
         load_yaml("live-edit.yaml", TenantsFile, text=text)
-    assert info.value.errors == ["live-edit.yaml:8: tenants.beta.weight: must be greater than 0"]
+    assert info.value.errors == ["live-edit.yaml:8: tenants.beta.weight: must be greater than 0 (weights go from "
+                                 "0.001 to 1000: a tenant's share is proportional to its weight)"]
 
 
 def test_unreadable_file() -> None:
