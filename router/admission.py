@@ -232,7 +232,7 @@ class Admission:
                     self._raise_if_gone(name)
                     # (a reload's policy: its limits, and its wait, which may end later or sooner now)
                     policy, req, deadline = self._follow(policy, req, count_request, started, deadline)
-                    if line[0] is not me:
+                    if line[0] is not me and policy.on_limit == "queue":  # (else: it asks below, at once)
                         if loop.time() < min(deadline, limit_at):
                             continue
                         if timeout is not None and limit_at < deadline:
@@ -259,6 +259,14 @@ class Admission:
                     await me.sleep(max(0.01, wait))
                     self._raise_if_gone(name)
                 policy, req, deadline = self._follow(policy, req, count_request, started, deadline)
+                if policy.on_limit != "queue" and req.line:
+                    # A reload made the tenant refuse instead (an operator
+                    # shedding load): it asks once, as a new request would
+                    # now, and is admitted or gets that request's 429. Out
+                    # of the store's line first: its place there would hold
+                    # back the heads of other routers behind it.
+                    await self._leave(name, req)
+                    req = msgspec.structs.replace(req, line=False)
                 if timeout is not None and loop.time() >= limit_at:
                     raise timeout
                 decision = await self.admit_once(name, req)
@@ -266,6 +274,8 @@ class Admission:
                     admitted = True
                     return await self._waited(policy, req, cost_tokens, decision, started)
                 self._check_fits(policy, decision, cost_tokens, prompt_tokens)
+                if policy.on_limit != "queue":
+                    raise self._refused(policy, decision)
         finally:
             head = line[0] is me
             line.remove(me)
@@ -361,7 +371,9 @@ class Admission:
         limits, and its line's wait counted from its arrival), not the one
         it arrived with (raising a limit to clear a backlog let the backlog
         in at the old one). Every waiter wakes: the heads ask again at once,
-        the others wait on until their new deadline."""
+        the others wait on until their new deadline; if the tenant no longer
+        queues (``on_limit: reject``), each asks once, at once, and is
+        admitted or refused as a new request would be."""
         self._policies = policies
         for line in self._lines.values():
             for w in line:

@@ -367,6 +367,108 @@ async def test_a_reload_that_removes_a_tenant_refuses_its_waiting_requests(tmp_p
         assert "tenant a removed by the reload: 1 waiting requests refused (401)" in router.log()
 
 
+@pytest.mark.parametrize("conc", [1, 2])
+async def test_a_reload_to_on_limit_reject_refuses_the_waiting_requests_it_would_refuse(tmp_path, conc):
+    # (a waiting request picked up the new limits and queue_wait but not
+    # on_limit: switched to reject to shed load, the tenant's line went on
+    # waiting and its requests were served seconds later). Each asks once,
+    # as a new request would now: admitted if its limits pass (conc 2: the
+    # head), else the reject 429, headers and all.
+    t = tmp_path / "tenants.yaml"
+    async with _one_running_one_waiting(tmp_path, t, 600) as (router, client, first, waiting):
+        second = asyncio.create_task(client.post("/v1/completions", headers=auth(KEY_A), json=body(4)))
+        await apoll(lambda: _waiting(router, "a") == 2, 10, what="two in the tenant's line")
+        doc = yaml.safe_load(t.read_text())
+        doc["tenants"]["a"]["on_limit"] = "reject"
+        doc["tenants"]["a"]["limits"]["max_concurrent"] = conc
+        doc["tenants"]["a"]["limits"]["requests_per_minute"] = 1000  # (for x-ratelimit-*-requests headers)
+        t.write_text(yaml.safe_dump(doc, sort_keys=False))
+        got = await asyncio.wait_for(asyncio.gather(waiting, second), 3)
+        assert not first.done()  # (refused at the reload, not when the slot freed)
+        assert [r.status_code for r in got] == ([429, 429] if conc == 1 else [200, 429]), [r.text for r in got]
+        refused = got[-1]
+        assert refused.json()["error"]["code"] == "rate_limit_exceeded", refused.text
+        assert float(refused.headers["retry-after"]) > 0
+        assert refused.headers["x-ratelimit-limit-requests"] == "1000"
+        assert _waiting(router, "a") == 0
+        assert (await first).status_code == 200  # the running stream went on
+
+
+async def test_a_request_refused_by_a_reload_to_reject_gets_a_new_requests_429(tmp_path):
+    # (the same error, Retry-After and x-ratelimit-* headers as a request
+    # arriving after the reload gets)
+    t = tmp_path / "tenants.yaml"
+    async with _one_running_one_waiting(tmp_path, t, 600) as (router, client, first, waiting):
+        doc = yaml.safe_load(t.read_text())
+        doc["tenants"]["a"]["on_limit"] = "reject"
+        doc["tenants"]["a"]["limits"]["requests_per_minute"] = 1000
+        t.write_text(yaml.safe_dump(doc, sort_keys=False))
+        refused = await asyncio.wait_for(waiting, 3)
+        new = await client.post("/v1/completions", headers=auth(KEY_A), json=body(2))
+        assert refused.status_code == new.status_code == 429, (refused.text, new.text)
+        assert refused.json()["error"]["code"] == new.json()["error"]["code"] == "rate_limit_exceeded"
+        assert refused.json()["error"]["type"] == new.json()["error"]["type"]
+        why = [r.json()["error"]["message"].split(" Please")[0] for r in (refused, new)]  # (less the time)
+        assert why[0] == why[1], why
+        assert 0 < float(refused.headers["retry-after"]) and 0 < float(new.headers["retry-after"])
+        assert {h for h in refused.headers if h.startswith("x-ratelimit")} == \
+            {h for h in new.headers if h.startswith("x-ratelimit")} != set()
+        assert not first.done()
+        first.cancel()  # (its client goes: the stream's end is not what this test is about)
+
+
+async def test_a_router_whose_reload_switches_to_reject_leaves_the_shared_line_at_once(tmp_path, redis_server):
+    # Two routers on one Redis, the tenant's line shared: router A's head
+    # waits first in the store's line, router B's behind it. A's file
+    # switches the tenant to reject: A's waiting request gets its 429 and
+    # leaves the store's line with it, so when the running stream ends B's
+    # request is admitted at once, not held back by a place nobody holds.
+    settings = {"state": {"backend": "redis", "url": redis_server.url}}
+    ta, tb = tmp_path / "a.yaml", tmp_path / "b.yaml"
+    for t in (ta, tb):
+        tenants_yaml(t, conc=1, on_limit="queue")
+        doc = yaml.safe_load(t.read_text())
+        doc["defaults"]["timeouts"]["queue_wait"] = 20
+        t.write_text(yaml.safe_dump(doc, sort_keys=False))
+    ra = RouterProcess(tmp_path / "ra", tenants=ta, settings=settings, sim={"step_base_ms": 10}).start()
+    rb = RouterProcess(tmp_path / "rb", tenants=tb, settings=settings, sim={"step_base_ms": 10})
+    try:
+        rb.start()
+        async with httpx.AsyncClient(timeout=60) as client:
+            started = asyncio.Event()
+
+            async def running():  # (a long stream, ended by its client)
+                async with client.stream("POST", ra.base_url + "/v1/completions", headers=auth(KEY_A),
+                                         json=body(2000, stream=True)) as r:
+                    assert r.status_code == 200
+                    async for _ in r.aiter_bytes():
+                        started.set()
+
+            first = asyncio.create_task(running())
+            await asyncio.wait_for(started.wait(), 10)
+            on_a = asyncio.create_task(client.post(ra.base_url + "/v1/completions", headers=auth(KEY_A), json=body(4)))
+            await apoll(lambda: _waiting(ra, "a") == 1, 10, what="A's head")
+            await asyncio.sleep(0.3)  # (A's head is in the store's line before B's)
+            on_b = asyncio.create_task(client.post(rb.base_url + "/v1/completions", headers=auth(KEY_A), json=body(4)))
+            await apoll(lambda: _waiting(rb, "a") == 1, 10, what="B's head")
+            doc = yaml.safe_load(ta.read_text())
+            doc["tenants"]["a"]["on_limit"] = "reject"
+            ta.write_text(yaml.safe_dump(doc, sort_keys=False))
+            r = await asyncio.wait_for(on_a, 5)
+            assert r.status_code == 429, r.text
+            assert not on_b.done()
+            first.cancel()  # the stream's client goes: its slot frees
+            ended = asyncio.get_running_loop().time()
+            r = await asyncio.wait_for(on_b, 10)
+            took = asyncio.get_running_loop().time() - ended
+            assert r.status_code == 200, r.text
+            # (a place left in the store's line holds B's head back for about 2.25 s)
+            assert took < 1.2, took
+    finally:
+        ra.stop()
+        rb.stop()
+
+
 async def test_a_reload_that_removes_a_tenant_takes_its_series_out_of_metrics(tmp_path):
     # (they stayed exported until the router restarted: about 100 series per
     # tenant name ever removed or renamed, /metrics growing without bound)
@@ -397,15 +499,16 @@ def _series(m, tenant: str) -> set[tuple[str, tuple[tuple[str, str], ...]]]:
 
 
 @contextlib.asynccontextmanager
-async def _one_running_one_waiting(tmp_path, tenants):
+async def _one_running_one_waiting(tmp_path, tenants, first_tokens: int = 200):
     """A router whose tenant ``a`` (its file written at ``tenants``) runs one
-    stream at a time: (router, client, a ~2 s stream running, a request
-    waiting behind it in the tenant's line) as tasks; the router stops after."""
+    stream at a time: (router, client, a stream of ``first_tokens`` running
+    (10 ms each), a request waiting behind it in the tenant's line) as
+    tasks; the router stops after."""
     tenants_yaml(tenants, conc=1, on_limit="queue")
     router = RouterProcess(tmp_path / "r", tenants=tenants, sim={"step_base_ms": 10}).start()
     try:
         async with httpx.AsyncClient(base_url=router.base_url, timeout=60) as client:
-            first = asyncio.create_task(client.post("/v1/completions", headers=auth(KEY_A), json=body(200)))
+            first = asyncio.create_task(client.post("/v1/completions", headers=auth(KEY_A), json=body(first_tokens)))
             await apoll(lambda: router.inflight("sim-0") + router.inflight("sim-1") == 1, 10, what="the first")
             waiting = asyncio.create_task(client.post("/v1/completions", headers=auth(KEY_A), json=body(4)))
             await apoll(lambda: _waiting(router, "a") == 1, 10, what="the second in the tenant's line")
