@@ -16,6 +16,7 @@ import msgspec
 
 from replicas.protocol import REFUSED_TEMPLATE_KWARGS, SamplingParams
 from router.errors import BadRequest, clip
+from router.schema_errors import schema_errors
 
 __all__ = [
     "ChatRequest",
@@ -149,6 +150,37 @@ _UNSUPPORTED_NEUTRAL: dict[str, Any] = {
     "moderation": (None,),
 }
 _LOC = re.compile(r" - at `\$([^`]*)`$")  # (".messages[0].role", "[...]")
+# The least value of options an integer sets, supported or not: below it a
+# value is invalid anywhere (OpenAI's 400 naming it), not an option this
+# server lacks. (vLLM: best_of at least n, so at least 1; a completion's
+# logprobs counts logprobs to return.)
+_LEAST = {"n": 1, "best_of": 1, "top_logprobs": 0}
+
+
+def _check_least(req: _Common) -> None:
+    least = {**_LEAST, "logprobs": 0} if isinstance(req, CompletionRequest) else _LEAST
+    for name, lo in least.items():
+        value = getattr(req, name, None)
+        if type(value) is int and value < lo:  # (a bool is no count: a chat's logprobs false)
+            raise BadRequest(f"'{name}' must be at least {lo}; got {value}.", param=name)
+
+
+def _key_of_entry(body: bytes, kind: type[_Common], param: str, reason: str) -> str:
+    """msgspec names a failing dict entry ``[...]`` (``metadata[...]``): name
+    its key instead (``metadata.a``), as a config file's errors do
+    (``schema_errors``). Only the field that holds it is decoded again and
+    walked: an error path, but its body may be megabytes of messages."""
+    field = re.match(r"[^.\[]*", param).group(0)  # type: ignore[union-attr]
+    types = {f.encode_name: f.type for f in msgspec.structs.fields(kind)}
+    try:
+        raw = msgspec.json.decode(body, type=dict[str, msgspec.Raw])[field]
+        found = schema_errors(msgspec.json.decode(raw), types[field])
+    except (msgspec.MsgspecError, KeyError, RecursionError):
+        return param
+    for path, why in found:
+        if why == reason:
+            return field + "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in path)
+    return param
 
 
 def _unsupported(req: _Common) -> str | None:
@@ -161,8 +193,10 @@ def _unsupported(req: _Common) -> str | None:
     return None
 
 
-def _invalid(e: msgspec.ValidationError | msgspec.DecodeError | RecursionError, at: str = "") -> BadRequest:
-    """The 400 of a body msgspec refused, or of its field ``at`` (decoded
+def _invalid(e: msgspec.ValidationError | msgspec.DecodeError | RecursionError, at: str = "",
+             body: bytes | None = None, kind: type[_Common] | None = None) -> BadRequest:
+    """The 400 of a body msgspec refused (``body``, decoded as ``kind``: a
+    dict entry's error is named by its key), or of its field ``at`` (decoded
     on its own, ``_template_kwargs``: msgspec's location in it is relative)."""
     if isinstance(e, RecursionError):
         return BadRequest("The request body is nested too deeply.", param=at or None, code="invalid_json")
@@ -174,6 +208,8 @@ def _invalid(e: msgspec.ValidationError | msgspec.DecodeError | RecursionError, 
     m = _LOC.search(text)
     param = (at + m.group(1)).lstrip(".") if m else at
     reason = text[: m.start()] if m else text
+    if body is not None and kind is not None and "[...]" in param:
+        param = _key_of_entry(body, kind, param, reason)
     if not param and reason.startswith("Expected `object`"):
         return BadRequest("The request body must be a JSON object.", code="invalid_json")
     unknown = re.match(r"Object contains unknown field `([^`]+)`", reason)
@@ -197,9 +233,10 @@ def decode_request(body: bytes, kind: type[ChatRequest] | type[CompletionRequest
     try:
         req = msgspec.json.decode(body, type=kind)
     except (msgspec.DecodeError, RecursionError) as e:  # (ValidationError is a DecodeError)
-        raise _invalid(e) from e
+        raise _invalid(e, body=body, kind=kind) from e
     if isinstance(req, ChatRequest):
         req.chat_template_kwargs = _template_kwargs(req.chat_template_kwargs)
+    _check_least(req)
     bad = _unsupported(req)
     if bad is not None:
         raise BadRequest(f"'{bad}' is not supported by this server.", param=bad, code="unsupported_parameter")

@@ -93,6 +93,14 @@ def test_n_above_one_is_rejected(shared_router: RouterProcess) -> None:
     assert post(shared_router, CHAT, json=chat_body(n=1)).status_code == 200
 
 
+def test_n_below_one_and_a_bad_metadata_value_are_invalid_values_named(shared_router: RouterProcess) -> None:
+    # (n 0 was "'n' is not supported"; a bad metadata value was named `metadata[...]`)
+    err = error_of(post(shared_router, CHAT, json=chat_body(n=0)), 400)
+    assert err["param"] == "n" and err["code"] is None and err["message"] == "'n' must be at least 1; got 0.", err
+    err = error_of(post(shared_router, CHAT, json=chat_body(metadata={"ok": "x", "a": 1})), 400)
+    assert err["param"] == "metadata.a" and "metadata.a" in err["message"], err
+
+
 @pytest.mark.parametrize(
     ("path", "body", "param"),
     [

@@ -94,7 +94,8 @@ def test_an_assistant_turn_the_template_cannot_show_is_refused_not_dropped(key, 
 
 
 @pytest.mark.parametrize("kw, name", [
-    ({"store": "true"}, "store"), ({"metadata": "x"}, "metadata"), ({"metadata": {"a": 1}}, "metadata[...]"),
+    ({"store": "true"}, "store"), ({"metadata": "x"}, "metadata"), ({"metadata": {"a": 1}}, "metadata.a"),
+    ({"metadata": {"a": "b", "c": None}}, "metadata.c"),
     ({"service_tier": 5}, "service_tier"), ({"reasoning_effort": ["low"]}, "reasoning_effort"),
 ])
 def test_ignored_fields_of_the_wrong_type_are_a_400(kw, name):
@@ -103,6 +104,33 @@ def test_ignored_fields_of_the_wrong_type_are_a_400(kw, name):
     assert info.value.param == name, info.value
     chat(store=True, metadata={"a": "b"}, service_tier="auto", reasoning_effort="low")
     chat(store=None, metadata=None, service_tier=None, reasoning_effort=None)
+
+
+@pytest.mark.parametrize("make, kw, name, least", [
+    (chat, {"n": 0}, "n", 1), (chat, {"n": -2}, "n", 1), (completion, {"n": 0}, "n", 1),
+    (completion, {"best_of": 0}, "best_of", 1), (chat, {"top_logprobs": -1}, "top_logprobs", 0),
+    (completion, {"logprobs": -1}, "logprobs", 0),
+], ids=lambda v: json.dumps(v) if isinstance(v, dict) else getattr(v, "__name__", str(v)))
+def test_an_option_below_its_least_value_is_an_invalid_value_not_an_unsupported_one(make, kw, name, least):
+    # ('n': 0 was "'n' is not supported by this server": no value of n is
+    # below 1 at OpenAI, whatever a server supports)
+    with pytest.raises(BadRequest) as info:
+        make(**kw)
+    assert info.value.param == name and info.value.code is None, info.value
+    assert str(info.value) == f"'{name}' must be at least {least}; got {kw[name]}.", info.value
+
+
+@pytest.mark.parametrize("kw, name, reason", [
+    ({"metadata": {"a": 1}}, "metadata.a", "Expected `str`, got `int`"),
+    ({"metadata": {"ok": "x", "b.c": ["y"]}}, "metadata.b.c", "Expected `str`, got `array`"),
+    ({"logit_bias": {"50256": "x"}}, "logit_bias.50256", "Expected `float`, got `str`"),
+])
+def test_a_bad_dict_entry_is_named_by_its_key(kw, name, reason):
+    # (msgspec says `metadata[...]`; the config's errors name the key: so do these)
+    with pytest.raises(BadRequest) as info:
+        chat(messages=MSG * 3, **kw)
+    assert info.value.param == name, info.value
+    assert str(info.value) == f"Invalid value for '{name}': {reason}.", info.value
 
 
 def _sdk_keys(params) -> set[str]:
