@@ -64,6 +64,13 @@ class ReplicaRefused(ConnectionError):
     """The replica refused the handshake (bad secret or version)."""
 
 
+class KeyRefused(ReplicaRefused):
+    """An upstream refused the router's API key at connect (``GET /models``
+    answered 401 or 403, as ``vllm serve --api-key`` does): the operator's
+    configuration. Its message is ``upstream_credentials.refusal``'s, which
+    names ``api_key_env``, as a refused generation request's does."""
+
+
 class Collector:
     """Single-slot mailbox for one request's deltas.
 

@@ -16,7 +16,7 @@ from collections import OrderedDict
 from collections.abc import Callable, Collection, Mapping
 
 from policies.balance import ReplicaLoad, choose
-from replicas.client import ReplicaClient
+from replicas.client import KeyRefused, ReplicaClient, ReplicaRefused
 from replicas.protocol import Feature
 from replicas.sim import DEFAULT_MODEL as SIM_DEFAULT_MODEL
 from replicas.spec import ReplicaSpec
@@ -49,7 +49,11 @@ class ReplicaSlot:
         self.name = spec.name
         self.client: ReplicaClient | None = None
         self.pid: int | None = None
-        self.restarts = 0
+        self.restarts = 0  # the router restarted its process (a local replica; fairstream_replica_restarts_total)
+        # the router connected to it again after it was lost, failed or refused
+        # (a replica it does not start: ``address``, ``url``)
+        self.reconnects = 0
+        self.refusal: ReplicaRefused | None = None  # its last connect's refusal, until one succeeds
         self.state = "starting"  # starting | ready | down
         self.last_error: str | None = None  # why it last failed, kept after it is back (/admin/replicas)
         self.last_error_at: float | None = None  # (Unix time)
@@ -68,6 +72,28 @@ class ReplicaSlot:
         self.last_error = why
         self.last_error_at = time.time()
 
+    def refused(self, e: ReplicaRefused) -> bool:
+        """Its connect was refused (a wrong secret or API key, a model it
+        does not serve): whether that is news to log (it was not refused
+        so last time), since it is tried again and again with the backoff."""
+        new = self.refusal is None or str(self.refusal) != str(e)
+        self.refusal = e
+        self.failed(str(e))
+        return new
+
+    def connected(self) -> ReplicaRefused | None:
+        """A connect succeeded: the refusal that ends, if any."""
+        refusal, self.refusal = self.refusal, None
+        return refusal
+
+    @property
+    def credentials_refused(self) -> str | None:
+        """Why it refuses the router's API key: at its last connect, or (its
+        client's) a generation request's; None while it takes it."""
+        if isinstance(self.refusal, KeyRefused):
+            return str(self.refusal)
+        return self.client.credentials_refused if self.client is not None else None
+
     @property
     def status(self) -> str:
         """``state`` as ``/ready`` and ``/admin/replicas`` show it: ``down``
@@ -83,7 +109,7 @@ class ReplicaSlot:
             return self.client.model
         spec = self.spec
         cfg = spec.config
-        name = cfg.get("served_name") or cfg.get("model")
+        name = cfg.get("served_name") or cfg.get("model") or spec.upstream_model
         if not name and spec.engine == "sim" and spec.address is None and spec.url is None:
             name = SIM_DEFAULT_MODEL  # (a local sim replica's model when its config names none)
         return str(name or "")
@@ -234,9 +260,13 @@ class ReplicaPool:
                 f"no ready replica of model {model!r} takes {fields.names()}: the replicas "
                 "serving it run an older fairstream, which would ignore it (a rolling upgrade under way?)")
         # (an upstream that refuses the router's credentials: the operator's to fix, so the message says so)
-        why = [s.client.credentials_refused for s in self.slots
-               if s.client is not None and s.client.model == model and s.client.credentials_refused]
+        why = self.credentials_refused(model)
         raise NoReplica(f"no ready replica serves model {model!r}" + (f" ({'; '.join(why)})" if why else ""))
+
+    def credentials_refused(self, model: str) -> list[str]:
+        """Why the replicas of ``model`` refuse the router's credentials
+        (``model`` "": those whose model only a connection will tell)."""
+        return [why for s in self.slots if s.model == model and (why := s.credentials_refused)]
 
     def when_ready(self, callback: Callable[[], bool | None], model: str | None = None, needs: int = 0) -> None:
         """Call ``callback`` when a replica of ``model`` (taking ``needs``)

@@ -22,7 +22,7 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
-from replicas.client import ReplicaClient, ReplicaDead, ReplicaRefused, connect
+from replicas.client import KeyRefused, ReplicaClient, ReplicaDead, ReplicaRefused, connect
 from replicas.cpubind import BIND_ENV, core_lists, workers
 from replicas.logs import REPLICA_ERROR_FILE_ENV, REPLICA_NAME_ENV
 from replicas.pool import ReplicaPool, ReplicaSlot
@@ -240,13 +240,14 @@ class Supervisor:
             grace = None
             missed = False  # this attempt could not reach it
             lost = False  # a replica the router does not start, lost while it was ready
+            repeated = False  # refused as at the last attempt
             try:
                 await self._run_once(slot)
             except asyncio.CancelledError:
                 raise
             except ReplicaRefused as e:
-                log.error("replica %s: %s", slot.name, e)
-                slot.failed(str(e))
+                repeated = not slot.refused(e)  # (logged once, not at each try, until it changes or connects)
+                log.log(logging.DEBUG if repeated else logging.ERROR, "replica %s: %s", slot.name, e)
             except Exception as e:  # noqa: BLE001 - any failure means restart
                 why = str(e) or type(e).__name__  # (a TimeoutError says nothing of itself)
                 slot.failed(why)
@@ -298,9 +299,13 @@ class Supervisor:
                     # its return, however often it died before)
                     delay = min(delay, s.reconnect_interval)
                 failures += 1
-                slot.restarts += 1
-            log.log(logging.DEBUG if unreachable > 1 else logging.INFO, "replica %s: %s in %.1fs (restart %d)",
-                    slot.name, "restarting" if slot.spec.local else "connecting again", delay, slot.restarts)
+                if slot.spec.local:
+                    slot.restarts += 1
+                else:  # (not restarted by the router: its own supervisor does that, if anything)
+                    slot.reconnects += 1
+            log.log(logging.DEBUG if unreachable > 1 or repeated else logging.INFO, "replica %s: %s in %.1fs (%s)",
+                    slot.name, "restarting" if slot.spec.local else "connecting again", delay,
+                    f"restart {slot.restarts}" if slot.spec.local else f"reconnect {slot.reconnects}")
             await asyncio.sleep(delay)
 
     async def _run_once(self, slot: ReplicaSlot) -> None:
@@ -321,6 +326,8 @@ class Supervisor:
                 )
             slot.client = client
             slot.state = "ready"
+            if isinstance(slot.connected(), KeyRefused):
+                log.warning("upstream %s takes the router's credentials again", slot.name)
             where = f"pid {client.ready.pid}" if client.ready.pid else f"at {slot.spec.url or slot.spec.address}"
             log.info("replica %s ready (model %s, %s)", slot.name, client.model, where)
             missing = FEATURES & ~client.ready.features

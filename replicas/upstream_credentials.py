@@ -18,9 +18,22 @@ import aiohttp
 
 from replicas.upstream_errors import error_text
 
-__all__ = ["Credentials"]
+__all__ = ["Credentials", "refusal"]
 
 log = logging.getLogger("fairstream.upstream")
+
+
+def refusal(name: str, key_env: str | None, status: int, message: str) -> str:
+    """Why upstream ``name`` answered ``status`` (401/403): which key the
+    router sent (``api_key_env``'s, or none), for the log, ``last_error``
+    and the clients' 503s."""
+    if not key_env:
+        key = "it sent no API key: api_key_env is not set"
+    elif not os.environ.get(key_env):
+        key = f"it sent no API key: ${key_env} is empty"
+    else:
+        key = f"the key in ${key_env}"
+    return f"upstream {name} refused the router's credentials ({key}): HTTP {status}: {message}"
 
 
 class Credentials:
@@ -46,13 +59,7 @@ class Credentials:
         self._refusals += 1
         if path:
             self.path = path
-        if not self.key_env:
-            key = "it sent no API key: api_key_env is not set"
-        elif not os.environ.get(self.key_env):
-            key = f"it sent no API key: ${self.key_env} is empty"
-        else:
-            key = f"the key in ${self.key_env}"
-        why = f"upstream {self.name} refused the router's credentials ({key}): HTTP {status}: {message}"
+        why = refusal(self.name, self.key_env, status, message)
         if self.refused is None:
             log.error("%s; not chosen until a health check shows it takes them", why)
             self.check_now.set()

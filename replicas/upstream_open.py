@@ -11,10 +11,11 @@ import os
 import aiohttp
 import msgspec
 
-from replicas.client import ReplicaDead, ReplicaRefused
+from replicas.client import KeyRefused, ReplicaDead, ReplicaRefused
 from replicas.http11 import HttpPool
 from replicas.spec import ReplicaSpec
 from replicas.upstream import ModelCard, ModelList, UpstreamClient
+from replicas.upstream_credentials import refusal
 from replicas.upstream_errors import error_text
 
 __all__ = ["open_upstream"]
@@ -43,8 +44,8 @@ async def open_upstream(name: str, spec: ReplicaSpec, *, timeout: float = 10.0,
         async with asyncio.timeout(timeout):
             async with session.get(url + "/models") as r:
                 raw = await r.read()
-                if r.status in (401, 403):
-                    raise ReplicaRefused(f"upstream {name} refused the API key: HTTP {r.status}: {error_text(raw)}")
+                if r.status in (401, 403):  # (its /models needs the key: vllm serve --api-key)
+                    raise KeyRefused(refusal(name, spec.api_key_env, r.status, error_text(raw)))
                 if r.status != 200:
                     raise ReplicaDead(f"upstream {name}: GET /models: HTTP {r.status}: {error_text(raw)}")
         models = msgspec.json.decode(raw, type=ModelList).data

@@ -78,7 +78,7 @@ async def tenants(request: Request) -> Response:
 
 @get("/admin/replicas")
 async def replicas(request: Request) -> Response:
-    """Each replica's state, process id (local ones), restarts, load and cap."""
+    """Each replica's state, process id (local ones), restarts or reconnects, load and cap."""
     svc = _admin_svc(request)
     out = []
     for slot in svc.pool.slots:
@@ -91,7 +91,10 @@ async def replicas(request: Request) -> Response:
             "local": slot.spec.local,
             # (None for a replica with no process of its own here: a url: upstream)
             "pid": (client.ready.pid if client is not None and slot.ready else slot.pid) or None,
+            # (restarts of its process by the router, as fairstream_replica_restarts_total; for a
+            # replica it does not start, the times it connected again after a loss, failure or refusal)
             "restarts": slot.restarts,
+            "reconnects": slot.reconnects,
             # (why it last failed, as the log says, and when; kept once it is back)
             "last_error": slot.last_error,
             "last_error_at": slot.last_error_at,

@@ -100,10 +100,12 @@ def check_model(svc: RouterService, policy: TenantPolicy, model: str) -> None:
         return
     unknown = svc.pool.models_unknown() if policy.allows_model(model) else 0
     if unknown:
-        # (a replica not connected yet may serve it: a 503 to retry, not a 404, which clients do not retry)
+        # (a replica not connected yet may serve it: a 503 to retry, not a 404, which clients do not retry;
+        # one that refused the router's credentials is the operator's to fix, so the message says so)
+        why = "".join(f"; {w}" for w in svc.pool.credentials_refused(""))
         raise ReplicaUnavailable(
             f"no ready replica serves model '{clip(model)}' ({unknown} replica(s) not connected yet "
-            "may serve it); retry shortly.")
+            f"may serve it{why}); retry shortly.")
     raise NotFound(f"The model '{clip(model)}' does not exist or you do not have access to it.",
                    param="model", code="model_not_found")
 

@@ -22,11 +22,13 @@ from __future__ import annotations
 import asyncio
 import os
 from bisect import bisect_left
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.metrics import MetricWrapperBase
+
+from router.state.base import ERROR_OPS
 
 __all__ = ["Metrics", "HistogramBatch"]
 
@@ -145,6 +147,8 @@ class Metrics:
         self.store_errors = Counter(
             "fairstream_state_store_errors", "State store operations that failed.", ["op"], registry=r
         )
+        for op in ERROR_OPS:  # (at 0 from the start: an outage's first errors are an increase)
+            self.store_errors.labels(op)
         self.resumes = tenant(
             Counter, "fairstream_stream_resumes", "Streams resumed by clients with Last-Event-ID.", ["tenant"],
         )
@@ -173,18 +177,19 @@ class Metrics:
             self._unexported[family] = cls(name, documentation, labels, registry=None, **kwargs)
         return family
 
-    def declare(self, replicas: Iterable[str], tenants: Iterable[str]) -> None:
-        """Export the event counters of these replicas and tenants at 0, so
-        that ``rate()`` and ``increase()`` count their first event (a series
-        that appears at 1 counts from there). A retired tenant named here is
-        counted and exported again."""
+    def declare(self, replicas: Iterable[str], tenants: Mapping[str, str]) -> None:
+        """Export the event counters of these replicas and tenants (name ->
+        priority class) at 0, so that ``rate()`` and ``increase()`` count
+        their first event (a series that appears at 1 counts from there),
+        and each tenant's queue depth at 0 (a panel of a tenant that never
+        queued said "No data"). A retired tenant named here is counted and
+        exported again."""
         for name in replicas:
             self.replica_restarts.labels(name)
             self.failovers.labels(name)
-        tenants = list(tenants)
         self.unretire(tenants)
-        for name in tenants:
-            self._declare_tenant(name)
+        for name, priority in tenants.items():
+            self._declare_tenant(name, priority)
 
     def unretire(self, tenants: Iterable[str]) -> None:
         """``tenants`` are in the policy (again): what is counted for them is
@@ -195,24 +200,26 @@ class Metrics:
             self._retired -= back
             self._draining = {k for k in self._draining if k[1][0] not in back}  # (now plain gauges again)
 
-    def _declare_tenant(self, name: str) -> None:
+    def _declare_tenant(self, name: str, priority: str) -> None:
         for limit in RATE_LIMITS:
             self.child(self.rate_limited, name, limit)
         for which in TIMEOUTS:
             self.child(self.timeouts, name, which)
+        self.child(self.resumes, name)
+        self.child(self.queued, name, priority)
 
-    async def declare_gradually(self, tenants: Iterable[str], batch: int = DECLARE_BATCH) -> None:
+    async def declare_gradually(self, tenants: Mapping[str, str], batch: int = DECLARE_BATCH) -> None:
         """``declare`` for a reload: ``unretire`` at once, then the tenants'
         counters at 0, ``batch`` tenants per turn of the event loop. Making a
         child costs prometheus-client ~15 us, and a reload that added 2,000
         tenants made 16,000 of them in one turn: every stream stopped ~0.3 s.
         (A tenant's request before its turn here makes its children itself;
         one a later reload retired meanwhile gets unexported ones.)"""
-        tenants = list(tenants)
         self.unretire(tenants)
-        for i in range(0, len(tenants), batch):
-            for name in tenants[i:i + batch]:
-                self._declare_tenant(name)
+        names = list(tenants)
+        for i in range(0, len(names), batch):
+            for name in names[i:i + batch]:
+                self._declare_tenant(name, tenants[name])
             await asyncio.sleep(0)
 
     def retire(self, *tenants: str) -> None:

@@ -91,9 +91,9 @@ class RouterService:
         m.reloads.labels("success" if ok else "failure").inc()
         m.reload_ok.set(1 if ok else 0)
         if changed:
-            names = list(self.policy.current.tenants)
-            m.unretire(names)  # (at once: a tenant added again is counted from now on)
-            self.background(m.declare_gradually(names))  # (its counters at 0: a batch per loop turn)
+            classes = {name: p.priority for name, p in self.policy.current.tenants.items()}
+            m.unretire(classes)  # (at once: a tenant added again is counted from now on)
+            self.background(m.declare_gradually(classes))  # (its counters at 0: a batch per loop turn)
             self._refuse_removed()
             for conn in list(self.sockets):  # (a revoked key's socket closes once its requests end)
                 conn.recheck()
@@ -182,7 +182,8 @@ class RouterService:
         await self.resume.start()
         await self.policy.start()
         await self.peers.start()
-        self.metrics.declare((slot.name for slot in self.pool.slots), self.policy.current.tenants)
+        self.metrics.declare((slot.name for slot in self.pool.slots),
+                             {name: p.priority for name, p in self.policy.current.tenants.items()})
         await self.admission.start()
         await self.supervisor.start()
         self._warn_unserved_models()

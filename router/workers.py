@@ -143,7 +143,7 @@ async def _parent(config: RouterConfig, tenants: Path, host: str, port: int, n: 
     from router.metrics import Metrics
 
     metrics = Metrics()
-    metrics.declare((s.name for s in local), ())
+    metrics.declare((s.name for s in local), {})
 
     def on_event(event: str, slot: ReplicaSlot) -> None:
         if event == "down":

@@ -15,7 +15,7 @@ import msgspec
 from policies.ratelimit import Decision
 
 __all__ = ["StateStore", "AdmitRequest", "LINE_SLACK", "SETTLED_TTL", "TenantUsage", "StoreUnavailable",
-           "StreamSnapshot"]
+           "StreamSnapshot", "ERROR_OPS"]
 
 
 CLAIM_TTL = 10.0  # a stream's generating router loses its claim if it stops appending this long
@@ -26,6 +26,11 @@ LINE_SLACK = 2.0  # a waiting request stays in its tenant's line this long past 
 # finds Redis back (about a second later; longer only if Redis is lost again
 # in between). (Redis: one sorted-set entry per stream ended in that time.)
 SETTLED_TTL = 300.0
+# The operations whose failures ``ResilientStore`` counts (the ``op`` of
+# fairstream_state_store_errors_total, exported at 0 from the start)
+ERROR_OPS = ("connect", "ping", "generation", "admit", "undo_admit", "leave", "settle", "renew", "release", "usage",
+             "peers", "stream_open", "stream_append", "stream_read", "stream_claim", "stream_renew",
+             "stream_release")
 
 
 class StoreUnavailable(ConnectionError):

@@ -15,6 +15,7 @@ from collections.abc import AsyncIterator
 import contextlib
 
 import httpx
+import yaml
 
 from tests.helpers import ADMIN, GOLD, MODEL, loopback_http, poll
 from tests.integration.test_upstream import PROMPT, UPSTREAM, cleanup, upstream_router
@@ -183,3 +184,55 @@ async def test_a_chat_only_upstream_comes_back_once_its_key_is_taken(tmp_path, c
             assert r.status_code == 200, r.text
     finally:
         await srv.close()
+
+
+async def test_an_upstream_refusing_the_key_at_connect_is_logged_once_naming_api_key_env(tmp_path, cleanup,
+                                                                                           monkeypatch):
+    """An upstream whose ``/models`` needs the key (``vllm serve --api-key``)
+    refuses a wrong one at connect. That refusal was a plain one: its message
+    did not name ``api_key_env``, it was logged again at every attempt
+    (0.5, 1, 2, 4 s... up to ``restart_backoff_max``), and a client's 503
+    did not say why. Now it is the generation path's refusal: logged once
+    (until the key is taken), named in the 503 and in ``last_error``; and
+    the upstream is used once it takes the key."""
+    from tests.sim_openai import SimOpenAI
+
+    monkeypatch.setenv("FS_TEST_UP_KEY", "wrong")
+    server = SimOpenAI(tmp_path, {"step_base_ms": 1}, api_key="s3cret").start()
+    cleanup(server)
+    # a sim replica keeps the router ready; the upstream's model is its own, so its requests go nowhere else
+    # (up-1's model is known from its config; up-2's only once it connects)
+    router = upstream_router(tmp_path / "router", server.url, local=1, api_key_env="FS_TEST_UP_KEY")
+    router.config["replicas"][0]["config"] = {"model": "up-model"}
+    router.config["replicas"].insert(1, {"name": "up-2", "url": server.url, "api_key_env": "FS_TEST_UP_KEY"})
+    router.config_path.write_text(yaml.safe_dump(router.config, sort_keys=False))
+    router.replica_names = ["sim-0"]
+    cleanup(router)
+    await asyncio.to_thread(router.start)
+    await asyncio.sleep(3.6)  # attempts at 0, 0.5, 1.5, 3.5 s
+    async with httpx.AsyncClient(base_url=router.base_url, headers={"Authorization": f"Bearer {GOLD}"},
+                                 timeout=30) as http:
+        for model in ("up-model", "a-model-up-2-may-serve"):
+            r = await http.post("/v1/completions", json={"model": model, "prompt": PROMPT, "max_tokens": 4})
+            assert r.status_code == 503, r.text
+            message = r.json()["error"]["message"]
+            assert "refused the router's credentials" in message and "FS_TEST_UP_KEY" in message, message
+        rows = (await http.get("/admin/replicas", headers={"Authorization": f"Bearer {ADMIN}"})).json()["replicas"]
+        for row in rows[:2]:
+            assert not row["ready"] and "FS_TEST_UP_KEY" in row["last_error"], row
+            assert row["restarts"] == 0 and row["reconnects"] >= 3, row  # (the router restarts no upstream)
+    lines = [json.loads(line) for line in router.log().splitlines() if line.startswith("{")]
+    errors = [x["msg"] for x in lines if x["level"] == "error" and "refused" in x["msg"]]
+    for name in (UPSTREAM, "up-2"):
+        mine = [e for e in errors if f"upstream {name} " in e]
+        assert len(mine) == 1, errors  # once, not at every attempt
+        assert "FS_TEST_UP_KEY" in mine[0] and "HTTP 401" in mine[0], mine
+
+    # the upstream's key is changed to the router's: both are used again, and say so
+    server.stop()
+    server.api_key = "wrong"
+    server.start(port=server.port)
+    router.replica_names = [UPSTREAM, "up-2", "sim-0"]
+    await asyncio.to_thread(router.wait_ready, 10)
+    lines = [json.loads(line) for line in router.log().splitlines() if line.startswith("{")]
+    assert sum("takes the router's credentials again" in x["msg"] for x in lines) == 2, [x["msg"] for x in lines]

@@ -80,6 +80,10 @@ async def test_two_workers_share_limits_and_metrics(tmp_path, redis_server):
             seen.add(m.value("fairstream_requests_total", tenant="limited", outcome="ok"))
             assert m.value("fairstream_rate_limited_total", tenant="limited", limit="requests") == 30
         assert seen == {10.0}
+        # (series with no event yet are exported at 0 in multiprocess mode too)
+        assert m.value("fairstream_queue_depth", tenant="limited", priority="normal") == 0
+        assert m.value("fairstream_stream_resumes_total", tenant="gold") == 0
+        assert m.value("fairstream_state_store_errors_total", op="admit") == 0
         # the workers' request lines are JSON with their fields, like a single router's
         lines = [json.loads(line) for line in (tmp_path / "router.log").read_text().splitlines()
                  if line.startswith("{") and '"fairstream.request"' in line]

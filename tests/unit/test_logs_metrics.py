@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import asyncio
+import inspect
 import json
 import logging
+import re
 import time
 
 import pytest
@@ -71,7 +73,7 @@ def test_refusals_and_timeouts_are_counted_only_under_declared_labels():
     # a label value outside RATE_LIMITS / TIMEOUTS would be a series that
     # declare() never exported at 0, so increase() would miss its first event
     m = Metrics()
-    m.declare([], ["acme"])
+    m.declare([], {"acme": "normal"})
     m.limited("acme", "queue_wait")
     m.timed_out("acme", "first_token")
     text = generate_latest(m.registry).decode()
@@ -353,3 +355,25 @@ def test_a_text_line_quotes_a_field_with_a_control_character():
     record = logging.LogRecord("fairstream.request", logging.INFO, __file__, 1, "request ok", None, None)
     record.path = "/v1/completions"
     assert fmt.format(record) == "request ok path=/v1/completions"
+
+
+def test_queue_depth_resumes_and_store_errors_are_exported_at_0(monkeypatch):
+    # (they appeared at their first event: Grafana's panels said "No data",
+    # and rate()/increase() missed each new label's first event)
+    from router.state.base import ERROR_OPS
+    from router.state.resilient import ResilientStore
+
+    monkeypatch.delenv("PROMETHEUS_MULTIPROC_DIR", raising=False)
+    m = Metrics()
+    m.declare([], {"acme": "high", "bolt": "low"})
+    text = generate_latest(m.registry).decode()
+    for tenant, priority in (("acme", "high"), ("bolt", "low")):
+        assert f'fairstream_queue_depth{{priority="{priority}",tenant="{tenant}"}} 0.0' in text
+        assert f'fairstream_stream_resumes_total{{tenant="{tenant}"}} 0.0' in text
+    assert 'fairstream_queue_depth{priority="normal",tenant="acme"}' not in text  # (not its class)
+    for op in ("connect", "admit", "settle", "renew", "stream_append", "stream_read", "ping"):
+        assert f'fairstream_state_store_errors_total{{op="{op}"}} 0.0' in text
+    # every op the store counts is one exported at 0 (an outage on each is in tests/contract)
+    source = inspect.getsource(ResilientStore)
+    counted = set(re.findall(r'_down\("(\w+)"', source)) | set(re.findall(r'_stream_op\(\s*"(\w+)"', source))
+    assert counted and counted <= set(ERROR_OPS), counted - set(ERROR_OPS)

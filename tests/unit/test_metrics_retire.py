@@ -30,7 +30,7 @@ def _values(family: MetricWrapperBase, tenant: str) -> tuple[str, ...]:
 
 def _traffic(m: Metrics, tenant: str) -> None:
     """One of everything counted per tenant, with the in-flight gauges back at 0."""
-    m.declare([], [tenant])
+    m.declare([], {tenant: "normal"})
     for family in m.by_tenant:
         values = _values(family, tenant)
         if isinstance(family, Gauge):
@@ -88,7 +88,7 @@ def test_what_is_counted_for_a_retired_tenant_later_is_exported_nowhere(m):
 
 
 def test_a_gauge_still_counting_requests_stays_until_it_is_back_to_0(m):
-    m.declare([], ["gone"])
+    m.declare([], {"gone": "normal"})
     m.gauge_up(m.admission_waiting, "gone")
     m.gauge_up(m.admission_waiting, "gone")
     m.gauge_up(m.queued, "gone", "normal")
@@ -120,7 +120,7 @@ def test_a_tenant_added_again_is_exported_from_0(m):
     _traffic(m, "back")
     m.child(m.requests, "back", "chat", "ok").inc(5)
     m.retire("back")
-    m.declare([], ["back"])
+    m.declare([], {"back": "normal"})
     lines = _lines(m, "back")
     # the event counters at 0, as for a new tenant; nothing of its old counts
     assert 'fairstream_rate_limited_total{limit="queue",tenant="back"} 0.0' in lines
@@ -134,11 +134,11 @@ def test_a_tenant_added_again_is_exported_from_0(m):
 
 
 def test_a_tenant_added_again_while_its_gauge_drains_keeps_the_gauge(m):
-    m.declare([], ["t"])
+    m.declare([], {"t": "normal"})
     m.gauge_up(m.admission_waiting, "t")
     m.gauge_up(m.admission_waiting, "t")
     m.retire("t")
-    m.declare([], ["t"])  # back before its waiting requests left
+    m.declare([], {"t": "normal"})  # back before its waiting requests left
     m.gauge_down(m.admission_waiting, "t")
     m.gauge_down(m.admission_waiting, "t")
     # an ordinary gauge again: at 0, exported
@@ -153,7 +153,7 @@ def test_in_multiprocess_mode_retire_keeps_the_series_quietly(monkeypatch, tmp_p
     monkeypatch.setenv("PROMETHEUS_MULTIPROC_DIR", str(tmp_path))
     m = Metrics()
     assert m.multiprocess
-    m.declare([], ["gone"])
+    m.declare([], {"gone": "normal"})
     c = m.child(m.requests, "gone", "chat", "ok")
     m.gauge_up(m.admission_waiting, "gone")
     with warnings.catch_warnings():

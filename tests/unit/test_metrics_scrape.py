@@ -14,7 +14,7 @@ async def test_streams_go_on_while_a_large_scrape_is_built(monkeypatch) -> None:
     # stream of every tenant paused for it at every scrape)
     monkeypatch.delenv("PROMETHEUS_MULTIPROC_DIR", raising=False)
     m = Metrics()
-    m.declare(["r0", "r1"], [f"tenant-{i}" for i in range(1500)])
+    m.declare(["r0", "r1"], {f"tenant-{i}": "normal" for i in range(1500)})
     ticks = 0
     done = False
 

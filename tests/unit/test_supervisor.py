@@ -299,7 +299,7 @@ async def test_a_remote_replica_that_cannot_be_reached_is_tried_every_reconnect_
         warnings = [r for r in caplog.records if "cannot be reached" in r.getMessage()]
         assert len(warnings) == 1, [r.getMessage() for r in warnings]  # one, not one per attempt
         assert f"replica remote at unix:{path} cannot be reached: " in warnings[0].getMessage()  # (where)
-        assert pool.slots[0].restarts == 0  # (failed connects are not restarts)
+        assert pool.slots[0].reconnects == 0  # (failed connects are not reconnects after a loss)
 
         # it restarts at once: the failed connects before did not count as
         # failures, so the backoff starts again from backoff_initial
