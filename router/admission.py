@@ -159,6 +159,9 @@ class Admission:
         after it would only time out at once."""
         if self._stopped.is_set():
             raise RouterShutdown()
+        # (the caller looked the policy up before an await of its own, a
+        # large body's turn: a reload since then decides)
+        policy = self._policies.get(policy.name, policy)
         lim = policy.limits
         req = AdmitRequest(
             rpm=lim.requests_per_minute if count_request else 0,
@@ -193,6 +196,20 @@ class Admission:
                 raise
             if decision.ok:
                 return self._ticket(policy, req, cost_tokens, decision)
+            policy, req, deadline = self._follow(policy, req, count_request, started, deadline)
+            if policy.on_limit != "queue" and req.line:
+                # A reload while the store answered made the tenant refuse:
+                # out of the store's line, and one more ask, as a new request
+                # would make now (as a waiter does below)
+                try:
+                    await self._leave(name, req)
+                    req = msgspec.structs.replace(req, line=False)
+                    decision = await self.admit_once(name, req)
+                except BaseException:
+                    await self._leave(name, req)
+                    raise
+                if decision.ok:
+                    return self._ticket(policy, req, cost_tokens, decision)
             try:
                 self._check_fits(policy, decision, cost_tokens, prompt_tokens)
                 line = self._lines.get(name)  # (the await may have made or ended the line)

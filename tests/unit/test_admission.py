@@ -412,6 +412,37 @@ async def test_a_reload_s_queue_wait_reaches_the_requests_behind_the_head() -> N
     await adm.finish(await asyncio.wait_for(second, 2), 1)
 
 
+async def test_a_reload_to_reject_while_the_first_ask_is_out_refuses_at_once() -> None:
+    # (the first ask's answer was judged by the policy the request came with:
+    # it joined the line as head and was refused only at its next look, up
+    # to a second later, holding a place in the line the routers share)
+    before = _policy(10.0, rpm=0, concurrent=1)
+    after = msgspec.structs.replace(before, on_limit="reject")
+    store = SlowStore()
+    adm = Admission(store, Metrics())
+    held = await adm.admit(before, 1)
+    asking = asyncio.create_task(adm.admit(before, 1))
+    await asyncio.sleep(0.001)  # (its first ask is out)
+    adm.follow({"t": after})
+    with pytest.raises(RateLimited):
+        await asyncio.wait_for(asking, 0.1)
+    assert not adm._lines.get("t")
+    await adm.finish(held, 1)
+
+
+async def test_a_request_that_comes_with_the_policy_before_a_reload_is_judged_by_the_new_one() -> None:
+    # (a handler that looked its tenant's policy up before a reload, e.g. a
+    # large body waiting for its turn, queued under a policy that refuses)
+    before = _policy(10.0, rpm=0, concurrent=1)
+    after = msgspec.structs.replace(before, on_limit="reject")
+    adm = Admission(MemoryStore(), Metrics())
+    held = await adm.admit(before, 1)
+    adm.follow({"t": after})
+    with pytest.raises(RateLimited):
+        await asyncio.wait_for(adm.admit(before, 1), 0.1)
+    await adm.finish(held, 1)
+
+
 def test_the_wait_a_refusal_names_is_rounded_up() -> None:
     # (rounded to nearest: a client that retried after "try again in 13.4s"
     # when 13.449 s were needed was refused again; 0.9996 s read "999ms")
