@@ -68,17 +68,21 @@ class ReplicaSlot:
                 and c.credentials_refused is None)
 
     def failed(self, why: str) -> None:
-        """It failed (the supervisor's reason, as logged)."""
+        """It failed (the supervisor's reason, as logged). Not for a refusal
+        any more: one after this is news again, and the 503's reason is
+        not the key while the upstream cannot even be reached."""
         self.last_error = why
         self.last_error_at = time.time()
+        self.refusal = None
 
     def refused(self, e: ReplicaRefused) -> bool:
         """Its connect was refused (a wrong secret or API key, a model it
         does not serve): whether that is news to log (it was not refused
-        so last time), since it is tried again and again with the backoff."""
+        so at the last attempt), since it is tried again and again with the
+        backoff."""
         new = self.refusal is None or str(self.refusal) != str(e)
-        self.refusal = e
         self.failed(str(e))
+        self.refusal = e
         return new
 
     def connected(self) -> ReplicaRefused | None:
@@ -109,7 +113,7 @@ class ReplicaSlot:
             return self.client.model
         spec = self.spec
         cfg = spec.config
-        name = cfg.get("served_name") or cfg.get("model") or spec.upstream_model
+        name = cfg.get("served_name") or cfg.get("model") or (spec.upstream_model if spec.url is not None else "")
         if not name and spec.engine == "sim" and spec.address is None and spec.url is None:
             name = SIM_DEFAULT_MODEL  # (a local sim replica's model when its config names none)
         return str(name or "")

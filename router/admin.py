@@ -92,7 +92,7 @@ async def replicas(request: Request) -> Response:
             # (None for a replica with no process of its own here: a url: upstream)
             "pid": (client.ready.pid if client is not None and slot.ready else slot.pid) or None,
             # (restarts of its process by the router, as fairstream_replica_restarts_total; for a
-            # replica it does not start, the times it connected again after a loss, failure or refusal)
+            # replica it does not start, its attempts to connect again after a loss, failure or refusal)
             "restarts": slot.restarts,
             "reconnects": slot.reconnects,
             # (why it last failed, as the log says, and when; kept once it is back)

@@ -10,7 +10,7 @@ import tempfile
 
 import pytest
 
-from replicas.pool import ReplicaPool
+from replicas.pool import ReplicaPool, ReplicaSlot
 from replicas.server import ReplicaServer
 from replicas.spec import ReplicaSpec
 from replicas.supervisor import Supervisor, SupervisorSettings
@@ -629,3 +629,25 @@ async def test_a_replica_whose_parent_died_before_it_looked_stops_at_once(monkey
 
     monkeypatch.setenv(PARENT_PID_ENV, str(os.getppid() + 1_000_000))  # (not this process's parent)
     await asyncio.wait_for(wait_for_stop(True), 3.0)
+
+
+def test_a_refusal_after_another_failure_is_news_and_is_not_the_503s_reason_meanwhile() -> None:
+    # (the refusal stayed until a connect succeeded: an upstream that refused
+    # the key, went away and came back refusing was logged at DEBUG only, and
+    # while it could not be reached the 503 still blamed the key)
+    from replicas.client import KeyRefused
+
+    slot = ReplicaSlot(ReplicaSpec(name="up", url="http://127.0.0.1:9/v1", upstream_model="m"))
+    refusal = KeyRefused("upstream up refused the router's credentials (the key in $K): HTTP 401")
+    assert slot.refused(refusal) and slot.credentials_refused == str(refusal)
+    assert not slot.refused(KeyRefused(str(refusal)))  # (the same again: not logged again)
+    slot.failed("Cannot connect to host 127.0.0.1:9")
+    assert slot.credentials_refused is None and slot.last_error == "Cannot connect to host 127.0.0.1:9"
+    assert slot.refused(KeyRefused(str(refusal)))  # (back, refusing: news)
+
+
+def test_upstream_model_names_only_a_url_replicas_model() -> None:
+    # (a local or address replica's stray upstream_model became its model
+    # until it connected: listed in /v1/models, a 404 for its real one)
+    assert ReplicaSlot(ReplicaSpec(name="s0", engine="sim", upstream_model="typo")).model != "typo"
+    assert ReplicaSlot(ReplicaSpec(name="u0", url="http://127.0.0.1:9/v1", upstream_model="m")).model == "m"
