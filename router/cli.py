@@ -175,9 +175,12 @@ def _keys_before_error(text: str) -> dict[str, object]:
     import yaml
 
     head: dict[str, object] = {}
-    loader = yaml.SafeLoader(text)
     depth, in_mapping, is_key, key = 0, False, True, None
     last: str | None = None  # the key whose value, the last event read, spans lines
+    # (PyYAML's own reader refuses the whole text for an unprintable
+    # character anywhere, as it is built: the keys before one are read)
+    unprintable = yaml.reader.Reader.NON_PRINTABLE.search(text)
+    loader = yaml.SafeLoader(text[:unprintable.start()] if unprintable else text)
     try:
         while (event := loader.get_event()) is not None:
             last = None

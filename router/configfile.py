@@ -22,6 +22,7 @@ import msgspec
 import yaml
 
 from router.schema_errors import KeyPath, entries_of, schema_errors
+from router.yaml_syntax import cut, syntax_error
 
 __all__ = ["ConfigError", "load_yaml", "read_text", "Located", "MAX_ERRORS"]
 
@@ -61,10 +62,16 @@ class Located:
             raise ConfigError([f"{self.path}:{node.start_mark.line + 1}: (file): more than {MAX_VALUES} values "
                                "once YAML aliases are expanded; write the values out or use fewer aliases"])
         self.lines[at] = node.start_mark.line + 1
+        if node.tag == "tag:yaml.org,2002:int" and len(node.value) > 4300:
+            # (Python reads no int of more digits: a ValueError, with no line, when the data is built)
+            raise ConfigError([self.error(at, "a number of more than 4,300 digits; Python reads none that long")])
         if isinstance(node, yaml.MappingNode):
             for k, v in node.value:
                 key = k.value
                 line = k.start_mark.line + 1
+                if not isinstance(k, yaml.ScalarNode):  # (`? weight: 1`, `[a, b]: 1`: no name, and unhashable)
+                    raise ConfigError([f"{self.path}:{line}: {_dotted(at)}: a key that is a mapping or a list is "
+                                       "not allowed (a '? ' before it, or brackets): a key is a name"])
                 first = self.key_lines.get(at + (key,))
                 if first is not None:
                     # YAML would silently keep the last one (and drop, say, a tenant's keys)
@@ -218,83 +225,6 @@ def read_text(path: str | Path) -> str:
         raise ConfigError([f"{path}:{line}: (file): not UTF-8 text (byte {e.start}: {e.reason})"]) from e
 
 
-def _syntax_error(name: str, text: str, e: yaml.MarkedYAMLError) -> str:
-    """``file:line: (syntax): reason`` for a parser error. The parser stops
-    where the text can no longer be read, which may be far past the mistake:
-    an unclosed quote is found at the end of the file. Its context (the token
-    or structure it was reading, and where that began) names the mistake's
-    line, so a token that began on an earlier line (a quoted scalar) is
-    reported at that line, and a structure (a ``[`` or ``{`` left open) at
-    the stopping line with the line it began on. A key without its ':' reads
-    as plain text that runs on into the lines after it (``_run_on``)."""
-    mark, context = e.problem_mark, e.context_mark
-    line = (mark.line + 1) if mark else 1
-    problem = str(e.problem or e)
-    lines = text.splitlines()
-    if mark and mark.line < len(lines) and "\t" in lines[mark.line][:mark.column + 1]:
-        problem += " (a tab: YAML indents with spaces)"  # (what the parser says does not name it)
-    if mark and not e.context and problem.startswith("mapping values are not allowed"):
-        run_on = _run_on(text, mark)
-        if run_on is not None:
-            start, is_key = run_on
-            if is_key:
-                return _missing_colon(name, lines, start, line, problem)
-            return (f"{name}:{line}: (syntax): {problem} (the value {_quoted(lines, start)} from line "
-                    f"{start.line + 1} runs on as plain text into this line: a line indented deeper than its "
-                    "key continues the value)")
-    if not (mark and context and e.context and context.line < mark.line):
-        return f"{name}:{line}: (syntax): {problem}"
-    if e.context == "while scanning a simple key":  # (a key at its mapping's indent, and no ':' by the line's end)
-        return _missing_colon(name, lines, context, line, problem)
-    began = context.line + 1
-    if e.context.startswith("while scanning"):  # (one token: the mistake is where it began)
-        return f"{name}:{began}: (syntax): {e.context} from this line: {problem} at line {line}"
-    return f"{name}:{line}: (syntax): {problem} ({e.context} from line {began})"
-
-
-def _missing_colon(name: str, lines: list[str], start: yaml.Mark, line: int, problem: str) -> str:
-    return (f"{name}:{start.line + 1}: (syntax): a ':' is missing after a key on this line: "
-            f"{_quoted(lines, start)} runs on as plain text into line {line}, where the parser stopped ({problem})")
-
-
-def _quoted(lines: list[str], start: yaml.Mark) -> str:
-    """The text from ``start`` to the end of its line, in backquotes (cut short)."""
-    text = lines[start.line][start.column:].strip() if start.line < len(lines) else ""
-    return f"`{text if len(text) <= 60 else text[:57] + '...'}`"
-
-
-def _run_on(text: str, mark: yaml.Mark) -> tuple[yaml.Mark, bool] | None:
-    """Where the plain scalar that the parser was reading when a ':' at
-    ``mark`` was refused began, when that was on an earlier line, and
-    whether it stands first on its line, where a key goes (else it is a
-    value after its key's ':'). A plain scalar goes on over the lines
-    indented deeper than its mapping, so a key written without its ':'
-    swallows the lines under it, up to the first ':' it meets, which YAML
-    refuses in a scalar that spans lines: the parser stops there, lines
-    after the mistake. libyaml's error has no context mark (and where a
-    mapping that has not begun yet is concerned, no "simple key" to name), so
-    the tokens are read again with PyYAML's own scanner, up to its error."""
-    scanner = yaml.SafeLoader(text)
-    last: list[yaml.Token] = []  # the last two tokens read (the scanner's look-ahead included)
-    try:
-        while scanner.check_token():
-            last = (last + [scanner.get_token()])[-2:]
-    except yaml.MarkedYAMLError as e:
-        if not (e.problem_mark and e.problem_mark.line == mark.line):
-            return None  # (the scanners disagree: name no other line)
-        last = (last + list(scanner.tokens))[-2:]
-    finally:
-        scanner.dispose()
-    if not last or not isinstance(last[-1], yaml.ScalarToken) or last[-1].style is not None:
-        return None
-    scalar = last[-1]
-    if scalar.start_mark.line >= mark.line:
-        return None
-    after_value = (len(last) == 2 and isinstance(last[0], yaml.ValueToken)
-                   and last[0].end_mark.line == scalar.start_mark.line)
-    return scalar.start_mark, not after_value
-
-
 def load_yaml(path: str | Path, type_: type[T], text: str | None = None) -> tuple[T, Located]:
     """``_load_yaml``, with a file nested too deeply for the parser's and
     the checks' recursion (libyaml refuses 1,000 levels, Python's stack ends
@@ -332,7 +262,7 @@ def _load_yaml(path: str | Path, type_: type[T], text: str | None = None) -> tup
         finally:
             loader.dispose()
     except yaml.MarkedYAMLError as e:
-        raise ConfigError([_syntax_error(name, text, e)]) from e
+        raise ConfigError([syntax_error(name, text, e)]) from e
     except yaml.YAMLError as e:
         raise ConfigError([f"{name}:1: (syntax): {e}"]) from e
     if data is None:
@@ -378,11 +308,36 @@ def _number_hint(data: Any, at: KeyPath, reason: str) -> str:
         return reason
     if not (isinstance(value, str) and _NUMBER_TEXT.fullmatch(value.strip())):
         return reason
-    if isinstance(yaml.safe_load(value), (int, float)):
-        return f"{reason}: `{value}` is in quotes, which make it text; write it without them"
-    plain = format(Decimal(value.strip()), "f")
-    return (f"{reason}: `{value}` is text in YAML 1.1, which this reader follows (a number with an exponent "
-            f"needs a dot and a signed exponent there, as in 1.0e+3); write it as a plain number: {plain}")
+    try:
+        quoted = isinstance(yaml.safe_load(value), (int, float))
+    except ValueError:  # (an int of more than 4,300 digits: Python will not read it)
+        quoted = False
+    shown = cut(value)
+    if quoted:
+        return f"{reason}: `{shown}` is in quotes, which make it text; write it without them"
+    told = (f"{reason}: `{shown}` is text in YAML 1.1, which this reader follows (a number with an exponent "
+            "needs a dot and a signed exponent there, as in 1.0e+3)")
+    plain = _plain(value.strip())
+    if plain is not None:
+        return f"{told}; write it as a plain number: {plain}"
+    mantissa, _, exponent = value.strip().lower().partition("e")
+    dotted = (mantissa if "." in mantissa else mantissa + ".0") + "e" + (
+        exponent if exponent[:1] in ("+", "-") else "+" + exponent)
+    return f"{told}; it is too long to write out: write it as {cut(dotted)}"
+
+
+def _plain(number: str) -> str | None:
+    """``number`` written out without an exponent, when that is short: not
+    for ``1e100000000`` (100 MB of zeros) or an exponent Decimal refuses."""
+    try:
+        value = Decimal(number)
+    except ArithmeticError:  # (decimal.InvalidOperation: an exponent past Decimal's range)
+        return None
+    exponent = value.as_tuple().exponent
+    if not isinstance(exponent, int) or abs(exponent) > 30:
+        return None
+    plain = format(value, "f")
+    return plain if len(plain) <= 60 else None
 
 
 def _own_checks(value: Any, located: Located) -> list[str]:

@@ -422,12 +422,26 @@ def test_check_config_takes_a_broken_tenants_file_given_for_the_one_router_yaml_
     ("admin_keys: []\ntenants:\n  gold\n    keys: [x]\n", "tenants"),
     ("host: 1.2.3.4\ntenants: t.yaml\nport 80\n  x: 1\n", "router"),
     ("port: 1\nreplicas:\n  - name sim-0\n    engine: sim\n", "router"),
+    # (an unprintable character after the keys: PyYAML's own reader refuses the whole text at once)
+    ("admin_keys: []\ntenants:\n  a:\n    keys: [x]\n# \x01\n", "tenants"),
 ])
 def test_check_config_tells_an_unparseable_file_by_the_keys_read_before_the_error(
         tmp_path, text: str, kind: str) -> None:
     from router.config import RouterConfig
     from router.tenants import TenantsFile
 
-    path = tmp_path / "f.yaml"
+    # (named as the other kind: the name alone would tell it wrongly)
+    path = tmp_path / ("router.yaml" if kind == "tenants" else "tenants.yaml")
     path.write_text(text)
     assert cli._config_kind(str(path)) is (TenantsFile if kind == "tenants" else RouterConfig)
+
+
+def test_check_config_reports_an_unprintable_character_in_a_file_of_another_name(tmp_path) -> None:
+    # (PyYAML's pure reader, which reads the keys before an error, refused the
+    # text as it was built, outside its try: a traceback, not the error)
+    (tmp_path / "policy.yaml").write_text("admin_keys: []\ntenants:\n  a:\n    keys: [x]\n# \x01\n")
+    proc = _cli("check-config", "configs/router.yaml", str(tmp_path / "policy.yaml"))
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr, proc.stderr
+    assert proc.stdout.splitlines() == ["configs/router.yaml: ok (router config)"], proc.stdout
+    assert f"{tmp_path / 'policy.yaml'}:1: (syntax): unacceptable character #x0001" in proc.stderr, proc.stderr
+    assert "configs/tenants.yaml: note: not checked" in proc.stderr, proc.stderr

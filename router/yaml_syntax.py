@@ -1,0 +1,176 @@
+"""Where a YAML syntax error's mistake is, and what it most likely is.
+
+The parser stops where the text can no longer be read, which may be lines
+past the mistake, and says what it could not do there ("mapping values are
+not allowed"), not what was written wrong (a key without its ':', a list
+item without its '- ', a line indented too deep). ``syntax_error`` turns its
+error into ``file:line: (syntax): reason`` at the mistake's line, reading
+the text again with PyYAML's own scanner and parser where libyaml's error
+does not say enough.
+"""
+
+from __future__ import annotations
+
+import yaml
+
+__all__ = ["syntax_error", "cut"]
+
+
+def syntax_error(name: str, text: str, e: yaml.MarkedYAMLError) -> str:
+    """``file:line: (syntax): reason`` for a parser error. The parser stops
+    where the text can no longer be read, which may be far past the mistake:
+    an unclosed quote is found at the end of the file. Its context (the token
+    or structure it was reading, and where that began) names the mistake's
+    line, so a token that began on an earlier line (a quoted scalar) is
+    reported at that line, and a structure (a ``[`` or ``{`` left open) at
+    the stopping line with the line it began on. A key without its ':' reads
+    as plain text that runs on into the lines after it (``_run_on``)."""
+    mark, context = e.problem_mark, e.context_mark
+    line = (mark.line + 1) if mark else 1
+    problem = str(e.problem or e)
+    lines = text.splitlines()
+    if mark and mark.line < len(lines) and "\t" in lines[mark.line][:mark.column + 1]:
+        problem += " (a tab: YAML indents with spaces)"  # (what the parser says does not name it)
+    if mark and not e.context and problem.startswith("mapping values are not allowed"):
+        run_on = _run_on(text, mark)
+        if run_on is not None:
+            start, reading = run_on
+            if reading == "value":
+                return (f"{name}:{line}: (syntax): {problem} (the value {_quoted(lines, start)} from line "
+                        f"{start.line + 1} runs on as plain text into this line: a line indented deeper than its "
+                        "key continues the value)")
+            said = _missing_colon(name, lines, start, f"runs on as plain text into line {line}, where the parser "
+                                  f"stopped ({problem})")
+            if reading == "key or value":
+                said += (f"; or, if it is the value of the key above it, line {line} is indented deeper than that "
+                         "key, as if under it")
+            return said
+    if not (mark and context and e.context and context.line < mark.line):
+        return f"{name}:{line}: (syntax): {problem}"
+    if e.context == "while scanning a simple key":  # (a key at its block's indent, and no ':' by the line's end)
+        return _unfinished_key(name, text, lines, context, line, problem)
+    began = context.line + 1
+    if e.context.startswith("while scanning"):  # (one token: the mistake is where it began)
+        return f"{name}:{began}: (syntax): {e.context} from this line: {problem} at line {line}"
+    return f"{name}:{line}: (syntax): {problem} ({e.context} from line {began})"
+
+
+def _missing_colon(name: str, lines: list[str], start: yaml.Mark, then: str) -> str:
+    quoted = _quoted(lines, start)
+    return f"{name}:{start.line + 1}: (syntax): a ':' is missing after a key on this line: {quoted} {then}"
+
+
+def _unfinished_key(name: str, text: str, lines: list[str], start: yaml.Mark, line: int, problem: str) -> str:
+    """What a plain scalar at ``start`` that the parser took for a key, and
+    found no ':' after, most likely is: in a block list, an item without its
+    '- '; in a block mapping, a key without its ':', which runs on into the
+    next line only if that line is indented deeper (else nothing ran on:
+    the file's last line, or a key before a less indented one)."""
+    inside = _open_collection(text, line - 1)
+    if inside is None:
+        return (f"{name}:{start.line + 1}: (syntax): while scanning a simple key from this line: {problem} "
+                f"at line {line}")
+    if inside is yaml.SequenceStartEvent:
+        return (f"{name}:{start.line + 1}: (syntax): an item of the list may be missing its '- ': "
+                f"{_quoted(lines, start)} on this line is read as a key, and no ':' follows ({problem})")
+    after = next((t for t in lines[start.line + 1:] if t.strip()), "")
+    if after.strip()[:1] not in ("", "#") and len(after) - len(after.lstrip(" ")) > start.column:
+        return _missing_colon(name, lines, start, f"runs on as plain text into line {line}, where the parser "
+                              f"stopped ({problem})")
+    return _missing_colon(name, lines, start, f"(the parser found no ':' after it: {problem})")
+
+
+def _quoted(lines: list[str], start: yaml.Mark) -> str:
+    """The text from ``start`` to the end of its line, in backquotes (cut
+    short; without a byte order mark, which the file may begin with)."""
+    text = lines[start.line][start.column:].strip().lstrip("\ufeff") if start.line < len(lines) else ""
+    return f"`{cut(text)}`"
+
+
+def _through_line(text: str, line: int) -> str:
+    """``text`` up to the end of line ``line`` (0-based) at least: the part
+    a re-read needs to reach an error on that line, and no more (PyYAML's
+    pure reader refuses the whole text for an unprintable character
+    anywhere, where libyaml stopped at the error first)."""
+    end = -1
+    for _ in range(line + 1):
+        end = text.find("\n", end + 1)
+        if end < 0:
+            return text
+    return text[:end + 1]
+
+
+def _open_collection(text: str, stop: int) -> type | None:
+    """The kind of the innermost block collection (``MappingStartEvent``
+    or ``SequenceStartEvent``) open where PyYAML's own parser stops, at
+    line ``stop`` (0-based); None if it is a flow one, there is none, or the parsers
+    disagree."""
+    open_: list[yaml.CollectionStartEvent] = []
+    try:
+        loader = yaml.SafeLoader(_through_line(text, stop))
+        try:
+            while (event := loader.get_event()) is not None:
+                if isinstance(event, yaml.CollectionStartEvent):
+                    open_.append(event)
+                elif isinstance(event, yaml.CollectionEndEvent) and open_:
+                    open_.pop()
+        finally:
+            loader.dispose()
+    except yaml.YAMLError:
+        pass
+    if not open_ or open_[-1].flow_style:
+        return None
+    return type(open_[-1])
+
+
+def _run_on(text: str, mark: yaml.Mark) -> tuple[yaml.Mark, str] | None:
+    """Where the plain scalar that the parser was reading when a ':' at
+    ``mark`` was refused began, when that was on an earlier line, and how it
+    reads: "key" (first on its line, where a key goes, or a value on a line
+    of its own with deeper lines under it, as a key's entries), "value"
+    (after its key's ':', or on a line of its own, one word, with the next
+    line as deep: ``model:\n  sim\n  seed: 0``, a key indented too deep) or
+    "key or value" (on a line of its own with more words, as
+    ``limits:\n  rpm 600\n  tpm: 5``). A plain scalar goes on over the
+    lines indented deeper than its mapping, so a key written without its ':'
+    swallows the lines under it, up to the first ':' it meets, which YAML
+    refuses in a scalar that spans lines: the parser stops there, lines
+    after the mistake. libyaml's error has no context mark (and where a
+    mapping that has not begun yet is concerned, no "simple key" to name), so
+    the tokens are read again with PyYAML's own scanner, up to its error."""
+    last: list[yaml.Token] = []  # the last two tokens read (the scanner's look-ahead included)
+    try:
+        scanner = yaml.SafeLoader(_through_line(text, mark.line))
+        try:
+            while scanner.check_token():
+                last = (last + [scanner.get_token()])[-2:]
+        finally:
+            scanner.dispose()
+    except yaml.MarkedYAMLError as e:
+        if not (e.problem_mark and e.problem_mark.line == mark.line):
+            return None  # (the scanners disagree: name no other line)
+        last = (last + list(scanner.tokens))[-2:]
+    except yaml.YAMLError:
+        return None
+    if not last or not isinstance(last[-1], yaml.ScalarToken) or last[-1].style is not None:
+        return None
+    scalar = last[-1]
+    start = scalar.start_mark
+    if start.line >= mark.line:
+        return None
+    if not (len(last) == 2 and isinstance(last[0], yaml.ValueToken)):
+        return start, "key"
+    if last[0].end_mark.line == start.line:
+        return start, "value"
+    lines = text.splitlines()
+    if mark.line >= len(lines):
+        return None
+    first, after = lines[start.line][start.column:], next((t for t in lines[start.line + 1:] if t.strip()), "")
+    if len(after) - len(after.lstrip(" ")) > start.column:
+        return start, "key"
+    return start, "key or value" if len(first.split()) > 1 else "value"
+
+
+def cut(text: str) -> str:
+    """``text``, cut short for a message."""
+    return text if len(text) <= 60 else text[:57] + "..."
