@@ -154,10 +154,11 @@ _LOC = re.compile(r" - at `\$([^`]*)`$")  # (".messages[0].role", "[...]")
 # server lacks. (vLLM: best_of at least n, so at least 1; a completion's
 # logprobs counts logprobs to return.)
 _LEAST = {"n": 1, "best_of": 1, "top_logprobs": 0}
+_LEAST_COMPLETION = {**_LEAST, "logprobs": 0}
 
 
 def _check_least(req: _Common) -> None:
-    least = {**_LEAST, "logprobs": 0} if isinstance(req, CompletionRequest) else _LEAST
+    least = _LEAST_COMPLETION if isinstance(req, CompletionRequest) else _LEAST
     for name, lo in least.items():
         value = getattr(req, name, None)
         if type(value) is int and value < lo:  # (a bool is no count: a chat's logprobs false)
