@@ -142,8 +142,6 @@ def _config_kind(path: str, beside_router: bool = False) -> type:
 
 def _told_kind(path: str) -> type | None:
     """``_config_kind`` by the file's top-level keys; None if none can be read."""
-    import yaml
-
     from router.config import RouterConfig
     from router.tenants import TenantsFile
 
@@ -152,11 +150,12 @@ def _told_kind(path: str) -> type | None:
             text = f.read()
     except (OSError, ValueError):  # (ValueError: not UTF-8)
         return None
-    try:
-        head = yaml.safe_load(text)
-    except yaml.YAMLError:
-        head = _keys_before_error(text)
-    if head is None or head == {}:
+    # (the top-level keys only, from the parser's events: building the whole
+    # document is seconds of Python for a large file, recursion deeper than
+    # the stack for deep nesting, and an exception for `!!float abc`, all of
+    # which the loader itself reports)
+    head = _keys_before_error(text)
+    if not head:
         return None
     # (router.yaml's ``tenants`` names a file and it must list replicas; a
     # tenants file's ``tenants`` is a mapping, or a mistake in one)
@@ -168,10 +167,10 @@ def _told_kind(path: str) -> type | None:
 
 
 def _keys_before_error(text: str) -> dict[str, object]:
-    """The top-level keys of a file that does not parse, as far as the parser
-    reads before its error, each with its value as far as it tells the kind
-    of file: a scalar's text (None for null or a value not read), ``{}`` or
-    ``[]`` for a mapping or a list begun."""
+    """The top-level keys of a file, as far as the parser reads (before its
+    error, if it has one), each with its value as far as it tells the kind
+    of file: a scalar's text (None for a value that is not text, as null or
+    a number, or not read), ``{}`` or ``[]`` for a mapping or a list begun."""
     import yaml
 
     head: dict[str, object] = {}
@@ -180,7 +179,8 @@ def _keys_before_error(text: str) -> dict[str, object]:
     # (PyYAML's own reader refuses the whole text for an unprintable
     # character anywhere, as it is built: the keys before one are read)
     unprintable = yaml.reader.Reader.NON_PRINTABLE.search(text)
-    loader = yaml.SafeLoader(text[:unprintable.start()] if unprintable else text)
+    # (libyaml's parser where PyYAML has it: several times faster)
+    loader = getattr(yaml, "CSafeLoader", yaml.SafeLoader)(text[:unprintable.start()] if unprintable else text)
     try:
         while (event := loader.get_event()) is not None:
             last = None
@@ -212,14 +212,17 @@ def _keys_before_error(text: str) -> dict[str, object]:
 
 
 def _value_kind(event: object) -> object:
+    """What ``_keys_before_error`` keeps of a value's first event."""
     import yaml
 
     if isinstance(event, yaml.MappingStartEvent):
         return {}
     if isinstance(event, yaml.SequenceStartEvent):
         return []
-    if isinstance(event, yaml.ScalarEvent) and not (event.implicit[0] and event.value in ("", "~", "null", "Null", "NULL")):
-        return event.value
+    if isinstance(event, yaml.ScalarEvent):
+        tag = event.tag if event.tag not in (None, "!") else yaml.resolver.Resolver().resolve(
+            yaml.ScalarNode, event.value, event.implicit)
+        return event.value if tag == "tag:yaml.org,2002:str" else None
     return None
 
 

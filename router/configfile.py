@@ -62,9 +62,9 @@ class Located:
             raise ConfigError([f"{self.path}:{node.start_mark.line + 1}: (file): more than {MAX_VALUES} values "
                                "once YAML aliases are expanded; write the values out or use fewer aliases"])
         self.lines[at] = node.start_mark.line + 1
-        if node.tag == "tag:yaml.org,2002:int" and len(node.value) > 4300:
+        if _too_long(node):
             # (Python reads no int of more digits: a ValueError, with no line, when the data is built)
-            raise ConfigError([self.error(at, "a number of more than 4,300 digits; Python reads none that long")])
+            raise ConfigError([self.error(at, f"a number of {_TOO_LONG}")])
         if isinstance(node, yaml.MappingNode):
             for k, v in node.value:
                 key = k.value
@@ -72,6 +72,8 @@ class Located:
                 if not isinstance(k, yaml.ScalarNode):  # (`? weight: 1`, `[a, b]: 1`: no name, and unhashable)
                     raise ConfigError([f"{self.path}:{line}: {_dotted(at)}: a key that is a mapping or a list is "
                                        "not allowed (a '? ' before it, or brackets): a key is a name"])
+                if _too_long(k):  # (a key's name is written out in messages: a hex one is read, not written)
+                    raise ConfigError([f"{self.path}:{line}: {_dotted(at)}: a key that is a number of {_TOO_LONG}"])
                 first = self.key_lines.get(at + (key,))
                 if first is not None:
                     # YAML would silently keep the last one (and drop, say, a tenant's keys)
@@ -104,6 +106,24 @@ class Located:
     def name(self, at: tuple[Any, ...]) -> str:
         """``at`` as a message names it (``admin_keys.1``)."""
         return _dotted(at)
+
+
+_INT = "tag:yaml.org,2002:int"
+_TOO_LONG = "more than 4,300 digits; Python reads or writes out none that long"
+_DIGITS_LIMIT = 10 ** 4300
+
+
+def _too_long(node: yaml.Node) -> bool:
+    """An int node of more than 4,300 digits: Python will not read it from
+    decimal text, nor write it out, as a message naming it must (one written
+    in hex, of 3,600 characters, is read)."""
+    # (hex, the densest form, needs over 3,500 characters for that many digits)
+    if node.tag != _INT or not isinstance(node.value, str) or len(node.value) <= 3500:
+        return False
+    try:
+        return abs(yaml.constructor.SafeConstructor().construct_yaml_int(node)) >= _DIGITS_LIMIT
+    except ValueError:
+        return True
 
 
 def _dotted(at: KeyPath) -> str:
@@ -258,7 +278,7 @@ def _load_yaml(path: str | Path, type_: type[T], text: str | None = None) -> tup
             # located first: building the data rewrites merge keys (<<:) in the
             # graph, and a graph of too many values must be refused unbuilt
             located = Located(name, root)
-            data = loader.construct_document(root) if root is not None else None
+            data = _construct(name, loader, root) if root is not None else None
         finally:
             loader.dispose()
     except yaml.MarkedYAMLError as e:
@@ -287,6 +307,50 @@ def _load_yaml(path: str | Path, type_: type[T], text: str | None = None) -> tup
     if errors:
         raise ConfigError(_in_file_order(name, errors))
     return value, located
+
+
+# what PyYAML's constructor raises for a scalar that its tag (written, or
+# taken from how it is written) does not fit, as ``!!float abc``, ``!!bool
+# abc``, ``!!timestamp abc`` or ``2024-13-01``: not a YAMLError, and no line
+_UNBUILT = (ValueError, KeyError, AttributeError, TypeError, OverflowError)
+
+
+def _construct(name: str, loader: Any, root: yaml.Node) -> Any:
+    try:
+        return loader.construct_document(root)
+    except _UNBUILT as e:
+        raise ConfigError([_unbuilt(name, root, e)]) from None
+
+
+def _unbuilt(name: str, root: yaml.Node, error: Exception) -> str:
+    """The error for the first scalar, in file order, that the constructor
+    cannot build on its own; if none (the failure was elsewhere), the
+    constructor's error at line 1."""
+    constructor = yaml.constructor.SafeConstructor()
+    stack: list[tuple[yaml.Node, KeyPath]] = [(root, ())]
+    seen: set[int] = set()  # (aliases: a node is met again, or inside itself)
+    while stack:
+        node, at = stack.pop()
+        if id(node) in seen:
+            continue
+        seen.add(id(node))
+        if isinstance(node, yaml.MappingNode):
+            for k, v in reversed(node.value):
+                stack += [(v, at + (k.value,)), (k, at)]
+        elif isinstance(node, yaml.SequenceNode):
+            stack += [(v, at + (i,)) for i, v in reversed(list(enumerate(node.value)))]
+        elif isinstance(node, yaml.ScalarNode):
+            try:
+                constructor.construct_object(node)
+            except _UNBUILT as e:
+                kind = node.tag.replace("tag:yaml.org,2002:", "!!")
+                why = f" ({cut(str(e))})" if isinstance(e, ValueError) and str(e) else ""
+                return (f"{name}:{node.start_mark.line + 1}: {_dotted(at)}: `{cut(node.value)}` cannot be read as "
+                        f"{kind}{why}: its tag, or if it has none how it is written (2024-13-01 as a date), "
+                        "makes it one; write a valid one, or put it in quotes to make it text")
+            except yaml.YAMLError:
+                continue
+    return f"{name}:1: (file): a value cannot be read: {type(error).__name__}: {cut(str(error))}"
 
 
 # a number as text: quoted, or in a form YAML 1.1 (PyYAML) does not read as

@@ -65,16 +65,31 @@ def _unfinished_key(name: str, text: str, lines: list[str], start: yaml.Mark, li
     found no ':' after, most likely is: in a block list, an item without its
     '- '; in a block mapping, a key without its ':', which runs on into the
     next line only if that line is indented deeper (else nothing ran on:
-    the file's last line, or a key before a less indented one)."""
-    inside = _open_collection(text, line - 1)
-    if inside is None:
+    the file's last line, or a key before a less indented one).
+
+    The scalar is in the innermost collection open that does not begin right
+    of it: the parser stops before it reads the end of a list the scalar is
+    left of (the scanner raises with that end still queued), so such a list
+    still looks open. A list not indented under its key (``keys:\n- a``)
+    has its '-' in its mapping's column: a scalar there with lines indented
+    deeper under it is the mapping's next key, not an item."""
+    open_ = _open_collections(text, line - 1)
+    if not open_ or open_[-1].flow_style:
         return (f"{name}:{start.line + 1}: (syntax): while scanning a simple key from this line: {problem} "
                 f"at line {line}")
-    if inside is yaml.SequenceStartEvent:
-        return (f"{name}:{start.line + 1}: (syntax): an item of the list may be missing its '- ': "
-                f"{_quoted(lines, start)} on this line is read as a key, and no ':' follows ({problem})")
+    while len(open_) > 1 and open_[-1].start_mark.column > start.column:
+        open_.pop()
     after = next((t for t in lines[start.line + 1:] if t.strip()), "")
-    if after.strip()[:1] not in ("", "#") and len(after) - len(after.lstrip(" ")) > start.column:
+    deeper = after.strip()[:1] not in ("", "#") and len(after) - len(after.lstrip(" ")) > start.column
+    inner = open_[-1]
+    if isinstance(inner, yaml.SequenceStartEvent):
+        column = inner.start_mark.column
+        indentless = (len(open_) > 1 and isinstance(open_[-2], yaml.MappingStartEvent)
+                      and open_[-2].start_mark.column == column)
+        if not (indentless and deeper and start.column == column):
+            return (f"{name}:{start.line + 1}: (syntax): an item of the list may be missing its '- ': "
+                    f"{_quoted(lines, start)} on this line is read as a key, and no ':' follows ({problem})")
+    if deeper:
         return _missing_colon(name, lines, start, f"runs on as plain text into line {line}, where the parser "
                               f"stopped ({problem})")
     return _missing_colon(name, lines, start, f"(the parser found no ':' after it: {problem})")
@@ -100,14 +115,18 @@ def _through_line(text: str, line: int) -> str:
     return text[:end + 1]
 
 
-def _open_collection(text: str, stop: int) -> type | None:
-    """The kind of the innermost block collection (``MappingStartEvent``
-    or ``SequenceStartEvent``) open where PyYAML's own parser stops, at
-    line ``stop`` (0-based); None if it is a flow one, there is none, or the parsers
-    disagree."""
+# libyaml's parser when PyYAML has it: the events up to an error in a large
+# file come several times faster than from PyYAML's own (the same events: the
+# error being explained is libyaml's when it is there)
+_EventLoader = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
+
+
+def _open_collections(text: str, stop: int) -> list[yaml.CollectionStartEvent]:
+    """The collections open, outermost first, where the parser stops, at
+    line ``stop`` (0-based)."""
     open_: list[yaml.CollectionStartEvent] = []
     try:
-        loader = yaml.SafeLoader(_through_line(text, stop))
+        loader = _EventLoader(_through_line(text, stop))
         try:
             while (event := loader.get_event()) is not None:
                 if isinstance(event, yaml.CollectionStartEvent):
@@ -118,9 +137,7 @@ def _open_collection(text: str, stop: int) -> type | None:
             loader.dispose()
     except yaml.YAMLError:
         pass
-    if not open_ or open_[-1].flow_style:
-        return None
-    return type(open_[-1])
+    return open_
 
 
 def _run_on(text: str, mark: yaml.Mark) -> tuple[yaml.Mark, str] | None:

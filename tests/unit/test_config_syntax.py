@@ -67,6 +67,38 @@ def test_a_number_of_thousands_of_digits_is_a_config_error(quoted: bool) -> None
     assert ".limits.max_concurrent:" in message and len(message) < 500, message[:500]
 
 
+_LIMITS = "tenants:\n  a:\n    keys: [x]\n    limits:\n"
+
+
+@pytest.mark.parametrize("key", ["9" * 5000, "0x" + "f" * 4200], ids=["decimal", "hex"])
+def test_a_key_of_thousands_of_digits_is_a_config_error(key: str) -> None:
+    # (keys were not checked: the decimal one raised ValueError as the data
+    # was built, the hex one, which Python reads, when its name was written out)
+    message = _error(_LIMITS + f"      ? {key}\n      : 1\n")
+    assert message.startswith("f.yaml:5: a.limits") or message.startswith("f.yaml:5: tenants.a.limits"), message[:300]
+    assert "4,300 digits" in message and len(message) < 500, message[:500]
+
+
+@pytest.mark.parametrize("tag", ["!!float", "!!int", "!!bool", "!!timestamp"])
+def test_a_tagged_value_that_is_not_of_its_tag_is_a_config_error(tmp_path: Path, tag: str) -> None:
+    # (SafeConstructor raises ValueError, KeyError or AttributeError for
+    # these, not a YAMLError: a traceback from load_yaml, reload, check-config)
+    text = f"tenants:\n  a:\n    keys: [x]\n    weight: {tag} abc\n"
+    message = _error(text)
+    assert message.startswith("f.yaml:4: tenants.a.weight: ") and f"{tag}" in message, message
+    path = tmp_path / "tenants.yaml"
+    path.write_text(text)
+    assert cli._config_kind(str(path)) is TenantsFile
+
+
+@pytest.mark.parametrize("depth", [900, 5000])
+def test_check_config_tells_the_kind_of_a_deeply_nested_file(tmp_path: Path, depth: int) -> None:
+    # (the kind was told by a second, recursive parse: RecursionError)
+    path = tmp_path / "f.yaml"
+    path.write_text("tenants: " + "[" * depth + "]" * depth + "\n")
+    assert cli._config_kind(str(path)) is TenantsFile
+
+
 def test_a_byte_order_mark_is_not_shown_in_the_quoted_key() -> None:
     message = _error("\ufefftenants\n  a: {}\n")
     assert message.startswith("f.yaml:1: (syntax): a ':' is missing after a key on this line: `tenants` runs on"), \
@@ -78,6 +110,11 @@ def test_a_byte_order_mark_is_not_shown_in_the_quoted_key() -> None:
 # different points); whole lines doubled or dropped
 _CHARS = st.sampled_from([":", "-", " ", "\n", "#", "?", "[", "{", "'", '"', "&", "*", "!", "|", ">", "\t",
                           "\x00", "\x01", "\x1b", "\x85", "\ufeff", "\u2028", "a", "1", "e"])
+# whole pieces the characters above would rarely spell: a tag of a scalar type
+# the constructor may fail to build (not with a YAMLError), an explicit key,
+# nesting deeper than Python's stack
+_PIECES = st.sampled_from(["!!int ", "!!float ", "!!bool ", "!!timestamp ", "? ", "[" * 1200, "{a: " * 1000,
+                           "9" * 4400 + " "])
 
 
 @st.composite
@@ -92,7 +129,8 @@ def _mutated(draw, text: str) -> str:
             continue
         at = draw(st.integers(0, len(text)))
         if how == "insert":
-            text = text[:at] + draw(st.text(_CHARS, min_size=1, max_size=3)) + text[at:]
+            piece = draw(st.one_of(st.text(_CHARS, min_size=1, max_size=3), _PIECES))
+            text = text[:at] + piece + text[at:]
         else:
             text = text[:at] + text[at + draw(st.integers(1, 3)):]
     return text
