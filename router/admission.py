@@ -34,7 +34,7 @@ from router.errors import RateLimited, RouterShutdown, ServiceUnavailable
 from router.ids import new_id
 from router.leases import LEASE_TTL, LeaseKeeper
 from router.metrics import Metrics
-from router.state import AdmitRequest, StateStore, StoreUnavailable
+from router.state import AdmitRequest, MemoryStore, StateStore, StoreUnavailable
 from router.tenants import TenantPolicy
 from router.ticket import Ticket, fmt_duration, ratelimit_headers
 
@@ -471,6 +471,24 @@ class Admission:
             await self.store.release(ticket.tenant, ticket.lease_id)
         except StoreUnavailable as e:
             log.warning("could not settle lease of %s: %s (it expires by itself)", ticket.tenant, e)
+        self._ended(ticket.tenant)
+
+    def finish_now(self, ticket: Ticket, used_tokens: int) -> None:
+        """``finish`` at once, without an await, where the store is this
+        process's own (``MemoryStore``: nothing to wait for): a stream's last
+        bytes go out right after it, so a client whose next request follows
+        ``[DONE]`` at once finds the lease free (``max_concurrent: 1``). On a
+        shared store nothing happens here: ``EventStream.release`` settles
+        before the last bytes, a round trip. Idempotent."""
+        store = self.store
+        if ticket.done or store.shared or not isinstance(store, MemoryStore):
+            return
+        ticket.done = True
+        self._leases.pop(ticket.lease_id, None)
+        if ticket.tpm:
+            store.settle_now(ticket.tenant, tpm=ticket.tpm, reserved=ticket.reserved,
+                             used=used_tokens + ticket.inherited, lease_id=ticket.lease_id, held=ticket.held)
+        store.drop(ticket.tenant, ticket.lease_id)
         self._ended(ticket.tenant)
 
     def _ended(self, tenant: str) -> None:

@@ -324,7 +324,10 @@ class EventStream:
         return b"-%d-%d%s" % (self.tokens, self.chars, end) if self.sid is not None else b""
 
     def tail(self) -> list[bytes]:
-        """After the last piece: the usage event (if asked) and ``[DONE]``."""
+        """After the last piece: the usage event (if asked) and ``[DONE]``.
+        On this process's own store the ticket is settled here, before they
+        go out (``Admission.finish_now``; a shared one: ``release``)."""
+        self._finish_now()
         out = []
         gen = self.gen
         if self.include_usage and self.had_end < 2:
@@ -337,7 +340,9 @@ class EventStream:
         return out
 
     def failed(self, e: BaseException) -> bytes:
-        """The error event that ends a stream that cannot go on."""
+        """The error event that ends a stream that cannot go on (the ticket
+        settled first, as in ``tail``)."""
+        self._finish_now()
         self.result = outcome_of(e) if isinstance(e, (ApiError, StreamTimeout)) else "lost"
         self.error = e
         if isinstance(e, RouterShutdown):
@@ -358,6 +363,10 @@ class EventStream:
         self.final = self.enc.error(body)
         return self.final
 
+    def _finish_now(self) -> None:
+        if self.ticket is not None:
+            self.svc.admission.finish_now(self.ticket, self._used())
+
     @property
     def release_first(self) -> bool:
         """Whether the ticket is to be settled before the stream's last bytes
@@ -365,9 +374,8 @@ class EventStream:
         trip or two, and a client whose next request follows ``[DONE]`` at
         once (the openai SDK, a tenant with ``max_concurrent: 1`` and
         ``on_limit: reject``) would find its lease still held: a 429. An
-        in-process store settles in the background task's first step, before
-        the client's next request can be read, so the last bytes need not
-        wait for it."""
+        in-process store is settled at once as the ending is encoded
+        (``tail``, ``failed``), so the last bytes need not wait for it."""
         ticket = self.ticket
         if ticket is None or ticket.done:
             return False

@@ -132,6 +132,11 @@ class MemoryStore(StateStore):
 
     async def settle(self, tenant: str, *, tpm: int, reserved: int, used: int, lease_id: str = "",
                      held: bool = False) -> None:
+        self.settle_now(tenant, tpm=tpm, reserved=reserved, used=used, lease_id=lease_id, held=held)
+
+    def settle_now(self, tenant: str, *, tpm: int, reserved: int, used: int, lease_id: str = "",
+                   held: bool = False) -> None:
+        """``settle``, at once (``Admission.finish_now``)."""
         t = self._t(tenant)
         now = self._clock()
         if lease_id and tpm and not self._once(t, lease_id, now):  # (as Redis, which keeps nothing for tpm 0)

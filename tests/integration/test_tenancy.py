@@ -552,6 +552,29 @@ def test_a_request_right_after_a_stream_ends_finds_its_lease_free_on_redis(tmp_p
         assert refused == []
 
 
+@pytest.mark.parametrize("usage", [False, True], ids=["done", "usage"])
+async def test_a_request_right_after_a_stream_ends_finds_its_lease_free_in_memory(tmp_path, usage):
+    """The same on the default in-process store, with the async SDK (fast
+    enough to send the next request in the loop turn after ``[DONE]``).
+    The lease was released by the request's task after the tail went out,
+    from the reader's callback: 10-30% of such requests got 429."""
+    t = tmp_path / "tenants.yaml"
+    tenants_yaml(t, conc=1)
+    with RouterProcess(tmp_path / "r", tenants=t) as router:
+        async with openai.AsyncOpenAI(base_url=router.base_url + "/v1", api_key=KEY_A, max_retries=0,
+                                      timeout=20) as client:
+            refused = []
+            for i in range(60):
+                try:
+                    stream = await client.completions.create(
+                        model=MODEL, prompt="Le caf", max_tokens=2, stream=True,
+                        **({"stream_options": {"include_usage": True}} if usage else {}))
+                    assert [c async for c in stream]
+                except openai.RateLimitError as e:
+                    refused.append((i, e.message))
+        assert refused == []
+
+
 async def test_a_websocket_request_right_after_done_finds_its_lease_free_on_redis(tmp_path, redis_server):
     """The same over ``/v1/ws``: the next request goes as soon as ``done``
     arrives. (With a tokens-per-minute limit the settlement is two round
