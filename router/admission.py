@@ -157,10 +157,9 @@ class Admission:
         does, with that limit's ``StreamTimeout`` (the caller's 504), as a
         wait for a replica does (``Scheduler.acquire``); being admitted
         after it would only time out at once."""
-        if self._stopped.is_set():
-            raise RouterShutdown()
         # (the caller looked the policy up before an await of its own, a
-        # large body's turn: a reload since then decides)
+        # large body's turn: a reload since then decides, removal included)
+        self._raise_if_gone(policy.name)
         policy = self._policies.get(policy.name, policy)
         lim = policy.limits
         req = AdmitRequest(
@@ -196,14 +195,15 @@ class Admission:
                 raise
             if decision.ok:
                 return self._ticket(policy, req, cost_tokens, decision)
+            asked = policy
             policy, req, deadline = self._follow(policy, req, count_request, started, deadline)
-            if policy.on_limit != "queue" and req.line:
-                # A reload while the store answered made the tenant refuse:
-                # out of the store's line, and one more ask, as a new request
-                # would make now (as a waiter does below)
+            if policy is not asked:
+                # A reload while the store answered: one more ask, as a new request would
+                # make now (its limits, its words; in the store's line if it queues now)
                 try:
-                    await self._leave(name, req)
-                    req = msgspec.structs.replace(req, line=False)
+                    if req.line and policy.on_limit != "queue":
+                        await self._leave(name, req)
+                    req = msgspec.structs.replace(req, line=policy.on_limit == "queue")
                     decision = await self.admit_once(name, req)
                 except BaseException:
                     await self._leave(name, req)

@@ -443,6 +443,65 @@ async def test_a_request_that_comes_with_the_policy_before_a_reload_is_judged_by
     await adm.finish(held, 1)
 
 
+async def test_a_reload_while_the_first_ask_is_out_is_asked_again_with_its_limits() -> None:
+    # (the store judged the old limit, and the refusal named the new one: a
+    # 429 "needs 150 tokens, more than the tenant's limit of 1000")
+    limits = msgspec.structs.replace(_policy(10.0).limits, requests_per_minute=0, tokens_per_minute=100)
+    before = msgspec.structs.replace(_policy(10.0), limits=limits)
+    after = msgspec.structs.replace(before, limits=msgspec.structs.replace(limits, tokens_per_minute=1000))
+    adm = Admission(SlowStore(), Metrics())
+    asking = asyncio.create_task(adm.admit(before, 150))
+    await asyncio.sleep(0.001)
+    adm.follow({"t": after})
+    ticket = await asyncio.wait_for(asking, 1)
+    await adm.finish(ticket, 150)
+
+
+async def test_a_reload_to_queue_while_the_first_ask_is_out_waits_in_the_stores_line() -> None:
+    # (it waited in this router's line only, with line=False: on Redis its
+    # asks were not held behind other routers' heads)
+    before = msgspec.structs.replace(_policy(10.0, rpm=0, concurrent=1), on_limit="reject")
+    after = msgspec.structs.replace(before, on_limit="queue")
+    store = SlowStore()
+    adm = Admission(store, Metrics())
+    held = await adm.admit(before, 1)
+    asking = asyncio.create_task(adm.admit(before, 1))
+    await asyncio.sleep(0.001)
+    adm.follow({"t": after})
+    await asyncio.sleep(0.1)
+    assert not asking.done() and store._tenants["t"].line  # (waiting, and in the store's line)
+    await adm.finish(held, 1)
+    await adm.finish(await asyncio.wait_for(asking, 1), 1)
+
+
+async def test_a_request_of_a_tenant_removed_before_it_asks_is_refused() -> None:
+    # (a handler that looked its policy up before the reload, a large body's
+    # turn, was admitted when it fit)
+    from router.errors import Unauthorized
+
+    policy = _policy(5.0, rpm=0, concurrent=1)
+    adm = Admission(MemoryStore(), Metrics())
+    adm.fail_tenant("t", lambda: Unauthorized("removed"))
+    with pytest.raises(Unauthorized):
+        await adm.admit(policy, 1)
+
+
+async def test_finish_now_frees_the_lease_and_settles_once_without_an_await() -> None:
+    # (a stream's end is written from a reader callback: the lease must be
+    # free before the client's next request, with no turn of the loop)
+    limits = msgspec.structs.replace(_policy(0.0).limits, requests_per_minute=0, tokens_per_minute=1000,
+                                     max_concurrent=1)
+    policy = msgspec.structs.replace(_policy(0.0), on_limit="reject", limits=limits)
+    store = MemoryStore(clock=lambda: 1000.0)
+    adm = Admission(store, Metrics())
+    ticket = await adm.admit(policy, 100)
+    adm.finish_now(ticket, 30)
+    assert not store._tenants["t"].leases
+    await adm.finish(ticket, 30)  # (the background settlement after it: a no-op)
+    assert (await store.usage("t", rpm=0, tpm=1000)).tokens_available == 970
+    await adm.finish(await adm.admit(policy, 1), 1)
+
+
 def test_the_wait_a_refusal_names_is_rounded_up() -> None:
     # (rounded to nearest: a client that retried after "try again in 13.4s"
     # when 13.449 s were needed was refused again; 0.9996 s read "999ms")
