@@ -265,6 +265,27 @@ class Metrics:
                     and k not in self._draining]:
             del self._children[key]
 
+    def reclass(self, classes: Mapping[str, str]) -> None:
+        """A reload gave tenants these priority classes: a tenant's queue
+        depth under a class it no longer has leaves /metrics, at once if it
+        is 0, else when ``gauge_down`` brings it there (its requests queued
+        under the old class keep it). One pass over the family's children.
+        (Multiprocess mode: nothing, as in ``retire``.)"""
+        if self.multiprocess:
+            return
+        q = self.queued
+        for values, c in q._metrics.copy().items():
+            now = classes.get(values[0])
+            if now is None or values[1] == now:
+                continue
+            key = (q, values)
+            if c.collect()[0].samples[0].value:
+                self._draining.add(key)
+                self._children[key] = c
+            else:
+                q.remove(*values)
+                self._children.pop(key, None)
+
     def gauge_up(self, gauge: Gauge, *values: str) -> None:
         """One more request counted in a tenant's gauge (``queued``,
         ``admission_waiting``)."""

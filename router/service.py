@@ -93,6 +93,7 @@ class RouterService:
         if changed:
             classes = {name: p.priority for name, p in self.policy.current.tenants.items()}
             m.unretire(classes)  # (at once: a tenant added again is counted from now on)
+            m.reclass(classes)  # (a queue depth under a class the tenant left goes)
             self.background(m.declare_gradually(classes))  # (its counters at 0: a batch per loop turn)
             self._refuse_removed()
             for conn in list(self.sockets):  # (a revoked key's socket closes once its requests end)

@@ -186,3 +186,18 @@ def test_retiring_many_tenants_reads_no_family_whole(m, monkeypatch):
     assert whole == []
     assert all(_lines(m, f"t{i}") == [] for i in range(0, 300, 37))
     assert _lines(m, "stays") == stays
+
+
+def test_a_tenant_moved_to_another_class_leaves_its_old_class_queue_depth_when_it_is_empty(m):
+    # (a reload that changed a tenant's priority class left its queue depth
+    # exported under the old class too, at 0, until a restart)
+    m.declare([], {"t": "normal", "u": "normal"})
+    m.gauge_up(m.queued, "u", "normal")  # (u has a request still queued under its old class)
+    m.reclass({"t": "high", "u": "high"})
+    m.declare([], {"t": "high", "u": "high"})
+    text = generate_latest(m.registry).decode()
+    assert 'fairstream_queue_depth{priority="normal",tenant="t"}' not in text
+    assert 'fairstream_queue_depth{priority="high",tenant="t"} 0.0' in text
+    assert 'fairstream_queue_depth{priority="normal",tenant="u"} 1.0' in text
+    m.gauge_down(m.queued, "u", "normal")  # (its last one leaves: the series goes)
+    assert 'fairstream_queue_depth{priority="normal",tenant="u"}' not in generate_latest(m.registry).decode()
