@@ -481,7 +481,7 @@ class Admission:
         shared store nothing happens here: ``EventStream.release`` settles
         before the last bytes, a round trip. Idempotent."""
         store = self.store
-        if ticket.done or store.shared or not isinstance(store, MemoryStore):
+        if ticket.done or not isinstance(store, MemoryStore):  # (a Redis outage's fallback is inside ResilientStore)
             return
         ticket.done = True
         self._leases.pop(ticket.lease_id, None)

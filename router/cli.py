@@ -173,14 +173,15 @@ def _keys_before_error(text: str) -> dict[str, object]:
     a number, or not read), ``{}`` or ``[]`` for a mapping or a list begun."""
     import yaml
 
+    from router.yaml_syntax import FAST_LOADER
+
     head: dict[str, object] = {}
     depth, in_mapping, is_key, key = 0, False, True, None
     last: str | None = None  # the key whose value, the last event read, spans lines
     # (PyYAML's own reader refuses the whole text for an unprintable
     # character anywhere, as it is built: the keys before one are read)
     unprintable = yaml.reader.Reader.NON_PRINTABLE.search(text)
-    # (libyaml's parser where PyYAML has it: several times faster)
-    loader = getattr(yaml, "CSafeLoader", yaml.SafeLoader)(text[:unprintable.start()] if unprintable else text)
+    loader = FAST_LOADER(text[:unprintable.start()] if unprintable else text)
     try:
         while (event := loader.get_event()) is not None:
             last = None

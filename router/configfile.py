@@ -22,14 +22,12 @@ import msgspec
 import yaml
 
 from router.schema_errors import KeyPath, entries_of, schema_errors
-from router.yaml_syntax import cut, syntax_error
+from router.yaml_syntax import FAST_LOADER, cut, syntax_error
 
 __all__ = ["ConfigError", "load_yaml", "read_text", "Located", "MAX_ERRORS"]
 
 T = TypeVar("T")
 
-# libyaml's parser when PyYAML has it (about 10x faster), with the safe constructor
-_Loader = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
 MAX_VALUES = 1_000_000  # values in one file, YAML aliases expanded
 MAX_ERRORS = 20  # errors listed for one file; one more line counts the rest
 
@@ -272,7 +270,7 @@ def _load_yaml(path: str | Path, type_: type[T], text: str | None = None) -> tup
         text = read_text(path)
     try:
         # one parse: the node graph (for line numbers), then the data built from it
-        loader = _Loader(text)
+        loader = FAST_LOADER(text)
         try:
             root = loader.get_single_node()
             # located first: building the data rewrites merge keys (<<:) in the

@@ -63,14 +63,12 @@ class LargeBodies:
         ends the wait for it (``Deadlines.wait_limit``); None: no limit. The
         waiter leaves the line then, as a cancelled one does: the next in
         line is woken if the lock had already passed to it."""
-        if limit is None:
-            await self.lock.acquire()
-        else:
-            try:
-                async with asyncio.timeout(max(0.0, limit[0])):
-                    await self.lock.acquire()
-            except TimeoutError:
-                raise limit[1] from None
+        try:
+            async with asyncio.timeout(None if limit is None else max(0.0, limit[0])):
+                await self.lock.acquire()
+        except TimeoutError:
+            assert limit is not None  # (no timeout without one)
+            raise limit[1] from None
         try:
             yield
         finally:
