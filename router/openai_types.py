@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Iterator
+from json.decoder import JSONDecoder, scanstring
 from typing import Annotated, Any
 
 import msgspec
@@ -173,7 +174,8 @@ def _key_of_entry(body: bytes, kind: type[_Common], param: str, reason: str) -> 
     Python objects and walked whole): the body is split into raw JSON (C),
     and a field of at most ``_KEYED_BYTES`` into its entries, whose values
     are tried one at a time, in order (a larger one keeps msgspec's
-    ``[...]``). (Of a key sent twice, the object's last value is tried.)"""
+    ``[...]``). The decode judged each occurrence of a key sent twice: if
+    no last value is bad, all are tried (``_occurrences``: slower, second)."""
     field, _, rest = param.partition("[...]")
     fields = {f.encode_name: f.type for f in msgspec.structs.fields(kind)}
     value_type = next((t.__args__[1] for t in getattr(fields.get(field), "__args__", ())
@@ -184,22 +186,39 @@ def _key_of_entry(body: bytes, kind: type[_Common], param: str, reason: str) -> 
         raw = msgspec.json.decode(body, type=dict[str, msgspec.Raw])[field]
         if len(raw) > _KEYED_BYTES:
             return param
-        entries = msgspec.json.decode(raw, type=dict[str, msgspec.Raw])
-    except (msgspec.MsgspecError, KeyError, RecursionError):
+        for entries in (msgspec.json.decode(raw, type=dict[str, msgspec.Raw]).items(),
+                        _occurrences(bytes(raw).decode())):
+            for key, value in entries:
+                try:
+                    msgspec.json.decode(value, type=value_type)
+                except msgspec.ValidationError as e:
+                    m = _LOC.search(str(e))
+                    if (str(e)[: m.start()] if m else str(e)) == reason:
+                        return f"{field}.{key}" + rest
+                except msgspec.MsgspecError:
+                    continue
+    except (msgspec.MsgspecError, KeyError, ValueError, IndexError, RecursionError):
         return param
-    for key, value in entries.items():
-        try:
-            msgspec.json.decode(value, type=value_type)
-        except msgspec.ValidationError as e:
-            m = _LOC.search(str(e))
-            if (str(e)[: m.start()] if m else str(e)) == reason:
-                return f"{field}.{key}" + rest
-        except (msgspec.MsgspecError, RecursionError):
-            continue
     return param
 
 
-_KEYED_BYTES = 64 * 1024  # (about 5,000 entries: a few ms of tries)
+_JSON = JSONDecoder()
+_SPACE = re.compile(r"[ \t\n\r]*")
+
+
+def _occurrences(obj: str) -> Iterator[tuple[str, str]]:
+    """(key, value as sent) of each entry of the JSON object ``obj`` (well
+    formed: decoded once already) in order, a key sent twice twice."""
+    at = _SPACE.match(obj, 1).end()
+    while obj[at] == '"':
+        key, at = scanstring(obj, at + 1)
+        at = _SPACE.match(obj, _SPACE.match(obj, at).end() + 1).end()  # (past the ':')
+        end = _JSON.raw_decode(obj, at)[1]
+        yield key, obj[at:end]
+        at = _SPACE.match(obj, _SPACE.match(obj, end).end() + 1).end()  # (past the ',' or '}')
+
+
+_KEYED_BYTES = 64 * 1024  # (about 5,000 entries: a few ms of tries; 10 by _occurrences)
 
 
 def _unsupported(req: _Common) -> str | None:
@@ -210,6 +229,17 @@ def _unsupported(req: _Common) -> str | None:
         if value is not None and not any(type(value) is type(n) and value == n for n in neutral):
             return name
     return None
+
+
+def _unsupported_message(req: _Common, name: str) -> str:
+    """Why ``name`` is refused, with the one value of a count taken (n 1):
+    n 129 is no more unsupported than 2 (the replicas take n 1, and vLLM
+    sets n no maximum), so no range such as OpenAI's 1 to 128 is claimed."""
+    value = getattr(req, name)
+    most = next((n for n in _UNSUPPORTED_NEUTRAL[name] if type(n) is int), None)
+    if type(value) is int and most is not None:
+        return f"'{name}' is not supported by this server beyond {most}; got {value}."
+    return f"'{name}' is not supported by this server."
 
 
 def _invalid(e: msgspec.ValidationError | msgspec.DecodeError | RecursionError, at: str = "",
@@ -258,7 +288,7 @@ def decode_request(body: bytes, kind: type[ChatRequest] | type[CompletionRequest
     _check_least(req)
     bad = _unsupported(req)
     if bad is not None:
-        raise BadRequest(f"'{bad}' is not supported by this server.", param=bad, code="unsupported_parameter")
+        raise BadRequest(_unsupported_message(req, bad), param=bad, code="unsupported_parameter")
     if req.stream is None:
         req.stream = False
     return req
@@ -441,7 +471,8 @@ def chat_template_kwargs(req: ChatRequest) -> dict[str, Any] | None:
             kind = type(value)
             if kind is dict or kind is list:
                 if depth > MAX_TEMPLATE_DEPTH:
-                    raise BadRequest(f"'{name}' is nested more than {MAX_TEMPLATE_DEPTH} levels deep.", param=name)
+                    raise BadRequest(f"'{name}' is nested more than {MAX_TEMPLATE_DEPTH} levels deep.", param=name,
+                                     code="chat_template_kwargs_too_deep")
                 below.extend(value.values() if kind is dict else value)
             elif kind is int and not -(2**63) <= value <= 2**64 - 1:
                 raise BadRequest(f"'{name}' holds an integer out of the 64-bit range.", param=name)

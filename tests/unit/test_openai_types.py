@@ -106,6 +106,21 @@ def test_ignored_fields_of_the_wrong_type_are_a_400(kw, name):
     chat(store=None, metadata=None, service_tier=None, reasoning_effort=None)
 
 
+@pytest.mark.parametrize("make, kw, most", [
+    (chat, {"n": 2}, 1), (chat, {"n": 129}, 1), (completion, {"n": 2**63 - 1}, 1),
+    (completion, {"best_of": 21}, 1), (chat, {"top_logprobs": 21}, 0), (chat, {"top_logprobs": 3}, 0),
+], ids=lambda v: json.dumps(v) if isinstance(v, dict) else getattr(v, "__name__", str(v)))
+def test_a_count_above_what_this_server_takes_is_unsupported_and_says_what_it_takes(make, kw, most):
+    # (the replicas take n 1 and no logprobs: 129 is no more unsupported
+    # than 2, and vLLM sets n no maximum, so no range of 1 to 128 is
+    # claimed; the message says the most this server takes)
+    (name, value), = kw.items()
+    with pytest.raises(BadRequest) as info:
+        make(**kw)
+    assert info.value.param == name and info.value.code == "unsupported_parameter", info.value
+    assert str(info.value) == f"'{name}' is not supported by this server beyond {most}; got {value}.", info.value
+
+
 @pytest.mark.parametrize("make, kw, name, least", [
     (chat, {"n": 0}, "n", 1), (chat, {"n": -2}, "n", 1), (completion, {"n": 0}, "n", 1),
     (completion, {"best_of": 0}, "best_of", 1), (chat, {"top_logprobs": -1}, "top_logprobs", 0),
@@ -131,6 +146,28 @@ def test_a_bad_dict_entry_is_named_by_its_key(kw, name, reason):
         chat(messages=MSG * 3, **kw)
     assert info.value.param == name, info.value
     assert str(info.value) == f"Invalid value for '{name}': {reason}.", info.value
+
+
+@pytest.mark.parametrize("field, raw, name, reason", [
+    ("metadata", '{"a": 1, "a": "x"}', "metadata.a", "Expected `str`, got `int`"),
+    ("metadata", '{"a": "x", "a": 1}', "metadata.a", "Expected `str`, got `int`"),
+    ("metadata", '{"b": 1, "a": "x", "b": "y"}', "metadata.b", "Expected `str`, got `int`"),
+    ("logit_bias", '{"1": "x", "1": 2.0}', "logit_bias.1", "Expected `float`, got `str`"),
+    ("logit_bias", '{"1" : 2.0 ,\n "2":3, "1":\t"x"}', "logit_bias.1", "Expected `float`, got `str`"),
+])
+def test_a_bad_entry_of_a_key_sent_twice_is_named_by_its_key_wherever_it_stands(field, raw, name, reason):
+    # The body's decode judges every occurrence of a key, as it does a
+    # top-level field sent twice ('"n": "x", "n": 1' is a 400): a bad
+    # one is refused even where a later one is good. Its key was looked
+    # for among the last values only, so a bad first one was `metadata[...]`.
+    body = b'{"model": "m", "messages": [{"role": "user", "content": "hi"}], "' + field.encode() + b'": '
+    with pytest.raises(BadRequest) as info:
+        decode_request(body + raw.encode() + b"}", ChatRequest)
+    assert info.value.param == name, info.value
+    assert str(info.value) == f"Invalid value for '{name}': {reason}.", info.value
+    # (good values sent twice: the last is kept, as JSON decoders do)
+    good = b'{"model": "m", "messages": [{"role": "user", "content": "hi"}], "metadata": {"a": "x", "a": "y"}}'
+    assert decode_request(good, ChatRequest).metadata == {"a": "y"}
 
 
 def test_a_bad_entry_is_named_among_thousands_and_a_field_past_the_bound_keeps_msgspecs_words():
@@ -346,6 +383,22 @@ def test_chat_template_kwargs_over_the_size_limit_have_a_code_of_their_own():
     with pytest.raises(BadRequest) as info:
         chat(chat_template_kwargs={"text": "x" * MAX_TEMPLATE_KWARGS_BYTES})
     assert info.value.code == "chat_template_kwargs_too_large"
+
+
+def test_chat_template_kwargs_nested_too_deep_have_a_code_of_their_own():
+    # (as past the size limit: a client can tell this limit of the server
+    # from a value vLLM would refuse too; it had no code)
+    from router.openai_types import MAX_TEMPLATE_DEPTH
+
+    deep: list = []
+    for _ in range(MAX_TEMPLATE_DEPTH - 1):
+        deep = [deep]  # ({"a": deep}: one level more than the limit)
+    with pytest.raises(BadRequest) as info:
+        chat_template_kwargs(chat(chat_template_kwargs={"a": deep}))
+    err = json.loads(info.value.body())["error"]
+    assert (err["param"], err["code"]) == ("chat_template_kwargs", "chat_template_kwargs_too_deep"), err
+    assert err["message"] == f"'chat_template_kwargs' is nested more than {MAX_TEMPLATE_DEPTH} levels deep.", err
+    assert chat_template_kwargs(chat(chat_template_kwargs={"a": deep[0]})) == {"a": deep[0]}  # (at the limit)
 
 
 def test_chat_template_kwargs_that_are_not_valid_json_are_invalid_json_naming_the_field():
