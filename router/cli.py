@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import sys
 from pathlib import Path
 
@@ -101,7 +102,13 @@ def _check(args: argparse.Namespace) -> int:
                   file=sys.stderr)
             continue
         try:
-            kind = TenantsFile if named else _config_kind(path, bool(routers - {os.path.realpath(path)}))
+            kind = TenantsFile if named else _known_kind(path)
+            if kind is None:  # (then a syntax error or an empty file: say what it is checked as, and why)
+                beside = bool(routers - {os.path.realpath(path)})
+                kind = _config_kind(path, beside)
+                print(f"{path}: note: no top-level key can be read to tell a router config from a tenants file; "
+                      f"taken for {'the tenants file given with a router config' if beside else 'a router config'}",
+                      file=sys.stderr)
             tenants_given = tenants_given or kind is TenantsFile
             loaded, _ = load_yaml(path, kind)
             print(f"{path}: ok ({'router' if kind is RouterConfig else 'tenants'} config)")
@@ -126,22 +133,34 @@ def _check(args: argparse.Namespace) -> int:
 
 def _config_kind(path: str, beside_router: bool = False) -> type:
     """Tenants file or router config, by its top-level keys (those read
-    before a syntax error too: its loader reports the error either way). A
-    file with none read (empty, or the error before the first key's value)
-    is told by its name, and else, given ``beside_router`` (a router config
-    given with it, whose tenants file it then stands for), is the tenants file."""
+    before a syntax error too: its loader reports the error either way; with
+    none read, an error before the first key, those written at the start of
+    a line). A file with none of either kind's own keys (empty, or broken
+    before any) is told by its name, and else, given ``beside_router`` (a
+    router config given with it, whose tenants file it then stands for), is
+    the tenants file (check-config notes that it could not tell)."""
     from router.config import RouterConfig
     from router.tenants import TenantsFile
 
-    kind = _told_kind(path)
-    if kind is not None:
-        return kind
+    return _known_kind(path) or (TenantsFile if beside_router else RouterConfig)
+
+
+def _known_kind(path: str) -> type | None:
+    """``_config_kind`` by the file's keys, else its name; None if neither tells."""
+    return _told_kind(path) or _named_kind(path)
+
+
+def _named_kind(path: str) -> type | None:
+    """``_config_kind`` by the file's name ("tenant" or "router" in it); None if neither."""
+    from router.config import RouterConfig
+    from router.tenants import TenantsFile
+
     name = os.path.basename(path).lower()
-    return TenantsFile if "tenant" in name or (beside_router and "router" not in name) else RouterConfig
+    return TenantsFile if "tenant" in name else RouterConfig if "router" in name else None
 
 
 def _told_kind(path: str) -> type | None:
-    """``_config_kind`` by the file's top-level keys; None if none can be read."""
+    """``_config_kind`` by the file's top-level keys; None if they do not tell."""
     from router.config import RouterConfig
     from router.tenants import TenantsFile
 
@@ -156,7 +175,13 @@ def _told_kind(path: str) -> type | None:
     # which the loader itself reports)
     head = _keys_before_error(text)
     if not head:
-        return None
+        # (an error before the first key is read: the keys as written at the
+        # start of a line, which a file broken at its first line still shows)
+        written = set(_KEY_LINE.findall(text))
+        router_keys, tenants_keys = set(RouterConfig.__struct_fields__), set(TenantsFile.__struct_fields__)
+        if written & (router_keys - tenants_keys):
+            return None if written & (tenants_keys - router_keys) else RouterConfig
+        return TenantsFile if written & (tenants_keys - router_keys) else None
     # (router.yaml's ``tenants`` names a file and it must list replicas; a
     # tenants file's ``tenants`` is a mapping, or a mistake in one)
     if isinstance(head, dict) and "replicas" not in head and not isinstance(head.get("tenants"), str) and (
@@ -164,6 +189,9 @@ def _told_kind(path: str) -> type | None:
     ):
         return TenantsFile
     return RouterConfig
+
+
+_KEY_LINE = re.compile(r"^([A-Za-z_]\w*)[ \t]*:(?=\s|$)", re.M)  # (a key at the top level's column)
 
 
 def _keys_before_error(text: str) -> dict[str, object]:

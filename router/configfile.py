@@ -22,7 +22,7 @@ import msgspec
 import yaml
 
 from router.schema_errors import KeyPath, entries_of, schema_errors
-from router.yaml_syntax import FAST_LOADER, cut, syntax_error
+from router.yaml_syntax import FAST_LOADER, cut, reader_error, syntax_error
 
 __all__ = ["ConfigError", "load_yaml", "read_text", "Located", "MAX_ERRORS"]
 
@@ -281,6 +281,8 @@ def _load_yaml(path: str | Path, type_: type[T], text: str | None = None) -> tup
             loader.dispose()
     except yaml.MarkedYAMLError as e:
         raise ConfigError([syntax_error(name, text, e)]) from e
+    except yaml.reader.ReaderError as e:
+        raise ConfigError([reader_error(name, text, e)]) from e
     except yaml.YAMLError as e:
         raise ConfigError([f"{name}:1: (syntax): {e}"]) from e
     if data is None:
@@ -377,9 +379,13 @@ def _number_hint(data: Any, at: KeyPath, reason: str) -> str:
     shown = cut(value)
     if quoted:
         return f"{reason}: `{shown}` is in quotes, which make it text; write it without them"
+    plain = _plain(value.strip())
+    if "float" not in reason.split(", got")[0]:  # (an integer field: 1.0e+3 is a float, which it refuses too)
+        told = f"{reason}: `{shown}` is text in YAML 1.1, which this reader follows: this field takes a whole number"
+        whole = plain is not None and Decimal(plain) == Decimal(plain).to_integral_value()
+        return f"{told}: write it as {int(Decimal(plain))}" if whole else told
     told = (f"{reason}: `{shown}` is text in YAML 1.1, which this reader follows (a number with an exponent "
             "needs a dot and a signed exponent there, as in 1.0e+3)")
-    plain = _plain(value.strip())
     if plain is not None:
         return f"{told}; write it as a plain number: {plain}"
     mantissa, _, exponent = value.strip().lower().partition("e")

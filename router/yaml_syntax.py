@@ -11,9 +11,29 @@ does not say enough.
 
 from __future__ import annotations
 
+import re
+
 import yaml
 
-__all__ = ["syntax_error", "cut", "FAST_LOADER"]
+__all__ = ["syntax_error", "reader_error", "cut", "FAST_LOADER"]
+
+
+def reader_error(name: str, text: str, e: yaml.reader.ReaderError) -> str:
+    """``file:line: (syntax): reason`` for a character YAML does not allow,
+    at its line and column, naming it (the reader's error gives an offset
+    in the whole text: bytes of UTF-8 from libyaml, characters from PyYAML)."""
+    at = e.position
+    if isinstance(e.character, int):  # (libyaml's: a code point, and a byte offset)
+        at = len(text.encode("utf-8", "surrogatepass")[:at].decode("utf-8", "ignore"))
+    if not (0 <= at < len(text)):
+        return f"{name}:1: (syntax): {e.reason} in YAML"
+    code = e.character if isinstance(e.character, int) else ord(e.character)
+    breaks = list(_BREAK.finditer(text, 0, at))
+    line, column = len(breaks) + 1, at - (breaks[-1].end() if breaks else 0) + 1
+    return f"{name}:{line}: (syntax): character U+{code:04X} at column {column}: {e.reason} in YAML; remove it"
+
+
+_BREAK = re.compile("\r\n|[\r\n\x85\u2028\u2029]")  # (the line breaks YAML counts lines by)
 
 
 def syntax_error(name: str, text: str, e: yaml.MarkedYAMLError) -> str:
@@ -45,6 +65,9 @@ def syntax_error(name: str, text: str, e: yaml.MarkedYAMLError) -> str:
                 said += (f"; or, if it is the value of the key above it, line {line} is indented deeper than that "
                          "key, as if under it")
             return said
+    ended = _key_before_comment(text, lines, mark) if mark else None
+    if ended is not None:
+        return _missing_colon(name, lines, ended, f"(the parser found no ':' after it: {problem} at line {line})")
     if not (mark and context and e.context and context.line < mark.line):
         return f"{name}:{line}: (syntax): {problem}"
     if e.context == "while scanning a simple key":  # (a key at its block's indent, and no ':' by the line's end)
@@ -79,8 +102,9 @@ def _unfinished_key(name: str, text: str, lines: list[str], start: yaml.Mark, li
                 f"at line {line}")
     while len(open_) > 1 and open_[-1].start_mark.column > start.column:
         open_.pop()
-    after = next((t for t in lines[start.line + 1:] if t.strip()), "")
-    deeper = after.strip()[:1] not in ("", "#") and len(after) - len(after.lstrip(" ")) > start.column
+    at = next((i for i in range(start.line + 1, len(lines)) if lines[i].strip()[:1] not in ("", "#")), len(lines))
+    after = lines[at] if at < len(lines) else ""
+    deeper = bool(after) and len(after) - len(after.lstrip(" ")) > start.column
     inner = open_[-1]
     if isinstance(inner, yaml.SequenceStartEvent):
         column = inner.start_mark.column
@@ -89,17 +113,54 @@ def _unfinished_key(name: str, text: str, lines: list[str], start: yaml.Mark, li
         if not (indentless and deeper and start.column == column):
             return (f"{name}:{start.line + 1}: (syntax): an item of the list may be missing its '- ': "
                     f"{_quoted(lines, start)} on this line is read as a key, and no ':' follows ({problem})")
-    if deeper:
+    if deeper and not _commented(lines, start, at):
         return _missing_colon(name, lines, start, f"runs on as plain text into line {line}, where the parser "
                               f"stopped ({problem})")
     return _missing_colon(name, lines, start, f"(the parser found no ':' after it: {problem})")
+
+
+def _commented(lines: list[str], start: yaml.Mark, stop: int) -> bool:
+    """Whether a comment follows the plain scalar at ``start`` before line
+    ``stop`` (0-based): a comment ends a plain scalar, which then does not
+    run on into the lines after it."""
+    return bool(_COMMENT.search(lines[start.line], start.column)) or any(
+        t.lstrip().startswith("#") for t in lines[start.line + 1:stop])
+
+
+def _key_before_comment(text: str, lines: list[str], mark: yaml.Mark) -> yaml.Mark | None:
+    """Where a key written without its ':' begins, when a comment ended it
+    (on its line, or a comment line after it) before the lines under it: the
+    key is then read as a scalar on a line of its own (the value of the key
+    above it, or the whole document), and the parser stops at the next line
+    read, which is indented deeper than it or, at the top level, is more of
+    the document. None if the parser did not stop so."""
+    if mark.line >= len(lines):
+        return None
+    event, depth = _last_event(text, mark.line)
+    if not isinstance(event, yaml.ScalarEvent) or event.style not in (None, ""):
+        return None
+    start, end = event.start_mark, event.end_mark
+    if not (start.line == end.line < mark.line and lines[start.line][:start.column].strip(" \ufeff") == ""):
+        return None
+    rest = lines[start.line][end.column:].strip()
+    if rest[:1] not in ("", "#") or not _commented(lines, start, mark.line):
+        return None
+    if any(t.strip()[:1] not in ("", "#") for t in lines[start.line + 1:mark.line]):
+        return None
+    indent = len(lines[mark.line]) - len(lines[mark.line].lstrip(" "))
+    return start if indent > start.column or depth == 0 else None
 
 
 def _quoted(lines: list[str], start: yaml.Mark) -> str:
     """The text from ``start`` to the end of its line, in backquotes (cut
     short; without a byte order mark, which the file may begin with)."""
     text = lines[start.line][start.column:].strip().lstrip("\ufeff") if start.line < len(lines) else ""
+    if text[:1] not in ("'", '"'):  # (in a plain scalar, " #" begins a comment)
+        text = _COMMENT.split(text, 1)[0]
     return f"`{cut(text)}`"
+
+
+_COMMENT = re.compile(r"\s+#")
 
 
 def _through_line(text: str, line: int) -> str:
@@ -125,11 +186,27 @@ FAST_LOADER = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
 def _open_collections(text: str, stop: int) -> list[yaml.CollectionStartEvent]:
     """The collections open, outermost first, where the parser stops, at
     line ``stop`` (0-based)."""
+    return _read_to(text, stop)[0]
+
+
+def _last_event(text: str, stop: int) -> tuple[yaml.Event | None, int]:
+    """The last event the parser reads before it stops, at line ``stop``
+    (0-based), and how many collections are open around it."""
+    open_, last = _read_to(text, stop)
+    return last, len(open_)
+
+
+def _read_to(text: str, stop: int) -> tuple[list[yaml.CollectionStartEvent], yaml.Event | None]:
+    """The collections open, outermost first, and the last event read,
+    where the parser stops, at line ``stop`` (0-based)."""
     open_: list[yaml.CollectionStartEvent] = []
+    last = None
     try:
         loader = FAST_LOADER(_through_line(text, stop))
         try:
             while (event := loader.get_event()) is not None:
+                if not isinstance(event, yaml.DocumentEndEvent):  # (implied after a document's scalar: not read)
+                    last = event
                 if isinstance(event, yaml.CollectionStartEvent):
                     open_.append(event)
                 elif isinstance(event, yaml.CollectionEndEvent) and open_:
@@ -138,7 +215,7 @@ def _open_collections(text: str, stop: int) -> list[yaml.CollectionStartEvent]:
             loader.dispose()
     except yaml.YAMLError:
         pass
-    return open_
+    return open_, last
 
 
 def _run_on(text: str, mark: yaml.Mark) -> tuple[yaml.Mark, str] | None:

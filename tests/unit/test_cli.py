@@ -443,5 +443,33 @@ def test_check_config_reports_an_unprintable_character_in_a_file_of_another_name
     proc = _cli("check-config", "configs/router.yaml", str(tmp_path / "policy.yaml"))
     assert proc.returncode == 1 and "Traceback" not in proc.stderr, proc.stderr
     assert proc.stdout.splitlines() == ["configs/router.yaml: ok (router config)"], proc.stdout
-    assert f"{tmp_path / 'policy.yaml'}:1: (syntax): unacceptable character #x0001" in proc.stderr, proc.stderr
+    assert f"{tmp_path / 'policy.yaml'}:5: (syntax): character U+0001 at column 3: " in proc.stderr, proc.stderr
     assert "configs/tenants.yaml: note: not checked" in proc.stderr, proc.stderr
+
+
+@pytest.mark.parametrize("first", [True, False], ids=["broken-first", "good-first"])
+def test_check_config_tells_a_router_config_broken_at_its_first_key_by_its_other_keys(tmp_path, first: bool) -> None:
+    # (no top-level key is read before the error on line 1, and the name has
+    # no "router" in it: beside a good router config it was taken for the
+    # tenants file, and the good one's own tenants file went unchecked, "the
+    # tenants file given stands for it")
+    router = (ROOT / "configs" / "router.yaml").read_text()
+    (tmp_path / "router.yaml").write_text(router)
+    (tmp_path / "tenants.yaml").write_text((ROOT / "configs" / "tenants.yaml").read_text())
+    (tmp_path / "main.yaml").write_text("port 8080\n" + router)
+    files = [str(tmp_path / "main.yaml"), str(tmp_path / "router.yaml")]
+    proc = _cli("check-config", *(files if first else files[::-1]))
+    assert proc.returncode == 1
+    assert f"{tmp_path / 'tenants.yaml'}: ok (tenants config)" in proc.stdout.splitlines(), proc.stdout
+    assert "not checked" not in proc.stderr, proc.stderr
+    assert proc.stderr.startswith(f"{tmp_path / 'main.yaml'}:1: (syntax): a ':' is missing"), proc.stderr
+
+
+def test_check_config_says_when_it_cannot_tell_a_file_s_kind(tmp_path) -> None:
+    # (nothing in it names a key of either kind: it is taken for the tenants
+    # file given with the router config, and the note says so)
+    (tmp_path / "main.yaml").write_text("[oops\n")
+    proc = _cli("check-config", "configs/router.yaml", str(tmp_path / "main.yaml"))
+    assert proc.returncode == 1
+    assert f"{tmp_path / 'main.yaml'}: note: no top-level key can be read to tell a router config from a tenants " \
+        "file; taken for the tenants file given with a router config" in proc.stderr, proc.stderr

@@ -37,7 +37,7 @@ BAD = [
     ("tiny_weight.yaml", 8, "tenants.beta.weight", r"^must be at least 0\.001 ", None),
     ("huge_weight.yaml", 3, "defaults.weight", r"^must be at most 1000 ", None),
     ("exponent_as_text.yaml", 6, "tenants.alpha.limits.max_concurrent",
-     r"^Expected `int \| null`, got `str`: `1e3` is text in YAML 1\.1, .*write it as a plain number: 1000$", None),
+     r"^Expected `int \| null`, got `str`: `1e3` is text in YAML 1\.1, .*takes a whole number: write it as 1000$", None),
     ("quoted_number.yaml", 5, "tenants.alpha.timeouts.total",
      r"got `str`: `1\.5e-3` is in quotes, which make it text; write it without them$", None),
     ("huge_limit.yaml", 10, "tenants.beta.limits.max_concurrent", r"must be at most 9007199254740992", None),
