@@ -37,6 +37,7 @@ from router.metrics import Metrics
 from router.state import AdmitRequest, MemoryStore, StateStore, StoreUnavailable
 from router.tenants import TenantPolicy
 from router.ticket import Ticket, fmt_duration, ratelimit_headers
+from router.waiter import Waiter
 
 __all__ = ["Admission", "Ticket", "ratelimit_headers", "fmt_duration"]
 
@@ -59,38 +60,6 @@ _REASONS = {
 }
 
 
-class _Waiter:
-    """A request in its tenant's admission line: ``sleep`` until woken (its
-    turn, a stream of the tenant ended, the router stops) or a timeout."""
-
-    __slots__ = ("_wake", "_woken")
-
-    def __init__(self) -> None:
-        self._wake: asyncio.Future[None] | None = None
-        self._woken = False  # woken while not asleep: the next sleep returns at once
-
-    def wake(self) -> None:
-        self._woken = True
-        if self._wake is not None and not self._wake.done():
-            self._wake.set_result(None)
-
-    async def sleep(self, timeout: float) -> None:
-        if self._woken:
-            self._woken = False
-            return
-        loop = asyncio.get_running_loop()
-        fut = self._wake = loop.create_future()
-        timer = None if timeout == math.inf else loop.call_later(
-            max(0.0, timeout), lambda: fut.done() or fut.set_result(None))
-        try:
-            await fut  # (a plain await: a cancel is never lost, unlike 3.11's wait_for)
-        finally:
-            self._wake = None
-            self._woken = False
-            if timer is not None:
-                timer.cancel()
-
-
 def _wait_limit(deadlines: Deadlines | None, delivered: bool, now: float) -> tuple[float, StreamTimeout | None]:
     """When (on the clock of ``now``) the request's first-token or total limit
     ends its wait, and the timeout it then gets; ``inf``: neither is set."""
@@ -105,7 +74,7 @@ class Admission:
         self.store = store
         self.metrics = metrics
         self._leases: dict[str, Ticket] = {}
-        self._lines: dict[str, collections.deque[_Waiter]] = {}  # per tenant, in arrival order
+        self._lines: dict[str, collections.deque[Waiter]] = {}  # per tenant, in arrival order
         self._ends: dict[str, int] = {}  # per tenant: streams ended (a refusal older than that is stale)
         self._keeper = LeaseKeeper(store, self._leases)
         self._stopped = asyncio.Event()  # set: requests waiting for a limit get RouterShutdown
@@ -235,7 +204,7 @@ class Admission:
             line = self._lines[name] = collections.deque()
         if limit_at is None:
             limit_at, timeout = _wait_limit(deadlines, delivered, loop.time())
-        me = _Waiter()
+        me = Waiter()
         line.append(me)
         if self._ends.get(name, 0) != ends:
             me.wake()  # a stream ended while the store answered: try again at once
@@ -245,11 +214,18 @@ class Admission:
             while True:
                 now = loop.time()
                 if line[0] is not me:
-                    await me.sleep(min(deadline, limit_at) - now)
+                    await me.sleep((min(deadline, limit_at) if policy.on_limit == "queue" else limit_at) - now)
                     self._raise_if_gone(name)
                     # (a reload's policy: its limits, and its wait, which may end later or sooner now)
                     policy, req, deadline = self._follow(policy, req, count_request, started, deadline)
-                    if line[0] is not me and policy.on_limit == "queue":  # (else: it asks below, at once)
+                    if line[0] is not me and policy.on_limit != "queue":
+                        # (a reload to reject: each asks once, its turn at
+                        # once as those ahead leave; asked together, a freed
+                        # slot went to the ask answered first, not the head's)
+                        if timeout is not None and loop.time() >= limit_at:
+                            raise timeout
+                        continue
+                    if line[0] is not me:
                         if loop.time() < min(deadline, limit_at):
                             continue
                         if timeout is not None and limit_at < deadline:
@@ -277,11 +253,11 @@ class Admission:
                     self._raise_if_gone(name)
                 policy, req, deadline = self._follow(policy, req, count_request, started, deadline)
                 if policy.on_limit != "queue" and req.line:
-                    # A reload made the tenant refuse instead (an operator
-                    # shedding load): it asks once, as a new request would
-                    # now, and is admitted or gets that request's 429. Out
-                    # of the store's line first: its place there would hold
-                    # back the heads of other routers behind it.
+                    # A reload made the tenant refuse (an operator shedding
+                    # load): it asks once as a new request would, outside
+                    # the store's line. Its place there goes first: neither
+                    # that ask nor the leave below would take it out, and it
+                    # would hold back the other routers' heads behind it.
                     await self._leave(name, req)
                     req = msgspec.structs.replace(req, line=False)
                 if timeout is not None and loop.time() >= limit_at:
@@ -389,8 +365,8 @@ class Admission:
         it arrived with (raising a limit to clear a backlog let the backlog
         in at the old one). Every waiter wakes: the heads ask again at once,
         the others wait on until their new deadline; if the tenant no longer
-        queues (``on_limit: reject``), each asks once, at once, and is
-        admitted or refused as a new request would be."""
+        queues (``on_limit: reject``), each asks once, in the line's order,
+        and is admitted or refused as a new request would be."""
         self._policies = policies
         for line in self._lines.values():
             for w in line:

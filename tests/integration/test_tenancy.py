@@ -367,15 +367,21 @@ async def test_a_reload_that_removes_a_tenant_refuses_its_waiting_requests(tmp_p
         assert "tenant a removed by the reload: 1 waiting requests refused (401)" in router.log()
 
 
+@pytest.mark.parametrize("store", ["memory", "redis"])
 @pytest.mark.parametrize("conc", [1, 2])
-async def test_a_reload_to_on_limit_reject_refuses_the_waiting_requests_it_would_refuse(tmp_path, conc):
+async def test_a_reload_to_on_limit_reject_refuses_the_waiting_requests_it_would_refuse(tmp_path, conc, store,
+                                                                                       request):
     # (a waiting request picked up the new limits and queue_wait but not
     # on_limit: switched to reject to shed load, the tenant's line went on
     # waiting and its requests were served seconds later). Each asks once,
-    # as a new request would now: admitted if its limits pass (conc 2: the
-    # head), else the reject 429, headers and all.
+    # as a new request would now: admitted if its limits pass, else the
+    # reject 429, headers and all. They ask in the line's order: with conc 2
+    # the one slot goes to the head (on Redis they asked together, and the
+    # slot went to whichever ask Redis answered first).
     t = tmp_path / "tenants.yaml"
-    async with _one_running_one_waiting(tmp_path, t, 600) as (router, client, first, waiting):
+    settings = ({"state": {"backend": "redis", "url": request.getfixturevalue("redis_server").url}}
+                if store == "redis" else None)
+    async with _one_running_one_waiting(tmp_path, t, 600, settings) as (router, client, first, waiting):
         second = asyncio.create_task(client.post("/v1/completions", headers=auth(KEY_A), json=body(4)))
         await apoll(lambda: _waiting(router, "a") == 2, 10, what="two in the tenant's line")
         doc = yaml.safe_load(t.read_text())
@@ -420,9 +426,63 @@ async def test_a_request_refused_by_a_reload_to_reject_gets_a_new_requests_429(t
 async def test_a_router_whose_reload_switches_to_reject_leaves_the_shared_line_at_once(tmp_path, redis_server):
     # Two routers on one Redis, the tenant's line shared: router A's head
     # waits first in the store's line, router B's behind it. A's file
-    # switches the tenant to reject: A's waiting request gets its 429 and
-    # leaves the store's line with it, so when the running stream ends B's
-    # request is admitted at once, not held back by a place nobody holds.
+    # switches the tenant to reject: A's waiting request asks as a new
+    # request would, outside the store's line, and gets its 429. Its place
+    # there must go with it (asked outside the line, neither the ask nor
+    # the 429 takes it out), so when the running stream ends B's request is
+    # admitted at once, not held back by a place nobody holds.
+    async with _two_routers_one_line(tmp_path, redis_server) as (ra, rb, ta, client, first):
+        on_a = asyncio.create_task(client.post(ra.base_url + "/v1/completions", headers=auth(KEY_A), json=body(4)))
+        await apoll(lambda: _waiting(ra, "a") == 1, 10, what="A's head")
+        await asyncio.sleep(0.3)  # (A's head is in the store's line before B's)
+        on_b = asyncio.create_task(client.post(rb.base_url + "/v1/completions", headers=auth(KEY_A), json=body(4)))
+        await apoll(lambda: _waiting(rb, "a") == 1, 10, what="B's head")
+        doc = yaml.safe_load(ta.read_text())
+        doc["tenants"]["a"]["on_limit"] = "reject"
+        ta.write_text(yaml.safe_dump(doc, sort_keys=False))
+        r = await asyncio.wait_for(on_a, 5)
+        assert r.status_code == 429, r.text
+        assert not on_b.done()
+        first.cancel()  # the stream's client goes: its slot frees
+        ended = asyncio.get_running_loop().time()
+        r = await asyncio.wait_for(on_b, 10)
+        took = asyncio.get_running_loop().time() - ended
+        assert r.status_code == 200, r.text
+        # (a place left in the store's line holds B's head back for about 2.25 s)
+        assert took < 1.2, took
+
+
+async def test_a_reload_to_reject_admits_a_waiting_request_another_routers_line_is_ahead_of(tmp_path, redis_server):
+    # Router B's head waits first in the store's line, router A's behind it.
+    # A's file switches the tenant to reject and allows two streams: A's
+    # waiting request asks as a new request there would, and a new request
+    # under reject takes no place in any line: its limits pass, it is
+    # admitted. (Asked in the store's line, it was refused behind B's head,
+    # a 429 "on its line" that no request arriving then would get.) B's
+    # file still allows one stream: its head waits on.
+    async with _two_routers_one_line(tmp_path, redis_server) as (ra, rb, ta, client, first):
+        on_b = asyncio.create_task(client.post(rb.base_url + "/v1/completions", headers=auth(KEY_A), json=body(4)))
+        await apoll(lambda: _waiting(rb, "a") == 1, 10, what="B's head")
+        await asyncio.sleep(0.3)  # (B's head is in the store's line before A's)
+        on_a = asyncio.create_task(client.post(ra.base_url + "/v1/completions", headers=auth(KEY_A), json=body(4)))
+        await apoll(lambda: _waiting(ra, "a") == 1, 10, what="A's head")
+        doc = yaml.safe_load(ta.read_text())
+        doc["tenants"]["a"]["on_limit"] = "reject"
+        doc["tenants"]["a"]["limits"]["max_concurrent"] = 2
+        ta.write_text(yaml.safe_dump(doc, sort_keys=False))
+        r = await asyncio.wait_for(on_a, 5)
+        assert r.status_code == 200, r.text
+        assert not on_b.done() and _waiting(rb, "a") == 1
+        first.cancel()
+        assert (await asyncio.wait_for(on_b, 10)).status_code == 200
+
+
+@contextlib.asynccontextmanager
+async def _two_routers_one_line(tmp_path, redis_server):
+    """Routers A and B on one Redis, each with its own copy of tenants.yaml
+    (tenant ``a`` runs one stream at a time and queues up to 20 s):
+    (A, B, A's file, a client, a long stream of ``a`` running on A as a
+    task, whose client goes when it is cancelled); the routers stop after."""
     settings = {"state": {"backend": "redis", "url": redis_server.url}}
     ta, tb = tmp_path / "a.yaml", tmp_path / "b.yaml"
     for t in (ta, tb):
@@ -437,7 +497,7 @@ async def test_a_router_whose_reload_switches_to_reject_leaves_the_shared_line_a
         async with httpx.AsyncClient(timeout=60) as client:
             started = asyncio.Event()
 
-            async def running():  # (a long stream, ended by its client)
+            async def running():
                 async with client.stream("POST", ra.base_url + "/v1/completions", headers=auth(KEY_A),
                                          json=body(2000, stream=True)) as r:
                     assert r.status_code == 200
@@ -445,25 +505,12 @@ async def test_a_router_whose_reload_switches_to_reject_leaves_the_shared_line_a
                         started.set()
 
             first = asyncio.create_task(running())
-            await asyncio.wait_for(started.wait(), 10)
-            on_a = asyncio.create_task(client.post(ra.base_url + "/v1/completions", headers=auth(KEY_A), json=body(4)))
-            await apoll(lambda: _waiting(ra, "a") == 1, 10, what="A's head")
-            await asyncio.sleep(0.3)  # (A's head is in the store's line before B's)
-            on_b = asyncio.create_task(client.post(rb.base_url + "/v1/completions", headers=auth(KEY_A), json=body(4)))
-            await apoll(lambda: _waiting(rb, "a") == 1, 10, what="B's head")
-            doc = yaml.safe_load(ta.read_text())
-            doc["tenants"]["a"]["on_limit"] = "reject"
-            ta.write_text(yaml.safe_dump(doc, sort_keys=False))
-            r = await asyncio.wait_for(on_a, 5)
-            assert r.status_code == 429, r.text
-            assert not on_b.done()
-            first.cancel()  # the stream's client goes: its slot frees
-            ended = asyncio.get_running_loop().time()
-            r = await asyncio.wait_for(on_b, 10)
-            took = asyncio.get_running_loop().time() - ended
-            assert r.status_code == 200, r.text
-            # (a place left in the store's line holds B's head back for about 2.25 s)
-            assert took < 1.2, took
+            try:
+                await asyncio.wait_for(started.wait(), 10)
+                yield ra, rb, ta, client, first
+            finally:
+                first.cancel()
+                await asyncio.gather(first, return_exceptions=True)
     finally:
         ra.stop()
         rb.stop()
@@ -499,13 +546,14 @@ def _series(m, tenant: str) -> set[tuple[str, tuple[tuple[str, str], ...]]]:
 
 
 @contextlib.asynccontextmanager
-async def _one_running_one_waiting(tmp_path, tenants, first_tokens: int = 200):
-    """A router whose tenant ``a`` (its file written at ``tenants``) runs one
-    stream at a time: (router, client, a stream of ``first_tokens`` running
-    (10 ms each), a request waiting behind it in the tenant's line) as
-    tasks; the router stops after."""
+async def _one_running_one_waiting(tmp_path, tenants, first_tokens: int = 200, settings: dict | None = None):
+    """A router (with router.yaml ``settings``, if any) whose tenant ``a``
+    (its file written at ``tenants``) runs one stream at a time: (router,
+    client, a stream of ``first_tokens`` running (10 ms each), a request
+    waiting behind it in the tenant's line) as tasks; the router stops
+    after."""
     tenants_yaml(tenants, conc=1, on_limit="queue")
-    router = RouterProcess(tmp_path / "r", tenants=tenants, sim={"step_base_ms": 10}).start()
+    router = RouterProcess(tmp_path / "r", tenants=tenants, settings=settings, sim={"step_base_ms": 10}).start()
     try:
         async with httpx.AsyncClient(base_url=router.base_url, timeout=60) as client:
             first = asyncio.create_task(client.post("/v1/completions", headers=auth(KEY_A), json=body(first_tokens)))

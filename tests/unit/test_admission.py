@@ -430,6 +430,41 @@ async def test_a_reload_to_reject_while_the_first_ask_is_out_refuses_at_once() -
     await adm.finish(held, 1)
 
 
+class HeadLeavesSlowlyStore(MemoryStore):
+    """Takes a request out of the store's line after a few milliseconds, and
+    answers at once where there is nothing to take out: on Redis each ask is
+    a round trip on a connection of its own, and which is answered first is
+    not the order they were sent in."""
+
+    async def leave(self, tenant, lease_id):
+        t = self._tenants.get(tenant)
+        if t is not None and lease_id in t.line:
+            await asyncio.sleep(0.02)
+        await super().leave(tenant, lease_id)
+
+
+async def test_a_reload_to_reject_has_the_waiting_requests_ask_in_their_lines_order() -> None:
+    # (they asked all at once: where the head's ask was answered later, the
+    # slot the reload freed went to a request that came after it, and the
+    # head, which had waited longest, got the 429)
+    before = _policy(10.0, rpm=0, concurrent=1)
+    after = msgspec.structs.replace(before, on_limit="reject",
+                                    limits=msgspec.structs.replace(before.limits, max_concurrent=2))
+    adm = Admission(HeadLeavesSlowlyStore(), Metrics())
+    held = await adm.admit(before, 1)
+    waiting = []
+    for _ in range(3):
+        waiting.append(asyncio.create_task(adm.admit(before, 1)))
+        await asyncio.sleep(0.01)
+    assert adm.queued("t") == 3
+    adm.follow({"t": after})
+    done = await asyncio.wait_for(asyncio.gather(*waiting, return_exceptions=True), 1)
+    assert [type(d).__name__ for d in done] == ["Ticket", "RateLimited", "RateLimited"], done
+    assert not adm._lines.get("t") and not adm.store._tenants["t"].line
+    await adm.finish(done[0], 1)
+    await adm.finish(held, 1)
+
+
 async def test_a_request_that_comes_with_the_policy_before_a_reload_is_judged_by_the_new_one() -> None:
     # (a handler that looked its tenant's policy up before a reload, e.g. a
     # large body waiting for its turn, queued under a policy that refuses)
