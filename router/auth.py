@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import hashlib
+import unicodedata
 
 from router.errors import Forbidden, Unauthorized
 from router.tenants import TenantsFile
 
-__all__ = ["KeyIndex", "hash_key", "bearer", "authorization", "SEVERAL"]
+__all__ = ["KeyIndex", "hash_key", "bearer", "authorization", "header_text", "key_problem", "SEVERAL"]
 
 # The Authorization "value" of a request that sent the header more than
 # once (a NUL: never in a value that reached the router). Which one to use
@@ -20,16 +21,42 @@ def hash_key(key: str) -> str:
     return hashlib.sha256(key.encode("utf-8")).hexdigest()
 
 
+def header_text(raw: bytes) -> str:
+    """An Authorization header's bytes as the text the client meant: UTF-8,
+    what curl and most clients send (and what a key is hashed as). Bytes
+    that are not UTF-8 stay as lone surrogates, which ``bearer`` refuses:
+    read as latin-1 (as uvicorn and Litestar read headers), a non-ASCII key
+    was hashed as other text than the one its digest was made of, and never
+    matched over HTTP while it did over the WebSocket."""
+    return raw.decode("utf-8", "surrogateescape")
+
+
 def authorization(headers) -> str | None:
-    """The Authorization header of a request's (Litestar) ``headers``;
-    ``SEVERAL`` when it came more than once."""
+    """The Authorization header of a request's (Litestar) ``headers`` (read
+    as ``header_text``); ``SEVERAL`` when it came more than once."""
     values = headers.getall("authorization", [])
-    return SEVERAL if len(values) > 1 else values[0] if values else None
+    return SEVERAL if len(values) > 1 else header_text(values[0].encode("latin-1")) if values else None
+
+
+def key_problem(key: str) -> str | None:
+    """Why ``key`` can be no API key (None: it can be): a key is sent in a
+    header, where control characters cannot go, and the same rule holds
+    for the WebSocket's auth message, so that both take the same keys.
+    (Spaces around a key are no part of it: ``bearer`` drops them.)"""
+    for ch in key:
+        category = unicodedata.category(ch)
+        if category == "Cs":
+            return "the key is not valid UTF-8"
+        if category == "Cc":
+            return f"the key has a control character ({ch!r}), which no HTTP header can carry"
+    return None
 
 
 def bearer(authorization: str | None) -> str:
-    """The key in an ``Authorization: Bearer KEY`` header; 401 if absent,
-    malformed or sent more than once."""
+    """The key in an ``Authorization: Bearer KEY`` header (or a WebSocket's
+    auth message, given as that header), without the spaces around it; 401
+    if absent, malformed, sent more than once or no possible key
+    (``key_problem``)."""
     if authorization == SEVERAL:
         raise Unauthorized("The request has more than one Authorization header; send one.")
     if not authorization:
@@ -41,6 +68,9 @@ def bearer(authorization: str | None) -> str:
     key = key.strip()
     if scheme.lower() != "bearer" or not key:
         raise Unauthorized("Malformed Authorization header; expected 'Bearer YOUR_KEY'.")
+    problem = key_problem(key)
+    if problem is not None:
+        raise Unauthorized(f"Malformed API key: {problem}.")
     return key
 
 

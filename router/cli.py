@@ -259,7 +259,7 @@ def _hash_key(args: argparse.Namespace) -> int:
     """Print the digest of a key given as an argument, piped on stdin (``-``
     or no argument) or typed at a prompt, so it need not sit in shell history
     or ``ps``."""
-    from router.auth import hash_key
+    from router.auth import hash_key, key_problem
 
     key = args.key
     if key == "-" or (key is None and not sys.stdin.isatty()):
@@ -282,6 +282,14 @@ def _hash_key(args: argparse.Namespace) -> int:
         print("fairstream hash-key: error: the key spans several lines; hash one key at a time",
               file=sys.stderr)
         return 2
+    problem = key_problem(key)  # (the router refuses such a key on every transport: no digest of it)
+    if problem is not None:
+        print(f"fairstream hash-key: error: {problem}", file=sys.stderr)
+        return 2
+    if not key.isascii():  # (the router takes it, sent as UTF-8; many clients cannot send it)
+        print("fairstream hash-key: note: the key is not ASCII: curl and the WebSocket's auth message can send "
+              "it, but the openai SDK and httpx (given it as text), requests and browsers' fetch cannot; "
+              "see README, \"API keys\"", file=sys.stderr)
     print(hash_key(key))
     return 0
 

@@ -36,7 +36,7 @@ from litestar import Litestar
 from litestar.routes import WebSocketRoute
 from litestar.utils import normalize_path
 
-from router.auth import SEVERAL
+from router.auth import SEVERAL, header_text
 from router.completions import new_request_id, open_stream, respond_whole, start_generation
 from router.cors import preflight_refusal, response_headers
 from router.errors import ApiError, PayloadTooLarge, RouterShutdown, error_body, unknown_path
@@ -84,7 +84,7 @@ class FastPath:
                 client_rid = ""
                 for k, v in scope["headers"]:
                     if k == b"authorization":
-                        auth = v.decode("latin-1") if auth is None else SEVERAL
+                        auth = header_text(v) if auth is None else SEVERAL
                     elif k == b"origin":
                         origin = v.decode("latin-1")
                     elif k == b"content-encoding":  # (several headers: one list)

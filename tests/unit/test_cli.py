@@ -138,14 +138,26 @@ def test_hash_key_reads_the_key_from_stdin(args: list[str], stdin: str) -> None:
         ([], " \n", "the key is empty"),
         ([""], "", "the key is empty"),
         (["-"], "KEY1\nKEY2\n", "the key spans several lines"),
+        # no header can carry them (they hashed, and the key worked over the WebSocket only)
+        (["sk-a\x01b"], "", "the key has a control character ('\\x01')"),
+        (["-"], "sk-a\tb\n", "the key has a control character ('\\t')"),
+        (["sk-\x1b[0m"], "", "the key has a control character ('\\x1b')"),
     ],
-    ids=["dash-nothing", "piped-blank", "empty-argument", "two-lines"],
+    ids=["dash-nothing", "piped-blank", "empty-argument", "two-lines", "control", "tab", "escape"],
 )
-def test_hash_key_refuses_an_empty_or_multiline_key(args: list[str], stdin: str, error: str) -> None:
+def test_hash_key_refuses_a_key_no_client_can_send(args: list[str], stdin: str, error: str) -> None:
     proc = _cli("hash-key", *args, stdin=stdin)
     assert proc.returncode == 2
     assert proc.stdout == ""
     assert proc.stderr.startswith(f"fairstream hash-key: error: {error}"), proc.stderr
+
+
+def test_hash_key_hashes_a_non_ascii_key_as_utf8_and_says_which_clients_cannot_send_it() -> None:
+    proc = _cli("hash-key", "sk-ключ-юникод")
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout == f"{_digest('sk-ключ-юникод')}\n"  # (UTF-8, as the router reads the header)
+    assert "not ASCII" in proc.stderr and "httpx" in proc.stderr, proc.stderr
+    assert _cli("hash-key", "sk-ascii").stderr == ""
 
 
 def test_hash_key_prompts_at_a_terminal() -> None:

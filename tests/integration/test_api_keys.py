@@ -1,0 +1,91 @@
+"""Which API keys authenticate, over HTTP (Litestar's routes and the fast
+path) and over the WebSocket alike: a key is text, sent in the header as
+its UTF-8 bytes (what curl sends, and httpx given bytes) or in the auth
+message as JSON text, and hashed as UTF-8 either way. Keys with control
+characters can be sent in no header, and are refused on both transports."""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import json
+from pathlib import Path
+
+import httpx
+import pytest
+import yaml
+from websockets.asyncio.client import connect
+
+from router.auth import hash_key
+from tests.helpers import ADMIN, MODEL, RouterProcess
+
+KEY_UNI = "sk-ключ-юникод-0123456789"  # (24 characters or more: its error shows its ends)
+# registered as its digest, as `sha256sum` would make it (`fairstream hash-key` refuses it)
+KEY_CTL = "sk-control\x01character-key"
+WRONG_UNI = "sk-неверный-ключ-0123-вот"
+
+
+@pytest.fixture(scope="module")
+def router(tmp_path_factory) -> RouterProcess:
+    d: Path = tmp_path_factory.mktemp("keys")
+    tenants = d / "tenants.yaml"
+    tenants.write_text(yaml.safe_dump({
+        "admin_keys": [hash_key(ADMIN)],
+        "tenants": {"uni": {"keys": [hash_key(KEY_UNI), hashlib.sha256(KEY_CTL.encode()).hexdigest()]}},
+    }, sort_keys=False))
+    r = RouterProcess(d / "r", replicas=1, tenants=tenants, sim={"step_base_ms": 1})
+    r.start()
+    yield r
+    r.stop()
+
+
+def _auth(key: str) -> dict[str, bytes]:
+    return {"Authorization": b"Bearer " + key.encode("utf-8")}  # (httpx sends a str value only if ASCII)
+
+
+def _chat() -> dict:
+    return {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3}
+
+
+def test_a_non_ascii_key_sent_as_utf8_authenticates_over_http(router: RouterProcess) -> None:
+    with httpx.Client(base_url=router.base_url, timeout=30) as http:
+        assert http.get("/v1/models", headers=_auth(KEY_UNI)).status_code == 200  # a Litestar route
+        r = http.post("/v1/chat/completions", headers=_auth(KEY_UNI), json=_chat())  # the fast path
+        assert r.status_code == 200, r.text
+        r = http.post("/v1/completions", headers=_auth(KEY_UNI), json={"model": MODEL, "prompt": "hi", "max_tokens": 3})
+        assert r.status_code == 200, r.text
+
+
+def test_a_wrong_non_ascii_key_is_shown_ungarbled(router: RouterProcess) -> None:
+    with httpx.Client(base_url=router.base_url, timeout=30) as http:
+        for r in (http.get("/v1/models", headers=_auth(WRONG_UNI)),
+                  http.post("/v1/chat/completions", headers=_auth(WRONG_UNI), json=_chat())):
+            assert r.status_code == 401, r.text
+            assert r.json()["error"]["message"] == "Incorrect API key provided: sk-****-вот.", r.text
+
+
+def test_a_header_that_is_not_utf8_is_refused_as_malformed(router: RouterProcess) -> None:
+    with httpx.Client(base_url=router.base_url, timeout=30) as http:
+        for r in (http.get("/v1/models", headers={"Authorization": b"Bearer sk-caf\xe9-latin-1"}),
+                  http.post("/v1/chat/completions", headers={"Authorization": b"Bearer sk-\xff"}, json=_chat())):
+            assert r.status_code == 401, r.text
+            assert "UTF-8" in r.json()["error"]["message"], r.text
+
+
+async def _ws_auth(router: RouterProcess, key: str) -> dict:
+    url = router.base_url.replace("http://", "ws://") + "/v1/ws"
+    async with connect(url, proxy=None, open_timeout=10, close_timeout=5) as ws:
+        await ws.send(json.dumps({"type": "auth", "api_key": key}))
+        return json.loads(await asyncio.wait_for(ws.recv(), 10))
+
+
+async def test_the_websocket_takes_the_keys_http_takes(router: RouterProcess) -> None:
+    assert await _ws_auth(router, KEY_UNI) == {"type": "auth", "ok": True}
+    # spaces around a key are no part of it, as in a header
+    assert await _ws_auth(router, f"  {KEY_UNI} ") == {"type": "auth", "ok": True}
+    # a key no header can carry does not authenticate here either (it did)
+    refused = await _ws_auth(router, KEY_CTL)
+    assert refused["error"]["code"] == "invalid_api_key" and "control" in refused["error"]["message"], refused
+    with httpx.Client(base_url=router.base_url, timeout=30) as http:
+        r = http.get("/v1/models", headers={"Authorization": b"Bearer " + KEY_CTL.encode()})
+        assert r.status_code in (400, 401), r.text  # (httptools refuses the byte, or the router the key)
