@@ -74,6 +74,8 @@ class RouterConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     """Seconds a connection may take to send a request's head (request line and headers), from its start or the request's first byte: a connection that sends nothing, or trickles its head, gets a 408 and is closed (nginx's ``client_header_timeout``). Heads over 64 KiB are a 431."""
     body_timeout: float = 60.0
     """Seconds a request's body may go without arriving, after its head or between two reads (408 and closed after; nginx's ``client_body_timeout``)."""
+    body_total_timeout: float = 120.0
+    """Seconds a request's body may take to arrive whole, from the end of its head, however steadily it trickles in (408 ``body_timeout`` and closed after, as for ``header_timeout``'s head). A body of ``max_body_bytes`` (4 MiB) must arrive at about 35 KB/s or faster; raise it with ``max_body_bytes`` for clients on slower links."""
     ws_idle_timeout: float = 300.0
     """Seconds an authenticated WebSocket may stay open with no request running and no message from its client; then the router closes it (code 1000, reason ``idle``). uvicorn's pings keep a silent socket alive, so without this one client could hold connection slots for good. 0: no limit."""
 
@@ -128,8 +130,8 @@ class RouterConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
         for key in ("shutdown_grace", "send_timeout", "ws_idle_timeout"):
             if getattr(self, key) < 0:
                 errors.append(located.error((key,), "must not be negative"))
-        for key in ("header_timeout", "body_timeout", "reconnect_interval", "health_interval", "health_timeout",
-                    "restart_backoff_max"):
+        for key in ("header_timeout", "body_timeout", "body_total_timeout", "reconnect_interval", "health_interval",
+                    "health_timeout", "restart_backoff_max"):
             if getattr(self, key) <= 0:  # (0: pings in a busy loop, every replica stalled at once, restarts in one)
                 errors.append(located.error((key,), "must be positive"))
         if self.ready_timeout < 0:

@@ -3,7 +3,8 @@ with the limits a server facing many clients needs.
 
 uvicorn sets none for a request's head: here a connection that sends no
 complete head within router.yaml's ``header_timeout`` gets a 408 (as one
-whose body stops arriving for ``body_timeout``), a head larger than
+whose body stops arriving for ``body_timeout``, or has not come whole
+within ``body_total_timeout``), a head larger than
 ``MAX_HEAD_BYTES`` a 431, bytes that are not HTTP/1.1 a 400, an HTTP/1.0
 WebSocket upgrade a 400, all in OpenAI's error shape and counted in
 ``fairstream_http_connections_refused_total``. At start the router raises
@@ -37,8 +38,10 @@ log = logging.getLogger("fairstream.router")
 MAX_HEAD_BYTES = 64 * 1024  # request line and headers
 HEAD_TIMEOUT = "Timed out reading the request head."
 BODY_TIMEOUT = "Timed out reading the request body."
-# fairstream_http_connections_refused_total's reason of each refusal
-_REASONS = {HEAD_TIMEOUT: "header_timeout", BODY_TIMEOUT: "body_timeout"}
+BODY_TOO_SLOW = "Timed out reading the request body: it arrived too slowly."
+# fairstream_http_connections_refused_total's reason of each refusal (and
+# the error's code)
+_REASONS = {HEAD_TIMEOUT: "header_timeout", BODY_TIMEOUT: "body_timeout", BODY_TOO_SLOW: "body_timeout"}
 # at most one "too many connections" warning per this many seconds
 OVER_CAP_LOG_INTERVAL = 10.0
 # seconds a connection past max_connections has to send its request before
@@ -121,8 +124,9 @@ class HttpConnection(HttpToolsProtocol):
     clients needs, which uvicorn does not set for a request's head: a
     connection that sends no complete request head within ``head_timeout``
     (idle from the start, or trickling bytes) gets a 408 and is closed, as
-    one whose body stops arriving for ``body_timeout`` (router.yaml's
-    ``header_timeout`` and ``body_timeout``, set by ``Server``); a head
+    one whose body stops arriving for ``body_timeout`` or has not come
+    whole within ``body_total_timeout`` (router.yaml's ``header_timeout``,
+    ``body_timeout`` and ``body_total_timeout``, set by ``Server``); a head
     larger than ``MAX_HEAD_BYTES`` is a 431. (Between requests, uvicorn's
     keep-alive timeout applies.)"""
 
@@ -130,10 +134,11 @@ class HttpConnection(HttpToolsProtocol):
     # attributes share their keys among instances, and 7 more in the
     # instance dict pushed it past CPython's limit for shared keys, to a
     # 1.6 KB dict of its own on every connection)
-    __slots__ = ("_head", "_raw", "_in_head", "_refused", "_over", "_deadline", "_lost", "_stopping")
+    __slots__ = ("_head", "_raw", "_in_head", "_refused", "_over", "_deadline", "_lost", "_stopping", "_body_by")
 
     head_timeout = 30.0
     body_timeout = 60.0
+    body_total_timeout = 120.0
     max_connections = 0  # 0: no cap
     metrics: Metrics | None = None  # (the router's: open and refused connections)
     _over_cap_logged = -OVER_CAP_LOG_INTERVAL  # (loop time of the last warning)
@@ -141,12 +146,13 @@ class HttpConnection(HttpToolsProtocol):
     _over_cap_flush: asyncio.TimerHandle | None = None  # (the warning for the last of them)
 
     @classmethod
-    def configure(cls, head_timeout: float, body_timeout: float, max_connections: int,
+    def configure(cls, head_timeout: float, body_timeout: float, body_total_timeout: float, max_connections: int,
                   metrics: Metrics | None = None) -> None:
         """The limits of this process's server (one server per process), the
         metrics it counts connections in, and a fresh tally of connections
         refused past the cap."""
-        cls.head_timeout, cls.body_timeout, cls.max_connections = head_timeout, body_timeout, max_connections
+        cls.head_timeout, cls.body_timeout, cls.body_total_timeout = head_timeout, body_timeout, body_total_timeout
+        cls.max_connections = max_connections
         cls.metrics = Handshake.metrics = metrics  # (Handshake: the WebSocket handshakes websockets refuses)
         if cls._over_cap_flush is not None:
             cls._over_cap_flush.cancel()
@@ -167,6 +173,7 @@ class HttpConnection(HttpToolsProtocol):
         # one past max_connections: its request is read, then answered 503
         self._over = 0 < self.max_connections < len(self.connections)
         self._deadline: asyncio.TimerHandle | None = None
+        self._body_by = 0.0  # (loop time the request's body must have come whole by: _start_body)
         self._lost: list[Callable[[], None]] = []  # (see on_headers_complete)
         if self._over:  # (its request, or not, within OVER_CAP_READ: answered all the same)
             self._deadline = self.loop.call_later(OVER_CAP_READ, self._refuse_over_cap)
@@ -187,6 +194,25 @@ class HttpConnection(HttpToolsProtocol):
             self._limit(0, None)
         else:
             self._limit(seconds, why)
+
+    def _start_body(self) -> None:
+        """The request's body starts to count: it must come whole within
+        ``body_total_timeout`` from now (``_limit_body``)."""
+        self._body_by = self.loop.time() + self.body_total_timeout
+        self._limit_body()
+
+    def _limit_body(self) -> None:
+        """The body's one deadline, as the head's: ``body_timeout`` from now
+        (between two reads, as nginx's), but never past its total's end.
+        Reset at each read alone, it let a body trickled a byte at a time
+        hold its connection for as long as its length lasted (megabytes:
+        days). None for a request queued behind a response under way
+        (``_limit_unless_queued``; it starts in ``on_response_complete``)."""
+        left = self._body_by - self.loop.time()
+        if left < self.body_timeout:
+            self._limit_unless_queued(max(0.0, left), BODY_TOO_SLOW)
+        else:
+            self._limit_unless_queued(self.body_timeout, BODY_TIMEOUT)
 
     def _refuse(self, status: int, message: str, code: str, reason: str) -> None:
         """Answer ``status`` as an OpenAI error with that ``code`` (a 503 with
@@ -348,7 +374,7 @@ class HttpConnection(HttpToolsProtocol):
             return  # (read to its end, then answered: on_message_complete)
         before = self.cycle
         super().on_headers_complete()  # (queues it behind a response under way, if one is)
-        self._limit_unless_queued(self.body_timeout, BODY_TIMEOUT)
+        self._start_body()
         if self.cycle is not None:
             if self.cycle is not before:  # (a new request's: nothing waits on uvicorn's event yet)
                 self.cycle.message_event = _ListEvent()
@@ -362,7 +388,7 @@ class HttpConnection(HttpToolsProtocol):
         if self._refused:
             return
         if not self._over:
-            self._limit_unless_queued(self.body_timeout, BODY_TIMEOUT)  # (between two reads, as nginx)
+            self._limit_body()
             super().on_body(body)
 
     def on_message_complete(self) -> None:
@@ -385,7 +411,7 @@ class HttpConnection(HttpToolsProtocol):
         if self._in_head:
             self._limit(self.head_timeout, HEAD_TIMEOUT)
         elif self.cycle is not None and self.cycle.more_body:
-            self._limit(self.body_timeout, BODY_TIMEOUT)
+            self._start_body()
 
     def handle_websocket_upgrade(self) -> None:
         if self._refused:

@@ -142,7 +142,7 @@ class Server(uvicorn.Server):
         self.service = app.svc
         cfg = app.svc.config
         files = open_file_limit()
-        HttpConnection.configure(cfg.header_timeout, cfg.body_timeout,
+        HttpConnection.configure(cfg.header_timeout, cfg.body_timeout, cfg.body_total_timeout,
                                  cfg.max_connections or default_max_connections(files), app.svc.metrics)
         log.info("open-file limit %s; serving at most %s client connections", files or "unlimited",
                  HttpConnection.max_connections or "unlimited")

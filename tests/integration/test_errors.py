@@ -4,6 +4,7 @@ health, readiness and metrics endpoints; failures stay isolated from healthy str
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import gzip
 import json
 import socket
@@ -658,6 +659,61 @@ def test_connections_that_do_not_finish_their_request_in_time_are_closed(tmp_pat
                        json=chat_body(max_tokens=200, stream=True, ignore_eos=True))
         assert r.status_code == 200 and r.text.rstrip().endswith("data: [DONE]")
         assert r.elapsed.total_seconds() > 1.0
+
+
+def test_a_trickled_body_gets_a_408_by_body_total_timeout_and_a_slow_steady_one_is_served(tmp_path) -> None:
+    # body_timeout counts between two reads only: a body trickled a byte a
+    # second was never answered (500 such connections, all open 35 s on)
+    settings = {"body_timeout": 1.0, "body_total_timeout": 4.0}
+    with RouterProcess(tmp_path / "r", replicas=1, settings=settings, sim={"step_base_ms": 1}) as router:
+        def head(length: int) -> bytes:
+            return (b"POST " + CHAT.encode() + b" HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer " + GOLD.encode()
+                    + b"\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n" % length)
+
+        # an honest large body over a slow, steady link: ~330 KB (JSON's own
+        # whitespace, a prompt any tenant may send) in 2 s, past body_timeout
+        # in all, within the total
+        body = b"{" + b" " * 330_000 + json.dumps(chat_body(max_tokens=3)).encode()[1:]
+        honest = _raw(router)
+        honest.sendall(head(len(body)))
+        for i in range(0, len(body), len(body) // 20 + 1):
+            time.sleep(0.1)
+            honest.sendall(body[i:i + len(body) // 20 + 1])
+
+        slow = _raw(router)
+        slow.sendall(head(1000) + b'{"model"')
+        slow.settimeout(0.3)
+        t0, answer = time.monotonic(), b""
+        while not answer and time.monotonic() - t0 < 10:
+            with contextlib.suppress(OSError):
+                slow.sendall(b" ")  # (whitespace: JSON that is never done)
+            with contextlib.suppress(TimeoutError):
+                answer = slow.recv(65536)
+        took = time.monotonic() - t0
+        slow.settimeout(10)
+        answer += _answer(slow)
+        slow.close()
+        assert answer.startswith(b"HTTP/1.1 408 ") and b"request body" in answer, answer
+        assert b"content-type: application/json" in answer and b'"code":"body_timeout"' in answer, answer
+        assert 3.5 <= took < 5.5, took  # (4 s from its head; each byte came well within body_timeout)
+
+        honest.settimeout(30)
+        reply = _answer_one(honest)
+        honest.close()
+        assert reply.startswith(b"HTTP/1.1 200 "), reply[:300]
+        assert router.metrics().value("fairstream_http_connections_refused_total", reason="body_timeout") == 1
+
+
+def _answer_one(sock) -> bytes:
+    """One content-length response (the connection stays open after it)."""
+    out = b""
+    while b"\r\n\r\n" not in out:
+        out += sock.recv(65536)
+    head, _, rest = out.partition(b"\r\n\r\n")
+    length = int(next(ln.split(b":")[1] for ln in head.split(b"\r\n") if ln.lower().startswith(b"content-length:")))
+    while len(rest) < length:
+        rest += sock.recv(65536)
+    return out
 
 
 def test_an_http_1_0_client_gets_its_stream_unchunked_and_closed(shared_router: RouterProcess) -> None:

@@ -54,7 +54,8 @@ def in_process_router(tmp_path, monkeypatch):
         config, tenants = load_router_config(tmp_path / "router.yaml")
         # what the router sets for its whole process, put back afterwards
         stack.callback(hc.HttpConnection.configure, hc.HttpConnection.head_timeout, hc.HttpConnection.body_timeout,
-                       hc.HttpConnection.max_connections, hc.HttpConnection.metrics)
+                       hc.HttpConnection.body_total_timeout, hc.HttpConnection.max_connections,
+                       hc.HttpConnection.metrics)
         stack.callback(gc.set_threshold, *gc.get_threshold())
         stack.callback(gc.unfreeze)  # (it froze what it had at start, this test process's objects with it)
         port = free_port()

@@ -66,9 +66,10 @@ async def app(scope, receive, send):
 
 
 @contextlib.contextmanager
-def serving(head=0.5, body=0.5, max_connections=0, metrics=None):
-    old = hc.HttpConnection.head_timeout, hc.HttpConnection.body_timeout, hc.HttpConnection.max_connections, hc.HttpConnection.metrics
-    hc.HttpConnection.configure(head, body, max_connections, metrics)
+def serving(head=0.5, body=0.5, max_connections=0, metrics=None, body_total=60.0):
+    c = hc.HttpConnection
+    old = c.head_timeout, c.body_timeout, c.body_total_timeout, c.max_connections, c.metrics
+    hc.HttpConnection.configure(head, body, body_total, max_connections, metrics)
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=PORT, http=hc.HttpConnection, ws=srv._WebSocket,
                                           loop="asyncio", lifespan="off", log_level="warning"))
     t = threading.Thread(target=server.run, daemon=True)
@@ -197,6 +198,63 @@ def test_a_body_that_keeps_arriving_is_not_cut_by_body_timeout():
         answer = read_all_until(s, b"got ")
         s.close()
     assert answer.startswith(b"HTTP/1.1 200"), answer
+
+
+def trickle(s: socket.socket, every: float, limit: float) -> tuple[bytes, float]:
+    """Send a body byte every ``every`` seconds until the server answers (or
+    ``limit`` seconds pass): what it answered, and when."""
+    t0 = time.monotonic()
+    out = b""
+    while time.monotonic() - t0 < limit:
+        with contextlib.suppress(OSError):
+            s.sendall(b"b")
+        s.settimeout(every)
+        with contextlib.suppress(TimeoutError):
+            out = s.recv(65536)
+        if out:
+            break
+    return out + read_all_until(s, b"}"), time.monotonic() - t0
+
+
+def test_a_trickled_body_gets_a_408_when_body_total_timeout_is_up():
+    # body_timeout is between two reads: a byte every 0.2 s, far under it,
+    # held the connection for as long as the body's announced length lasted
+    # (1 byte/s: 500 such connections were open 35 s on, none answered)
+    with serving(head=5, body=1.0, body_total=2.0):
+        s = conn()
+        s.sendall(b"POST /echo HTTP/1.1\r\nHost: x\r\nContent-Length: 100000\r\n\r\n")
+        answer, took = trickle(s, 0.2, 6)
+        s.close()
+    assert answer.startswith(b"HTTP/1.1 408"), answer
+    assert b'"code":"body_timeout"' in answer and b"application/json" in answer, answer
+    assert 1.8 <= took < 3.0, took  # (the total, counted from the head's end: not a read's gap)
+
+
+def test_a_slow_steady_large_body_that_arrives_within_body_total_timeout_is_served():
+    with serving(head=5, body=1.0, body_total=4.0):
+        s = conn()
+        piece = b"b" * 16384
+        s.sendall(b"POST /echo HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n\r\n" % (20 * len(piece)))
+        for _ in range(20):  # 320 KiB over 2 s: longer than body_timeout, within the total
+            time.sleep(0.1)
+            s.sendall(piece)
+        answer = read_all_until(s, b"got ")
+        s.close()
+    assert answer.startswith(b"HTTP/1.1 200") and answer.endswith(b"got %d" % (20 * len(piece))), answer
+
+
+def test_a_pipelined_body_s_total_starts_when_its_request_does():
+    # behind a response under way uvicorn stops reading: the queued body's
+    # total is not spent while the stream ahead of it runs (2 s, past the total)
+    with serving(head=5, body=5, body_total=1.5):
+        s = conn()
+        s.sendall(b"GET /slow HTTP/1.1\r\nHost: x\r\n\r\n"
+                  b"POST /echo HTTP/1.1\r\nHost: x\r\nContent-Length: 5\r\n\r\nhe")
+        time.sleep(2.2)  # (the stream's last piece is out at 2 s)
+        s.sendall(b"llo")
+        answer = read_all_until(s, b"got ")
+        s.close()
+    assert b"piece9" in answer and b"got 5" in answer, answer
 
 
 def test_a_connection_past_max_connections_gets_a_503_and_the_open_ones_go_on():
