@@ -10,12 +10,13 @@ from __future__ import annotations
 
 import re
 from collections.abc import Iterator
-from json.decoder import JSONDecoder, scanstring
 from typing import Annotated, Any
 
 import msgspec
 
 from replicas.protocol import REFUSED_TEMPLATE_KWARGS, SamplingParams
+from router.entry_keys import LOC as _LOC
+from router.entry_keys import key_of_entry
 from router.errors import BadRequest, clip
 
 __all__ = [
@@ -149,7 +150,6 @@ _UNSUPPORTED_NEUTRAL: dict[str, Any] = {
     "verbosity": (None, "medium"),  # (OpenAI's default)
     "moderation": (None,),
 }
-_LOC = re.compile(r" - at `\$([^`]*)`$")  # (".messages[0].role", "[...]")
 # The least value of options an integer sets, supported or not: below it a
 # value is invalid anywhere (OpenAI's 400 naming it), not an option this
 # server lacks. (vLLM: best_of at least n, so at least 1; a completion's
@@ -164,61 +164,6 @@ def _check_least(req: _Common) -> None:
         value = getattr(req, name, None)
         if type(value) is int and value < lo:  # (a bool is no count: a chat's logprobs false)
             raise BadRequest(f"'{name}' must be at least {lo}; got {value}.", param=name)
-
-
-def _key_of_entry(body: bytes, kind: type[_Common], param: str, reason: str) -> str:
-    """msgspec names a failing entry of a top-level object field ``[...]``
-    (``metadata[...]``): name its key instead (``metadata.a``), as a config
-    file's errors do. An error path, but its body may be megabytes of
-    entries (a review: 330,000 of ``logit_bias`` took 1.5 s decoded to
-    Python objects and walked whole): the body is split into raw JSON (C),
-    and a field of at most ``_KEYED_BYTES`` into its entries, whose values
-    are tried one at a time, in order (a larger one keeps msgspec's
-    ``[...]``). The decode judged each occurrence of a key sent twice: if
-    no last value is bad, all are tried (``_occurrences``: slower, second)."""
-    field, _, rest = param.partition("[...]")
-    fields = {f.encode_name: f.type for f in msgspec.structs.fields(kind)}
-    value_type = next((t.__args__[1] for t in getattr(fields.get(field), "__args__", ())
-                       if getattr(t, "__origin__", None) is dict), None)
-    if value_type is None:
-        return param
-    try:
-        raw = msgspec.json.decode(body, type=dict[str, msgspec.Raw])[field]
-        if len(raw) > _KEYED_BYTES:
-            return param
-        for entries in (msgspec.json.decode(raw, type=dict[str, msgspec.Raw]).items(),
-                        _occurrences(bytes(raw).decode())):
-            for key, value in entries:
-                try:
-                    msgspec.json.decode(value, type=value_type)
-                except msgspec.ValidationError as e:
-                    m = _LOC.search(str(e))
-                    if (str(e)[: m.start()] if m else str(e)) == reason:
-                        return f"{field}.{key}" + rest
-                except msgspec.MsgspecError:
-                    continue
-    except (msgspec.MsgspecError, KeyError, ValueError, IndexError, RecursionError):
-        return param
-    return param
-
-
-_JSON = JSONDecoder()
-_SPACE = re.compile(r"[ \t\n\r]*")
-
-
-def _occurrences(obj: str) -> Iterator[tuple[str, str]]:
-    """(key, value as sent) of each entry of the JSON object ``obj`` (well
-    formed: decoded once already) in order, a key sent twice twice."""
-    at = _SPACE.match(obj, 1).end()
-    while obj[at] == '"':
-        key, at = scanstring(obj, at + 1)
-        at = _SPACE.match(obj, _SPACE.match(obj, at).end() + 1).end()  # (past the ':')
-        end = _JSON.raw_decode(obj, at)[1]
-        yield key, obj[at:end]
-        at = _SPACE.match(obj, _SPACE.match(obj, end).end() + 1).end()  # (past the ',' or '}')
-
-
-_KEYED_BYTES = 64 * 1024  # (about 5,000 entries: a few ms of tries; 10 by _occurrences)
 
 
 def _unsupported(req: _Common) -> str | None:
@@ -258,7 +203,7 @@ def _invalid(e: msgspec.ValidationError | msgspec.DecodeError | RecursionError, 
     param = (at + m.group(1)).lstrip(".") if m else at
     reason = text[: m.start()] if m else text
     if body is not None and kind is not None and "[...]" in param:
-        param = _key_of_entry(body, kind, param, reason)
+        param = key_of_entry(body, kind, param, reason)
     if not param and reason.startswith("Expected `object`"):
         return BadRequest("The request body must be a JSON object.", code="invalid_json")
     unknown = re.match(r"Object contains unknown field `([^`]+)`", reason)
