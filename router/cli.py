@@ -164,9 +164,11 @@ def _told_kind(path: str) -> type | None:
     from router.config import RouterConfig
     from router.tenants import TenantsFile
 
+    from router.yaml_syntax import unmarked
+
     try:
         with open(path, encoding="utf-8") as f:
-            text = f.read()
+            text = unmarked(f.read())  # (a byte order mark would hide line 1's key from _KEY_LINE)
     except (OSError, ValueError):  # (ValueError: not UTF-8)
         return None
     # (the top-level keys only, from the parser's events: building the whole

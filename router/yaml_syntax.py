@@ -15,22 +15,33 @@ import re
 
 import yaml
 
-__all__ = ["syntax_error", "reader_error", "cut", "FAST_LOADER"]
+__all__ = ["syntax_error", "reader_error", "unmarked", "cut", "FAST_LOADER"]
 
 
 def reader_error(name: str, text: str, e: yaml.reader.ReaderError) -> str:
     """``file:line: (syntax): reason`` for a character YAML does not allow,
-    at its line and column, naming it (the reader's error gives an offset
-    in the whole text: bytes of UTF-8 from libyaml, characters from PyYAML)."""
+    at its line and column, naming it. The reader's error gives an offset in
+    the whole text: bytes of UTF-8 from libyaml (its encoding ``'?'``),
+    characters from PyYAML's own reader (``'unicode'``: a PyYAML without
+    libyaml); either counts a byte order mark, which columns do not."""
     at = e.position
-    if isinstance(e.character, int):  # (libyaml's: a code point, and a byte offset)
+    if e.encoding == "?":
         at = len(text.encode("utf-8", "surrogatepass")[:at].decode("utf-8", "ignore"))
+    bare = unmarked(text)  # (the offset counts a byte order mark, the columns do not)
+    text, at = bare, at - (len(text) - len(bare))
     if not (0 <= at < len(text)):
         return f"{name}:1: (syntax): {e.reason} in YAML"
     code = e.character if isinstance(e.character, int) else ord(e.character)
     breaks = list(_BREAK.finditer(text, 0, at))
     line, column = len(breaks) + 1, at - (breaks[-1].end() if breaks else 0) + 1
     return f"{name}:{line}: (syntax): character U+{code:04X} at column {column}: {e.reason} in YAML; remove it"
+
+
+def unmarked(text: str) -> str:
+    """``text`` without the byte order mark it may begin with: YAML's readers
+    drop it, so their marks' columns on line 1 do not count it (nor should
+    a diagnosis that reads the text's lines, or its keys)."""
+    return text[1:] if text.startswith("\ufeff") else text
 
 
 _BREAK = re.compile("\r\n|[\r\n\x85\u2028\u2029]")  # (the line breaks YAML counts lines by)
@@ -46,6 +57,7 @@ def syntax_error(name: str, text: str, e: yaml.MarkedYAMLError) -> str:
     the stopping line with the line it began on. A key without its ':' reads
     as plain text that runs on into the lines after it (``_run_on``)."""
     mark, context = e.problem_mark, e.context_mark
+    text = unmarked(text)  # (the marks' lines and columns are the same without it)
     line = (mark.line + 1) if mark else 1
     problem = str(e.problem or e)
     lines = text.splitlines()
@@ -140,7 +152,7 @@ def _key_before_comment(text: str, lines: list[str], mark: yaml.Mark) -> yaml.Ma
     if not isinstance(event, yaml.ScalarEvent) or event.style not in (None, ""):
         return None
     start, end = event.start_mark, event.end_mark
-    if not (start.line == end.line < mark.line and lines[start.line][:start.column].strip(" \ufeff") == ""):
+    if not (start.line == end.line < mark.line and lines[start.line][:start.column].strip(" ") == ""):
         return None
     rest = lines[start.line][end.column:].strip()
     if rest[:1] not in ("", "#") or not _commented(lines, start, mark.line):
@@ -152,9 +164,8 @@ def _key_before_comment(text: str, lines: list[str], mark: yaml.Mark) -> yaml.Ma
 
 
 def _quoted(lines: list[str], start: yaml.Mark) -> str:
-    """The text from ``start`` to the end of its line, in backquotes (cut
-    short; without a byte order mark, which the file may begin with)."""
-    text = lines[start.line][start.column:].strip().lstrip("\ufeff") if start.line < len(lines) else ""
+    """The text from ``start`` to the end of its line, in backquotes (cut short)."""
+    text = lines[start.line][start.column:].strip() if start.line < len(lines) else ""
     if text[:1] not in ("'", '"'):  # (in a plain scalar, " #" begins a comment)
         text = _COMMENT.split(text, 1)[0]
     return f"`{cut(text)}`"

@@ -485,3 +485,15 @@ def test_check_config_says_when_it_cannot_tell_a_file_s_kind(tmp_path) -> None:
     assert proc.returncode == 1
     assert f"{tmp_path / 'main.yaml'}: note: no top-level key can be read to tell a router config from a tenants " \
         "file; taken for the tenants file given with a router config" in proc.stderr, proc.stderr
+
+
+def test_check_config_tells_the_kind_by_a_key_on_line_1_after_a_byte_order_mark(tmp_path, monkeypatch) -> None:
+    # (the file was read as 'utf-8': the mark stayed before line 1's key, which
+    # the keys written at the start of a line, read when the parser read none,
+    # then missed; a parser that reads no key stands in for a line-1 error)
+    from router.config import RouterConfig
+
+    path = tmp_path / "f.yaml"
+    path.write_text("\ufeffport: 1\n", encoding="utf-8")
+    monkeypatch.setattr(cli, "_keys_before_error", lambda text: {})
+    assert cli._config_kind(str(path), beside_router=True) is RouterConfig

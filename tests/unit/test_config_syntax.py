@@ -221,3 +221,30 @@ async def test_a_reload_of_such_a_file_names_its_line_and_keeps_the_policy(tmp_p
     result = await registry.reload()
     assert not result.ok and result.errors[0].startswith(f"{path}{want}"), result.errors
     assert registry.current.version == 1
+
+
+def test_a_key_without_its_colon_on_the_first_line_after_a_byte_order_mark_is_reported_at_its_line() -> None:
+    # (libyaml does not count the mark in columns, the text's first line held
+    # it: the key was not found, "expected <document start>" at line 2)
+    message = _error("\ufeffport 8080  # the port\nhost: 127.0.0.1\n", RouterConfig)
+    assert message.startswith("f.yaml:1: (syntax): a ':' is missing after a key on this line: `port 8080` ("), message
+
+
+@pytest.mark.parametrize("loader", ["libyaml", "pure"])
+@pytest.mark.parametrize("bom", ["", "\ufeff"], ids=["plain", "bom"])
+def test_an_unprintable_character_is_at_its_column_with_either_reader(monkeypatch, loader: str, bom: str) -> None:
+    # PyYAML's own reader (a PyYAML without libyaml) gives the offset in
+    # characters, libyaml in bytes: it was converted from bytes either way;
+    # a byte order mark was counted in line 1's columns
+    import yaml
+
+    from router import configfile, yaml_syntax
+
+    if loader == "pure":
+        monkeypatch.setattr(configfile, "FAST_LOADER", yaml.SafeLoader)
+        monkeypatch.setattr(yaml_syntax, "FAST_LOADER", yaml.SafeLoader)
+    elif yaml_syntax.FAST_LOADER is yaml.SafeLoader:
+        pytest.skip("this PyYAML has no libyaml")
+    assert _error(bom + "ééé\x07: 1\n").startswith("f.yaml:1: (syntax): character U+0007 at column 4: ")
+    message = _error(bom + "é: 1\nxéé\x07: 1\n")
+    assert message.startswith("f.yaml:2: (syntax): character U+0007 at column 4: "), message
