@@ -90,9 +90,12 @@ async def continue_stream(svc: RouterService, policy: TenantPolicy, sid: str, me
         # (the resume's 200 is out: an error reaches the client as an event)
         outcome.record(outcome_of(e), gen, told, streamed=isinstance(told, ApiError))
         svc.background(svc.resume.release(sid))
-        if told is e:
-            raise
-        raise told from e
+        try:
+            if told is e:
+                raise
+            raise told from e
+        finally:
+            del told  # (a cycle otherwise: see completions.start_generation)
     if pad:
         # keep the buffer's numbering aligned with the client's event ids, now
         # that this continuation appends after them (padded before a refusal,

@@ -40,7 +40,7 @@ class PieceQueue:
     while the consumer is busy wait here and are merged by the next ``get``
     (up to ``limit`` tokens), so a slow consumer gets bigger pieces, not a
     growing queue of small ones. A failure is raised after the output that
-    came before it."""
+    came before it, once."""
 
     __slots__ = ("limit", "_pending", "_exc", "_waiter")
 
@@ -77,9 +77,19 @@ class PieceQueue:
         while not self._pending and self._exc is None:
             await self._sleep()
         if not self._pending:
-            assert self._exc is not None
-            raise self._exc
+            raise self._failure()
         return self._take()
+
+    def _failure(self) -> BaseException:
+        """The failure, handed over to the consumer that raises it (and ends
+        with it). The queue lets go of it: kept, it would be in a cycle with
+        its traceback, whose frames (the consumer's) hold this queue, and
+        that cycle would keep the whole request, its body too, until the
+        cycle collector's next run, which the router makes rare
+        (``router.service``)."""
+        exc, self._exc = self._exc, None
+        assert exc is not None
+        return exc
 
     def _take(self) -> Piece:
         """The next piece, merged from those waiting (some must wait)."""

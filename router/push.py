@@ -313,8 +313,7 @@ class PushRelay(PieceQueue):
         """Wait for the first piece; raise the failure if that came first."""
         await self._until_ready()
         if not self._pending:
-            assert self._exc is not None
-            raise self._exc
+            raise self._failure()
 
     def _encode_waiting(self) -> bytes | None:
         """The bytes of the pieces that wait. A failure (a bug) ends the

@@ -344,7 +344,10 @@ class EventStream:
         settled first, as in ``tail``)."""
         self._finish_now()
         self.result = outcome_of(e) if isinstance(e, (ApiError, StreamTimeout)) else "lost"
-        self.error = e
+        # (kept for the log line, without its traceback: the relay's frames
+        # in it hold this stream, a cycle that would keep the request, its
+        # prompt with it, until a cycle collection)
+        self.error = e.with_traceback(None)
         if isinstance(e, RouterShutdown):
             # as if the client had left: the resume buffer stays open (the
             # log line names what the client was told)

@@ -134,7 +134,10 @@ class _Conn:
         """A reload revoked the socket's key (``e``: the refusal): new
         requests get ``e``; the running ones go on, as HTTP streams do, and
         the socket closes (4401) once they have ended."""
-        self.revoked = e
+        # (without its traceback: the handler's frames in it hold this
+        # connection, and the message it refused; a cycle kept until a
+        # cycle collection)
+        self.revoked = e.with_traceback(None)
         self.draining = True
         self._close_code = (4000 + e.status if e.status in (401, 403) else 4400, e.message[:120])
         if not self.running and not self.finals:

@@ -1,4 +1,4 @@
-"""A request leaves nothing for the cycle collector.
+"""A request, answered or refused, leaves nothing for the cycle collector.
 
 Objects that refer to each other in a cycle outlive their request until the
 collector runs, and a collection walks every young object: with the
@@ -8,7 +8,10 @@ of the event loop, a pause every stream on the router saw (S5's TTFT p99 was
 objects free of cycles, or cuts them when the request ends.
 
 The router runs in this process (its own uvloop, in a thread, on the real
-server) so that this process's collector sees its garbage. Its upstreams are
+server) so that this process's collector sees its garbage. A refused
+request once left a cycle (its error's traceback and a frame that held the
+error) that kept its body until a collection: refused large bodies piled up
+to gigabytes (tests/integration/test_refused_memory.py). Its upstreams are
 real processes: a sim replica over the replica protocol and a sim OpenAI
 server as a ``url:`` upstream, so both kinds of replica connection are on
 the path.
@@ -16,22 +19,32 @@ the path.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import gc
+import hashlib
+import json
 import socket
 import threading
 import time
+import types
 
 import msgspec
 import pytest
 import yaml
 
 from router.config import load_router_config
+from router.generation import Generation
+from router.job import Job
+from router.openai_types import ChatRequest
+from router.relay import EventStream
 from tests.helpers import DEMO_TENANTS, GOLD, MODEL, free_port, poll, remote_replica_process
 from tests.sim_openai import SimOpenAI
 
 SECRET = "garbage-test-secret"
 REQUESTS = 40
+# a tenant whose requests outlast their total time limit mid-generation
+BRIEF = "fs-garbage-brief"
 
 
 @pytest.fixture
@@ -46,8 +59,12 @@ def in_process_router(tmp_path, monkeypatch):
         stack.callback(upstream.stop)
         replica_port, _ = stack.enter_context(remote_replica_process(
             tmp_path / "replica.log", "FS_GARBAGE_SECRET", SECRET, {"model": MODEL, "seed": 0, "step_base_ms": 1}))
+        tenants_yaml = yaml.safe_load(DEMO_TENANTS.read_text())
+        tenants_yaml["tenants"]["brief"] = {"keys": [hashlib.sha256(BRIEF.encode()).hexdigest()],
+                                            "timeouts": {"total": 0.3}}
+        (tmp_path / "tenants.yaml").write_text(yaml.safe_dump(tenants_yaml))
         (tmp_path / "router.yaml").write_text(yaml.safe_dump({
-            "host": "127.0.0.1", "tenants": str(DEMO_TENANTS), "shutdown_grace": 1.0,
+            "host": "127.0.0.1", "tenants": str(tmp_path / "tenants.yaml"), "shutdown_grace": 1.0,
             "replicas": [{"name": "remote", "address": f"127.0.0.1:{replica_port}", "secret_env": "FS_GARBAGE_SECRET"},
                          {"name": "up", "url": upstream.url}],
         }))
@@ -115,3 +132,99 @@ def test_requests_streamed_or_not_leave_no_cyclic_garbage(in_process_router) -> 
             gc.enable()
     # one cycle per request would be REQUESTS x its objects (~33 before)
     assert found < REQUESTS, f"{found} objects in reference cycles after {REQUESTS} requests"
+
+
+def _post(sock: socket.socket, body: dict, key: str = GOLD) -> tuple[int, bytes]:
+    """A POST on the kept-alive ``sock``: its status and body (streamed or not)."""
+    data = json.dumps(body).encode()
+    sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\nauthorization: Bearer %s\r\n"
+                 b"content-type: application/json\r\ncontent-length: %d\r\n\r\n%s" % (key.encode(), len(data), data))
+    out = b""
+    deadline = time.monotonic() + 10
+    while True:
+        head, sep, rest = out.partition(b"\r\n\r\n")
+        if sep:
+            length = next((int(line.split(b":")[1]) for line in head.split(b"\r\n")
+                           if line.lower().startswith(b"content-length:")), None)
+            if (len(rest) >= length) if length is not None else rest.endswith(b"0\r\n\r\n"):
+                return int(head.split(b" ", 2)[1]), rest
+        assert time.monotonic() < deadline, out
+        out += sock.recv(65536)
+
+
+def _socket_request(port: int, body: dict, key: str = GOLD) -> bytes:
+    """One request on a WebSocket: its last message (done or error)."""
+    from websockets.sync.client import connect
+
+    with connect(f"ws://127.0.0.1:{port}/v1/ws", open_timeout=5, close_timeout=5) as ws:
+        ws.send(json.dumps({"type": "auth", "api_key": key}))
+        assert b'"ok":true' in ws.recv(5, decode=False)
+        ws.send(json.dumps({"type": "chat.completions.create", "id": "1", "body": body}))
+        while True:
+            msg = ws.recv(5, decode=False)
+            if b'"done"' in msg or b'"error"' in msg:
+                return msg
+
+
+LONG = "hello " * 5_000  # (over the replicas' 4,096-token context)
+MIDDLING = "hello " * 3_500  # (under it, over the gold tenant's max_prompt_tokens: the router refuses it)
+# (body, status) of requests refused or ended by an error, each by another path
+REFUSED = {
+    "unsupported parameter": ({"model": MODEL, "logit_bias": {"1": 1}, "messages": [{"role": "user", "content": "a"}]},
+                              400),
+    "invalid value": ({"model": MODEL, "max_tokens": "x", "messages": [{"role": "user", "content": "a"}]}, 400),
+    "unknown model": ({"model": "no-such-model", "messages": [{"role": "user", "content": "a"}]}, 404),
+    "replica refusal": ({"model": MODEL, "max_tokens": 4, "messages": [{"role": "user", "content": LONG}]}, 400),
+    "replica refusal, streamed": ({"model": MODEL, "max_tokens": 4, "stream": True,
+                                   "messages": [{"role": "user", "content": LONG}]}, 400),
+    "prompt over the tenant's limit": ({"model": MODEL, "max_tokens": 4,
+                                        "messages": [{"role": "user", "content": MIDDLING}]}, 400),
+}
+# ended by the brief tenant's total time limit after some output
+TIMED_OUT = {"model": MODEL, "max_tokens": 1000, "ignore_eos": True, "messages": [{"role": "user", "content": "Tell me about Paris"}]}
+
+
+def test_refused_requests_leave_no_cyclic_garbage(in_process_router) -> None:
+    port = in_process_router
+    with socket.create_connection(("127.0.0.1", port), timeout=10) as sock:
+        def each() -> int:
+            n = 0
+            for name, (body, status) in REFUSED.items():
+                got, out = _post(sock, body)
+                assert got == status, (name, out)
+                n += 1
+            got, out = _post(sock, TIMED_OUT, BRIEF)  # (the whole answer's path: a 504)
+            assert got == 504, out
+            got, out = _post(sock, {**TIMED_OUT, "stream": True}, BRIEF)  # (a 200, ended by an error event)
+            assert got == 200 and b"total_timeout" in out, out
+            for body, _ in REFUSED.values():  # (a WebSocket's refusals: error messages)
+                assert b'"error"' in _socket_request(port, body)
+            last = _socket_request(port, TIMED_OUT, BRIEF)
+            assert b"total_timeout" in last, last
+            return n + 2 + len(REFUSED) + 1
+
+        # (the url: upstream's model is known once it has answered: a 503 until then)
+        poll(lambda: _post(sock, REFUSED["unknown model"][0])[0] == 404, 10, what="a 404 for an unknown model")
+        each()  # warm up: what is made once stays
+        time.sleep(0.3)
+        gc.collect()
+        gc.disable()  # (only the collection below)
+        try:
+            gc.collect()
+            requests = sum(each() for _ in range(3))
+            time.sleep(0.3)  # (the requests' settling, in the router's thread)
+            gc.set_debug(gc.DEBUG_SAVEALL)  # (what it finds goes to gc.garbage)
+            try:
+                gc.collect()
+            finally:
+                gc.set_debug(0)
+            # An error in a cycle with its traceback's frames kept their
+            # locals (the body, the decoded request) with it. (The
+            # connections' own cycles, uvicorn's and websockets' protocol
+            # objects, have neither and hold no request.)
+            kept = collections.Counter(type(o).__name__ for o in gc.garbage if isinstance(
+                o, (BaseException, types.TracebackType, types.FrameType, ChatRequest, Job, Generation, EventStream)))
+        finally:
+            gc.garbage.clear()
+            gc.enable()
+    assert not kept, f"after {requests} refused requests, in reference cycles: {dict(kept)}"

@@ -11,6 +11,7 @@ encoding and the replica connection are stand-ins.
 from __future__ import annotations
 
 import asyncio
+import gc
 import time
 from types import SimpleNamespace
 
@@ -19,7 +20,9 @@ from uvicorn.protocols.http.flow_control import FlowControl
 from replicas.protocol import Delta, FinishReason
 import pytest
 
+from router.generation import StreamLost
 from router.metrics import Metrics
+from router.pieces import PieceQueue
 from router.push import ClientTooSlow, PushRelay, TransportWire
 from router.relay import RELEASE_WAIT, EventStream
 from router.sse import ChunkEncoder
@@ -466,3 +469,25 @@ async def test_the_head_goes_out_with_the_first_write_or_alone_at_the_end_of_the
     cycle.disconnected = True
     await asyncio.sleep(0)
     assert writes == []
+
+
+@pytest.mark.parametrize("queue", [PieceQueue, PushRelay])
+async def test_a_failure_raised_to_the_consumer_leaves_no_cycle_with_the_queue(queue) -> None:
+    # The consumer's frames, in the failure's traceback, hold the queue:
+    # were the queue to keep the failure, the three would be a cycle, and
+    # keep a refused request's body with them until a cycle collection.
+    async def consume(q: PieceQueue) -> None:
+        await (q.first() if isinstance(q, PushRelay) else q.get())
+
+    gc.collect()
+    gc.disable()
+    try:
+        q = queue()
+        q.fail(StreamLost("refused"))
+        with pytest.raises(StreamLost):
+            await consume(q)
+        del q
+        found = gc.collect()
+    finally:
+        gc.enable()
+    assert found == 0
