@@ -226,6 +226,7 @@ class ReplicaClient:
         prefix_token_ids: list[int] | None = None,
         prefix_text_len: int = 0,
         chat_template_kwargs: dict[str, Any] | None = None,
+        reasoning_effort: str | None = None,
     ) -> Collector:
         if self.closed is not None:
             raise ReplicaDead(f"replica {self.name} is disconnected")
@@ -239,6 +240,7 @@ class ReplicaClient:
             prefix_token_ids=prefix_token_ids or [],
             prefix_text_len=prefix_text_len,
             chat_template_kwargs=chat_template_kwargs,
+            reasoning_effort=reasoning_effort,
         ))  # (first: a request that cannot be encoded leaves nothing registered)
         col = self._streams[rid] = Collector(rid)
         self._writer.write(frame)

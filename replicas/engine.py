@@ -40,10 +40,12 @@ class Tokenizer(Protocol):
         """Text of ``token_ids``; an unfinished UTF-8 sequence decodes to U+FFFD."""
         ...
 
-    def chat(self, messages: list[dict[str, str]], template_kwargs: dict[str, Any] | None = None) -> list[int]:
+    def chat(self, messages: list[dict[str, str]], template_kwargs: dict[str, Any] | None = None,
+             reasoning_effort: str | None = None) -> list[int]:
         """Token ids of ``messages`` rendered by the chat template, with the
         generation prompt appended; ``template_kwargs`` (a request's
-        ``chat_template_kwargs``) are the template's extra variables.
+        ``chat_template_kwargs``) are the template's extra variables, and
+        ``reasoning_effort`` (OpenAI's) one more where the template takes it.
         Raises ``EngineError`` when they cannot render."""
         ...
 
@@ -59,6 +61,9 @@ class Engine(abc.ABC):
     model: str
     max_model_len: int
     tokenizer: Tokenizer
+    # the model's own max_tokens for a request that sets none (vLLM: its
+    # generation config's max_new_tokens; replicas.prepare applies it)
+    default_max_tokens: int | None = None
 
     def __init__(self, sink: OutputSink) -> None:
         self.sink = sink

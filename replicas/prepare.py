@@ -3,8 +3,8 @@
 Pure and synchronous. Both front ends of an engine use it
 (``ReplicaServer._generate`` for the replica protocol,
 ``replicas.openai_server`` for the OpenAI API), so they reject and continue
-requests alike: the router's default ``max_tokens`` lowered to what the
-context leaves, the context length, ``max_tokens`` left after a resumed
+requests alike: the router's default ``max_tokens`` lowered to the model's
+own default and to what the context leaves, the context length, ``max_tokens`` left after a resumed
 prefix, an ``OutputProcessor`` that knows the prefix.
 """
 
@@ -68,6 +68,14 @@ def prepare(
     cannot run. ``max_tokens`` 0 in the params returned: the prefix holds
     every token the request may have, nothing is to run (``finish_prefix``).
     """
+    model_max = engine.default_max_tokens
+    if params.max_tokens_default and model_max is not None and params.max_tokens > model_max:
+        # a request that set no max_tokens gets the model's own default where
+        # it has one, as from vLLM's server (get_max_tokens: it and the
+        # context's remainder, the least), when lower than the router's (the
+        # tenant's cap, or its default_max_tokens); a min_tokens above it is
+        # refused by vLLM's SamplingParams, as there
+        params = msgspec.structs.replace(params, max_tokens=model_max)
     room = engine.max_model_len - len(prompt_ids)
     if room <= 0:
         raise prompt_error(engine, len(prompt_ids))

@@ -27,6 +27,8 @@ __all__ = [
     "UNSET_TOP_K",
     "UNSET_REPETITION_PENALTY",
     "UNSET_MIN_P",
+    "UNSET_PRESENCE_PENALTY",
+    "UNSET_FREQUENCY_PENALTY",
     "REFUSED_TEMPLATE_KWARGS",
     "Feature",
     "FEATURES",
@@ -71,8 +73,12 @@ class FinishReason(enum.IntEnum):
 
 # SamplingParams.unset: the fields a model's generation config may default
 UNSET_TEMPERATURE, UNSET_TOP_P, UNSET_TOP_K, UNSET_REPETITION_PENALTY, UNSET_MIN_P = 1, 2, 4, 8, 16
+# (later bits: an older replica reads none of them, and samples with the
+# neutral values, as it did before them)
+UNSET_PRESENCE_PENALTY, UNSET_FREQUENCY_PENALTY = 32, 64
 _UNSET_FIELDS = ((UNSET_TEMPERATURE, "temperature"), (UNSET_TOP_P, "top_p"), (UNSET_TOP_K, "top_k"),
-                 (UNSET_REPETITION_PENALTY, "repetition_penalty"), (UNSET_MIN_P, "min_p"))
+                 (UNSET_REPETITION_PENALTY, "repetition_penalty"), (UNSET_MIN_P, "min_p"),
+                 (UNSET_PRESENCE_PENALTY, "presence_penalty"), (UNSET_FREQUENCY_PENALTY, "frequency_penalty"))
 
 _OPENAI_FINISH = {
     FinishReason.NONE: None,
@@ -181,6 +187,10 @@ class Generate(msgspec.Struct, tag=2, array_like=True, omit_defaults=True, gc=Fa
     # Last, for the reason given at SamplingParams.max_tokens_default: an
     # older replica ignores it (and renders the template without them).
     chat_template_kwargs: dict[str, Any] | None = None
+    # OpenAI's reasoning_effort of a chat: a vllm replica renders the
+    # template with it as vLLM's server does (replicas.chat_template), an
+    # upstream is sent it. Last, for the same reason.
+    reasoning_effort: str | None = None
 
 
 class Abort(msgspec.Struct, tag=3, array_like=True, gc=False):
@@ -223,6 +233,7 @@ class Feature(enum.IntFlag):
     MIN_P = 1  # SamplingParams.min_p
     INCLUDE_STOP_STR = 2  # SamplingParams.include_stop_str_in_output
     TEMPLATE_KWARGS = 4  # Generate.chat_template_kwargs
+    REASONING_EFFORT = 8  # Generate.reasoning_effort
 
     def fields(self) -> list[str]:
         """The request fields of these bits."""
@@ -234,16 +245,17 @@ class Feature(enum.IntFlag):
 
 
 _FEATURE_FIELDS = {Feature.MIN_P: "min_p", Feature.INCLUDE_STOP_STR: "include_stop_str_in_output",
-                   Feature.TEMPLATE_KWARGS: "chat_template_kwargs"}
+                   Feature.TEMPLATE_KWARGS: "chat_template_kwargs", Feature.REASONING_EFFORT: "reasoning_effort"}
 
 # what a replica of this version takes: all of them
-FEATURES = Feature.MIN_P | Feature.INCLUDE_STOP_STR | Feature.TEMPLATE_KWARGS
+FEATURES = Feature.MIN_P | Feature.INCLUDE_STOP_STR | Feature.TEMPLATE_KWARGS | Feature.REASONING_EFFORT
 
 
-def required_features(params: SamplingParams, template_kwargs: dict[str, Any] | None) -> int:
-    """The ``Feature`` bits a request with these params and chat template
-    kwargs needs of its replica (0 for most requests)."""
-    needs = 0
+def required_features(params: SamplingParams, template_kwargs: dict[str, Any] | None,
+                      reasoning_effort: str | None = None) -> int:
+    """The ``Feature`` bits a request with these params, chat template
+    kwargs and reasoning effort needs of its replica (0 for most requests)."""
+    needs = Feature.REASONING_EFFORT if reasoning_effort is not None else 0
     if params.min_p:
         needs |= Feature.MIN_P
     if params.include_stop_str_in_output:

@@ -233,7 +233,7 @@ class ReplicaServer:
             if msg.prompt_token_ids is not None:
                 prompt_ids = msg.prompt_token_ids
             elif msg.messages is not None:
-                prompt_ids = eng.tokenizer.chat(msg.messages, msg.chat_template_kwargs)
+                prompt_ids = eng.tokenizer.chat(msg.messages, msg.chat_template_kwargs, msg.reasoning_effort)
             elif msg.prompt is not None:
                 prompt_ids = eng.tokenizer.encode(msg.prompt)
             else:

@@ -107,9 +107,11 @@ class ByteTokenizer:
     def decode(self, token_ids: list[int]) -> str:
         return bytes(t for t in token_ids if t < 256).decode("utf-8", "replace")
 
-    def chat(self, messages: list[dict[str, str]], template_kwargs: dict[str, Any] | None = None) -> list[int]:
-        # (the template has no variables: kwargs are taken and change nothing,
-        # as a Jinja template ignores variables it does not use)
+    def chat(self, messages: list[dict[str, str]], template_kwargs: dict[str, Any] | None = None,
+             reasoning_effort: str | None = None) -> list[int]:
+        # (the template has no variables: kwargs and reasoning_effort are
+        # taken and change nothing, as a Jinja template ignores variables it
+        # does not use; nor does it show a message's name or tool_call_id)
         parts = [f"<|{m.get('role', 'user')}|>\n{m.get('content', '')}\n" for m in messages]
         parts.append("<|assistant|>\n")
         return [BOS, *"".join(parts).encode("utf-8")]

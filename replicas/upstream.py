@@ -40,17 +40,8 @@ from replicas.http11 import HttpError, HttpPool, Response, Sent
 from replicas.protocol import (
     FEATURES,
     PROTOCOL_VERSION,
-    UNSET_MIN_P,
-    UNSET_REPETITION_PENALTY,
-    UNSET_TEMPERATURE,
-    UNSET_TOP_K,
-    UNSET_TOP_P,
-    Delta,
-    FinishReason,
-    LoadReport,
-    Pong,
-    Ready,
-    SamplingParams,
+    UNSET_FREQUENCY_PENALTY, UNSET_MIN_P, UNSET_PRESENCE_PENALTY, UNSET_REPETITION_PENALTY, UNSET_TEMPERATURE,
+    UNSET_TOP_K, UNSET_TOP_P, Delta, FinishReason, LoadReport, Pong, Ready, SamplingParams,
 )
 from replicas.spec import ReplicaSpec
 from replicas.splice import post_detokenize, splice_at
@@ -149,6 +140,7 @@ class UpstreamClient:
         prefix_token_ids: list[int] | None = None,
         prefix_text_len: int = 0,
         chat_template_kwargs: dict[str, Any] | None = None,
+        reasoning_effort: str | None = None,
     ) -> Collector:
         if self.closed is not None:
             raise ReplicaDead(f"upstream {self.name} is disconnected")
@@ -166,7 +158,7 @@ class UpstreamClient:
             # the first token (docs/perf.md, "Where time to first token goes").
             try:
                 path, body, asked = self._request(params, prompt, messages, prompt_token_ids, prefix,
-                                                  chat_template_kwargs)
+                                                  chat_template_kwargs, reasoning_effort)
             except (TypeError, ValueError, msgspec.EncodeError):
                 pass  # the task meets it again and reports it, as for any request
             else:
@@ -176,7 +168,8 @@ class UpstreamClient:
                     st.resp = sent.response  # an abort closes it
                 first = (path, body, asked, sent)
         task = st.task = asyncio.get_running_loop().create_task(
-            self._run(st, params, prompt, messages, chat_template_kwargs, prefix, prefix_text_len, on_head, first),
+            self._run(st, params, prompt, messages, (chat_template_kwargs, reasoning_effort), prefix, prefix_text_len,
+                      on_head, first),
             name=f"upstream-{self.name}-{col.rid}",
         )
         self._streams[col.rid] = st
@@ -275,9 +268,9 @@ class UpstreamClient:
             body["ignore_eos"] = True
         if params.min_tokens > len(prefix):
             body["min_tokens"] = params.min_tokens - len(prefix)
-        if params.presence_penalty:
+        if params.presence_penalty or not unset & UNSET_PRESENCE_PENALTY:
             body["presence_penalty"] = params.presence_penalty
-        if params.frequency_penalty:
+        if params.frequency_penalty or not unset & UNSET_FREQUENCY_PENALTY:
             body["frequency_penalty"] = params.frequency_penalty
         if params.repetition_penalty != 1.0 or not unset & UNSET_REPETITION_PENALTY:
             body["repetition_penalty"] = params.repetition_penalty
@@ -291,7 +284,8 @@ class UpstreamClient:
 
     def _request(self, params: SamplingParams, prompt: str | None, messages: list[dict[str, str]] | None,
                  prompt_ids: list[int] | None, prefix: list[int],
-                 template_kwargs: dict[str, Any] | None = None) -> tuple[str, bytes, tuple[bool, bool]]:
+                 template_kwargs: dict[str, Any] | None = None,
+                 reasoning_effort: str | None = None) -> tuple[str, bytes, tuple[bool, bool]]:
         """The path and JSON body of one generation request; whether it asks for token ids and usage."""
         if prompt_ids is not None:
             path, payload = "/completions", {"prompt": prompt_ids + prefix}
@@ -299,6 +293,8 @@ class UpstreamClient:
             path, payload = "/chat/completions", {"messages": messages}
             if template_kwargs:  # (as the client sent them: the upstream renders the template)
                 payload["chat_template_kwargs"] = template_kwargs
+            if reasoning_effort is not None:
+                payload["reasoning_effort"] = reasoning_effort
         else:
             path, payload = "/completions", {"prompt": prompt or ""}
         ask_ids = self.token_ids is not False
@@ -307,12 +303,13 @@ class UpstreamClient:
         return path, body, (ask_ids, ask_usage)
 
     async def _run(self, st: Stream, params: SamplingParams, prompt: str | None,
-                   messages: list[dict[str, str]] | None, template_kwargs: dict[str, Any] | None,
+                   messages: list[dict[str, str]] | None, chat: tuple[dict[str, Any] | None, str | None],
                    prefix: list[int], prefix_text_len: int,
                    on_head: Callable[[Response], None],
                    first: tuple[str, bytes, tuple[bool, bool], Sent | None] | None) -> None:
-        """Send the request; once its response streams, this task ends and the
-        body is parsed in ``data_received`` (``SseReader``) until ``_ended``."""
+        """Send the request (``chat``: a chat's template kwargs and reasoning
+        effort); once its response streams, this task ends and the body is
+        parsed in ``data_received`` (``SseReader``) until ``_ended``."""
         col = st.col
         prompt_ids = st.prompt_ids
         streaming = False
@@ -335,7 +332,7 @@ class UpstreamClient:
                     path, body, (ask_ids, ask_usage), sent = first
                 else:
                     path, body, (ask_ids, ask_usage) = self._request(params, prompt, messages, prompt_ids, prefix,
-                                                                     template_kwargs)
+                                                                     *chat)
                     st.asked_usage = ask_usage
                     sent = None
                 if sent is not None:

@@ -32,10 +32,13 @@ from typing import Any
 
 import msgspec
 
+from replicas.chat_template import conversation, template_variables
 from replicas.engine import Engine, EngineDead, EngineError, OutputSink, Tokenizer
 from replicas.protocol import (
     REFUSED_TEMPLATE_KWARGS,
+    UNSET_FREQUENCY_PENALTY,
     UNSET_MIN_P,
+    UNSET_PRESENCE_PENALTY,
     UNSET_REPETITION_PENALTY,
     UNSET_TEMPERATURE,
     UNSET_TOP_K,
@@ -86,28 +89,39 @@ _FINISH = {
 
 
 _DEFAULTED = (("temperature", UNSET_TEMPERATURE), ("top_p", UNSET_TOP_P), ("top_k", UNSET_TOP_K),
-              ("repetition_penalty", UNSET_REPETITION_PENALTY), ("min_p", UNSET_MIN_P))
+              ("repetition_penalty", UNSET_REPETITION_PENALTY), ("min_p", UNSET_MIN_P),
+              ("presence_penalty", UNSET_PRESENCE_PENALTY), ("frequency_penalty", UNSET_FREQUENCY_PENALTY))
 
 
 def model_sampling_defaults(model_config: Any) -> dict[str, float]:
     """The sampling values the model's generation config sets that differ
     from vLLM's own (``ModelConfig.get_diff_sampling_param``, what ``vllm
     serve`` applies to a request's unset fields), of the fields the replica
-    protocol carries; {} if this vLLM has no such call."""
+    protocol carries, and ``max_tokens`` (its ``max_new_tokens``, the
+    default of a request that sets none: ``model_max_tokens``); {} if this
+    vLLM has no such call."""
     diff = getattr(model_config, "get_diff_sampling_param", None)
     if diff is None:
         return {}
     values = diff() or {}
-    return {name: values[name] for name, _ in _DEFAULTED if values.get(name) is not None}
+    return {name: values[name] for name, _ in (*_DEFAULTED, ("max_tokens", 0)) if values.get(name) is not None}
 
 
-def with_model_defaults(p: SamplingParams, defaults: dict[str, float]) -> tuple[float, float, int, float, float]:
-    """(temperature, top_p, top_k, repetition_penalty, min_p) of ``p``, the
-    model's default for each the client left unset."""
-    if not (p.unset and defaults):
-        return p.temperature, p.top_p, p.top_k, p.repetition_penalty, p.min_p
+def model_max_tokens(defaults: dict[str, float]) -> int | None:
+    """The model's ``max_new_tokens`` (``model_sampling_defaults``): what
+    ``vllm serve`` limits a request that sets no ``max_tokens`` to, under
+    the context the prompt leaves (``get_max_tokens``), where the router's
+    own default is higher (``replicas.prepare``)."""
+    value = defaults.get("max_tokens")
+    return int(value) if value is not None else None
+
+
+def with_model_defaults(p: SamplingParams, defaults: dict[str, float]) -> tuple[float, ...]:
+    """(temperature, top_p, top_k, repetition_penalty, min_p,
+    presence_penalty, frequency_penalty) of ``p``, the model's default for
+    each the client left unset (top_k an int)."""
     values = [defaults[name] if p.unset & bit and name in defaults else getattr(p, name) for name, bit in _DEFAULTED]
-    return float(values[0]), float(values[1]), int(values[2]), float(values[3]), float(values[4])
+    return tuple(int(v) if name == "top_k" else float(v) for v, (name, _) in zip(values, _DEFAULTED))
 
 
 def splice_penalties(presence: float, frequency: float, repetition: float,
@@ -173,20 +187,24 @@ class HfTokenizer:
     def decode(self, token_ids: list[int]) -> str:
         return self._tok.decode(token_ids, skip_special_tokens=True)
 
-    def chat(self, messages: list[dict[str, str]], template_kwargs: dict[str, Any] | None = None) -> list[int]:
-        if not getattr(self._tok, "chat_template", None):
+    def chat(self, messages: list[dict[str, str]], template_kwargs: dict[str, Any] | None = None,
+             reasoning_effort: str | None = None) -> list[int]:
+        template = getattr(self._tok, "chat_template", None)
+        if not template:
             raise EngineError("the model has no chat template")
-        # A request's chat_template_kwargs go to apply_chat_template as vLLM's
-        # server passes them: over its defaults (add_generation_prompt too),
-        # and the template sees them as variables (one it does not use
-        # changes nothing). Never the template itself, nor tokenize (vLLM
-        # refuses both; the router does before they get here).
-        kwargs: dict[str, Any] = {"add_generation_prompt": True}
+        # What vLLM's server renders (replicas.chat_template): its developer
+        # turns, and a request's chat_template_kwargs as variables under its
+        # own fields (add_generation_prompt stays True, reasoning_effort
+        # wins); a variable the template does not use changes nothing.
+        # Never the template itself, nor tokenize (vLLM refuses both; the
+        # router does before they get here).
         if template_kwargs:
             refused = REFUSED_TEMPLATE_KWARGS & template_kwargs.keys()
             if refused:
                 raise EngineError(f"Found unexpected chat template kwargs from request: {sorted(refused)}")
-            kwargs.update(template_kwargs)
+        kwargs = template_variables(template_kwargs, reasoning_effort)
+        # (a tokenizer's named templates: one of them names the role, as the one vLLM picks may)
+        messages = conversation(messages, template if isinstance(template, str) else str(template))
         # Render to text first: the tokenize=True return type differs between
         # transformers 4 (list) and 5 (BatchEncoding). The template carries BOS.
         try:
@@ -300,6 +318,7 @@ class VllmEngine(Engine):
         self.tokenizer: Tokenizer = HfTokenizer(self._llm.get_tokenizer())
         self.max_model_len = self._llm.model_config.max_model_len
         self._defaults = model_sampling_defaults(self._llm.model_config)
+        self.default_max_tokens = model_max_tokens(self._defaults)
         if self._defaults:
             log.info("the model's sampling defaults (generation config), for fields a request leaves unset: %s",
                      self._defaults)
@@ -333,10 +352,10 @@ class VllmEngine(Engine):
 
     def _sampling_params(self, p: SamplingParams, generated: int = 0) -> Any:
         VllmSamplingParams, _, RequestOutputKind, _ = self._vllm
-        temperature, top_p, top_k, repetition_penalty, min_p = with_model_defaults(p, self._defaults)
+        temperature, top_p, top_k, repetition_penalty, min_p, presence, frequency = with_model_defaults(
+            p, self._defaults)
         presence, frequency, repetition, extra = splice_penalties(
-            p.presence_penalty, p.frequency_penalty, repetition_penalty,
-            generated if self._spliced_penalties else 0)
+            presence, frequency, repetition_penalty, generated if self._spliced_penalties else 0)
         try:
             return VllmSamplingParams(
                 n=1,

@@ -188,7 +188,7 @@ def _build(req: ChatRequest | CompletionRequest, params: SamplingParams,
             kwargs = chat_template_kwargs(req)
             checked = kwargs, chat_messages(req), None
         kwargs, messages, counted = checked
-        job = Job(req.model, params, messages=messages, template_kwargs=kwargs)
+        job = Job(req.model, params, messages=messages, template_kwargs=kwargs, reasoning_effort=req.reasoning_effort)
         return job, base_estimate(job, counted)
     prompt = completion_prompt(req)
     if isinstance(prompt, list):

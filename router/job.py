@@ -17,11 +17,12 @@ AFFINITY_PREFIX = 512  # characters (or tokens) of the prompt that key prefix af
 class Job:
     """What was asked: the model, the prompt in one of three forms, the params.
 
-    A chat keeps its ``template_kwargs`` (``chat_template_kwargs``) with its
-    messages: a replica lost before the prompt's token ids came back renders
-    them again on the next one."""
+    A chat keeps its ``template_kwargs`` (``chat_template_kwargs``) and
+    ``reasoning_effort`` with its messages: a replica lost before the
+    prompt's token ids came back renders them again on the next one."""
 
-    __slots__ = ("model", "params", "prompt", "messages", "prompt_token_ids", "template_kwargs", "needs")
+    __slots__ = ("model", "params", "prompt", "messages", "prompt_token_ids", "template_kwargs", "reasoning_effort",
+                 "needs")
 
     def affinity_key(self) -> int | None:
         """Hash of the prompt's first AFFINITY_PREFIX characters (or token
@@ -52,6 +53,7 @@ class Job:
         messages: list[dict[str, str]] | None = None,
         prompt_token_ids: list[int] | None = None,
         template_kwargs: dict[str, Any] | None = None,
+        reasoning_effort: str | None = None,
     ) -> None:
         self.model = model
         self.params = params
@@ -59,6 +61,7 @@ class Job:
         self.messages = messages
         self.prompt_token_ids = prompt_token_ids
         self.template_kwargs = template_kwargs
+        self.reasoning_effort = reasoning_effort
         # the replica features its fields need (replicas.protocol.Feature: an
         # older replica would drop them); 0 for most requests
-        self.needs = required_features(params, template_kwargs)
+        self.needs = required_features(params, template_kwargs, reasoning_effort)

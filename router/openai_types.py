@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Iterator
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 import msgspec
 
@@ -19,18 +19,8 @@ from router.entry_keys import LOC as _LOC
 from router.entry_keys import key_of_entry
 from router.errors import BadRequest, clip
 
-__all__ = [
-    "ChatRequest",
-    "CompletionRequest",
-    "decode_request",
-    "to_params",
-    "chat_messages",
-    "chat_message_slices",
-    "chat_template_kwargs",
-    "MAX_TEMPLATE_KWARGS_BYTES",
-    "completion_prompt",
-    "usage_options",
-]
+__all__ = ["ChatRequest", "CompletionRequest", "decode_request", "to_params", "chat_messages", "chat_message_slices",
+           "chat_template_kwargs", "MAX_TEMPLATE_KWARGS_BYTES", "completion_prompt", "usage_options", "REASONING_EFFORTS"]
 
 MAX_STOP = 4
 
@@ -73,6 +63,11 @@ class _Common(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     include_stop_str_in_output: bool | None = None
 
 
+# reasoning_effort's values in vLLM 0.32 (another is a 400 there too); it goes to the chat template as vLLM's
+# server passes it (replicas.chat_template), and to an upstream as sent
+REASONING_EFFORTS = Literal["none", "minimal", "low", "medium", "high", "xhigh", "max"]
+
+
 # gc=False: decoded from JSON, a message is in no reference cycle, and a
 # body of 120,000 of them left as many objects for each cycle collection
 class ChatMessage(msgspec.Struct, kw_only=True, gc=False):
@@ -105,7 +100,6 @@ class ChatRequest(_Common, kw_only=True):
     modalities: Any = None
     audio: Any = None
     prediction: Any = None
-    reasoning_effort: str | None = None
     web_search_options: Any = None
     verbosity: Any = None
     moderation: Any = None
@@ -114,6 +108,7 @@ class ChatRequest(_Common, kw_only=True):
     prompt_cache_key: str | None = None
     prompt_cache_retention: Any = None
     prompt_cache_options: Any = None
+    reasoning_effort: REASONING_EFFORTS | None = None
     # vLLM's extension the router passes on, kept as sent (its JSON) by the
     # body's decode: decoded with it, 1.2 MB of nested lists took up to a
     # second of the event loop. ``decode_request`` checks its size, then
@@ -304,7 +299,8 @@ _ROLES = ("system", "developer", "user", "assistant", "tool")
 
 
 def chat_messages(req: ChatRequest) -> list[dict[str, str]]:
-    """Messages as plain role/content strings for the model's chat template."""
+    """Messages for the model's chat template: role, content (text), and a
+    message's ``name`` and a tool message's ``tool_call_id``, as vLLM's server has them."""
     return [m for part in chat_message_slices(req, 0) for m in part]
 
 
@@ -355,7 +351,11 @@ def chat_message_slices(req: ChatRequest, work: int) -> Iterator[list[dict[str, 
                     raise BadRequest(f"Missing required parameter: '{at}.text' (a string).", param=f"{at}.text")
                 parts.append(text)
             content = "\n".join(parts)  # (as vLLM joins a message's text parts)
-        out.append({"role": m.role, "content": content or ""})
+        out.append(msg := {"role": m.role, "content": content or ""})
+        if m.role == "tool" and m.tool_call_id is not None:
+            msg["tool_call_id"] = m.tool_call_id
+        if m.name is not None:
+            msg["name"] = m.name
     yield out
 
 

@@ -49,7 +49,7 @@ def test_requests_whose_fields_an_older_replica_would_drop_go_to_a_newer_one(tmp
         listed = httpx.get(router.base_url + "/admin/replicas", headers={"Authorization": f"Bearer {ADMIN}"},
                            timeout=10).json()["replicas"]
         assert {r["name"]: r["features"] for r in listed} == {
-            "old-0": [], "new-0": ["min_p", "include_stop_str_in_output", "chat_template_kwargs"]}
+            "old-0": [], "new-0": ["min_p", "include_stop_str_in_output", "chat_template_kwargs", "reasoning_effort"]}
         auth = {"Authorization": f"Bearer {GOLD}"}
         needing, plain = [], []
         with httpx.Client(timeout=20, headers=auth) as c:

@@ -45,16 +45,17 @@ class _HfTemplate:
         return list(text.encode())
 
 
-def test_the_vllm_tokenizer_passes_them_to_the_template_over_its_defaults() -> None:
+def test_the_vllm_tokenizer_passes_them_to_the_template_under_vllms_own_fields() -> None:
     hf = _HfTemplate()
     tok = HfTokenizer(hf)
     assert tok.chat(MESSAGES) == list(b"<default>hi")
     assert tok.chat(MESSAGES, KWARGS) == list(b"<False>hi")
     assert tok.chat(MESSAGES, {"add_generation_prompt": False}) == list(b"<default>hi")
+    own = {"add_generation_prompt": True, "continue_final_message": False}
     assert [kw for _, kw in hf.calls] == [
-        {"tokenize": False, "add_generation_prompt": True},
-        {"tokenize": False, "add_generation_prompt": True, **KWARGS},
-        {"tokenize": False, "add_generation_prompt": False},  # (vLLM's server lets them override it too)
+        {"tokenize": False, **own},
+        {"tokenize": False, **KWARGS, **own},
+        {"tokenize": False, **own},  # (vLLM's server sets its own fields over them)
     ]
     assert all(conversation == MESSAGES for conversation, _ in hf.calls)
 
@@ -93,9 +94,9 @@ async def test_a_replica_renders_a_chat_with_them() -> None:
     seen: list[dict[str, Any] | None] = []
     chat = server.engine.tokenizer.chat
 
-    def recording(messages, template_kwargs=None):
+    def recording(messages, template_kwargs=None, reasoning_effort=None):
         seen.append(template_kwargs)
-        return chat(messages, template_kwargs)
+        return chat(messages, template_kwargs, reasoning_effort)
 
     server.engine.tokenizer.chat = recording  # type: ignore[method-assign]
     await server.start(socket_path=f"{run_dir}/r.sock")

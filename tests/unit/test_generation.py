@@ -371,7 +371,7 @@ async def test_a_chat_moved_before_its_prompt_ids_came_renders_its_chat_template
     for slot in pool.slots:
         slot.client, slot.state = _Replica(), "ready"  # type: ignore[assignment]
     messages, kwargs = [{"role": "user", "content": "hi"}], {"enable_thinking": False}
-    job = Job("m", SamplingParams(max_tokens=8), messages=messages, template_kwargs=kwargs)
+    job = Job("m", SamplingParams(max_tokens=8), messages=messages, template_kwargs=kwargs, reasoning_effort="low")
     gen = Generation(pool, job, Metrics(), 3, failover_wait=0)
     gen.sink = sink = Sink()
     gen._attach(pool.choose("m", 8))
@@ -379,7 +379,7 @@ async def test_a_chat_moved_before_its_prompt_ids_came_renders_its_chat_template
     assert gen._col is not None
     gen._col.fail(ReplicaDead(f"replica {first} closed the connection"))
     assert gen.replica != first and sink.failure is None
-    want = {"prompt": None, "messages": messages, "chat_template_kwargs": kwargs}
+    want = {"prompt": None, "messages": messages, "chat_template_kwargs": kwargs, "reasoning_effort": "low"}
     assert [slot.client.asked for slot in pool.slots] == [[want], [want]]  # type: ignore[attr-defined]
 
 

@@ -370,7 +370,7 @@ def test_a_stop_string_is_never_matched_in_the_prompt_a_processor_is_primed_with
 
     from replicas.prepare import prepare
 
-    engine = SimpleNamespace(max_model_len=100, tokenizer=TOK)
+    engine = SimpleNamespace(max_model_len=100, tokenizer=TOK, default_max_tokens=None)
     for include in (False, True):
         params = SamplingParams(max_tokens=10, stop=["ab"], include_stop_str_in_output=include)
         _, _, proc = prepare(engine, TOK.encode("xa"), params, prime=True)  # type: ignore[arg-type]

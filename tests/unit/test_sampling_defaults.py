@@ -7,9 +7,22 @@ from __future__ import annotations
 import json
 from types import SimpleNamespace
 
-from replicas.protocol import UNSET_MIN_P, UNSET_TEMPERATURE, UNSET_TOP_K, UNSET_TOP_P, SamplingParams
+import pytest
+
+from replicas.engine import EngineError
+from replicas.prepare import prepare
+from replicas.protocol import (
+    UNSET_FREQUENCY_PENALTY,
+    UNSET_MIN_P,
+    UNSET_PRESENCE_PENALTY,
+    UNSET_TEMPERATURE,
+    UNSET_TOP_K,
+    UNSET_TOP_P,
+    SamplingParams,
+)
+from replicas.sim import ByteTokenizer
 from replicas.upstream import UpstreamClient
-from replicas.vllm_engine import model_sampling_defaults, with_model_defaults
+from replicas.vllm_engine import model_max_tokens, model_sampling_defaults, with_model_defaults
 from router.openai_types import ChatRequest, decode_request, to_params
 
 
@@ -23,7 +36,9 @@ def upstream_body(p: SamplingParams) -> dict:
 
 
 def test_the_fields_a_client_leaves_unset_are_marked():
-    assert params().unset == 31
+    assert params().unset == 127
+    assert params(presence_penalty=0.0).unset == 127 & ~UNSET_PRESENCE_PENALTY
+    assert params(frequency_penalty=0.5).unset == 127 & ~UNSET_FREQUENCY_PENALTY
     p = params(temperature=0.7, top_k=-1)
     assert not p.unset & UNSET_TEMPERATURE and not p.unset & UNSET_TOP_K and p.unset & UNSET_TOP_P
     assert p.unset & UNSET_MIN_P and not params(min_p=0.0).unset & UNSET_MIN_P
@@ -32,21 +47,52 @@ def test_the_fields_a_client_leaves_unset_are_marked():
 def test_an_upstream_is_sent_what_the_client_set_and_only_that():
     body = upstream_body(params())
     # (temperature was always sent, as 1.0: an upstream vLLM then ignored the model's default)
-    assert not {"temperature", "top_p", "top_k", "repetition_penalty", "min_p"} & set(body), body
-    body = upstream_body(params(temperature=0.0, top_p=1.0, top_k=-1, repetition_penalty=1.0, min_p=0.0))
+    assert not {"temperature", "top_p", "top_k", "repetition_penalty", "min_p", "presence_penalty",
+                "frequency_penalty"} & set(body), body
+    body = upstream_body(params(temperature=0.0, top_p=1.0, top_k=-1, repetition_penalty=1.0, min_p=0.0,
+                                presence_penalty=0.0, frequency_penalty=0.0))
     # (values equal to the neutral ones were dropped, so the model's defaults replaced them)
-    assert (body["temperature"], body["top_p"], body["top_k"], body["repetition_penalty"], body["min_p"]) == (
-        0.0, 1.0, -1, 1.0, 0.0)
+    assert (body["temperature"], body["top_p"], body["top_k"], body["repetition_penalty"], body["min_p"],
+            body["presence_penalty"], body["frequency_penalty"]) == (0.0, 1.0, -1, 1.0, 0.0, 0.0, 0.0)
     assert upstream_body(params(min_p=0.05))["min_p"] == 0.05
 
 
 def test_a_model_default_fills_only_an_unset_field():
     config = SimpleNamespace(get_diff_sampling_param=lambda: {"temperature": 0.6, "top_k": 20, "min_p": 0.1,
-                                                              "max_tokens": 100})
+                                                              "presence_penalty": 1.5, "frequency_penalty": 0.5,
+                                                              "max_tokens": 100, "unknown": 3})
     defaults = model_sampling_defaults(config)
-    assert defaults == {"temperature": 0.6, "top_k": 20, "min_p": 0.1}  # (what the protocol carries)
-    assert with_model_defaults(params(), defaults) == (0.6, 1.0, 20, 1.0, 0.1)
-    assert with_model_defaults(params(temperature=1.0, top_k=5, min_p=0.0), defaults) == (1.0, 1.0, 5, 1.0, 0.0)
+    assert defaults == {"temperature": 0.6, "top_k": 20, "min_p": 0.1, "presence_penalty": 1.5,
+                        "frequency_penalty": 0.5, "max_tokens": 100}  # (what the protocol carries)
+    assert with_model_defaults(params(), defaults) == (0.6, 1.0, 20, 1.0, 0.1, 1.5, 0.5)
+    assert with_model_defaults(params(temperature=1.0, top_k=5, min_p=0.0, presence_penalty=0.0), defaults) == (
+        1.0, 1.0, 5, 1.0, 0.0, 0.0, 0.5)
     # a router that does not mark unset fields: every value as sent
-    assert with_model_defaults(SamplingParams(), defaults) == (1.0, 1.0, -1, 1.0, 0.0)
+    assert with_model_defaults(SamplingParams(), defaults) == (1.0, 1.0, -1, 1.0, 0.0, 0.0, 0.0)
     assert model_sampling_defaults(SimpleNamespace()) == {}  # (a vLLM without the call)
+    assert (model_max_tokens(defaults), model_max_tokens({})) == (100, None)
+
+
+def _engine(default_max_tokens: int | None, max_model_len: int = 64) -> SimpleNamespace:
+    return SimpleNamespace(tokenizer=ByteTokenizer(), max_model_len=max_model_len,
+                           default_max_tokens=default_max_tokens)
+
+
+def test_the_models_max_new_tokens_limits_a_request_that_sets_no_max_tokens():
+    # vLLM's server (get_max_tokens): the least of the context's remainder and
+    # the model's max_new_tokens, for a request that sets none; one that does keeps its own
+    prompt = [1] * 10
+
+    def max_tokens(p: SamplingParams, engine: SimpleNamespace) -> int:
+        return prepare(engine, prompt, p)[1].max_tokens  # type: ignore[arg-type]
+
+    assert max_tokens(params(), _engine(5)) == 5  # (the router's default: 16)
+    assert max_tokens(params(), _engine(None)) == 16
+    assert max_tokens(params(), _engine(100)) == 16  # (never above the router's default or the tenant's cap)
+    assert max_tokens(params(), _engine(100, max_model_len=20)) == 10  # (the context's remainder)
+    assert max_tokens(params(max_tokens=12), _engine(5)) == 12
+    # a resumed stream counts from the same limit on any replica of the model
+    ids, p, _ = prepare(_engine(5), prompt, params(), [7, 7])  # type: ignore[arg-type]
+    assert (len(ids), p.max_tokens) == (12, 3)
+    with pytest.raises(EngineError, match="already reached"):
+        prepare(_engine(5), prompt, params(), [7] * 6)  # type: ignore[arg-type]

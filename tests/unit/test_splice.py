@@ -65,7 +65,7 @@ def run_spliced(ids: list[int], cut: list[int], k: int, stop: list[str], include
     if finish != NONE:
         return e1, finish
     splice = splice_for(ids[:k], len(e1), stop, include, min_tokens, tok)
-    engine = SimpleNamespace(max_model_len=10_000, tokenizer=tok)
+    engine = SimpleNamespace(max_model_len=10_000, tokenizer=tok, default_max_tokens=None)
     params = SamplingParams(max_tokens=len(ids) + 1, include_stop_str_in_output=include)  # (no stop: the router's)
     _, _, upstream = prepare(engine, ids[:k], params, prime=True)  # type: ignore[arg-type]
     out = [e1]

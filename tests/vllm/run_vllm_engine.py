@@ -74,9 +74,9 @@ async def main(model_dir: str) -> dict:
         res["split_char"] = [len(snow), tok.decode(snow[:2])]
         hi = [{"role": "user", "content": "hi"}]
         res["chat_len"] = len(tok.chat(hi))
-        # chat_template_kwargs: the template's variables, over vLLM's defaults
+        # chat_template_kwargs: the template's variables, under vLLM's own fields (add_generation_prompt)
         res["chat_kwargs"] = [tok.chat(hi, {"enable_thinking": False}) == tok.chat(hi),
-                              len(tok.chat(hi, {"add_generation_prompt": False})) < res["chat_len"]]
+                              len(tok.chat(hi, {"add_generation_prompt": False})) == res["chat_len"]]
         try:
             tok.chat(hi, {"tokenize": True})
             res["chat_kwargs_refused"] = "accepted"

@@ -55,7 +55,7 @@ def test_tokenizer(result: dict) -> None:
     assert n == 3  # "世" is three bytes, three tokens
     assert text == U_FFFD  # two of its three bytes decode to U+FFFD
     assert result["chat_len"] > 0
-    assert result["chat_kwargs"] == [True, True]  # a variable the template does not use; one it does
+    assert result["chat_kwargs"] == [True, True]  # a variable the template does not use; one vLLM sets over them
     assert "tokenize" in result["chat_kwargs_refused"]
     assert result["eos"] is not None
 
