@@ -239,8 +239,7 @@ class Generation(WaitsForReplica):
                 )
             else:
                 col = client.generate(job.params, prompt=job.prompt, messages=job.messages,
-                                      chat_template_kwargs=job.template_kwargs,
-                                      reasoning_effort=job.reasoning_effort)
+                                      chat_template_kwargs=job.template_kwargs, reasoning_effort=job.reasoning_effort)
         except ReplicaDead as e:
             handle.release()
             self._failover(slot.name, e)

@@ -20,7 +20,7 @@ from router.entry_keys import key_of_entry
 from router.errors import BadRequest, clip
 
 __all__ = ["ChatRequest", "CompletionRequest", "decode_request", "to_params", "chat_messages", "chat_message_slices",
-           "chat_template_kwargs", "MAX_TEMPLATE_KWARGS_BYTES", "completion_prompt", "usage_options", "REASONING_EFFORTS"]
+           "chat_template_kwargs", "MAX_TEMPLATE_KWARGS_BYTES", "completion_prompt", "usage_options"]
 
 MAX_STOP = 4
 

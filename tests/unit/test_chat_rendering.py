@@ -149,6 +149,7 @@ async def test_a_replica_renders_a_chat_with_its_reasoning_effort() -> None:
 def test_an_upstream_is_sent_reasoning_effort_as_the_client_did() -> None:
     up = SimpleNamespace(upstream_model="m", token_ids=True, _ask_usage=False)
     up._body = lambda *a: UpstreamClient._body(up, *a)  # type: ignore[arg-type]
+    request: Any = UpstreamClient._request
     for effort in ("none", None):
-        _, body, _ = UpstreamClient._request(up, SamplingParams(), None, [USER], None, [], None, effort)  # type: ignore[arg-type]
+        _, body, _ = request(up, SamplingParams(), None, [USER], None, [], None, effort)
         assert msgspec.json.decode(body).get("reasoning_effort") == effort
