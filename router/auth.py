@@ -23,12 +23,16 @@ def hash_key(key: str) -> str:
 
 def header_text(raw: bytes) -> str:
     """An Authorization header's bytes as the text the client meant: UTF-8,
-    what curl and most clients send (and what a key is hashed as). Bytes
-    that are not UTF-8 stay as lone surrogates, which ``bearer`` refuses:
-    read as latin-1 (as uvicorn and Litestar read headers), a non-ASCII key
-    was hashed as other text than the one its digest was made of, and never
-    matched over HTTP while it did over the WebSocket."""
-    return raw.decode("utf-8", "surrogateescape")
+    what curl and most clients send (and what a key is hashed as), else
+    latin-1, what Python's http.client and requests, browsers' ``fetch``
+    and Node send for characters up to U+00FF. (Read as latin-1 alone, as
+    uvicorn and Litestar read headers, a non-ASCII key sent as UTF-8 was
+    hashed as other text than its digest's and never matched over HTTP,
+    while it did over the WebSocket; bytes that are both are UTF-8 here.)"""
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError:
+        return raw.decode("latin-1")
 
 
 def authorization(headers) -> str | None:
@@ -40,16 +44,17 @@ def authorization(headers) -> str | None:
 
 def key_problem(key: str) -> str | None:
     """Why ``key`` can be no API key (None: it can be): a key is sent in a
-    header, where control characters cannot go, and the same rule holds
-    for the WebSocket's auth message, so that both take the same keys.
-    (Spaces around a key are no part of it: ``bearer`` drops them.)"""
+    header, where control characters other than the tab cannot go (RFC
+    9110 5.5), and the same rule holds for the WebSocket's auth message, so
+    that both take the same keys. (Spaces and tabs around a key are no
+    part of it: ``bearer`` drops them.)"""
     if key.isprintable():  # (no control character or lone surrogate: the usual key, at C speed)
         return None
     for ch in key:
         category = unicodedata.category(ch)
         if category == "Cs":
-            return "the key is not valid UTF-8"
-        if category == "Cc":
+            return "the key is not valid Unicode text"
+        if category == "Cc" and ch != "\t":
             return f"the key has a control character ({ch!r}), which no HTTP header can carry"
     return None
 

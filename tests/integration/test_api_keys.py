@@ -1,8 +1,10 @@
 """Which API keys authenticate, over HTTP (Litestar's routes and the fast
 path) and over the WebSocket alike: a key is text, sent in the header as
 its UTF-8 bytes (what curl sends, and httpx given bytes) or in the auth
-message as JSON text, and hashed as UTF-8 either way. Keys with control
-characters can be sent in no header, and are refused on both transports."""
+message as JSON text, and hashed as UTF-8 either way; a header that is not
+UTF-8 is read as latin-1 (what http.client, requests and browsers send).
+Keys with control characters but the tab can be sent in no header, and are
+refused on both transports."""
 
 from __future__ import annotations
 
@@ -23,6 +25,8 @@ KEY_UNI = "sk-ключ-юникод-0123456789"  # (24 characters or more: its e
 # registered as its digest, as `sha256sum` would make it (`fairstream hash-key` refuses it)
 KEY_CTL = "sk-control\x01character-key"
 WRONG_UNI = "sk-неверный-ключ-0123-вот"
+KEY_LATIN = "sk-café-0123456789abcdefghij"
+KEY_TAB = "sk-tab\tinside-0123456789abcdef"
 
 
 @pytest.fixture(scope="module")
@@ -31,7 +35,8 @@ def router(tmp_path_factory) -> RouterProcess:
     tenants = d / "tenants.yaml"
     tenants.write_text(yaml.safe_dump({
         "admin_keys": [hash_key(ADMIN)],
-        "tenants": {"uni": {"keys": [hash_key(KEY_UNI), hashlib.sha256(KEY_CTL.encode()).hexdigest()]}},
+        "tenants": {"uni": {"keys": [hash_key(KEY_UNI), hashlib.sha256(KEY_CTL.encode()).hexdigest(),
+                                     hash_key(KEY_LATIN), hash_key(KEY_TAB)]}},
     }, sort_keys=False))
     r = RouterProcess(d / "r", replicas=1, tenants=tenants, sim={"step_base_ms": 1})
     r.start()
@@ -64,12 +69,26 @@ def test_a_wrong_non_ascii_key_is_shown_ungarbled(router: RouterProcess) -> None
             assert r.json()["error"]["message"] == "Incorrect API key provided: sk-****-вот.", r.text
 
 
-def test_a_header_that_is_not_utf8_is_refused_as_malformed(router: RouterProcess) -> None:
+def test_a_key_sent_as_latin_1_authenticates_too(router: RouterProcess) -> None:
+    # (Python's http.client and requests, browsers' fetch and Node send a
+    # header's characters up to U+00FF as latin-1: bytes that are not UTF-8
+    # are read so, and the key is the same text as a UTF-8 client's)
     with httpx.Client(base_url=router.base_url, timeout=30) as http:
-        for r in (http.get("/v1/models", headers={"Authorization": b"Bearer sk-caf\xe9-latin-1"}),
-                  http.post("/v1/chat/completions", headers={"Authorization": b"Bearer sk-\xff"}, json=_chat())):
-            assert r.status_code == 401, r.text
-            assert "UTF-8" in r.json()["error"]["message"], r.text
+        latin = {"Authorization": b"Bearer " + KEY_LATIN.encode("latin-1")}
+        assert http.get("/v1/models", headers=latin).status_code == 200  # a Litestar route
+        r = http.post("/v1/chat/completions", headers=latin, json=_chat())  # the fast path
+        assert r.status_code == 200, r.text
+        assert http.get("/v1/models", headers=_auth(KEY_LATIN)).status_code == 200  # the same key as UTF-8
+        r = http.post("/v1/chat/completions", headers={"Authorization": b"Bearer sk-\xff"}, json=_chat())
+        assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key", r.text
+
+
+def test_a_key_with_a_tab_inside_authenticates(router: RouterProcess) -> None:
+    # (a header can carry a tab: RFC 9110 5.5; such a key worked before keys were checked for control characters)
+    with httpx.Client(base_url=router.base_url, timeout=30) as http:
+        r = http.post("/v1/chat/completions", headers=_auth(KEY_TAB), json=_chat())
+        assert r.status_code == 200, r.text
+        assert http.get("/v1/models", headers=_auth(KEY_TAB)).status_code == 200
 
 
 async def _ws_auth(router: RouterProcess, key: str) -> dict:

@@ -140,10 +140,9 @@ def test_hash_key_reads_the_key_from_stdin(args: list[str], stdin: str) -> None:
         (["-"], "KEY1\nKEY2\n", "the key spans several lines"),
         # no header can carry them (they hashed, and the key worked over the WebSocket only)
         (["sk-a\x01b"], "", "the key has a control character ('\\x01')"),
-        (["-"], "sk-a\tb\n", "the key has a control character ('\\t')"),
         (["sk-\x1b[0m"], "", "the key has a control character ('\\x1b')"),
     ],
-    ids=["dash-nothing", "piped-blank", "empty-argument", "two-lines", "control", "tab", "escape"],
+    ids=["dash-nothing", "piped-blank", "empty-argument", "two-lines", "control", "escape"],
 )
 def test_hash_key_refuses_a_key_no_client_can_send(args: list[str], stdin: str, error: str) -> None:
     proc = _cli("hash-key", *args, stdin=stdin)
