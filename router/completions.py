@@ -202,11 +202,13 @@ async def _sliced(svc: RouterService, policy: TenantPolicy, body: bytes, chat: b
                   default: int, cap: int, deadlines: Deadlines | None
                   ) -> tuple[ChatRequest | CompletionRequest, Job, int]:
     """``_build`` of a large body, in slices with a loop turn between two,
-    one large body at a time (``router.largebody``): the same checks in the
+    one large body at a time, the turns going round the tenants
+    (``router.largebody``; the tenant is known: the key was checked before
+    the body was read): the same checks in the
     same order, so the same first error. The wait for its turn ends at the
     request's first-token or total limit (``deadlines``) with that timeout."""
     turn = svc.large_bodies.turn
-    async with svc.large_bodies.turn_for(deadlines.wait_limit(False) if deadlines is not None else None):
+    async with svc.large_bodies.turn_for(policy.name, deadlines.wait_limit(False) if deadlines is not None else None):
         req = _decode(body, chat, stream_implied)
         await turn()
         check_model(svc, policy, req.model)

@@ -8,7 +8,8 @@ estimate is far over: each of its ten bodies of 120,000 chat messages
 ``tokens_exceed_limit``) once decoded, checked and estimated, all of it the
 router's work, so no replica renders 120,000 messages on the cores this
 test shares with the router. The other tenant's streams go on meanwhile
-and after.
+and after, and another tenant's large body takes its turn before b's
+backlog of them is through (the turns go round the tenants).
 
 How long the other tenant's streams wait meanwhile is measured by
 ``ops/bigbody.py``, not here: a bound on those gaps failed under the load
@@ -33,7 +34,7 @@ import yaml
 
 from tests.helpers import RouterProcess, aiter_sse
 
-KEY_A, KEY_B, KEY_C = "fs-large-a", "fs-large-b", "fs-large-c"
+KEY_A, KEY_B, KEY_C, KEY_D = "fs-large-a", "fs-large-b", "fs-large-c", "fs-large-d"
 BODIES = 10
 MESSAGES = 120_000
 
@@ -50,6 +51,8 @@ def router(tmp_path_factory) -> RouterProcess:
         "tenants": {
             "a": {"keys": [hashlib.sha256(KEY_A.encode()).hexdigest()], "chunk_tokens": 1},
             "b": {"keys": [hashlib.sha256(KEY_B.encode()).hexdigest()],
+                  "limits": {**roomy, "tokens_per_minute": 100_000}},
+            "d": {"keys": [hashlib.sha256(KEY_D.encode()).hexdigest()],  # (as b)
                   "limits": {**roomy, "tokens_per_minute": 100_000}},
             # (as b, with a first-token limit that its large bodies' turns outlast)
             "c": {"keys": [hashlib.sha256(KEY_C.encode()).hexdigest()],
@@ -143,6 +146,36 @@ def test_a_large_body_waiting_for_its_turn_past_its_first_token_limit_gets_its_5
     statuses.clear()
     _post_raw(router.port, body, statuses)
     assert statuses == [(429, "tokens_exceed_limit")]
+
+
+def test_another_tenants_large_body_takes_its_turn_before_one_tenants_backlog_is_through(
+        router: RouterProcess) -> None:
+    # (tenant b sends six large bodies together, tenant d one once b's first
+    # is answered, while b's other five wait for their turns: the turns go
+    # round the tenants, so d's comes after at most b's body then at work
+    # and one more, not after b's whole backlog as in the order they came)
+    body = _chat_body()
+    answered: list[str] = []
+    statuses: list[tuple[int, str]] = []
+
+    def send(name: str, key: str) -> None:
+        _post_raw(router.port, body, statuses, key)
+        answered.append(name)
+
+    senders = [threading.Thread(target=send, args=("b", KEY_B)) for _ in range(6)]
+    for t in senders:
+        t.start()
+    deadline = time.monotonic() + 60
+    while not answered and time.monotonic() < deadline:  # (b's first turn is over: the other five are in line)
+        time.sleep(0.01)
+    other = threading.Thread(target=send, args=("d", KEY_D))
+    other.start()
+    for t in [*senders, other]:
+        t.join(90)
+    assert statuses == [(429, "tokens_exceed_limit")] * 7, statuses  # (each decoded, checked, estimated)
+    assert sorted(answered) == ["b"] * 6 + ["d"], answered
+    # (b's first answer came before d sent; d's before at least two more of b's)
+    assert answered[0] == "b" and answered.index("d") <= 4, answered
 
 
 @pytest.mark.parametrize("size", ["small", "large"])

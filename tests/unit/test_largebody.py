@@ -1,7 +1,8 @@
 """router.largebody and the sliced decode of a large body (router.completions._job).
 
 A large body gets the same request, job, estimate and first error as in one
-piece; the loop turns between its slices; large bodies take turns."""
+piece; the loop turns between its slices; large bodies take turns, round
+the tenants (``TurnRotation``)."""
 
 from __future__ import annotations
 
@@ -19,7 +20,7 @@ from router import completions
 from router.deadlines import Deadlines, StreamTimeout
 from router.errors import ApiError
 from router.job import AFFINITY_PREFIX, Job
-from router.largebody import LARGE_BODY, SLICE, LargeBodies, large
+from router.largebody import LARGE_BODY, SLICE, LargeBodies, TurnRotation, large
 
 MODEL = "m"
 
@@ -30,8 +31,8 @@ def _svc() -> Any:
     return SimpleNamespace(pool=pool, config=config, large_bodies=LargeBodies())
 
 
-def _policy(max_tokens: int = 0) -> Any:
-    return SimpleNamespace(allows_model=lambda m: True, limits=SimpleNamespace(max_tokens=max_tokens))
+def _policy(max_tokens: int = 0, name: str = "t") -> Any:
+    return SimpleNamespace(name=name, allows_model=lambda m: True, limits=SimpleNamespace(max_tokens=max_tokens))
 
 
 def _chat(n: int, **kw: Any) -> dict[str, Any]:
@@ -201,7 +202,7 @@ def test_large_chat_template_kwargs_are_refused_before_the_messages_are_checked(
     assert _turns(_pad(body)) == 0  # (refused with the decode: no slice of messages was checked)
 
 
-def test_the_wait_for_the_large_body_lock_ends_at_the_requests_first_token_limit() -> None:
+def test_the_wait_for_the_large_body_turn_ends_at_the_requests_first_token_limit() -> None:
     body = _pad(_chat(3))
 
     async def run() -> tuple[float, list[str]]:
@@ -217,7 +218,8 @@ def test_the_wait_for_the_large_body_lock_ends_at_the_requests_first_token_limit
             else:
                 order.append(f"{name} done")
 
-        await svc.large_bodies.lock.acquire()  # (a large body at work)
+        held = svc.large_bodies.turn_for("t", None)  # (a large body at work)
+        await held.__aenter__()
         t0 = time.monotonic()
         early = asyncio.create_task(one("early", 60.0))
         await asyncio.sleep(0)
@@ -225,14 +227,105 @@ def test_the_wait_for_the_large_body_lock_ends_at_the_requests_first_token_limit
         after = asyncio.create_task(one("after", 60.0))  # (behind the one that leaves)
         await asyncio.wait_for(asyncio.shield(late), 5)
         took = time.monotonic() - t0
-        svc.large_bodies.lock.release()
+        await held.__aexit__(None, None, None)
         await asyncio.wait_for(asyncio.gather(early, after), 5)
-        assert not svc.large_bodies.lock.locked()
+        assert not svc.large_bodies.busy() and svc.large_bodies.waiting() == 0
         return took, order
 
     took, order = asyncio.run(run())
     assert order == ["short first_token_timeout", "early done", "after done"]
-    assert 0.15 < took < 2.0  # (at its limit, not when the lock came)
+    assert 0.15 < took < 2.0  # (at its limit, not when the turn came)
+
+
+def test_the_turns_go_round_the_tenants_with_bodies_waiting() -> None:
+    r: TurnRotation[str] = TurnRotation()
+    for w in ("a2", "a3", "a4"):  # (while a1 has the turn)
+        r.join("a", w)
+    r.join("b", "b1")
+    r.join("c", "c1")
+    r.join("b", "b2")
+    served = []
+    ended = "a"
+    while (nxt := r.next(ended)) is not None:
+        ended, w = nxt
+        served.append(w)
+    # (a's turn ended: b, c, then a; each tenant first come first served)
+    assert served == ["b1", "c1", "a2", "b2", "a3", "a4"]
+    assert r.tenants() == [] and len(r) == 0  # (nothing kept of a tenant with no body waiting)
+
+
+def test_a_tenant_new_to_the_rotation_goes_to_its_back() -> None:
+    r: TurnRotation[str] = TurnRotation()
+    r.join("a", "a2")
+    r.join("b", "b1")
+    assert r.next("a") == ("b", "b1")
+    r.join("c", "c1")
+    r.join("b", "b2")  # (b's turn is under way: it is back in, behind a and c)
+    assert r.tenants() == ["a", "c", "b"]
+    assert [r.next(t) for t in ("b", "a", "c")] == [("a", "a2"), ("c", "c1"), ("b", "b2")]
+    assert r.next("b") is None
+
+
+def test_a_body_that_leaves_the_line_leaves_no_trace() -> None:
+    r: TurnRotation[str] = TurnRotation()
+    r.join("a", "a1")
+    r.join("b", "b1")
+    r.join("a", "a2")
+    r.leave("a", "a1")
+    r.leave("a", "a1")  # (twice: no-op)
+    r.leave("z", "z1")  # (never in it: no-op)
+    assert r.tenants() == ["a", "b"] and len(r) == 2
+    r.leave("a", "a2")
+    assert r.tenants() == ["b"]
+    assert r.next(None) == ("b", "b1") and r.next("b") is None
+
+
+def test_one_tenants_backlog_does_not_hold_up_another_tenants_body() -> None:
+    async def run() -> list[str]:
+        bodies = LargeBodies()
+        order: list[str] = []
+
+        async def one(tenant: str, name: str) -> None:
+            async with bodies.turn_for(tenant, None):
+                order.append(name)
+                for _ in range(3):  # (its slices)
+                    await bodies.turn()
+
+        a = [asyncio.create_task(one("a", f"a{i}")) for i in range(6)]
+        await asyncio.sleep(0)  # (a0 has the turn, a1-a5 wait)
+        b = asyncio.create_task(one("b", "b0"))
+        await asyncio.gather(*a, b)
+        assert not bodies.busy() and bodies.waiting() == 0
+        return order
+
+    assert asyncio.run(run()) == ["a0", "b0", "a1", "a2", "a3", "a4", "a5"]
+
+
+def test_a_body_whose_turn_came_as_it_was_cancelled_passes_the_turn_on() -> None:
+    async def run() -> list[str]:
+        bodies = LargeBodies()
+        order: list[str] = []
+
+        async def one(tenant: str, name: str) -> None:
+            async with bodies.turn_for(tenant, None):
+                order.append(name)
+
+        held = bodies.turn_for("a", None)
+        await held.__aenter__()
+        gone = asyncio.create_task(one("b", "b0"))
+        waiting = asyncio.create_task(one("b", "b1"))
+        cancelled = asyncio.create_task(one("c", "c0"))
+        other = asyncio.create_task(one("d", "d0"))
+        await asyncio.sleep(0)  # (all four wait)
+        cancelled.cancel()  # (cancelled while waiting: it leaves the line)
+        await held.__aexit__(None, None, None)  # (the turn passes to b0 ...)
+        gone.cancel()  # (... which is cancelled before it runs: it passes the turn on)
+        await asyncio.gather(gone, cancelled, return_exceptions=True)
+        await asyncio.gather(waiting, other)
+        assert not bodies.busy() and bodies.waiting() == 0
+        return order
+
+    assert asyncio.run(run()) == ["d0", "b1"]
 
 
 @pytest.mark.parametrize("kwargs, code", [
