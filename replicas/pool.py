@@ -212,12 +212,15 @@ class ReplicaPool:
         request for a model no other replica serves may be theirs."""
         return sum(1 for s in self.slots if not s.model)
 
-    def max_model_len(self, model: str) -> int | None:
+    def max_model_len(self, model: str, largest: bool = False) -> int | None:
         """The context length a ready replica of ``model`` reports (the
-        smallest, if they differ); None when none is ready or says."""
+        smallest, or with ``largest`` the largest, if they differ); None when
+        none is ready or says."""
         lens = [s.client.ready.max_model_len for s in self.ready_slots(model)  # type: ignore[union-attr]
                 if s.client.ready.max_model_len > 0]  # type: ignore[union-attr]
-        return min(lens) if lens else None
+        if not lens:
+            return None
+        return max(lens) if largest else min(lens)
 
     def ready_slots(self, model: str | None = None, exclude: Collection[str] | None = None,
                     needs: int = 0) -> list[ReplicaSlot]:

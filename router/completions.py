@@ -31,13 +31,13 @@ from router.generation import Generation, StreamLost
 from router.estimate import base_estimate, messages_estimate
 from router.ids import new_id
 from router.job import Job
+from router.prompt import completion_prompt
 from router.openai_types import (
     ChatRequest,
     CompletionRequest,
     chat_message_slices,
     chat_messages,
     chat_template_kwargs,
-    completion_prompt,
     decode_request,
     max_tokens_param,
     to_params,
@@ -175,6 +175,23 @@ def _params(req: ChatRequest | CompletionRequest, default: int, cap: int) -> Sam
     return params
 
 
+def _check_context(svc: RouterService, req: ChatRequest | CompletionRequest, params: SamplingParams) -> None:
+    """A ``max_tokens`` over the model's whole context (as its ready replicas
+    report it; the largest, if they differ) can never run: the 400 vLLM
+    gives, before the tenant's limits, whose 429 would say to wait or to ask
+    for less of a budget the request could never use. Where no ready
+    replica says, the replica's own check refuses it (``replicas.prepare``)."""
+    limit = svc.pool.max_model_len(req.model, largest=True)
+    if limit is not None and params.max_tokens > limit:
+        name = max_tokens_param(req)
+        raise BadRequest(
+            f"This model's maximum context length is {limit} tokens. However, you requested "
+            f"{params.max_tokens} tokens in the completion ({name}={params.max_tokens} cannot be greater "
+            f"than max_model_len={limit}). Please reduce {name}.",
+            param=name, code="context_length_exceeded",
+        )
+
+
 def _build(req: ChatRequest | CompletionRequest, params: SamplingParams,
            checked: tuple[dict[str, Any] | None, list[dict[str, str]], int] | None = None) -> tuple[Job, int]:
     """The job of a decoded request whose model and parameters were checked,
@@ -294,6 +311,7 @@ async def start_generation(
     deadlines = Deadlines(lim.first_token, lim.stall, lim.total, start=started)
     try:
         req, job, base = await _job(svc, policy, body, chat, stream_implied, content_encoding, deadlines)
+        _check_context(svc, req, job.params)
         prompt_estimate = svc.estimates.estimate(job, base)[0]
         # (a stream's reservation is kept for a continuation to take over if this router dies)
         hold = svc.resume.retention if req.stream or stream_implied else 0.0

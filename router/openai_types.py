@@ -20,7 +20,7 @@ from router.entry_keys import key_of_entry
 from router.errors import BadRequest, clip
 
 __all__ = ["ChatRequest", "CompletionRequest", "decode_request", "to_params", "chat_messages", "chat_message_slices",
-           "chat_template_kwargs", "MAX_TEMPLATE_KWARGS_BYTES", "completion_prompt", "usage_options"]
+           "chat_template_kwargs", "MAX_TEMPLATE_KWARGS_BYTES", "usage_options"]
 
 MAX_STOP = 4
 
@@ -118,7 +118,7 @@ class ChatRequest(_Common, kw_only=True):
 
 class CompletionRequest(_Common, kw_only=True):
     prompt: str | list[Any]
-    """Text, [text], token ids, or [token ids]; checked by ``completion_prompt``."""
+    """Text, [text], token ids, or [token ids]; checked by ``router.prompt.completion_prompt``."""
     best_of: Int | None = None
     echo: bool | None = None
     suffix: str | None = None
@@ -271,7 +271,7 @@ def to_params(req: ChatRequest | CompletionRequest, default_max_tokens: int) -> 
         raise BadRequest(f"'top_k' must be -1 or 0 (no limit) or at least 1; got {req.top_k}.", param="top_k")
     if req.min_p is not None and not 0.0 <= req.min_p <= 1.0:
         raise BadRequest(f"'min_p' must be in [0, 1]; got {req.min_p}.", param="min_p")
-    if req.repetition_penalty is not None and not 0.0 < req.repetition_penalty <= 1e6:
+    if req.repetition_penalty is not None and not 0.0 < req.repetition_penalty:  # (vLLM's only bound)
         raise BadRequest(f"'repetition_penalty' must be greater than 0; got {req.repetition_penalty}.",
                          param="repetition_penalty")
     if req.min_tokens is not None and not 0 <= req.min_tokens <= max_tokens:
@@ -424,22 +424,3 @@ def chat_template_kwargs(req: ChatRequest) -> dict[str, Any] | None:
         level = below
         depth += 1
     return kwargs
-
-
-def completion_prompt(req: CompletionRequest) -> str | list[int]:
-    """The one prompt of a completions request, as text or token ids."""
-    prompt: Any = req.prompt
-    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
-        prompt = prompt[0]
-    elif isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
-        raise BadRequest("Only one prompt per request is supported.", param="prompt")
-    if not prompt:  # "" or []
-        raise BadRequest("'prompt' must not be empty.", param="prompt")
-    if isinstance(prompt, str):
-        return prompt
-    try:
-        return msgspec.convert(prompt, list[TokenId])  # (a generator over 400,000 ids took 0.3-1 s of the loop)
-    except msgspec.ValidationError:
-        raise BadRequest("'prompt' must be a string or a list of token ids (integers from 0 to "
-                         f"{MAX_TOKEN_ID}).", param="prompt") from None
-

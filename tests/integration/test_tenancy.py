@@ -742,3 +742,28 @@ def test_a_prompt_over_max_prompt_tokens_takes_no_tokens(tmp_path, stream):
         r = httpx.post(url, headers=auth(KEY_A), json=body(4), timeout=20)
         assert r.status_code == 200, r.text
         assert int(r.headers["x-ratelimit-remaining-tokens"]) >= 3000 - 100, r.headers
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_max_tokens_over_the_context_is_a_400_before_the_tenants_token_budget(tmp_path, stream):
+    # max_tokens=500000 on a model of 2,048 tokens for a tenant of 400,000
+    # tokens a minute can never run, whatever the budget: vLLM's 400
+    # context_length_exceeded naming max_tokens. It was the budget's 429
+    # tokens_exceed_limit ("lower max_tokens"), as the budget was checked first.
+    t = tmp_path / "tenants.yaml"
+    tenants_yaml(t, tpm=400000)
+    with RouterProcess(tmp_path / "r", tenants=t, replicas=1, sim={"max_model_len": 2048}) as router:
+        client = openai.OpenAI(base_url=router.base_url + "/v1", api_key=KEY_A, max_retries=0)
+        for name in ("max_tokens", "max_completion_tokens"):
+            with pytest.raises(openai.BadRequestError) as e:
+                client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}],
+                                               stream=stream, **{name: 500000})
+            assert (e.value.code, e.value.param) == ("context_length_exceeded", name), e.value
+            assert "maximum context length is 2048 tokens" in e.value.message
+            assert f"{name}=500000 cannot be greater than max_model_len=2048" in e.value.message
+        with pytest.raises(openai.BadRequestError) as e:
+            client.completions.create(model=MODEL, prompt="hi", max_tokens=2049, stream=stream)
+        assert (e.value.code, e.value.param) == ("context_length_exceeded", "max_tokens"), e.value
+        # (nothing was reserved: the tenant's whole budget is left)
+        r = httpx.post(router.base_url + "/v1/completions", headers=auth(KEY_A), json=body(4), timeout=20)
+        assert r.status_code == 200 and int(r.headers["x-ratelimit-remaining-tokens"]) >= 400000 - 100, r.text

@@ -5,13 +5,13 @@ import json
 import pytest
 
 from router.errors import BadRequest
+from router.prompt import completion_prompt
 from router.openai_types import (
     ChatRequest,
     CompletionRequest,
     StreamOptions,
     chat_messages,
     chat_template_kwargs,
-    completion_prompt,
     decode_request,
     to_params,
 )
@@ -290,6 +290,17 @@ def test_in_range_vllm_extensions_pass(kw):
     assert to_params(chat(**kw), 16).max_tokens in (8, 16)
 
 
+@pytest.mark.parametrize("value", [1e10, 1e300])
+def test_repetition_penalty_has_no_upper_limit_as_in_vllm(value):
+    # (vLLM takes any value over 0; a hidden limit of 1e6 refused these with
+    # a message that said only "must be greater than 0". JSON cannot carry
+    # inf or nan: msgspec refuses a number out of a float's range.)
+    assert to_params(chat(repetition_penalty=value), 16).repetition_penalty == value
+    with pytest.raises(BadRequest) as info:
+        to_params(chat(repetition_penalty=0.0), 16)
+    assert "greater than 0" in str(info.value) and info.value.param == "repetition_penalty"
+
+
 def test_min_p_reaches_the_replica_and_its_range_is_vllms():
     # (vLLM's extension, sent as the openai SDK's extra_body; it was a 400 as
     # an unknown field)
@@ -341,6 +352,16 @@ def test_a_token_id_prompt_takes_integers_from_0_to_the_largest_id_and_no_bools(
         with pytest.raises(BadRequest) as e:
             completion_prompt(req)
         assert e.value.param == "prompt" and "list of token ids" in e.value.message
+
+
+@pytest.mark.parametrize("prompt", [["a", "b"], [[1, 2], [3]]])
+def test_several_prompts_are_refused_as_an_unsupported_parameter(prompt) -> None:
+    # (vLLM serves a batch of prompts, a choice each; the replicas take one
+    # prompt a request, so a batch is refused as n > 1 is: its code was null)
+    with pytest.raises(BadRequest) as e:
+        completion_prompt(CompletionRequest(model="m", prompt=prompt))
+    assert (e.value.param, e.value.code) == ("prompt", "unsupported_parameter"), e.value
+    assert "one request per prompt" in e.value.message
 
 
 def _nested(size: int) -> dict:
