@@ -147,7 +147,7 @@ class OpenAIServer:
             req.sent = True
         if req.ids:  # the finish flushes what stream_interval held
             new_ids, text = req.ids + new_ids, req.text + text
-        req.col.put(Delta(rid, new_ids, text, finish_out, None, error))
+        req.col.put(Delta(rid, new_ids, text, finish_out, None, error, stop_reason=req.proc.stop_reason))
 
     # -- endpoints ---------------------------------------------------------
 
@@ -263,13 +263,14 @@ class OpenAIServer:
         try:
             if req.stream:
                 opts = req.stream_options
-                return await self._stream(request, col, enc, bool(opts and opts.include_usage))
-            return await self._collect(col, enc)
+                return await self._stream(request, col, enc, bool(opts and opts.include_usage), proc)
+            return await self._collect(col, enc, proc)
         finally:
             if self._requests.pop(rid, None) is not None:
                 eng.abort(rid)
 
-    async def _stream(self, request: web.Request, col: Collector, enc: _Encoder, usage: bool) -> web.StreamResponse:
+    async def _stream(self, request: web.Request, col: Collector, enc: _Encoder, usage: bool,
+                      proc: OutputProcessor) -> web.StreamResponse:
         resp = web.StreamResponse(headers=_SSE_HEADERS)
         resp.enable_chunked_encoding()
         await resp.prepare(request)
@@ -281,7 +282,7 @@ class OpenAIServer:
                     error = rq.error_json(col.error or "generation failed", 500)
                     await resp.write(out + b"data: " + error + b"\n\n" + _DONE)
                     break
-                out = enc.chunk(ids, text, finish)
+                out = enc.chunk(ids, text, finish, proc.stop_reason)
                 if finish != FinishReason.NONE:
                     if usage:
                         out += enc.usage()
@@ -293,7 +294,7 @@ class OpenAIServer:
             pass  # the client left; the caller aborts the request
         return resp
 
-    async def _collect(self, col: Collector, enc: _Encoder) -> web.Response:
+    async def _collect(self, col: Collector, enc: _Encoder, proc: OutputProcessor) -> web.Response:
         parts: list[str] = []
         all_ids: list[int] = []
         while True:
@@ -305,7 +306,8 @@ class OpenAIServer:
                 return rq.error_response(col.error or "generation failed", 500)
             if finish != FinishReason.NONE:
                 break
-        return web.Response(body=enc.full("".join(parts), all_ids, finish), content_type="application/json")
+        body = enc.full("".join(parts), all_ids, finish, proc.stop_reason)
+        return web.Response(body=body, content_type="application/json")
 
 
 class _Encoder:
@@ -328,10 +330,11 @@ class _Encoder:
             + str(self._created).encode() + b',"model":' + _enc(model) + b',"choices":[{"index":0,'
         )
 
-    def chunk(self, ids: list[int], text: str, finish: FinishReason) -> bytes:
-        """SSE event(s) for new output (chat: a role chunk first)."""
+    def chunk(self, ids: list[int], text: str, finish: FinishReason, stop_reason: str | int | None = None) -> bytes:
+        """SSE event(s) for new output (chat: a role chunk first); a finish
+        chunk has vLLM's ``stop_reason``."""
         self.completion_tokens += len(ids)
-        fin = b"null" if finish == FinishReason.NONE else _enc(finish.openai)
+        fin = b"null" if finish == FinishReason.NONE else _enc(finish.openai) + b',"stop_reason":' + _enc(stop_reason)
         tail = b',"token_ids":' + _enc(ids) if self.token_ids else b""
         out = b""
         if self.chat:
@@ -357,9 +360,10 @@ class _Encoder:
         return b"data: " + _enc({"id": self._id, "object": obj, "created": self._created, "model": self.model,
                                  "choices": [], "usage": self._usage()}) + b"\n\n"
 
-    def full(self, text: str, ids: list[int], finish: FinishReason) -> bytes:
+    def full(self, text: str, ids: list[int], finish: FinishReason, stop_reason: str | int | None = None) -> bytes:
         """A non-streamed response."""
-        choice: dict[str, Any] = {"index": 0, "logprobs": None, "finish_reason": finish.openai, "stop_reason": None}
+        choice: dict[str, Any] = {"index": 0, "logprobs": None, "finish_reason": finish.openai,
+                                  "stop_reason": stop_reason}
         body: dict[str, Any] = {"id": self._id, "created": self._created, "model": self.model}
         if self.chat:
             body["object"] = "chat.completion"

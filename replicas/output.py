@@ -63,6 +63,8 @@ class OutputProcessor:
         "_min_tokens",
         "_min_known",
         "finished",
+        "stop_ids",
+        "stop_reason",
     )
 
     def __init__(
@@ -88,6 +90,9 @@ class OutputProcessor:
         self._min_tokens = min_tokens  # (completion tokens, a resumed prefix's included)
         self._min_known = not min_tokens  # the matcher's min_end is set (once: _min_chars)
         self.finished = False
+        # ids of stop tokens whose id is the stop_reason (set by prepare), and that reason once finished
+        self.stop_ids: frozenset[int] = frozenset()
+        self.stop_reason: str | int | None = None
         text = ""
         if self._ids:
             # Find the longest prefix of tokens whose text is complete; the
@@ -142,8 +147,11 @@ class OutputProcessor:
         """
         if self.finished:
             return "", finish
-        if finish == FinishReason.STOP and new_ids and not self._include:
-            new_ids = new_ids[:-1]
+        if finish == FinishReason.STOP and new_ids:
+            if new_ids[-1] in self.stop_ids:
+                self.stop_reason = new_ids[-1]
+            if not self._include:
+                new_ids = new_ids[:-1]
         ids = self._ids
         new = ""  # text decoded now
         if new_ids:
@@ -187,8 +195,9 @@ class OutputProcessor:
             self._min_known = True
             stops.min_end = self._min_chars()
         out, stopped = stops.feed(new, finish != FinishReason.NONE, look)
-        if stopped:
+        if stopped:  # (a stop string the last token's text completed wins over that token, as in vLLM)
             self.finished = True
+            self.stop_reason = stops.matched
             return out, FinishReason.STOP
         if finish != FinishReason.NONE:
             self.finished = True

@@ -103,6 +103,9 @@ def prepare(
                                params.min_tokens + len(tail), include_stop_str=include, prefix_is_output=False)
     else:
         proc = OutputProcessor(engine.tokenizer, params.stop, min_tokens=params.min_tokens, include_stop_str=include)
+    # a stop token's id is vLLM's stop_reason, but for EOS (unless ignore_eos): vLLM checks EOS first
+    eos = engine.tokenizer.eos_token_id
+    proc.stop_ids = frozenset(t for t in params.stop_token_ids if t != eos or params.ignore_eos)
     return prompt_ids + list(prefix_token_ids), params, proc
 
 

@@ -285,6 +285,10 @@ class Delta(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
     # the prompt's token count where its ids are not known: set only on the
     # finish of such an upstream's stream, from its usage chunk
     prompt_count: int = 0
+    # on a finish, vLLM's ``stop_reason``: the stop string that matched, the
+    # id of the stop token of ``stop_token_ids`` that ended it, or None (EOS,
+    # length, or a replica from before this field)
+    stop_reason: str | int | None = None
 
 
 class Deltas(msgspec.Struct, tag=11, array_like=True, gc=False):

@@ -156,7 +156,7 @@ class ReplicaServer:
             req.conn.requests.pop(req.rid, None)
             if finish == FinishReason.NONE:  # a stop string ended it early
                 self.engine.abort(erid)
-        delta = Delta(req.rid, new_ids, text, finish_out, None, error)
+        delta = Delta(req.rid, new_ids, text, finish_out, None, error, stop_reason=req.proc.stop_reason)
         if req.first:
             req.first = False
             delta.prompt_token_ids = req.prompt_ids

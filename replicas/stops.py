@@ -38,7 +38,7 @@ class StopMatcher:
     completion text (a resumed prefix's included): ``emitted`` characters are
     out before ``pending``."""
 
-    __slots__ = ("stops", "include", "hold", "keep", "tail", "pending", "looked", "emitted", "min_end")
+    __slots__ = ("stops", "include", "hold", "keep", "tail", "pending", "looked", "emitted", "min_end", "matched")
 
     def __init__(self, stops: list[str], *, include: bool = False, text: str = "", emitted: int = 0,
                  text_is_output: bool = True) -> None:
@@ -57,6 +57,7 @@ class StopMatcher:
         self.looked = 0  # characters of pending a stop string can no longer end in
         self.emitted = emitted  # characters out before pending (absolute)
         self.min_end = 0  # a stop string must end past this absolute position (min_tokens' text)
+        self.matched: str | None = None  # the stop string that ended the stream
 
     def feed(self, text: str, final: bool = False, look: bool = True) -> tuple[str, bool]:
         """Take the next ``text``; return (text to emit now, whether a stop
@@ -78,6 +79,7 @@ class StopMatcher:
                 start, end = find_stop(tail + pending, stops, len(tail) + after)
                 if end >= 0:
                     self.pending = ""
+                    self.matched = (tail + pending)[start:end]
                     return pending[: (end if self.include else start) - len(tail)], True
             self.looked = len(pending)
         if final:

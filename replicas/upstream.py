@@ -317,9 +317,10 @@ class UpstreamClient:
             if prefix and params.max_tokens == len(prefix):
                 # (its replica failed after the last token, before the finish: nothing to generate; the text it
                 # held back, which could have started a stop string, then length, as replicas.prepare ends it)
-                text, stopped = (await splice_at(self._detokenize, prefix, prefix_text_len, params)).feed(
-                    "", True) if params.stop else ("", False)
-                self.finish(st, Delta(col.rid, [], text, FinishReason.STOP if stopped else FinishReason.LENGTH))
+                splice = await splice_at(self._detokenize, prefix, prefix_text_len, params) if params.stop else None
+                text, stopped = splice.feed("", True) if splice is not None else ("", False)
+                self.finish(st, Delta(col.rid, [], text, FinishReason.STOP if stopped else FinishReason.LENGTH,
+                                      stop_reason=splice.stops.matched if splice is not None else None))
                 return
             if params.max_tokens - len(prefix) <= 0:
                 self.finish(st, Delta(col.rid, [], "", FinishReason.ERROR, None,

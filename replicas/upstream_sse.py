@@ -44,6 +44,7 @@ class _Choice(msgspec.Struct):
     text: str | None = None
     delta: _ChatDelta | None = None
     finish_reason: str | None = None
+    stop_reason: str | int | None = None  # vLLM's, on a finish
     token_ids: list[int] | None = None
     prompt_token_ids: list[int] | None = None
 
@@ -159,6 +160,7 @@ class SseReader:
         st = self.st
         none = FinishReason.NONE
         pieces: list[tuple[list[int], str, FinishReason, int]] = []
+        stop_reason = None  # the upstream's, with its finish
         for payload in payloads:
             if payload == b"[DONE]":
                 self.ended = True
@@ -185,6 +187,7 @@ class SseReader:
                     if reason in ("abort", "error"):
                         raise UpstreamFailed(f"the upstream ended the request ({reason})")
                     finish = _FINISH.get(reason, FinishReason.STOP)  # tool_calls, ...
+                    stop_reason = ch.stop_reason
                 if ch.token_ids is not None:
                     if ch.token_ids or t or finish != none:
                         pieces.append((ch.token_ids, t or "", finish, 0))
@@ -227,6 +230,7 @@ class SseReader:
             if acc_text:
                 self._put(st, acc_ids, acc_text, acc_count)
             delta = _delta(st, ids, text, finish, count)
+            delta.stop_reason = st.splice.stops.matched if stopped else stop_reason  # type: ignore[union-attr]
             if stopped:
                 self.client.finish(st, delta)
                 self.ended = True

@@ -68,6 +68,7 @@ class _ChatChoice(msgspec.Struct):
     message: _ChatMessage
     logprobs: None
     finish_reason: str | None
+    stop_reason: str | int | None  # vLLM's: the stop string or stop token id that ended it
 
 
 class _TextChoice(msgspec.Struct):
@@ -75,6 +76,7 @@ class _TextChoice(msgspec.Struct):
     text: str
     logprobs: None
     finish_reason: str | None
+    stop_reason: str | int | None  # vLLM's: the stop string or stop token id that ended it
 
 
 class _Completion(msgspec.Struct):
@@ -448,9 +450,9 @@ async def _collect(svc, gen: Generation, pieces, first: Piece, model: str, chat:
     text = "".join(text_parts)
     finish_reason = gen.finish.openai
     if chat:
-        choices: list = [_ChatChoice(0, _ChatMessage("assistant", text), None, finish_reason)]
+        choices: list = [_ChatChoice(0, _ChatMessage("assistant", text), None, finish_reason, gen.stop_reason)]
     else:
-        choices = [_TextChoice(0, text, None, finish_reason)]
+        choices = [_TextChoice(0, text, None, finish_reason, gen.stop_reason)]
     usage = Usage(gen.prompt_tokens, gen.completion_tokens, gen.prompt_tokens + gen.completion_tokens)
     obj = "chat.completion" if chat else "text_completion"
     body_out = msgspec.json.encode(_Completion(response_id, obj, created, model, choices, usage))

@@ -65,9 +65,9 @@ class Generation(WaitsForReplica):
     """
 
     __slots__ = ("pool", "scheduler", "policy", "rank", "deadlines", "job", "metrics", "max_failovers",
-                 "prompt_token_ids", "completion_ids", "text_len", "failovers", "text_parts", "finish", "replica",
-                 "sink", "ended", "_base", "_col", "_client", "_handle", "_dog", "_died_at", "_exclude", "_dispatched",
-                 "_charged_prompt", "uncounted", "prompt_count", "_attached_at", "prompt_taken",
+                 "prompt_token_ids", "completion_ids", "text_len", "failovers", "text_parts", "finish", "stop_reason",
+                 "replica", "sink", "ended", "_base", "_col", "_client", "_handle", "_dog", "_died_at", "_exclude",
+                 "_dispatched", "_charged_prompt", "uncounted", "prompt_count", "_attached_at", "prompt_taken",
                  "_free_retries", "_charged", "request_id", "_straight_back")
 
     def __init__(self, pool: ReplicaPool, job: Job, metrics: Metrics, max_failovers: int,
@@ -93,7 +93,7 @@ class Generation(WaitsForReplica):
         self.text_len = 0
         self.failovers = 0
         self.text_parts: list[str] | None = [] if policy is not None and policy.log_content else None
-        self.finish = FinishReason.NONE
+        self.finish, self.stop_reason = FinishReason.NONE, None  # (vLLM's stop_reason of the finish)
         self.replica: str | None = None
         self.sink = None
         self.ended = False
@@ -353,7 +353,7 @@ class Generation(WaitsForReplica):
         if self.text_parts is not None and text:
             self.text_parts.append(text)
         if finish != FinishReason.NONE:
-            self.finish = finish
+            self.finish, self.stop_reason = finish, d.stop_reason
             self._detach(finished=True)
         self.sink.piece(text, n, finish)
         if finish != FinishReason.NONE:

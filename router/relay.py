@@ -299,9 +299,10 @@ class EventStream:
         pos = self._pos() if finish == FinishReason.NONE else self._pos(END_FINISH)
         if self.usage_each:
             prompt = self.gen.prompt_tokens
-            event = self.enc.delta(text, finish, pos, Usage(prompt, self.tokens, prompt + self.tokens))
+            event = self.enc.delta(text, finish, pos, Usage(prompt, self.tokens, prompt + self.tokens),
+                                   self.gen.stop_reason)
         else:
-            event = self.enc.delta(text, finish, pos)
+            event = self.enc.delta(text, finish, pos, stop_reason=self.gen.stop_reason)
         self.writer.append(self.sid, event, self.gen.completion_ids[self.sent_ids:self.tokens], self.chars)
         self.sent_ids = self.tokens
         return event

@@ -89,10 +89,13 @@ class ChunkEncoder:
         return self._done
 
     def delta(self, text: str, finish: FinishReason = FinishReason.NONE, pos: bytes = b"",
-              usage: Usage | None = None) -> bytes:
+              usage: Usage | None = None, stop_reason: str | int | None = None) -> bytes:
         """One chunk; ``pos`` (``b"-T-C"``, ``b"-T-C-1"`` with a finish) is appended to the SSE event id;
-        ``usage``: the usage so far, in the chunk (vLLM's continuous usage)."""
+        ``usage``: the usage so far, in the chunk (vLLM's continuous usage); a finish chunk
+        carries vLLM's ``stop_reason`` (the stop string or token id that ended it, else null)."""
         end = b"}]}" if usage is None else b'}],"usage":' + _enc(usage) + b"}"
+        if finish != FinishReason.NONE:
+            end = b',"stop_reason":' + _enc(stop_reason) + end
         if self.chat and not self._role_sent:
             self._role_sent = True
             payload = (self._head + b'"delta":{"role":"assistant","content":' + _enc(text)

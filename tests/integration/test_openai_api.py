@@ -468,3 +468,29 @@ def test_a_stop_token_ends_the_text_without_its_own_text_as_vllm(client: openai.
     assert r.usage.completion_tokens == len(reference[: stop_at + 1].encode())
     pieces, finish, _ = stream_completion(client, "Le caf", max_tokens=80, temperature=0, extra_body=extra)
     assert ("".join(pieces), finish) == (reference[:stop_at], "stop")
+
+
+@pytest.mark.parametrize("chat", [False, True])
+def test_stop_reason_says_which_stop_ended_the_choice_as_vllm_does(client: openai.OpenAI, chat: bool) -> None:
+    # vLLM's ``stop_reason`` (on each choice, and on a stream's finish chunk):
+    # the stop string that matched, the stop token's id (of stop_token_ids;
+    # the sim's tokens are bytes), or null. It was missing: SDK code reading
+    # ``choice.model_extra["stop_reason"]`` broke. (Greedy: the text has an "e".)
+    def run(stream: bool, **kw):
+        if chat:
+            args = dict(model=MODEL, messages=_chat("Le café"), max_tokens=40, temperature=0,
+                        extra_body={**IGNORE_EOS, **kw})
+            r = client.chat.completions.create(stream=stream, **args)
+        else:
+            args = dict(model=MODEL, prompt="Le café", max_tokens=40, temperature=0,
+                        extra_body={**IGNORE_EOS, **kw})
+            r = client.completions.create(stream=stream, **args)
+        if not stream:
+            return r.choices[0].finish_reason, r.choices[0].model_extra["stop_reason"]
+        last = [c for c in r if c.choices][-1].choices[0]
+        return last.finish_reason, last.model_extra["stop_reason"]
+
+    for stream in (False, True):
+        assert run(stream) == ("length", None)
+        assert run(stream, stop=["e", "zzz"]) == ("stop", "e")
+        assert run(stream, stop_token_ids=[ord("e")]) == ("stop", ord("e"))

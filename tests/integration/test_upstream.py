@@ -214,6 +214,27 @@ def test_streams_through_upstream_with_token_ids(only_upstream):
     assert router.metrics().value("fairstream_replica_up", replica=UPSTREAM) == 1
 
 
+@pytest.mark.parametrize("stream", [False, True])
+def test_stop_reason_comes_through_an_upstream(only_upstream, stream):
+    # vLLM's stop_reason (the stop string, the stop token's id, or null) as
+    # the upstream gave it, or the stop string the router's splice matched;
+    # the sim OpenAI server gives it as vllm serve does. It was dropped.
+    router, server = only_upstream
+
+    def run(base: str, key: str, **kw) -> tuple[str, str | int | None]:
+        with openai.OpenAI(base_url=base, api_key=key, max_retries=0, timeout=30) as client:
+            args = greedy(200)
+            args["extra_body"] = {**args["extra_body"], **kw}
+            r = client.completions.create(model=MODEL, prompt=PROMPT, stream=stream, **args)
+            choice = r.choices[0] if not stream else [c for c in r if c.choices][-1].choices[0]
+            return choice.finish_reason, choice.model_extra["stop_reason"]
+
+    for base, key in ((server.url, "upstream-secret"), (router.base_url + "/v1", GOLD)):
+        assert run(base, key, stop=["quietly"]) == ("stop", "quietly")
+        assert run(base, key, stop_token_ids=[ord("e")]) == ("stop", ord("e"))
+        assert run(base, key, max_tokens=8) == ("length", None)
+
+
 def test_the_sim_openai_server_refuses_min_p_out_of_range_as_vllm_serve(only_upstream):
     # (as vllm serve does; the sim engine alone would take 1.5 as 1)
     _, server = only_upstream

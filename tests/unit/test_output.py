@@ -375,3 +375,27 @@ def test_a_stop_string_is_never_matched_in_the_prompt_a_processor_is_primed_with
         params = SamplingParams(max_tokens=10, stop=["ab"], include_stop_str_in_output=include)
         _, _, proc = prepare(engine, TOK.encode("xa"), params, prime=True)  # type: ignore[arg-type]
         assert feed(proc, [TOK.encode("bab"), TOK.encode("c")], LENGTH) == (("bab", STOP) if include else ("b", STOP))
+
+
+def test_stop_reason_is_the_stop_string_or_stop_token_id_as_vllm_has_it():
+    # (vLLM's stop_reason: the stop string that matched, the id of a stop
+    # token of stop_token_ids, None for EOS, which vLLM checks first, and for length)
+    from types import SimpleNamespace
+
+    from replicas.prepare import prepare
+    from replicas.sim import EOS
+
+    engine = SimpleNamespace(max_model_len=100, tokenizer=TOK)
+
+    def reason(parts: list[list[int]], finish: FinishReason, **kw) -> str | int | None:
+        _, _, proc = prepare(engine, TOK.encode("x"), SamplingParams(max_tokens=10, **kw))  # type: ignore[arg-type]
+        feed(proc, parts, finish)
+        return proc.stop_reason
+
+    assert reason([TOK.encode("abcd")], STOP, stop=["bc", "zz"]) == "bc"
+    assert reason([TOK.encode("ab")], STOP, stop_token_ids=[ord("b")]) == ord("b")
+    # a stop string the stop token's text would complete: vLLM leaves that text out, no match
+    assert reason([TOK.encode("ab")], STOP, stop=["ab"], stop_token_ids=[ord("b")]) == ord("b")
+    assert reason([TOK.encode("a") + [EOS]], STOP, stop_token_ids=[EOS]) is None
+    assert reason([TOK.encode("a") + [EOS]], STOP, stop_token_ids=[EOS], ignore_eos=True) == EOS
+    assert reason([TOK.encode("abc")], LENGTH, stop=["zz"]) is None

@@ -87,6 +87,7 @@ deltas = st.builds(
     finish=st.sampled_from(list(FinishReason)),
     prompt_token_ids=st.none() | token_ids,
     error=text,
+    stop_reason=st.none() | text | ids,
 )
 router_messages = st.one_of(
     st.builds(Hello, version=st.integers(0, 100), secret=text),
@@ -182,3 +183,24 @@ def test_hello_defaults_to_the_current_version() -> None:
 def test_finish_reasons_map_to_openai() -> None:
     assert [r.openai for r in FinishReason] == [None, "stop", "length", "abort", "error"]
 
+
+
+def test_a_delta_from_before_stop_reason_decodes_and_an_older_router_drops_it():
+    # (stop_reason is the Delta's last item: a replica from before sends none,
+    # and a router from before ignores it, as msgspec drops trailing items)
+    old = msgspec.msgpack.encode([7, [1], "a", int(FinishReason.STOP)])
+    assert msgspec.msgpack.decode(old, type=Delta).stop_reason is None
+    new = msgspec.msgpack.encode(Delta(7, [1], "a", FinishReason.STOP, stop_reason="zz"))
+    assert msgspec.msgpack.decode(new, type=Delta).stop_reason == "zz"
+
+    class OldDelta(msgspec.Struct, array_like=True, omit_defaults=True):
+        rid: int
+        token_ids: list[int] = []
+        text: str = ""
+        finish: FinishReason = FinishReason.NONE
+        prompt_token_ids: list[int] | None = None
+        error: str = ""
+        count: int = 0
+        prompt_count: int = 0
+
+    assert msgspec.msgpack.decode(new, type=OldDelta).finish == FinishReason.STOP

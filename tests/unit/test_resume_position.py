@@ -102,7 +102,7 @@ def test_rest_of_a_finish_event_keeps_the_finish() -> None:
     out = rest_of(event, Mark(2, 2), Mark(4, 4))
     assert out is not None and out.startswith(b"id: 2-4-4-1\n")
     assert msgspec.json.decode(out[out.index(b"data: ") + 6:])["choices"][0] == {
-        "index": 0, "text": "", "logprobs": None, "finish_reason": "length"}
+        "index": 0, "text": "", "logprobs": None, "finish_reason": "length", "stop_reason": None}
 
 
 def test_ids_parse_as_before() -> None:

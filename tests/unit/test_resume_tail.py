@@ -103,7 +103,7 @@ async def test_at_max_tokens_without_a_stored_finish_the_finish_is_sent_not_a_st
     out = await resume_at(svc, Position(2, 3, 11))
     assert len(out) == 3 and out[2] == DONE, out
     assert out[0].startswith(b"id: 3-3-11-1\n") and chunk(out[0])["choices"][0] == {
-        "index": 0, "delta": {}, "logprobs": None, "finish_reason": "length"}
+        "index": 0, "delta": {}, "logprobs": None, "finish_reason": "length", "stop_reason": None}
     assert out[1].startswith(b"id: 4-3-11-2\n") and chunk(out[1])["usage"]["completion_tokens"] == 3
     assert (await store.stream_read("s1", 0)).finished
 
