@@ -385,7 +385,7 @@ def test_stop_reason_is_the_stop_string_or_stop_token_id_as_vllm_has_it():
     from replicas.prepare import prepare
     from replicas.sim import EOS
 
-    engine = SimpleNamespace(max_model_len=100, tokenizer=TOK)
+    engine = SimpleNamespace(max_model_len=100, tokenizer=TOK, default_max_tokens=None)
 
     def reason(parts: list[list[int]], finish: FinishReason, **kw) -> str | int | None:
         _, _, proc = prepare(engine, TOK.encode("x"), SamplingParams(max_tokens=10, **kw))  # type: ignore[arg-type]
