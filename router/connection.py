@@ -119,6 +119,13 @@ class _ListEvent(asyncio.Event):
         self._waiters = []  # type: ignore[assignment]
 
 
+def _answer_unread(cycle, status: int, headers: list[tuple[bytes, bytes]], body: bytes) -> bool:
+    """``HttpConnection.answer_unread`` on the connection ``cycle``'s
+    transport serves (False once it serves another protocol: a WebSocket)."""
+    conn = cycle.transport.get_protocol()
+    return isinstance(conn, HttpConnection) and conn.answer_unread(cycle, status, headers, body)
+
+
 class HttpConnection(HttpToolsProtocol):
     """uvicorn's httptools protocol with the limits a server facing many
     clients needs, which uvicorn does not set for a request's head: a
@@ -381,8 +388,10 @@ class HttpConnection(HttpToolsProtocol):
             # what the request's handler wants called when the connection
             # is lost (router.fastpath: no waiter task per request)
             self.cycle.lost_callbacks = self._lost
-            # (and what answers an error before the body is read: router.fastpath)
-            self.cycle.answer_unread = self.answer_unread
+            # (and what answers an error before the body is read: router.fastpath;
+            # a function, not this connection's bound method, which would
+            # put the connection and its request in a reference cycle)
+            self.cycle.answer_unread = _answer_unread
 
     def on_body(self, body: bytes) -> None:
         if self._refused:
@@ -430,6 +439,10 @@ class HttpConnection(HttpToolsProtocol):
         if self.metrics is not None:  # (counted by _WebSocket from here on; this protocol hears no more)
             self.metrics.connections.dec()
         super().handle_websocket_upgrade()
+        # uvicorn's parser calls this protocol back through bound methods, a
+        # reference cycle it cuts in connection_lost, which this protocol no
+        # longer hears: cut here, it kept the connection until a collection
+        self.parser = None  # type: ignore[assignment]
 
     def shutdown(self) -> None:
         """uvicorn's (an idle connection is closed; a busy one after its

@@ -149,8 +149,8 @@ class FastPath:
         wire: TransportWire | None = None
         held = None  # an error's start, answered with its body by _answer_unread (the request's body unread)
 
-        async def bounded_send(message) -> None:
-            nonlocal wire, held
+        async def deliver(message) -> None:
+            nonlocal wire
             if http10 and wire is None and message["type"] == "http.response.start":
                 wire = _http10_stream(send, message, timeout)
                 if wire is not None:
@@ -158,19 +158,6 @@ class FastPath:
             if wire is not None:  # (a body message of that stream)
                 await _wire_body(wire, message, timeout, scope)
                 return
-            if held is not None:
-                start, held = held, None
-                if not message.get("more_body", False) and _answer_unread(
-                        send, start["status"], list(start.get("headers", ())), message.get("body", b"")):
-                    return
-                await bounded_send(start)
-            elif message["type"] == "http.response.start" and message.get("status", 200) >= 400:
-                close = _close_unless_read(send)
-                if close and not any(k.lower() == b"connection" for k, _ in message.get("headers", ())):
-                    message = {**message, "headers": [*message.get("headers", ()), (b"connection", b"close")]}
-                    if held is None and _answer_unread_possible(send):
-                        held = message  # (its body comes next: both go in one write, then a lingering close)
-                        return
             if not timeout:
                 return await send(message)
             try:
@@ -181,6 +168,25 @@ class FastPath:
                 # pipelined one may follow this; its later sends are dropped)
                 cycle.disconnected = True
                 transport.abort()
+
+        # (two closures, not one that calls itself: that one was in a
+        # reference cycle with its own cell, the request's cycle with it)
+        async def bounded_send(message) -> None:
+            nonlocal held
+            if held is not None:
+                start, held = held, None
+                if not message.get("more_body", False) and _answer_unread(
+                        send, start["status"], list(start.get("headers", ())), message.get("body", b"")):
+                    return
+                await deliver(start)
+            elif message["type"] == "http.response.start" and message.get("status", 200) >= 400:
+                close = _close_unless_read(send)
+                if close and not any(k.lower() == b"connection" for k, _ in message.get("headers", ())):
+                    message = {**message, "headers": [*message.get("headers", ()), (b"connection", b"close")]}
+                    if _answer_unread_possible(send):
+                        held = message  # (its body comes next: both go in one write, then a lingering close)
+                        return
+            await deliver(message)
 
         return bounded_send
 

@@ -108,6 +108,9 @@ class _WebSocket(WebSocketsSansIOProtocol):
         if HttpConnection.metrics is not None:
             HttpConnection.metrics.connections.dec()
         super().connection_lost(exc)
+        scope = getattr(self, "scope", None)
+        if scope is not None:  # (the scope and this protocol refer to each other: a cycle, cut once closed)
+            scope["extensions"].pop(SOCKET_EXTENSION, None)
 
     def shutdown(self) -> None:
         if self.handshake_complete and not self.close_sent:

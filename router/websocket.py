@@ -396,9 +396,20 @@ async def chat_socket(socket: WebSocket) -> None:
     except WebSocketDisconnect:
         pass
     finally:
-        svc.sockets.discard(conn)
-        tasks = [*conn.tasks, *([conn.closing] if conn.closing else [])]
-        for task in tasks:
-            task.cancel()
-        if tasks:
-            await asyncio.wait(tasks, timeout=5)
+        try:
+            svc.sockets.discard(conn)
+            tasks = [*conn.tasks, *([conn.closing] if conn.closing else [])]
+            for task in tasks:
+                task.cancel()
+            if tasks:
+                await asyncio.wait(tasks, timeout=5)
+        finally:
+            # Litestar's receive and send are closures over its WebSocket,
+            # which holds them: a reference cycle that kept the socket's
+            # objects (uvicorn's and websockets' with them) until a
+            # collection. (A task past the wait hears a disconnect.)
+            socket.receive = socket.send = _gone  # type: ignore[method-assign]
+
+
+async def _gone(*_: Any) -> Any:
+    raise WebSocketDisconnect(detail="The socket has closed.")
