@@ -228,8 +228,7 @@ class ReplicaClient:
         chat_template_kwargs: dict[str, Any] | None = None,
         reasoning_effort: str | None = None,
     ) -> Collector:
-        if self.closed is not None:
-            raise ReplicaDead(f"replica {self.name} is disconnected")
+        self._check_open()
         rid = next(self._ids)
         frame = encode_frame(Generate(
             rid,
@@ -243,16 +242,20 @@ class ReplicaClient:
             reasoning_effort=reasoning_effort,
         ))  # (first: a request that cannot be encoded leaves nothing registered)
         col = self._streams[rid] = Collector(rid)
-        self._writer.write(frame)
+        try:
+            self._send(frame)
+        except ReplicaDead:
+            del self._streams[rid]
+            raise
         return col
 
     def abort(self, col: Collector) -> None:
         """Stop the request on the replica (no-op if it already ended)."""
         if self._streams.pop(col.rid, None) is not None and self.closed is None:
             try:
-                self._writer.write(encode_frame(Abort(col.rid)))
-            except (ConnectionError, RuntimeError):
-                pass
+                self._send(encode_frame(Abort(col.rid)))
+            except ReplicaDead:
+                pass  # (the request ends with its connection)
 
     def release(self, col: Collector) -> None:
         """Forget a finished request."""
@@ -264,18 +267,36 @@ class ReplicaClient:
         would take the pong has ended (its EOF can come in the loop iteration
         that starts this ping), so the ping would wait out ``timeout`` and the
         supervisor take a lost connection for a stall."""
-        if self.closed is not None:
-            raise ReplicaDead(f"replica {self.name} is disconnected") from self.closed
+        self._check_open()
         seq = next(self._ping_ids)
         fut: asyncio.Future[Pong] = asyncio.get_running_loop().create_future()
         self._pings[seq] = fut
         try:
-            self._writer.write(encode_frame(Ping(seq)))
+            self._send(encode_frame(Ping(seq)))
             # not wait_for: on 3.11 it can swallow a cancel that races the pong
             async with asyncio.timeout(timeout):
                 return await fut
         finally:
             self._pings.pop(seq, None)
+
+    def _check_open(self) -> None:
+        """``ReplicaDead`` if the connection has ended, as far as the reader
+        or the transport knows: the transport closes first (a write's EPIPE,
+        a read error), and the reader sets ``closed`` only when it next runs;
+        a request written in between would be lost, or (uvloop, once the
+        transport's ``connection_lost`` has run) raise ``RuntimeError``."""
+        if self.closed is not None:
+            raise ReplicaDead(f"replica {self.name} is disconnected") from self.closed
+        if self._writer.transport.is_closing():
+            raise ReplicaDead(f"replica {self.name} connection is closing")
+
+    def _send(self, frame: bytes) -> None:
+        """Write one frame; ``ReplicaDead`` if the connection is gone."""
+        self._check_open()
+        try:
+            self._writer.write(frame)
+        except (ConnectionError, RuntimeError) as e:  # (uvloop: "the handler is closed")
+            raise ReplicaDead(f"replica {self.name} connection failed: {e!r}") from e
 
     async def close(self) -> None:
         self._task.cancel()
