@@ -397,7 +397,10 @@ class HttpPool:
         now = time.monotonic()
         while self._idle:
             conn = self._idle.pop()
-            if not conn.closed and now - conn.idle_since < KEEPALIVE:
+            # (closing, not yet closed: the peer's EOF closed the transport and
+            # connection_lost runs a turn later; uvloop raises on a write then)
+            if not conn.closed and now - conn.idle_since < KEEPALIVE and not (
+                    conn.transport is not None and conn.transport.is_closing()):
                 return conn
             conn.close()
         return None
