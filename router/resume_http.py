@@ -493,6 +493,8 @@ async def _waiting_until_first(chunks: AsyncIterator[bytes]) -> AsyncIterator[by
         chunk = first.result()
     except StopAsyncIteration:
         return
+    finally:
+        del first  # (its failure, raised here, has this frame in its traceback: a cycle that held the request)
     yield chunk
     async for chunk in chunks:
         yield chunk
