@@ -38,13 +38,32 @@ from router.generation import Generation
 from router.job import Job
 from router.openai_types import ChatRequest
 from router.relay import EventStream
-from tests.helpers import DEMO_TENANTS, GOLD, MODEL, free_port, poll, remote_replica_process
+from tests.helpers import ADMIN, DEMO_TENANTS, GOLD, MODEL, free_port, poll, remote_replica_process
 from tests.sim_openai import SimOpenAI
 
 SECRET = "garbage-test-secret"
 REQUESTS = 40
 # a tenant whose requests outlast their total time limit mid-generation
 BRIEF = "fs-garbage-brief"
+# a tenant of one stream at a time, refused (429) past it
+SINGLE = "fs-garbage-single"
+# a key a reload revokes
+REVOCABLE = "fs-garbage-revocable"
+
+
+def _write_tenants(path, revocable: bool) -> None:
+    """The demo tenants, and the tests' own; ``revocable``: whether
+    REVOCABLE is a key (a reload of the file without it revokes it)."""
+    tenants_yaml = yaml.safe_load(DEMO_TENANTS.read_text())
+    tenants_yaml["tenants"]["brief"] = {"keys": [_hash(BRIEF)], "timeouts": {"total": 0.3}}
+    tenants_yaml["tenants"]["single"] = {"keys": [_hash(SINGLE)], "on_limit": "reject",
+                                         "limits": {"max_concurrent": 1, "max_tokens": 3000}}
+    tenants_yaml["tenants"]["revocable"] = {"keys": [_hash(REVOCABLE if revocable else REVOCABLE + "-not")]}
+    path.write_text(yaml.safe_dump(tenants_yaml))
+
+
+def _hash(key: str) -> str:
+    return hashlib.sha256(key.encode()).hexdigest()
 
 
 @pytest.fixture
@@ -59,10 +78,7 @@ def in_process_router(tmp_path, monkeypatch):
         stack.callback(upstream.stop)
         replica_port, _ = stack.enter_context(remote_replica_process(
             tmp_path / "replica.log", "FS_GARBAGE_SECRET", SECRET, {"model": MODEL, "seed": 0, "step_base_ms": 1}))
-        tenants_yaml = yaml.safe_load(DEMO_TENANTS.read_text())
-        tenants_yaml["tenants"]["brief"] = {"keys": [hashlib.sha256(BRIEF.encode()).hexdigest()],
-                                            "timeouts": {"total": 0.3}}
-        (tmp_path / "tenants.yaml").write_text(yaml.safe_dump(tenants_yaml))
+        _write_tenants(tmp_path / "tenants.yaml", revocable=True)
         (tmp_path / "router.yaml").write_text(yaml.safe_dump({
             "host": "127.0.0.1", "tenants": str(tmp_path / "tenants.yaml"), "shutdown_grace": 1.0,
             "replicas": [{"name": "remote", "address": f"127.0.0.1:{replica_port}", "secret_env": "FS_GARBAGE_SECRET"},
@@ -139,6 +155,11 @@ def _post(sock: socket.socket, body: dict, key: str = GOLD) -> tuple[int, bytes]
     data = json.dumps(body).encode()
     sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\nauthorization: Bearer %s\r\n"
                  b"content-type: application/json\r\ncontent-length: %d\r\n\r\n%s" % (key.encode(), len(data), data))
+    return _response(sock)
+
+
+def _response(sock: socket.socket) -> tuple[int, bytes]:
+    """The next response on ``sock``: its status and body (streamed or not)."""
     out = b""
     deadline = time.monotonic() + 10
     while True:
@@ -306,3 +327,138 @@ def test_closed_connections_leave_no_cyclic_garbage(in_process_router, kind) -> 
         gc.enable()
     assert found < CONNECTIONS, f"{found} objects in reference cycles after {CONNECTIONS} connections: " \
                                 f"{dict(kept.most_common(12))}"
+
+
+def _collect_router_garbage() -> collections.Counter:
+    """The collection of what was made since the last one (gc disabled):
+    the errors, frames, tracebacks and request or connection objects it
+    finds in reference cycles, by type."""
+    from router.websocket import _Conn
+
+    gc.set_debug(gc.DEBUG_SAVEALL)  # (what it finds goes to gc.garbage)
+    try:
+        gc.collect()
+    finally:
+        gc.set_debug(0)
+    try:
+        return collections.Counter(type(o).__name__ for o in gc.garbage if isinstance(o, (
+            BaseException, types.TracebackType, types.FrameType, ChatRequest, Job, Generation, EventStream, _Conn)))
+    finally:
+        gc.garbage.clear()
+
+
+def _start_single(sock: socket.socket, max_tokens: int) -> bytes:
+    """Start a stream of SINGLE's on ``sock``: its response's first bytes."""
+    body = msgspec.json.encode({**TIMED_OUT, "max_tokens": max_tokens, "stream": True})
+    sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\nauthorization: Bearer %s\r\n"
+                 b"content-type: application/json\r\ncontent-length: %d\r\n\r\n%s" % (SINGLE.encode(), len(body), body))
+    return sock.recv(65536)
+
+
+def _drop_mid_stream(port: int) -> tuple[str, str]:
+    """A stream of SINGLE's closed after its first events: its id and the
+    last event's id (it stays resumable, its generation aborted)."""
+    with socket.create_connection(("127.0.0.1", port), timeout=10) as sock:
+        out = _start_single(sock, 200)
+        deadline = time.monotonic() + 10
+        while out.count(b"\nid: ") < 3:
+            assert time.monotonic() < deadline, out
+            out += sock.recv(65536)
+    rid = next(line.split(b":", 1)[1].strip() for line in out.split(b"\r\n")
+               if line.lower().startswith(b"x-request-id:"))
+    last = [line[4:].strip() for line in out.split(b"\n") if line.startswith(b"id: ")][-1]
+    return rid.decode(), last.decode()
+
+
+def _refused_continuation(sock: socket.socket, rid: str, last: str) -> bytes:
+    """A resume of ``rid`` after ``last``: the 200's events (with the
+    tenant at its limit, its continuation's refusal: an error event)."""
+    sock.sendall(b"GET /v1/streams/%s HTTP/1.1\r\nhost: x\r\nauthorization: Bearer %s\r\n"
+                 b"last-event-id: %s\r\n\r\n" % (rid.encode(), SINGLE.encode(), last.encode()))
+    status, out = _response(sock)
+    assert status == 200, out
+    return out
+
+
+CONTINUATIONS = 10
+
+
+def test_refused_continuations_leave_no_cyclic_garbage(in_process_router) -> None:
+    """A resume's continuation refused before its first piece (the tenant
+    at its one stream, on_limit: reject): its error stayed in a cycle with
+    its traceback's frames (the continuation's frame held it, and the
+    resume's, the task it was raised from), the Job and the Generation
+    with them."""
+    port = in_process_router
+    rid, last = _drop_mid_stream(port)
+    with contextlib.ExitStack() as stack:
+        def blocking() -> bool:
+            # the tenant's one stream (~3,000 tokens, running until the
+            # resumes are done): admitted once the dropped one's has ended
+            sock = stack.enter_context(socket.create_connection(("127.0.0.1", port), timeout=10))
+            return _start_single(sock, 3000).startswith(b"HTTP/1.1 200 ")
+
+        poll(blocking, 10, what="the tenant's one stream admitted")
+        sock = stack.enter_context(socket.create_connection(("127.0.0.1", port), timeout=10))
+        # warm up (what is made once stays), once the dropped stream is
+        # detached (its resume then continues it, not follows it)
+        poll(lambda: b"rate_limit_exceeded" in _refused_continuation(sock, rid, last), 5,
+             what="a refused continuation")
+        time.sleep(0.3)
+        gc.collect()
+        gc.disable()  # (only the collection below)
+        try:
+            gc.collect()
+            for _ in range(CONTINUATIONS):
+                out = _refused_continuation(sock, rid, last)
+                assert b"rate_limit_exceeded" in out, out
+            time.sleep(0.3)  # (the requests' settling, in the router's thread)
+            kept = _collect_router_garbage()
+        finally:
+            gc.enable()
+    assert not kept, f"after {CONTINUATIONS} refused continuations, in reference cycles: {dict(kept)}"
+
+
+def _reload(port: int, tenants, revocable: bool) -> None:
+    """Write ``tenants`` (with REVOCABLE a key or not) and reload it."""
+    _write_tenants(tenants, revocable)
+    with socket.create_connection(("127.0.0.1", port), timeout=10) as sock:
+        sock.sendall(b"POST /admin/reload HTTP/1.1\r\nhost: x\r\nauthorization: Bearer %s\r\n"
+                     b"content-length: 0\r\n\r\n" % ADMIN.encode())
+        status, out = _response(sock)
+    assert status == 200, out
+
+
+def test_sockets_of_a_revoked_key_leave_no_cyclic_garbage(in_process_router, tmp_path) -> None:
+    """A reload that revokes the key of connected WebSockets: each keeps the
+    refusal for its next requests, and closes (4401). The refusal kept its
+    traceback, whose frames held the connection: a cycle of each socket's
+    objects until a collection."""
+    from websockets.sync.client import connect
+
+    port, tenants = in_process_router, tmp_path / "tenants.yaml"
+
+    def revoked(n: int) -> None:
+        _reload(port, tenants, revocable=True)
+        with contextlib.ExitStack() as stack:
+            sockets = [stack.enter_context(connect(f"ws://127.0.0.1:{port}/v1/ws", open_timeout=5, close_timeout=5))
+                       for _ in range(n)]
+            for ws in sockets:
+                ws.send(json.dumps({"type": "auth", "api_key": REVOCABLE}))
+                assert b'"ok":true' in ws.recv(5, decode=False)
+            _reload(port, tenants, revocable=False)
+            poll(lambda: all(ws.close_code is not None for ws in sockets), 10, what="the revoked sockets closed")
+            assert {ws.close_code for ws in sockets} == {4401}
+
+    revoked(1)  # warm up: what is made once stays
+    time.sleep(0.3)
+    gc.collect()
+    gc.disable()  # (only the collection below)
+    try:
+        gc.collect()
+        revoked(CONNECTIONS)
+        time.sleep(0.5)  # (the connections' close, in the router's thread)
+        kept = _collect_router_garbage()
+    finally:
+        gc.enable()
+    assert not kept, f"after {CONNECTIONS} sockets' key revoked, in reference cycles: {dict(kept)}"
