@@ -214,13 +214,17 @@ class ReplicaPool:
 
     def max_model_len(self, model: str, largest: bool = False) -> int | None:
         """The context length a ready replica of ``model`` reports (the
-        smallest, or with ``largest`` the largest, if they differ); None when
-        none is ready or says."""
-        lens = [s.client.ready.max_model_len for s in self.ready_slots(model)  # type: ignore[union-attr]
-                if s.client.ready.max_model_len > 0]  # type: ignore[union-attr]
-        if not lens:
-            return None
-        return max(lens) if largest else min(lens)
+        smallest, if they differ); None when none is ready or says.
+
+        ``largest``: the most any ready replica of it may take, the largest
+        length; None also when one of them does not say (0: a ``url:``
+        upstream whose ``/models`` has no ``max_model_len``), as its context
+        may be larger than any known."""
+        lens = [s.client.ready.max_model_len for s in self.ready_slots(model)]  # type: ignore[union-attr]
+        if largest:
+            return max(lens) if lens and min(lens) > 0 else None
+        known = [n for n in lens if n > 0]
+        return min(known) if known else None
 
     def ready_slots(self, model: str | None = None, exclude: Collection[str] | None = None,
                     needs: int = 0) -> list[ReplicaSlot]:

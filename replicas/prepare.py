@@ -79,7 +79,9 @@ def prepare(
     room = engine.max_model_len - len(prompt_ids)
     if room <= 0:
         raise prompt_error(engine, len(prompt_ids))
-    if params.max_tokens > engine.max_model_len:
+    if params.max_tokens > engine.max_model_len and not params.max_tokens_default:
+        # (an unset max_tokens, the router's default, is lowered just below
+        # instead, however large: a client is not refused for a field it never sent)
         raise context_error(engine, len(prompt_ids), params.max_tokens)
     if params.max_tokens > room:
         # what the context leaves after the prompt, the client's max_tokens

@@ -169,7 +169,7 @@ def _params(req: ChatRequest | CompletionRequest, default: int, cap: int) -> Sam
     ``max_tokens`` it gets when unset and the most it may ask for."""
     params = to_params(req, default)
     if cap and params.max_tokens > cap:
-        name = max_tokens_param(req)
+        name = max_tokens_param(req, default)
         raise BadRequest(
             f"'{name}' is {params.max_tokens}; this tenant may ask for at most {cap}.",
             param=name, code="max_tokens_exceeded",
@@ -182,10 +182,15 @@ def _check_context(svc: RouterService, req: ChatRequest | CompletionRequest, par
     report it; the largest, if they differ) can never run: the 400 vLLM
     gives, before the tenant's limits, whose 429 would say to wait or to ask
     for less of a budget the request could never use. Where no ready
-    replica says, the replica's own check refuses it (``replicas.prepare``)."""
+    replica says, the replica's own check refuses it (``replicas.prepare``).
+    An unset ``max_tokens`` is never refused: its replica lowers the default
+    to what the context leaves, as vLLM's server does."""
+    if params.max_tokens_default:
+        return
     limit = svc.pool.max_model_len(req.model, largest=True)
     if limit is not None and params.max_tokens > limit:
-        name = max_tokens_param(req)
+        # (the client set it: the default is not needed to name its field)
+        name = max_tokens_param(req, params.max_tokens)
         raise BadRequest(
             f"This model's maximum context length is {limit} tokens. However, you requested "
             f"{params.max_tokens} tokens in the completion ({name}={params.max_tokens} cannot be greater "

@@ -251,7 +251,7 @@ def _check_range(name: str, value: float | int | None, lo: float, hi: float) -> 
 
 def to_params(req: ChatRequest | CompletionRequest, default_max_tokens: int) -> SamplingParams:
     """Sampling parameters for the replica; ``BadRequest`` on out-of-range values."""
-    max_tokens, name = req.max_tokens, max_tokens_param(req)
+    max_tokens, name = req.max_tokens, max_tokens_param(req, default_max_tokens)
     if name == "max_completion_tokens":
         max_tokens = req.max_completion_tokens  # type: ignore[union-attr]
     defaulted = max_tokens is None
@@ -285,12 +285,14 @@ def to_params(req: ChatRequest | CompletionRequest, default_max_tokens: int) -> 
     return SamplingParams.from_openai(req, max_tokens, stop, defaulted)
 
 
-def max_tokens_param(req: ChatRequest | CompletionRequest) -> str:
-    """The field the client set its token limit with, for errors to name
-    (``min_tokens`` when only that raised the default)."""
+def max_tokens_param(req: ChatRequest | CompletionRequest, default: int) -> str:
+    """The field the request's token limit came from, for errors to name:
+    ``min_tokens`` when only that raised an unset limit over ``default`` (the
+    request's default ``max_tokens``), else the field the limit is (an unset
+    one's too: a message naming ``min_tokens`` would give it the default's value)."""
     if isinstance(req, ChatRequest) and req.max_completion_tokens is not None:
         return "max_completion_tokens"
-    if req.max_tokens is None and req.min_tokens:
+    if req.max_tokens is None and (req.min_tokens or 0) > default:
         return "min_tokens"
     return "max_tokens"
 

@@ -23,13 +23,14 @@ from tests.helpers import ADMIN, GOLD, MODEL, RouterProcess, aiter_sse, apoll
 KEY_A, KEY_B = "tenant-a-key", "tenant-b-key"
 
 
-def tenants_yaml(path, *, rpm=0, tpm=0, conc=0, on_limit="reject", extra: str = "") -> None:
+def tenants_yaml(path, *, rpm=0, tpm=0, conc=0, on_limit="reject", extra: str = "", max_tokens=0) -> None:
     doc = {
         "admin_keys": [hash_key(ADMIN)],
         "defaults": {"timeouts": {"queue_wait": 5}},
         "tenants": {
             "a": {"keys": [hash_key(KEY_A)], "on_limit": on_limit,
-                  "limits": {"requests_per_minute": rpm, "tokens_per_minute": tpm, "max_concurrent": conc}},
+                  "limits": {"requests_per_minute": rpm, "tokens_per_minute": tpm, "max_concurrent": conc,
+                             "max_tokens": max_tokens}},
             "b": {"keys": [hash_key(KEY_B)], "priority": "low"},
         },
     }
@@ -767,3 +768,28 @@ def test_max_tokens_over_the_context_is_a_400_before_the_tenants_token_budget(tm
         # (nothing was reserved: the tenant's whole budget is left)
         r = httpx.post(router.base_url + "/v1/completions", headers=auth(KEY_A), json=body(4), timeout=20)
         assert r.status_code == 200 and int(r.headers["x-ratelimit-remaining-tokens"]) >= 400000 - 100, r.text
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_an_unset_max_tokens_over_the_context_is_lowered_not_refused(tmp_path, stream):
+    # default_max_tokens 4096 lowered by the tenant's cap to 1024, on a model
+    # of 512 tokens: a request that set no max_tokens gets what the context
+    # leaves after its prompt, as from vLLM. It was the router's 400
+    # "max_tokens=1024 cannot be greater than max_model_len=512", naming a
+    # field the client never sent (and, past the router, the replica's own).
+    t = tmp_path / "tenants.yaml"
+    tenants_yaml(t, max_tokens=1024)
+    with RouterProcess(tmp_path / "r", tenants=t, replicas=1, sim={"max_model_len": 512},
+                       settings={"default_max_tokens": 4096}) as router:
+        client = openai.OpenAI(base_url=router.base_url + "/v1", api_key=KEY_A, max_retries=0)
+        messages = [{"role": "user", "content": "hi"}]
+        for extra in ({}, {"min_tokens": 5}):
+            out = client.chat.completions.create(model=MODEL, messages=messages, stream=stream,
+                                                 extra_body={"ignore_eos": True, **extra},
+                                                 **({"stream_options": {"include_usage": True}} if stream else {}))
+            usage = [c for c in out if c.usage][-1].usage if stream else out.usage
+            assert usage.prompt_tokens + usage.completion_tokens == 512, usage
+        # a max_tokens the client set is still refused over the context
+        with pytest.raises(openai.BadRequestError) as e:
+            client.chat.completions.create(model=MODEL, messages=messages, stream=stream, max_tokens=600)
+        assert (e.value.code, e.value.param) == ("context_length_exceeded", "max_tokens"), e.value

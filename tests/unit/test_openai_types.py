@@ -13,6 +13,7 @@ from router.openai_types import (
     chat_messages,
     chat_template_kwargs,
     decode_request,
+    max_tokens_param,
     to_params,
 )
 
@@ -529,3 +530,12 @@ def test_invalid_utf_8_after_the_bad_entry_does_not_hide_its_key(raw):
     with pytest.raises(BadRequest) as info:
         decode_request(_BODY + b'"metadata": ' + raw + b"}", ChatRequest)
     assert info.value.param == "metadata.a", info.value
+
+
+def test_an_error_names_min_tokens_only_where_it_set_the_limit():
+    # (only min_tokens set: the limit is the default, 1024, unless min_tokens
+    # raised it; a message naming min_tokens gave it the default's value, "min_tokens=1024")
+    assert max_tokens_param(chat(min_tokens=5), 1024) == "max_tokens"
+    assert max_tokens_param(chat(min_tokens=2000), 1024) == "min_tokens"
+    assert max_tokens_param(chat(min_tokens=2000, max_completion_tokens=3000), 1024) == "max_completion_tokens"
+    assert max_tokens_param(completion(min_tokens=2000, max_tokens=3000), 16) == "max_tokens"

@@ -96,3 +96,15 @@ def test_the_models_max_new_tokens_limits_a_request_that_sets_no_max_tokens():
     assert (len(ids), p.max_tokens) == (12, 3)
     with pytest.raises(EngineError, match="already reached"):
         prepare(_engine(5), prompt, params(), [7] * 6)  # type: ignore[arg-type]
+
+
+def test_an_unset_max_tokens_over_the_whole_context_is_lowered_not_refused():
+    # (the router's default, 1024 as the tenant's cap, on a model of 64
+    # tokens: vLLM's context remainder. The check against the whole context
+    # ran first and refused it, for a field the client never sent)
+    prompt = [1] * 10
+    p = to_params(decode_request(json.dumps({"model": "m", "messages": [{"role": "user", "content": "hi"}]}).encode(),
+                                 ChatRequest), 1024)
+    assert prepare(_engine(None), prompt, p)[1].max_tokens == 54  # type: ignore[arg-type]
+    with pytest.raises(EngineError, match="maximum context length is 64"):
+        prepare(_engine(None), prompt, params(max_tokens=1024))  # type: ignore[arg-type]
