@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import abc
 import asyncio
-from collections.abc import Callable
 from typing import Any, Protocol
 
 from replicas.protocol import FinishReason, LoadReport, SamplingParams
@@ -50,8 +49,15 @@ class Tokenizer(Protocol):
         ...
 
 
-# rid, new token ids, finish reason (NONE while running), error text
-OutputSink = Callable[[int, list[int], FinishReason, str], None]
+class OutputSink(Protocol):
+    """Where an engine's output goes: rid, new token ids, finish reason
+    (NONE while running), error text; ``stop_id``, with a ``STOP``: the stop
+    token id the engine says ended it, where it knows one the replica's
+    params do not (vLLM's ``stop_reason``: the EOS ids it adds from the
+    model's generation config, as Gemma's ``<end_of_turn>``)."""
+
+    def __call__(self, rid: int, new_ids: list[int], finish: FinishReason, error: str,
+                 stop_id: int | None = None) -> None: ...
 
 
 class Engine(abc.ABC):

@@ -127,11 +127,12 @@ class OpenAIServer:
 
     # -- engine output -----------------------------------------------------
 
-    def _on_output(self, rid: int, new_ids: list[int], finish: FinishReason, error: str) -> None:
+    def _on_output(self, rid: int, new_ids: list[int], finish: FinishReason, error: str,
+                   stop_id: int | None = None) -> None:
         req = self._requests.get(rid)
         if req is None:
             return
-        text, finish_out = req.proc.process(new_ids, finish)
+        text, finish_out = req.proc.process(new_ids, finish, stop_id)
         if finish_out != FinishReason.NONE:
             del self._requests[rid]
             if finish == FinishReason.NONE:  # a stop string ended it early

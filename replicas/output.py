@@ -134,7 +134,7 @@ class OutputProcessor:
         """Completion tokens seen, prefix included."""
         return len(self._ids)
 
-    def process(self, new_ids: list[int], finish: FinishReason) -> tuple[str, FinishReason]:
+    def process(self, new_ids: list[int], finish: FinishReason, stop_id: int | None = None) -> tuple[str, FinishReason]:
         """Take new tokens; return (text to emit now, finish reason).
 
         The finish reason is ``STOP`` when a stop string matched (the text is
@@ -143,13 +143,15 @@ class OutputProcessor:
         holds. ``finish`` ``STOP`` from the engine means its last new token is
         a stop token (EOS, or one of ``stop_token_ids``): it counts, but its
         text is not output (unless ``include_stop_str``), as vLLM's
-        detokenizer has it.
+        detokenizer has it. ``stop_id``: that token's id where the engine
+        says it is the ``stop_reason`` (``OutputSink``), else one of
+        ``stop_ids`` is.
         """
         if self.finished:
             return "", finish
         if finish == FinishReason.STOP and new_ids:
-            if new_ids[-1] in self.stop_ids:
-                self.stop_reason = new_ids[-1]
+            if stop_id is not None or new_ids[-1] in self.stop_ids:
+                self.stop_reason = new_ids[-1] if stop_id is None else stop_id
             if not self._include:
                 new_ids = new_ids[:-1]
         ids = self._ids

@@ -145,11 +145,12 @@ class ReplicaServer:
 
     # -- engine output -----------------------------------------------------
 
-    def _on_output(self, erid: int, new_ids: list[int], finish: FinishReason, error: str) -> None:
+    def _on_output(self, erid: int, new_ids: list[int], finish: FinishReason, error: str,
+                   stop_id: int | None = None) -> None:
         req = self._requests.get(erid)
         if req is None or req.done:
             return
-        text, finish_out = req.proc.process(new_ids, finish)
+        text, finish_out = req.proc.process(new_ids, finish, stop_id)
         if finish_out != FinishReason.NONE:
             req.done = True
             del self._requests[erid]

@@ -44,7 +44,10 @@ class _Choice(msgspec.Struct):
     text: str | None = None
     delta: _ChatDelta | None = None
     finish_reason: str | None = None
-    stop_reason: str | int | None = None  # vLLM's, on a finish
+    # vLLM's, on a finish: read only there (_stop_reason), leniently, so
+    # that another server's odd value (a float, a list) is dropped, not a
+    # failed request
+    stop_reason: msgspec.Raw = msgspec.Raw()
     token_ids: list[int] | None = None
     prompt_token_ids: list[int] | None = None
 
@@ -66,6 +69,20 @@ class Chunk(msgspec.Struct):
 
 
 _chunk_decoder = msgspec.json.Decoder(Chunk)
+_stop_reason_decoder = msgspec.json.Decoder(str | int | None)
+
+
+def _stop_reason(raw: msgspec.Raw) -> str | int | None:
+    """An upstream's ``stop_reason`` as vLLM gives it (the stop string, or
+    the stop token's id); anything else (or an int past 64 bits) None."""
+    if not raw:
+        return None
+    try:
+        reason = _stop_reason_decoder.decode(raw)
+    except msgspec.DecodeError:
+        return None
+    # (msgspec takes an int of any size; the replica protocol, msgpack, only 64 bits)
+    return None if isinstance(reason, int) and not -(1 << 63) <= reason < 1 << 64 else reason
 
 
 class Stream:
@@ -187,7 +204,7 @@ class SseReader:
                     if reason in ("abort", "error"):
                         raise UpstreamFailed(f"the upstream ended the request ({reason})")
                     finish = _FINISH.get(reason, FinishReason.STOP)  # tool_calls, ...
-                    stop_reason = ch.stop_reason
+                    stop_reason = _stop_reason(ch.stop_reason)
                 if ch.token_ids is not None:
                     if ch.token_ids or t or finish != none:
                         pieces.append((ch.token_ids, t or "", finish, 0))

@@ -393,7 +393,10 @@ class VllmEngine(Engine):
                     finish = FinishReason.STOP
                 self._tokens_generated += len(ids)
                 if ids or finish != FinishReason.NONE:
-                    sink(rid, ids, finish, "")
+                    # (vLLM's stop_reason: an int is the stop token that ended it, among them the
+                    # EOS ids it adds from the generation config, which the params do not name)
+                    reason = getattr(c, "stop_reason", None)
+                    sink(rid, ids, finish, "", reason if type(reason) is int else None)
         except asyncio.CancelledError:
             raise  # abort(): no further output
         except EngineDeadError as e:

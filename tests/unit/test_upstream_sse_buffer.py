@@ -171,3 +171,17 @@ def test_a_piece_with_text_pays_what_was_owed() -> None:
     assert events[1] == ([3, 4, 5, 6], "xxxx")  # (nothing owed any more: the whole limit)
     assert col._pending[-1].finish == FinishReason.LENGTH
     assert max(len(ids) for ids, _ in events) <= 4
+
+
+@pytest.mark.parametrize("raw, reason", [
+    (b'"</s>"', "</s>"), (b"128009", 128009), (b"null", None), (b"1.5", None), (b"[1, 2]", None),
+    (b'{"a": 1}', None), (b"true", None), (b"1e400", None), (b"123456789012345678901234567890", None),
+])
+async def test_an_upstreams_stop_reason_is_vllms_or_none(raw: bytes, reason) -> None:
+    # (vLLM's stop_reason is the stop string or the stop token's id; another
+    # server's other value failed the request at its finish chunk, where the
+    # field used to be ignored)
+    reader, owner, col = _reader()
+    reader.feed(_event([1], "a") + b'data: {"choices":[{"index":0,"text":"","token_ids":[2],"finish_reason":"stop",'
+                b'"stop_reason":' + raw + b"}]}\n\ndata: [DONE]\n\n")
+    assert [(d.finish, d.stop_reason) for d in owner.finished] == [(FinishReason.STOP, reason)]
