@@ -74,8 +74,12 @@ def prepare(
         # it has one, as from vLLM's server (get_max_tokens: it and the
         # context's remainder, the least), when lower than the router's (the
         # tenant's cap, or its default_max_tokens); a min_tokens above it is
-        # refused by vLLM's SamplingParams, as there
-        params = msgspec.structs.replace(params, max_tokens=model_max)
+        # refused by vLLM's SamplingParams, as there. Never below a resumed
+        # prefix: a replica that did not apply this default (an upstream, the
+        # sim, an older replica) may have made more; that stream ends there,
+        # at ``length``, not on an error after its failover.
+        limit = max(model_max, len(prefix_token_ids))
+        params = msgspec.structs.replace(params, max_tokens=min(params.max_tokens, limit))
     room = engine.max_model_len - len(prompt_ids)
     if room <= 0:
         raise prompt_error(engine, len(prompt_ids))

@@ -7,14 +7,17 @@ role and separators: at most ``PER_MESSAGE`` tokens in the templates
 tried) and a fixed part per request: a begin-of-text token, the
 generation prompt, a default system prompt (Llama 3.1's is ~25 tokens).
 The fixed part is learned per model and prompt form from the real counts
-the replicas return for short prompts (at most ``SHORT`` bytes of content,
-no ``chat_template_kwargs``): the most such a request needed beyond its
-bytes and message headers. Only short ones, since bytes overstate a long
-text's tokens several times over (a long prompt would teach 0), and
-kwargs a template renders may count many times their JSON size; at most
-``MAX_FIXED``. Until a model's first short prompt, ``FIRST_GUESS`` tokens.
-Settlement always charges the real count, so the estimate decides only how
-much a burst can take before the first requests settle."""
+the replicas return for short prompts (at most ``SHORT`` bytes of content)
+that render nothing beyond the base (no ``chat_template_kwargs``,
+``reasoning_effort``, message ``name`` or ``tool_call_id``): the most such
+a request needed beyond its bytes and message headers. Only short ones,
+since bytes overstate a long text's tokens several times over (a long
+prompt would teach 0); only plain ones, since what a template renders of
+those fields may count many times their bytes, and would raise every
+tenant's estimate for the router's life; at most ``MAX_FIXED``. Until a
+model's first short prompt, ``FIRST_GUESS`` tokens. Settlement always
+charges the real count, so the estimate decides only how much a burst can
+take before the first requests settle."""
 
 from __future__ import annotations
 
@@ -35,8 +38,10 @@ def _kind(job: Job) -> str:
 
 
 def messages_estimate(messages: list[dict[str, str]]) -> int:
-    """What ``messages`` take at most, their template's headers included."""
-    return sum(len(str(m.get("content", "")).encode()) + PER_MESSAGE for m in messages)
+    """What ``messages`` take at most, their template's headers included,
+    and a message's ``name`` and ``tool_call_id`` (templates render them)."""
+    return sum(len(str(m.get("content", "")).encode()) + len((m.get("name") or "").encode())
+               + len((m.get("tool_call_id") or "").encode()) + PER_MESSAGE for m in messages)
 
 
 def base_estimate(job: Job, messages: int | None = None) -> int:
@@ -70,12 +75,14 @@ class PromptEstimates:
 
     def learn(self, job: Job, base: int, counted: int) -> None:
         """The replica counted ``counted`` prompt tokens for ``job`` (``base``
-        from ``estimate``); only a short prompt teaches (see the module)."""
-        if job.template_kwargs:
+        from ``estimate``); only a short, plain prompt teaches (see the module)."""
+        if job.template_kwargs or job.reasoning_effort is not None:
             return
         kind = _kind(job)
         content = base - PER_MESSAGE * len(job.messages) if job.messages is not None else base
         if kind != "ids" and content > SHORT:
+            return
+        if job.messages is not None and any("name" in m or "tool_call_id" in m for m in job.messages):
             return
         key = (job.model, kind)
         extra = min(MAX_FIXED, max(0, counted - base))

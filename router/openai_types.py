@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Iterator
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, get_args
 
 import msgspec
 
@@ -66,6 +66,8 @@ class _Common(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
 # reasoning_effort's values in vLLM 0.32 (another is a 400 there too); it goes to the chat template as vLLM's
 # server passes it (replicas.chat_template), and to an upstream as sent
 REASONING_EFFORTS = Literal["none", "minimal", "low", "medium", "high", "xhigh", "max"]
+# a field's values, listed in its 400 (msgspec names only the value it refused)
+_CHOICES = {"reasoning_effort": ", ".join(get_args(REASONING_EFFORTS))}
 
 
 # gc=False: decoded from JSON, a message is in no reference cycle, and a
@@ -209,6 +211,10 @@ def _invalid(e: msgspec.ValidationError | msgspec.DecodeError | RecursionError, 
     if missing:
         name = (param + "." if param else "") + missing.group(1)
         return BadRequest(f"Missing required parameter: '{clip(name)}'.", param=name)
+    if param in _CHOICES:
+        reason = reason.removeprefix("Invalid enum value ")
+        return BadRequest(f"Invalid value for '{param}': {clip(reason, 300)}; expected one of {_CHOICES[param]}.",
+                          param=param)
     return BadRequest(f"Invalid value for '{clip(param)}': {clip(reason, 300)}.", param=param or None)
 
 

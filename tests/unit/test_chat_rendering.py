@@ -61,6 +61,12 @@ def test_another_reasoning_effort_is_a_400_naming_it() -> None:
     with pytest.raises(BadRequest) as e:
         chat(messages=[USER], reasoning_effort="extreme")
     assert e.value.param == "reasoning_effort"
+    # the values it takes, as vLLM's 400 lists them (it said only "Invalid enum value 'extreme'")
+    assert str(e.value) == ("Invalid value for 'reasoning_effort': 'extreme'; expected one of none, minimal, low, "
+                            "medium, high, xhigh, max.")
+    with pytest.raises(BadRequest) as e:
+        chat(messages=[USER], reasoning_effort=3)
+    assert str(e.value).endswith("; expected one of none, minimal, low, medium, high, xhigh, max.")
 
 
 def test_vllms_own_fields_go_over_the_kwargs() -> None:

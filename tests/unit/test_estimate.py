@@ -58,3 +58,25 @@ def test_only_a_short_prompt_without_template_kwargs_teaches() -> None:
     short = _chat(("user", "hi"))
     est.learn(short, est.estimate(short)[1], 10**6)  # (an outlier: at most MAX_FIXED)
     assert est.estimate(short)[0] == 2 + PER_MESSAGE + MAX_FIXED
+
+
+def test_a_message_s_name_and_tool_call_id_count_and_what_renders_more_than_the_base_teaches_nothing() -> None:
+    # (a 6,000-character name rendered into the prompt was neither counted nor
+    # kept from teaching: the fixed part took ~1,015 more tokens, for every
+    # tenant's chats of that model, for the router's life)
+    est = PromptEstimates()
+    plain = _chat(("user", "hi"))
+    named = Job("m", SamplingParams(max_tokens=1), messages=[
+        {"role": "user", "content": "hi", "name": "n" * 6000},
+        {"role": "tool", "content": "42", "tool_call_id": "call_1"}])
+    estimate, base = est.estimate(named)
+    assert base == 2 + 6000 + 2 + len("call_1") + 2 * PER_MESSAGE
+    est.learn(named, base, base + 1015)
+    one = SamplingParams(max_tokens=1)
+    for job in (Job("m", one, messages=[{"role": "user", "content": "hi", "name": "bob"}]),
+                Job("m", one, messages=[{"role": "tool", "content": "1", "tool_call_id": "c"}]),
+                Job("m", one, messages=[{"role": "user", "content": "hi"}], reasoning_effort="high")):
+        est.learn(job, est.estimate(job)[1], 500)
+    assert est.estimate(plain)[0] == 2 + PER_MESSAGE + FIRST_GUESS["chat"]
+    est.learn(plain, est.estimate(plain)[1], 27)  # (an ordinary chat still teaches)
+    assert est.estimate(plain)[0] == 27

@@ -94,8 +94,15 @@ def test_the_models_max_new_tokens_limits_a_request_that_sets_no_max_tokens():
     # a resumed stream counts from the same limit on any replica of the model
     ids, p, _ = prepare(_engine(5), prompt, params(), [7, 7])  # type: ignore[arg-type]
     assert (len(ids), p.max_tokens) == (12, 3)
+    # ... and one that made more than that default where it did not apply (an
+    # upstream, the sim, an older replica) ends at its prefix, for `length`:
+    # this refused ("max_tokens already reached by the resumed prefix"), and
+    # the stream ended on an error after its failover
+    ids, p, _ = prepare(_engine(5), prompt, params(), [7] * 6)  # type: ignore[arg-type]
+    assert (len(ids), p.max_tokens) == (16, 0)
+    # a limit the client set is the client's, as before
     with pytest.raises(EngineError, match="already reached"):
-        prepare(_engine(5), prompt, params(), [7] * 6)  # type: ignore[arg-type]
+        prepare(_engine(5), prompt, params(max_tokens=5), [7] * 6)  # type: ignore[arg-type]
 
 
 def test_an_unset_max_tokens_over_the_whole_context_is_lowered_not_refused():

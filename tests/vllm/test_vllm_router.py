@@ -108,11 +108,19 @@ def test_vllm_extras_include_the_stop_string_and_reach_the_chat_template(vllm_ro
         assert "".join(parts) == want, include
     chat = {"model": MODEL, "messages": [{"role": "user", "content": "hello"}], "max_tokens": 8, "temperature": 0}
     usual = client.chat.completions.create(**chat)
+
+    def kwargs(**kw):
+        return client.chat.completions.create(**chat, extra_body={"chat_template_kwargs": kw})
+
     # a variable the template does not use changes nothing; one it uses does
-    same = client.chat.completions.create(**chat, extra_body={"chat_template_kwargs": {"enable_thinking": False}})
-    other = client.chat.completions.create(**chat, extra_body={"chat_template_kwargs": {"add_generation_prompt": False}})
+    # (the tiny template reads bos_token, which a kwarg overrides as in
+    # vLLM's server: two more byte tokens after the special one); and
+    # add_generation_prompt is vLLM's own field, which wins over the kwarg
+    same, other, own = kwargs(enable_thinking=False), kwargs(bos_token="<s>ab"), kwargs(add_generation_prompt=False)
     assert same.choices[0].message.content == usual.choices[0].message.content
-    assert other.usage.prompt_tokens < usual.usage.prompt_tokens
+    assert same.usage.prompt_tokens == usual.usage.prompt_tokens
+    assert other.usage.prompt_tokens == usual.usage.prompt_tokens + 2
+    assert own.usage.prompt_tokens == usual.usage.prompt_tokens
 
 
 async def test_disconnect_aborts_on_the_vllm_replica(vllm_router):
