@@ -78,15 +78,21 @@ def prepare(
         # prefix: a replica that did not apply this default (an upstream, the
         # sim, an older replica) may have made more; that stream ends there,
         # at ``length``, not on an error after its failover.
+        # (a min_tokens that raised the default over that limit is lowered
+        # with it for a resumed prefix only: its first replica ran it, so
+        # vLLM's refusal would end the stream on an error mid-way)
         limit = max(model_max, len(prefix_token_ids))
-        params = msgspec.structs.replace(params, max_tokens=min(params.max_tokens, limit))
+        params = msgspec.structs.replace(params, max_tokens=min(params.max_tokens, limit), min_tokens=(
+            min(params.min_tokens, limit) if prefix_token_ids else params.min_tokens))
     room = engine.max_model_len - len(prompt_ids)
     if room <= 0:
         raise prompt_error(engine, len(prompt_ids))
-    if params.max_tokens > engine.max_model_len and not params.max_tokens_default:
-        # (an unset max_tokens, the router's default, is lowered just below
-        # instead, however large: a client is not refused for a field it never sent)
-        raise context_error(engine, len(prompt_ids), params.max_tokens)
+    # (an unset max_tokens, the router's default, is lowered just below
+    # instead, however large: a client is not refused for a field it never
+    # sent; but a min_tokens the client did send, over the whole context, is)
+    asked = params.min_tokens if params.max_tokens_default else params.max_tokens
+    if asked > engine.max_model_len:
+        raise context_error(engine, len(prompt_ids), asked)
     if params.max_tokens > room:
         # what the context leaves after the prompt, the client's max_tokens
         # as the router's default, as vLLM's server does (get_max_tokens)

@@ -184,16 +184,17 @@ def _check_context(svc: RouterService, req: ChatRequest | CompletionRequest, par
     for less of a budget the request could never use. Where no ready
     replica says, the replica's own check refuses it (``replicas.prepare``).
     An unset ``max_tokens`` is never refused: its replica lowers the default
-    to what the context leaves, as vLLM's server does."""
+    to what the context leaves, as vLLM's server does; a ``min_tokens`` the
+    client sent over the whole context is."""
     if params.max_tokens_default:
-        return
+        name, asked = "min_tokens", params.min_tokens
+    else:  # (the client set it: the default is not needed to name its field)
+        name, asked = max_tokens_param(req, params.max_tokens), params.max_tokens
     limit = svc.pool.max_model_len(req.model, largest=True)
-    if limit is not None and params.max_tokens > limit:
-        # (the client set it: the default is not needed to name its field)
-        name = max_tokens_param(req, params.max_tokens)
+    if limit is not None and asked > limit:
         raise BadRequest(
             f"This model's maximum context length is {limit} tokens. However, you requested "
-            f"{params.max_tokens} tokens in the completion ({name}={params.max_tokens} cannot be greater "
+            f"{asked} tokens in the completion ({name}={asked} cannot be greater "
             f"than max_model_len={limit}). Please reduce {name}.",
             param=name, code="context_length_exceeded",
         )

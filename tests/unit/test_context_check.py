@@ -61,3 +61,12 @@ def test_an_unset_max_tokens_is_never_refused_for_the_context():
     with pytest.raises(BadRequest) as e:
         _check(_pool(512), default=1024, max_completion_tokens=600)
     assert e.value.param == "max_completion_tokens"
+
+
+def test_a_min_tokens_over_every_known_context_is_refused_though_max_tokens_is_unset():
+    # (min_tokens raises the unset limit with it: over the whole context it
+    # can never run, and vLLM's server refuses it; it was lowered in silence)
+    with pytest.raises(BadRequest) as e:
+        _check(_pool(512), default=256, min_tokens=600)
+    assert (e.value.code, e.value.param) == ("context_length_exceeded", "min_tokens")
+    assert "min_tokens=600 cannot be greater than max_model_len=512" in e.value.message

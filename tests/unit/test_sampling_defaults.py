@@ -115,3 +115,24 @@ def test_an_unset_max_tokens_over_the_whole_context_is_lowered_not_refused():
     assert prepare(_engine(None), prompt, p)[1].max_tokens == 54  # type: ignore[arg-type]
     with pytest.raises(EngineError, match="maximum context length is 64"):
         prepare(_engine(None), prompt, params(max_tokens=1024))  # type: ignore[arg-type]
+
+
+def test_a_min_tokens_over_the_whole_context_is_refused_though_max_tokens_is_unset():
+    # (min_tokens raised the unset limit over the context: the room clamp
+    # lowered it without a word, where vLLM's server refuses it)
+    prompt = [1] * 10
+    p = to_params(decode_request(json.dumps({"model": "m", "min_tokens": 100, "messages": [
+        {"role": "user", "content": "hi"}]}).encode(), ChatRequest), 16)
+    assert p.max_tokens_default and p.min_tokens == 100
+    with pytest.raises(EngineError, match="maximum context length is 64"):
+        prepare(_engine(None), prompt, p)  # type: ignore[arg-type]
+
+
+def test_a_resumed_prefix_under_the_models_default_keeps_min_tokens_within_it():
+    # (an unset max_tokens, with min_tokens 12 over the model's default 5; its first replica applied no such default and made 3: vLLM would
+    # refuse min_tokens 9 over max_tokens 2 and end the stream on an error)
+    prompt = [1] * 10
+    p = params(min_tokens=12)
+    assert p.max_tokens_default and (p.max_tokens, p.min_tokens) == (16, 12)
+    _, out, _ = prepare(_engine(5), prompt, p, [7] * 3)  # type: ignore[arg-type]
+    assert (out.max_tokens, out.min_tokens) == (2, 2)
