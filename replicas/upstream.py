@@ -240,10 +240,16 @@ class UpstreamClient:
     # -- one request -------------------------------------------------------
 
     def _body(self, params: SamplingParams, prefix: list[int], ask_ids: bool, ask_usage: bool) -> dict[str, Any]:
+        max_tokens = params.max_tokens
+        if params.max_tokens_default and self.ready.max_model_len > 0:
+            # (an unset max_tokens is the router's default, sent as set: over
+            # the upstream's whole context, vLLM refuses it, for a field the
+            # client never sent; within it, vLLM lowers it to what is left)
+            max_tokens = min(max_tokens, self.ready.max_model_len)
         body: dict[str, Any] = {
             "model": self.upstream_model,
             "stream": True,
-            "max_tokens": params.max_tokens - len(prefix),
+            "max_tokens": max_tokens - len(prefix),
         }
         # What the client set, and only that: an upstream vLLM fills the rest
         # from the model's generation config, as it would for the client.

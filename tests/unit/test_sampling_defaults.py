@@ -32,7 +32,8 @@ def params(**kw) -> SamplingParams:
 
 
 def upstream_body(p: SamplingParams) -> dict:
-    return UpstreamClient._body(SimpleNamespace(upstream_model="m"), p, [], False, False)  # type: ignore[arg-type]
+    return UpstreamClient._body(SimpleNamespace(upstream_model="m", ready=SimpleNamespace(max_model_len=0)),
+                                p, [], False, False)  # type: ignore[arg-type]
 
 
 def test_the_fields_a_client_leaves_unset_are_marked():
@@ -136,3 +137,15 @@ def test_a_resumed_prefix_under_the_models_default_keeps_min_tokens_within_it():
     assert p.max_tokens_default and (p.max_tokens, p.min_tokens) == (16, 12)
     _, out, _ = prepare(_engine(5), prompt, p, [7] * 3)  # type: ignore[arg-type]
     assert (out.max_tokens, out.min_tokens) == (2, 2)
+
+
+def test_an_upstream_is_sent_an_unset_max_tokens_within_its_context():
+    # (the router's default over an upstream's whole context: vLLM's server
+    # refused it with a 400 naming max_tokens, a field the client never sent)
+    def sent(p: SamplingParams, known: int) -> int:
+        upstream = SimpleNamespace(upstream_model="m", ready=SimpleNamespace(max_model_len=known))
+        return UpstreamClient._body(upstream, p, [], False, False)["max_tokens"]  # type: ignore[arg-type]
+
+    assert sent(params(), 8) == 8  # (the default, 16, over a context of 8)
+    assert sent(params(), 0) == 16  # (an upstream whose /models gives no length: as before)
+    assert sent(params(max_tokens=12), 8) == 12  # (the client's own: its 400 is the upstream's, as from vLLM)
