@@ -41,7 +41,8 @@ class Collector:
         self.calls[rid] = 0
         self.done[rid] = asyncio.Event()
 
-    def __call__(self, rid: int, ids: list[int], finish: FinishReason, error: str) -> None:
+    def __call__(self, rid: int, ids: list[int], finish: FinishReason, error: str,
+                 stop_id: int | None = None) -> None:  # (replicas.engine.OutputSink)
         assert rid not in self.finish, f"output for {rid} after its finish"
         self.tokens[rid].extend(ids)
         self.calls[rid] += 1
