@@ -303,9 +303,9 @@ def test_closed_connections_leave_no_cyclic_garbage(in_process_router, kind) -> 
     Litestar's, and the router's hooks into them) go when it closes. In a
     cycle, ~26 objects an HTTP connection, ~120 a WebSocket, waited for a
     collection, the unread part of a refused body with them, and the
-    router's collections are rare (router/service.py): a few thousand idle
-    connections' objects made the collection that came after them a pause
-    of hundreds of milliseconds for every stream (README, Operations)."""
+    router's collections are rare (router/service.py), so closed
+    connections piled up until one came (README, Known limitations, for
+    what a connection flood costs)."""
     port, connect = in_process_router, CLOSED[kind]
     connect(port)  # warm up: what is made once stays
     time.sleep(0.3)
