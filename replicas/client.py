@@ -288,6 +288,11 @@ class ReplicaClient:
         if self.closed is not None:
             raise ReplicaDead(f"replica {self.name} is disconnected") from self.closed
         if self._writer.transport.is_closing():
+            # (closed from here on, before the reader runs: the replica leaves
+            # the choice now, or a failover from this write would pick it
+            # again and again in this loop turn; the reader still relays what
+            # arrived and then fails the streams it had)
+            self.closed = ReplicaDead(f"replica {self.name} connection is closing")
             raise ReplicaDead(f"replica {self.name} connection is closing")
 
     def _send(self, frame: bytes) -> None:
@@ -296,7 +301,10 @@ class ReplicaClient:
         try:
             self._writer.write(frame)
         except (ConnectionError, RuntimeError) as e:  # (uvloop: "the handler is closed")
-            raise ReplicaDead(f"replica {self.name} connection failed: {e!r}") from e
+            why = f"replica {self.name} connection failed: {e!r}"
+            if self.closed is None:
+                self.closed = ReplicaDead(why)  # (as above; not the one raised, whose traceback holds the frame)
+            raise ReplicaDead(why) from e
 
     async def close(self) -> None:
         self._task.cancel()

@@ -6,7 +6,10 @@ the connection's reader learns of it (``ReplicaClient.closed``) only when it
 next runs. A write in between raised uvloop's ``RuntimeError`` ("the handler
 is closed"), which the router took for a bug in its own code: an HTTP 500
 instead of a failover. Every write of the client must report such a
-connection as a dead replica, and leave no request registered on it."""
+connection as a dead replica, leave no request registered on it, and take
+the replica out of the pool's choice at once (a failover from that write
+that picked it again, still "ready", spent the stream's failovers in one
+loop turn: ``stream_lost``)."""
 
 from __future__ import annotations
 
@@ -21,6 +24,8 @@ import pytest
 import uvloop
 
 from replicas.client import ReplicaDead, connect
+from replicas.spec import ReplicaSpec
+from replicas.pool import ReplicaSlot
 from replicas.protocol import SamplingParams
 from tests.helpers import MODEL, poll
 
@@ -74,6 +79,9 @@ def test_a_write_on_a_closed_transport_is_a_dead_replica(replica, loop, how) -> 
         try:
             first = _generate(client)  # (it works while the replica lives)
             client.abort(first)
+            slot = ReplicaSlot(ReplicaSpec(name="sim-x", address=address))
+            slot.client, slot.state = client, "ready"
+            assert slot.ready
             if how == "killed":
                 _killed_under(client, proc)
             else:
@@ -82,10 +90,13 @@ def test_a_write_on_a_closed_transport_is_a_dead_replica(replica, loop, how) -> 
             # transport is "closed" from then on), the reader it wakes has
             # not yet: a request dispatched in this turn
             await asyncio.sleep(0)
-            assert client.closed is None  # (the reader has not run: the window of the defect)
+            assert not client._task.done()  # (the reader has not run: the window of the defect)
             with pytest.raises(ReplicaDead):
                 _generate(client)
             assert client.active == 0  # (no collector left behind for a request never sent)
+            # and it is out of the choice from this write on, not when the reader runs: a failover
+            # from it must not pick it again (it did, until its failovers were spent in one turn)
+            assert client.closed is not None and not slot.ready
             with pytest.raises(ReplicaDead):
                 await client.ping(1.0)
             client.abort(first)  # (a no-op, no error)
