@@ -9,8 +9,9 @@ over a second between its request going out and the router reading it,
 which was most of fairstream's TTFT p99 there (docs/perf.md). The asyncio
 loop accepts up to ``backlog`` connections per turn; this listener does the
 same on uvloop: a reader on the listening socket that ``accept()``s until
-none is left and hands each connection to ``connect_accepted_socket``
-(uvloop's own TCP transport, as ``create_server`` would make).
+none is left (up to ``ACCEPTS_PER_TURN`` a turn) and hands each connection
+to ``connect_accepted_socket`` (uvloop's own TCP transport, as
+``create_server`` would make).
 
 Only plain TCP listeners go through it (``create_server`` with a host and
 port, or a bound socket); TLS and UNIX sockets keep uvloop's own server.
@@ -35,6 +36,12 @@ log = logging.getLogger("fairstream.router")
 
 # Out of file descriptors (or buffers): stop accepting for this long, as asyncio does.
 ACCEPT_RETRY_DELAY = 1.0
+# At most this many accepts per turn of the loop (the rest wait for the next
+# turns: the socket stays readable). Starting a connection costs ~60 us
+# (its transport, uvicorn's protocol), so a storm of 3,000 taken in one turn
+# paused every running stream ~190 ms; 128 is ~8 ms a turn, and still takes
+# a burst of clients as large as the benchmark's (64) in one.
+ACCEPTS_PER_TURN = 128
 _RESOURCE_ERRORS = (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM)
 
 
@@ -93,8 +100,10 @@ class Loop(uvloop.Loop):
 
 
 class BatchServer(asyncio.AbstractServer):
-    """Listening sockets whose waiting connections are all accepted in the
-    turn of the loop that finds them (at most ``backlog`` at a time)."""
+    """Listening sockets whose waiting connections are accepted in the turn
+    of the loop that finds them, up to ``ACCEPTS_PER_TURN`` (or ``backlog``)
+    a turn: a storm of clients is taken in over a few turns, between which
+    the running streams' tokens go out."""
 
     def __init__(self, loop: Loop, socks: list[socket.socket], protocol_factory: Callable[[], asyncio.Protocol],
                  backlog: int) -> None:
@@ -102,7 +111,7 @@ class BatchServer(asyncio.AbstractServer):
         self._socks = socks
         self._fds = [s.fileno() for s in socks]
         self._factory = protocol_factory
-        self._backlog = max(1, backlog)
+        self._per_turn = max(1, min(backlog, ACCEPTS_PER_TURN))
         self._reading = False
         self._closed = asyncio.Event()
         # connections accepted and not yet handed to their protocol
@@ -129,7 +138,7 @@ class BatchServer(asyncio.AbstractServer):
                 self._loop.remove_reader(fd)
 
     def _accept(self, listener: socket.socket) -> None:
-        for _ in range(self._backlog):
+        for _ in range(self._per_turn):
             try:
                 conn, _ = listener.accept()
             except (BlockingIOError, InterruptedError, ConnectionAbortedError):
