@@ -236,7 +236,7 @@ class Admission:
                             self._check_fits(policy, decision, cost_tokens, prompt_tokens)
                             raise self._refused(policy, decision)
                         admitted = True
-                        return await self._waited(policy, req, cost_tokens, decision, started)
+                        return await self._waited(policy, req, cost_tokens, decision)
                 elif decision is not None:  # the head, refused: until the limit frees
                     self._raise_if_gone(name)
                     # (a stream ending on another router, or tokens it gives
@@ -265,7 +265,7 @@ class Admission:
                 decision = await self.admit_once(name, req)
                 if decision.ok:
                     admitted = True
-                    return await self._waited(policy, req, cost_tokens, decision, started)
+                    return await self._waited(policy, req, cost_tokens, decision)
                 self._check_fits(policy, decision, cost_tokens, prompt_tokens)
                 if policy.on_limit != "queue":
                     raise self._refused(policy, decision)
@@ -273,6 +273,9 @@ class Admission:
             head = line[0] is me
             line.remove(me)
             self.metrics.gauge_down(self.metrics.admission_waiting, name)
+            # every wait in the line, when it ends, however it ends (admitted,
+            # refused, timed out, cancelled, a reload or the shutdown)
+            self.metrics.child(self.metrics.admission_wait, name, policy.priority).observe(loop.time() - started)
             if not line:
                 if self._lines.get(name) is line:
                     del self._lines[name]
@@ -281,12 +284,11 @@ class Admission:
             if not admitted:
                 await self._leave(name, req)
 
-    async def _waited(self, policy: TenantPolicy, req: AdmitRequest, cost_tokens: int, decision: Decision,
-                      started: float) -> Ticket:
+    async def _waited(self, policy: TenantPolicy, req: AdmitRequest, cost_tokens: int, decision: Decision) -> Ticket:
         """The ticket of a request admitted after a wait; the reload's
         refusal instead if its tenant was removed meanwhile (while the store
         answered)."""
-        ticket = self._ticket(policy, req, cost_tokens, decision, started)
+        ticket = self._ticket(policy, req, cost_tokens, decision)
         gone = self._gone.get(policy.name)
         if gone is not None:
             await self.finish(ticket, 0)
@@ -303,11 +305,7 @@ class Admission:
             except StoreUnavailable:
                 pass  # (its place expires within seconds)
 
-    def _ticket(self, policy: TenantPolicy, req: AdmitRequest, cost_tokens: int, decision: Decision,
-                waited_since: float | None = None) -> Ticket:
-        if waited_since is not None:
-            self.metrics.child(self.metrics.admission_wait, policy.name, policy.priority).observe(
-                asyncio.get_running_loop().time() - waited_since)
+    def _ticket(self, policy: TenantPolicy, req: AdmitRequest, cost_tokens: int, decision: Decision) -> Ticket:
         ticket = Ticket(policy, req.lease_id, max(cost_tokens, decision.taken), decision,
                         req.base - decision.base if decision.taken else 0, req.hold > 0)
         self._leases[req.lease_id] = ticket

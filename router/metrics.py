@@ -25,12 +25,18 @@ from bisect import bisect_left
 from collections.abc import Iterable, Mapping
 from typing import Any
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import (CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics,
+                               generate_latest)
 from prometheus_client.metrics import MetricWrapperBase
 
 from router.state.base import ERROR_OPS
 
 __all__ = ["Metrics", "HistogramBatch"]
+
+# No ``*_created`` series (one beside every counter and histogram child, so
+# twice the series for each counter; nothing reads them). Process-wide: this
+# process's metrics are the router's.
+disable_created_metrics()
 
 # up to the built-in ``timeouts.total`` (900 s): long generations and queue waits stay measurable
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1, 1.5, 2, 3, 5, 10, 30, 60,
@@ -45,7 +51,12 @@ TIMEOUTS = ("first_token", "total")
 # closed or failed before accepting it
 CONNECTION_REFUSALS = ("max_connections", "header_timeout", "body_timeout", "header_too_large", "invalid_http",
                        "shutdown", "invalid_websocket_handshake", "websocket_not_found", "websocket_refused")
-DECLARE_BATCH = 100  # tenants ``declare_gradually`` declares per turn of the event loop (~12 ms)
+# fairstream_requests_total's outcomes FairstreamRequestsFailing counts as failures, exported at 0 per
+# tenant for the endpoints of completion requests (``declare``), and fairstream_tokens_total's directions
+FAILURES = ("unavailable", "timeout_first_token", "timeout_total", "lost", "error")
+FAILURE_ENDPOINTS = ("chat", "completions")
+DIRECTIONS = ("prompt", "completion")
+DECLARE_BATCH = 40  # tenants ``declare_gradually`` declares per turn of the event loop (23 children each: ~7 ms)
 _ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.015, 0.02, 0.03, 0.05, 0.075, 0.1, 0.2, 0.5, 1, 2, 5)
 
 
@@ -75,7 +86,8 @@ class Metrics:
         )
         self.itl = tenant(
             Histogram, "fairstream_inter_token_latency_seconds",
-            "Time between tokens delivered to the client (an event's gap spread over its tokens).",
+            "Per token-carrying event after the first, one sample: the time since the previous such event "
+            "divided by this event's tokens (not one sample per token).",
             ["tenant", "priority"], buckets=_ITL_BUCKETS,
         )
         self.e2e = tenant(
@@ -117,7 +129,9 @@ class Metrics:
             ["tenant", "priority"], multiprocess_mode="livesum",
         )
         self.queue_wait = tenant(
-            Histogram, "fairstream_queue_wait_seconds", "Time a request waited in its tenant's queue for a replica.",
+            Histogram, "fairstream_queue_wait_seconds",
+            "Time a request waited in its tenant's queue for a replica, observed when the wait ends "
+            "(dispatched, 0 when at once; timed out, cancelled or refused).",
             ["tenant", "priority"], buckets=_LATENCY_BUCKETS,
         )
         self.replica_cap = Gauge(
@@ -128,7 +142,9 @@ class Metrics:
             ["tenant"], multiprocess_mode="livesum",
         )
         self.admission_wait = tenant(
-            Histogram, "fairstream_admission_wait_seconds", "Time a request waited for a tenant limit before admission.",
+            Histogram, "fairstream_admission_wait_seconds",
+            "Time a request waited in its tenant's line for a tenant limit (on_limit: queue), observed when "
+            "the wait ends (admitted, refused, timed out or cancelled).",
             ["tenant", "priority"], buckets=_LATENCY_BUCKETS,
         )
         self.loop_lag = Gauge(
@@ -201,12 +217,18 @@ class Metrics:
             self._draining = {k for k in self._draining if k[1][0] not in back}  # (now plain gauges again)
 
     def _declare_tenant(self, name: str, priority: str) -> None:
+        for endpoint in FAILURE_ENDPOINTS:
+            for outcome in FAILURES:
+                self.child(self.requests, name, endpoint, outcome)
+        for direction in DIRECTIONS:
+            self.child(self.tokens, name, direction)
         for limit in RATE_LIMITS:
             self.child(self.rate_limited, name, limit)
         for which in TIMEOUTS:
             self.child(self.timeouts, name, which)
         self.child(self.resumes, name)
         self.child(self.queued, name, priority)
+        self.child(self.admission_waiting, name)
 
     async def declare_gradually(self, tenants: Mapping[str, str], batch: int = DECLARE_BATCH) -> None:
         """``declare`` for a reload: ``unretire`` at once, then the tenants'

@@ -256,7 +256,9 @@ class Scheduler:
             w.future.cancel()
 
     def _remove(self, w: _Waiter) -> None:
-        """Take ``w`` out of its tenant's queue, if it is still in it."""
+        """Take ``w`` out of its tenant's queue, if it is still in it: its wait
+        ended without a replica (timed out, cancelled, refused by a reload or
+        the shutdown), observed as a dispatched one's is."""
         q = self._queues.get(w.policy.name)
         if q is not None:
             was_head = bool(q) and q[0] is w
@@ -272,6 +274,7 @@ class Scheduler:
                 if not self._queued:
                     self._pace.idle()
                 self.metrics.gauge_down(self.metrics.queued, w.policy.name, w.policy.priority)
+                self._observe_wait(w.policy, self.clock() - w.enqueued)
 
     def _on_release(self, slot: ReplicaSlot) -> None:
         self._wake_queue()
@@ -340,6 +343,12 @@ class Scheduler:
 
     def _dispatched(self, policy: TenantPolicy, waited: float) -> None:
         self.counters.served(policy.name)
+        self._observe_wait(policy, waited)
+
+    def _observe_wait(self, policy: TenantPolicy, waited: float) -> None:
+        """Every wait for a replica is observed once, when it ends, however it
+        ends (dispatched: ``_dispatch``, or at once; left the queue:
+        ``_remove``): the waits that ended in a 503 are a tenant's longest."""
         self.metrics.child(self.metrics.queue_wait, policy.name, policy.priority).observe(waited)
 
 

@@ -125,7 +125,8 @@ def test_a_tenant_added_again_is_exported_from_0(m):
     # the event counters at 0, as for a new tenant; nothing of its old counts
     assert 'fairstream_rate_limited_total{limit="queue",tenant="back"} 0.0' in lines
     assert 'fairstream_timeouts_total{tenant="back",timeout="total"} 0.0' in lines
-    assert not [line for line in lines if "fairstream_requests" in line]
+    assert 'fairstream_requests_total{endpoint="chat",outcome="error",tenant="back"} 0.0' in lines
+    assert not [line for line in lines if "fairstream_requests" in line and not line.endswith(" 0.0")]
     # and counted again, through remembered children the family exports
     c = m.child(m.requests, "back", "chat", "ok")
     c.inc()
