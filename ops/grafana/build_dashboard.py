@@ -6,8 +6,16 @@
 The JSON is generated so that panels stay uniform (datasource variable,
 tenant/replica filters, units, legends) and a test can keep the file and this
 script in sync. Import it in Grafana (Dashboards -> New -> Import) and pick a
-Prometheus datasource for ``datasource``; ``tenant`` and ``replica`` filter
-every panel that has that label.
+Prometheus datasource for ``datasource``; ``instance`` (the routers), ``tenant``
+and ``replica`` filter every panel that has that label.
+
+With several routers (``instance``) every panel sums over them: per tenant by
+``tenant``, per replica by ``replica`` (in-flight requests and caps summed: each
+router holds a replica to its own cap; what a replica reports, running,
+waiting and KV-cache use, is the same to every router: the largest; up: the
+smallest, so a replica any router cannot reach shows DOWN). Routers that each
+start their own local replicas under the same names (sim-0, ...) run
+different processes under one name: pick one ``instance`` to see each apart.
 """
 
 from __future__ import annotations
@@ -21,8 +29,9 @@ __all__ = ["dashboard", "render", "PATH"]
 
 PATH = Path(__file__).with_name("fairstream.json")
 DS = {"type": "prometheus", "uid": "${datasource}"}
-T = 'tenant=~"$tenant"'
-R = 'replica=~"$replica"'
+I = 'instance=~"$instance"'
+T = f'tenant=~"$tenant",{I}'
+R = f'replica=~"$replica",{I}'
 RI = "[$__rate_interval]"
 
 
@@ -159,20 +168,21 @@ def _panels() -> list[dict[str, Any]]:
     L.row("Replicas")
     L.add(_stat(
         "Replica up", "1 when the replica is connected and ready.",
-        [_q(f"fairstream_replica_up{{{R}}}", "{{replica}}")], mappings=_UP_DOWN, thresholds=_RED_BELOW_1), 6, 8)
+        [_q(f"min by (replica) (fairstream_replica_up{{{R}}})", "{{replica}}")], mappings=_UP_DOWN,
+        thresholds=_RED_BELOW_1), 6, 8)
     L.add(_timeseries(
         "Replica in-flight vs adaptive cap", "Requests the router has on each replica, and the cap the router holds it to (adaptive, never above max_concurrency).",
-        [_q(f"fairstream_replica_inflight_requests{{{R}}}", "{{replica}} in-flight"),
-         _q(f"fairstream_replica_inflight_cap{{{R}}}", "{{replica}} cap", "B")],
+        [_q(f"sum by (replica) (fairstream_replica_inflight_requests{{{R}}})", "{{replica}} in-flight"),
+         _q(f"sum by (replica) (fairstream_replica_inflight_cap{{{R}}})", "{{replica}} cap", "B")],
         "short"), 9, 8)
     L.add(_timeseries(
         "Replica running / waiting", "Running and waiting requests each replica reports.",
-        [_q(f"fairstream_replica_running_requests{{{R}}}", "{{replica}} running"),
-         _q(f"fairstream_replica_waiting_requests{{{R}}}", "{{replica}} waiting", "B")],
+        [_q(f"max by (replica) (fairstream_replica_running_requests{{{R}}})", "{{replica}} running"),
+         _q(f"max by (replica) (fairstream_replica_waiting_requests{{{R}}})", "{{replica}} waiting", "B")],
         "short"), 9, 8)
     L.add(_timeseries(
         "KV-cache usage", "KV-cache use each replica reports.",
-        [_q(f"fairstream_replica_kv_cache_usage_ratio{{{R}}}", "{{replica}}")],
+        [_q(f"max by (replica) (fairstream_replica_kv_cache_usage_ratio{{{R}}})", "{{replica}}")],
         "percentunit", max_=1), 12, 8)
     L.add(_timeseries(
         "Replica restarts", "Restarts of local replicas by the supervisor.",
@@ -183,31 +193,37 @@ def _panels() -> list[dict[str, Any]]:
     L.add(_timeseries(
         "Failovers", "Streams moved to another replica mid-generation, by the replica they left.",
         [_q(f"sum by (replica) (rate(fairstream_failovers_total{{{R}}}{RI}))", "{{replica}}")],
-        "ops"), 8, 8)
+        "ops"), 6, 8)
     L.add(_timeseries(
-        "Failover latency p99", "From a replica's death to the stream's next token; tokens carried over.",
-        [_q(f"histogram_quantile(0.99, sum by (le) (rate(fairstream_failover_latency_seconds_bucket{RI})))", "p99"),
-         _q(f"sum(rate(fairstream_resumed_tokens_total{RI}))", "resumed tokens/s", "B")],
-        "s"), 8, 8)
+        "Failover latency p99", "From a replica's death to the stream's next token.",
+        [_q(f"histogram_quantile(0.99, sum by (le) (rate(fairstream_failover_latency_seconds_bucket{{{I}}}{RI})))",
+            "p99")],
+        "s"), 6, 8)
+    L.add(_timeseries(
+        "Resumed tokens/s", "Completion tokens streams had when they moved to another replica (counted as "
+        "they move: the output a failover carried over, not generated again).",
+        [_q(f"sum(rate(fairstream_resumed_tokens_total{{{I}}}{RI}))", "resumed")],
+        "suffix: tokens/s"), 6, 8)
     L.add(_timeseries(
         "Streams lost", "Streams ended with an error event because no replica could continue them.",
-        [_q(f"sum(increase(fairstream_streams_lost_total{RI}))", "lost")],
-        "short", draw="bars"), 8, 8)
+        [_q(f"sum(increase(fairstream_streams_lost_total{{{I}}}{RI}))", "lost")],
+        "short", draw="bars"), 6, 8)
     L.add(_stat(
         "Streams lost (time range)", "Lost streams over the dashboard's time range.",
-        [_q("sum(increase(fairstream_streams_lost_total[$__range]))", "lost", instant=True, range=False)],
+        [_q(f"sum(increase(fairstream_streams_lost_total{{{I}}}[$__range]))", "lost", instant=True, range=False)],
         thresholds=[{"color": "green", "value": None}, {"color": "red", "value": 1}]), 4, 8)
     L.add(_stat(
         "Last config reload", "Whether the last tenant policy reload succeeded (a failed one keeps the old policy).",
-        [_q("min(fairstream_config_last_reload_successful)", "reload")], mappings=_OK_FAILED,
+        [_q(f"min(fairstream_config_last_reload_successful{{{I}}})", "reload")], mappings=_OK_FAILED,
         thresholds=_RED_BELOW_1), 4, 8)
     L.add(_stat(
         "State store", "1 while the shared state store (memory or Redis) answers.",
-        [_q("min(fairstream_state_store_up)", "state store")], mappings=_UP_DOWN, thresholds=_RED_BELOW_1), 4, 8)
+        [_q(f"min(fairstream_state_store_up{{{I}}})", "state store")], mappings=_UP_DOWN,
+        thresholds=_RED_BELOW_1), 4, 8)
     L.add(_timeseries(
         "Config reloads and store errors", "Tenant policy reloads by result; failed state store operations by op.",
-        [_q(f"sum by (result) (increase(fairstream_config_reloads_total{RI}))", "reload {{result}}"),
-         _q(f"sum by (op) (rate(fairstream_state_store_errors_total{RI}))", "store error {{op}}", "B")],
+        [_q(f"sum by (result) (increase(fairstream_config_reloads_total{{{I}}}{RI}))", "reload {{result}}"),
+         _q(f"sum by (op) (rate(fairstream_state_store_errors_total{{{I}}}{RI}))", "store error {{op}}", "B")],
         "short"), 12, 8)
     L.add(_timeseries(
         "Client stream resumes", "Streams resumed by clients with Last-Event-ID, per tenant.",
@@ -242,8 +258,9 @@ def dashboard() -> dict[str, Any]:
         "templating": {"list": [
             {"type": "datasource", "name": "datasource", "label": "Prometheus", "query": "prometheus",
              "current": {}, "hide": 0, "refresh": 1, "regex": ""},
-            _variable("tenant", "Tenant", "label_values(fairstream_requests_total, tenant)"),
-            _variable("replica", "Replica", "label_values(fairstream_replica_up, replica)"),
+            _variable("instance", "Router", "label_values(fairstream_config_last_reload_successful, instance)"),
+            _variable("tenant", "Tenant", f"label_values(fairstream_requests_total{{{I}}}, tenant)"),
+            _variable("replica", "Replica", f"label_values(fairstream_replica_up{{{I}}}, replica)"),
         ]},
         "time": {"from": "now-1h", "to": "now"},
         "timepicker": {},

@@ -133,6 +133,28 @@ def test_dashboard_has_the_required_panels() -> None:
             assert n in by_title[title], f"panel {title!r} does not use {n!r}"
 
 
+def test_a_panel_plots_one_unit() -> None:
+    # (the failover latency panel plotted resumed tokens/s on its seconds axis)
+    for p in dashboard()["panels"]:
+        if p["type"] == "row" or p["fieldConfig"]["overrides"]:
+            continue
+        if p["fieldConfig"]["defaults"]["unit"] == "s":
+            for name in names_in([t["expr"] for t in p["targets"]]):
+                assert "_seconds" in name, (p["title"], name)
+
+
+def test_several_routers_show_each_replica_once_and_can_be_told_apart() -> None:
+    # (with two routers each replica showed once per router, under one legend)
+    d = dashboard()
+    variables = {v["name"]: v for v in d["templating"]["list"]}
+    assert "instance" in variables and variables["instance"]["multi"], sorted(variables)
+    for p in d["panels"]:
+        for t in p.get("targets", []):
+            assert 'instance=~"$instance"' in t["expr"], (p["title"], t["expr"])
+            if "$replica" in t["expr"]:
+                assert "by (replica)" in t["expr"], (p["title"], t["expr"])
+
+
 def test_alert_rules_structure() -> None:
     doc = yaml.safe_load(ALERTS.read_text())
     assert isinstance(doc["groups"], list) and doc["groups"]
