@@ -120,12 +120,14 @@ async def test_every_wait_is_observed_however_it_ends(router) -> None:
         # q waited for a replica twice: 1 s (the 503), 0.3 s (left)
         assert grew(m, "fairstream_queue_wait_seconds_count", tenant="q") == 2
         assert grew(m, "fairstream_queue_wait_seconds_bucket", tenant="q", le="0.75") == 1
-        assert grew(m, "fairstream_queue_wait_seconds_sum", tenant="q") >= 1.2
+        # (loosely: the 503's wait is 1 s less the time before the queue, the other's 0.3 s as the
+        # client counts it; the buckets above already tell the long wait from the short one)
+        assert grew(m, "fairstream_queue_wait_seconds_sum", tenant="q") >= 0.9
         assert grew(m, "fairstream_requests_total", tenant="q", endpoint="completions", outcome="unavailable") == 1
         # a waited for its limit twice: 1 s (the 429), 0.3 s (left); its stream got the replica at once
         assert grew(m, "fairstream_admission_wait_seconds_count", tenant="a") == 2
         assert grew(m, "fairstream_admission_wait_seconds_bucket", tenant="a", le="0.75") == 1
-        assert grew(m, "fairstream_admission_wait_seconds_sum", tenant="a") >= 1.2
+        assert grew(m, "fairstream_admission_wait_seconds_sum", tenant="a") >= 0.9  # (as above)
         assert grew(m, "fairstream_queue_wait_seconds_count", tenant="a") == 1
 
 
