@@ -307,7 +307,7 @@ class LoadReport(msgspec.Struct, tag=12, array_like=True, gc=False):
     tokens_generated: int = 0
     # the engine counts its steps in ``steps`` (sim, vLLM; not an upstream's
     # page): one with requests that takes no step, its first included, is
-    # stuck (replicas.supervisor.Progress). Older replicas send no such
+    # stuck (replicas.health.Progress). Older replicas send no such
     # field; their steps are judged from their first on, as before.
     reports_steps: bool = False
 

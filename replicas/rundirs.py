@@ -15,6 +15,10 @@ reboot with a /tmp that persists, or another host on a shared /tmp) or in
 another pid namespace (a container sharing /tmp), where the pid means
 another process. Without /proc (macOS) there are no markers and no sweep.
 
+``make_ipc_dir`` makes, in the supervisor's run directory, one directory per
+local vLLM replica process for its engine's ZMQ IPC sockets (``IPC_ENV``),
+which the supervisor removes when that process stops.
+
 This lives in ``replicas/`` beside the supervisor so that both it and
 ``router.workers`` import it (``replicas`` imports nothing from ``router``).
 """
@@ -29,13 +33,22 @@ import tempfile
 
 import msgspec
 
-__all__ = ["PREFIX", "MARKER", "Owner", "ProcFs", "make_run_dir", "sweep"]
+__all__ = ["PREFIX", "MARKER", "IPC_ENV", "Owner", "ProcFs", "make_ipc_dir", "make_run_dir", "sweep"]
 
 log = logging.getLogger("fairstream.rundirs")
 
 PREFIX = "fairstream-"  # every run directory's name starts with it
 MARKER = ".fairstream-owner"  # the owner marker's file name inside a run directory
 _MARKER_MAX = 4096  # (bytes) a longer file is no marker of ours
+# vLLM's V1 engine binds its ZMQ IPC sockets at $VLLM_RPC_BASE_PATH/<uuid4>
+# (vllm.utils.network_utils.get_open_zmq_ipc_path; default: the temp dir) and
+# removes none when it is killed (nor all of them at a clean stop)
+IPC_ENV = "VLLM_RPC_BASE_PATH"
+_IPC_PREFIX = "ipc-"
+# (bytes) the longest AF_UNIX path (sun_path holds 108 with its NUL), and an
+# engine socket's path under an IPC directory: /ipc-XXXXXXXX/ and a uuid4
+_UNIX_PATH_MAX = 107
+_IPC_SUFFIX = len("/" + _IPC_PREFIX + "XXXXXXXX/") + 36
 
 
 class Owner(msgspec.Struct, frozen=True):
@@ -93,6 +106,15 @@ def make_run_dir(prefix: str = PREFIX, proc: ProcFs | None = None, tmp: str | No
             f.write(msgspec.json.encode(owner))
         os.replace(part, os.path.join(path, MARKER))
     return path
+
+
+def make_ipc_dir(run_dir: str) -> str | None:
+    """A new directory in ``run_dir`` for one vLLM engine's IPC sockets; None
+    if a socket's path in it would be longer than a Unix socket path can be
+    (the engine would fail to start: better its default, the temp dir)."""
+    if len(os.fsencode(run_dir)) + _IPC_SUFFIX > _UNIX_PATH_MAX:
+        return None
+    return tempfile.mkdtemp(prefix=_IPC_PREFIX, dir=run_dir)
 
 
 def sweep(tmp: str | None = None, proc: ProcFs | None = None) -> int:

@@ -20,14 +20,14 @@ import shutil
 import signal
 import sys
 from collections.abc import Callable
-from typing import Any
 
 from replicas.client import KeyRefused, ReplicaClient, ReplicaDead, ReplicaRefused, connect
 from replicas.cpubind import BIND_ENV, core_lists, workers
+from replicas.health import LOOP_STALL, Progress, abandon, answered_within
 from replicas.logs import REPLICA_ERROR_FILE_ENV, REPLICA_NAME_ENV
 from replicas.pool import ReplicaPool, ReplicaSlot
 from replicas.protocol import FEATURES, Feature
-from replicas.rundirs import make_run_dir, sweep
+from replicas.rundirs import IPC_ENV, make_ipc_dir, make_run_dir, sweep
 from replicas.server import PARENT_PID_ENV
 from replicas.spec import ReplicaSpec
 from replicas.upstream_errors import UpstreamFailed
@@ -38,9 +38,6 @@ log = logging.getLogger("fairstream.supervisor")
 
 _PR_SET_PDEATHSIG = 1
 UNREACHABLE_LOG_EVERY = 30.0  # (s) between warnings about a replica that still cannot be reached
-# (s) the step of a health check's clock; a stall of the router's own event
-# loop counts as at most two steps (``answered_within``)
-PING_TICK = 0.1
 
 
 def die_with_parent() -> None:
@@ -101,30 +98,6 @@ class _Stalled(RuntimeError):
     """The replica answered no ping within the health timeout."""
 
 
-async def answered_within(aw, timeout: float) -> Any:
-    """``await aw`` (a ping) for at most ``timeout`` seconds in which the
-    router's event loop ran; TimeoutError after that. A stretch in which the
-    loop itself was blocked (a long synchronous call, the machine swapping)
-    counts as at most two ``PING_TICK``s: when the loop runs again its timers
-    fire before it reads its sockets, so a plain timeout would blame the
-    replica for a pong that came while the router was not listening."""
-    loop = asyncio.get_running_loop()
-    task = asyncio.ensure_future(aw)
-    step = min(PING_TICK, timeout)
-    waited = 0.0
-    try:
-        while True:
-            start = loop.time()
-            done, _ = await asyncio.wait((task,), timeout=step)
-            if done:
-                return task.result()
-            waited += min(loop.time() - start, 2 * step)
-            if waited >= timeout:
-                raise TimeoutError
-    finally:
-        _abandon(task)
-
-
 def _exited(proc: asyncio.subprocess.Process, run_dir: str | None, name: str, when: str = "") -> RuntimeError:
     """A local replica exited: its status, and why (``replicas.logs.write_error_file``, beside its socket)."""
     why = ""
@@ -132,48 +105,6 @@ def _exited(proc: asyncio.subprocess.Process, run_dir: str | None, name: str, wh
         why = ": " + f.read().strip()
     return RuntimeError(f"process exited with code {proc.returncode}{when}{why if why != ': ' else ''}")
 
-
-def _abandon(task: asyncio.Future) -> None:
-    """Cancel a ping no one will wait for; one already done has its failure
-    (say the connection closed meanwhile) retrieved, so that it is not
-    reported as never retrieved."""
-    if task.done():
-        if not task.cancelled():
-            task.exception()
-        return
-    task.cancel()
-
-
-# a wait between health checks that overruns by this much: the router's own
-# event loop was stalled (Progress does not blame the engine for it)
-LOOP_STALL = 1.0
-
-
-class Progress:
-    """Whether a replica's engine keeps stepping while it has requests.
-
-    ``stuck`` once an engine with requests in it has taken no step for
-    ``limit`` seconds, its first step included (an engine core that freezes
-    before it ever stepped, or hangs on its first batch). An engine that
-    counts no steps (an OpenAI-compatible upstream) is never stuck."""
-
-    def __init__(self, limit: float) -> None:
-        self.limit = limit
-        self.steps = 0
-        self.since: float | None = None  # (the first report starts the clock)
-
-    def stuck(self, load, now: float, paused: bool = False) -> bool:
-        """``paused``: the router's own loop did not run for a while since
-        the last report (a long stall, a SIGSTOP); nor did it read the
-        replica's output then, which holds the engine back, so the clock
-        starts again instead of blaming the engine."""
-        counted = load.reports_steps or load.steps  # (an older replica: from its first step)
-        if (not counted or load.steps != self.steps or load.running + load.waiting == 0 or self.since is None
-                or paused):
-            self.steps = load.steps
-            self.since = now
-            return False
-        return now - self.since > self.limit
 
 
 class Supervisor:
@@ -194,6 +125,9 @@ class Supervisor:
         # when the first local replica starts (a router with none, e.g. a
         # --workers worker, makes none: nothing to leave behind if killed).
         self._run_dir: str | None = self.settings.run_dir
+        # each running local vLLM replica's directory for its engine's IPC
+        # sockets, in the run dir: removed when its process stops (_reap)
+        self._ipc: dict[str, str] = {}
         self._closing = False
         self._cores: dict[str, str] | None = None  # each local vLLM replica's BIND_ENV, when one starts
 
@@ -222,8 +156,9 @@ class Supervisor:
             except (asyncio.CancelledError, Exception):
                 pass
         self._tasks.clear()
-        await asyncio.gather(*(self._stop_process(p) for p in list(self._procs.values())))
-        self._procs.clear()
+        await asyncio.gather(*(self._reap(name) for name in list(self._procs)))
+        for name in list(self._ipc):  # (one whose process did not start)
+            self._drop_ipc(name)
         if self.settings.run_dir is None and self._run_dir is not None:  # made here
             shutil.rmtree(self._run_dir, ignore_errors=True)
 
@@ -274,10 +209,7 @@ class Supervisor:
             # down (and said so) before its process is stopped, which may take the grace
             slot.state = "down"
             self._on_event("down", slot)
-            proc = self._procs.get(slot.name)
-            if proc is not None:
-                await self._stop_process(proc, grace)  # (a close() meanwhile stops it too: still in _procs)
-                self._procs.pop(slot.name, None)
+            await self._reap(slot.name, grace)  # (a close() meanwhile stops it too: still in _procs)
             if self._closing:
                 return
             if loop.time() - started > s.healthy_after:
@@ -364,7 +296,7 @@ class Supervisor:
                 ping = asyncio.ensure_future(answered_within(client.ping(None), s.health_timeout))
                 done, _ = await asyncio.wait({ping, exited} - {None}, return_when=asyncio.FIRST_COMPLETED)
                 if exited is not None and exited in done:
-                    _abandon(ping)
+                    abandon(ping)
                     raise _exited(proc, self._run_dir, slot.name)
                 try:
                     pong = ping.result()
@@ -405,7 +337,7 @@ class Supervisor:
             if exited is not None:
                 exited.cancel()
             if ping is not None:  # (under way when this watch ended: the router stops)
-                _abandon(ping)
+                abandon(ping)
 
     async def _spawn(self, slot: ReplicaSlot) -> tuple[asyncio.subprocess.Process, str]:
         spec = slot.spec
@@ -419,6 +351,15 @@ class Supervisor:
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(stale)
         env = self._env(spec)
+        self._drop_ipc(spec.name)  # (a spawn that failed before its process ran)
+        if spec.engine == "vllm" and IPC_ENV not in env:  # (unless its env, or the router's, sets it)
+            # its engine's sockets in a directory of its own, removed when it stops: not left in /tmp
+            ipc = make_ipc_dir(self._run_dir)
+            if ipc is None:
+                log.warning("replica %s: the run dir %s is too long a path for vLLM's IPC sockets in it; they "
+                            "go in the temp dir", spec.name, self._run_dir, extra={"replica": spec.name})
+            else:
+                env[IPC_ENV] = self._ipc[spec.name] = ipc
         env["FAIRSTREAM_REPLICA_SECRET"] = self._secret(slot)
         env[REPLICA_ERROR_FILE_ENV] = path + ".error"  # (why it failed: _exited)
         env[PARENT_PID_ENV] = str(os.getpid())  # (--exit-with-parent: a parent gone before it looked)
@@ -436,15 +377,12 @@ class Supervisor:
 
     def _env(self, spec: ReplicaSpec) -> dict[str, str]:
         """A local replica's environment: the router's, the spec's ``env``, its GPU, and for vLLM
-        its CPU workers' cores (``replicas.cpubind``) and where its engine's IPC sockets go."""
+        its CPU workers' cores (``replicas.cpubind``)."""
         env = dict(os.environ)
         env.update(spec.env)
         if spec.gpu is not None:
             env["CUDA_VISIBLE_DEVICES"] = str(spec.gpu)
         env[REPLICA_NAME_ENV] = spec.name  # on its log lines
-        # its engine's ZMQ sockets, named by a uuid: in the run dir (swept), not left in /tmp (a Unix path fits 107 bytes)
-        if spec.engine == "vllm" and self._run_dir and len(os.fsencode(self._run_dir)) <= 64:
-            env.setdefault("VLLM_RPC_BASE_PATH", self._run_dir)
         if spec.engine == "vllm" and spec.gpu is None and BIND_ENV not in env:
             if self._cores is None:
                 local = [s.spec for s in self.pool.slots if s.spec.local and s.spec.engine == "vllm"
@@ -474,6 +412,21 @@ class Supervisor:
 
     def _secret(self, slot: ReplicaSlot) -> str:
         return os.environ.get(slot.spec.secret_env, "") if slot.spec.secret_env else ""
+
+    async def _reap(self, name: str, grace: float | None = None) -> None:
+        """Stop replica ``name``'s process, if any, and remove what its engine left (``_stop_process``)."""
+        proc = self._procs.get(name)
+        if proc is not None:
+            await self._stop_process(proc, grace)
+            self._procs.pop(name, None)
+        self._drop_ipc(name)
+
+    def _drop_ipc(self, name: str) -> None:
+        """Remove replica ``name``'s IPC directory: the sockets its engine bound, which no exit removes
+        when the engine is killed (the sweep of a killed router's run dir removes the rest)."""
+        path = self._ipc.pop(name, None)
+        if path is not None:
+            shutil.rmtree(path, ignore_errors=True)
 
     async def _stop_process(self, proc: asyncio.subprocess.Process, grace: float | None = None) -> None:
         """SIGTERM the replica's process group, SIGKILL it after ``grace``

@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 from replicas.cpubind import BIND_ENV, core_lists, id_list, workers
 from replicas.pool import ReplicaPool
 from replicas.spec import ReplicaSpec
-from replicas.supervisor import Supervisor, SupervisorSettings
+from replicas.supervisor import Supervisor
 from tests.helpers import cpu_lists
 
 
@@ -66,23 +66,3 @@ def test_the_supervisor_binds_local_vllm_replicas_unless_told(monkeypatch) -> No
     monkeypatch.setenv(BIND_ENV, "auto")  # so does the router's environment
     assert Supervisor(pool)._env(pool.slots[0].spec)[BIND_ENV] == "auto"
 
-
-def test_a_local_vllm_replica_s_engine_sockets_go_in_the_run_dir(monkeypatch) -> None:
-    # (vLLM's EngineCore opens its ZMQ IPC sockets in the temp dir: every
-    # replica a chaos run or a failover test killed left some in /tmp for good;
-    # the run dir is removed at the router's stop, or swept after its death)
-    monkeypatch.delenv("VLLM_RPC_BASE_PATH", raising=False)
-    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1})
-    pool = ReplicaPool([
-        ReplicaSpec(name="v0", engine="vllm", config={"model": "m"}),
-        ReplicaSpec(name="s0", engine="sim", config={"model": "m"}),
-        ReplicaSpec(name="v1", engine="vllm", config={"model": "m"}, env={"VLLM_RPC_BASE_PATH": "/srv/ipc"}),
-    ])
-    run_dir = "/tmp/fairstream-run"  # (a short one: pytest's tmp_path under xdist is past the 64-byte cut)
-    sup = Supervisor(pool, settings=SupervisorSettings(run_dir=run_dir))
-    assert sup._env(pool.slots[0].spec)["VLLM_RPC_BASE_PATH"] == run_dir
-    assert "VLLM_RPC_BASE_PATH" not in sup._env(pool.slots[1].spec)
-    assert sup._env(pool.slots[2].spec)["VLLM_RPC_BASE_PATH"] == "/srv/ipc"  # (the replica's env wins)
-    # (a run dir too long for a uuid-named Unix socket under it leaves vLLM its default)
-    long = Supervisor(pool, settings=SupervisorSettings(run_dir="/" + "d" * 70))
-    assert "VLLM_RPC_BASE_PATH" not in long._env(pool.slots[0].spec)

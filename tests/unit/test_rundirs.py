@@ -138,3 +138,26 @@ def test_without_proc_no_marker_and_no_sweep(tmp_path: Path) -> None:
     dead = _run_dir(tmp, "fairstream-dead", msgspec.structs.replace(_me(), pid=_dead_pid()))
     assert sweep(str(tmp), proc=no_proc) == 0
     assert dead.is_dir() and d.is_dir()
+
+
+def test_an_ipc_dir_is_made_only_where_a_uuid_named_socket_in_it_fits() -> None:
+    # (AF_UNIX paths hold 107 bytes: vLLM's engine could not bind its sockets
+    # in a longer one; it keeps its default, the temp dir)
+    import shutil
+    import tempfile
+
+    from replicas.rundirs import make_ipc_dir
+
+    top = tempfile.mkdtemp(prefix="fst-")  # (short: tmp_path can be too long already)
+    try:
+        longest = 107 - len("/ipc-XXXXXXXX/") - len("0166a38b-3b12-44ee-baf1-1d4aab8176da")
+        fits = os.path.join(top, "d" * (longest - len(top) - 1))
+        too_long = fits + "d"
+        for d in (fits, too_long):
+            os.mkdir(d)
+        ipc = make_ipc_dir(fits)
+        assert ipc is not None and os.path.dirname(ipc) == fits and os.listdir(ipc) == []
+        assert len(os.path.join(ipc, "0166a38b-3b12-44ee-baf1-1d4aab8176da")) == 107
+        assert make_ipc_dir(too_long) is None
+    finally:
+        shutil.rmtree(top)

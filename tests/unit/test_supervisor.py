@@ -82,7 +82,7 @@ async def test_close_is_not_lost_when_a_pong_races_it(replica_address: str) -> N
 
 def test_an_engine_with_requests_that_takes_no_step_is_stuck() -> None:
     from replicas.protocol import LoadReport
-    from replicas.supervisor import Progress
+    from replicas.health import Progress
 
     p = Progress(5.0)
     assert not p.stuck(LoadReport(0, 0, 0.0, steps=0), 0.0)  # a fresh engine
@@ -103,7 +103,7 @@ def test_an_engine_that_never_took_its_first_step_is_stuck_too() -> None:
     # batch) while requests wait in it; before, steps == 0 meant "this engine
     # counts no steps" and it stayed ready for good
     from replicas.protocol import LoadReport
-    from replicas.supervisor import Progress
+    from replicas.health import Progress
 
     p = Progress(5.0)
     fresh = dict(steps=0, reports_steps=True)
@@ -153,6 +153,47 @@ async def test_close_during_a_restart_stop_leaves_no_process_running(monkeypatch
         if proc.returncode is None:
             os.killpg(proc.pid, signal.SIGKILL)
             await proc.wait()
+
+
+async def test_each_vllm_process_gets_an_ipc_dir_removed_when_it_stops(monkeypatch) -> None:
+    # vLLM's engine binds uuid-named ZMQ sockets in VLLM_RPC_BASE_PATH and
+    # removes none when killed: each process of a local vllm replica gets a
+    # directory of its own in the run dir, removed when it stops or restarts
+    # and when the supervisor closes (a run dir given in the settings stays).
+    # (the process: a shell that leaves a file there as a killed engine would)
+    spawn = asyncio.create_subprocess_exec
+    script = '[ -d "$VLLM_RPC_BASE_PATH" ] && touch "$VLLM_RPC_BASE_PATH/0166a38b"; exec sleep 30'
+
+    async def fake_exec(*cmd, env, **kw):
+        return await spawn("sh", "-c", script, env=env, start_new_session=True)
+
+    monkeypatch.setattr(asyncio, "create_subprocess_exec", fake_exec)
+    monkeypatch.delenv("VLLM_RPC_BASE_PATH", raising=False)
+    run_dir = tempfile.mkdtemp(prefix="fst-")
+    pool = ReplicaPool([ReplicaSpec(name="v0", engine="vllm", config={"model": "m"}),
+                        ReplicaSpec(name="v1", engine="vllm", config={"model": "m"},
+                                    env={"VLLM_RPC_BASE_PATH": "/nonexistent/ipc"}),
+                        ReplicaSpec(name="s0", engine="sim", config={"model": "m"})])
+    sup = Supervisor(pool, SupervisorSettings(run_dir=run_dir))
+    try:
+        ipc = []
+        for _ in range(2):  # (started again: its first directory goes)
+            await sup._spawn(pool.slots[0])
+            ipc.append(sup._ipc["v0"])
+            assert os.path.dirname(ipc[-1]) == run_dir
+            await apoll(lambda: os.listdir(ipc[-1]) == ["0166a38b"], 5, what="the process's file in its dir")
+            await sup._reap("v0", 0.0)
+            assert not os.path.exists(ipc[-1])
+        assert ipc[0] != ipc[1]
+        for slot in pool.slots:
+            await sup._spawn(slot)
+        assert list(sup._ipc) == ["v0"]  # (v1's env chose its own; a sim replica has no engine sockets)
+        v0 = sup._ipc["v0"]
+        await sup.close()
+        assert not os.path.exists(v0) and os.listdir(run_dir) == []
+    finally:
+        await sup.close()
+        shutil.rmtree(run_dir, ignore_errors=True)
 
 
 class _Upstream:
@@ -514,7 +555,7 @@ def _pong_during_a_stall(wait) -> object:
 def test_a_stall_of_the_router_itself_does_not_count_against_a_ping(loop_factory) -> None:
     import uvloop
 
-    from replicas.supervisor import answered_within
+    from replicas.health import answered_within
 
     factory = uvloop.new_event_loop if loop_factory == "uvloop" else asyncio.new_event_loop
 
@@ -530,7 +571,7 @@ def test_a_stall_of_the_router_itself_does_not_count_against_a_ping(loop_factory
 
 
 def test_a_ping_that_is_not_answered_times_out_after_the_health_timeout() -> None:
-    from replicas.supervisor import answered_within
+    from replicas.health import answered_within
 
     async def main():
         loop = asyncio.get_running_loop()
@@ -596,7 +637,7 @@ def test_a_stall_of_the_routers_own_loop_restarts_the_clock_instead_of_blaming_t
     # check after it, the engine looked stuck and a healthy replica was
     # restarted (a chaos review).
     from replicas.protocol import LoadReport
-    from replicas.supervisor import Progress
+    from replicas.health import Progress
 
     p = Progress(5.0)
     busy = dict(steps=9, reports_steps=True)

@@ -9,7 +9,9 @@ supervisor brings the replica back into service.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
+import re
 import signal
 
 import httpx
@@ -415,3 +417,73 @@ async def test_an_engine_core_frozen_before_its_first_step_is_restarted(vllm_rou
         m = await vllm_router.ametrics(client)
         await _freeze_engine_core(vllm_router, client, victim, pid, ref,
                                   m.value("fairstream_replica_restarts_total", replica=victim))
+
+
+# vLLM names its engines' ZMQ IPC sockets by a uuid4 (get_open_zmq_ipc_path)
+ENGINE_SOCKET = re.compile(r"[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}")
+
+
+def _unix_sockets() -> dict[str, str]:
+    """inode -> path of the live Unix sockets that have one (bound, or accepted on one): /proc/net/unix."""
+    with open("/proc/net/unix") as f:
+        return {fields[6]: fields[7] for fields in (line.split() for line in list(f)[1:]) if len(fields) > 7}
+
+
+def _socket_inodes(pid: int) -> set[str]:
+    """The inodes of the sockets process ``pid`` holds."""
+    inodes = set()
+    with contextlib.suppress(OSError):
+        for fd in os.listdir(f"/proc/{pid}/fd"):
+            with contextlib.suppress(OSError):
+                link = os.readlink(f"/proc/{pid}/fd/{fd}")
+                if link.startswith("socket:["):
+                    inodes.add(link[8:-1])
+    return inodes
+
+
+def _engine_sockets(pid: int) -> set[str]:
+    """The paths of the engine IPC sockets replica process ``pid`` and its descendants hold."""
+    live = _unix_sockets()
+    return {live[i] for p in [pid, *descendants(pid)] for i in _socket_inodes(p)
+            if i in live and ENGINE_SOCKET.fullmatch(os.path.basename(live[i]))}
+
+
+def _ipc_dir(pid: int) -> str:
+    """Where replica process ``pid``'s engine binds its IPC sockets (its VLLM_RPC_BASE_PATH)."""
+    with open(f"/proc/{pid}/environ", "rb") as f:
+        env = dict(v.split(b"=", 1) for v in f.read().split(b"\0") if b"=" in v)
+    return env[b"VLLM_RPC_BASE_PATH"].decode()
+
+
+async def test_a_killed_replica_s_engine_leaves_no_ipc_sockets(vllm_router):
+    # vLLM's engine binds its ZMQ IPC sockets at $VLLM_RPC_BASE_PATH/<uuid4>
+    # and removes none when killed (nor all of them at a clean stop): each
+    # killed or restarted replica left ~7 in /tmp for good, and ~200 piled up
+    # on the test machine. Each replica process now gets a directory of its
+    # own in the router's run dir, removed when it stops. (The router's TMPDIR
+    # here is the test's own, RouterProcess: what is in it is this router's.)
+    _wait_all_ready(vllm_router)
+    tmpdir = vllm_router.tmpdir
+    victim, other = vllm_router.replica_names
+    async with httpx.AsyncClient(base_url=vllm_router.base_url, timeout=30) as client:
+        old = await _pid(client, victim)
+        held = _engine_sockets(old)  # (the sockets the victim's engine has bound: its own)
+        assert held and all(p.startswith(f"{tmpdir}/") for p in held), held  # (not in /tmp)
+        old_dir = _ipc_dir(old)
+        os.kill(old, signal.SIGKILL)  # (its engine core and worker: the supervisor kills its process group)
+
+        async def fresh_and_ready():
+            now = next(r for r in await _admin_replicas(client) if r["name"] == victim)
+            return now["state"] == "ready" and now["pid"] != old and now
+
+        new = (await apoll(fresh_and_ready, 300, interval=0.5, what=f"{victim} started again"))["pid"]
+        dirs = {_ipc_dir(new), _ipc_dir(await _pid(client, other))}
+    left = sorted(p for p in held if os.path.lexists(p))
+    assert left == [], f"{len(left)} of the killed replica's {len(held)} engine sockets are left: {left}"
+    assert not os.path.exists(old_dir)
+    # every engine socket in the router's temp dir lies in a running replica
+    # process's own directory (run last in the module, this also sees what the
+    # replicas killed and restarted by the chaos tests above left)
+    assert len(dirs) == 2
+    sockets = [p for p in tmpdir.rglob("*") if ENGINE_SOCKET.fullmatch(p.name)]
+    assert [str(p) for p in sockets if str(p.parent) not in dirs] == []
