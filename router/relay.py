@@ -236,7 +236,7 @@ class EventStream:
     and its copy in the resume buffer; then the stream's tail, its error
     event, and the settlement (outcome, resume buffer, admission ticket).
 
-    ``sid`` names the resume buffer (None: not resumable, e.g. WebSocket);
+    ``sid`` names the resume buffer (None: not resumable, its output has no token ids);
     SSE event ids then carry the stream position. ``skip_chars`` drops that
     much text first: a resume regenerating text the client already has.
     ``had_end``: that client also has the stream's finish event (1), and

@@ -49,24 +49,14 @@ def _finish_json(finish: FinishReason) -> bytes:
 class ChunkEncoder:
     """Builds ``chat.completion.chunk`` or ``text_completion`` SSE events."""
 
-    __slots__ = ("chat", "event_id", "_head", "_usage_head", "_role_sent", "_frame", "_done", "_error_frame",
-                 "_text_pre", "_text_post")
+    __slots__ = ("chat", "event_id", "_head", "_usage_head", "_role_sent", "_text_pre", "_text_post")
 
     def __init__(self, chat: bool, response_id: str, model: str, created: int, *,
-                 event_id: int = 0, role_sent: bool = False, channel: str | None = None) -> None:
-        """``channel`` set: frames are WebSocket JSON messages
-        ``{"id": channel, "event": N, "chunk": {...}}`` instead of SSE."""
+                 event_id: int = 0, role_sent: bool = False) -> None:
+        """(A WebSocket stream's events are these too, each sent as a message
+        made from its bytes: router/websocket_stream.py.)"""
         self.chat = chat
         self.event_id = event_id
-        if channel is None:
-            self._frame = self._error_frame = _sse_frame
-            self._done = DONE
-        else:
-            prefix = b'{"id":' + _enc(channel) + b',"event":'
-            self._frame = lambda n, payload: prefix + n + b',"chunk":' + payload + b"}"
-            # error_json is {"error": {...}}: splice its member in, not nested
-            self._error_frame = lambda n, error_json: prefix + n + b"," + error_json[1:]
-            self._done = b'{"id":' + _enc(channel) + b',"done":true}'
 
         obj = b"chat.completion.chunk" if chat else b"text_completion"
         common = (
@@ -82,11 +72,11 @@ class ChunkEncoder:
 
     def _event(self, payload: bytes, pos: bytes) -> bytes:
         self.event_id += 1
-        return self._frame(str(self.event_id).encode() + pos, payload)
+        return _sse_frame(str(self.event_id).encode() + pos, payload)
 
     def done(self) -> bytes:
-        """The end-of-stream marker (``data: [DONE]`` for SSE)."""
-        return self._done
+        """The end-of-stream marker, ``data: [DONE]``."""
+        return DONE
 
     def delta(self, text: str, finish: FinishReason = FinishReason.NONE, pos: bytes = b"",
               usage: Usage | None = None, stop_reason: str | int | None = None) -> bytes:
@@ -108,9 +98,9 @@ class ChunkEncoder:
 
     @property
     def plain_ready(self) -> bool:
-        """``plain`` can encode the next piece: SSE framing, and (chat) the
-        role has gone out with the first chunk."""
-        return self._frame is _sse_frame and (self._role_sent or not self.chat)
+        """``plain`` can encode the next piece: (chat) the role has gone out
+        with the first chunk."""
+        return self._role_sent or not self.chat
 
     def plain(self, text: str, pos: bytes) -> bytes:
         """``delta(text, FinishReason.NONE, pos)`` in one step, once
@@ -126,14 +116,11 @@ class ChunkEncoder:
     def error(self, error_json: bytes, pos: bytes = b"") -> bytes:
         """An error event (OpenAI's error shape); the SDK raises it as APIError."""
         self.event_id += 1
-        return self._error_frame(str(self.event_id).encode() + pos, error_json)
+        return _sse_frame(str(self.event_id).encode() + pos, error_json)
 
     def notice(self, error_json: bytes) -> bytes:
         """An error event with no number of its own, for a stream that can
-        still be resumed from its last numbered event: over SSE it has no
-        ``id:`` line, so a client keeps the last id it had. A WebSocket
-        stream cannot be resumed: there it is an error with the next number
-        (a client that drops repeated numbers would drop it)."""
-        if self._frame is _sse_frame:
-            return b"data: " + error_json + b"\n\n"
-        return self.error(error_json)
+        still be resumed from its last numbered event: it has no ``id:``
+        line, so a client keeps the last id it had (a WebSocket message of
+        it has no ``event``)."""
+        return b"data: " + error_json + b"\n\n"

@@ -15,17 +15,23 @@ request running that sends nothing for ``ws_idle_timeout`` seconds is closed
 
 * ``{"type": "chat.completions.create", "id": ID, "body": {...}}`` starts a
   chat completion (the body is the HTTP request body; ``stream`` is implied).
-  The server answers with ``{"id": ID, "event": N, "chunk": {...}}`` messages
-  (the same ``chat.completion.chunk`` objects as SSE), then
+  The server answers with ``{"id": ID, "event": N, "event_id": "N-T-C",
+  "chunk": {...}}`` messages (the same ``chat.completion.chunk`` objects and
+  event ids as SSE; the first also has ``"stream": SID``), then
   ``{"id": ID, "done": true}``; or ``{"id": ID, "error": {...}}`` in OpenAI's
   error shape (a rejected request); a stream that fails midway (lost, timed
   out) ends with ``{"id": ID, "event": N, "error": {...}}``.
+* ``{"type": "resume", "id": ID, "stream": SID, "last_event_id": EID}``
+  resumes stream SID (a dropped socket's, or an SSE stream's) after event
+  EID, as ``GET /v1/streams/{SID}`` does: the missed events, then the rest,
+  as request ID's messages (router/websocket_stream.py).
 * ``{"type": "abort", "id": ID}`` stops that generation at once (aborted on
   its replica); the server confirms with ``{"id": ID, "aborted": true}``.
 
-Same auth, limits, queues and failover as HTTP. Closing the socket aborts
-everything still running on it. Each generation is a task owned by the
-connection handler.
+Same auth, limits, queues, failover and resume buffer as HTTP. Closing the
+socket (or an abort) ends what runs on it as an HTTP client's disconnect
+does: each generation is aborted on its replica, and its stream stays
+resumable. Each request is a task owned by the connection handler.
 
 When the router shuts down (SIGTERM), a socket takes no new requests (each
 gets ``router_shutdown``), its running ones get ``shutdown_grace`` like HTTP
@@ -38,7 +44,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from contextlib import aclosing
+from collections.abc import Coroutine
 from typing import Any
 
 import msgspec
@@ -46,15 +52,14 @@ from litestar import WebSocket, websocket
 from litestar.exceptions import WebSocketDisconnect
 
 from router.auth import authorization
-from router.completions import new_request_id, response_id_of, start_generation
+from router.completions import new_request_id
 from router.errors import ApiError, BadRequest, PayloadTooLarge, RateLimited, RouterShutdown, clip, error_body
-from router.openai_types import usage_options
 from router.push import ClientTooSlow, bounded
-from router.relay import EventStream, log_refused, relay_stream
+from router.relay import log_refused
 from router.server import SOCKET_EXTENSION, ws_max_message
 from router.service import RouterService
-from router.sse import ChunkEncoder
-from router.tenants import TenantPolicy
+from router.websocket_stream import error_message as _err
+from router.websocket_stream import run_create, run_resume
 
 __all__ = ["chat_socket"]
 
@@ -71,6 +76,8 @@ class _Msg(msgspec.Struct, forbid_unknown_fields=True):
     id: str = ""
     body: msgspec.Raw = msgspec.field(default_factory=lambda: msgspec.Raw(b""))
     api_key: str = ""
+    stream: str = ""  # a resume's: the stream to resume
+    last_event_id: str = ""  # a resume's: the last event_id the client has
 
 
 _decode = msgspec.json.Decoder(_Msg).decode
@@ -91,17 +98,6 @@ def _id_of(raw: str) -> str:
     except (msgspec.DecodeError, RecursionError):
         return ""
     return cid if isinstance(cid, str) and len(cid) <= MAX_ID else ""
-
-
-def _err(cid: str, e: ApiError, request_id: str = "") -> bytes:
-    """``{"id": cid, "error": ...}`` (with the router's ``request_id`` once
-    it has one: the request's log line carries it; and ``retry_after``, the
-    seconds an HTTP answer's ``Retry-After`` would say, where it has one)."""
-    rid = b',"request_id":"' + request_id.encode() + b'"' if request_id else b""
-    retry = e.headers.get("retry-after", "")
-    if retry.isdigit():
-        rid += b',"retry_after":' + retry.encode()
-    return b'{"id":' + msgspec.json.encode(cid) + rid + b',"error":' + e.body()[len(b'{"error":'):-1] + b"}"
 
 
 class _Conn:
@@ -157,11 +153,12 @@ class _Conn:
             return
         self.tenant = policy.name  # (a key moved to another tenant: the socket is that tenant's now)
 
-    def start(self, cid: str, body: bytes, policy: TenantPolicy) -> None:
-        task = asyncio.get_running_loop().create_task(self.run_one(cid, body, policy))
+    def start(self, cid: str, request: Coroutine[Any, Any, None]) -> None:
+        """Run ``cid``'s request (router/websocket_stream.py) in a task of its own."""
+        task = asyncio.get_running_loop().create_task(request)
         self.running[cid] = task
         self.tasks.add(task)
-        task.add_done_callback(lambda t: self._ended(cid, t))
+        task.add_done_callback(lambda t: self.ended(cid, t))
 
     def _unlist(self, cid: str, task: asyncio.Task[None] | None) -> None:
         """``cid``'s last message is being sent: an abort of it gets no
@@ -170,7 +167,7 @@ class _Conn:
             del self.running[cid]
             self.active = asyncio.get_running_loop().time()
 
-    async def _send_last(self, cid: str, frame: bytes) -> None:
+    async def send_last(self, cid: str, frame: bytes) -> None:
         """Send ``cid``'s last message, unlisted first (an abort meanwhile
         gets no answer); a draining socket closes only after it is out."""
         self._unlist(cid, asyncio.current_task())
@@ -180,7 +177,7 @@ class _Conn:
         finally:
             self.finals -= 1
 
-    def _ended(self, cid: str, task: asyncio.Task[None]) -> None:
+    def ended(self, cid: str, task: asyncio.Task[None]) -> None:
         """``cid``'s last message is out (or its task ended)."""
         if task.done():
             self.tasks.discard(task)
@@ -243,33 +240,6 @@ class _Conn:
                 log.warning("websocket: %s; ending its requests and dropping the connection", e)
                 self.abort()
 
-    async def run_one(self, cid: str, body: bytes, policy: TenantPolicy) -> None:
-        svc = self.svc
-        request_id = new_request_id()
-        try:
-            st = await start_generation(svc, policy, body, True, request_id, "websocket", stream_implied=True)
-        except ApiError as e:
-            await self._send_last(cid, _err(cid, e, request_id))  # (an abort meanwhile gets no answer)
-            return
-        except Exception as e:  # noqa: BLE001 - answer this request, keep the connection's others
-            log.exception("websocket request %s failed", request_id, exc_info=e)
-            await self._send_last(cid, _err(cid, ApiError("Internal server error."), request_id))
-            return
-        req, gen = st.req, st.gen
-        enc = ChunkEncoder(True, response_id_of(True, request_id), req.model, st.created, channel=cid)
-        es = EventStream(svc, gen, enc, usage_options(req), policy, st.ticket, st.outcome, None)
-        async with aclosing(relay_stream(es, st.pieces, st.first)) as frames:
-            async for frame in frames:
-                final = frame is es.final  # (done, or its error: an abort from now on gets no answer)
-                if final:
-                    await self._send_last(cid, frame)
-                else:
-                    await self.send(frame)
-                if self.gone:
-                    break  # (closing the relay settles the request as cancelled)
-                if final:
-                    self._ended(cid, asyncio.current_task())  # (out: a draining socket may close now)
-
 
 def _read(raw: str) -> _Msg | ApiError:
     """The message in ``raw``, or the error that answers it."""
@@ -282,9 +252,40 @@ def _read(raw: str) -> _Msg | ApiError:
         return BadRequest(f"Bad message: {e}", code="invalid_json")
     except RecursionError:
         return BadRequest("Bad message: nested too deeply.", code="invalid_json")
-    if len(msg.id) > MAX_ID:
-        return BadRequest(f"An 'id' is at most {MAX_ID} characters.", param="id")
+    for name in ("id", "stream", "last_event_id"):
+        if len(getattr(msg, name)) > MAX_ID:
+            return BadRequest(f"An '{name}' is at most {MAX_ID} characters.", param=name)
     return msg
+
+
+def _refusal(conn: _Conn, msg: _Msg) -> ApiError | None:
+    """Why a request message (a create or a resume) is refused before it
+    starts; None: it is not."""
+    if conn.revoked is not None:
+        return conn.revoked
+    if conn.draining:
+        return RouterShutdown("The router is shutting down; send new requests on a new connection.")
+    if not msg.id or msg.id in conn.running:
+        return BadRequest("Each request needs an 'id' not in use on this socket.", param="id")
+    if len(conn.running) >= MAX_PARALLEL:
+        return BadRequest(f"At most {MAX_PARALLEL} requests at once per socket.", code="too_many_parallel_requests")
+    if msg.type == "resume":
+        if bytes(msg.body):
+            return BadRequest("A resume takes no 'body': it continues the stream as it was asked for.", param="body")
+        if not msg.stream:
+            return BadRequest("A resume needs the 'stream' to resume (the 'stream' of the request's first message, "
+                              "or an HTTP stream's x-request-id).", param="stream")
+        return None
+    if msg.stream or msg.last_event_id:
+        name = "stream" if msg.stream else "last_event_id"
+        return BadRequest(f"'{name}' belongs to a resume message; a chat.completions.create takes its request in "
+                          "'body'.", param=name)
+    if not bytes(msg.body):
+        return BadRequest("Missing 'body'.", param="body")
+    limit = conn.svc.config.max_body_bytes
+    if len(msg.body) > limit:  # (as an HTTP body over it: a 413)
+        return PayloadTooLarge(f"The request body is too large (over {limit} bytes).", param="body")
+    return None
 
 
 async def _authenticate(conn: _Conn, raw: str) -> None:
@@ -346,28 +347,10 @@ async def chat_socket(socket: WebSocket) -> None:
             if isinstance(msg, ApiError):
                 await conn.send(_err(_id_of(raw) if raw else "", msg))
                 continue
-            if msg.type == "chat.completions.create":
-                if conn.revoked is not None:
-                    await conn.send(_err(msg.id, conn.revoked))
-                    continue
-                if conn.draining:
-                    await conn.send(_err(msg.id, RouterShutdown(
-                        "The router is shutting down; send new requests on a new connection.")))
-                    continue
-                if not msg.id or msg.id in conn.running:
-                    await conn.send(_err(msg.id, BadRequest("Each request needs an 'id' not in use on this socket.",
-                                                            param="id")))
-                    continue
-                if len(conn.running) >= MAX_PARALLEL:
-                    await conn.send(_err(msg.id, BadRequest(f"At most {MAX_PARALLEL} requests at once per socket.",
-                                                            code="too_many_parallel_requests")))
-                    continue
-                if not bytes(msg.body):
-                    await conn.send(_err(msg.id, BadRequest("Missing 'body'.", param="body")))
-                    continue
-                if len(msg.body) > svc.config.max_body_bytes:  # (as an HTTP body over it: a 413)
-                    await conn.send(_err(msg.id, PayloadTooLarge(
-                        f"The request body is too large (over {svc.config.max_body_bytes} bytes).", param="body")))
+            if msg.type in ("chat.completions.create", "resume"):
+                refused = _refusal(conn, msg)
+                if refused is not None:
+                    await conn.send(_err(msg.id, refused))
                     continue
                 # the policy in force now: a reload may have revoked the key
                 # or changed the tenant's limits
@@ -378,7 +361,10 @@ async def chat_socket(socket: WebSocket) -> None:
                     await conn.send(_err(msg.id, e))
                     conn.revoke(e)
                     continue
-                conn.start(msg.id, bytes(msg.body), policy)
+                if msg.type == "resume":
+                    conn.start(msg.id, run_resume(conn, msg.id, msg.stream, msg.last_event_id, policy))
+                else:
+                    conn.start(msg.id, run_create(conn, msg.id, bytes(msg.body), policy))
             elif msg.type == "abort":
                 task = conn.running.pop(msg.id, None)
                 if task is not None:

@@ -114,8 +114,11 @@ def check_completed(col: Collector, cid: str, ref: str) -> None:
     msgs = col.of(cid)
     assert msgs[-1] == {"id": cid, "done": True}, msgs[-1]
     chunks = msgs[:-1]
-    assert all(set(m) == {"id", "event", "chunk"} for m in chunks), [m for m in chunks if "chunk" not in m]
+    # each chunk carries its SSE event id (what a resume takes); the first also names the stream
+    assert set(chunks[0]) == {"id", "stream", "event", "event_id", "chunk"}, chunks[0]
+    assert all(set(m) == {"id", "event", "event_id", "chunk"} for m in chunks[1:]), [m for m in chunks if "chunk" not in m]
     assert [m["event"] for m in chunks] == list(range(1, len(chunks) + 1))
+    assert all(m["event_id"].startswith(f"{m['event']}-") for m in chunks), chunks
     assert all(m["chunk"]["object"] == "chat.completion.chunk" and m["chunk"]["model"] == MODEL for m in chunks)
     assert len({m["chunk"]["id"] for m in chunks}) == 1
     assert col.text(cid) == ref

@@ -12,6 +12,7 @@ from replicas.protocol import FinishReason
 from router.errors import RouterShutdown
 from router.sse import ChunkEncoder
 from router.websocket import CLOSE_WAIT, _Conn
+from router.websocket_stream import SocketFrames, run_create
 
 
 class GoneSocket:
@@ -97,14 +98,29 @@ async def test_a_client_that_stops_reading_has_its_connection_dropped() -> None:
     assert link2.aborted
 
 
-def test_a_websocket_stream_ended_by_shutdown_numbers_its_error_as_the_next_event() -> None:
-    # (it repeated the last chunk's number, and a client that drops repeated
-    # numbers dropped the error; a WebSocket stream is never resumed)
-    enc = ChunkEncoder(True, "chatcmpl-x", "m", 0, channel="c1")
-    enc.delta("hi", FinishReason.NONE)
-    last = json.loads(enc.delta(" there", FinishReason.NONE))["event"]
-    notice = json.loads(enc.notice(RouterShutdown().body()))
-    assert notice["event"] == last + 1 and notice["error"]["code"] == "router_shutdown", notice
+def test_socket_messages_are_the_sse_events_with_their_ids_and_a_resumable_end_has_no_number() -> None:
+    # A socket's stream is an SSE stream underneath (its events are what the
+    # resume buffer keeps): each message carries the event's number and its
+    # SSE id, the first names the stream, and an error that leaves the stream
+    # resumable (shutdown) has no number, so the client resumes from its last.
+    enc = ChunkEncoder(True, "chatcmpl-x", "m", 0)
+    frames = SocketFrames("c1", "sid-1")
+    first = json.loads(frames.message(enc.delta("hi", FinishReason.NONE, b"-1-2")))
+    assert (first["id"], first["stream"], first["event"], first["event_id"]) == ("c1", "sid-1", 1, "1-1-2"), first
+    assert first["chunk"]["choices"][0]["delta"] == {"role": "assistant", "content": "hi"}
+    assert frames.message(b": waiting for the stream\n") is None  # (a resume's keep-alive: not sent)
+    second = json.loads(frames.message(enc.delta(" there", FinishReason.NONE, b"-2-8")))
+    assert set(second) == {"id", "event", "event_id", "chunk"} and second["event_id"] == "2-2-8", second
+    assert not frames.ended
+    notice = json.loads(frames.message(enc.notice(RouterShutdown().body())))
+    assert set(notice) == {"id", "error"} and notice["error"]["code"] == "router_shutdown", notice
+    assert frames.ended
+    assert json.loads(frames.message(enc.done())) == {"id": "c1", "done": True}
+    # a stream that is not resumable: plain numbers, no stream named; its error is numbered
+    plain = SocketFrames("c2", None)
+    assert set(json.loads(plain.message(enc.delta("x")))) == {"id", "event", "chunk"}
+    err = json.loads(plain.message(enc.error(RouterShutdown().body())))
+    assert err["event"] == 4 and err["error"]["code"] == "router_shutdown" and plain.ended, err
 
 
 class SlowSocket:
@@ -125,7 +141,7 @@ async def test_an_abort_after_a_refusal_was_sent_gets_no_answer(monkeypatch) -> 
     """A request refused before its first chunk ends with its error: an
     abort that comes while that error is being sent finds nothing running
     (it was answered ``aborted`` too, after the error, 3 times in 30)."""
-    import router.websocket as ws
+    import router.websocket_stream as ws
     from router.errors import BadRequest
 
     async def refuse(*a, **kw):
@@ -134,7 +150,7 @@ async def test_an_abort_after_a_refusal_was_sent_gets_no_answer(monkeypatch) -> 
     monkeypatch.setattr(ws, "start_generation", refuse)
     sock = SlowSocket()
     conn = _Conn(service(60), sock)  # type: ignore[arg-type]
-    conn.start("r1", b"{}", None)  # type: ignore[arg-type]
+    conn.start("r1", run_create(conn, "r1", b"{}", None))  # type: ignore[arg-type]
     for _ in range(5):
         await asyncio.sleep(0)  # (the task runs up to the error's send, which waits)
     assert "r1" not in conn.running  # (an abort now: nothing to answer)

@@ -9,6 +9,7 @@ from types import SimpleNamespace
 
 from router.errors import BadRequest
 from router.websocket import _Conn
+from router.websocket_stream import run_create
 
 
 class SlowSocket:
@@ -28,7 +29,7 @@ class SlowSocket:
 
 
 async def test_two_refusals_on_a_draining_socket_both_get_their_answer(monkeypatch) -> None:
-    import router.websocket as ws
+    import router.websocket_stream as ws
 
     async def refuse(*a, **kw):
         raise BadRequest("'max_tokens' is too large.", param="max_tokens")
@@ -42,24 +43,20 @@ async def test_two_refusals_on_a_draining_socket_both_get_their_answer(monkeypat
 async def test_two_streams_ending_together_on_a_draining_socket_both_get_their_last_frame(monkeypatch) -> None:
     """Shutdown's stop_all ends every stream of a socket at once: each
     one's last frame (done, or its error) must reach the client."""
-    import router.websocket as ws
-
-    class ES:
-        def __init__(self, svc, gen, enc, *a) -> None:
-            self.final = enc
+    import router.websocket_stream as ws
 
     async def start(svc, policy, body, *a, **kw):
-        return SimpleNamespace(req=SimpleNamespace(model="m"), gen=None, ticket=None, outcome=None, created=0,
-                               pieces=None, first=None, cid=body.decode())
+        return SimpleNamespace(pieces=None, first=None)
+
+    async def open_stream(*a):
+        return SimpleNamespace(sid=None), {}
 
     async def relay(es, pieces, first):
-        yield es.final
+        yield b"data: [DONE]\n\n"
 
     monkeypatch.setattr(ws, "start_generation", start)
-    monkeypatch.setattr(ws, "ChunkEncoder", lambda *a, channel, **kw: json.dumps({"id": channel}).encode())
-    monkeypatch.setattr(ws, "EventStream", ES)
+    monkeypatch.setattr(ws, "open_stream", open_stream)
     monkeypatch.setattr(ws, "relay_stream", relay)
-    monkeypatch.setattr(ws, "usage_options", lambda req: None)
     sock = SlowSocket()
     assert await _drained(sock, {cid: cid.encode() for cid in ("r1", "r2", "r3")}) == ["r1", "r2", "r3"], sock.frames
 
@@ -70,7 +67,7 @@ async def _drained(sock: SlowSocket, bodies: dict[str, bytes]) -> list[str]:
     the ids of the messages that reached the client."""
     conn = _Conn(SimpleNamespace(config=SimpleNamespace(send_timeout=60)), sock)  # type: ignore[arg-type]
     for cid, body in bodies.items():
-        conn.start(cid, body, None)  # type: ignore[arg-type]
+        conn.start(cid, run_create(conn, cid, body, None))  # type: ignore[arg-type]
     conn.drain()
     for _ in range(10):
         await asyncio.sleep(0)

@@ -1,0 +1,166 @@
+"""A ``/v1/ws`` request's stream: an SSE stream underneath, resumable as one.
+
+A socket's chat completion is started, buffered and settled exactly as a
+streamed HTTP request (``start_generation``, ``open_stream``,
+``relay_stream``): its events are SSE events, each handed to the resume
+buffer before it goes out, and each goes out as one WebSocket message made
+from the event's bytes (``SocketFrames``). So the buffer, its retention, the
+claims, failover and regeneration, the accounting and the sharing between
+routers over Redis are the SSE streams' own, and a socket's stream resumes
+as an SSE stream does: ``GET /v1/streams/{id}`` with ``Last-Event-ID``, or
+a ``{"type": "resume", "id": ID, "stream": SID, "last_event_id": EID}``
+message on any socket of the stream's tenant, which runs the HTTP resume
+(router/resume_http.py: the same checks, charge and log line) and sends its
+events as that request's messages.
+
+An SSE event ``id: N-T-C`` / ``data: PAYLOAD`` becomes ``{"id": ID, "event":
+N, "event_id": "N-T-C", "chunk": PAYLOAD}`` (``"error"`` in place of
+``"chunk"`` for an error event); the request's first message also names
+the stream (``"stream": SID``, what an SSE response's ``x-request-id``
+says). An error with no SSE id (one that leaves the stream resumable from
+the client's last event: a shutdown, a refused continuation) has no
+``event``; ``data: [DONE]`` is ``{"id": ID, "done": true}``; SSE comments
+(a resume's keep-alives) are not sent.
+
+A socket that closes ends its streams as an HTTP client's disconnect does:
+each generation is aborted on its replica at once and its buffer stays
+resumable (router/relay.py); ``{"type": "abort"}`` does the same.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncIterator
+from contextlib import aclosing
+from typing import TYPE_CHECKING
+
+import msgspec
+
+from router.completions import new_request_id, open_stream, start_generation
+from router.errors import ApiError, ServiceUnavailable
+from router.relay import relay_stream
+from router.resume_http import serve_resume
+from router.state import StoreUnavailable
+from router.tenants import TenantPolicy
+
+if TYPE_CHECKING:
+    from router.websocket import _Conn
+
+__all__ = ["SocketFrames", "error_message", "run_create", "run_resume"]
+
+log = logging.getLogger("fairstream.websocket")
+
+_enc = msgspec.json.encode
+
+
+def error_message(cid: str, e: ApiError, request_id: str = "") -> bytes:
+    """``{"id": cid, "error": ...}`` (with the router's ``request_id`` once
+    it has one: the request's log line carries it; and ``retry_after``, the
+    seconds an HTTP answer's ``Retry-After`` would say, where it has one)."""
+    rid = b',"request_id":"' + request_id.encode() + b'"' if request_id else b""
+    retry = e.headers.get("retry-after", "")
+    if retry.isdigit():
+        rid += b',"retry_after":' + retry.encode()
+    return b'{"id":' + _enc(cid) + rid + b',"error":' + e.body()[len(b'{"error":'):-1] + b"}"
+
+
+class SocketFrames:
+    """Makes one request's WebSocket messages of its stream's SSE events."""
+
+    __slots__ = ("_head", "_prefix", "done", "ended")
+
+    def __init__(self, cid: str, stream: str | None) -> None:
+        """``stream``: the stream's id, named in the first message (None: not
+        resumable, e.g. an upstream's output without token ids)."""
+        self._prefix = b'{"id":' + _enc(cid)
+        self._head = self._prefix + (b',"stream":' + _enc(stream) if stream else b"")
+        self.done = self._prefix + b',"done":true}'
+        self.ended = False  # the request's last message (done, or an error) is made
+
+    def message(self, frame: bytes) -> bytes | None:
+        """The message of one SSE event (None: an SSE comment)."""
+        head, self._head = self._head, self._prefix
+        if frame[:4] == b"id: ":
+            cut = frame.index(b"\n", 4)
+            eid = frame[4:cut]
+            payload = frame[cut + 7:-2]  # (after "\ndata: ", before the blank line)
+            dash = eid.find(b"-")
+            if dash < 0:  # (a stream that is not resumable: its ids are the numbers alone)
+                head += b',"event":' + eid
+            else:
+                head += b',"event":' + eid[:dash] + b',"event_id":"' + eid + b'"'
+        elif frame[:6] == b"data: ":
+            payload = frame[6:-2]
+            if payload == b"[DONE]":
+                self.ended = True
+                return self.done
+        else:
+            self._head = head  # (not sent: the next message is the first)
+            return None
+        if payload[:9] == b'{"error":':
+            self.ended = True
+            return head + b"," + payload[1:]  # (its member spliced in, not nested)
+        return head + b',"chunk":' + payload + b"}"
+
+
+async def run_create(conn: _Conn, cid: str, body: bytes, policy: TenantPolicy) -> None:
+    """A ``chat.completions.create`` message's request, to its last message."""
+    svc = conn.svc
+    request_id = new_request_id()
+    try:
+        st = await start_generation(svc, policy, body, True, request_id, "websocket", stream_implied=True)
+        es, _ = await open_stream(svc, policy, st, True, request_id)  # (its resume buffer, as HTTP's)
+    except ApiError as e:
+        await conn.send_last(cid, error_message(cid, e, request_id))  # (an abort meanwhile gets no answer)
+        return
+    except Exception as e:  # noqa: BLE001 - answer this request, keep the connection's others
+        log.exception("websocket request %s failed", request_id, exc_info=e)
+        await conn.send_last(cid, error_message(cid, ApiError("Internal server error."), request_id))
+        return
+    await _relay(conn, cid, SocketFrames(cid, es.sid), relay_stream(es, st.pieces, st.first))
+
+
+async def run_resume(conn: _Conn, cid: str, sid: str, last_event_id: str, policy: TenantPolicy) -> None:
+    """A ``resume`` message's request: the HTTP resume of ``sid`` from
+    ``last_event_id`` (its refusals too: an error message, the HTTP
+    answer's body, under the refusal's own request id)."""
+    try:
+        resp = await serve_resume(conn.svc, policy, sid, last_event_id or None)
+    except ApiError as e:
+        await conn.send_last(cid, error_message(cid, e, e.headers.get("x-request-id", "")))
+        return
+    except Exception as e:  # noqa: BLE001 - as run_create
+        log.exception("websocket resume of %s failed", sid, exc_info=e)
+        await conn.send_last(cid, error_message(cid, ApiError("Internal server error.")))
+        return
+    await _relay(conn, cid, SocketFrames(cid, sid), resp.iterator)
+
+
+async def _relay(conn: _Conn, cid: str, frames: SocketFrames, events: AsyncIterator[bytes]) -> None:
+    try:
+        async with aclosing(events) as out:
+            async for event in out:
+                msg = frames.message(event)
+                if msg is None:
+                    continue
+                if frames.ended:  # (done, or its error: an abort from now on gets no answer)
+                    await conn.send_last(cid, msg)
+                else:
+                    await conn.send(msg)
+                if conn.gone:
+                    return  # (closing the relay settles the request as cancelled)
+                if frames.ended:
+                    conn.ended(cid, asyncio.current_task())  # (out: a draining socket may close now)
+    except Exception as e:  # noqa: BLE001 - a resume whose store failed (or a bug): say so, keep the socket
+        if isinstance(e, StoreUnavailable):
+            told: ApiError = ServiceUnavailable("The stream cannot be read now (the state store is unavailable); "
+                                                "resume again with the same last_event_id.", code="resume_unavailable")
+        else:
+            log.exception("websocket request %s failed mid-stream", cid, exc_info=e)
+            told = ApiError("Internal server error.")
+        if not frames.ended and not conn.gone:
+            await conn.send_last(cid, error_message(cid, told))
+        return
+    if not frames.ended and not conn.gone:  # (a resume with nothing more to send: an HTTP 200 that ends)
+        await conn.send_last(cid, frames.done)
