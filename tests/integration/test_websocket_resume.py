@@ -242,3 +242,20 @@ async def test_a_resumed_socket_stream_counts_each_token_once(
     assert sorted(rec["endpoint"] for rec in lines) == ["resume", "websocket"], lines
     assert sum(rec["completion_tokens"] for rec in lines) == max_tokens, lines
     assert [rec["outcome"] for rec in lines if rec["endpoint"] == "websocket"] == ["cancelled"], lines
+
+
+async def test_a_resume_message_says_what_it_lacks(routers: list[RouterProcess]) -> None:
+    async with open_ws(routers[0]) as ws:
+        await ws.send(json.dumps({"type": "resume", "id": "r1", "last_event_id": "3-3-3"}))
+        assert (await recv(ws))["error"]["param"] == "stream"
+        await ws.send(json.dumps({"type": "resume", "id": "r2", "stream": "s", "body": {}}))
+        assert (await recv(ws))["error"]["param"] == "body"
+        await ws.send(json.dumps({"type": "chat.completions.create", "id": "r3", "stream": "s",
+                                  "body": chat_body("hi", 3)}))
+        assert (await recv(ws))["error"]["param"] == "stream"
+        await ws.send(json.dumps({"type": "resume", "id": "r4", "stream": "x" * 129}))
+        assert (await recv(ws))["error"]["param"] == "stream"
+        # an unknown stream: the HTTP resume's 404, under a request id of its own
+        await ws.send(json.dumps({"type": "resume", "id": "r5", "stream": "no-such-stream"}))
+        msg = await recv(ws)
+        assert msg["error"]["code"] == "stream_not_found" and msg["request_id"], msg
