@@ -17,7 +17,8 @@ another process. Without /proc (macOS) there are no markers and no sweep.
 
 ``make_ipc_dir`` makes, in the supervisor's run directory, one directory per
 local vLLM replica process for its engine's ZMQ IPC sockets (``IPC_ENV``),
-which the supervisor removes when that process stops.
+which the supervisor removes when that process stops (or, where a path in
+one would be too long for a Unix socket, gives the run directory itself).
 
 This lives in ``replicas/`` beside the supervisor so that both it and
 ``router.workers`` import it (``replicas`` imports nothing from ``router``).
@@ -48,7 +49,8 @@ _IPC_PREFIX = "ipc-"
 # (bytes) the longest AF_UNIX path (sun_path holds 108 with its NUL), and an
 # engine socket's path under an IPC directory: /ipc-XXXXXXXX/ and a uuid4
 _UNIX_PATH_MAX = 107
-_IPC_SUFFIX = len("/" + _IPC_PREFIX + "XXXXXXXX/") + 36
+_UUID_LEN = 36
+_IPC_SUFFIX = len("/" + _IPC_PREFIX + "XXXXXXXX/") + _UUID_LEN
 
 
 class Owner(msgspec.Struct, frozen=True):
@@ -108,13 +110,20 @@ def make_run_dir(prefix: str = PREFIX, proc: ProcFs | None = None, tmp: str | No
     return path
 
 
-def make_ipc_dir(run_dir: str) -> str | None:
-    """A new directory in ``run_dir`` for one vLLM engine's IPC sockets; None
-    if a socket's path in it would be longer than a Unix socket path can be
-    (the engine would fail to start: better its default, the temp dir)."""
-    if len(os.fsencode(run_dir)) + _IPC_SUFFIX > _UNIX_PATH_MAX:
-        return None
-    return tempfile.mkdtemp(prefix=_IPC_PREFIX, dir=run_dir)
+def make_ipc_dir(run_dir: str) -> tuple[str, bool] | None:
+    """Where one vLLM engine's IPC sockets go, and whether that directory is
+    its own (to remove when its process stops): a new directory in
+    ``run_dir``; else, where a socket's path in one would be longer than a
+    Unix socket path can be (the engine would fail to start), ``run_dir``
+    itself if one fits there (removed with the run dir: at the router's
+    stop, or by the sweep of a killed router's); else None (the engine's
+    default, the temp dir, where nothing removes them)."""
+    size = len(os.fsencode(run_dir))
+    if size + _IPC_SUFFIX <= _UNIX_PATH_MAX:
+        return tempfile.mkdtemp(prefix=_IPC_PREFIX, dir=run_dir), True
+    if size + 1 + _UUID_LEN <= _UNIX_PATH_MAX:
+        return run_dir, False
+    return None
 
 
 def sweep(tmp: str | None = None, proc: ProcFs | None = None) -> int:

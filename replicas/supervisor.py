@@ -359,7 +359,9 @@ class Supervisor:
                 log.warning("replica %s: the run dir %s is too long a path for vLLM's IPC sockets in it; they "
                             "go in the temp dir", spec.name, self._run_dir, extra={"replica": spec.name})
             else:
-                env[IPC_ENV] = self._ipc[spec.name] = ipc
+                env[IPC_ENV], own = ipc
+                if own:
+                    self._ipc[spec.name] = env[IPC_ENV]
         env["FAIRSTREAM_REPLICA_SECRET"] = self._secret(slot)
         env[REPLICA_ERROR_FILE_ENV] = path + ".error"  # (why it failed: _exited)
         env[PARENT_PID_ENV] = str(os.getpid())  # (--exit-with-parent: a parent gone before it looked)

@@ -150,14 +150,22 @@ def test_an_ipc_dir_is_made_only_where_a_uuid_named_socket_in_it_fits() -> None:
 
     top = tempfile.mkdtemp(prefix="fst-")  # (short: tmp_path can be too long already)
     try:
-        longest = 107 - len("/ipc-XXXXXXXX/") - len("0166a38b-3b12-44ee-baf1-1d4aab8176da")
+        uuid = "0166a38b-3b12-44ee-baf1-1d4aab8176da"
+        longest = 107 - len("/ipc-XXXXXXXX/") - len(uuid)
         fits = os.path.join(top, "d" * (longest - len(top) - 1))
         too_long = fits + "d"
-        for d in (fits, too_long):
+        # (no directory of its own fits, but a socket fits in the run dir itself:
+        # there, removed with it, rather than in the temp dir, where nothing would)
+        only_itself = os.path.join(top, "e" * (107 - len(uuid) - 1 - len(top) - 1))
+        nothing = only_itself + "e"
+        for d in (fits, too_long, only_itself, nothing):
             os.mkdir(d)
-        ipc = make_ipc_dir(fits)
-        assert ipc is not None and os.path.dirname(ipc) == fits and os.listdir(ipc) == []
-        assert len(os.path.join(ipc, "0166a38b-3b12-44ee-baf1-1d4aab8176da")) == 107
-        assert make_ipc_dir(too_long) is None
+        ipc, own = make_ipc_dir(fits)
+        assert own and os.path.dirname(ipc) == fits and os.listdir(ipc) == []
+        assert len(os.path.join(ipc, uuid)) == 107
+        assert make_ipc_dir(too_long) == (too_long, False)
+        assert make_ipc_dir(only_itself) == (only_itself, False)
+        assert len(os.path.join(only_itself, uuid)) == 107
+        assert make_ipc_dir(nothing) is None
     finally:
         shutil.rmtree(top)
