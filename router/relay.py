@@ -173,10 +173,12 @@ def log_refused(svc, endpoint: str, request_id: str, e: ApiError, client_request
 
 def shutdown_error(svc, resumable: bool) -> RouterShutdown:
     """What a stream this router ends because it stops is told: where
-    routers share their state (Redis), another router continues it."""
+    routers share their state (Redis), another router continues it. (Worded
+    for SSE and WebSocket alike: a socket's reads ``last_event_id``,
+    router/websocket_stream.py ``socket_words``.)"""
     if resumable and svc.store.name != "memory":
-        return RouterShutdown("The router is shutting down; reconnect with Last-Event-ID to continue "
-                              "the stream, or retry the request.")
+        return RouterShutdown("The router is shutting down; reconnect and resume from your Last-Event-ID to "
+                              "continue the stream, or retry the request.")
     return RouterShutdown()
 
 

@@ -405,7 +405,7 @@ def _cannot_go_on(meta: ResumeMeta, sid: str, snap: StreamSnapshot | None) -> by
     again (None: resume again later) or was found broken."""
     if snap is None:
         return _notice(meta, f"Stream {sid} cannot be read now (the state store is unavailable, or the stream's "
-                       "buffer expired); resume again with the same Last-Event-ID.", "resume_unavailable")
+                       "buffer expired); resume again from your Last-Event-ID.", "resume_unavailable")
     return _notice(meta, _BROKEN.format(sid), NOT_RESUMABLE)
 
 

@@ -1,4 +1,6 @@
-"""``/v1/ws``: chat completions over one WebSocket, several at a time.
+"""``/v1/ws``: streams over one WebSocket, several at a time: chat
+completions started on it, and resumes of any stream of its tenant (a
+``/v1/completions`` one too).
 
 Auth: an ``Authorization: Bearer KEY`` header on the upgrade, or (browsers
 cannot set headers) a first message ``{"type": "auth", "api_key": KEY}``,
@@ -24,7 +26,10 @@ request running that sends nothing for ``ws_idle_timeout`` seconds is closed
 * ``{"type": "resume", "id": ID, "stream": SID, "last_event_id": EID}``
   resumes stream SID (a dropped socket's, or an SSE stream's) after event
   EID, as ``GET /v1/streams/{SID}`` does: the missed events, then the rest,
-  as request ID's messages (router/websocket_stream.py).
+  as request ID's messages (router/websocket_stream.py), in the messages
+  above: their chunks are the stream's own, ``text_completion`` objects for
+  a ``/v1/completions`` stream. Its errors are HTTP's, naming
+  ``last_event_id`` where HTTP's name the ``Last-Event-ID`` header.
 * ``{"type": "abort", "id": ID}`` stops that generation at once (aborted on
   its replica); the server confirms with ``{"id": ID, "aborted": true}``.
 

@@ -20,7 +20,13 @@ the stream (``"stream": SID``, what an SSE response's ``x-request-id``
 says). An error with no SSE id (one that leaves the stream resumable from
 the client's last event: a shutdown, a refused continuation) has no
 ``event``; ``data: [DONE]`` is ``{"id": ID, "done": true}``; SSE comments
-(a resume's keep-alives) are not sent.
+(a resume's keep-alives) are not sent. A resume whose events end with
+neither (its stream's relay failed, and its buffer was finished there) ends
+with a ``stream_lost`` error: its SSE response ends without ``[DONE]``.
+
+The resume path is HTTP's, and its errors name the ``Last-Event-ID``
+header; the socket's client sent a resume message's ``last_event_id``, so
+its error messages name that (``socket_words``: errors only, not chunks).
 
 A socket that closes ends its streams as an HTTP client's disconnect does:
 each generation is aborted on its replica at once and its buffer stays
@@ -47,11 +53,18 @@ from router.tenants import TenantPolicy
 if TYPE_CHECKING:
     from router.websocket import _Conn
 
-__all__ = ["SocketFrames", "error_message", "run_create", "run_resume"]
+__all__ = ["SocketFrames", "error_message", "run_create", "run_resume", "socket_words"]
 
 log = logging.getLogger("fairstream.websocket")
 
 _enc = msgspec.json.encode
+_HEADER, _FIELD = "Last-Event-ID", "last_event_id"
+
+
+def socket_words(text: str) -> str:
+    """An error's text (its message, its ``param``) as a socket's client is
+    told it: the resume message's field where HTTP's names its header."""
+    return text.replace(_HEADER, _FIELD)
 
 
 def error_message(cid: str, e: ApiError, request_id: str = "") -> bytes:
@@ -68,11 +81,12 @@ def error_message(cid: str, e: ApiError, request_id: str = "") -> bytes:
 class SocketFrames:
     """Makes one request's WebSocket messages of its stream's SSE events."""
 
-    __slots__ = ("_head", "_prefix", "done", "ended")
+    __slots__ = ("_head", "_prefix", "done", "ended", "stream")
 
     def __init__(self, cid: str, stream: str | None) -> None:
         """``stream``: the stream's id, named in the first message (None: not
         resumable, e.g. an upstream's output without token ids)."""
+        self.stream = stream
         self._prefix = b'{"id":' + _enc(cid)
         self._head = self._prefix + (b',"stream":' + _enc(stream) if stream else b"")
         self.done = self._prefix + b',"done":true}'
@@ -100,6 +114,7 @@ class SocketFrames:
             return None
         if payload[:9] == b'{"error":':
             self.ended = True
+            payload = payload.replace(_HEADER.encode(), _FIELD.encode())  # (socket_words: the field it sent)
             return head + b"," + payload[1:]  # (its member spliced in, not nested)
         return head + b',"chunk":' + payload + b"}"
 
@@ -118,26 +133,34 @@ async def run_create(conn: _Conn, cid: str, body: bytes, policy: TenantPolicy) -
         log.exception("websocket request %s failed", request_id, exc_info=e)
         await conn.send_last(cid, error_message(cid, ApiError("Internal server error."), request_id))
         return
-    await _relay(conn, cid, SocketFrames(cid, es.sid), relay_stream(es, st.pieces, st.first))
+    await _relay(conn, cid, request_id, False, SocketFrames(cid, es.sid), relay_stream(es, st.pieces, st.first))
 
 
 async def run_resume(conn: _Conn, cid: str, sid: str, last_event_id: str, policy: TenantPolicy) -> None:
     """A ``resume`` message's request: the HTTP resume of ``sid`` from
     ``last_event_id`` (its refusals too: an error message, the HTTP
-    answer's body, under the refusal's own request id)."""
+    answer's body, under the refusal's own request id; worded for the
+    message's ``last_event_id``). Its request id is the stream's, as the
+    resume's log line has it."""
     try:
         resp = await serve_resume(conn.svc, policy, sid, last_event_id or None)
     except ApiError as e:
+        e.message = socket_words(e.message)
+        e.param = e.param and socket_words(e.param)
         await conn.send_last(cid, error_message(cid, e, e.headers.get("x-request-id", "")))
         return
     except Exception as e:  # noqa: BLE001 - as run_create
         log.exception("websocket resume of %s failed", sid, exc_info=e)
-        await conn.send_last(cid, error_message(cid, ApiError("Internal server error.")))
+        await conn.send_last(cid, error_message(cid, ApiError("Internal server error."), sid))
         return
-    await _relay(conn, cid, SocketFrames(cid, sid), resp.iterator)
+    await _relay(conn, cid, sid, True, SocketFrames(cid, sid), resp.iterator)
 
 
-async def _relay(conn: _Conn, cid: str, frames: SocketFrames, events: AsyncIterator[bytes]) -> None:
+async def _relay(conn: _Conn, cid: str, request_id: str, resuming: bool, frames: SocketFrames,
+                 events: AsyncIterator[bytes]) -> None:
+    """Send ``events`` as ``cid``'s messages. ``request_id``: the request's
+    (its log line's; a stream's id is its first request's); ``resuming``: a
+    resume message's, else a create's."""
     try:
         async with aclosing(events) as out:
             async for event in out:
@@ -152,15 +175,25 @@ async def _relay(conn: _Conn, cid: str, frames: SocketFrames, events: AsyncItera
                     return  # (closing the relay settles the request as cancelled)
                 if frames.ended:
                     conn.ended(cid, asyncio.current_task())  # (out: a draining socket may close now)
-    except Exception as e:  # noqa: BLE001 - a resume whose store failed (or a bug): say so, keep the socket
+    except Exception as e:  # noqa: BLE001 - a stream whose store failed (or a bug): say so, keep the socket
         if isinstance(e, StoreUnavailable):
-            told: ApiError = ServiceUnavailable("The stream cannot be read now (the state store is unavailable); "
-                                                "resume again with the same last_event_id.", code="resume_unavailable")
+            # (from the last event it has: a resume's client has events past the id it gave)
+            then = ("resume again from the last event_id you have" if resuming else
+                    f"resume stream {frames.stream} from the last event_id you have" if frames.stream else
+                    "retry the request")
+            told: ApiError = ServiceUnavailable(f"The stream cannot be read now (the state store is unavailable); "
+                                                f"{then}, shortly.", code="resume_unavailable")
         else:
-            log.exception("websocket request %s failed mid-stream", cid, exc_info=e)
+            log.exception("websocket request %s failed mid-stream (message id %r)", request_id, cid, exc_info=e)
             told = ApiError("Internal server error.")
         if not frames.ended and not conn.gone:
-            await conn.send_last(cid, error_message(cid, told))
+            await conn.send_last(cid, error_message(cid, told, request_id))
         return
-    if not frames.ended and not conn.gone:  # (a resume with nothing more to send: an HTTP 200 that ends)
-        await conn.send_last(cid, frames.done)
+    if not frames.ended and not conn.gone:
+        # A resume whose events had neither [DONE] nor an error: its stream's
+        # relay failed (a bug; the client of that request got a cut stream)
+        # and its buffer was finished there. Its SSE response ends without
+        # [DONE], which an SSE client takes as a stream cut short: not done.
+        lost = ApiError(f"Stream {request_id} ended without its end: its generation failed on the router that "
+                        "ran it, and it cannot be resumed; retry the request.", code="stream_lost")
+        await conn.send_last(cid, error_message(cid, lost, request_id))
