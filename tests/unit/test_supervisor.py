@@ -14,7 +14,7 @@ from replicas.pool import ReplicaPool, ReplicaSlot
 from replicas.server import ReplicaServer
 from replicas.spec import ReplicaSpec
 from replicas.supervisor import Supervisor, SupervisorSettings
-from tests.helpers import MODEL, apoll
+from tests.helpers import MODEL, alive, apoll
 
 
 @pytest.fixture
@@ -155,20 +155,24 @@ async def test_close_during_a_restart_stop_leaves_no_process_running(monkeypatch
             await proc.wait()
 
 
-async def test_each_vllm_process_gets_an_ipc_dir_removed_when_it_stops(monkeypatch) -> None:
-    # vLLM's engine binds uuid-named ZMQ sockets in VLLM_RPC_BASE_PATH and
-    # removes none when killed: each process of a local vllm replica gets a
-    # directory of its own in the run dir, removed when it stops or restarts
-    # and when the supervisor closes (a run dir given in the settings stays).
-    # (the process: a shell that leaves a file there as a killed engine would)
+def _fake_replica(monkeypatch, script: str) -> None:
+    """The supervisor's replica processes run ``sh -c script`` instead (with the env it gives them)."""
     spawn = asyncio.create_subprocess_exec
-    script = '[ -d "$VLLM_RPC_BASE_PATH" ] && touch "$VLLM_RPC_BASE_PATH/0166a38b"; exec sleep 30'
 
     async def fake_exec(*cmd, env, **kw):
         return await spawn("sh", "-c", script, env=env, start_new_session=True)
 
     monkeypatch.setattr(asyncio, "create_subprocess_exec", fake_exec)
     monkeypatch.delenv("VLLM_RPC_BASE_PATH", raising=False)
+
+
+async def test_each_vllm_process_gets_an_ipc_dir_removed_when_it_stops(monkeypatch) -> None:
+    # vLLM's engine binds uuid-named ZMQ sockets in VLLM_RPC_BASE_PATH and
+    # removes none when killed: each process of a local vllm replica gets a
+    # directory of its own in the run dir, removed when it stops or restarts
+    # and when the supervisor closes (a run dir given in the settings stays).
+    # (the process: a shell that leaves a file there as a killed engine would)
+    _fake_replica(monkeypatch, '[ -d "$VLLM_RPC_BASE_PATH" ] && touch "$VLLM_RPC_BASE_PATH/0166a38b"; exec sleep 30')
     run_dir = tempfile.mkdtemp(prefix="fst-")
     pool = ReplicaPool([ReplicaSpec(name="v0", engine="vllm", config={"model": "m"}),
                         ReplicaSpec(name="v1", engine="vllm", config={"model": "m"},
@@ -193,6 +197,77 @@ async def test_each_vllm_process_gets_an_ipc_dir_removed_when_it_stops(monkeypat
         assert not os.path.exists(v0) and os.listdir(run_dir) == []
     finally:
         await sup.close()
+        shutil.rmtree(run_dir, ignore_errors=True)
+
+
+async def test_a_vllm_process_s_ipc_dir_goes_only_once_its_whole_process_group_is_stopped(
+        monkeypatch, tmp_path) -> None:
+    # An engine still stopping within the grace holds its sockets in the
+    # directory (and may still use them): the directory goes after the stop,
+    # not before. The engine's children outlive a replica process that
+    # exits: the group's last SIGKILL ends them, before the directory goes.
+    # (the process: a shell that, when stopped, notes whether its directory
+    # is still there, with a child that ignores SIGTERM, as an engine's may)
+    seen, child = tmp_path / "seen", tmp_path / "child"
+    script = (f"(trap '' TERM; exec sleep 30) & echo $! > {child}; "
+              f"trap '[ -d \"$VLLM_RPC_BASE_PATH\" ] && echo there > {seen} || echo gone > {seen}; exit 0' TERM; "
+              "while :; do sleep 0.05; done")
+    _fake_replica(monkeypatch, script)
+    run_dir = tempfile.mkdtemp(prefix="fst-")
+    pool = ReplicaPool([ReplicaSpec(name="v0", engine="vllm", config={"model": "m"})])
+    sup = Supervisor(pool, SupervisorSettings(run_dir=run_dir))
+    pid = None
+    try:
+        proc, _ = await sup._spawn(pool.slots[0])
+        ipc = sup._ipc["v0"]
+        await apoll(lambda: child.exists() and child.read_text().strip(), 5, what="the child's pid")
+        pid = int(child.read_text())
+        await asyncio.wait_for(sup._reap("v0", 5.0), 10)
+        assert proc.returncode == 0  # (it stopped on SIGTERM, within the grace)
+        assert seen.read_text().strip() == "there", "its IPC directory was removed before its process stopped"
+        await apoll(lambda: not alive(pid), 2, what="the replica's child that ignored SIGTERM killed")
+        assert not os.path.exists(ipc)
+    finally:
+        await sup.close()
+        if pid is not None and alive(pid):
+            os.kill(pid, signal.SIGKILL)
+        shutil.rmtree(run_dir, ignore_errors=True)
+
+
+async def test_the_ipc_dir_of_a_vllm_process_that_never_started_is_removed(monkeypatch) -> None:
+    # The directory is made before the process: one whose process was never
+    # created (the router closed meanwhile, or creating it failed) is removed
+    # all the same, at close() or at the next spawn.
+    creating = asyncio.Event()
+
+    async def no_process(*cmd, **kw):
+        creating.set()
+        if fail:
+            raise OSError(11, "Resource temporarily unavailable")
+        await asyncio.Event().wait()  # (still being created when the router closes)
+
+    monkeypatch.setattr(asyncio, "create_subprocess_exec", no_process)
+    monkeypatch.delenv("VLLM_RPC_BASE_PATH", raising=False)
+    run_dir = tempfile.mkdtemp(prefix="fst-")
+    pool = ReplicaPool([ReplicaSpec(name="v0", engine="vllm", config={"model": "m"})])
+    try:
+        fail = False  # close() while its process is being created
+        sup = Supervisor(pool, SupervisorSettings(run_dir=run_dir))
+        await sup.start()
+        await asyncio.wait_for(creating.wait(), 5)
+        assert [n for n in os.listdir(run_dir) if n.startswith("ipc-")]
+        await asyncio.wait_for(sup.close(), 5)
+        assert os.listdir(run_dir) == []
+
+        fail = True  # a spawn that failed, then the next one
+        sup = Supervisor(pool, SupervisorSettings(run_dir=run_dir))
+        for _ in range(2):
+            with pytest.raises(OSError):
+                await sup._spawn(pool.slots[0])
+            assert [n for n in os.listdir(run_dir) if n.startswith("ipc-")] == [os.path.basename(sup._ipc["v0"])]
+        await sup.close()
+        assert os.listdir(run_dir) == []
+    finally:
         shutil.rmtree(run_dir, ignore_errors=True)
 
 

@@ -22,6 +22,7 @@ from replicas.engine import EngineError  # noqa: E402
 from replicas.protocol import UNSET_TOP_K, FinishReason, SamplingParams  # noqa: E402
 from replicas.tinymodel import ensure_tiny_model  # noqa: E402
 from replicas.vllm_engine import VllmEngine, VllmEngineConfig  # noqa: E402
+from tests.vllm.support import engine_sockets  # noqa: E402
 
 MAX_TOKENS = 16
 
@@ -65,6 +66,8 @@ async def main(model_dir: str) -> dict:
     t0 = time.monotonic()
     await engine.start()
     res["start_s"] = round(time.monotonic() - t0, 2)
+    # the ZMQ IPC sockets this process and the engine's (EngineCore, workers) hold
+    sockets = engine_sockets(os.getpid())
     tok = engine.tokenizer
     try:
         # --- tokenizer
@@ -223,6 +226,7 @@ async def main(model_dir: str) -> dict:
         res["penalty_splits_uncounted"] = {k: sink.tokens[300 + k] == penalized[k:] for k in cuts}
         res["penalty_neighbour_exact"] = sink.tokens[299] == long[17:]
     finally:
+        res["engine_sockets"] = sorted(sockets | engine_sockets(os.getpid()))
         t0 = time.monotonic()
         await engine.close()
         res["close_s"] = round(time.monotonic() - t0, 2)

@@ -10,9 +10,11 @@ when vLLM does not import. Run:
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -20,13 +22,14 @@ from pathlib import Path
 
 import pytest
 
-from tests.vllm.support import require_vllm
+from tests.vllm.support import ENGINE_SOCKET, require_vllm
 
 pytestmark = pytest.mark.vllm
 
 SCRIPT = Path(__file__).with_name("run_vllm_engine.py")
 ROOT = Path(__file__).resolve().parents[2]
 U_FFFD = "\ufffd"
+TIMEOUT = 900  # (s) for the engine script
 
 
 @pytest.fixture(scope="module")
@@ -34,35 +37,46 @@ def result(tmp_path_factory: pytest.TempPathFactory) -> dict:
     require_vllm()
     model_dir = tmp_path_factory.mktemp("tinymodel")
     # vLLM's engine binds uuid-named ZMQ IPC sockets in VLLM_RPC_BASE_PATH (the
-    # temp dir by default) and leaves them there, even at a clean stop (7 a
-    # run): a directory of the test's own, removed after (short: a Unix socket
-    # path holds 107 bytes)
+    # temp dir by default) and leaves them there when killed: a directory of the
+    # test's own, removed after (short: a Unix socket path holds 107 bytes). The
+    # script's temp dir is one of its own too, where nothing else puts sockets.
     ipc = tempfile.mkdtemp(prefix="fst-ipc-")
-    env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1", PYTHONPATH=str(ROOT), VLLM_RPC_BASE_PATH=ipc)
+    tmp = tmp_path_factory.mktemp("tmp")
+    env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1", PYTHONPATH=str(ROOT), VLLM_RPC_BASE_PATH=ipc,
+               TMPDIR=str(tmp))
+    # (its own session: on a timeout, the engine's processes are killed with
+    # the script, before their sockets' directory is removed)
+    proc = subprocess.Popen([sys.executable, str(SCRIPT), str(model_dir)], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, env=env, cwd=str(ROOT), start_new_session=True)
+    timed_out = ""
     try:
-        proc = subprocess.run(
-            [sys.executable, str(SCRIPT), str(model_dir)],
-            capture_output=True,
-            text=True,
-            timeout=900,
-            env=env,
-            cwd=str(ROOT),
-        )
-        left = len(os.listdir(ipc))
+        stdout, stderr = proc.communicate(timeout=TIMEOUT)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        stdout, stderr = proc.communicate()
+        timed_out = f", killed after {TIMEOUT} s"
     finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)  # (what of the engine outlived the script)
         shutil.rmtree(ipc, ignore_errors=True)
-    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
+    lines = [ln for ln in stdout.splitlines() if ln.startswith("RESULT ")]
     if proc.returncode != 0 or not lines:
         pytest.fail(
-            f"engine script failed (exit {proc.returncode}):\n"
-            f"--- stdout\n{proc.stdout[-4000:]}\n--- stderr\n{proc.stderr[-8000:]}"
+            f"engine script failed (exit {proc.returncode}{timed_out}):\n"
+            f"--- stdout\n{stdout[-4000:]}\n--- stderr\n{stderr[-8000:]}"
         )
-    return {**json.loads(lines[-1][len("RESULT ") :]), "ipc_sockets_left": left}
+    in_tmp = [str(p) for p in tmp.rglob("*") if ENGINE_SOCKET.fullmatch(p.name)]
+    return {**json.loads(lines[-1][len("RESULT ") :]), "ipc_dir": ipc, "in_tmp": in_tmp}
 
 
 def test_the_engine_s_ipc_sockets_go_where_the_fixture_said(result: dict) -> None:
-    # (so they were not left in /tmp: the fixture removed them)
-    assert result["ipc_sockets_left"] > 0
+    # (not in the temp dir, where nothing would remove those a killed engine left)
+    held = result["engine_sockets"]  # (while it ran: those it bound, and those accepted on them)
+    assert held, "the engine's processes held no socket named as vLLM names its IPC sockets"
+    assert [p for p in held if os.path.dirname(p) != result["ipc_dir"]] == []
+    # none in its temp dir (its own: what is there is this engine's), not even
+    # one bound only for a while, between the looks at its sockets
+    assert result["in_tmp"] == []
 
 
 def test_tokenizer(result: dict) -> None:

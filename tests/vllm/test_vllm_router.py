@@ -9,9 +9,7 @@ supervisor brings the replica back into service.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import os
-import re
 import signal
 
 import httpx
@@ -21,6 +19,7 @@ import yaml
 
 from replicas.cpubind import BIND_ENV, core_lists
 from tests.helpers import ADMIN, DEMO_TENANTS, GOLD, RouterProcess, aiter_sse, apoll, cpu_set, descendants, poll
+from tests.vllm.support import ENGINE_SOCKET, engine_sockets
 
 pytestmark = pytest.mark.vllm
 
@@ -419,35 +418,6 @@ async def test_an_engine_core_frozen_before_its_first_step_is_restarted(vllm_rou
                                   m.value("fairstream_replica_restarts_total", replica=victim))
 
 
-# vLLM names its engines' ZMQ IPC sockets by a uuid4 (get_open_zmq_ipc_path)
-ENGINE_SOCKET = re.compile(r"[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}")
-
-
-def _unix_sockets() -> dict[str, str]:
-    """inode -> path of the live Unix sockets that have one (bound, or accepted on one): /proc/net/unix."""
-    with open("/proc/net/unix") as f:
-        return {fields[6]: fields[7] for fields in (line.split() for line in list(f)[1:]) if len(fields) > 7}
-
-
-def _socket_inodes(pid: int) -> set[str]:
-    """The inodes of the sockets process ``pid`` holds."""
-    inodes = set()
-    with contextlib.suppress(OSError):
-        for fd in os.listdir(f"/proc/{pid}/fd"):
-            with contextlib.suppress(OSError):
-                link = os.readlink(f"/proc/{pid}/fd/{fd}")
-                if link.startswith("socket:["):
-                    inodes.add(link[8:-1])
-    return inodes
-
-
-def _engine_sockets(pid: int) -> set[str]:
-    """The paths of the engine IPC sockets replica process ``pid`` and its descendants hold."""
-    live = _unix_sockets()
-    return {live[i] for p in [pid, *descendants(pid)] for i in _socket_inodes(p)
-            if i in live and ENGINE_SOCKET.fullmatch(os.path.basename(live[i]))}
-
-
 def _ipc_dir(pid: int) -> str:
     """Where replica process ``pid``'s engine binds its IPC sockets (its VLLM_RPC_BASE_PATH)."""
     with open(f"/proc/{pid}/environ", "rb") as f:
@@ -467,7 +437,7 @@ async def test_a_killed_replica_s_engine_leaves_no_ipc_sockets(vllm_router):
     victim, other = vllm_router.replica_names
     async with httpx.AsyncClient(base_url=vllm_router.base_url, timeout=30) as client:
         old = await _pid(client, victim)
-        held = _engine_sockets(old)  # (the sockets the victim's engine has bound: its own)
+        held = engine_sockets(old)  # (the sockets the victim's engine has bound: its own)
         assert held and all(p.startswith(f"{tmpdir}/") for p in held), held  # (not in /tmp)
         old_dir = _ipc_dir(old)
         os.kill(old, signal.SIGKILL)  # (its engine core and worker: the supervisor kills its process group)
