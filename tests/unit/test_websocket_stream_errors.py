@@ -4,7 +4,6 @@ and the request id that ties the message to the request's log line."""
 
 from __future__ import annotations
 
-import asyncio
 import json
 import logging
 from types import SimpleNamespace
