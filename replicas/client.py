@@ -37,6 +37,10 @@ __all__ = ["ReplicaClient", "Collector", "CredentialsRefused", "ReplicaDead", "R
 
 log = logging.getLogger("fairstream.replica_client")
 
+# (s) how long ``close`` lets the reader of a connection a write found closing
+# see its end for itself (it does within a loop turn or two)
+CLOSE_WAIT = 0.5
+
 
 class ReplicaDead(ConnectionError):
     """The replica's connection is gone; its streams can be resumed elsewhere."""
@@ -307,6 +311,11 @@ class ReplicaClient:
             raise ReplicaDead(why) from e
 
     async def close(self) -> None:
+        if self.closed is not None and not self._task.done():
+            # (marked closed by a write that found the transport closing: the
+            # reader sees the end within a turn or two and fails its streams
+            # with the connection's own reason, not "closed by the router")
+            await asyncio.wait({self._task}, timeout=CLOSE_WAIT)
         self._task.cancel()
         try:
             await self._task

@@ -105,3 +105,26 @@ def test_a_write_on_a_closed_transport_is_a_dead_replica(replica, loop, how) -> 
 
     with asyncio.Runner(loop_factory=LOOPS[loop]) as runner:
         runner.run(main())
+
+
+@pytest.mark.parametrize("loop", sorted(LOOPS))
+def test_streams_on_a_connection_a_write_found_closing_fail_with_its_own_reason(replica, loop) -> None:
+    """The supervisor closes a client as soon as it sees it closed, which a
+    write now marks before the reader runs: the reader must still fail the
+    streams it had, with what ended the connection, not be cancelled first
+    ("closed by the router": a stop, not a lost replica)."""
+    address, _ = replica
+
+    async def main() -> None:
+        client = await connect("sim-x", address)
+        running = _generate(client)
+        client._writer.transport.abort()
+        await asyncio.sleep(0)
+        with pytest.raises(ReplicaDead):
+            _generate(client)  # (marks it closed; its reader has not run)
+        await client.close()  # (as the supervisor's watch would, at once)
+        assert running.dead is not None
+        assert "closed by the router" not in str(running.dead), running.dead
+
+    with asyncio.Runner(loop_factory=LOOPS[loop]) as runner:
+        runner.run(main())
