@@ -135,17 +135,12 @@ def test_requests_streamed_or_not_leave_no_cyclic_garbage(in_process_router) -> 
     with socket.create_connection(("127.0.0.1", port), timeout=10) as sock:
         for stream in (True, False):  # warm up: what is made once stays
             assert b" 200 OK" in _complete(sock, stream)
-        gc.collect()
-        gc.disable()  # (only the collections below)
-        try:
-            gc.collect()
+        with _only_the_collections_below():
             for i in range(REQUESTS):
                 out = _complete(sock, stream=i % 2 == 0)
                 assert b" 200 OK" in out and (b"[DONE]" in out if i % 2 == 0 else b'"usage"' in out)
             time.sleep(0.3)  # (the requests' settling, in the router's thread)
             found = gc.collect()
-        finally:
-            gc.enable()
     # one cycle per request would be REQUESTS x its objects (~33 before)
     assert found < REQUESTS, f"{found} objects in reference cycles after {REQUESTS} requests"
 
@@ -228,26 +223,14 @@ def test_refused_requests_leave_no_cyclic_garbage(in_process_router) -> None:
         poll(lambda: _post(sock, REFUSED["unknown model"][0])[0] == 404, 10, what="a 404 for an unknown model")
         each()  # warm up: what is made once stays
         time.sleep(0.3)
-        gc.collect()
-        gc.disable()  # (only the collection below)
-        try:
-            gc.collect()
+        with _only_the_collections_below():
             requests = sum(each() for _ in range(3))
             time.sleep(0.3)  # (the requests' settling, in the router's thread)
-            gc.set_debug(gc.DEBUG_SAVEALL)  # (what it finds goes to gc.garbage)
-            try:
-                gc.collect()
-            finally:
-                gc.set_debug(0)
             # An error in a cycle with its traceback's frames kept their
             # locals (the body, the decoded request) with it. (The
             # connections' own cycles, uvicorn's and websockets' protocol
             # objects, have neither and hold no request.)
-            kept = collections.Counter(type(o).__name__ for o in gc.garbage if isinstance(
-                o, (BaseException, types.TracebackType, types.FrameType, ChatRequest, Job, Generation, EventStream)))
-        finally:
-            gc.garbage.clear()
-            gc.enable()
+            kept = _collect_router_garbage(REQUEST_KINDS)
     assert not kept, f"after {requests} refused requests, in reference cycles: {dict(kept)}"
 
 
@@ -309,10 +292,7 @@ def test_closed_connections_leave_no_cyclic_garbage(in_process_router, kind) -> 
     port, connect = in_process_router, CLOSED[kind]
     connect(port)  # warm up: what is made once stays
     time.sleep(0.3)
-    gc.collect()
-    gc.disable()  # (only the collection below)
-    try:
-        gc.collect()
+    with _only_the_collections_below():
         for _ in range(CONNECTIONS):
             connect(port)
         time.sleep(0.5)  # (the connections' close, in the router's thread)
@@ -321,28 +301,47 @@ def test_closed_connections_leave_no_cyclic_garbage(in_process_router, kind) -> 
             found = gc.collect()
         finally:
             gc.set_debug(0)
-        kept = collections.Counter(type(o).__qualname__ for o in gc.garbage)
-    finally:
-        gc.garbage.clear()
-        gc.enable()
+        try:
+            kept = collections.Counter(type(o).__qualname__ for o in gc.garbage)
+        finally:
+            gc.garbage.clear()
     assert found < CONNECTIONS, f"{found} objects in reference cycles after {CONNECTIONS} connections: " \
                                 f"{dict(kept.most_common(12))}"
 
 
-def _collect_router_garbage() -> collections.Counter:
-    """The collection of what was made since the last one (gc disabled):
-    the errors, frames, tracebacks and request or connection objects it
-    finds in reference cycles, by type."""
-    from router.websocket import _Conn
+# what a request left in a reference cycle would hold it with: an error and
+# its traceback's frames, the decoded request, its job and generation, its stream
+REQUEST_KINDS = (BaseException, types.TracebackType, types.FrameType, ChatRequest, Job, Generation, EventStream)
 
+
+@contextlib.contextmanager
+def _only_the_collections_below():
+    """The cycle collector off but for the test's own collections, from a
+    collected heap (what the warm-up made and freed is gone)."""
+    gc.collect()
+    gc.disable()
+    try:
+        gc.collect()
+        yield
+    finally:
+        gc.enable()
+
+
+def _collect_router_garbage(kinds: tuple[type, ...] | None = None) -> collections.Counter:
+    """The collection of what was made since the last one (gc disabled):
+    the objects of ``kinds`` (``REQUEST_KINDS`` and a socket's connection
+    unless given) it finds in reference cycles, by type."""
+    if kinds is None:
+        from router.websocket import _Conn
+
+        kinds = (*REQUEST_KINDS, _Conn)
     gc.set_debug(gc.DEBUG_SAVEALL)  # (what it finds goes to gc.garbage)
     try:
         gc.collect()
     finally:
         gc.set_debug(0)
     try:
-        return collections.Counter(type(o).__name__ for o in gc.garbage if isinstance(o, (
-            BaseException, types.TracebackType, types.FrameType, ChatRequest, Job, Generation, EventStream, _Conn)))
+        return collections.Counter(type(o).__name__ for o in gc.garbage if isinstance(o, kinds))
     finally:
         gc.garbage.clear()
 
@@ -405,17 +404,12 @@ def test_refused_continuations_leave_no_cyclic_garbage(in_process_router) -> Non
         poll(lambda: b"rate_limit_exceeded" in _refused_continuation(sock, rid, last), 5,
              what="a refused continuation")
         time.sleep(0.3)
-        gc.collect()
-        gc.disable()  # (only the collection below)
-        try:
-            gc.collect()
+        with _only_the_collections_below():
             for _ in range(CONTINUATIONS):
                 out = _refused_continuation(sock, rid, last)
                 assert b"rate_limit_exceeded" in out, out
             time.sleep(0.3)  # (the requests' settling, in the router's thread)
             kept = _collect_router_garbage()
-        finally:
-            gc.enable()
     assert not kept, f"after {CONTINUATIONS} refused continuations, in reference cycles: {dict(kept)}"
 
 
@@ -452,13 +446,8 @@ def test_sockets_of_a_revoked_key_leave_no_cyclic_garbage(in_process_router, tmp
 
     revoked(1)  # warm up: what is made once stays
     time.sleep(0.3)
-    gc.collect()
-    gc.disable()  # (only the collection below)
-    try:
-        gc.collect()
+    with _only_the_collections_below():
         revoked(CONNECTIONS)
         time.sleep(0.5)  # (the connections' close, in the router's thread)
         kept = _collect_router_garbage()
-    finally:
-        gc.enable()
     assert not kept, f"after {CONNECTIONS} sockets' key revoked, in reference cycles: {dict(kept)}"
