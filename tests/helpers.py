@@ -62,6 +62,11 @@ MODEL = "fairstream-sim"
 GOLD, SILVER, FREE, ADMIN = "fs-demo-gold", "fs-demo-silver", "fs-demo-free", "fs-demo-admin"
 
 T = TypeVar("T")
+# How long a test waits for a process it started to come up (a router's /ready, a
+# replica's "ready on", workers). Only a failing start waits this long, so it is
+# generous: on a host loaded well past its cores (CI neighbours, parallel test
+# workers) a router's start was seen to take over 20 s. Not a bound on behaviour.
+STARTUP_WAIT = 60.0
 _CLK_TCK = os.sysconf("SC_CLK_TCK")
 
 
@@ -261,7 +266,7 @@ def remote_replica_process(log_path: Path, secret_env: str, secret: str, config:
                      "--config-json", msgspec.json.encode(config).decode()],
                     env=dict(os.environ, **{secret_env: secret}), stdout=log, stderr=subprocess.STDOUT,
                 )
-            poll(lambda: b"ready on" in log_path.read_bytes() or proc.poll() is not None, 15,
+            poll(lambda: b"ready on" in log_path.read_bytes() or proc.poll() is not None, STARTUP_WAIT,
                  what="remote replica up")
             if proc.poll() is None:
                 break
@@ -387,7 +392,7 @@ class RouterProcess:
         sim: dict[str, Any] | None = None,
         settings: dict[str, Any] | None = None,
         tenants: Path = DEMO_TENANTS,
-        start_timeout: float = 20.0,
+        start_timeout: float = STARTUP_WAIT,
         args: list[str] | None = None,
     ) -> None:
         self.workdir = Path(workdir)
@@ -430,7 +435,10 @@ class RouterProcess:
         assert self.proc is not None, "router not started"
         return self.proc.pid
 
-    def start(self, *, all_ready: bool = True) -> RouterProcess:
+    def start(self, *, all_ready: bool = True, serving: bool = False) -> RouterProcess:
+        """Start the router and wait until it is ready (``all_ready``: every
+        replica too); ``serving``: until it answers ``/health`` only (for a
+        router whose replicas are not meant to become ready)."""
         if self.tmpdir is None:
             self.tmpdir = Path(tempfile.mkdtemp(prefix="fst-"))
         for attempt in range(3):
@@ -444,7 +452,7 @@ class RouterProcess:
                     cwd=self.workdir, env=env, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                 )
             try:
-                self.wait_ready(self.start_timeout, all_replicas=all_ready)
+                self.wait_ready(self.start_timeout, all_replicas=all_ready, serving=serving)
                 self.replica_pids()  # remember the first generation of replicas
                 return self
             except AssertionError:
@@ -454,17 +462,20 @@ class RouterProcess:
                 raise
         raise AssertionError("unreachable")
 
-    def wait_ready(self, timeout: float = 20.0, *, all_replicas: bool = True) -> dict[str, Any]:
+    def wait_ready(self, timeout: float = STARTUP_WAIT, *, all_replicas: bool = True,
+                   serving: bool = False) -> dict[str, Any]:
         def check() -> dict[str, Any] | None:
             if self.proc is not None and self.proc.poll() is not None:
                 raise AssertionError(f"router exited with {self.proc.returncode}:\n{self.log()[-3000:]}")
             try:
-                r = httpx.get(self.base_url + "/ready", timeout=2)
+                r = httpx.get(self.base_url + ("/health" if serving else "/ready"), timeout=2)
             except httpx.HTTPError:
                 return None
             if r.status_code != 200:
                 return None
             body = r.json()
+            if serving:
+                return body or {"serving": True}
             if all_replicas and any(body["replicas"].get(n) != "ready" for n in self.replica_names):
                 return None
             return body

@@ -69,7 +69,7 @@ def _ping(port: int, timeout: float = 0.5) -> bool:
 class RedisServer:
     """One ``redis-server`` child process. Use as a context manager or call start()/stop()."""
 
-    def __init__(self, binary: str | None = None, *, start_timeout: float = 10.0, stop_timeout: float = 5.0,
+    def __init__(self, binary: str | None = None, *, start_timeout: float = 30.0, stop_timeout: float = 5.0,
                  persist: bool = False) -> None:
         self.binary = binary or require_redis_server()
         self.persist = persist  # an append-only file, synced at every write: a restart keeps the data

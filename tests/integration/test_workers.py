@@ -15,7 +15,7 @@ import pytest
 import yaml
 
 from router.auth import hash_key
-from tests.helpers import DEMO_TENANTS, MODEL, MetricsSnapshot, alive, descendants, free_port, poll
+from tests.helpers import DEMO_TENANTS, MODEL, STARTUP_WAIT, MetricsSnapshot, alive, descendants, free_port, poll
 
 KEY = "workers-test-key"
 
@@ -45,7 +45,7 @@ def _start(tmp_path, redis_url: str, workers: int):
         except httpx.HTTPError:
             return False
 
-    poll(ready, 30, what="workers ready")
+    poll(ready, STARTUP_WAIT, what="workers ready")
     return proc, base
 
 
@@ -172,8 +172,8 @@ def test_a_second_instance_on_the_same_port_is_refused_and_a_sighup_while_starti
             masks = [int(line.split()[1], 16) for line in status.splitlines() if line.startswith(("SigIgn", "SigCgt"))]
             return any(m & 1 for m in masks)
 
-        poll(lambda: hup_handled(proc.pid), 10, what="serve to start")
-        deadline = time.monotonic() + 30
+        poll(lambda: hup_handled(proc.pid), STARTUP_WAIT, what="serve to start")
+        deadline = time.monotonic() + STARTUP_WAIT
         while not ready() and time.monotonic() < deadline:  # all the time the replica and the workers start
             assert proc.poll() is None, (tmp_path / "first.log").read_text()[-3000:]
             time.sleep(0.1)
@@ -187,7 +187,7 @@ def test_a_second_instance_on_the_same_port_is_refused_and_a_sighup_while_starti
                     pass  # (a short-lived child, gone meanwhile)
         poll(lambda: httpx.get(base + "/ready", timeout=2).status_code == 200
              if proc.poll() is None else pytest.fail((tmp_path / "first.log").read_text()[-3000:]),
-             30, what="workers ready")
+             STARTUP_WAIT, what="workers ready")
         assert "exited with" not in (tmp_path / "first.log").read_text()  # (no worker died of it)
         second = subprocess.run(cmd, capture_output=True, text=True, timeout=30)
         assert second.returncode == 3, second.stderr
