@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import heapq
 import sys
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 
 import msgspec
 
@@ -63,11 +63,12 @@ def aged_rank(rank: int, since: float, now: float, aging: float) -> int:
 class VirtualCounters:
     """Per-tenant virtual token counters (mutable, but no I/O and no clock)."""
 
-    __slots__ = ("values", "last")
+    __slots__ = ("values", "last", "weights")
 
     def __init__(self) -> None:
         self.values: dict[str, float] = {}
         self.last: float | None = None  # counter of the tenant served last
+        self.weights: dict[str, float] = {}  # the tenants' weights in force (``reweight``)
 
     def get(self, tenant: str) -> float:
         return self.values.get(tenant, 0.0)
@@ -96,8 +97,19 @@ class VirtualCounters:
         """A request of ``tenant`` was dispatched."""
         self.last = self.values.get(tenant, 0.0)
 
+    def reweight(self, weights: Mapping[str, float]) -> None:
+        """The tenants' weights are these from now on (a reload): a tenant
+        named here is charged at its weight for every request, whatever
+        weight the request was admitted with; fair share is the tenant's.
+        The counters stay as they are (they hold the service so far, at the
+        weights it was served with), so the heads keyed by them stay
+        ordered: only how fast each counter grows from now on changes."""
+        self.weights = dict(weights)
+
     def charge(self, tenant: str, prompt: int, completion: int, weight: float) -> None:
-        value = self.values.get(tenant, 0.0) + (W_IN * prompt + W_OUT * completion) / weight
+        """Served tokens advance ``tenant``'s counter, at its weight in force
+        (``weight``, the request's, for a tenant ``reweight`` did not name)."""
+        value = self.values.get(tenant, 0.0) + (W_IN * prompt + W_OUT * completion) / self.weights.get(tenant, weight)
         self.values[tenant] = value if value <= MAX_COUNTER else MAX_COUNTER  # (NaN too: not <=)
 
     def forget(self, keep: Iterable[str]) -> None:

@@ -3,7 +3,10 @@
 ``PolicyRegistry`` holds one immutable ``PolicySnapshot`` (tenants, effective
 policies, key index). A reload validates the new file whole and swaps the
 reference: requests in flight keep the snapshot they started with, new
-requests see the new one at once. A bad file keeps the old snapshot and
+requests see the new one at once (but for what belongs to the tenant rather
+than to a request: requests waiting for their limits ask with the new
+limits, ``Admission.follow``, and the fair-share order of the queued ones
+follows the tenant's new weight and class, ``Scheduler.follow``). A bad file keeps the old snapshot and
 records why. Reloads come from file changes (watchfiles), SIGHUP and
 ``POST /admin/reload``; the registry owns the watcher task.
 """

@@ -23,7 +23,7 @@ import asyncio
 import logging
 import time
 from collections import deque
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from policies.batching import AimdLimiter, AimdSettings
 from policies.dispatch_pace import DispatchPace
 from policies.fairshare import HeadIndex, VirtualCounters
@@ -44,7 +44,7 @@ class _Waiter:
     def __init__(self, policy: TenantPolicy, rank: int, model: str, tokens: int, now: float,
                  affinity: int | None = None, needs: int = 0) -> None:
         self.affinity = affinity
-        self.policy = policy
+        self.policy = policy  # its tenant's, for its class and weight: the one in force (``Scheduler.follow``)
         self.rank = rank
         self.model = model
         self.needs = needs  # (replica features: replicas.protocol.Feature)
@@ -79,6 +79,7 @@ class Scheduler:
         self.running: set = set()
         self.stopping = False
         self._gone: dict[str, Callable[[], BaseException]] = {}  # tenants a reload removed: their refusal
+        self._policies: Mapping[str, TenantPolicy] = {}  # the tenants' policies in force (``follow``)
         self._limiters: dict[str, AimdLimiter] = {}
         now = clock()
         for slot in pool.slots:
@@ -114,12 +115,17 @@ class Scheduler:
         ``needs``; cancellation leaves the queue. ``limit``, asked only when
         the request must wait: seconds until another limit of the request
         ends its wait first (its first-token or total time), and the error
-        it then gets."""
+        it then gets. Its place in the fair-share order (class and weight)
+        is its tenant's policy in force, which may be newer than ``policy``
+        (see ``follow``); its limits are ``policy``'s."""
         if self.stopping:
             raise RouterShutdown()
         gone = self._gone.get(policy.name)
         if gone is not None:
             raise gone()
+        share = self._policies.get(policy.name, policy)
+        if share is not policy:
+            rank = share.rank
         if not self._queued:
             try:
                 handle = self.pool.try_choose(model, tokens, affinity, needs)
@@ -128,7 +134,7 @@ class Scheduler:
             if handle is not None:
                 # nobody waits: lift a returning tenant to the last served counter
                 self.counters.activate(policy.name, ())
-                self._dispatched(policy, 0.0)
+                self._dispatched(share, 0.0)
                 return handle
         else:
             try:
@@ -146,7 +152,7 @@ class Scheduler:
                 retry_after=self._pace.retry_after(len(q), self.clock()), code="queue_full",
             )
         now = self.clock()
-        w = _Waiter(policy, rank, model, tokens, now, affinity, needs)
+        w = _Waiter(share, rank, model, tokens, now, affinity, needs)
         if not q:
             self._activate(policy.name)
         q.append(w)
@@ -155,7 +161,7 @@ class Scheduler:
         self._by_route[w.route] = self._by_route.get(w.route, 0) + 1
         self._pace.waiting(now)
         self._queued += 1
-        self.metrics.gauge_up(self.metrics.queued, policy.name, policy.priority)
+        self.metrics.gauge_up(self.metrics.queued, policy.name, share.priority)
         self._dispatch()
         wait = policy.limits.queue_wait
         if wait:
@@ -230,6 +236,33 @@ class Scheduler:
         """These tenants are in the policy again (see ``fail_tenant``)."""
         for name in tenants:
             self._gone.pop(name, None)
+
+    def follow(self, policies: Mapping[str, TenantPolicy]) -> None:
+        """A reload made ``policies`` the tenants' policies. Fair share is
+        the tenant's, not a request's: from now on every request of a
+        tenant, queued or running, is charged at its new weight, and its
+        queued requests wait in its new priority class (their queue's head
+        re-keyed in the index; each counted in ``fairstream_queue_depth``
+        under the new class). What was checked when a request was admitted
+        or queued (rate limits, ``max_concurrent``, ``queue_depth``) is not
+        asked again, and its ``queue_wait`` stays the one it was queued
+        with. O(queued requests), once per reload; a decision costs the same."""
+        self._policies = policies
+        self.counters.reweight({name: p.weight for name, p in policies.items()})
+        for name, q in self._queues.items():
+            now = policies.get(name)
+            if now is None or not q:  # (a removed tenant's requests are refused: fail_tenant)
+                continue
+            rank = q[0].rank
+            for w in q:
+                if w.policy.priority != now.priority:
+                    self.metrics.gauge_down(self.metrics.queued, name, w.policy.priority)
+                    self.metrics.gauge_up(self.metrics.queued, name, now.priority)
+                w.policy = now
+                w.rank = now.rank
+            if rank != now.rank:
+                self._head_changed(name, q)
+        # (no dispatch: a new order frees no room, and whatever fitted went)
 
     def stop_all(self) -> tuple[int, int]:
         """The router is stopping: end every running generation and every

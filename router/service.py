@@ -75,6 +75,7 @@ class RouterService:
         self._warned: set[tuple[str, str]] = set()  # (tenant, model) named by _warn_unserved_models
         self.pool = ReplicaPool(config.replicas)
         self.scheduler = Scheduler(self.pool, m, config.scheduler, config.batching)
+        self.scheduler.follow(self.policy.current.tenants)
         self.supervisor = Supervisor(
             self.pool,
             SupervisorSettings(
@@ -108,6 +109,7 @@ class RouterService:
         that stays). Their metric series go (``Metrics.retire``)."""
         names = set(self.policy.current.tenants)
         self.admission.follow(self.policy.current.tenants)
+        self.scheduler.follow(self.policy.current.tenants)  # (weights and classes of queued requests too)
         self.admission.restore(names)
         self.scheduler.restore(names)
         removed = self._tenants - names

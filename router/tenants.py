@@ -221,7 +221,8 @@ class TenantPolicy(msgspec.Struct, frozen=True, kw_only=True):
     rank: int
     """Index of ``priority`` in the file's ``priority_classes`` (0 = highest),
     fixed with this snapshot: a reload that renames the classes does not
-    touch a request that holds the old policy."""
+    touch a request that holds the old policy (the scheduler orders a
+    queued request by its tenant's policy in force: ``Scheduler.follow``)."""
     weight: float
     models: list[str]
     queue_depth: int

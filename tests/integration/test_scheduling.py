@@ -10,7 +10,8 @@ One router for the module (``sched_router``):
   ``high`` after 4 s).
 
 The fair-share tests use a second router (``share_router``), the same but
-with ``aging: 30`` (see test_weighted_share_inside_one_class for why).
+with ``aging: 30`` (see test_weighted_share_inside_one_class for why). The
+reload test starts its own (one replica, 4 slots): it changes its tenants.
 
 Tenants (written to the test's tmp dir; keys are SHA-256 digests) have no
 rate limits, so only the scheduler limits throughput. Load comes from
@@ -35,7 +36,7 @@ import httpx
 import pytest
 import yaml
 
-from tests.helpers import MODEL, RouterProcess, aiter_sse, apoll
+from tests.helpers import ADMIN, MODEL, RouterProcess, aiter_sse, apoll
 
 CAPACITY = 8  # 2 replicas x max_inflight 4
 AGING = 2.0
@@ -413,3 +414,67 @@ async def test_full_queue_is_429_and_long_wait_is_503(router: RouterProcess) -> 
 
 async def _equals(x, v) -> bool:
     return (await x) == v
+
+
+# -- (f) a reload's weights reach the requests already queued -------------------------
+
+
+def write_reload_tenants(path: Path, weight_a: float) -> Path:
+    """Tenants a and b of ``normal`` with an admin key; the file replaced
+    whole (a rename over it), as the README asks."""
+    doc = {
+        "priority_classes": ["high", "normal", "low"],
+        "admin_keys": [hashlib.sha256(ADMIN.encode()).hexdigest()],
+        "defaults": {"timeouts": {"queue_wait": 120, "first_token": 120, "stall": 30, "total": 300},
+                     "queue_depth": 64, "on_limit": "reject"},
+        "tenants": {name: {"keys": [hashlib.sha256(key_of(name).encode()).hexdigest()], "priority": "normal",
+                           "weight": w} for name, w in (("a", weight_a), ("b", 1))},
+    }
+    path.mkdir(parents=True, exist_ok=True)
+    tmp = path / "tenants.yaml.tmp"
+    tmp.write_text(yaml.safe_dump(doc, sort_keys=False))
+    tmp.replace(path / "tenants.yaml")
+    return path / "tenants.yaml"
+
+
+async def test_a_reloaded_weight_applies_to_the_requests_already_queued(tmp_path: Path) -> None:
+    """One replica with 4 slots; a and b (weight 1) send 24 requests each at
+    once, so both have a backlog of ~20. A reload sets a's weight to 4: the
+    next 20 requests to start (first token after the reload) are ~4/5 a's.
+    Before, the queued requests kept the weight they were admitted with and
+    a and b went on alternating (measured by an admin: 22/22, 18/18, 16/16
+    over ~12 s) until a's backlog had drained."""
+    tenants = write_reload_tenants(tmp_path / "tenants", 1)
+    sim = {"max_num_seqs": 4, "step_base_ms": 10.0, "step_per_seq_ms": 0.05}
+    settings = {"scheduler": {"policy": "fair", "aging": SHARE_AGING},
+                "batching": {"enabled": False, "initial": 4, "max_inflight": 4}}
+    router = RouterProcess(tmp_path / "router", replicas=1, sim=sim, settings=settings, tenants=tenants).start()
+    try:
+        limits = httpx.Limits(max_connections=100, max_keepalive_connections=100)
+        async with httpx.AsyncClient(timeout=httpx.Timeout(120.0), limits=limits) as client:
+            tasks = [asyncio.create_task(stream_one(client, router.base_url, t, max_tokens=48))
+                     for _ in range(24) for t in "ab"]
+
+            async def backlogged() -> bool:
+                m = await router.ametrics(client)
+                return all(m.value("fairstream_queue_depth", default=0.0, tenant=t) >= 16 for t in "ab")
+
+            await apoll(backlogged, 30.0, what="both tenants to have a backlog")
+            write_reload_tenants(tmp_path / "tenants", 4)
+            r = await client.post(router.base_url + "/admin/reload", headers={"authorization": f"Bearer {ADMIN}"})
+            assert r.status_code == 200, r.text
+            view = (await client.get(router.base_url + "/admin/tenants",
+                                     headers={"authorization": f"Bearer {ADMIN}"})).json()
+            assert view["tenants"]["a"]["policy"]["weight"] == 4, view
+            reloaded = time.monotonic()
+            results = await asyncio.gather(*tasks)
+    finally:
+        router.stop()
+    assert all(r.status == 200 for r in results), [r.error for r in results if r.status != 200]
+    after = sorted((r for r in results if r.first is not None and r.first > reloaded), key=lambda r: r.first)
+    first = [r.tenant for r in after[:20]]
+    print(f"\nthe first {len(first)} to start after the reload: {''.join(first)}")
+    assert len(first) == 20, first
+    # weights 4:1 give a 16 of 20 (two or three started before the reload
+    # show their first token after it); equal weights gave it 10
+    assert first.count("a") >= 14, first

@@ -561,6 +561,8 @@ _OPS = st.lists(
         st.tuples(st.just("leave"), st.integers(0, 11)),
         st.tuples(st.just("wait"), st.floats(0, 7)),
         st.tuples(st.just("full"), st.integers(0, 11)),  # pick while this tenant's model is full
+        st.tuples(st.just("reweight"), st.integers(0, 11), st.sampled_from([0.5, 1.0, 4.0])),  # a reload
+        st.tuples(st.just("reclass"), st.integers(0, 11), st.integers(0, 3)),  # a reload: its queued move
     ),
     min_size=40,
     max_size=200,
@@ -570,12 +572,14 @@ _OPS = st.lists(
 @given(_OPS, st.sampled_from([0.0, 2.5, 10.0]))
 @settings(max_examples=300, deadline=None)
 def test_head_index_picks_what_pick_picks(ops, aging) -> None:
-    """Any sequence of arrivals, services, departures and waits: the index
-    chooses a head with the same (effective rank, counter, enqueued) as the
-    reference ``pick`` over the same heads, skipped heads included."""
+    """Any sequence of arrivals, services, departures, waits and reloads
+    (a tenant's weight or class changed for its queued requests too): the
+    index chooses a head with the same (effective rank, counter, enqueued)
+    as the reference ``pick`` over the same heads, skipped heads included."""
     counters = VirtualCounters()
     index = HeadIndex(aging)
     queues: dict[str, deque[Head]] = {}
+    weights: dict[str, float] = {}
     now = 0.0
 
     def head_changed(t: str) -> None:
@@ -614,6 +618,14 @@ def test_head_index_picks_what_pick_picks(ops, aging) -> None:
             now += op[1]
         elif kind == "charge":  # counters grow while heads wait: the index must re-key
             counters.charge(f"t{op[1]}", 0, op[2], weight=1.0)
+        elif kind == "reweight":  # (what Scheduler.follow does)
+            weights[f"t{op[1]}"] = op[2]
+            counters.reweight(weights)
+        elif kind == "reclass":
+            t = f"t{op[1]}"
+            if queues.get(t):
+                queues[t] = deque(Head(t, op[2], h.enqueued) for h in queues[t])
+                head_changed(t)
         elif kind == "leave":
             t = f"t{op[1]}"
             if queues.get(t):
@@ -648,3 +660,12 @@ def test_a_charge_too_large_for_a_float_keeps_the_counter_finite() -> None:
     assert math.isfinite(c.get("tiny")) and c.get("tiny") > c.get("b")
     c.lift("late", c.get("tiny"))
     assert math.isfinite(c.get("late"))
+
+
+def test_a_reweighted_tenant_is_charged_at_its_new_weight_whatever_the_request_says() -> None:
+    c = VirtualCounters()
+    c.charge("a", 10, 0, 1.0)
+    c.reweight({"a": 4.0})
+    c.charge("a", 0, 10, 1.0)  # a request admitted at weight 1
+    c.charge("b", 0, 10, 2.0)  # a tenant not named: the request's weight
+    assert c.get("a") == 10 + W_OUT * 10 / 4 and c.get("b") == W_OUT * 10 / 2
