@@ -33,6 +33,11 @@ request running that sends nothing for ``ws_idle_timeout`` seconds is closed
 * ``{"type": "abort", "id": ID}`` stops that generation at once (aborted on
   its replica); the server confirms with ``{"id": ID, "aborted": true}``.
 
+A message the socket refuses (an unknown type, an id in use, an envelope
+it cannot read, ...) starts nothing and is answered ``{"id": ID,
+"refused": true, "error": {...}}``: never the last message of a request
+running under the same id, which goes on.
+
 Same auth, limits, queues, failover and resume buffer as HTTP. Closing the
 socket (or an abort) ends what runs on it as an HTTP client's disconnect
 does: each generation is aborted on its replica, and its stream stays
@@ -93,6 +98,13 @@ class _IdOnly(msgspec.Struct):
 
 
 _decode_id = msgspec.json.Decoder(_IdOnly).decode
+
+
+def _refused(cid: str, e: ApiError) -> bytes:
+    """The answer to a message the socket refused (it started nothing, and
+    ends nothing running under ``cid``): ``{"id": cid, "refused": true,
+    "error": ...}``."""
+    return _err(cid, e, refused=True)
 
 
 def _id_of(raw: str) -> str:
@@ -270,8 +282,11 @@ def _refusal(conn: _Conn, msg: _Msg) -> ApiError | None:
         return conn.revoked
     if conn.draining:
         return RouterShutdown("The router is shutting down; send new requests on a new connection.")
-    if not msg.id or msg.id in conn.running:
-        return BadRequest("Each request needs an 'id' not in use on this socket.", param="id")
+    if not msg.id:
+        return BadRequest("Each request needs an 'id' not in use on this socket.", param="id", code="missing_id")
+    if msg.id in conn.running:
+        return BadRequest(f"The id {clip(repr(msg.id))} is in use on this socket (its request is running); each "
+                          "request needs an 'id' not in use.", param="id", code="id_in_use")
     if len(conn.running) >= MAX_PARALLEL:
         return BadRequest(f"At most {MAX_PARALLEL} requests at once per socket.", code="too_many_parallel_requests")
     if msg.type == "resume":
@@ -297,10 +312,10 @@ async def _authenticate(conn: _Conn, raw: str) -> None:
     """A message before authentication: the auth message, or an error."""
     msg = _read(raw)
     if isinstance(msg, ApiError):
-        await conn.send(_err(_id_of(raw), msg))
+        await conn.send(_refused(_id_of(raw), msg))
     elif msg.type != "auth":
-        await conn.send(_err(msg.id, BadRequest('Authenticate first: send {"type": "auth", "api_key": KEY}.',
-                                                code="missing_api_key")))
+        await conn.send(_refused(msg.id, BadRequest('Authenticate first: send {"type": "auth", "api_key": KEY}.',
+                                                    code="missing_api_key")))
     else:
         conn.authenticated(f"Bearer {msg.api_key}")  # (a bad key: refused now)
         await conn.send(b'{"type":"auth","ok":true}')
@@ -350,12 +365,12 @@ async def chat_socket(socket: WebSocket) -> None:
                 return
             msg = _read(raw)
             if isinstance(msg, ApiError):
-                await conn.send(_err(_id_of(raw) if raw else "", msg))
+                await conn.send(_refused(_id_of(raw) if raw else "", msg))
                 continue
             if msg.type in ("chat.completions.create", "resume"):
                 refused = _refusal(conn, msg)
                 if refused is not None:
-                    await conn.send(_err(msg.id, refused))
+                    await conn.send(_refused(msg.id, refused))
                     continue
                 # the policy in force now: a reload may have revoked the key
                 # or changed the tenant's limits
@@ -363,7 +378,7 @@ async def chat_socket(socket: WebSocket) -> None:
                     policy = svc.tenant(conn.auth)
                 except ApiError as e:
                     log_refused(svc, "websocket", new_request_id(), e)
-                    await conn.send(_err(msg.id, e))
+                    await conn.send(_refused(msg.id, e))
                     conn.revoke(e)
                     continue
                 if msg.type == "resume":
@@ -376,10 +391,12 @@ async def chat_socket(socket: WebSocket) -> None:
                     task.cancel()
                     await conn.send(b'{"id":' + msgspec.json.encode(msg.id) + b',"aborted":true}')
             elif msg.type == "auth":
-                await conn.send(_err(msg.id, BadRequest("This socket is authenticated already; its key is the one "
-                                                        "it authenticated with.", param="type")))
+                await conn.send(_refused(msg.id, BadRequest("This socket is authenticated already; its key is the "
+                                                            "one it authenticated with.", param="type",
+                                                            code="already_authenticated")))
             else:
-                await conn.send(_err(msg.id, BadRequest(f"Unknown message type {clip(repr(msg.type))}.", param="type")))
+                await conn.send(_refused(msg.id, BadRequest(f"Unknown message type {clip(repr(msg.type))}.",
+                                                            param="type", code="unknown_message_type")))
     except ApiError as e:  # bad key: say why, then close
         log_refused(svc, "websocket", new_request_id(), e)
         await conn.send(error_body(e.message, e.type, e.param, e.code))

@@ -67,11 +67,15 @@ def socket_words(text: str) -> str:
     return text.replace(_HEADER, _FIELD)
 
 
-def error_message(cid: str, e: ApiError, request_id: str = "") -> bytes:
+def error_message(cid: str, e: ApiError, request_id: str = "", refused: bool = False) -> bytes:
     """``{"id": cid, "error": ...}`` (with the router's ``request_id`` once
     it has one: the request's log line carries it; and ``retry_after``, the
-    seconds an HTTP answer's ``Retry-After`` would say, where it has one)."""
-    rid = b',"request_id":"' + request_id.encode() + b'"' if request_id else b""
+    seconds an HTTP answer's ``Retry-After`` would say, where it has one).
+    ``refused``: the answer to a message the socket did not take, marked
+    ``"refused": true`` so that a client can tell it from the last message
+    of a stream running under the same id, which goes on."""
+    rid = b',"refused":true' if refused else b""
+    rid += b',"request_id":"' + request_id.encode() + b'"' if request_id else b""
     retry = e.headers.get("retry-after", "")
     if retry.isdigit():
         rid += b',"retry_after":' + retry.encode()

@@ -319,6 +319,40 @@ async def test_an_id_in_use_is_refused(router: RouterProcess) -> None:
         await col.until(lambda: col.finished("dup") and col.of("dup")[-1].get("done"), what="dup to finish")
 
 
+async def test_a_refused_message_is_marked_and_does_not_end_the_stream_running_under_its_id(
+        router: RouterProcess) -> None:
+    # A message refused under the id of a running stream was answered
+    # {"id": "s0", "error": ...}: the shape of that stream's last message (one
+    # that stays resumable), so a client routing by id closed s0 and then got
+    # chunks for it. Every refusal of a message says "refused": true.
+    async with open_ws(router) as ws:
+        col = Collector(ws)
+        await create(ws, "s0", chat_body("hello", 150))
+        await col.until(lambda: len(col.of("s0")) >= 2, what="s0 to stream")
+        await ws.send(json.dumps({"type": "bogus", "id": "s0"}))
+        await create(ws, "s0", chat_body("hello", 5))
+        await ws.send(json.dumps({"type": "chat.completions.create", "id": "s0", "body": chat_body("hi", 4),
+                                  "extra": 1}))
+        await ws.send(json.dumps({"type": "auth", "id": "s0", "api_key": KEY_A}))
+        refused = lambda: [m for m in col.of("s0") if "error" in m]  # noqa: E731
+        await col.until(lambda: len(refused()) == 4, what="the four refusals")
+        codes = []
+        for m in refused():
+            assert m.get("refused") is True and "event" not in m and "request_id" not in m, m
+            codes.append(assert_error(m, "s0")["code"])
+        assert codes == ["unknown_message_type", "id_in_use", "invalid_json", "already_authenticated"], codes
+        await col.until(lambda: col.of("s0")[-1].get("done"), what="s0 to finish")
+        assert sum("chunk" in m for m in col.of("s0")) > 2
+        # a refusal under an id not running has the same marker
+        await ws.send(json.dumps({"type": "bogus", "id": "free"}))
+        assert (await recv(ws)).get("refused") is True
+        # the end of a request that ran (one its body's checks refused) is no message refusal
+        await create(ws, "bad-field", {**chat_body("hello", 10), "frobnicate": 1})
+        msg = await recv(ws)
+        assert_error(msg, "bad-field", param="frobnicate")
+        assert "refused" not in msg, msg
+
+
 async def test_closing_the_socket_aborts_everything_running(router: RouterProcess, http: httpx.AsyncClient) -> None:
     before = await router.ametrics(http)
     async with open_ws(router) as ws:
