@@ -7,6 +7,7 @@ import pytest
 from router.errors import BadRequest
 from router.prompt import completion_prompt
 from router.openai_types import (
+    MAX_STOP,
     ChatRequest,
     CompletionRequest,
     StreamOptions,
@@ -539,3 +540,17 @@ def test_an_error_names_min_tokens_only_where_it_set_the_limit():
     assert max_tokens_param(chat(min_tokens=2000), 1024) == "min_tokens"
     assert max_tokens_param(chat(min_tokens=2000, max_completion_tokens=3000), 1024) == "max_completion_tokens"
     assert max_tokens_param(completion(min_tokens=2000, max_tokens=3000), 16) == "max_tokens"
+
+
+def test_stop_takes_up_to_max_stop_sequences_as_vllm_does_more_than_openais_four():
+    # ('stop' was capped at OpenAI's 4; vLLM takes any number, and agent
+    # frameworks send more to it. The cap left bounds the per-token cost of
+    # stop matching: README, "Stop sequences".)
+    many = [f"<stop{i}>" for i in range(32)]
+    for make in (chat, completion):
+        assert to_params(make(stop=many[:5]), 16).stop == many[:5]
+        assert to_params(make(stop=many), 16).stop == many
+        with pytest.raises(BadRequest) as info:
+            to_params(make(stop=[*many, "one more"]), 16)
+        assert info.value.param == "stop" and f"at most {MAX_STOP}" in info.value.message, info.value
+    assert MAX_STOP == len(many)
