@@ -18,6 +18,7 @@ from replicas.protocol import REFUSED_TEMPLATE_KWARGS, SamplingParams
 from router.entry_keys import LOC as _LOC
 from router.entry_keys import key_of_entry
 from router.errors import BadRequest, clip
+from router.vllm_noops import CHAT_DEFAULTS, COMPLETION_DEFAULTS, VllmFields, not_default, not_default_message
 
 __all__ = ["ChatRequest", "CompletionRequest", "decode_request", "to_params", "chat_messages", "chat_message_slices",
            "chat_template_kwargs", "MAX_TEMPLATE_KWARGS_BYTES", "usage_options"]
@@ -44,7 +45,7 @@ class StreamOptions(msgspec.Struct, forbid_unknown_fields=True):
     include_obfuscation: bool | None = None  # (OpenAI pads chunks against side channels; accepted, no padding)
 
 
-class _Common(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+class _Common(VllmFields, forbid_unknown_fields=True, kw_only=True):
     model: str
     stream: bool | None = False  # (null: false, as OpenAI takes it)
     stream_options: StreamOptions | None = None
@@ -122,6 +123,14 @@ class ChatRequest(_Common, kw_only=True):
     # second of the event loop. ``decode_request`` checks its size, then
     # puts its decoded value (a dict or None) here in place of the JSON.
     chat_template_kwargs: msgspec.Raw = msgspec.Raw()
+    # vLLM's chat fields this server lacks, taken at vLLM's default (router.vllm_noops)
+    echo: Any = None
+    add_generation_prompt: Any = None
+    continue_final_message: Any = None
+    documents: Any = None
+    chat_template: Any = None
+    mm_processor_kwargs: Any = None
+    include_reasoning: Any = None
 
 
 class CompletionRequest(_Common, kw_only=True):
@@ -135,7 +144,6 @@ class CompletionRequest(_Common, kw_only=True):
 _UNSUPPORTED_NEUTRAL: dict[str, Any] = {
     "n": (None, 1),
     "best_of": (None, 1),
-    "echo": (None, False),
     "suffix": (None, ""),
     "logprobs": (None, False),
     "top_logprobs": (None, 0),
@@ -212,7 +220,8 @@ def _invalid(e: msgspec.ValidationError | msgspec.DecodeError | RecursionError, 
     unknown = re.match(r"Object contains unknown field `([^`]+)`", reason)
     if unknown:
         name = (param + "." if param else "") + unknown.group(1)
-        return BadRequest(f"Unrecognized request argument supplied: {clip(name)}", param=name)
+        return BadRequest(f"Unrecognized request argument supplied: {clip(name)}", param=name,
+                          code="unknown_parameter")
     missing = re.match(r"Object missing required field `([^`]+)`", reason)
     if missing:
         name = (param + "." if param else "") + missing.group(1)
@@ -241,6 +250,10 @@ def decode_request(body: bytes, kind: type[ChatRequest] | type[CompletionRequest
     bad = _unsupported(req)
     if bad is not None:
         raise BadRequest(_unsupported_message(req, bad), param=bad, code="unsupported_parameter")
+    defaults = CHAT_DEFAULTS if isinstance(req, ChatRequest) else COMPLETION_DEFAULTS
+    bad = not_default(req, defaults)  # (vLLM's fields this server lacks: router.vllm_noops)
+    if bad is not None:
+        raise BadRequest(not_default_message(bad, defaults), param=bad, code="unsupported_parameter")
     if req.stream is None:
         req.stream = False
     return req

@@ -494,3 +494,26 @@ def test_stop_reason_says_which_stop_ended_the_choice_as_vllm_does(client: opena
         assert run(stream) == ("length", None)
         assert run(stream, stop=["e", "zzz"]) == ("stop", "e")
         assert run(stream, stop_token_ids=[ord("e")]) == ("stop", ord("e"))
+
+
+def test_vllm_fields_at_their_default_from_the_sdks_extra_body_are_taken(client: openai.OpenAI) -> None:
+    # (each was a 400 "Unrecognized request argument supplied", code null,
+    # whatever its value: clients written for vLLM send its defaults)
+    defaults = {"skip_special_tokens": True, "add_generation_prompt": True, "echo": False, "priority": 0,
+                "truncate_prompt_tokens": None}
+    plain = client.chat.completions.create(model=MODEL, messages=_chat("Hello"), max_tokens=12, temperature=0,
+                                           extra_body=IGNORE_EOS)
+    r = client.chat.completions.create(model=MODEL, messages=_chat("Hello"), max_tokens=12, temperature=0,
+                                       extra_body={**IGNORE_EOS, **defaults})
+    assert r.choices[0].message.content == plain.choices[0].message.content
+    pieces, finish, _ = stream_completion(client, "The ", max_tokens=8, extra_body={
+        **IGNORE_EOS, "skip_special_tokens": True, "echo": False, "priority": 0, "truncate_prompt_tokens": None})
+    assert "".join(pieces) and finish == "length"
+    # another value is refused, naming the field; an unknown one has a code too
+    for extra, code in (({"skip_special_tokens": False}, "unsupported_parameter"),
+                        ({"priority": 1}, "unsupported_parameter"),
+                        ({"skip_special_tokenz": True}, "unknown_parameter")):
+        with pytest.raises(openai.BadRequestError) as e:
+            client.chat.completions.create(model=MODEL, messages=_chat("Hi"), max_tokens=4, extra_body=extra)
+        ((name, _),) = extra.items()
+        assert e.value.param == name and e.value.code == code and name in e.value.message, (extra, e.value.body)

@@ -217,15 +217,62 @@ def test_the_vllm_extensions_taken_are_declared_fields():
 
 
 @pytest.mark.parametrize("make, kw, name", [
-    (chat, {"skip_special_tokens": False}, "skip_special_tokens"),
-    (chat, {"add_generation_prompt": False}, "add_generation_prompt"),
     (chat, {"guided_json": {"type": "object"}}, "guided_json"),
     (completion, {"chat_template_kwargs": {"enable_thinking": False}}, "chat_template_kwargs"),  # (chat only, as vLLM)
+    (completion, {"add_generation_prompt": True}, "add_generation_prompt"),  # (chat only, as vLLM)
+    (chat, {"frobnicate": 1}, "frobnicate"),
+    (chat, {"stream_options": {"include_usage": True, "frobnicate": 1}}, "stream_options.frobnicate"),
 ], ids=lambda v: json.dumps(v) if isinstance(v, dict) else getattr(v, "__name__", str(v)))
-def test_vllm_extensions_not_taken_are_a_400_naming_them(make, kw, name):
+def test_unknown_arguments_are_a_400_naming_them_with_a_code(make, kw, name):
     with pytest.raises(BadRequest) as info:
         make(**kw)
-    assert info.value.param == name and "Unrecognized request argument" in info.value.message, info.value
+    e = info.value
+    assert e.param == name and "Unrecognized request argument" in e.message and e.code == "unknown_parameter", e
+
+
+# vLLM request fields the router does not implement, each at vLLM's default
+# (vllm/entrypoints/openai/.../protocol.py): asking for nothing, accepted
+VLLM_DEFAULTS_BOTH = {"skip_special_tokens": True, "spaces_between_special_tokens": True, "priority": 0,
+                      "truncate_prompt_tokens": None, "use_beam_search": False, "length_penalty": 1.0,
+                      "prompt_logprobs": None, "allowed_token_ids": None, "bad_words": [],
+                      "return_tokens_as_token_ids": False, "cache_salt": None, "structured_outputs": None,
+                      "vllm_xargs": None, "kv_transfer_params": None, "logits_processors": None}
+VLLM_DEFAULTS_CHAT = {**VLLM_DEFAULTS_BOTH, "echo": False, "add_generation_prompt": True,
+                      "continue_final_message": False, "add_special_tokens": False, "documents": None,
+                      "chat_template": None, "mm_processor_kwargs": None, "include_reasoning": True}
+VLLM_DEFAULTS_COMPLETION = {**VLLM_DEFAULTS_BOTH, "add_special_tokens": True}
+
+
+@pytest.mark.parametrize("make, defaults", [(chat, VLLM_DEFAULTS_CHAT), (completion, VLLM_DEFAULTS_COMPLETION)],
+                         ids=["chat", "completion"])
+def test_vllm_fields_not_implemented_are_accepted_at_vllms_default(make, defaults):
+    # (they were a 400 "Unrecognized request argument", code null, whatever
+    # the value: a client sending vLLM's defaults explicitly was refused)
+    req = make(**defaults)
+    assert to_params(req, 16) == to_params(make(), 16)
+    make(**{name: None for name in defaults})  # (unset: as absent)
+    make(length_penalty=1, priority=0)  # (a number, as vLLM's pydantic takes it)
+
+
+@pytest.mark.parametrize("make, kw, default", [
+    (chat, {"skip_special_tokens": False}, "true"),
+    (chat, {"add_generation_prompt": False}, "true"),
+    (chat, {"echo": True}, "false"),
+    (chat, {"priority": 5}, "0"),
+    (completion, {"priority": -1}, "0"),
+    (chat, {"truncate_prompt_tokens": 100}, "null"),
+    (completion, {"add_special_tokens": False}, "true"),
+    (chat, {"add_special_tokens": True}, "false"),
+    (chat, {"bad_words": ["x"]}, "[]"),
+    (chat, {"skip_special_tokens": 1}, "true"),  # (1 is no bool)
+], ids=lambda v: json.dumps(v) if isinstance(v, dict) else getattr(v, "__name__", str(v)))
+def test_vllm_fields_not_implemented_are_refused_at_other_values_naming_them(make, kw, default):
+    ((name, _),) = kw.items()
+    with pytest.raises(BadRequest) as info:
+        make(**kw)
+    e = info.value
+    assert e.param == name and e.code == "unsupported_parameter", e
+    assert e.message == f"'{name}' is not supported by this server; only vLLM's default ({default}) is taken.", e
 
 
 def test_include_stop_str_in_output_reaches_the_replica():
