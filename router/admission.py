@@ -436,6 +436,7 @@ class Admission:
         if ticket.done:
             return
         ticket.done = True
+        ticket.used = used_tokens + ticket.inherited
         self._leases.pop(ticket.lease_id, None)
         try:
             if ticket.tpm:
@@ -458,6 +459,7 @@ class Admission:
         if ticket.done or not isinstance(store, MemoryStore):  # (a Redis outage's fallback is inside ResilientStore)
             return
         ticket.done = True
+        ticket.used = used_tokens + ticket.inherited
         self._leases.pop(ticket.lease_id, None)
         if ticket.tpm:
             store.settle_now(ticket.tenant, tpm=ticket.tpm, reserved=ticket.reserved,

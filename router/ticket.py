@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import math
 
+import msgspec
+
 from policies.ratelimit import Decision
 from router.tenants import TenantPolicy
 
@@ -41,7 +43,7 @@ def ratelimit_headers(policy: TenantPolicy, d: Decision) -> dict[str, str]:
 class Ticket:
     """An admitted request: its lease and its token reservation."""
 
-    __slots__ = ("lease_id", "reserved", "inherited", "held", "done", "_policy", "_decision")
+    __slots__ = ("lease_id", "reserved", "inherited", "held", "done", "used", "_policy", "_decision")
 
     def __init__(self, policy: TenantPolicy, lease_id: str, reserved: int, decision: Decision,
                  inherited: int = 0, held: bool = False) -> None:
@@ -53,6 +55,7 @@ class Ticket:
         # settles for (``reserved`` holds theirs)
         self.inherited = inherited
         self.done = False
+        self.used: int | None = None  # the tokens it was settled for, once it is (router.admission finish)
         self._policy = policy  # as admitted (a reload makes new policy objects)
         self._decision = decision
 
@@ -67,5 +70,14 @@ class Ticket:
     @property
     def headers(self) -> dict[str, str]:
         """The ``x-ratelimit-*`` headers as of admission (built when asked:
-        a long stream does not hold them)."""
-        return ratelimit_headers(self._policy, self._decision)
+        a long stream does not hold them); once the request is settled (one
+        refused after admission, such as a 400 ``prompt_too_long``), with its
+        reservation given back as ``policies.ratelimit.settle`` gives it:
+        they showed tokens taken that the tenant had back."""
+        d = self._decision
+        tpm = self.tpm
+        if self.used is not None and tpm:
+            remaining = min(float(tpm), d.remaining_tokens + self.reserved - self.used)
+            d = msgspec.structs.replace(d, remaining_tokens=remaining,
+                                        reset_tokens=max(0.0, (tpm - remaining) * 60.0 / tpm))
+        return ratelimit_headers(self._policy, d)

@@ -717,6 +717,8 @@ def test_a_token_id_prompt_the_replica_refuses_takes_no_tokens(tmp_path, stream)
         for _ in range(4):  # (6,004 reserved each: four of them, settled as used, are 24,016 of 20,000)
             r = httpx.post(url, headers=auth(KEY_A), json=long_ids, timeout=20)
             assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded", r.text
+            # (its headers showed its reservation taken, though it was given back)
+            assert int(r.headers["x-ratelimit-remaining-tokens"]) >= 20000 - 100, r.headers
         r = httpx.post(url, headers=auth(KEY_A), json=body(4), timeout=20)
         assert r.status_code == 200, r.text
         assert int(r.headers["x-ratelimit-remaining-tokens"]) >= 20000 - 100, r.headers
@@ -740,6 +742,8 @@ def test_a_prompt_over_max_prompt_tokens_takes_no_tokens(tmp_path, stream):
         for _ in range(4):
             r = httpx.post(url, headers=auth(KEY_A), json=long_prompt, timeout=20)
             assert r.status_code == 400 and r.json()["error"]["code"] == "prompt_too_long", r.text
+            # (its headers showed its reservation taken, though it was given back)
+            assert int(r.headers["x-ratelimit-remaining-tokens"]) >= 3000 - 100, r.headers
         r = httpx.post(url, headers=auth(KEY_A), json=body(4), timeout=20)
         assert r.status_code == 200, r.text
         assert int(r.headers["x-ratelimit-remaining-tokens"]) >= 3000 - 100, r.headers
