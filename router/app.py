@@ -95,7 +95,9 @@ async def models(request: Request) -> Response:
     svc = _svc(request)
     policy = svc.tenant(authorization(request.headers))
     data = [_card(svc, m) for m in svc.pool.models() if policy.allows_model(m)]
-    return Response(msgspec.json.encode(_ModelList("list", data)), media_type=_JSON)
+    # (an id as every /v1 response has, OpenAI's too; the SDK reads it as _request_id)
+    return Response(msgspec.json.encode(_ModelList("list", data)), media_type=_JSON,
+                    headers={"x-request-id": new_request_id()})
 
 
 @get("/v1/models/{model:path}")
@@ -111,7 +113,8 @@ async def model(request: Request) -> Response:
         # for /v1/models//abs/dir, whose slashes the router squeezes
         name = "/" + name
     check_model(svc, policy, name)
-    return Response(msgspec.json.encode(_card(svc, name)), media_type=_JSON)
+    return Response(msgspec.json.encode(_card(svc, name)), media_type=_JSON,
+                    headers={"x-request-id": new_request_id()})
 
 
 @get("/health")
@@ -159,9 +162,9 @@ def _endpoint_of(path: str) -> str:
 
 
 def _api_error(request: Request, exc: ApiError) -> Response:
+    # (an error of a request that got no id on its way, a /v1/models one's, has one too)
+    request_id = exc.headers.setdefault("x-request-id", new_request_id())
     if exc.status in (401, 403):  # no tenant to count it under: count and log it as unauthorized
-        request_id = new_request_id()
-        exc.headers.setdefault("x-request-id", request_id)
         log_refused(_svc(request), _endpoint_of(request.url.path), request_id, exc)
     return Response(exc.body(), status_code=exc.status, headers=exc.headers, media_type=_JSON)
 
@@ -173,7 +176,7 @@ _HTTP_TYPES = {401: "invalid_request_error", 404: "invalid_request_error", 405: 
 def _http_error(request: Request, exc: HTTPException) -> Response:
     status = exc.status_code
     code = None
-    headers = exc.headers
+    headers = {**(exc.headers or {}), "x-request-id": new_request_id()}
     if status == 404:
         message = unknown_path(request.url.path).message  # (a WebSocket upgrade's too: router/fastpath.py)
     elif status == 405 and request.url.path.rstrip("/") == "/v1/ws":
@@ -193,7 +196,8 @@ def _http_error(request: Request, exc: HTTPException) -> Response:
 
 def _internal_error(request: Request, exc: Exception) -> Response:
     log.exception("unhandled error on %s", request.url.path, exc_info=exc)
-    return Response(error_body("Internal server error.", "server_error"), status_code=500, media_type=_JSON)
+    return Response(error_body("Internal server error.", "server_error"), status_code=500, media_type=_JSON,
+                    headers={"x-request-id": new_request_id()})
 
 
 def create_app(config: RouterConfig, tenants_path: Path) -> FastPath:

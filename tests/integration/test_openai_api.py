@@ -517,3 +517,20 @@ def test_vllm_fields_at_their_default_from_the_sdks_extra_body_are_taken(client:
             client.chat.completions.create(model=MODEL, messages=_chat("Hi"), max_tokens=4, extra_body=extra)
         ((name, _),) = extra.items()
         assert e.value.param == name and e.value.code == code and name in e.value.message, (extra, e.value.body)
+
+
+def test_models_responses_carry_an_x_request_id(client: openai.OpenAI) -> None:
+    # (every other /v1 response has one, and the SDK reads it as _request_id;
+    # /v1/models and /v1/models/{id}, and a model not found, had none)
+    ids = {client.models.with_raw_response.list().headers.get("x-request-id"),
+           client.models.with_raw_response.retrieve(MODEL).headers.get("x-request-id")}
+    with pytest.raises(openai.NotFoundError) as e:
+        client.models.retrieve("no-such-model")
+    ids.add(e.value.response.headers.get("x-request-id"))
+    assert None not in ids and len(ids) == 3, ids
+
+
+def test_errors_of_unknown_paths_and_methods_carry_an_x_request_id(shared_router: RouterProcess) -> None:
+    for method, path in (("GET", "/v1/nope"), ("DELETE", "/v1/models"), ("POST", "/v1/models/x")):
+        r = httpx.request(method, shared_router.base_url + path, headers={"Authorization": f"Bearer {GOLD}"})
+        assert r.status_code in (404, 405) and r.headers.get("x-request-id"), (method, path, r.status_code, r.headers)
