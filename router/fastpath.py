@@ -275,7 +275,8 @@ class FastPath:
                 raise
             except Exception as e:  # noqa: BLE001 - answer 500 and keep serving
                 log.exception("unhandled error on %s", path, exc_info=e)
-                await _error(send, cors, 500, error_body("Internal server error.", "server_error"))
+                await _error(send, cors, 500, error_body("Internal server error.", "server_error"),
+                             {"x-request-id": request_id})
                 return
             if es is None:
                 out = resp.content if isinstance(resp.content, bytes) else bytes(resp.content)

@@ -126,6 +126,7 @@ class ChatRequest(_Common, kw_only=True):
     # vLLM's chat fields this server lacks, taken at vLLM's default (router.vllm_noops)
     echo: Any = None
     add_generation_prompt: Any = None
+    bad_words: Any = None
     continue_final_message: Any = None
     documents: Any = None
     chat_template: Any = None

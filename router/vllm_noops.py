@@ -30,8 +30,7 @@ _BOTH: dict[str, Any] = {
     "length_penalty": 1.0,
     "prompt_logprobs": None,
     "allowed_token_ids": None,
-    "bad_words": [],
-    "return_tokens_as_token_ids": False,
+    "return_tokens_as_token_ids": False,  # (vLLM: null; false asks for the same)
     "cache_salt": None,
     "structured_outputs": None,
     "vllm_xargs": None,
@@ -43,6 +42,7 @@ CHAT_DEFAULTS: dict[str, Any] = {
     "add_special_tokens": False,  # (the chat template adds them)
     "echo": False,
     "add_generation_prompt": True,
+    "bad_words": [],  # (chat's alone: vLLM's CompletionRequest has no such field)
     "continue_final_message": False,
     "documents": None,
     "chat_template": None,
@@ -65,7 +65,6 @@ class VllmFields(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     length_penalty: Any = None
     prompt_logprobs: Any = None
     allowed_token_ids: Any = None
-    bad_words: Any = None
     return_tokens_as_token_ids: Any = None
     cache_salt: Any = None
     structured_outputs: Any = None

@@ -220,6 +220,7 @@ def test_the_vllm_extensions_taken_are_declared_fields():
     (chat, {"guided_json": {"type": "object"}}, "guided_json"),
     (completion, {"chat_template_kwargs": {"enable_thinking": False}}, "chat_template_kwargs"),  # (chat only, as vLLM)
     (completion, {"add_generation_prompt": True}, "add_generation_prompt"),  # (chat only, as vLLM)
+    (completion, {"bad_words": ["x"]}, "bad_words"),  # (chat only, as vLLM)
     (chat, {"frobnicate": 1}, "frobnicate"),
     (chat, {"stream_options": {"include_usage": True, "frobnicate": 1}}, "stream_options.frobnicate"),
 ], ids=lambda v: json.dumps(v) if isinstance(v, dict) else getattr(v, "__name__", str(v)))
@@ -234,10 +235,10 @@ def test_unknown_arguments_are_a_400_naming_them_with_a_code(make, kw, name):
 # (vllm/entrypoints/openai/.../protocol.py): asking for nothing, accepted
 VLLM_DEFAULTS_BOTH = {"skip_special_tokens": True, "spaces_between_special_tokens": True, "priority": 0,
                       "truncate_prompt_tokens": None, "use_beam_search": False, "length_penalty": 1.0,
-                      "prompt_logprobs": None, "allowed_token_ids": None, "bad_words": [],
+                      "prompt_logprobs": None, "allowed_token_ids": None,
                       "return_tokens_as_token_ids": False, "cache_salt": None, "structured_outputs": None,
                       "vllm_xargs": None, "kv_transfer_params": None, "logits_processors": None}
-VLLM_DEFAULTS_CHAT = {**VLLM_DEFAULTS_BOTH, "echo": False, "add_generation_prompt": True,
+VLLM_DEFAULTS_CHAT = {**VLLM_DEFAULTS_BOTH, "echo": False, "add_generation_prompt": True, "bad_words": [],
                       "continue_final_message": False, "add_special_tokens": False, "documents": None,
                       "chat_template": None, "mm_processor_kwargs": None, "include_reasoning": True}
 VLLM_DEFAULTS_COMPLETION = {**VLLM_DEFAULTS_BOTH, "add_special_tokens": True}
