@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, NamedTuple
 import msgspec
 
 from router.errors import BadRequest, clip
+from router.sse import numbered
 from router.state import StoreUnavailable
 
 if TYPE_CHECKING:
@@ -77,6 +78,7 @@ def mark_of(event: bytes) -> Mark | None:
     placeholder (an event lost with a router), ``NO_ID`` for one without."""
     if not event:
         return None
+    event = numbered(event)  # (a chat stream's event 1 leads with the id-less role chunk)
     if not event.startswith(b"id: "):
         return NO_ID
     parts = event[4:event.find(b"\n")].split(b"-")
@@ -146,9 +148,10 @@ class Scan:
 def rest_of(event: bytes, start: Mark, have: Mark) -> bytes | None:
     """``event`` (stored, ``start``: the counts before it) as sent to a
     client that has its text up to ``have.chars``: the same id, its text
-    after them, and no role (that client had its first event). None when
-    its text is not as long as its counts say (not a text event of this
-    buffer's kind)."""
+    after them, and no role chunk (that client had its first event). None
+    when its text is not as long as its counts say (not a text event of
+    this buffer's kind)."""
+    event = numbered(event)
     head, sep, rest = event.partition(b"\ndata: ")
     end = mark_of(event)
     try:
@@ -162,7 +165,7 @@ def rest_of(event: bytes, start: Mark, have: Mark) -> bytes | None:
     if not sep or end is None or len(text) != end.chars - start.chars:
         return None
     holder[key] = text[have.chars - start.chars:]
-    if delta is not None:
+    if delta is not None:  # (a buffer of an older router: the role came in event 1's text chunk)
         delta.pop("role", None)
     return head + sep + msgspec.json.encode(chunk) + b"\n\n"
 

@@ -36,7 +36,7 @@ import msgspec
 
 from replicas.protocol import FinishReason
 from router.resume import ResumeMeta
-from router.sse import DONE, END_FINISH, END_USAGE, ChunkEncoder, Usage
+from router.sse import DONE, END_FINISH, END_USAGE, ChunkEncoder, Usage, numbered
 from router.state import StoreUnavailable, StreamSnapshot
 
 __all__ = ["finish_tail", "tail_after", "client_on_placeholder", "last_event", "error_code"]
@@ -61,8 +61,8 @@ _decode = msgspec.json.Decoder(_Chunk).decode
 
 
 def _data(event: bytes) -> bytes:
-    """An SSE event's data."""
-    return b"".join(line[6:] for line in event.split(b"\n") if line.startswith(b"data: "))
+    """An SSE event's data (a chat stream's event 1: its own, not its role chunk's)."""
+    return b"".join(line[6:] for line in numbered(event).split(b"\n") if line.startswith(b"data: "))
 
 
 def _chunk(event: bytes) -> _Chunk | None:

@@ -15,6 +15,16 @@ stream's end say so with a fourth part: the finish event (the one with a
 with their router then is not sent that end again (``N-T-C`` alone does
 not say whether its event had the finish). Plain token events never carry
 one: their ids are unchanged.
+
+A chat stream opens with a role-only chunk, as vLLM's (``"delta":
+{"role":"assistant","content":""}``). It is an SSE event without an
+``id:`` line, and its bytes go out and into the resume buffer ahead of
+event 1, as part of that event's bytes: the events keep their numbers, a
+client's ``Last-Event-ID`` stays as it was (an event without an id leaves
+it unchanged), a replay from the start has the role chunk and a resume
+after event 1 or later has none. Who reads a stored event's id or chunk
+takes ``numbered(event)``, the event without it; a WebSocket sends it as a
+message of its own (``lead``: router/websocket_stream.py).
 """
 
 from __future__ import annotations
@@ -23,7 +33,7 @@ import msgspec
 
 from replicas.protocol import FinishReason
 
-__all__ = ["ChunkEncoder", "Usage", "DONE", "END_FINISH", "END_USAGE"]
+__all__ = ["ChunkEncoder", "Usage", "DONE", "END_FINISH", "END_USAGE", "lead", "numbered"]
 
 DONE = b"data: [DONE]\n\n"
 # the last part of the id of a resumable stream's finish event, and of its usage event
@@ -86,20 +96,31 @@ class ChunkEncoder:
         end = b"}]}" if usage is None else b'}],"usage":' + _enc(usage) + b"}"
         if finish != FinishReason.NONE:
             end = b',"stop_reason":' + _enc(stop_reason) + end
-        if self.chat and not self._role_sent:
-            self._role_sent = True
-            payload = (self._head + b'"delta":{"role":"assistant","content":' + _enc(text)
-                       + b'},"logprobs":null,"finish_reason":' + _finish_json(finish) + end)
-        elif self.chat and not text and finish != FinishReason.NONE:
+        if self.chat and not text and finish != FinishReason.NONE:
             payload = self._head + b'"delta":{},"logprobs":null,"finish_reason":' + _finish_json(finish) + end
         else:
             payload = self._text_pre + _enc(text) + self._text_post + _finish_json(finish) + end
+        if self.chat and not self._role_sent:
+            self._role_sent = True
+            return self._role(usage) + self._event(payload, pos)
         return self._event(payload, pos)
+
+    def _role(self, usage: Usage | None) -> bytes:
+        """vLLM's first chunk of a chat stream (serving_chat.py), which OpenAI
+        sends too: the role alone, empty content, no finish; with continuous
+        usage, the prompt's and no completion tokens. An app that reads
+        ``if delta.role: ... elif delta.content:`` lost the first text when it
+        came in the same chunk. It is an SSE event without an id, ahead of
+        event 1 in the same bytes (see the module's docstring)."""
+        end = b"}]}" if usage is None else b'}],"usage":' + _enc(
+            Usage(usage.prompt_tokens, 0, usage.prompt_tokens)) + b"}"
+        return (b"data: " + self._head + b'"delta":{"role":"assistant","content":""},"logprobs":null,'
+                b'"finish_reason":null' + end + b"\n\n")
 
     @property
     def plain_ready(self) -> bool:
-        """``plain`` can encode the next piece: (chat) the role has gone out
-        with the first chunk."""
+        """``plain`` can encode the next piece: (chat) the role chunk has gone
+        out with the first event."""
         return self._role_sent or not self.chat
 
     def plain(self, text: str, pos: bytes) -> bytes:
@@ -124,3 +145,19 @@ class ChunkEncoder:
         line, so a client keeps the last id it had (a WebSocket message of
         it has no ``event``)."""
         return b"data: " + error_json + b"\n\n"
+
+
+def lead(event: bytes) -> int:
+    """Where ``event``'s numbered SSE event starts: after the id-less role
+    chunk a chat stream's first event leads with, else 0. (A JSON payload
+    holds no raw newline: a blank line only ever ends an SSE event.)"""
+    if event[:6] != b"data: ":
+        return 0
+    cut = event.find(b"\n\n") + 2
+    return cut if 1 < cut < len(event) else 0
+
+
+def numbered(event: bytes) -> bytes:
+    """``event`` without the role chunk it may lead with (``lead``)."""
+    cut = lead(event)
+    return event[cut:] if cut else event

@@ -19,7 +19,8 @@ request running that sends nothing for ``ws_idle_timeout`` seconds is closed
   chat completion (the body is the HTTP request body; ``stream`` is implied).
   The server answers with ``{"id": ID, "event": N, "event_id": "N-T-C",
   "chunk": {...}}`` messages (the same ``chat.completion.chunk`` objects and
-  event ids as SSE; the first also has ``"stream": SID``), then
+  event ids as SSE; the first also has ``"stream": SID``, and is the
+  role-only chunk, without ``event``: SSE's has no id either), then
   ``{"id": ID, "done": true}``; or ``{"id": ID, "error": {...}}`` in OpenAI's
   error shape (a rejected request); a stream that fails midway (lost, timed
   out) ends with ``{"id": ID, "event": N, "error": {...}}``.

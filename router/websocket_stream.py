@@ -17,8 +17,10 @@ An SSE event ``id: N-T-C`` / ``data: PAYLOAD`` becomes ``{"id": ID, "event":
 N, "event_id": "N-T-C", "chunk": PAYLOAD}`` (``"error"`` in place of
 ``"chunk"`` for an error event); the request's first message also names
 the stream (``"stream": SID``, what an SSE response's ``x-request-id``
-says). An error with no SSE id (one that leaves the stream resumable from
-the client's last event: a shutdown, a refused continuation) has no
+says). A chat stream's role-only first chunk (vLLM's) has no SSE id, so its
+message has no ``event``: ``{"id": ID, "stream": SID, "chunk": PAYLOAD}``.
+An error with no SSE id (one that leaves the stream resumable from the
+client's last event: a shutdown, a refused continuation) has no
 ``event``; ``data: [DONE]`` is ``{"id": ID, "done": true}``; SSE comments
 (a resume's keep-alives) are not sent. A resume whose events end with
 neither (its stream's relay failed, and its buffer was finished there) ends
@@ -47,6 +49,7 @@ from router.completions import new_request_id, open_stream, start_generation
 from router.errors import ApiError, ServiceUnavailable
 from router.relay import relay_stream
 from router.resume_http import serve_resume
+from router.sse import lead
 from router.state import StoreUnavailable
 from router.tenants import TenantPolicy
 
@@ -95,6 +98,18 @@ class SocketFrames:
         self._head = self._prefix + (b',"stream":' + _enc(stream) if stream else b"")
         self.done = self._prefix + b',"done":true}'
         self.ended = False  # the request's last message (done, or an error) is made
+
+    def lead(self, event: bytes) -> tuple[bytes, bytes]:
+        """``event`` as (the message of the role chunk it leads with, or
+        b""; the rest, for ``message``). A chat stream's event 1 carries
+        vLLM's role-only first chunk ahead of it in the same bytes, an SSE
+        event without an id (router/sse.py): a ``chunk`` message without
+        ``event``, the request's first (it names the stream)."""
+        cut = lead(event)
+        if not cut:
+            return b"", event
+        head, self._head = self._head, self._prefix
+        return head + b',"chunk":' + event[6:cut - 2] + b"}", event[cut:]
 
     def message(self, frame: bytes) -> bytes | None:
         """The message of one SSE event (None: an SSE comment)."""
@@ -168,6 +183,11 @@ async def _relay(conn: _Conn, cid: str, request_id: str, resuming: bool, frames:
     try:
         async with aclosing(events) as out:
             async for event in out:
+                role, event = frames.lead(event)
+                if role:
+                    await conn.send(role)
+                    if conn.gone:
+                        return
                 msg = frames.message(event)
                 if msg is None:
                     continue

@@ -149,6 +149,10 @@ def test_continuous_usage_stats_puts_the_usage_so_far_on_every_chunk(client: ope
     assert finish == "length"
     final = chunks[-1].usage
     assert chunks[-1].choices == [] and final is not None and final.completion_tokens == 17
+    if endpoint == "chat":  # vLLM's role-only first chunk: the prompt's usage, no completion tokens yet
+        role, chunks = chunks[0], chunks[1:]
+        assert (role.choices[0].delta.role, role.choices[0].delta.content, role.usage.completion_tokens) == (
+            "assistant", "", 0) and role.usage.prompt_tokens == final.prompt_tokens, role
     counts = []
     for c in chunks[:-1]:
         assert c.usage is not None, c

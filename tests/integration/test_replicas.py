@@ -56,7 +56,10 @@ async def run_stream(http: httpx.AsyncClient, kind: str, prompt: str, max_tokens
             if ev.data == "[DONE]":
                 out.done = True
                 break
-            out.ids.append(ev.number if ev.number is not None else -1)
+            if kind == "chat" and ev.id is None and out.events == 1:  # (vLLM's role-only first chunk: no id)
+                assert ev.json()["choices"][0]["delta"] == {"role": "assistant", "content": ""}, ev
+                continue
+            out.ids.append(ev.number if ev.number is not None else -1)  # (a failover sends no second role chunk)
             chunk = ev.json()
             if "error" in chunk:
                 out.errors.append(chunk["error"])

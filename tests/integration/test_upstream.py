@@ -197,6 +197,12 @@ def test_streams_through_upstream_with_token_ids(only_upstream):
         assert chat.choices[0].message.content == asyncio.run(reference(prompt_ids("chat"), 48))
         assert chat.usage.prompt_tokens == len(prompt_ids("chat"))
         assert chat.usage.completion_tokens == 48
+        # streamed: the upstream's role-only first chunk is not relayed, the router's own is (one, as vLLM's)
+        chunks = list(client.chat.completions.create(model=MODEL, messages=CHAT, stream=True, **greedy(48)))
+        deltas = [c.choices[0].delta for c in chunks]
+        assert (deltas[0].role, deltas[0].content) == ("assistant", "") and deltas[1].content, deltas[:2]
+        assert [d.role for d in deltas[1:]] == [None] * (len(deltas) - 1)
+        assert "".join(d.content or "" for d in deltas) == chat.choices[0].message.content
 
         # Stop strings go upstream.
         ref = asyncio.run(reference(prompt_ids("completion"), 200, stop=["quietly"]))

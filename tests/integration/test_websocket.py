@@ -113,14 +113,16 @@ class Collector:
 def check_completed(col: Collector, cid: str, ref: str) -> None:
     msgs = col.of(cid)
     assert msgs[-1] == {"id": cid, "done": True}, msgs[-1]
-    chunks = msgs[:-1]
-    # each chunk carries its SSE event id (what a resume takes); the first also names the stream
-    assert set(chunks[0]) == {"id", "stream", "event", "event_id", "chunk"}, chunks[0]
-    assert all(set(m) == {"id", "event", "event_id", "chunk"} for m in chunks[1:]), [m for m in chunks if "chunk" not in m]
+    role, chunks = msgs[0], msgs[1:-1]
+    # first vLLM's role-only chunk, which names the stream and has no SSE event id (router/sse.py)
+    assert set(role) == {"id", "stream", "chunk"}, role
+    assert role["chunk"]["choices"][0]["delta"] == {"role": "assistant", "content": ""}, role
+    # then each chunk carries its SSE event id (what a resume takes)
+    assert all(set(m) == {"id", "event", "event_id", "chunk"} for m in chunks), [m for m in chunks if "chunk" not in m]
     assert [m["event"] for m in chunks] == list(range(1, len(chunks) + 1))
     assert all(m["event_id"].startswith(f"{m['event']}-") for m in chunks), chunks
     assert all(m["chunk"]["object"] == "chat.completion.chunk" and m["chunk"]["model"] == MODEL for m in chunks)
-    assert len({m["chunk"]["id"] for m in chunks}) == 1
+    assert len({m["chunk"]["id"] for m in msgs[:-1]}) == 1
     assert col.text(cid) == ref
     finishes = [c["finish_reason"] for m in chunks for c in m["chunk"]["choices"] if c["finish_reason"]]
     assert finishes == ["length"]

@@ -103,13 +103,22 @@ def test_socket_messages_are_the_sse_events_with_their_ids_and_a_resumable_end_h
     # resume buffer keeps): each message carries the event's number and its
     # SSE id, the first names the stream, and an error that leaves the stream
     # resumable (shutdown) has no number, so the client resumes from its last.
+    # A chat stream's role-only first chunk (an SSE event without an id, in
+    # event 1's bytes) is a message of its own without a number.
     enc = ChunkEncoder(True, "chatcmpl-x", "m", 0)
     frames = SocketFrames("c1", "sid-1")
-    first = json.loads(frames.message(enc.delta("hi", FinishReason.NONE, b"-1-2")))
-    assert (first["id"], first["stream"], first["event"], first["event_id"]) == ("c1", "sid-1", 1, "1-1-2"), first
-    assert first["chunk"]["choices"][0]["delta"] == {"role": "assistant", "content": "hi"}
+    role, event = frames.lead(enc.delta("hi", FinishReason.NONE, b"-1-2"))
+    role_msg = json.loads(role)
+    assert set(role_msg) == {"id", "stream", "chunk"} and role_msg["stream"] == "sid-1", role_msg
+    assert role_msg["chunk"]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+    first = json.loads(frames.message(event))
+    assert set(first) == {"id", "event", "event_id", "chunk"}, "only the first message names the stream"
+    assert (first["id"], first["event"], first["event_id"]) == ("c1", 1, "1-1-2"), first
+    assert first["chunk"]["choices"][0]["delta"] == {"content": "hi"}
     assert frames.message(b": waiting for the stream\n") is None  # (a resume's keep-alive: not sent)
-    second = json.loads(frames.message(enc.delta(" there", FinishReason.NONE, b"-2-8")))
+    later = enc.delta(" there", FinishReason.NONE, b"-2-8")
+    assert frames.lead(later) == (b"", later)
+    second = json.loads(frames.message(later))
     assert set(second) == {"id", "event", "event_id", "chunk"} and second["event_id"] == "2-2-8", second
     assert not frames.ended
     notice = json.loads(frames.message(enc.notice(RouterShutdown().body())))

@@ -58,7 +58,7 @@ async def test_a_create_that_fails_mid_stream_names_its_request_in_the_error_and
     c, sock = conn()
     with caplog.at_level(logging.ERROR, logger="fairstream.websocket"):
         await run_create(c, "m1", b"{}", None)  # type: ignore[arg-type]
-    first, last = sock.frames
+    first, _, last = sock.frames  # (the role chunk, event 1, the error)
     rid = first["stream"]
     assert last["id"] == "m1" and last["request_id"] == rid and last["error"]["type"] == "server_error", last
     [rec] = [r for r in caplog.records if "mid-stream" in r.getMessage()]
@@ -69,7 +69,7 @@ async def test_a_create_whose_store_fails_mid_stream_is_told_to_resume_its_strea
     creating(monkeypatch, StoreUnavailable("redis down"))
     c, sock = conn()
     await run_create(c, "m1", b"{}", None)  # type: ignore[arg-type]
-    first, last = sock.frames
+    first, _, last = sock.frames  # (the role chunk, event 1, the error)
     err = last["error"]
     assert last["request_id"] == first["stream"] and err["code"] == "resume_unavailable", last
     # (a create's client sent no last_event_id: it resumes its stream with the last one it has)
