@@ -67,7 +67,7 @@ async def continue_stream(svc: RouterService, policy: TenantPolicy, sid: str, me
     )
     gen.completion_ids, gen.text_len = tokens, text_len
     enc = ChunkEncoder(meta.chat, meta.response_id, meta.model, meta.created, event_id=cursor,
-                       role_sent=bool(tokens) or skip_chars > 0)
+                       role_sent=cursor > 0)  # (a client has the role chunk iff it has event 1)
     outcome = Outcome(svc, policy, "resume", started, sid, counted=counted(meta, tokens, charged))
     ticket = pieces = None
     try:  # (it takes over the reservations its dead generators left unsettled: AdmitRequest.hold)

@@ -324,3 +324,34 @@ async def test_a_resume_of_a_stream_that_ended_without_its_end_is_not_told_done(
         assert "done" not in last and set(last) == {"id", "request_id", "error"}, last
         assert last["request_id"] == sid, last
         assert (last["error"]["type"], last["error"]["code"]) == ("server_error", "stream_lost"), last
+
+
+@pytest.mark.parametrize("routers", ["redis"], indirect=True)  # (the buffer is written straight into Redis)
+async def test_a_take_over_from_a_buffer_with_tokens_but_no_events_opens_with_the_role_chunk(
+        routers: list[RouterProcess], http: httpx.AsyncClient) -> None:
+    # A stream whose first token had no text yet (a held-back stop prefix, a
+    # split character) when its client left stores that token and no event.
+    # A resume from the start takes it over: its client has no event, so the
+    # continuation's first event opens with the role chunk (it was left out,
+    # the buffer having tokens).
+    url = routers[-1].config["state"]["url"]
+    from replicas.protocol import SamplingParams
+    from router.ids import new_id
+    from router.resume import ResumeMeta, encode_meta
+    from router.state.redis_store import RedisStore
+
+    sid = new_id()
+    store = RedisStore(url)
+    try:
+        meta = ResumeMeta("a", True, MODEL, "chatcmpl-held", 0, False, SamplingParams(max_tokens=6), [1, 2])
+        await store.stream_open(sid, encode_meta(meta), "", 60)
+        assert await store.stream_append(sid, [], [10], 0, False, "", 60)
+    finally:
+        await store.close()
+    async with http.stream("GET", f"{routers[-1].base_url}/v1/streams/{sid}") as r:
+        assert r.status_code == 200, await r.aread()
+        sse = [ev.data async for ev in aiter_sse(r)]
+    assert sse[-1] == "[DONE]", sse
+    first = json.loads(sse[0])["choices"][0]
+    assert first["delta"] == {"role": "assistant", "content": ""} and first["finish_reason"] is None, sse[:2]
+    assert all("role" not in json.loads(d)["choices"][0]["delta"] for d in sse[1:-1] if d.startswith("{")), sse
