@@ -120,14 +120,12 @@ class TransportWire(_Wire):
         for _, value in extra:
             if _BAD_VALUE.search(value):
                 return None  # (uvicorn's send refuses it, as it refuses any other)
-        parts = [_SSE_HEAD]
-        for name, value in cycle.default_headers:
-            parts.append(b"%s: %s\r\n" % (name, value))
-        parts.append(_SSE_TYPE)
-        for name, text in headers.items():
-            parts.append(b"%s: %s\r\n" % (name.encode("latin-1"), text.encode("latin-1")))
-        for name, value in extra:
-            parts.append(b"%s: %s\r\n" % (name, value))
+        # (the router's headers as one text, encoded once: a request's head
+        # has ~9 of them, and two encodes and an append each were ~30 calls)
+        own = "".join([f"{name}: {text}\r\n" for name, text in headers.items()]).encode("latin-1")
+        parts = [_SSE_HEAD, *[b"%s: %s\r\n" % nv for nv in cycle.default_headers], _SSE_TYPE, own]
+        if extra:
+            parts += [b"%s: %s\r\n" % nv for nv in extra]
         if not cycle.keep_alive:  # (an HTTP/1.0 request's never is)
             parts.append(b"connection: close\r\n")
         http10 = cycle.scope.get("http_version") == "1.0"
