@@ -13,6 +13,7 @@ the replica's requests in one frame), ``LoadReport``, ``Pong``, ``Refused``.
 from __future__ import annotations
 
 import enum
+import operator
 import struct
 from typing import Any
 
@@ -79,6 +80,9 @@ UNSET_PRESENCE_PENALTY, UNSET_FREQUENCY_PENALTY = 32, 64
 _UNSET_FIELDS = ((UNSET_TEMPERATURE, "temperature"), (UNSET_TOP_P, "top_p"), (UNSET_TOP_K, "top_k"),
                  (UNSET_REPETITION_PENALTY, "repetition_penalty"), (UNSET_MIN_P, "min_p"),
                  (UNSET_PRESENCE_PENALTY, "presence_penalty"), (UNSET_FREQUENCY_PENALTY, "frequency_penalty"))
+_UNSET_BITS = tuple(bit for bit, _ in _UNSET_FIELDS)
+# (their values in one call: a getattr each was 7 calls per request)
+_unset_values = operator.attrgetter(*(name for _, name in _UNSET_FIELDS))
 
 _OPENAI_FINISH = {
     FinishReason.NONE: None,
@@ -128,8 +132,8 @@ class SamplingParams(msgspec.Struct, array_like=True, omit_defaults=True, gc=Fal
         """From an OpenAI-style request object (fields as in the API, None when
         unset); ``max_tokens`` and ``stop`` already resolved by the caller."""
         unset = 0
-        for bit, name in _UNSET_FIELDS:
-            if getattr(req, name, None) is None:
+        for bit, value in zip(_UNSET_BITS, _unset_values(req)):
+            if value is None:
                 unset |= bit
         return cls(
             unset=unset,
