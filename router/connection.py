@@ -366,7 +366,10 @@ class HttpConnection(HttpToolsProtocol):
 
     def on_header(self, name: bytes, value: bytes) -> None:
         super().on_header(name, value)
-        self._count(len(name) + len(value) + 4)
+        # (``_count``'s sum inline, the refusal by it: this runs for every header of every request)
+        self._head += len(name) + len(value) + 4
+        if self._head > MAX_HEAD_BYTES:
+            self._count(0)
 
     def on_headers_complete(self) -> None:
         self._in_head = False
