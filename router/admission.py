@@ -448,6 +448,12 @@ class Admission:
             log.warning("could not settle lease of %s: %s (it expires by itself)", ticket.tenant, e)
         self._ended(ticket.tenant)
 
+    @property
+    def in_process(self) -> bool:
+        """Its store is this process's own (``finish_now`` settles at once).
+        (A Redis outage's fallback is inside ResilientStore: not this.)"""
+        return isinstance(self.store, MemoryStore)
+
     def finish_now(self, ticket: Ticket, used_tokens: int) -> None:
         """``finish`` at once, without an await, where the store is this
         process's own (``MemoryStore``: nothing to wait for): a stream's last
@@ -456,7 +462,7 @@ class Admission:
         shared store nothing happens here: ``EventStream.release`` settles
         before the last bytes, a round trip. Idempotent."""
         store = self.store
-        if ticket.done or not isinstance(store, MemoryStore):  # (a Redis outage's fallback is inside ResilientStore)
+        if ticket.done or not self.in_process:
             return
         ticket.done = True
         ticket.used = used_tokens + ticket.inherited

@@ -38,6 +38,7 @@ NOT_RESUMABLE = "not_resumable"
 # the longest a stream's ending waits for its ticket's settlement on a shared
 # store (``EventStream.release``); then it goes out, the settlement goes on
 RELEASE_WAIT = 0.25
+_DETACHED = ("cancelled", "shutdown")  # results whose stream stays resumable (_settle)
 request_log = SummaryLog("fairstream.request")
 
 
@@ -407,8 +408,9 @@ class EventStream:
         return charged_tokens(self.gen, self.outcome.counted)
 
     def settle(self) -> None:
-        """Count the request once and settle its buffer and ticket (in the
-        background: on disconnect this runs where every await is cancelled).
+        """Count the request once and settle its buffer and ticket (at once
+        on an in-process store, else in the background: on disconnect this
+        runs where every await is cancelled).
         It counts every token its generation had, those past its events too
         (behind a slow client's paused transport, or arrived as it left): a
         client that never resumes pays for what the replicas made. A stream
@@ -421,8 +423,15 @@ class EventStream:
             self.sent_ids = self.tokens
         self.outcome.record(self.result, gen, self.error, streamed=True)
         charged = max(self.outcome.counted[1], gen.completion_tokens)  # (the stream's, as counted so far)
-        self.svc.background(_settle(self.svc, self.writer, self.sid or "", self.result, self.final, self.chars,
-                                    self.ticket, self._used(), charged))
+        ticket, writer = self.ticket, self.writer
+        if writer.ends_now and (ticket is None or ticket.done or self.svc.admission.in_process):
+            # (an in-process store: _settle's work at once, without a task)
+            writer.end_now(self.sid or "", self.final, self.chars, self.result in _DETACHED, charged)
+            if ticket is not None:
+                self.svc.admission.finish_now(ticket, self._used())
+            return
+        self.svc.background(_settle(self.svc, writer, self.sid or "", self.result, self.final, self.chars,
+                                    ticket, self._used(), charged))
 
 
 async def relay_stream(es: EventStream, pieces: AsyncIterator[Piece], first: Piece | None) -> AsyncIterator[bytes]:
@@ -456,7 +465,7 @@ async def relay_stream(es: EventStream, pieces: AsyncIterator[Piece], first: Pie
 
 async def _settle(svc, writer, sid: str, result: str, final: bytes | None, chars: int,
                   ticket: Ticket | None, used: int, charged: int) -> None:
-    if result in ("cancelled", "shutdown"):
+    if result in _DETACHED:
         # The client left (or this router stops): keep what was delivered so
         # a resume can continue it, and what its tokens were charged.
         await writer.detach(sid, chars, charged)
@@ -468,6 +477,11 @@ async def _settle(svc, writer, sid: str, result: str, final: bytes | None, chars
 
 class _NoBuffer:
     """Stand-in resume writer for streams that are not resumable."""
+
+    ends_now = True
+
+    def end_now(self, sid, final, text_len, detach, charged=0) -> None:
+        pass
 
     def append(self, sid, event, token_ids, text_len) -> None:
         pass

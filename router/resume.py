@@ -106,6 +106,8 @@ class ResumeWriter:
         # resumes of each stream running on this router, oldest first (router/resume_http.py caps them)
         self.readers: dict[str, list] = {}
         self._now = getattr(store, "append_now", None)  # in-process store: no batching
+        # (and its release has no await: a stream's end is written at once, end_now)
+        self._release_now = getattr(store, "stream_release_now", None) if self._now is not None else None
         # events put in each buffer this router writes (opened or taken over),
         # so the store can tell a buffer that misses some (stream_append's ``first``)
         self._written: dict[str, int] = {}
@@ -189,10 +191,7 @@ class ResumeWriter:
         """Drop this router's claim on ``sid`` (it no longer generates it);
         ``charged``: the stream's completion tokens counted and charged so
         far (``StateStore.stream_release``)."""
-        self.live.discard(sid)
-        self._written.pop(sid, None)
-        self._refused.discard(sid)
-        self._unwritten.discard(sid)
+        self._forget(sid)
         self._releasing[sid] = self._releasing.get(sid, 0) + 1
         try:
             await self.store.stream_release(sid, self.owner, charged)
@@ -202,6 +201,30 @@ class ResumeWriter:
             n = self._releasing.pop(sid) - 1
             if n:
                 self._releasing[sid] = n
+
+    def _forget(self, sid: str) -> None:
+        self.live.discard(sid)
+        self._written.pop(sid, None)
+        self._refused.discard(sid)
+        self._unwritten.discard(sid)
+
+    @property
+    def ends_now(self) -> bool:
+        """Whether ``end_now`` can end a stream here: its store is this process's own."""
+        return self._release_now is not None
+
+    def end_now(self, sid: str, final: bytes | None, text_len: int, detach: bool, charged: int = 0) -> None:
+        """``finish`` (``detach``: ``detach``, with ``charged``) without an
+        await, where ``ends_now``: nothing is ever pending for an in-process
+        store, and its release has no await (no release is on its way
+        meanwhile). A stream's end then takes no task of its own."""
+        if detach:
+            self._put(sid, (), (), text_len, False)
+        else:
+            self._put(sid, () if final is None else (final,), (), text_len, True)
+            charged = 0  # (as finish releases)
+        self._forget(sid)
+        self._release_now(sid, self.owner, charged)  # type: ignore[misc]
 
     def append(self, sid: str, event: bytes | None, token_ids: list[int], text_len: int) -> None:
         """Add an event (and the tokens it carries) to the buffer."""

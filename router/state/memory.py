@@ -384,6 +384,10 @@ class MemoryStore(StateStore):
         return out
 
     async def stream_release(self, sid: str, owner: str, charged: int = 0) -> None:
+        self.stream_release_now(sid, owner, charged)
+
+    def stream_release_now(self, sid: str, owner: str, charged: int = 0) -> None:
+        """``stream_release`` without an await (``ResumeWriter.end_now``)."""
         st = self._streams.get(sid)
         if st is not None and st.owner == owner:
             st.owner = ""
