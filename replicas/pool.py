@@ -206,6 +206,14 @@ class ReplicaPool:
         seen.discard("")
         return sorted(seen)
 
+    def serves(self, model: str) -> bool:
+        """``model in models()``, without building the list (asked once per request)."""
+        if model:
+            for s in self.slots:
+                if s.model == model:
+                    return True
+        return False
+
     def models_unknown(self) -> int:
         """How many replicas serve a model only their connection will tell
         (an ``address`` or ``url`` replica not connected yet): until then a

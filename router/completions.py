@@ -98,7 +98,7 @@ def response_id_of(chat: bool, request_id: str) -> str:
 
 def check_model(svc: RouterService, policy: TenantPolicy, model: str) -> None:
     """Raise OpenAI's 404 unless a replica serves ``model`` and the tenant may use it."""
-    if model in svc.pool.models() and policy.allows_model(model):
+    if svc.pool.serves(model) and policy.allows_model(model):
         return
     unknown = svc.pool.models_unknown() if policy.allows_model(model) else 0
     if unknown:

@@ -26,7 +26,7 @@ MODEL = "m"
 
 
 def _svc() -> Any:
-    pool = SimpleNamespace(models=lambda: {MODEL}, models_unknown=lambda: 0)
+    pool = SimpleNamespace(models=lambda: {MODEL}, serves=lambda model: model == MODEL, models_unknown=lambda: 0)
     config = SimpleNamespace(default_max_tokens=256, max_body_bytes=8 * 1024 * 1024)
     return SimpleNamespace(pool=pool, config=config, large_bodies=LargeBodies())
 
