@@ -256,7 +256,8 @@ class FastPath:
             callbacks.append(lost)
             # A body over uvicorn's high-water mark paused reading, and only
             # receive() resumes it: unpaused, the client's close is read.
-            cycle.flow.resume_reading()
+            if cycle.flow.read_paused:  # (as resume_reading checks: no call for the others)
+                cycle.flow.resume_reading()
         else:
             listener = asyncio.get_running_loop().create_task(listen())
         st = es = relay = None
