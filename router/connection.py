@@ -141,7 +141,8 @@ class HttpConnection(HttpToolsProtocol):
     # attributes share their keys among instances, and 7 more in the
     # instance dict pushed it past CPython's limit for shared keys, to a
     # 1.6 KB dict of its own on every connection)
-    __slots__ = ("_head", "_raw", "_in_head", "_refused", "_over", "_deadline", "_lost", "_stopping", "_body_by")
+    __slots__ = ("_head", "_raw", "_in_head", "_refused", "_over", "_deadline", "_lost", "_stopping", "_body_by",
+                 "_body_at")
 
     head_timeout = 30.0
     body_timeout = 60.0
@@ -181,6 +182,7 @@ class HttpConnection(HttpToolsProtocol):
         self._over = 0 < self.max_connections < len(self.connections)
         self._deadline: asyncio.TimerHandle | None = None
         self._body_by = 0.0  # (loop time the request's body must have come whole by: _start_body)
+        self._body_at = -1.0  # (loop time _limit_body last armed the deadline, -1 once another limit replaced it)
         self._lost: list[Callable[[], None]] = []  # (see on_headers_complete)
         if self._over:  # (its request, or not, within OVER_CAP_READ: answered all the same)
             self._deadline = self.loop.call_later(OVER_CAP_READ, self._refuse_over_cap)
@@ -188,6 +190,7 @@ class HttpConnection(HttpToolsProtocol):
             self._limit(self.head_timeout, HEAD_TIMEOUT)
 
     def _limit(self, seconds: float, why: str | None) -> None:
+        self._body_at = -1.0
         if self._deadline is not None:
             self._deadline.cancel()
         self._deadline = (self.loop.call_later(seconds, self._refuse, 408, why, _REASONS[why], _REASONS[why])
@@ -215,11 +218,13 @@ class HttpConnection(HttpToolsProtocol):
         hold its connection for as long as its length lasted (megabytes:
         days). None for a request queued behind a response under way
         (``_limit_unless_queued``; it starts in ``on_response_complete``)."""
-        left = self._body_by - self.loop.time()
+        now = self.loop.time()
+        left = self._body_by - now
         if left < self.body_timeout:
             self._limit_unless_queued(max(0.0, left), BODY_TOO_SLOW)
         else:
             self._limit_unless_queued(self.body_timeout, BODY_TIMEOUT)
+        self._body_at = now
 
     def _refuse(self, status: int, message: str, code: str, reason: str) -> None:
         """Answer ``status`` as an OpenAI error with that ``code`` (a 503 with
@@ -400,7 +405,11 @@ class HttpConnection(HttpToolsProtocol):
         if self._refused:
             return
         if not self._over:
-            self._limit_body()
+            # (not again at the same loop time, as when the body came in the
+            # head's read: uvloop's clock is that of the loop's turn, so the
+            # same deadline would replace itself)
+            if self.loop.time() != self._body_at:
+                self._limit_body()
             super().on_body(body)
 
     def on_message_complete(self) -> None:
