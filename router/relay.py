@@ -427,7 +427,7 @@ class EventStream:
         if writer.ends_now and (ticket is None or ticket.done or self.svc.admission.in_process):
             # (an in-process store: _settle's work at once, without a task)
             writer.end_now(self.sid or "", self.final, self.chars, self.result in _DETACHED, charged)
-            if ticket is not None:
+            if ticket is not None and not ticket.done:
                 self.svc.admission.finish_now(ticket, self._used())
             return
         self.svc.background(_settle(self.svc, writer, self.sid or "", self.result, self.final, self.chars,

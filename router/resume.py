@@ -108,6 +108,7 @@ class ResumeWriter:
         self._now = getattr(store, "append_now", None)  # in-process store: no batching
         # (and its release has no await: a stream's end is written at once, end_now)
         self._release_now = getattr(store, "stream_release_now", None) if self._now is not None else None
+        self.ends_now = self._release_now is not None  # (end_now can end a stream here)
         # events put in each buffer this router writes (opened or taken over),
         # so the store can tell a buffer that misses some (stream_append's ``first``)
         self._written: dict[str, int] = {}
@@ -207,11 +208,6 @@ class ResumeWriter:
         self._written.pop(sid, None)
         self._refused.discard(sid)
         self._unwritten.discard(sid)
-
-    @property
-    def ends_now(self) -> bool:
-        """Whether ``end_now`` can end a stream here: its store is this process's own."""
-        return self._release_now is not None
 
     def end_now(self, sid: str, final: bytes | None, text_len: int, detach: bool, charged: int = 0) -> None:
         """``finish`` (``detach``: ``detach``, with ``charged``) without an
