@@ -22,7 +22,7 @@ from __future__ import annotations
 import asyncio
 import os
 from bisect import bisect_left
-from collections.abc import Iterable, Mapping
+from collections.abc import Coroutine, Iterable, Iterator, Mapping
 from typing import Any
 
 from prometheus_client import (CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics,
@@ -56,7 +56,8 @@ CONNECTION_REFUSALS = ("max_connections", "header_timeout", "body_timeout", "hea
 FAILURES = ("unavailable", "timeout_first_token", "timeout_total", "lost", "error")
 FAILURE_ENDPOINTS = ("chat", "completions")
 DIRECTIONS = ("prompt", "completion")
-DECLARE_BATCH = 40  # tenants ``declare_gradually`` declares per turn of the event loop (23 children each: ~7 ms)
+DECLARE_BATCH = 10  # tenants ``declare_gradually`` declares per turn of the event loop (23 children each: ~2 ms)
+RETIRE_BATCH = 500  # children ``retire_gradually`` looks at per turn of the event loop (~1 ms)
 _ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.015, 0.02, 0.03, 0.05, 0.075, 0.1, 0.2, 0.5, 1, 2, 5)
 
 
@@ -261,6 +262,24 @@ class Metrics:
         In multiprocess mode nothing happens: prometheus-client cannot
         remove a series whose values are in files, and the series stay until
         the router restarts."""
+        for _ in self._retiring(tenants, RETIRE_BATCH):
+            pass
+
+    def retire_gradually(self, tenants: Iterable[str], batch: int = RETIRE_BATCH) -> Coroutine[Any, Any, None]:
+        """``retire`` for a reload: the tenants are retired now (what is
+        counted for them from now on is exported nowhere) and the first
+        ``batch`` children looked at; the coroutine returned (to run as a
+        task) takes the rest of their series out, a batch per turn of the
+        event loop. Removing 5,000 tenants' 115,000 children in one turn
+        stopped every stream ~0.6 s."""
+        steps = self._retiring(tuple(tenants), batch)
+        next(steps, None)
+        return _one_per_turn(steps)
+
+    def _retiring(self, tenants: Iterable[str], batch: int) -> Iterator[None]:
+        """``retire``'s work, a pause after every ``batch`` children looked
+        at. A tenant a later reload adds again (``unretire``) before its
+        turn here keeps its series."""
         if self.multiprocess or not tenants:
             return
         gone = set(tenants)
@@ -268,24 +287,27 @@ class Metrics:
         for family in self.by_tenant:
             gauge = isinstance(family, Gauge)
             # (prometheus-client keeps a family's children by label values, tenant first)
-            drop = []
-            for values, c in family._metrics.copy().items():
-                if values[0] not in gone:
-                    continue
-                if gauge and c.collect()[0].samples[0].value:
-                    self._draining.add((family, values))
-                    # (``gauge_down`` must reach the exported child, even one made without ``child``)
-                    self._children[(family, values)] = c
-                else:
-                    drop.append(values)
-            # (as ``family.remove`` each, without its per-call checks: 16,000
-            # of those, for 2,000 tenants removed, held the loop ~0.15 s)
-            with family._lock:
-                for values in drop:
-                    family._metrics.pop(values, None)
-        for key in [k for k in self._children if k[1] and k[1][0] in gone and k[0] in self.by_tenant
-                    and k not in self._draining]:
-            del self._children[key]
+            children = list(family._metrics.items())
+            for i in range(0, len(children), batch):
+                drop = []
+                for values, c in children[i:i + batch]:
+                    if values[0] not in gone or values[0] not in self._retired:
+                        continue
+                    key = (family, values)
+                    if gauge and c.collect()[0].samples[0].value:
+                        self._draining.add(key)
+                        # (``gauge_down`` must reach the exported child, even one made without ``child``)
+                        self._children[key] = c
+                    else:
+                        drop.append(values)
+                        if key not in self._draining:
+                            self._children.pop(key, None)
+                # (as ``family.remove`` each, without its per-call checks: 16,000
+                # of those, for 2,000 tenants removed, held the loop ~0.15 s)
+                with family._lock:
+                    for values in drop:
+                        family._metrics.pop(values, None)
+                yield
 
     def reclass(self, classes: Mapping[str, str]) -> None:
         """A reload gave tenants these priority classes: a tenant's queue
@@ -389,6 +411,11 @@ class Metrics:
             multiprocess.MultiProcessCollector(registry)
             return generate_latest(registry)
         return generate_latest(self.registry)
+
+
+async def _one_per_turn(steps: Iterator[None]) -> None:
+    for _ in steps:
+        await asyncio.sleep(0)
 
 
 def _retrieved(fut: asyncio.Future) -> None:

@@ -106,7 +106,7 @@ class RouterService:
         """Requests still waiting (for their limits or a replica) of tenants
         the reload removed get 401, as a new request of theirs does; their
         running streams go on (as do those of a key removed from a tenant
-        that stays). Their metric series go (``Metrics.retire``)."""
+        that stays). Their metric series go (``Metrics.retire_gradually``)."""
         names = set(self.policy.current.tenants)
         self.admission.follow(self.policy.current.tenants)
         self.scheduler.follow(self.policy.current.tenants)  # (weights and classes of queued requests too)
@@ -120,7 +120,7 @@ class RouterService:
             n = self.admission.fail_tenant(name, error) + self.scheduler.fail_tenant(name, error)
             if n:
                 log.warning("tenant %s removed by the reload: %d waiting requests refused (401)", name, n)
-        self.metrics.retire(*removed)
+        self.background(self.metrics.retire_gradually(removed))  # (their series: a batch per loop turn)
         self._tenants = names
 
     def _warn_unserved_models(self) -> None:

@@ -287,10 +287,11 @@ async def test_reload_by_file_watch_and_sighup_applies_lowered_limit_at_once(tmp
     router = RouterProcess(tmp_path / "r", tenants=t, sim={"step_base_ms": 10}).start()
     try:
         async with httpx.AsyncClient(base_url=router.base_url, timeout=60) as client:
-            # a long stream in flight across the reload
+            # a long stream in flight across the reload (4 s: the reload's parse
+            # starts a process, ~0.2-1 s on a loaded host, after the watch's settling)
             async def long_stream():
                 async with client.stream("POST", "/v1/completions", headers=auth(KEY_A),
-                                         json=body(150, stream=True)) as r:
+                                         json=body(400, stream=True)) as r:
                     return [ev.data async for ev in aiter_sse(r)][-1]
 
             inflight = asyncio.create_task(long_stream())
