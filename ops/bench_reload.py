@@ -40,7 +40,7 @@ KEY = "fs-reload-a"
 
 def tenants_text(n: int, *, weight: int = 1, rpm: int = 600) -> str:
     """A tenants file of ``n`` generated tenants plus ``a`` (the streams'),
-    each with a key, a weight and a ``limits`` entry: ~140 bytes a tenant."""
+    each with a key, a weight and a ``limits`` entry: ~160 bytes a tenant."""
     lines = [f"admin_keys: [{hash_key(ADMIN)}]", "tenants:",
              f"  a: {{keys: [{hash_key(KEY)}], weight: 1}}"]
     for i in range(n):
