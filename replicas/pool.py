@@ -54,18 +54,46 @@ class ReplicaSlot:
         # (a replica it does not start: ``address``, ``url``)
         self.reconnects = 0
         self.refusal: ReplicaRefused | None = None  # its last connect's refusal, until one succeeds
-        self.state = "starting"  # starting | ready | down
+        self.state = "starting"  # starting | ready | down (and ``status``: stalled)
         self.last_error: str | None = None  # why it last failed, kept after it is back (/admin/replicas)
         self.last_error_at: float | None = None  # (Unix time)
         self.inflight = 0
         self.inflight_tokens = 0
         self.served = 0
+        # (time.monotonic()) when a stream's stall limit last caught it producing nothing: out of
+        # dispatch until it answers a ping sent after that (``answered``), which a frozen process
+        # never does; the health check alone decides to kill it
+        self.stalled_at: float | None = None
 
     @property
-    def ready(self) -> bool:
+    def usable(self) -> bool:
+        """It is up and its connection takes requests (not closed, refused or refusing the router's key)."""
         c = self.client
         return (self.state == "ready" and c is not None and c.closed is None and not c.refused
                 and c.credentials_refused is None)
+
+    @property
+    def ready(self) -> bool:
+        """Connected and not caught stalling: chosen for new requests and failovers."""
+        return self.stalled_at is None and self.usable
+
+    def stalled(self) -> bool:
+        """A stream's stall limit caught it producing nothing: out of dispatch
+        until it answers a ping sent from now on. Whether that is news (it
+        was not out already)."""
+        news = self.stalled_at is None
+        self.stalled_at = time.monotonic()
+        return news
+
+    def answered(self, sent: float) -> bool:
+        """It answered a ping sent at ``sent`` (time.monotonic()): back in
+        dispatch if it was out for a stall caught before that ping (a pong
+        to an older one may have been on its way when it froze). Whether it
+        came back."""
+        if self.stalled_at is None or sent < self.stalled_at:
+            return False
+        self.stalled_at = None
+        return True
 
     def failed(self, why: str) -> None:
         """It failed (the supervisor's reason, as logged). Not for a refusal
@@ -102,8 +130,13 @@ class ReplicaSlot:
     def status(self) -> str:
         """``state`` as ``/ready`` and ``/admin/replicas`` show it: ``down``
         as soon as its connection is closed or refused, before the
-        supervisor has noticed (``state`` still ``ready``)."""
-        return "down" if self.state == "ready" and not self.ready else self.state
+        supervisor has noticed (``state`` still ``ready``); ``stalled``
+        while it is out of dispatch for a stall (``stalled_at``)."""
+        if self.state != "ready":
+            return self.state
+        if not self.usable:
+            return "down"
+        return "ready" if self.stalled_at is None else "stalled"
 
     @property
     def model(self) -> str:
@@ -187,6 +220,8 @@ class ReplicaPool:
         self.on_release: Callable[[ReplicaSlot], None] | None = None
         # called when a replica becomes ready (the scheduler: dispatch what queued)
         self.on_ready: Callable[[], None] | None = None
+        # called when a stream's stall limit takes a replica out of dispatch (the metrics)
+        self.on_stalled: Callable[[ReplicaSlot], None] | None = None
         # streams waiting to fail over (``when_ready``), called when a replica becomes ready or a ready one
         # may have room: per (model, needs) in registration order (a dict: forgetting one is O(1)), so
         # that a round asks only the waiters of models with room, and a model's only until one finds none
@@ -281,6 +316,18 @@ class ReplicaPool:
         # (an upstream that refuses the router's credentials: the operator's to fix, so the message says so)
         why = self.credentials_refused(model)
         raise NoReplica(f"no ready replica serves model {model!r}" + (f" ({'; '.join(why)})" if why else ""))
+
+    def caught_stalling(self, slot: ReplicaSlot, why: object) -> None:
+        """A stream's stall limit caught ``slot`` producing nothing (``why``):
+        it is chosen for nothing (new requests, failovers) until it answers
+        a ping sent after this (``ReplicaSlot.answered``, the supervisor's
+        next health check), so that a frozen replica, which only the health
+        timeout kills, gets no request meanwhile. A replica merely slow for
+        one stream answers that ping within ``health_interval``."""
+        if slot.stalled():  # (logged once while it is out)
+            log.warning("replica %s stalled a stream (%s): not chosen until it answers a health check", slot.name, why)
+        if self.on_stalled is not None:
+            self.on_stalled(slot)
 
     def credentials_refused(self, model: str) -> list[str]:
         """Why the replicas of ``model`` refuse the router's credentials

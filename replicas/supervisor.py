@@ -19,6 +19,7 @@ import os
 import shutil
 import signal
 import sys
+import time
 from collections.abc import Callable
 
 from replicas.client import KeyRefused, ReplicaClient, ReplicaDead, ReplicaRefused, connect
@@ -257,6 +258,7 @@ class Supervisor:
                     slot.name, slot.spec.address or "", secret=self._secret(slot), timeout=10
                 )
             slot.client = client
+            slot.stalled_at = None  # (a stall of its last connection or process says nothing of this one)
             slot.state = "ready"
             if isinstance(slot.connected(), KeyRefused):
                 log.warning("upstream %s takes the router's credentials again", slot.name)
@@ -293,6 +295,7 @@ class Supervisor:
                     if unauthorized:
                         slot.failed(unauthorized)  # (why /admin/replicas shows it down)
                     self._on_event("refused", slot)
+                sent = time.monotonic()  # (a stall caught after this is not cleared by its pong)
                 ping = asyncio.ensure_future(answered_within(client.ping(None), s.health_timeout))
                 done, _ = await asyncio.wait({ping, exited} - {None}, return_when=asyncio.FIRST_COMPLETED)
                 if exited is not None and exited in done:
@@ -309,7 +312,10 @@ class Supervisor:
                 if refused and client.refusals == refusals:  # (refused before this check, not since: it answers)
                     client.refused = False
                     log.info("replica %s answers its health check after a refused connection", slot.name)
-                if (refused and not client.refused) or (unauthorized and not client.credentials_refused):
+                back = slot.answered(sent)
+                if back:
+                    log.info("replica %s answers its health check after it stalled a stream: chosen again", slot.name)
+                if back or (refused and not client.refused) or (unauthorized and not client.credentials_refused):
                     self._on_event("answers", slot)
                     self.pool.notify_ready()
                 if progress.stuck(pong.load, loop.time(), paused):

@@ -83,14 +83,14 @@ async def replicas(request: Request) -> Response:
     out = []
     for slot in svc.pool.slots:
         client = slot.client
-        load = client.load if client is not None and slot.ready else None
+        load = client.load if client is not None and slot.usable else None
         out.append({
             "name": slot.name,
             "state": slot.status,
-            "ready": slot.ready,
+            "ready": slot.ready,  # (new requests may go to it: not a "stalled" one, whose load is still shown)
             "local": slot.spec.local,
             # (None for a replica with no process of its own here: a url: upstream)
-            "pid": (client.ready.pid if client is not None and slot.ready else slot.pid) or None,
+            "pid": (client.ready.pid if client is not None and slot.usable else slot.pid) or None,
             # (restarts of its process by the router, as fairstream_replica_restarts_total; for a
             # replica it does not start, its attempts to connect again after a loss, failure or refusal)
             "restarts": slot.restarts,
@@ -104,7 +104,7 @@ async def replicas(request: Request) -> Response:
             "model": client.model if client is not None else None,
             # (the request fields it takes beyond the first protocol's: replicas.protocol.Feature)
             "features": (Feature(client.ready.features & FEATURES).fields()
-                         if client is not None and slot.ready else None),
+                         if client is not None and slot.usable else None),
             # (by name: the replica protocol's struct is an array)
             "load": {f: getattr(load, f) for f in load.__struct_fields__} if load is not None else None,
         })

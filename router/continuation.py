@@ -76,7 +76,7 @@ async def continue_stream(svc: RouterService, policy: TenantPolicy, sid: str, me
             replaces=leases[1], deadlines=gen.deadlines, delivered=bool(tokens), hold=svc.resume.retention,
             base=sum(outcome.counted))
         log.info("resuming stream %s at %d tokens on this router", sid, len(tokens))
-        pieces = gen.stream()
+        pieces = gen.stream(resumes=True)  # (no replica ready: it waits for one, as a failover does)
         first = await pieces.__anext__()
     except BaseException as e:
         # Refused (a limit, no replica for now, a time limit) or the client

@@ -16,24 +16,30 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import time
 
 from replicas.client import CredentialsRefused
 from replicas.pool import LoadHandle, NoReplica
 from router.deadlines import StreamTimeout
+from router.errors import ReplicaUnavailable
 from router.logs import request_id_var
 
 log = logging.getLogger("fairstream.generation")
 
-__all__ = ["WaitsForReplica"]
+__all__ = ["StreamLost", "WaitsForReplica"]
+
+
+class StreamLost(Exception):
+    """The stream cannot continue: no replica could take it over."""
 
 
 class WaitsForReplica:
-    """Waiting for a replica to continue on (a mixin of ``Generation``,
-    whose attributes and ``_choose_again``, ``_moved``, ``_attach``,
-    ``_end`` and ``_give_up`` it uses)."""
+    """Waiting for a replica to continue on, or giving up (a mixin of
+    ``Generation``, whose attributes and ``_choose_again``, ``_moved``,
+    ``_attach`` and ``_end`` it uses)."""
 
-    __slots__ = ("failover_wait", "_waiting", "_full", "_until", "_on_the_way")
+    __slots__ = ("failover_wait", "_waiting", "_full", "_until", "_on_the_way", "_ready_wait")
 
     def _wait_for_replica(self, why: str, failure: BaseException) -> bool:
         """No replica can take the stream over now (its only replica, or
@@ -49,17 +55,9 @@ class WaitsForReplica:
             # sent nothing yet, gets the 503 naming it now, not after failover_wait)
             return False
         now = time.monotonic()
-        if self._on_the_way:
-            # (the replica it waited for failed it on the way there: the same
-            # wait goes on, to the same end, in its place in line)
-            until, limit = self._until
-        else:
-            dl = self.deadlines
-            until, limit = now + self.failover_wait, ""
-            if dl.first_token and not self.produced and dl.start + dl.first_token < until:
-                until, limit = dl.start + dl.first_token, "first_token"
-            if dl.total and dl.start + dl.total < until:
-                until, limit = dl.start + dl.total, "total"
+        # (the replica it waited for failed it on the way there: the same
+        # wait goes on, to the same end, in its place in line)
+        until, limit = self._until if self._on_the_way else self._wait_end()
         if until <= now:
             return False
         # (what every failover's line says: the replica, the tokens so far, why; then why it waits)
@@ -74,7 +72,63 @@ class WaitsForReplica:
             sched.running.add(self)  # (a router that stops ends it: stop_all)
         return True
 
+    def _wait_end(self) -> tuple[float, str]:
+        """When a wait for a replica that begins now ends (time.monotonic()):
+        ``failover_wait`` from now, or the tenant's first-token (while
+        nothing was produced) or total limit where sooner; and that limit's
+        name ("" for ``failover_wait``)."""
+        dl = self.deadlines
+        until, limit = time.monotonic() + self.failover_wait, ""
+        if dl.first_token and not self.produced and dl.start + dl.first_token < until:
+            until, limit = dl.start + dl.first_token, "first_token"
+        if dl.total and dl.start + dl.total < until:
+            until, limit = dl.start + dl.total, "total"
+        return until, limit
+
+    async def _until_ready(self, e: ReplicaUnavailable, wait: tuple[float, str] | None) -> tuple[float, str]:
+        """A resume's continuation found no replica of its model ready (its
+        only one, or every one, restarting; ``e``): wait for one to become
+        ready as a failover does, up to ``failover_wait`` and never past the
+        tenant's time limits, then go through the queue as before. Its
+        client is mid-stream, like a failover's; ``queue_wait`` is for
+        replicas that are busy, not gone. ``wait``: the end of the wait it
+        began (a replica that became ready and was gone again by its turn).
+        Raises ``e`` (or the limit's timeout) when none became ready."""
+        until, limit = wait or self._wait_end()
+        delay = until - time.monotonic()
+        if self.failover_wait <= 0 or delay <= 0 or self.pool.credentials_refused(self.job.model):
+            raise e
+        log.info("no replica is ready to continue the stream at %d tokens (%s); waiting up to %.1fs for one",
+                 len(self.completion_ids), e, delay)
+        became_ready = self._ready_wait = asyncio.get_running_loop().create_future()
+
+        def ready() -> bool:
+            if not self.pool.ready_slots(self.job.model, needs=self.needs):
+                return True  # (another model's)
+            if not became_ready.done():
+                became_ready.set_result(None)
+            return False
+
+        self.pool.when_ready(ready)  # (any model's: called when any replica becomes ready)
+        sched = self.scheduler
+        if sched is not None:
+            sched.running.add(self)  # (a router that stops wakes it, to end with RouterShutdown: stop_all)
+        try:
+            await asyncio.wait_for(became_ready, delay)
+        except TimeoutError:
+            if limit:
+                raise StreamTimeout(limit, getattr(self.deadlines, limit)) from None
+            raise e from e.__cause__
+        finally:
+            self.pool.forget(ready)
+            self._ready_wait = None
+            if sched is not None:
+                sched.running.discard(self)
+        return until, limit
+
     def _stop_waiting(self, keep_place: bool = False) -> None:
+        if self._ready_wait is not None and not self._ready_wait.done():
+            self._ready_wait.set_result(None)  # (a continuation's wait: it tries again, and is refused)
         waiting, self._waiting = self._waiting, None
         if waiting is None:
             return
@@ -139,3 +193,20 @@ class WaitsForReplica:
         log.info("stream on %s continues on %s past its in-flight cap: no ready replica had room within %gs",
                  self.replica, handle.slot.name, self.failover_wait, extra={"request_id": self.request_id})
         self._attach_as_own(handle)
+
+    def _give_up(self, why: str, retry_after: float = 0.0) -> None:
+        """No replica can go on after the request's replica failed
+        (``retry_after``: the pause the last one asked for, if it said)."""
+        self._end(self._no_replica(why, ReplicaUnavailable(
+            f"The request's replica failed before its first token and no other replica could take it: {why}",
+            headers={"retry-after": str(max(1, math.ceil(retry_after)))},
+        )))
+
+    def _no_replica(self, why: str, unavailable: ReplicaUnavailable) -> Exception:
+        """What no replica to run on means: a lost stream (counted) if
+        anything was produced; otherwise ``unavailable``, since nothing
+        reached the client, which may simply retry (503)."""
+        if self.produced:
+            self.metrics.streams_lost.inc()
+            return StreamLost(why)
+        return unavailable

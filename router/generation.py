@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import math
 import time
 from collections.abc import AsyncIterator, Collection
 from typing import TYPE_CHECKING
@@ -23,7 +22,7 @@ from replicas.pool import CONTINUES, LoadHandle, NoReplica, ReplicaPool
 from replicas.protocol import Delta, FinishReason
 from router.deadlines import Deadlines, Stalled, Watchdog
 from router.errors import BadRequest, ReplicaUnavailable, RouterShutdown
-from router.failover_wait import WaitsForReplica
+from router.failover_wait import StreamLost, WaitsForReplica
 from router.job import Job
 from router.logs import request_id_var
 from router.metrics import Metrics
@@ -39,10 +38,6 @@ log = logging.getLogger("fairstream.generation")
 CONTEXT_EXCEEDED = "maximum context length is"
 
 __all__ = ["Generation", "StreamLost"]
-
-
-class StreamLost(Exception):
-    """The stream cannot continue: no replica could take it over."""
 
 
 class Generation(WaitsForReplica):
@@ -118,6 +113,7 @@ class Generation(WaitsForReplica):
         self._full: Collection[str] = ()  # (while it waits: ready replicas it found full, failover_wait.py)
         self._until: tuple[float, str] = (0.0, "")  # (while it waits: when the wait ends, and which limit ends it)
         self._on_the_way = False  # (going to the replica it waited for)
+        self._ready_wait: asyncio.Future[None] | None = None  # (a continuation waiting for a ready replica)
         # (its failovers are logged from a replica reader, outside the request's context)
         self.request_id = request_id_var.get()
 
@@ -162,13 +158,13 @@ class Generation(WaitsForReplica):
     def chunk_tokens(self) -> int:
         return self.policy.chunk_tokens if self.policy is not None else 0
 
-    async def stream(self) -> AsyncIterator[Piece]:
+    async def stream(self, resumes: bool = False) -> AsyncIterator[Piece]:
         """``start`` and pull: yield pieces until the generation finishes
         (the failures as exceptions). Closing the iterator early aborts the
         request on its replica."""
         q = PieceQueue(self.chunk_tokens)
         try:
-            await self.start(q)
+            await self.start(q, resumes)
             while True:
                 piece = await q.get()
                 yield piece
@@ -177,26 +173,38 @@ class Generation(WaitsForReplica):
         finally:
             self.close()
 
-    async def start(self, sink) -> None:
+    async def start(self, sink, resumes: bool = False) -> None:
         """Wait for the tenant's turn in its queue (fair share, caps), then
-        dispatch; output goes to ``sink``."""
+        dispatch; output goes to ``sink``. ``resumes``: a resume's
+        continuation, whose client is mid-stream: with no replica ready
+        (all restarting) it waits for one as a failover does (``_until_ready``)."""
         self.sink = sink
         self._base = (len(self.completion_ids), self.text_len)
-        job = self.job
-        remaining = job.params.max_tokens - len(self.completion_ids)
-        try:
-            if self.scheduler is not None and self.policy is not None:
-                waited = time.monotonic() - self.deadlines.start  # e.g. for a rate limit
-                handle = await self.scheduler.acquire(self.policy, self.rank, job.model, remaining, waited,
-                                                      job.affinity_key(), self.needs, self._wait_limit)
-            else:
-                handle = self.pool.choose(job.model, remaining, self._exclude, self.needs)
-        except NoReplica as e:
-            raise self._no_replica(str(e), ReplicaUnavailable(str(e))) from e
+        wait = None  # (the end of its wait for a ready replica, once it began one)
+        while True:
+            try:
+                handle = await self._dispatch()
+                break
+            except ReplicaUnavailable as e:
+                if not (resumes and isinstance(e.__cause__, NoReplica)):
+                    raise
+                wait = await self._until_ready(e, wait)
         if self.ended:  # closed while it waited
             handle.release()
             return
         self._attach(handle)
+
+    async def _dispatch(self) -> LoadHandle:
+        job = self.job
+        remaining = job.params.max_tokens - len(self.completion_ids)
+        if self.scheduler is not None and self.policy is not None:
+            waited = time.monotonic() - self.deadlines.start  # e.g. for a rate limit
+            return await self.scheduler.acquire(self.policy, self.rank, job.model, remaining, waited,
+                                                job.affinity_key(), self.needs, self._wait_limit)
+        try:
+            return self.pool.choose(job.model, remaining, self._exclude, self.needs)
+        except NoReplica as e:
+            raise self._no_replica(str(e), ReplicaUnavailable(str(e))) from e
 
     def _wait_limit(self):
         """The tenant's first-token (or total) limit ends a wait for a replica
@@ -396,6 +404,8 @@ class Generation(WaitsForReplica):
 
     def _failed(self, exc: BaseException) -> None:
         name = self.replica or ""
+        if isinstance(exc, Stalled) and self._handle is not None:  # (chosen for nothing until it shows life)
+            self.pool.caught_stalling(self._handle.slot, exc)
         self._detach(finished=False)
         if isinstance(exc, (ReplicaDead, Stalled)):
             self._failover(name, exc)
@@ -481,20 +491,3 @@ class Generation(WaitsForReplica):
         if self.produced:
             self.metrics.streams_lost.inc()
         self._end(StreamLost(why))
-
-    def _give_up(self, why: str, retry_after: float = 0.0) -> None:
-        """No replica can go on after the request's replica failed
-        (``retry_after``: the pause the last one asked for, if it said)."""
-        self._end(self._no_replica(why, ReplicaUnavailable(
-            f"The request's replica failed before its first token and no other replica could take it: {why}",
-            headers={"retry-after": str(max(1, math.ceil(retry_after)))},
-        )))
-
-    def _no_replica(self, why: str, unavailable: ReplicaUnavailable) -> Exception:
-        """What no replica to run on means: a lost stream (counted) if
-        anything was produced; otherwise ``unavailable``, since nothing
-        reached the client, which may simply retry (503)."""
-        if self.produced:
-            self.metrics.streams_lost.inc()
-            return StreamLost(why)
-        return unavailable

@@ -100,6 +100,10 @@ class Metrics:
             ["tenant", "direction"],
         )
         self.replica_up = Gauge("fairstream_replica_up", "1 when the replica is connected and ready.", ["replica"], registry=r, multiprocess_mode="livemax")
+        self.replica_stalled = Gauge(
+            "fairstream_replica_stalled", "1 while the replica is out of dispatch: a stream's stall limit caught it "
+            "producing nothing, and it has not answered a health check since.", ["replica"], registry=r,
+            multiprocess_mode="livemax")
         self.replica_restarts = Counter("fairstream_replica_restarts", "Replica restarts by the supervisor.", ["replica"], registry=r)
         self.replica_inflight = Gauge(
             "fairstream_replica_inflight_requests", "Requests the router has on the replica.", ["replica"], registry=r, multiprocess_mode="livesum"
@@ -375,12 +379,17 @@ class Metrics:
             c = self._children[key] = metric.labels(*values)
         return c
 
+    def replica_state(self, slot) -> None:
+        """``fairstream_replica_up`` and ``fairstream_replica_stalled`` of ``slot``, as it is now."""
+        self.replica_up.labels(slot.name).set(1 if slot.ready else 0)
+        self.replica_stalled.labels(slot.name).set(1 if slot.stalled_at is not None and slot.usable else 0)
+
     def update_pool(self, pool) -> None:
         """The replica gauges from this process's view of ``pool``."""
         for slot in pool.slots:
-            self.replica_up.labels(slot.name).set(1 if slot.ready else 0)
+            self.replica_state(slot)
             self.replica_inflight.labels(slot.name).set(slot.inflight)
-            load = slot.client.load if slot.client is not None and slot.ready else None
+            load = slot.client.load if slot.client is not None and slot.usable else None
             self.replica_running.labels(slot.name).set(load.running if load else 0)
             self.replica_waiting.labels(slot.name).set(load.waiting if load else 0)
             self.replica_kv.labels(slot.name).set(load.kv_usage if load else 0)

@@ -76,6 +76,7 @@ class RouterService:
         self.pool = ReplicaPool(config.replicas)
         self.scheduler = Scheduler(self.pool, m, config.scheduler, config.batching)
         self.scheduler.follow(self.policy.current.tenants)
+        self.pool.on_stalled = m.replica_state
         self.supervisor = Supervisor(
             self.pool,
             SupervisorSettings(
@@ -257,4 +258,4 @@ class RouterService:
             self._warn_unserved_models()
         if event == "down" and slot.spec.local:  # (a remote one is reconnected, not restarted)
             self.metrics.replica_restarts.labels(slot.name).inc()
-        self.metrics.replica_up.labels(slot.name).set(1 if slot.ready else 0)
+        self.metrics.replica_state(slot)

@@ -345,13 +345,18 @@ async def test_going_straight_back_to_the_only_replica_and_finding_it_dead_is_on
         assert gen._col is not None
     gen._col.put(Delta(1, [20], "y", STOP))
     assert sink.failure is None and gen.completion_ids == [10, 11, 12, 20]
-    # a stall on going straight back is a replica alive and slow: charged as any failover
-    gen3, sink3 = _running(pool, metrics, max_tokens=20, max_failovers=1, failover_wait=0.0)
+    # a stall on going straight back is a replica alive and slow: charged as any failover (the
+    # stream waits for the stalled replica to answer a ping, which makes it ready again)
+    gen3, sink3 = _running(pool, metrics, max_tokens=20, max_failovers=1, failover_wait=5.0)
     gen3._col.put(Delta(1, [10], "x", NONE))
     gen3._col.fail(ReplicaDead("closed"))  # charged 1 of 1, straight back
     gen3._col.fail(Stalled("replica solo produced no token for 10s"))  # not freed: the single free retry
+    assert gen3._col is None and not gen3.ended and slot.status == "stalled"
+    assert slot.answered(time.monotonic())
+    pool.notify_ready()
     gen3._col.fail(Stalled("replica solo produced no token for 10s"))  # nothing left
     assert gen3.ended and "gave up after 1 failovers" in str(sink3.failure)
+    assert slot.answered(time.monotonic())
     # a replica that takes the stream and dies at once, over and over, while it stays ready: a
     # freed retry is never followed by another, so the stream gives up within its budget
     gen2, sink2 = _running(pool, metrics, max_tokens=20, max_failovers=1, failover_wait=0.0)
