@@ -357,8 +357,9 @@ class EventStream:
         self.error = e.with_traceback(None)
         if isinstance(e, RouterShutdown):
             # as if the client had left: the resume buffer stays open (the
-            # log line names what the client was told)
-            self.error = shutdown_error(self.svc, self.sid is not None)
+            # log line names what the client was told: a resume only where
+            # one can continue it, not for a buffer found broken)
+            self.error = shutdown_error(self.svc, self.sid is not None and self.writer.resumable(self.sid))
             self.final = self.enc.notice(self.error.body())
             return self.final
         if isinstance(e, StreamTimeout):

@@ -222,6 +222,15 @@ class ResumeWriter:
         self._forget(sid)
         self._release_now(sid, self.owner, charged)  # type: ignore[misc]
 
+    def resumable(self, sid: str) -> bool:
+        """Whether a resume of ``sid`` could continue it, as far as this
+        router knows: not once the store refused an append of it (broken:
+        it misses events; or another router's, or finished), nor once an
+        append failed (its events are lost: the store finds the buffer short
+        of them at its next append). What a stream this router ends is told
+        (a resume, or a retry) goes by it."""
+        return sid not in self._refused and sid not in self._unwritten
+
     def append(self, sid: str, event: bytes | None, token_ids: list[int], text_len: int) -> None:
         """Add an event (and the tokens it carries) to the buffer."""
         self._put(sid, () if event is None else (event,), token_ids, text_len, False)

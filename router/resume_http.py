@@ -317,7 +317,7 @@ async def _replay(svc: RouterService, policy: TenantPolicy, sid: str, meta: Resu
         if svc.scheduler.stopping:  # this router stops: the client goes on elsewhere
             enc = ChunkEncoder(meta.chat, meta.response_id, meta.model, meta.created)
             outcome.record("shutdown")
-            yield shutdown_notice(svc, enc, True)
+            yield shutdown_notice(svc, enc, svc.resume.resumable(sid))  # (unless it broke since the read)
             return
         behind = have < cursor  # the client has events the buffer lacks
         if behind and not (sid in svc.resume.live or snap.owner) and (

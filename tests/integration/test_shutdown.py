@@ -268,3 +268,48 @@ async def test_with_shared_state_a_stream_ended_by_shutdown_resumes_on_another_r
         # its request line names what its client was told (it said "retry the request")
         line = next(rec for rec in a.records("fairstream.request") if rec["request_id"] == rid)
         assert line["error_code"] == "router_shutdown" and "Last-Event-ID" in line["error"], line
+
+
+async def test_a_stream_whose_buffer_broke_is_told_to_retry_at_shutdown_not_to_resume(make_router) -> None:
+    # Redis stops answering for 1 s mid-stream (timeout 0.3 s): the router's
+    # appends go to its local fallback meanwhile, and once Redis is back it
+    # finds the stream's buffer short of them (broken: it says so in its
+    # log). SIGTERM then told the client to resume from its Last-Event-ID,
+    # and that resume, on the router sharing the store, was a 400
+    # ``not_resumable`` (a chaos run with two routers). It is to be told to
+    # retry the request, as a stream with no buffer is.
+    require_redis_server()
+    with RedisServer() as redis:
+        state = {"backend": "redis", "url": redis.url, "timeout": 0.3}
+        sim = {"step_base_ms": 20}
+        a = make_router(replicas=1, sim=sim, settings={"shutdown_grace": 0.5, "state": state})
+        b = make_router(replicas=1, sim=sim, settings={"state": state})
+        body = {**_body(1000), "temperature": 0}
+        async with httpx.AsyncClient(headers=AUTH, timeout=30) as http:
+            n, last, stopped, d = 0, None, False, {}
+            async with http.stream("POST", a.base_url + "/v1/chat/completions", json=body) as r:
+                rid = r.headers["x-request-id"]
+                async for ev in aiter_sse(r):
+                    if ev.id is not None:
+                        last = ev.id
+                    d = ev.json()
+                    if "error" in d:
+                        break
+                    n += 1
+                    if n == 20:
+                        redis.proc.send_signal(signal.SIGSTOP)
+                        await asyncio.sleep(1.0)
+                        redis.proc.send_signal(signal.SIGCONT)
+                    elif n > 20 and not stopped and "not appended to" in a.log():
+                        a.proc.send_signal(signal.SIGTERM)
+                        stopped = True
+            assert stopped, "the router never found the buffer broken"
+            err = d["error"]
+            assert err["code"] == "router_shutdown", err
+            assert "Last-Event-ID" not in err["message"] and "retry the request" in err["message"], err
+            # (what a resume of it gets: the promise it was given before would have been false)
+            r = await http.get(f"{b.base_url}/v1/streams/{rid}", headers={"Last-Event-ID": last})
+            assert r.status_code == 400 and r.json()["error"]["code"] == "not_resumable", r.text
+        a.proc.wait(15)
+        line = next(rec for rec in a.records("fairstream.request") if rec["request_id"] == rid)
+        assert line["error_code"] == "router_shutdown" and "Last-Event-ID" not in line["error"], line
