@@ -27,6 +27,7 @@ from router.deadlines import Deadlines
 from router.errors import ApiError
 from router.generation import Generation
 from router.job import Job
+from router.logs import request_id_var
 from router.relay import EventStream, Outcome, charged_tokens, error_before_output, outcome_of, relay_stream
 from router.resume import ResumeMeta
 from router.service import RouterService
@@ -58,6 +59,9 @@ async def continue_stream(svc: RouterService, policy: TenantPolicy, sid: str, me
     ``had_end``: of those events, the stream's finish (1), and its usage
     event (2), which it does not send again (``EventStream``)."""
     started = time.monotonic()
+    # its log lines (its failovers', which the Generation names from this)
+    # carry the stream's id: the resume's x-request-id and its request line's id
+    request_id_var.set(sid)
     lim = policy.limits
     job = Job(meta.model, meta.params, prompt_token_ids=meta.prompt_token_ids)
     gen = Generation(

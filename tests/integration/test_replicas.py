@@ -290,6 +290,50 @@ async def test_replica_killed_mid_stream_fails_over_token_exact(make_router) -> 
     assert {rec["request_id"] for rec in moved} <= {res.request_id for res in results}, moved
 
 
+async def test_a_resumed_streams_failover_is_logged_under_its_id(make_router) -> None:
+    """A stream's client leaves; its resume continues it, and the replica
+    the continuation runs on is killed: the continuation fails over, and
+    that move is logged under the stream's id (the resume's
+    ``x-request-id``), as a first request's is (it had none)."""
+    router: RouterProcess = make_router(replicas=2, sim={"step_base_ms": 10})
+    max_tokens = 300
+    async with httpx.AsyncClient(base_url=router.base_url, headers=AUTH, timeout=60) as http:
+        ref = await reference(http, "completions", "Le caf", max_tokens)
+        path, body = _body("completions", "Le caf", max_tokens, stream=True)
+        text, last = "", None
+        async with http.stream("POST", path, json=body) as r:
+            rid = r.headers["x-request-id"]
+            async for ev in aiter_sse(r):
+                text, last = text + ev.json()["choices"][0]["text"], ev.id
+                if len(text) >= 20:
+                    break  # the client leaves
+        await apoll(lambda: _idle(router, http), 10, what="the first generation aborted")
+        victim = None
+        async with http.stream("GET", f"/v1/streams/{rid}", headers={"Last-Event-ID": last}) as r:
+            assert r.status_code == 200, await r.aread()
+            assert r.headers["x-request-id"] == rid
+            async for ev in aiter_sse(r):
+                if ev.data == "[DONE]":
+                    break
+                d = ev.json()
+                assert "error" not in d, d
+                text += d["choices"][0]["text"] if d["choices"] else ""
+                if victim is None and len(text) >= 60:
+                    m = await router.ametrics(http)
+                    victim = next(n for n in ("sim-0", "sim-1")
+                                  if m.value("fairstream_replica_inflight_requests", replica=n))
+                    router.kill_replica(victim, signal.SIGKILL)
+    assert victim is not None and text == ref
+    moved = [rec for rec in router.records("fairstream.generation") if "continuing on" in rec["msg"]]
+    assert len(moved) == 1 and moved[0]["replica"] == victim, moved
+    assert moved[0].get("request_id") == rid, moved
+
+
+async def _idle(router: RouterProcess, http: httpx.AsyncClient) -> bool:
+    m = await router.ametrics(http)
+    return not any(m.value("fairstream_replica_inflight_requests", replica=n) for n in ("sim-0", "sim-1"))
+
+
 async def test_a_stream_whose_only_replica_is_killed_continues_token_exact_after_its_restart(make_router) -> None:
     """One replica, killed mid-stream: the stream waits for the replica's
     restart (``failover_wait``) and continues there, token-exact."""
