@@ -24,8 +24,10 @@ router's ``health_interval`` + ``health_timeout`` (6 s), so the router notices
 it; while a replica is frozen the runner watches ``/admin/replicas`` for it
 to go not ready, and a run whose actions the router never noticed (no
 failover, no restart, no frozen replica seen not ready: a ``--freeze`` too
-short for the router's settings) fails with "nothing was tested". Bounded in
-time and count.
+short for the router's settings) fails with "nothing was tested", as does
+one after which a replica is not ready ``--recover-wait`` seconds (30) on:
+raise it above the replicas' restart time (a vLLM replica: 45-110 s on a
+small host, more for a real model). Bounded in time and count.
 """
 
 from __future__ import annotations
@@ -44,7 +46,7 @@ from urllib.parse import urlparse
 
 import httpx
 
-__all__ = ["ChaosConfig", "ChaosReport", "run_chaos", "main"]
+__all__ = ["ChaosConfig", "ChaosReport", "run_chaos", "config_from_args", "verdict", "main"]
 
 PROMPTS = ["Le caf", "The cluster", "東京の", "Streams should", "Über den", "A good router"]
 
@@ -63,7 +65,7 @@ class ChaosConfig:
     mode: str = "mixed"  # kill | freeze | mixed (as the command line)
     seed: int = 0
     max_requests: int = 10_000
-    recover: float = 30.0  # seconds the replicas get to be ready again after the run
+    recover: float = 30.0  # seconds the replicas get to be ready again after the run (--recover-wait)
 
 
 @dataclass
@@ -95,7 +97,7 @@ class ChaosReport:
              "n/a" if self.failover_p99 is None else f"{self.failover_p99 * 1000:.0f} ms"),
             ("replica restarts", self.restarts),
             ("freezes the router noticed (replica not ready)", f"{self.freezes_seen} of {self.freezes}"),
-            ("replicas not back (not ready after the run)", ", ".join(self.not_back) or "none"),
+            ("replicas not back (not ready --recover-wait s after the run)", ", ".join(self.not_back) or "none"),
             ("chaos actions", len(self.actions)),
             ("duration", f"{self.duration:.1f} s"),
         ]
@@ -388,7 +390,8 @@ def _positive(kind):
     return parse
 
 
-def main(argv: list[str] | None = None) -> int:
+def config_from_args(argv: list[str] | None = None) -> ChaosConfig:
+    """The run's settings from the command line."""
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--base-url", default="http://127.0.0.1:8080",
@@ -408,9 +411,35 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--mode", choices=["kill", "freeze", "mixed"], default="mixed",
                    help="SIGKILL, SIGSTOP then SIGCONT, or either at random")
     p.add_argument("--seed", type=int, default=0, help="seed of the choice of replica and action")
+    p.add_argument("--recover-wait", type=_positive(float), default=30.0,
+                   help="seconds the replicas get after the run to be ready again (one that is not fails the run); "
+                        "above a replica's restart time: a vLLM replica's is 45-110 s on a small host")
     a = p.parse_args(argv)
-    cfg = ChaosConfig(a.base_url, a.api_key, a.admin_key, a.model, a.streams, a.duration, a.max_tokens,
-                      a.kill_every, a.freeze, a.mode, a.seed)
+    return ChaosConfig(a.base_url, a.api_key, a.admin_key, a.model, a.streams, a.duration, a.max_tokens,
+                       a.kill_every, a.freeze, a.mode, a.seed, recover=a.recover_wait)
+
+
+def verdict(rep: ChaosReport, recover: float) -> int:
+    """The run's exit status (0: passed), with why it failed on stderr
+    where its table alone does not say."""
+    if not rep.actions:
+        print("chaos: no action was taken (fewer than two replicas were ready at every tick); nothing was tested",
+              file=sys.stderr)
+        return 1
+    if not rep.noticed():
+        print(f"chaos: the router noticed none of the {len(rep.actions)} actions (no failover, no restart, no frozen "
+              "replica listed not ready); nothing was tested: make --freeze longer than the router's "
+              "health_interval + health_timeout", file=sys.stderr)
+        return 1
+    if rep.not_back:
+        print(f"chaos: {', '.join(rep.not_back)} not ready {recover:g} s after the run (a replica that restarts "
+              "slower, a vLLM one, needs a longer --recover-wait)", file=sys.stderr)
+    ok = rep.errored == 0 and rep.mismatches == 0 and rep.streams_lost == 0 and not rep.not_back
+    return 0 if ok else 1
+
+
+def main(argv: list[str] | None = None) -> int:
+    cfg = config_from_args(argv)
 
     def progress(rep: ChaosReport) -> None:
         """A line rewritten in place, on a terminal only: in a log or a pipe
@@ -440,17 +469,7 @@ def main(argv: list[str] | None = None) -> int:
     for a_ in rep.actions:
         print("-", a_)
     print(rep.table())
-    if not rep.actions:
-        print("chaos: no action was taken (fewer than two replicas were ready at every tick); nothing was tested",
-              file=sys.stderr)
-        return 1
-    if not rep.noticed():
-        print(f"chaos: the router noticed none of the {len(rep.actions)} actions (no failover, no restart, no frozen "
-              "replica listed not ready); nothing was tested: make --freeze longer than the router's "
-              "health_interval + health_timeout", file=sys.stderr)
-        return 1
-    ok = rep.errored == 0 and rep.mismatches == 0 and rep.streams_lost == 0 and not rep.not_back
-    return 0 if ok else 1
+    return verdict(rep, cfg.recover)
 
 
 if __name__ == "__main__":

@@ -193,3 +193,25 @@ def test_a_freeze_too_short_for_the_router_to_notice_fails_the_run(make_router):
     assert "freeze" in done.stdout  # (it acted)
     assert "nothing was tested" in done.stderr
     assert re.search(r"\| freezes the router noticed \(replica not ready\) +\| 0 of [1-9]", done.stdout), done.stdout
+
+
+def test_the_recovery_wait_is_an_option() -> None:
+    # it was 30 s, fixed: a vLLM replica's restart takes 45-110 s, so a run
+    # against vLLM replicas whose streams all completed exact exited 1 with
+    # "replicas not back"
+    from ops.chaos import config_from_args
+
+    assert config_from_args([]).recover == 30.0
+    cfg = config_from_args(["--recover-wait", "150", "--freeze", "50", "--mode", "kill"])
+    assert (cfg.recover, cfg.freeze, cfg.mode) == (150.0, 50.0, "kill")
+    with pytest.raises(SystemExit):
+        config_from_args(["--recover-wait", "0"])
+
+
+def test_a_replica_not_back_is_named_with_the_wait_to_raise(capsys) -> None:
+    from ops.chaos import ChaosReport, verdict
+
+    rep = ChaosReport(started=3, completed=3, failovers=1, actions=["kill sim-0 pid 1"], not_back=["vllm-1"])
+    assert verdict(rep, 30.0) == 1
+    err = capsys.readouterr().err
+    assert "vllm-1 not ready 30 s after the run" in err and "--recover-wait" in err, err
