@@ -27,6 +27,7 @@ from replicas.cpubind import BIND_ENV, core_lists, workers
 from replicas.health import LOOP_STALL, Progress, abandon, answered_within
 from replicas.logs import REPLICA_ERROR_FILE_ENV, REPLICA_NAME_ENV
 from replicas.pool import ReplicaPool, ReplicaSlot
+from replicas.procstop import stop_process
 from replicas.protocol import FEATURES, Feature
 from replicas.rundirs import IPC_ENV, make_ipc_dir, make_run_dir, sweep
 from replicas.server import PARENT_PID_ENV
@@ -437,24 +438,5 @@ class Supervisor:
             shutil.rmtree(path, ignore_errors=True)
 
     async def _stop_process(self, proc: asyncio.subprocess.Process, grace: float | None = None) -> None:
-        """SIGTERM the replica's process group, SIGKILL it after ``grace``
-        seconds (``STOP_GRACE`` unless given; at once with 0), then sweep
-        whatever of the group is left (an engine's children outlive a
-        replica that was killed)."""
-        grace = STOP_GRACE if grace is None else grace
-        if proc.returncode is None:
-            if grace > 0:
-                _signal_group(proc.pid, signal.SIGTERM)
-            try:
-                await asyncio.wait_for(proc.wait(), grace)
-            except asyncio.TimeoutError:
-                _signal_group(proc.pid, signal.SIGKILL)
-                await proc.wait()
-        _signal_group(proc.pid, signal.SIGKILL)
-
-
-def _signal_group(pgid: int, sig: int) -> None:
-    try:
-        os.killpg(pgid, sig)
-    except (ProcessLookupError, PermissionError):
-        pass
+        """``stop_process`` with ``STOP_GRACE`` unless ``grace`` is given."""
+        await stop_process(proc, STOP_GRACE if grace is None else grace)

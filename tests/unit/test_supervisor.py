@@ -234,6 +234,43 @@ async def test_a_vllm_process_s_ipc_dir_goes_only_once_its_whole_process_group_i
         shutil.rmtree(run_dir, ignore_errors=True)
 
 
+async def test_a_clean_stop_signals_the_replica_process_first_and_its_group_only_after_it_exits(
+        monkeypatch, tmp_path) -> None:
+    # vLLM's front end stops its engine core, which stops its workers: a
+    # SIGTERM to the whole group at once killed the worker under the engine
+    # core, which logged ERROR tracebacks ("Worker proc VllmWorker-0 died
+    # unexpectedly", EngineDeadError) at every clean router stop. The replica
+    # process gets the SIGTERM alone and stops its child itself; what it
+    # leaves behind gets the group's SIGTERM once it exited.
+    # (the process: a shell with a child it stops when stopped, and one it leaves)
+    log = tmp_path / "log"
+    kids = tmp_path / "kids"
+    child = "trap 'echo {0} >> {1}; exit 0' TERM; while :; do sleep 0.05; done"
+    script = (f"( {child.format('child-term', log)} ) & c=$!; ( {child.format('left-term', log)} ) & l=$!; "
+              f"echo $c $l > {kids}; "
+              f"trap 'echo main-term >> {log}; sleep 0.3; echo main-stops-child >> {log}; kill -TERM $c; wait $c; "
+              f"echo main-exit >> {log}; exit 0' TERM; "
+              "while :; do sleep 0.05; done")
+    _fake_replica(monkeypatch, script)
+    pool = ReplicaPool([ReplicaSpec(name="s0", engine="sim", config={"model": "m"})])
+    sup = Supervisor(pool, SupervisorSettings(run_dir=str(tmp_path)))
+    pids: list[int] = []
+    try:
+        proc, _ = await sup._spawn(pool.slots[0])
+        await apoll(lambda: kids.exists() and len(kids.read_text().split()) == 2, 5, what="the children's pids")
+        pids = [int(x) for x in kids.read_text().split()]
+        await asyncio.sleep(0.2)  # (the traps set)
+        await asyncio.wait_for(sup._reap("s0", 5.0), 10)
+        assert proc.returncode == 0
+        assert log.read_text().split() == ["main-term", "main-stops-child", "child-term", "main-exit", "left-term"]
+        assert not any(alive(p) for p in pids)
+    finally:
+        await sup.close()
+        for p in pids:
+            if alive(p):
+                os.kill(p, signal.SIGKILL)
+
+
 async def test_the_ipc_dir_of_a_vllm_process_that_never_started_is_removed(monkeypatch) -> None:
     # The directory is made before the process: one whose process was never
     # created (the router closed meanwhile, or creating it failed) is removed
