@@ -731,13 +731,15 @@ def test_an_http_1_0_client_gets_its_stream_unchunked_and_closed(shared_router: 
     head, _, events = answer.partition(b"\r\n\r\n")
     assert head.startswith(b"HTTP/1.1 200") and b"text/event-stream" in head, head
     assert b"transfer-encoding" not in head.lower() and b"connection: close" in head.lower(), head
-    assert events.startswith(b"id: 1") and events.endswith(b"data: [DONE]\n\n"), events
+    role, _, numbered = events.partition(b"\n\n")  # (the role-only chunk, an event without an id, first)
+    assert role.startswith(b"data: {") and b'"role":"assistant"' in role, events
+    assert numbered.startswith(b"id: 1") and events.endswith(b"data: [DONE]\n\n"), events
     texts = [json.loads(line[6:])["choices"][0]["delta"].get("content", "")
              for line in events.split(b"\n") if line.startswith(b"data: {")]
     assert len("".join(texts)) > 0
     # its resume too (a Litestar stream, which uvicorn chunked whatever the version)
     rid = next(line.split(b": ", 1)[1] for line in head.split(b"\r\n") if line.lower().startswith(b"x-request-id"))
-    first_id = events.split(b"\n", 1)[0][4:]
+    first_id = numbered.split(b"\n", 1)[0][4:]
     sock = _raw(shared_router)
     sock.sendall(b"GET /v1/streams/" + rid + b" HTTP/1.0\r\nAuthorization: Bearer " + GOLD.encode()
                  + b"\r\nLast-Event-ID: " + first_id + b"\r\n\r\n")
@@ -746,7 +748,7 @@ def test_an_http_1_0_client_gets_its_stream_unchunked_and_closed(shared_router: 
     head, _, rest = answer.partition(b"\r\n\r\n")
     assert head.startswith(b"HTTP/1.1 200") and b"text/event-stream" in head, head
     assert b"transfer-encoding" not in head.lower() and b"connection: close" in head.lower(), head
-    assert rest == events.split(b"\n\n", 1)[1], rest
+    assert rest == numbered.split(b"\n\n", 1)[1], rest
 
 
 @pytest.mark.parametrize("method, path", [("POST", CHAT), ("POST", CHAT + "/"), ("GET", "/v1/models"),
