@@ -92,7 +92,7 @@ class PolicyRegistry:
                     return ReloadResult(True, self.current.version, changed=False)
                 answer = await parse_elsewhere(self.path, text)
                 # (the structs, its policies and key index in a thread: ~60 ms for 5,000 tenants)
-                snapshot = await asyncio.to_thread(_snapshot, answer, self.current.version + 1, text)
+                snapshot = await asyncio.to_thread(_snapshot, answer, self.path, self.current.version + 1, text)
             except ConfigError as e:
                 return self._failed(e.errors)
             return self._swap(snapshot, text)
@@ -203,8 +203,8 @@ class PolicyRegistry:
                 await asyncio.sleep(1.0)
 
 
-def _snapshot(answer: bytes, version: int, text: str) -> PolicySnapshot:
-    return PolicySnapshot(decode(answer), version, text)
+def _snapshot(answer: bytes, path: Path, version: int, text: str) -> PolicySnapshot:
+    return PolicySnapshot(decode(answer, path), version, text)
 
 
 def _stat(path: Path) -> tuple[int, int, int] | None:

@@ -9,17 +9,24 @@ The child runs ``load_yaml`` itself, so a bad file's errors are those
 ``check-config`` and a start give, and sends back the checked file as
 msgpack (or the errors); the router only decodes it (C, a few ms).
 
-    python -m router.tenants_parse PATH < text     (PATH names the file in errors)
+    python -P -m router.tenants_parse PATH < text     (PATH names the file in errors)
+
+The child imports the router package this process imported (``-P``: not
+the cwd's; its root first on PYTHONPATH), as it is on disk now: after
+upgrading the code, restart the router (``decode`` says so when the
+answer does not fit this process's structs).
 """
 
 from __future__ import annotations
 
 import asyncio
+import os
 import sys
 from pathlib import Path
 
 import msgspec
 
+import router
 from router.configfile import ConfigError, load_yaml
 from router.tenants import TenantsFile
 
@@ -30,15 +37,28 @@ class _Parsed(msgspec.Struct):
     """What the child writes: the file, or the errors that refuse it."""
 
     file: TenantsFile | None = None
-    errors: list[str] = []
+    # (bytes, surrogateescape: a path that is not UTF-8 puts lone surrogates
+    # in the messages, which msgpack's str cannot carry)
+    errors: list[bytes] = []
+
+
+_ROOT = str(Path(router.__file__).resolve().parents[1])  # (the directory holding this ``router`` package)
 
 
 async def parse_elsewhere(path: Path, text: str) -> bytes:
     """``load_yaml(path, TenantsFile, text)`` in a child process: its
-    answer, for ``decode`` (in a thread: it builds the file's structs)."""
-    proc = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "router.tenants_parse", str(path),
-        stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
+    answer, for ``decode`` (in a thread: it builds the file's structs).
+    ``ConfigError`` if the child cannot be started or fails."""
+    from replicas.supervisor import die_with_parent  # (here: the child, which imports this module, needs it not)
+
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [_ROOT, os.environ.get("PYTHONPATH")])))
+    try:
+        # (die_with_parent: a router killed mid-parse does not leave it parsing)
+        proc = await asyncio.create_subprocess_exec(
+            sys.executable, "-P", "-m", "router.tenants_parse", str(path), env=env, preexec_fn=die_with_parent,
+            stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
+    except OSError as e:  # (EMFILE near the open-file limit, ENOMEM, EAGAIN: as a bad file, not a 500)
+        raise ConfigError([f"{path}:1: (file): cannot start the process that parses it: {e}"]) from e
     try:
         out, err = await proc.communicate(text.encode("utf-8"))
     finally:
@@ -51,11 +71,16 @@ async def parse_elsewhere(path: Path, text: str) -> bytes:
     return out
 
 
-def decode(answer: bytes) -> TenantsFile:
+def decode(answer: bytes, path: Path) -> TenantsFile:
     """The file ``parse_elsewhere`` answered; ``ConfigError`` with its errors."""
-    parsed = msgspec.msgpack.decode(answer, type=_Parsed)
+    try:
+        parsed = msgspec.msgpack.decode(answer, type=_Parsed)
+    except msgspec.MsgspecError as e:  # (DecodeError, ValidationError)
+        raise ConfigError([f"{path}:1: (file): the process that parses it answered what this router cannot read "
+                           f"({e}): it runs other code than this router; restart the router after upgrading "
+                           "it"]) from e
     if parsed.errors or parsed.file is None:
-        raise ConfigError(parsed.errors)
+        raise ConfigError([error.decode("utf-8", "surrogateescape") for error in parsed.errors])
     return parsed.file
 
 
@@ -65,7 +90,7 @@ def main() -> None:
     try:
         parsed = _Parsed(file=load_yaml(path, TenantsFile, text)[0])
     except ConfigError as e:
-        parsed = _Parsed(errors=e.errors)
+        parsed = _Parsed(errors=[error.encode("utf-8", "surrogateescape") for error in e.errors])
     sys.stdout.buffer.write(msgspec.msgpack.encode(parsed))
 
 

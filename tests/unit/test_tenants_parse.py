@@ -4,22 +4,31 @@ load_yaml gives in the router's own process: the same file, or the same
 
 from __future__ import annotations
 
+import contextlib
+import os
+import resource
+import subprocess
+import sys
+import time
 from pathlib import Path
 
+import msgspec
 import pytest
 
 from ops.bench_reload import tenants_text
 from router.configfile import ConfigError, load_yaml
+from router.policy import PolicyRegistry
 from router.tenants import TenantsFile
 from router.tenants_parse import decode, parse_elsewhere
 
-DEMO = Path(__file__).resolve().parents[2] / "configs" / "tenants.yaml"
+ROOT = Path(__file__).resolve().parents[2]
+DEMO = ROOT / "configs" / "tenants.yaml"
 
 
 @pytest.mark.parametrize("text", [DEMO.read_text(), tenants_text(300)], ids=["demo", "generated"])
 async def test_a_valid_file_comes_back_as_parsed_here(tmp_path, text):
     path = tmp_path / "tenants.yaml"
-    assert decode(await parse_elsewhere(path, text)) == load_yaml(path, TenantsFile, text)[0]
+    assert decode(await parse_elsewhere(path, text), path) == load_yaml(path, TenantsFile, text)[0]
 
 
 @pytest.mark.parametrize("bad", [
@@ -33,5 +42,106 @@ async def test_a_bad_file_gets_the_errors_it_gets_here(tmp_path, bad):
     with pytest.raises(ConfigError) as here:
         load_yaml(path, TenantsFile, bad)
     with pytest.raises(ConfigError) as there:
-        decode(await parse_elsewhere(path, bad))
+        decode(await parse_elsewhere(path, bad), path)
     assert there.value.errors == here.value.errors and here.value.errors
+
+
+async def test_a_reload_that_cannot_start_the_parse_fails_as_a_bad_file_does(tmp_path):
+    # (near the open-file limit the child's pipes cannot be made: the OSError
+    # escaped the reload, a 500 for POST /admin/reload, and the watcher never
+    # applied the edit; counted nowhere, last_reload_errors empty)
+    path = tmp_path / "tenants.yaml"
+    path.write_text(DEMO.read_text())
+    registry = PolicyRegistry(path)
+    path.write_text(DEMO.read_text().replace("weight: 3", "weight: 4"))
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    held: list[int] = []
+    resource.setrlimit(resource.RLIMIT_NOFILE, (min(soft, 1024), hard))
+    try:
+        with contextlib.suppress(OSError):
+            while True:
+                held.append(os.open(os.devnull, os.O_RDONLY))
+        os.close(held.pop())  # (one left: the file is read, the child's pipes are not made)
+        result = await registry.reload()
+    finally:
+        for fd in held:
+            os.close(fd)
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+    assert not result.ok and registry.current.version == 1
+    assert registry.last_errors == result.errors
+    [error] = result.errors
+    assert error.startswith(f"{path}:1: (file): ") and "Too many open files" in error
+    assert (await registry.reload()).ok  # (and the edit is applied at the next one)
+
+
+@pytest.mark.parametrize("answer", [msgspec.msgpack.encode({"file": {"tenants": 5}}), b"\xc1"],
+                         ids=["other-structs", "not-msgpack"])
+def test_an_answer_this_router_cannot_read_is_a_config_error(tmp_path, answer):
+    path = tmp_path / "tenants.yaml"
+    with pytest.raises(ConfigError) as e:
+        decode(answer, path)
+    [error] = e.value.errors
+    assert error.startswith(f"{path}:1: (file): ") and "restart the router" in error
+
+
+async def test_the_child_runs_this_routers_code_not_a_router_package_in_the_cwd(tmp_path, monkeypatch):
+    # (``-m`` put the cwd first on sys.path: a ``router/`` there was what the child ran)
+    for where in (tmp_path / "cwd", tmp_path / "pythonpath"):
+        (where / "router").mkdir(parents=True)
+        (where / "router" / "__init__.py").write_text("")
+        (where / "router" / "tenants_parse.py").write_text(
+            "import sys\nsys.stdout.buffer.write(b'\\x81\\xa6errors\\x91\\xa5other')\n")
+    monkeypatch.chdir(tmp_path / "cwd")
+    monkeypatch.setenv("PYTHONPATH", str(tmp_path / "pythonpath"))
+    text = DEMO.read_text()
+    path = tmp_path / "tenants.yaml"
+    assert decode(await parse_elsewhere(path, text), path) == load_yaml(path, TenantsFile, text)[0]
+
+
+async def test_a_path_that_is_not_utf8_gets_the_errors_it_gets_here(tmp_path):
+    # (its errors held lone surrogates, which the child's msgpack could not encode)
+    path = Path(os.fsdecode(os.fsencode(tmp_path) + b"/tenants-\xff.yaml"))
+    bad = DEMO.read_text().replace("weight: 3", "weight: x")
+    with pytest.raises(ConfigError) as here:
+        load_yaml(path, TenantsFile, bad)
+    with pytest.raises(ConfigError) as there:
+        decode(await parse_elsewhere(path, bad), path)
+    assert there.value.errors == here.value.errors and here.value.errors
+
+
+def test_the_child_dies_with_the_router(tmp_path):
+    # (a router killed mid-parse left the child parsing a large file to the end)
+    marker = str(tmp_path / "marker.yaml")
+    parent = subprocess.Popen(
+        [sys.executable, "-c", "import asyncio, sys; from pathlib import Path;"
+         "from ops.bench_reload import tenants_text; from router.tenants_parse import parse_elsewhere;"
+         "asyncio.run(parse_elsewhere(Path(sys.argv[1]), tenants_text(40000)))", marker],
+        cwd=ROOT)
+    try:
+        deadline = time.monotonic() + 30
+        while not (child := _running_with(marker)):
+            assert time.monotonic() < deadline and parent.poll() is None
+            time.sleep(0.05)
+        time.sleep(0.5)  # (its input written: it is parsing)
+    finally:
+        parent.kill()
+        parent.wait()
+    deadline = time.monotonic() + 1.5  # (the parse takes several seconds more)
+    while _running_with(marker) == child:
+        assert time.monotonic() < deadline, "the parse process outlived the router"
+        time.sleep(0.05)
+
+
+def _running_with(arg: str) -> int | None:
+    """The pid of a live (not zombie) parse process with ``arg`` in its command line."""
+    for proc in Path("/proc").iterdir():
+        try:
+            if not proc.name.isdigit():
+                continue
+            args = set((proc / "cmdline").read_bytes().split(b"\0"))
+            state = (proc / "stat").read_text().rsplit(")", 1)[1].split()[0]
+            if {b"router.tenants_parse", arg.encode()} <= args and state != "Z":
+                return int(proc.name)
+        except OSError:
+            continue
+    return None
