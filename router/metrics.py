@@ -76,6 +76,7 @@ class Metrics:
         self._retired: set[str] = set()  # tenants removed by a reload, not added again
         # (gauge, label values) of retired tenants still counting requests: removed at 0
         self._draining: set[tuple[MetricWrapperBase, tuple[str, ...]]] = set()
+        self._walks: list[set[str]] = []  # the tenants of each ``_retiring`` under way (``unretire``)
         tenant = self._per_tenant
         self.requests = tenant(
             Counter, "fairstream_requests", "Requests by tenant, endpoint and outcome.",
@@ -218,6 +219,15 @@ class Metrics:
         it at once, and its counters at 0 a batch per loop turn)."""
         back = self._retired.intersection(tenants)
         if back:
+            # One whose series are still going (``retire_gradually``) has them
+            # all taken out now, so it comes back as a new tenant, not with the
+            # old series of the families not yet walked. (Rare: one pass over
+            # the families' children.)
+            unfinished = back & set().union(*self._walks)
+            if unfinished:
+                for walk in self._walks:
+                    walk -= unfinished
+                self.retire(*unfinished)
             self._retired -= back
             self._draining = {k for k in self._draining if k[1][0] not in back}  # (now plain gauges again)
 
@@ -282,12 +292,19 @@ class Metrics:
 
     def _retiring(self, tenants: Iterable[str], batch: int) -> Iterator[None]:
         """``retire``'s work, a pause after every ``batch`` children looked
-        at. A tenant a later reload adds again (``unretire``) before its
-        turn here keeps its series."""
+        at. A tenant a later reload adds again (``unretire``) leaves
+        ``gone`` (its series all taken out there)."""
         if self.multiprocess or not tenants:
             return
         gone = set(tenants)
         self._retired |= gone
+        self._walks.append(gone)
+        try:
+            yield from self._walk(gone, batch)
+        finally:
+            self._walks = [walk for walk in self._walks if walk is not gone]
+
+    def _walk(self, gone: set[str], batch: int) -> Iterator[None]:
         for family in self.by_tenant:
             gauge = isinstance(family, Gauge)
             # (prometheus-client keeps a family's children by label values, tenant first)
@@ -295,7 +312,7 @@ class Metrics:
             for i in range(0, len(children), batch):
                 drop = []
                 for values, c in children[i:i + batch]:
-                    if values[0] not in gone or values[0] not in self._retired:
+                    if values[0] not in gone:
                         continue
                     key = (family, values)
                     if gauge and c.collect()[0].samples[0].value:

@@ -218,12 +218,38 @@ async def test_retiring_gradually_looks_at_a_batch_of_children_per_loop_turn(m):
     assert len(steps) == turns and children > 25 * len(m.by_tenant)
     assert all(_lines(m, f"t{i}") == [] for i in range(40))
     assert _lines(m, "stays") == stays
-    # on the loop: retired at once (counts go nowhere), its series go a batch a turn;
-    # one added again before its turn keeps its series
-    m.declare([], {"a": "normal", "b": "normal"})
+    # on the loop: retired at once (counts go nowhere), its series go a batch a turn
+    _traffic(m, "a")
+    m.declare([], {"b": "normal"})
     task = asyncio.ensure_future(m.retire_gradually(["a", "b"], batch=5))
     await asyncio.sleep(0)
     assert m._retired >= {"a", "b"} and _lines(m, "b")
-    m.unretire(["b"])
     await task
-    assert _lines(m, "a") == [] and _lines(m, "b")
+    assert _lines(m, "a") == [] == _lines(m, "b")
+
+
+async def test_a_tenant_added_again_while_its_series_go_is_exported_as_a_new_one(m):
+    # (its families not yet walked kept its old series, the others lost
+    # them: it came back half old, half new)
+    m.declare([], {"new": "normal"})
+    new = [line.replace('"new"', '"t"') for line in _lines(m, "new")]  # (what a new tenant exports)
+    for i in range(20):
+        _traffic(m, f"t{i}")
+    _traffic(m, "t")
+    m.child(m.requests, "t", "chat", "ok").inc(5)
+    m.child(m.e2e, "t", "normal").observe(3)
+    m.gauge_up(m.admission_waiting, "t")
+    m.gauge_up(m.admission_waiting, "t")  # (two requests still waiting)
+    task = asyncio.ensure_future(m.retire_gradually([f"t{i}" for i in range(20)] + ["t"], batch=5))
+    first = next(iter(m.by_tenant))
+    while any(values[0] == "t" for values in first._metrics):  # (its first family walked, the others not)
+        await asyncio.sleep(0)
+    partly = _lines(m, "t")
+    assert not task.done() and partly and not [line for line in partly if line.startswith(first._name)]
+    m.unretire(["t"])  # (a reload adds it back: Service._on_reload)
+    await m.declare_gradually({"t": "normal"})
+    await task
+    m.gauge_down(m.admission_waiting, "t")
+    m.gauge_down(m.admission_waiting, "t")
+    assert sorted(_lines(m, "t")) == sorted(new) and len(new) > 20
+    assert _lines(m, "t1") == []
