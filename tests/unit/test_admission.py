@@ -16,6 +16,7 @@ from router.errors import RateLimited, RouterShutdown
 from router.metrics import Metrics
 from router.state.memory import MemoryStore
 from router.tenants import ResolvedLimits, TenantPolicy
+from tests.helpers import apoll
 
 RPM = 60  # a bucket of 60 requests, one more each second
 
@@ -125,7 +126,8 @@ async def test_shutdown_ends_every_waiter() -> None:
     policy = _policy(30.0, rpm=600)
     adm = await _drained(policy)
     tasks = [asyncio.create_task(adm.admit(policy, 1)) for _ in range(3)]
-    await asyncio.sleep(0.05)
+    # (all three in their tenant's line: a fixed sleep was too short on a loaded host)
+    await apoll(lambda: sum(map(len, adm._lines.values())) == 3, 10, what="three waiting")
     assert adm.fail_waiting() == 3
     for task in tasks:
         with pytest.raises(RouterShutdown):
