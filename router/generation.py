@@ -181,24 +181,30 @@ class Generation(WaitsForReplica):
         self.sink = sink
         self._base = (len(self.completion_ids), self.text_len)
         wait = None  # (the end of its wait for a ready replica, once it began one)
+        off_line = 0.0  # (seconds it waited for a replica: not time in the tenant's line, queue_wait)
         while True:
             try:
-                handle = await self._dispatch()
+                handle = await self._dispatch(off_line)
                 break
             except ReplicaUnavailable as e:
                 if not (resumes and isinstance(e.__cause__, NoReplica)):
                     raise
+                began = time.monotonic()
                 wait = await self._until_ready(e, wait)
+                off_line += time.monotonic() - began
         if self.ended:  # closed while it waited
             handle.release()
             return
         self._attach(handle)
 
-    async def _dispatch(self) -> LoadHandle:
+    async def _dispatch(self, off_line: float = 0.0) -> LoadHandle:
+        """A replica from the tenant's line (or the pool's, with no scheduler).
+        ``off_line``: seconds since the start spent waiting for a replica to
+        come back (a continuation's), which do not count against ``queue_wait``."""
         job = self.job
         remaining = job.params.max_tokens - len(self.completion_ids)
         if self.scheduler is not None and self.policy is not None:
-            waited = time.monotonic() - self.deadlines.start  # e.g. for a rate limit
+            waited = time.monotonic() - self.deadlines.start - off_line  # e.g. for a rate limit
             return await self.scheduler.acquire(self.policy, self.rank, job.model, remaining, waited,
                                                 job.affinity_key(), self.needs, self._wait_limit)
         try:
