@@ -64,6 +64,8 @@ class ReplicaSlot:
         # dispatch until it answers a ping sent after that (``answered``), which a frozen process
         # never does; the health check alone decides to kill it
         self.stalled_at: float | None = None
+        # (the supervisor's watch of it, while one runs: ping it at once, for a stall)
+        self.ping_now: Callable[[], None] | None = None
 
     @property
     def usable(self) -> bool:
@@ -320,12 +322,16 @@ class ReplicaPool:
     def caught_stalling(self, slot: ReplicaSlot, why: object) -> None:
         """A stream's stall limit caught ``slot`` producing nothing (``why``):
         it is chosen for nothing (new requests, failovers) until it answers
-        a ping sent after this (``ReplicaSlot.answered``, the supervisor's
-        next health check), so that a frozen replica, which only the health
-        timeout kills, gets no request meanwhile. A replica merely slow for
-        one stream answers that ping within ``health_interval``."""
+        a ping sent after this (``ReplicaSlot.answered``), so that a frozen
+        replica, which only the health timeout kills, gets no request
+        meanwhile. The supervisor sends that ping at once (``ping_now``),
+        beside its regular checks: a replica merely slow for one stream
+        (whichever tenant's stall limit caught it) is back at its pong, one
+        round trip later."""
         if slot.stalled():  # (logged once while it is out)
             log.warning("replica %s stalled a stream (%s): not chosen until it answers a health check", slot.name, why)
+        if slot.ping_now is not None:
+            slot.ping_now()
         if self.on_stalled is not None:
             self.on_stalled(slot)
 

@@ -288,6 +288,9 @@ class Supervisor:
         loop = asyncio.get_running_loop()
         check_now: asyncio.Event | None = getattr(client, "check_now", None)  # (an upstream's)
         ping: asyncio.Future | None = None
+        stalls = asyncio.Event()
+        slot.ping_now = stalls.set
+        stall_checks = asyncio.ensure_future(self._check_stalls(slot, client, stalls))
         try:
             while client.closed is None and not self._closing:
                 refused, refusals = client.refused, getattr(client, "refusals", 0)
@@ -313,9 +316,7 @@ class Supervisor:
                 if refused and client.refusals == refusals:  # (refused before this check, not since: it answers)
                     client.refused = False
                     log.info("replica %s answers its health check after a refused connection", slot.name)
-                back = slot.answered(sent)
-                if back:
-                    log.info("replica %s answers its health check after it stalled a stream: chosen again", slot.name)
+                back = self._answered(slot, sent)
                 if back or (refused and not client.refused) or (unauthorized and not client.credentials_refused):
                     self._on_event("answers", slot)
                     self.pool.notify_ready()
@@ -341,10 +342,40 @@ class Supervisor:
                 raise RuntimeError(str(closed))  # (it answered /models with an error: it is there)
             raise _Disconnected(str(closed))
         finally:
+            slot.ping_now = None
+            stall_checks.cancel()
             if exited is not None:
                 exited.cancel()
             if ping is not None:  # (under way when this watch ended: the router stops)
                 abandon(ping)
+
+    async def _check_stalls(self, slot: ReplicaSlot, client: ReplicaClient, stalls: asyncio.Event) -> None:
+        """Ping the replica at once each time a stream's stall limit catches
+        it (``stalls``, set by ``ReplicaPool.caught_stalling``), beside the
+        regular checks, whose ping may be in flight for seconds on a busy
+        front end and whose next one comes ``health_interval`` after: the
+        pong puts a replica merely slow for one stream back in dispatch one
+        round trip after the stall. A frozen one never answers; the regular
+        check's ``health_timeout`` alone decides to kill it."""
+        while True:
+            await stalls.wait()
+            stalls.clear()
+            sent = time.monotonic()
+            try:
+                await answered_within(client.ping(None), self.settings.health_timeout)
+            except Exception:  # noqa: BLE001 - no answer: the regular check tells why (lost, stalled, ...)
+                continue
+            if self._answered(slot, sent):
+                self._on_event("answers", slot)
+                self.pool.notify_ready()
+
+    @staticmethod
+    def _answered(slot: ReplicaSlot, sent: float) -> bool:
+        """It answered a ping sent at ``sent``: whether that put it back in dispatch after a stall."""
+        back = slot.answered(sent)
+        if back:
+            log.info("replica %s answers its health check after it stalled a stream: chosen again", slot.name)
+        return back
 
     async def _spawn(self, slot: ReplicaSlot) -> tuple[asyncio.subprocess.Process, str]:
         spec = slot.spec

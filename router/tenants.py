@@ -61,7 +61,7 @@ class Timeouts(msgspec.Struct, forbid_unknown_fields=True, kw_only=True, omit_de
     """Longest time from the request's arrival (its waits for limits and a replica included) to the first token.
     0: no limit."""
     stall: float | None = None
-    """Longest gap between two tokens of a running stream. 0: no limit."""
+    """Longest gap between two tokens of a running stream. 0: no limit. The stream then fails over, and the replica it stalled on is out of dispatch (``stalled``: no new request, no failover, for any tenant) until it answers a ping the router sends it at once: one round trip for a replica that is merely slow, while a frozen one stays out until the health timeout restarts it."""
     total: float | None = None
     """Longest time for a whole request. 0: no limit."""
 

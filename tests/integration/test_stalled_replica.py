@@ -4,8 +4,10 @@ check sent after the stall; the health timeout alone decides to kill it."""
 
 from __future__ import annotations
 
+import asyncio
 import os
 import signal
+import time
 from typing import Any
 
 import httpx
@@ -93,6 +95,61 @@ async def test_a_replica_caught_stalling_gets_no_new_request_until_it_answers_a_
             assert router.replica_pids()[victim] == pid
             log = router.log()
             assert f"replica {victim} stalled a stream" in log and f"replica {victim} answers its health check" in log
+    finally:
+        for pid in stopped:
+            try:
+                os.killpg(pid, signal.SIGCONT)
+            except ProcessLookupError:
+                pass
+        router.stop()
+
+
+async def test_a_replica_caught_stalling_is_pinged_at_once_and_back_at_its_pong(tmp_path) -> None:
+    # (the mark was cleared only by a regular health check sent after the
+    # stall: up to health_interval later, plus a ping already in flight; a
+    # tenant with a tight stall limit could so take a replica out of dispatch
+    # for every tenant. Now the supervisor pings it at once: a replica that is
+    # alive is back one round trip after the stall, a frozen one stays out)
+    tenants = write_tenants(tmp_path / "tenants.yaml", {"stall": 0.5})
+    # health_interval 10: no regular check comes during the test (its first is at the connection)
+    router = RouterProcess(tmp_path / "r", replicas=2, tenants=tenants, sim={"step_base_ms": 10},
+                           settings={"health_interval": 10, "health_timeout": 30}).start()
+    stopped: list[int] = []
+    try:
+        async with httpx.AsyncClient(base_url=router.base_url, headers=auth(), timeout=30) as http:
+            async with http.stream("POST", "/v1/completions", json=completion(300, stream=True, prompt="東京の")) as r:
+                assert r.status_code == 200
+                events = aiter_sse(r)
+                await events.__anext__()
+                inflight = {n: (await router.ametrics(http)).value("fairstream_replica_inflight_requests", replica=n)
+                            for n in router.replica_names}
+                victim = max(inflight, key=inflight.get)
+                pid = router.replica_pids()[victim]
+                os.killpg(pid, signal.SIGSTOP)
+                stopped.append(pid)
+
+                async def stalled() -> bool:
+                    return (await _replica_rows(router, http))[victim]["state"] == "stalled"
+
+                await apoll(stalled, 10, what="the stall limit to mark the replica")
+                # frozen: the ping sent at the stall gets no answer, and it stays out
+                await asyncio.sleep(1.0)
+                assert (await _replica_rows(router, http))[victim]["state"] == "stalled"
+                os.killpg(pid, signal.SIGCONT)
+                stopped.clear()
+                thawed = time.monotonic()
+
+                async def back() -> bool:
+                    return (await _replica_rows(router, http))[victim]["state"] == "ready"
+
+                # alive again: it answers that ping, well within health_interval
+                await apoll(back, 2, what=f"{victim} ready again at its pong to the ping sent at the stall")
+                assert time.monotonic() - thawed < 2
+                async for ev in events:
+                    if ev.data == "[DONE]":
+                        break
+                    assert "error" not in ev.json(), ev.data
+            assert router.replica_pids()[victim] == pid  # (never restarted for it)
     finally:
         for pid in stopped:
             try:

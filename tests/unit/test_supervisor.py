@@ -729,7 +729,7 @@ def test_a_ping_under_way_when_the_supervisor_stops_is_not_reported_as_never_ret
         loop.set_exception_handler(lambda _loop, ctx: reported.append(ctx))
         sup = Supervisor(ReplicaPool([]), SupervisorSettings(health_timeout=5.0))
         client = _Client(loop)
-        watch = loop.create_task(sup._watch(None, client, None))
+        watch = loop.create_task(sup._watch(ReplicaSlot(ReplicaSpec(name="r0")), client, None))
         await asyncio.sleep(0.05)  # (its ping waits)
         watch.cancel()
         await asyncio.gather(watch, return_exceptions=True)
