@@ -103,7 +103,9 @@ class Metrics:
         self.replica_up = Gauge("fairstream_replica_up", "1 when the replica is connected and ready.", ["replica"], registry=r, multiprocess_mode="livemax")
         self.replica_stalled = Gauge(
             "fairstream_replica_stalled", "1 while the replica is out of dispatch: a stream's stall limit caught it "
-            "producing nothing, and it has not answered a health check since.", ["replica"], registry=r,
+            "producing nothing, and it has not answered the ping sent it at once. With --workers, the workers' maximum "
+            "(fairstream_replica_up too: a replica stalled for one worker and ready for another reads 1 in both).",
+            ["replica"], registry=r,
             multiprocess_mode="livemax")
         self.replica_restarts = Counter("fairstream_replica_restarts", "Replica restarts by the supervisor.", ["replica"], registry=r)
         self.replica_inflight = Gauge(
