@@ -448,6 +448,15 @@ class VllmEngine(Engine):
         await asyncio.gather(*tasks, *self._aborts, return_exceptions=True)
         llm, self._llm = self._llm, None
         if llm is not None:
+            # vLLM's shutdown stops the engine core, then cancels its output
+            # handler task; run in a thread, it let that task (on this loop)
+            # read the stopped core in between and log ERROR "AsyncLLM
+            # output_handler failed ... EngineDeadError" at a clean stop. So
+            # the task goes first (vLLM 0.32: ``AsyncLLM.output_handler``).
+            handler = getattr(llm, "output_handler", None)
+            if handler is not None:
+                handler.cancel()
+                await asyncio.gather(handler, return_exceptions=True)
             await asyncio.to_thread(llm.shutdown)
 
 
