@@ -5,9 +5,11 @@ check sent after the stall; the health timeout alone decides to kill it."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import signal
 import time
+from collections.abc import Iterator
 from typing import Any
 
 import httpx
@@ -22,6 +24,37 @@ async def _replica_rows(router: RouterProcess, http: httpx.AsyncClient) -> dict[
     return {row["name"]: row for row in r.json()["replicas"]}
 
 
+@contextlib.contextmanager
+def _thawed_and_stopped(router: RouterProcess) -> Iterator[list[int]]:
+    """The process groups the test froze (the list it yields) are thawed,
+    and the router stopped, however the test ends."""
+    stopped: list[int] = []
+    try:
+        yield stopped
+    finally:
+        for pid in stopped:
+            try:
+                os.killpg(pid, signal.SIGCONT)
+            except ProcessLookupError:
+                pass
+        router.stop()
+
+
+async def _freeze_the_busy_replica(router: RouterProcess, http: httpx.AsyncClient,
+                                   stopped: list[int]) -> tuple[str, int]:
+    """SIGSTOP the process group of the replica running the one stream (kill
+    -STOP -<pgid>, as the chaos test did); its name and pid."""
+    m = await router.ametrics(http)
+    inflight = {n: m.value("fairstream_replica_inflight_requests", replica=n) for n in router.replica_names}
+    victim = max(inflight, key=inflight.get)
+    assert inflight[victim] == 1, inflight
+    pid = router.replica_pids()[victim]
+    assert os.getpgid(pid) == pid  # (its own process group)
+    os.killpg(pid, signal.SIGSTOP)
+    stopped.append(pid)
+    return victim, pid
+
+
 async def test_a_replica_caught_stalling_gets_no_new_request_until_it_answers_a_ping(tmp_path) -> None:
     # (a chaos test with vLLM: once the stall limit had moved its stream off
     # the frozen replica, that one was still "ready" with nothing in flight,
@@ -31,8 +64,7 @@ async def test_a_replica_caught_stalling_gets_no_new_request_until_it_answers_a_
     # health_timeout 30: the supervisor does not kill the frozen replica during the test
     router = RouterProcess(tmp_path / "r", replicas=2, tenants=tenants, sim={"step_base_ms": 10},
                            settings={"health_interval": 0.2, "health_timeout": 30}).start()
-    stopped: list[int] = []
-    try:
+    with _thawed_and_stopped(router) as stopped:
         body = completion(300, stream=True, prompt="東京の")
         async with httpx.AsyncClient(base_url=router.base_url, headers=auth(), timeout=30) as http:
             reference = (await http.post("/v1/completions", json={**body, "stream": False})).json()
@@ -44,15 +76,7 @@ async def test_a_replica_caught_stalling_gets_no_new_request_until_it_answers_a_
                 events = aiter_sse(r)
                 while len("".join(parts)) < 20:
                     parts.append((await events.__anext__()).json()["choices"][0]["text"])
-                m = await router.ametrics(http)
-                inflight = {n: m.value("fairstream_replica_inflight_requests", replica=n)
-                            for n in router.replica_names}
-                victim = max(inflight, key=inflight.get)
-                assert inflight[victim] == 1, inflight
-                pid = router.replica_pids()[victim]
-                assert os.getpgid(pid) == pid  # (its own process group: kill -STOP -<pgid>, as the chaos test did)
-                os.killpg(pid, signal.SIGSTOP)
-                stopped.append(pid)
+                victim, pid = await _freeze_the_busy_replica(router, http, stopped)
 
                 async def moved() -> bool:
                     return (await router.ametrics(http)).value("fairstream_failovers_total", 0.0, replica=victim) >= 1
@@ -95,13 +119,6 @@ async def test_a_replica_caught_stalling_gets_no_new_request_until_it_answers_a_
             assert router.replica_pids()[victim] == pid
             log = router.log()
             assert f"replica {victim} stalled a stream" in log and f"replica {victim} answers its health check" in log
-    finally:
-        for pid in stopped:
-            try:
-                os.killpg(pid, signal.SIGCONT)
-            except ProcessLookupError:
-                pass
-        router.stop()
 
 
 async def test_a_replica_caught_stalling_is_pinged_at_once_and_back_at_its_pong(tmp_path) -> None:
@@ -114,19 +131,13 @@ async def test_a_replica_caught_stalling_is_pinged_at_once_and_back_at_its_pong(
     # health_interval 10: no regular check comes during the test (its first is at the connection)
     router = RouterProcess(tmp_path / "r", replicas=2, tenants=tenants, sim={"step_base_ms": 10},
                            settings={"health_interval": 10, "health_timeout": 30}).start()
-    stopped: list[int] = []
-    try:
+    with _thawed_and_stopped(router) as stopped:
         async with httpx.AsyncClient(base_url=router.base_url, headers=auth(), timeout=30) as http:
             async with http.stream("POST", "/v1/completions", json=completion(300, stream=True, prompt="東京の")) as r:
                 assert r.status_code == 200
                 events = aiter_sse(r)
                 await events.__anext__()
-                inflight = {n: (await router.ametrics(http)).value("fairstream_replica_inflight_requests", replica=n)
-                            for n in router.replica_names}
-                victim = max(inflight, key=inflight.get)
-                pid = router.replica_pids()[victim]
-                os.killpg(pid, signal.SIGSTOP)
-                stopped.append(pid)
+                victim, pid = await _freeze_the_busy_replica(router, http, stopped)
 
                 async def stalled() -> bool:
                     return (await _replica_rows(router, http))[victim]["state"] == "stalled"
@@ -150,10 +161,3 @@ async def test_a_replica_caught_stalling_is_pinged_at_once_and_back_at_its_pong(
                         break
                     assert "error" not in ev.json(), ev.data
             assert router.replica_pids()[victim] == pid  # (never restarted for it)
-    finally:
-        for pid in stopped:
-            try:
-                os.killpg(pid, signal.SIGCONT)
-            except ProcessLookupError:
-                pass
-        router.stop()
