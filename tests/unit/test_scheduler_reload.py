@@ -63,12 +63,18 @@ async def _serve(sched: Scheduler, held: LoadHandle, waiting: dict[asyncio.Task,
     return order
 
 
-async def test_a_weight_raised_by_a_reload_applies_to_the_requests_already_queued() -> None:
-    metrics, sched = _one_slot()
+async def _both_queued(sched: Scheduler, n: int):
+    """Tenants a and b (weight 1, one class) in force; a holds the slot and
+    each queues ``n``: (a, b, the held slot, the waiting tasks)."""
     a, b = queueing_policy("a"), queueing_policy("b")
     sched.follow({"a": a, "b": b})
     held = await sched.acquire(a, a.rank, MODEL, 8)
-    waiting = await _queue(sched, a, 8) | await _queue(sched, b, 8)
+    return a, b, held, await _queue(sched, a, n) | await _queue(sched, b, n)
+
+
+async def test_a_weight_raised_by_a_reload_applies_to_the_requests_already_queued() -> None:
+    _, sched = _one_slot()
+    a, b, held, waiting = await _both_queued(sched, 8)
     assert sched.queued("a") == sched.queued("b") == 8
 
     sched.follow({"a": _with(a, weight=4.0), "b": b})
@@ -113,10 +119,7 @@ async def test_a_class_changed_by_a_reload_moves_the_requests_already_queued() -
 
 async def test_a_reload_that_changes_nothing_keeps_the_order() -> None:
     _, sched = _one_slot()
-    a, b = queueing_policy("a"), queueing_policy("b")
-    sched.follow({"a": a, "b": b})
-    held = await sched.acquire(a, a.rank, MODEL, 8)
-    waiting = await _queue(sched, a, 4) | await _queue(sched, b, 4)
+    a, b, held, waiting = await _both_queued(sched, 4)
     sched.follow({"a": _with(a), "b": _with(b)})  # (a reload makes new policy objects)
     order = await _serve(sched, held, waiting, 8)
     assert sorted(order[:2]) == sorted(order[2:4]) == ["a", "b"], order  # equal weights alternate
