@@ -45,8 +45,41 @@ def _start(tmp_path, redis_url: str, workers: int):
         except httpx.HTTPError:
             return False
 
-    poll(ready, STARTUP_WAIT, what="workers ready")
+    try:
+        poll(ready, STARTUP_WAIT, what="workers ready")
+    except BaseException:
+        _kill_tree(proc)
+        raise
     return proc, base
+
+
+def _kill_tree(proc: subprocess.Popen) -> None:
+    for pid in [*descendants(proc.pid), proc.pid]:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    proc.wait(10)
+
+
+def _stop(proc: subprocess.Popen) -> None:
+    """SIGTERM ``serve`` and wait for it, its workers and its replicas to
+    exit; whatever is left after that is killed, so a failing test leaks no
+    process (under load a worker test's router once outlived it)."""
+    kids = descendants(proc.pid)
+    proc.send_signal(signal.SIGTERM)
+    try:
+        proc.wait(30)
+        poll(lambda: not any(alive(p) for p in kids), 15, what="workers and replicas exit")
+    finally:
+        for pid in kids:
+            if alive(pid):
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+        if proc.poll() is None:
+            _kill_tree(proc)
 
 
 def test_workers_need_redis(tmp_path):
@@ -91,10 +124,7 @@ async def test_two_workers_share_limits_and_metrics(tmp_path, redis_server):
         assert {line["outcome"] for line in lines} == {"ok", "rate_limited"}
         assert all(line["tenant"] == "limited" and line["request_id"] for line in lines)
     finally:
-        kids = descendants(proc.pid)
-        proc.send_signal(signal.SIGTERM)
-        proc.wait(30)
-        poll(lambda: not any(alive(p) for p in kids), 15, what="workers and replicas exit")
+        _stop(proc)
 
 
 async def test_a_dead_worker_is_restarted(tmp_path, redis_server):
@@ -134,10 +164,7 @@ async def test_a_dead_worker_is_restarted(tmp_path, redis_server):
         assert proc.wait(30) == 130
         poll(lambda: not any(alive(p) for p in kids), 15, what="workers and replicas exit")
     finally:
-        kids = descendants(proc.pid)
-        proc.send_signal(signal.SIGTERM)
-        proc.wait(30)
-        poll(lambda: not any(alive(p) for p in kids), 15, what="workers and replicas exit")
+        _stop(proc)
 
 
 def test_a_second_instance_on_the_same_port_is_refused_and_a_sighup_while_starting_is_harmless(
@@ -194,7 +221,4 @@ def test_a_second_instance_on_the_same_port_is_refused_and_a_sighup_while_starti
         assert f"cannot listen on 127.0.0.1:{port}" in second.stderr and "in use" in second.stderr, second.stderr
         assert httpx.get(base + "/ready", timeout=2).status_code == 200
     finally:
-        kids = descendants(proc.pid)
-        proc.send_signal(signal.SIGTERM)
-        proc.wait(30)
-        poll(lambda: not any(alive(p) for p in kids), 15, what="workers and replicas exit")
+        _stop(proc)
