@@ -105,8 +105,7 @@ class Metrics:
             "fairstream_replica_stalled", "1 while the replica is out of dispatch: a stream's stall limit caught it "
             "producing nothing, and it has not answered the ping sent it at once. With --workers, the workers' maximum "
             "(fairstream_replica_up too: a replica stalled for one worker and ready for another reads 1 in both).",
-            ["replica"], registry=r,
-            multiprocess_mode="livemax")
+            ["replica"], registry=r, multiprocess_mode="livemax")
         self.replica_restarts = Counter("fairstream_replica_restarts", "Replica restarts by the supervisor.", ["replica"], registry=r)
         self.replica_inflight = Gauge(
             "fairstream_replica_inflight_requests", "Requests the router has on the replica.", ["replica"], registry=r, multiprocess_mode="livesum"
@@ -221,10 +220,9 @@ class Metrics:
         it at once, and its counters at 0 a batch per loop turn)."""
         back = self._retired.intersection(tenants)
         if back:
-            # One whose series are still going (``retire_gradually``) has them
-            # all taken out now, so it comes back as a new tenant, not with the
-            # old series of the families not yet walked. (Rare: one pass over
-            # the families' children.)
+            # One whose series are still going (``retire_gradually``) has them all taken out
+            # now: it comes back as a new tenant, not with the old series of the families
+            # not yet walked. (Rare: one pass over the families' children.)
             unfinished = back & set().union(*self._walks)
             if unfinished:
                 for walk in self._walks:
