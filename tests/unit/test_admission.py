@@ -123,7 +123,10 @@ async def test_a_stream_that_ends_lets_the_next_in_at_once() -> None:
 
 
 async def test_shutdown_ends_every_waiter() -> None:
-    policy = _policy(30.0, rpm=600)
+    # (one more request a minute: none of the three gets in while they line
+    # up; at 600 a minute one went in after 0.1 s, so on a loaded host the
+    # line held 2 when the router stopped)
+    policy = _policy(30.0, rpm=1)
     adm = await _drained(policy)
     tasks = [asyncio.create_task(adm.admit(policy, 1)) for _ in range(3)]
     # (all three in their tenant's line: a fixed sleep was too short on a loaded host)
