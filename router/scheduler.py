@@ -249,6 +249,9 @@ class Scheduler:
         with. O(queued requests), once per reload; a decision costs the same."""
         self._policies = policies
         self.counters.reweight({name: p.weight for name, p in policies.items()})
+        # (a removed tenant's counter goes: one float per name ever configured
+        # stayed for good; its queued requests, refused next, keep theirs meanwhile)
+        self.counters.forget([*policies, *(name for name, q in self._queues.items() if q)])
         for name, q in self._queues.items():
             now = policies.get(name)
             if now is None or not q:  # (a removed tenant's requests are refused: fail_tenant)

@@ -123,3 +123,13 @@ async def test_a_reload_that_changes_nothing_keeps_the_order() -> None:
     sched.follow({"a": _with(a), "b": _with(b)})  # (a reload makes new policy objects)
     order = await _serve(sched, held, waiting, 8)
     assert sorted(order[:2]) == sorted(order[2:4]) == ["a", "b"], order  # equal weights alternate
+
+
+async def test_a_reload_forgets_the_counters_of_the_tenants_it_removed() -> None:
+    _, sched = _one_slot()
+    a, b = queueing_policy("a"), queueing_policy("b")
+    sched.follow({"a": a, "b": b})
+    sched.charge(a, 10, 0)
+    sched.charge(b, 10, 0)
+    sched.follow({"a": _with(a)})
+    assert set(sched.counters.values) == {"a"}, sched.counters.values
