@@ -14,6 +14,7 @@ records why. Reloads come from file changes (watchfiles), SIGHUP and
 from __future__ import annotations
 
 import asyncio
+import errno
 import hashlib
 import logging
 import signal
@@ -26,7 +27,7 @@ import msgspec
 from router.auth import KeyIndex
 from router.configfile import ConfigError, load_yaml, read_text
 from router.tenants import TenantPolicy, TenantsFile
-from router.tenants_parse import decode, parse_elsewhere
+from router.tenants_parse import ParseUnavailable, decode, parse_elsewhere
 
 __all__ = ["PolicySnapshot", "PolicyRegistry", "ReloadResult"]
 
@@ -35,6 +36,12 @@ logging.getLogger("watchfiles").setLevel(logging.WARNING)  # it logs every chang
 
 SETTLE = 0.2  # the watcher reads the file once it has not changed for this long
 SETTLE_MAX = 2.0  # (or this long after the change it saw, for a file written on and on)
+# A reload that failed for a reason of the moment (the open-file limit, the
+# parse process killed) is tried again on its own, after 1, 2, 4, 8 and 16 s
+# (about half a minute), then left to the next change, SIGHUP or POST /admin/reload.
+RETRY_FIRST = 1.0
+RETRIES = 5
+_PASSING = {errno.EMFILE, errno.ENFILE, errno.ENOMEM, errno.EAGAIN, errno.EINTR}
 
 
 class PolicySnapshot:
@@ -77,6 +84,9 @@ class PolicyRegistry:
         self._signalled: set[asyncio.Task[ReloadResult]] = set()  # reloads SIGHUP started
         self._stop = asyncio.Event()
         self._one_at_a_time = asyncio.Lock()
+        self.retry_first = RETRY_FIRST
+        self._retry: asyncio.Task[None] | None = None  # the next try of a reload that failed for the moment
+        self._retries = 0  # (tries in a row that failed for the moment)
 
     async def reload(self) -> ReloadResult:
         """Re-read the file; swap on success, keep the old policy on failure.
@@ -94,8 +104,27 @@ class PolicyRegistry:
                 # (the structs, its policies and key index in a thread: ~60 ms for 5,000 tenants)
                 snapshot = await asyncio.to_thread(_snapshot, answer, self.path, self.current.version + 1, text)
             except ConfigError as e:
+                if _for_the_moment(e):
+                    self._try_again()
+                else:
+                    self._retries = 0
                 return self._failed(e.errors)
+            self._retries = 0
             return self._swap(snapshot, text)
+
+    def _try_again(self) -> None:
+        if self._stop.is_set() or self._retries >= RETRIES or (self._retry is not None and not self._retry.done()):
+            return
+        delay = self.retry_first * 2 ** self._retries
+        self._retries += 1
+        log.warning("tenant policy reload failed for the moment; trying again in %g s (try %d of %d)",
+                    delay, self._retries, RETRIES)
+        self._retry = asyncio.get_running_loop().create_task(self._reload_after(delay), name="policy-retry")
+
+    async def _reload_after(self, delay: float) -> None:
+        await asyncio.sleep(delay)
+        self._retry = None  # (this try may set up the next one)
+        await self.reload()
 
     def _swap(self, snapshot: PolicySnapshot, text: str) -> ReloadResult:
         self.current = snapshot
@@ -137,7 +166,7 @@ class PolicyRegistry:
 
     async def close(self) -> None:
         self._stop.set()
-        signalled = list(self._signalled)
+        signalled = list(self._signalled) + ([self._retry] if self._retry is not None else [])
         for task in signalled:
             task.cancel()
         await asyncio.gather(*signalled, return_exceptions=True)
@@ -201,6 +230,14 @@ class PolicyRegistry:
             except Exception:  # noqa: BLE001 - a bug must not end live reload for good
                 log.exception("watching %s failed; retrying", ", ".join(map(str, dirs)))
                 await asyncio.sleep(1.0)
+
+
+def _for_the_moment(error: ConfigError) -> bool:
+    """The reload failed for a reason of the moment, not for the file's text:
+    the parse process could not run, or the file could not be read for want
+    of file descriptors or memory."""
+    cause = error.__cause__
+    return isinstance(error, ParseUnavailable) or (isinstance(cause, OSError) and cause.errno in _PASSING)
 
 
 def _snapshot(answer: bytes, path: Path, version: int, text: str) -> PolicySnapshot:

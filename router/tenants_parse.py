@@ -30,7 +30,13 @@ import router
 from router.configfile import ConfigError, load_yaml
 from router.tenants import TenantsFile
 
-__all__ = ["parse_elsewhere", "decode"]
+__all__ = ["parse_elsewhere", "decode", "ParseUnavailable"]
+
+
+class ParseUnavailable(ConfigError):
+    """The file could not be checked for a reason of the moment (the child
+    could not be started, or died), not for what it says: worth trying again
+    with the same text (``PolicyRegistry`` does, on its own)."""
 
 
 class _Parsed(msgspec.Struct):
@@ -58,7 +64,7 @@ async def parse_elsewhere(path: Path, text: str) -> bytes:
             sys.executable, "-P", "-m", "router.tenants_parse", str(path), env=env, preexec_fn=die_with_parent,
             stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
     except OSError as e:  # (EMFILE near the open-file limit, ENOMEM, EAGAIN: as a bad file, not a 500)
-        raise ConfigError([f"{path}:1: (file): cannot start the process that parses it: {e}"]) from e
+        raise ParseUnavailable([f"{path}:1: (file): cannot start the process that parses it: {e}"]) from e
     try:
         out, err = await proc.communicate(text.encode("utf-8"))
     finally:
@@ -67,7 +73,7 @@ async def parse_elsewhere(path: Path, text: str) -> bytes:
             await proc.wait()
     if proc.returncode != 0 or not out:
         why = err.decode("utf-8", "replace").strip().splitlines()[-1:] or [f"exit status {proc.returncode}"]
-        raise ConfigError([f"{path}:1: (file): the process that parses it failed: {why[0]}"])
+        raise ParseUnavailable([f"{path}:1: (file): the process that parses it failed: {why[0]}"])
     return out
 
 

@@ -4,6 +4,7 @@ load_yaml gives in the router's own process: the same file, or the same
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import os
 import resource
@@ -46,13 +47,14 @@ async def test_a_bad_file_gets_the_errors_it_gets_here(tmp_path, bad):
     assert there.value.errors == here.value.errors and here.value.errors
 
 
-async def test_a_reload_that_cannot_start_the_parse_fails_as_a_bad_file_does(tmp_path):
+async def test_a_reload_that_cannot_start_the_parse_fails_then_is_tried_again(tmp_path):
     # (near the open-file limit the child's pipes cannot be made: the OSError
     # escaped the reload, a 500 for POST /admin/reload, and the watcher never
     # applied the edit; counted nowhere, last_reload_errors empty)
     path = tmp_path / "tenants.yaml"
     path.write_text(DEMO.read_text())
     registry = PolicyRegistry(path)
+    registry.retry_first = 0.2
     path.write_text(DEMO.read_text().replace("weight: 3", "weight: 4"))
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     held: list[int] = []
@@ -71,7 +73,26 @@ async def test_a_reload_that_cannot_start_the_parse_fails_as_a_bad_file_does(tmp
     assert registry.last_errors == result.errors
     [error] = result.errors
     assert error.startswith(f"{path}:1: (file): ") and "Too many open files" in error
-    assert (await registry.reload()).ok  # (and the edit is applied at the next one)
+    # the registry tries again on its own: the edit applies without another
+    # change of the file (the watcher saw this one already), SIGHUP or POST
+    for _ in range(100):
+        if registry.current.version == 2:
+            break
+        await asyncio.sleep(0.05)
+    assert registry.current.version == 2 and registry.last_errors == []
+    assert registry.current.tenants["gold"].weight == 4
+    await registry.close()
+
+
+async def test_a_bad_file_is_not_tried_again(tmp_path):
+    path = tmp_path / "tenants.yaml"
+    path.write_text(DEMO.read_text())
+    registry = PolicyRegistry(path)
+    registry.retry_first = 0.05
+    path.write_text(DEMO.read_text().replace("weight: 3", "weight: x"))
+    assert not (await registry.reload()).ok
+    assert registry._retry is None
+    await registry.close()
 
 
 @pytest.mark.parametrize("answer", [msgspec.msgpack.encode({"file": {"tenants": 5}}), b"\xc1"],
