@@ -29,6 +29,7 @@ from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 from router.errors import RouterShutdown, error_body
 from router.handshake import Handshake
+from router.ids import new_id
 from router.metrics import Metrics
 
 __all__ = ["HttpConnection", "open_file_limit", "default_max_connections"]
@@ -246,6 +247,7 @@ class HttpConnection(HttpToolsProtocol):
             else:
                 body = error_body(message, "invalid_request_error", None, code)
                 head = b"content-type: application/json\r\n"
+            head += b"x-request-id: %s\r\n" % new_id().encode()  # (as every other answer of the API)
             if self._answer_closing(status, head + b"content-length: %d\r\n" % len(body), body):
                 return
         self.transport.close()

@@ -104,7 +104,8 @@ class FastPath:
         elif scope["type"] == "http" and scope["method"] == "OPTIONS" and self.cors is not None:
             refusal = preflight_refusal(self.cors, scope["headers"])
             if refusal is not None:  # (Litestar answers the allowed ones)
-                return await _error(send, [], refusal.status, refusal.body(), _close_unless_read(send))
+                return await _error(send, [], refusal.status, refusal.body(),
+                                    {"x-request-id": new_request_id(), **_close_unless_read(send)})
         elif scope["type"] == "websocket":
             return await self._upgrade(scope, receive, send)
         if scope["type"] == "http":

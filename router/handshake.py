@@ -30,6 +30,7 @@ from websockets.http11 import Response
 from websockets.server import ServerProtocol
 
 from router.errors import ApiError, clip, error_body
+from router.ids import new_id
 
 if TYPE_CHECKING:
     from router.metrics import Metrics
@@ -97,6 +98,7 @@ class Handshake(ServerProtocol):
             ("Connection", "close"),
             ("Content-Length", str(len(body))),
             ("Content-Type", "application/json"),
+            ("x-request-id", new_id()),
         ])
         return Response(status.value, status.phrase, headers, body)
 
@@ -111,6 +113,8 @@ async def deny(scope: dict[str, Any], receive, send, error: ApiError) -> bool:
     await receive()  # (its websocket.connect: the server's, already waiting)
     headers = [(b"content-type", b"application/json"),
                *((k.encode("latin-1"), v.encode("latin-1")) for k, v in error.headers.items())]
+    if "x-request-id" not in error.headers:  # (as every other answer of the API)
+        headers.append((b"x-request-id", new_id().encode()))
     await send({"type": "websocket.http.response.start", "status": error.status, "headers": headers})
     await send({"type": "websocket.http.response.body", "body": error.body()})
     return True

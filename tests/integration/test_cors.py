@@ -62,6 +62,7 @@ def test_a_refused_preflight_gets_an_openai_error(shared_router: RouterProcess, 
     assert r.status_code == 400, r.text
     assert r.headers["content-type"] == "application/json" and int(r.headers["content-length"]) == len(r.content)
     assert not any(k.startswith("access-control-") for k in r.headers), dict(r.headers)
+    assert len(r.headers["x-request-id"]) == 24  # (as every other answer of the API)
     body = r.json()
     assert set(body) == {"error"} and set(body["error"]) == {"message", "type", "param", "code"}, body
     err = body["error"]

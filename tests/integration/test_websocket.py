@@ -711,6 +711,7 @@ def test_a_refused_handshake_gets_an_openai_error_and_is_counted(router: RouterP
     assert line.startswith(f"HTTP/1.1 {status} "), (line, body[:300])
     assert fields["content-type"] == "application/json" and int(fields["content-length"]) == len(body), fields
     assert fields["connection"] == "close"
+    assert len(fields["x-request-id"]) == 24  # (as every other answer of the API)
     if status == 405:
         assert fields["allow"] == "GET"
     err = json.loads(body)["error"]

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import re
 import types
 
 import uvicorn
@@ -135,6 +136,7 @@ async def test_an_upgrade_shutdown_meets_before_it_is_answered_gets_a_503_router
     head, _, body = transport.written.partition(b"\r\n\r\n")
     assert b"\r\nretry-after: 1\r\n" in head.lower() and b"\r\ncontent-type: application/json\r\n" in head.lower()
     assert b'"code":"router_shutdown"' in body
+    assert re.search(rb"\r\nx-request-id: [0-9a-f]{24}\r\n", head.lower()), head
     value = svc.metrics.registry.get_sample_value("fairstream_http_connections_refused_total", {"reason": "shutdown"})
     assert value == 1
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import re
 import socket
 import threading
 import time
@@ -270,6 +271,7 @@ def test_a_connection_past_max_connections_gets_a_503_and_the_open_ones_go_on():
         head, _, body = answer.partition(b"\r\n\r\n")
         assert head.startswith(b"HTTP/1.1 503"), answer
         assert b"retry-after: 1" in head and b"connection: close" in head and b"application/json" in head
+        assert re.search(rb"\r\nx-request-id: [0-9a-f]{24}\r\n", head), head  # (as every other answer)
         error = json.loads(body)["error"]
         assert error["code"] == "too_many_connections" and error["type"] == "server_error", error
         assert "(2)" in error["message"]
