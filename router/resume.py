@@ -320,6 +320,6 @@ class ResumeWriter:
             if not done and sid not in self._refused:
                 self._refused.add(sid)
                 log.warning("resume buffer of %s not appended to: it is another router's now (it took the "
-                            "stream over), finished, or broken (events of it went to this router's local "
-                            "fallback during a state store outage); a resume of it gets an error, never "
+                            "stream over), finished, or broken (events of it came during a state store outage, "
+                            "which the local fallback cannot keep for a buffer the store holds); a resume of it gets an error, never "
                             "a wrong text", sid)

@@ -313,3 +313,38 @@ async def test_a_stream_whose_buffer_broke_is_told_to_retry_at_shutdown_not_to_r
         a.proc.wait(15)
         line = next(rec for rec in a.records("fairstream.request") if rec["request_id"] == rid)
         assert line["error_code"] == "router_shutdown" and "Last-Event-ID" not in line["error"], line
+
+
+async def test_a_stream_whose_buffer_redis_holds_is_told_to_retry_at_shutdown_during_the_outage(make_router) -> None:
+    # Redis stops answering mid-stream and stays down: the router's appends
+    # went to its local fallback, which holds no buffer of the stream and
+    # kept nothing of them, yet said nothing, so a SIGTERM during the outage
+    # told the client to resume from its Last-Event-ID (a resume that misses
+    # those events). The fallback refuses them, and the stream is told to
+    # retry the request.
+    require_redis_server()
+    with RedisServer() as redis:
+        state = {"backend": "redis", "url": redis.url, "timeout": 0.3}
+        a = make_router(replicas=1, sim={"step_base_ms": 20}, settings={"shutdown_grace": 0.5, "state": state})
+        body = {**_body(1000), "temperature": 0}
+        try:
+            async with httpx.AsyncClient(headers=AUTH, timeout=30) as http:
+                n, stopped, d = 0, False, {}
+                async with http.stream("POST", a.base_url + "/v1/chat/completions", json=body) as r:
+                    async for ev in aiter_sse(r):
+                        d = ev.json()
+                        if "error" in d:
+                            break
+                        n += 1
+                        if n == 20:
+                            redis.proc.send_signal(signal.SIGSTOP)
+                        elif n > 20 and not stopped and ("not appended to" in a.log() or n == 400):
+                            a.proc.send_signal(signal.SIGTERM)
+                            stopped = True
+                assert stopped and "serving with local limits" in a.log()
+                err = d["error"]
+                assert err["code"] == "router_shutdown", err
+                assert "Last-Event-ID" not in err["message"] and "retry the request" in err["message"], err
+        finally:
+            redis.proc.send_signal(signal.SIGCONT)
+        a.proc.wait(15)
