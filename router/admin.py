@@ -60,6 +60,11 @@ async def tenants(request: Request) -> Response:
         try:
             usage = await svc.store.usage(name, rpm=lim.requests_per_minute, tpm=lim.tokens_per_minute)
             live = msgspec.structs.asdict(usage)
+            # (a limit of 0 is "no limit": nothing to count down, not "none left")
+            if not lim.requests_per_minute:
+                live["requests_available"] = None
+            if not lim.tokens_per_minute:
+                live["tokens_available"] = None
         except StoreUnavailable as e:
             live = {"error": str(e)}
         live["waiting_for_limits"] = svc.admission.queued(name)

@@ -288,10 +288,13 @@ def _hash_key(args: argparse.Namespace) -> int:
     if problem is not None:
         print(f"fairstream hash-key: error: {problem}", file=sys.stderr)
         return 2
-    if not key.isascii():  # (the router takes it, sent as UTF-8; many clients cannot send it)
-        print("fairstream hash-key: note: the key is not ASCII: curl and the WebSocket's auth message can send "
-              "it, but the openai SDK and httpx (given it as text), requests and browsers' fetch cannot; "
-              "see README, \"API keys\"", file=sys.stderr)
+    if not key.isascii():  # (the router takes it as UTF-8 or latin-1 bytes; some clients cannot send it)
+        latin1 = all(ord(c) <= 0xFF for c in key)
+        print("fairstream hash-key: note: the key is not ASCII: "
+              + ("curl, requests, browsers' fetch, Node " if latin1 else "curl ")
+              + "and the WebSocket's auth message can send it, but the openai SDK and httpx (given it as text)"
+              + ("" if latin1 else ", requests, browsers' fetch and Node (only characters up to U+00FF)")
+              + " cannot; see README, \"API keys\"", file=sys.stderr)
     print(hash_key(key))
     return 0
 

@@ -18,7 +18,7 @@ import yaml
 from websockets.asyncio.client import connect
 
 from router.auth import hash_key
-from tests.helpers import ADMIN, GOLD, MODEL, RouterProcess, aiter_sse, apoll
+from tests.helpers import ADMIN, DEMO_TENANTS, GOLD, MODEL, RouterProcess, aiter_sse, apoll
 
 KEY_A, KEY_B = "tenant-a-key", "tenant-b-key"
 
@@ -142,6 +142,19 @@ def test_admin_tenants_shows_limits_and_timeouts_as_tenants_yaml_has_them(tmp_pa
     assert free.get("timeouts") == {"queue_wait": 10.0, "first_token": 60.0, "stall": 10.0, "total": 600.0}, free
     assert free["limits"] == {"requests_per_minute": 60, "tokens_per_minute": 20000, "max_concurrent": 4,
                               "max_prompt_tokens": 3072, "max_tokens": 256, "max_sockets": 0}
+
+
+def test_admin_tenants_shows_no_count_for_a_rate_the_tenant_has_no_limit_on(tmp_path):
+    # (a limit of 0 is "no limit", and the view said 0.0 available: "used up")
+    tenants = tmp_path / "tenants.yaml"
+    tenants.write_text(DEMO_TENANTS.read_text().replace(
+        "limits: {requests_per_minute: 1200, tokens_per_minute: 1000000,",
+        "limits: {requests_per_minute: 0, tokens_per_minute: 0,"))
+    with RouterProcess(tmp_path / "r", tenants=tenants) as router:
+        view = httpx.get(router.base_url + "/admin/tenants", headers=auth(ADMIN), timeout=5).json()
+    gold, free = view["tenants"]["gold"]["usage"], view["tenants"]["free"]["usage"]
+    assert gold["requests_available"] is None and gold["tokens_available"] is None, gold
+    assert free["requests_available"] == 60 and free["tokens_available"] == 20000, free
 
 
 def bomb() -> bytes:

@@ -156,7 +156,12 @@ def test_hash_key_hashes_a_non_ascii_key_as_utf8_and_says_which_clients_cannot_s
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout == f"{_digest('sk-ключ-юникод')}\n"  # (UTF-8, as the router reads the header)
     assert "not ASCII" in proc.stderr and "httpx" in proc.stderr, proc.stderr
+    assert "requests, browsers' fetch and Node (only characters up to U+00FF) cannot" in proc.stderr
     assert _cli("hash-key", "sk-ascii").stderr == ""
+    # (one within latin-1: requests, fetch and Node send it, as latin-1 bytes the router reads)
+    latin1 = _cli("hash-key", "sk-café").stderr
+    assert "curl, requests, browsers' fetch, Node and the WebSocket" in latin1, latin1
+    assert "the openai SDK and httpx (given it as text) cannot" in latin1, latin1
 
 
 def test_hash_key_prompts_at_a_terminal() -> None:
