@@ -69,6 +69,14 @@ def test_k8s_router_pods_are_scraped_and_replicas_get_one_gpu():
     assert rep["resources"]["limits"]["nvidia.com/gpu"] == 1
 
 
+def test_k8s_pods_that_run_fairstream_have_an_init_that_reaps_orphans():
+    # (fairstream as PID 1 reaps only its own children: a replica's engine
+    # processes orphaned by a crashed engine core would stay zombies)
+    docs = {(d["kind"], d["metadata"]["name"]): d for d in _k8s_docs()}
+    for key in (("Deployment", "fairstream-router"), ("StatefulSet", "fairstream-replica")):
+        assert docs[key]["spec"]["template"]["spec"].get("shareProcessNamespace") is True, key
+
+
 def test_k8s_configmap_configs_validate(tmp_path):
     cm = next(d for d in _k8s_docs() if d["kind"] == "ConfigMap")
     for name, text in cm["data"].items():
