@@ -14,6 +14,7 @@ here is unknown, a 400 ``unknown_parameter`` (router.openai_types).
 
 from __future__ import annotations
 
+from operator import attrgetter
 from typing import Any
 
 import msgspec
@@ -82,11 +83,18 @@ def _is(value: Any, default: Any) -> bool:
     return value == default
 
 
+# each endpoint's fields read in one call: a getattr each was 23 Python calls in every request
+_READ = {id(CHAT_DEFAULTS): attrgetter(*CHAT_DEFAULTS), id(COMPLETION_DEFAULTS): attrgetter(*COMPLETION_DEFAULTS)}
+
+
 def not_default(req: VllmFields, defaults: dict[str, Any]) -> str | None:
     """The first field of ``defaults`` (its endpoint's: ``CHAT_DEFAULTS`` or
     ``COMPLETION_DEFAULTS``) that ``req`` sets to other than vLLM's default."""
-    for name, default in defaults.items():
-        value = getattr(req, name)
+    read = _READ.get(id(defaults))
+    values = read(req) if read is not None else tuple(getattr(req, name) for name in defaults)
+    if values.count(None) == len(values):  # (the usual request: it sends none of them)
+        return None
+    for (name, default), value in zip(defaults.items(), values):
         if value is not None and not _is(value, default):
             return name
     return None

@@ -602,3 +602,15 @@ def test_stop_takes_up_to_max_stop_sequences_as_vllm_does_more_than_openais_four
             to_params(make(stop=[*many, "one more"]), 16)
         assert info.value.param == "stop" and f"at most {MAX_STOP}" in info.value.message, info.value
     assert MAX_STOP == len(many)
+
+
+@pytest.mark.parametrize("make, kw, named", [
+    (chat, {"include_reasoning": False, "skip_special_tokens": False}, "skip_special_tokens"),
+    (chat, {"bad_words": ["x"], "add_special_tokens": True}, "add_special_tokens"),
+    (completion, {"echo": True, "priority": 2}, "priority"),
+], ids=["chat-both", "chat-own", "completion"])
+def test_of_several_vllm_fields_not_at_their_default_the_first_in_vllms_order_is_named(make, kw, named):
+    # (vllm_noops reads an endpoint's fields in one call: the order of the check stays the defaults')
+    with pytest.raises(BadRequest) as info:
+        make(**kw)
+    assert info.value.param == named, info.value
