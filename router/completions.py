@@ -432,7 +432,7 @@ async def _collect(svc, gen: Generation, pieces, first: Piece, model: str, chat:
         async with aclosing(pieces):
             piece: Piece | None = first
             if gen.completion_tokens:
-                m.child(m.ttft, policy.name, policy.priority).observe(time.monotonic() - outcome.started)
+                m.counts(policy.name, policy.priority).first_token(time.monotonic() - outcome.started)
             while piece is not None:
                 text, n, finish = piece
                 text_parts.append(text)

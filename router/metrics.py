@@ -10,6 +10,10 @@ starts: every process writes its values to files there and any worker's
 gauge with the mode named at its definition, e.g. ``livesum`` for in-flight
 counts, ``livemax`` for replica reports).
 
+A request's own counts (its outcome, tokens, time to first token, duration
+and queue wait) are plain additions in a ``TenantCounts`` (``counts``), added
+to their children when /metrics is built (router/metric_batches.py).
+
 A tenant a reload removes is retired (``retire``): its series leave
 /metrics at once, those of gauges still counting its requests once they are
 back to 0, and nothing counted for it later is exported (see ``retire``).
@@ -21,7 +25,6 @@ from __future__ import annotations
 
 import asyncio
 import os
-from bisect import bisect_left
 from collections.abc import Coroutine, Iterable, Iterator, Mapping
 from typing import Any
 
@@ -29,9 +32,10 @@ from prometheus_client import (CollectorRegistry, Counter, Gauge, Histogram, dis
                                generate_latest)
 from prometheus_client.metrics import MetricWrapperBase
 
+from router.metric_batches import HistogramBatch, TenantCounts
 from router.state.base import ERROR_OPS
 
-__all__ = ["Metrics", "HistogramBatch"]
+__all__ = ["Metrics", "HistogramBatch", "TenantCounts"]
 
 # No ``*_created`` series (one beside every counter and histogram child, so
 # twice the series for each counter; nothing reads them). Process-wide: this
@@ -189,6 +193,10 @@ class Metrics:
             self.connections_refused.labels(reason)
         self.streams_lost = Counter("fairstream_streams_lost", "Streams that had produced output and ended with an error because no replica could continue them.", registry=r)
         self._children: dict[tuple[object, tuple[str, ...]], Any] = {}
+        # a request's own counts, per (tenant, priority), added to their children when /metrics is built
+        # (router.metric_batches); in multiprocess mode at once (``pending`` None)
+        self._counts: dict[tuple[str, str], TenantCounts] = {}
+        self._pending: list[TenantCounts] | None = None if self.multiprocess else []
 
     def _per_tenant(self, cls: type[MetricWrapperBase], name: str, documentation: str, labels: list[str],
                     **kwargs: Any) -> Any:
@@ -298,6 +306,8 @@ class Metrics:
             return
         gone = set(tenants)
         self._retired |= gone
+        # (their counts that wait still go to the children they were counted in)
+        self._counts = {key: c for key, c in self._counts.items() if key[0] not in gone}
         self._walks.append(gone)
         try:
             yield from self._walk(gone, batch)
@@ -396,6 +406,25 @@ class Metrics:
             c = self._children[key] = metric.labels(*values)
         return c
 
+    def counts(self, tenant: str, priority: str) -> TenantCounts:
+        """Where the request path counts for ``tenant`` and its ``priority``
+        class. Like ``child``: ``retire`` forgets a tenant's, and a retired
+        tenant's is one that counts into children exported nowhere."""
+        c = self._counts.get((tenant, priority))
+        if c is None:
+            c = TenantCounts(self, tenant, priority, self._pending)
+            if tenant not in self._retired:
+                self._counts[(tenant, priority)] = c
+        return c
+
+    def flush(self) -> None:
+        """The counts that wait (``TenantCounts``), into their children."""
+        pending = self._pending
+        if pending:
+            for c in pending:
+                c.flush()
+            pending.clear()
+
     def replica_state(self, slot) -> None:
         """``fairstream_replica_up`` and ``fairstream_replica_stalled`` of ``slot``, as it is now."""
         self.replica_up.labels(slot.name).set(1 if slot.ready else 0)
@@ -412,13 +441,14 @@ class Metrics:
             self.replica_kv.labels(slot.name).set(load.kv_usage if load else 0)
 
     async def expose(self, pool) -> bytes:
-        """The exposition text. The pool's gauges are set here, on the event
-        loop; the text is built in a thread, since it takes long with many
+        """The exposition text. The counts that wait (``flush``) and the
+        pool's gauges are set here, on the event loop; the text is built in a thread, since it takes long with many
         tenants (1,000 tenants: about 0.2 s here) and on the loop every
         stream would wait for it. prometheus-client takes a lock per value
         (its own HTTP server scrapes from a thread), so the loop goes on
         counting meanwhile, and the thread yields the interpreter to it
         every few milliseconds."""
+        self.flush()
         self.update_pool(pool)
         # scrapes that come while one is built share its text (two Prometheus
         # servers, or a dashboard beside one, built it twice at once); the
@@ -448,52 +478,3 @@ def _retrieved(fut: asyncio.Future) -> None:
     """(A build whose every scrape left ends unread: no warning for its error.)"""
     if not fut.cancelled():
         fut.exception()
-
-
-class HistogramBatch:
-    """Samples of one histogram child counted here and added to it in bulk.
-
-    prometheus-client's ``observe`` checks the metric, takes a lock for the
-    sum and another for the bucket, and calls three functions on the way:
-    per token, that was the largest single cost of the token lane. A batch
-    costs a bisect per sample. With a ``loop``, what waits is added ``every``
-    seconds after the first sample that waits (one timer at a time), so a
-    scrape misses at most that much; the owner flushes at the end. The flush
-    adds to the child's bucket and sum values (``_buckets``, ``_sum``,
-    ``_upper_bounds``: prometheus-client's internals, unchanged since its
-    first releases; tests/unit/test_lane.py compares the exposition with
-    ``observe``'s, so a change there fails a test, not a scrape). Works in
-    multiprocess mode too: those values have the same ``inc``.
-    """
-
-    __slots__ = ("child", "bounds", "counts", "total", "every", "loop", "timer")
-
-    def __init__(self, child: Any, every: float = 1.0, loop: Any = None) -> None:
-        self.child = child
-        self.bounds = child._upper_bounds
-        self.counts = [0] * len(self.bounds)
-        self.total = 0.0
-        self.every = every
-        self.loop = loop
-        self.timer = None
-
-    def add(self, value: float) -> None:
-        self.counts[bisect_left(self.bounds, value)] += 1
-        self.total += value
-        if self.timer is None and self.loop is not None:
-            self.timer = self.loop.call_later(self.every, self.flush)
-
-    def flush(self) -> None:
-        """Add what waits to the histogram now."""
-        if self.timer is not None:
-            self.timer.cancel()
-            self.timer = None
-        buckets = self.child._buckets
-        counts = self.counts
-        for i, c in enumerate(counts):
-            if c:
-                buckets[i].inc(c)
-                counts[i] = 0
-        if self.total:
-            self.child._sum.inc(self.total)
-            self.total = 0.0

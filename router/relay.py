@@ -69,9 +69,8 @@ class Outcome:
         if self.done:
             return
         self.done = True
-        m = self.svc.metrics
         tenant = self.policy.name
-        m.child(m.requests, tenant, self.endpoint, outcome).inc()
+        counts = self.svc.metrics.counts(tenant, self.policy.priority)
         elapsed = time.monotonic() - self.started
         extra = _line_fields(self.request_id, tenant, self.endpoint, outcome, self.client_request_id, error)
         if streamed and error is not None:
@@ -83,9 +82,7 @@ class Outcome:
             # what the request it continues counted (sums of lines = the metric)
             prompt = max(0, gen.prompt_tokens - self.counted[0])
             completion = max(0, gen.completion_tokens - self.counted[1])
-            m.child(m.tokens, tenant, "prompt").inc(prompt)
-            m.child(m.tokens, tenant, "completion").inc(completion)
-            m.child(m.e2e, tenant, self.policy.priority).observe(elapsed)
+            counts.generated(self.endpoint, outcome, prompt, completion, elapsed)
             extra.update(prompt_tokens=prompt, completion_tokens=completion, replica=gen.replica,
                          failovers=gen.failovers)
             if self.counted != (0, 0):
@@ -95,6 +92,8 @@ class Outcome:
                 extra["prompt"] = job.messages if job.messages is not None else (
                     job.prompt if job.prompt is not None else job.prompt_token_ids)
                 extra["completion"] = "".join(gen.text_parts or ())
+        else:
+            counts.ended(self.endpoint, outcome)
         request_log.info(f"request {outcome}", extra)
 
 
@@ -251,7 +250,7 @@ class EventStream:
     """
 
     __slots__ = ("svc", "gen", "enc", "include_usage", "usage_each", "policy", "ticket", "outcome", "sid", "writer",
-                 "ttft", "itl", "last", "tokens", "chars", "sent_ids", "skip_chars", "had_end", "result", "final",
+                 "counts", "itl", "last", "tokens", "chars", "sent_ids", "skip_chars", "had_end", "result", "final",
                  "error")
 
     def __init__(self, svc, gen: Generation, enc: ChunkEncoder, usage: tuple[bool, bool], policy: TenantPolicy,
@@ -268,9 +267,8 @@ class EventStream:
         self.outcome = outcome
         self.sid = sid
         self.writer = svc.resume if sid is not None else _NoBuffer()
-        m = svc.metrics
-        self.ttft = m.child(m.ttft, policy.name, policy.priority)
-        self.itl = m.child(m.itl, policy.name, policy.priority)
+        self.counts = svc.metrics.counts(policy.name, policy.priority)
+        self.itl = self.counts.streaming()  # (the time to first token counted in ``counts``)
         self.last: float | None = None
         self.tokens, self.chars = gen.base  # where the generation started
         self.sent_ids = self.tokens  # token ids handed to the resume buffer
@@ -287,7 +285,7 @@ class EventStream:
         if n:
             now = time.monotonic()
             if self.last is None:
-                self.ttft.observe(now - self.outcome.started)
+                self.counts.first_token(now - self.outcome.started)
             else:
                 self.itl.observe((now - self.last) / n)
             self.last = now

@@ -385,7 +385,7 @@ class Scheduler:
         """Every wait for a replica is observed once, when it ends, however it
         ends (dispatched: ``_dispatch``, or at once; left the queue:
         ``_remove``): the waits that ended in a 503 are a tenant's longest."""
-        self.metrics.child(self.metrics.queue_wait, policy.name, policy.priority).observe(waited)
+        self.metrics.counts(policy.name, policy.priority).waited(waited)
 
 
 _NO_COUNTERS = VirtualCounters()
