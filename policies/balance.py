@@ -52,6 +52,8 @@ def choose(loads: Sequence[ReplicaLoad], rng: random.Random, prefer: int | None 
         if score(loads[prefer]) <= score(loads[other]) + AFFINITY_SLACK:
             return prefer
         return other
+    if n == 2:  # (the two picks are both replicas, whatever the draws: the draws decide nothing)
+        return 0 if score(loads[0]) <= score(loads[1]) else 1
     a = rng.randrange(n)
     b = rng.randrange(n - 1)
     if b >= a:

@@ -74,3 +74,14 @@ def test_a_replica_whose_connection_closed_shows_down_before_the_supervisor_noti
     assert slot.ready and slot.status == "ready"
     slot.client.closed = ConnectionResetError("gone")  # type: ignore[union-attr]
     assert not slot.ready and slot.status == "down"
+
+
+@given(st.lists(loads_st.map(lambda ls: ls[0]), min_size=2, max_size=2), st.integers(0, 2**32))
+def test_two_replicas_are_chosen_as_the_draws_would_have_chosen_them(loads, seed):
+    # (choose takes no draw for two: the less loaded, a tie to the first, as the draws' rule gave)
+    rng = random.Random(seed)
+    a = rng.randrange(2)
+    b = rng.randrange(1)
+    b += b >= a
+    sa, sb = score(loads[a]), score(loads[b])
+    assert choose(loads, random.Random(seed)) == (a if sa < sb or (sa == sb and a < b) else b)
