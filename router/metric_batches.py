@@ -72,12 +72,12 @@ class HistogramBatch:
 
 
 class _Hist:
-    """One histogram child's samples since the last flush. ``sum`` is the
-    child's whole sum, added to in the order ``observe`` would have added
-    (float addition is not associative: a batch's own total added at the
-    flush could differ in the last digit); the flush sets it. So this owns
-    the child: nothing else observes into it. The samples are durations:
-    finite, never NaN (``observe`` would put a NaN in no bucket)."""
+    """One histogram child's samples since the last flush, added to it as
+    ``HistogramBatch`` adds them (the sum as the batch's total: it may differ
+    from ``observe``'s one by one in the last digit, float addition not
+    being associative; anything else may observe into the same child). The
+    samples are durations: finite, never NaN (``observe`` would put a NaN in
+    no bucket)."""
 
     __slots__ = ("child", "bounds", "counts", "sum")
 
@@ -85,7 +85,7 @@ class _Hist:
         self.child = child
         self.bounds = child._upper_bounds
         self.counts = [0] * len(self.bounds)
-        self.sum = child._sum.get()
+        self.sum = 0.0
 
     def flush(self) -> None:
         buckets = self.child._buckets
@@ -94,7 +94,9 @@ class _Hist:
             if c:
                 buckets[i].inc(c)
                 counts[i] = 0
-        self.child._sum.set(self.sum)
+        if self.sum:
+            self.child._sum.inc(self.sum)
+            self.sum = 0.0
 
 
 class _Count:
