@@ -97,6 +97,7 @@ class PolicyRegistry:
             try:
                 text = await asyncio.to_thread(read_text, self.path)
                 if text == self._text:
+                    self._no_retry()
                     if self.last_errors:  # put back as it was after a failed reload: valid, and nothing changed
                         self._restored()
                     return ReloadResult(True, self.current.version, changed=False)
@@ -107,23 +108,33 @@ class PolicyRegistry:
                 if _for_the_moment(e):
                     self._try_again()
                 else:
-                    self._retries = 0
+                    self._no_retry()
                 return self._failed(e.errors)
-            self._retries = 0
+            self._no_retry()
             return self._swap(snapshot, text)
 
+    def _no_retry(self) -> None:
+        """This reload's outcome owes nothing to the moment: no retry waits
+        (one would only read the same file again), and the tries count anew."""
+        self._retries = 0
+        task, self._retry = self._retry, None
+        if task is not None and task is not asyncio.current_task():
+            task.cancel()
+
     def _try_again(self) -> None:
-        if self._stop.is_set() or self._retries >= RETRIES or (self._retry is not None and not self._retry.done()):
-            return
+        task = self._retry
+        if self._stop.is_set() or self._retries >= RETRIES or (
+                task is not None and not task.done() and task is not asyncio.current_task()):
+            return  # (one waits already; or this is the last try)
         delay = self.retry_first * 2 ** self._retries
         self._retries += 1
         log.warning("tenant policy reload failed for the moment; trying again in %g s (try %d of %d)",
                     delay, self._retries, RETRIES)
+        # (held until it is done, reload included: ``close`` cancels it wherever it is)
         self._retry = asyncio.get_running_loop().create_task(self._reload_after(delay), name="policy-retry")
 
     async def _reload_after(self, delay: float) -> None:
         await asyncio.sleep(delay)
-        self._retry = None  # (this try may set up the next one)
         await self.reload()
 
     def _swap(self, snapshot: PolicySnapshot, text: str) -> ReloadResult:

@@ -18,9 +18,10 @@ import pytest
 
 from ops.bench_reload import tenants_text
 from router.configfile import ConfigError, load_yaml
+import router.policy as policy_module
 from router.policy import PolicyRegistry
 from router.tenants import TenantsFile
-from router.tenants_parse import decode, parse_elsewhere
+from router.tenants_parse import ParseUnavailable, decode, parse_elsewhere
 
 ROOT = Path(__file__).resolve().parents[2]
 DEMO = ROOT / "configs" / "tenants.yaml"
@@ -166,3 +167,89 @@ def _running_with(arg: str) -> int | None:
         except OSError:
             continue
     return None
+
+
+async def test_close_cancels_a_retry_that_is_reloading(tmp_path, monkeypatch):
+    # (the retry let go of its task before it reloaded: a close then missed
+    # it, and the reload swapped the policy in after the router's close)
+    path = tmp_path / "tenants.yaml"
+    path.write_text(DEMO.read_text())
+    calls: list[tuple[bool, bool]] = []
+    registry = PolicyRegistry(path, on_reload=lambda ok, changed: calls.append((ok, changed)))
+    registry.retry_first = 0.05
+    tries = 0
+
+    async def parse(p, text):
+        nonlocal tries
+        tries += 1
+        if tries == 1:
+            raise ParseUnavailable([f"{p}:1: (file): cannot start the process that parses it: EMFILE"])
+        await asyncio.sleep(0.5)  # (a large file's parse)
+        return await parse_elsewhere(p, text)
+
+    monkeypatch.setattr(policy_module, "parse_elsewhere", parse)
+    path.write_text(DEMO.read_text().replace("weight: 3", "weight: 4"))
+    assert not (await registry.reload()).ok
+    await asyncio.sleep(0.2)  # (the retry is reloading)
+    assert tries == 2
+    await registry.close()
+    await asyncio.sleep(0.6)
+    assert calls == [(False, False)] and registry.current.version == 1
+
+
+async def test_a_new_edit_gets_its_own_tries(tmp_path, monkeypatch):
+    # (after five failed tries, a file put back and a new edit that failed
+    # for the moment got no retry: the count of tries never started over)
+    path = tmp_path / "tenants.yaml"
+    path.write_text(DEMO.read_text())
+    registry = PolicyRegistry(path)
+    registry.retry_first = 0.01
+    failing = True
+
+    async def parse(p, text):
+        if failing:
+            raise ParseUnavailable([f"{p}:1: (file): cannot start the process that parses it: EMFILE"])
+        return await parse_elsewhere(p, text)
+
+    monkeypatch.setattr(policy_module, "parse_elsewhere", parse)
+    path.write_text(DEMO.read_text().replace("weight: 3", "weight: 4"))
+    await registry.reload()
+    for _ in range(100):  # (its five tries: 0.01 + 0.02 + 0.04 + 0.08 + 0.16 s)
+        if registry._retries == 5 and registry._retry.done():
+            break
+        await asyncio.sleep(0.02)
+    assert registry._retries == 5 and registry.current.version == 1
+    path.write_text(DEMO.read_text())  # put back
+    assert (await registry.reload()).ok
+    path.write_text(DEMO.read_text().replace("weight: 3", "weight: 5"))
+    assert not (await registry.reload()).ok
+    failing = False  # (the moment passed)
+    for _ in range(100):
+        if registry.current.version == 2:
+            break
+        await asyncio.sleep(0.02)
+    assert registry.current.tenants["gold"].weight == 5
+    await registry.close()
+
+
+async def test_a_bad_file_cancels_a_retry_that_waits(tmp_path, monkeypatch):
+    path = tmp_path / "tenants.yaml"
+    path.write_text(DEMO.read_text())
+    registry = PolicyRegistry(path)
+    registry.retry_first = 0.3
+
+    async def parse(p, text):
+        if "weight: 4" in text:
+            raise ParseUnavailable([f"{p}:1: (file): cannot start the process that parses it: EMFILE"])
+        return await parse_elsewhere(p, text)
+
+    monkeypatch.setattr(policy_module, "parse_elsewhere", parse)
+    path.write_text(DEMO.read_text().replace("weight: 3", "weight: 4"))
+    await registry.reload()
+    waiting = registry._retry
+    assert waiting is not None
+    path.write_text(DEMO.read_text().replace("weight: 3", "weight: x"))
+    assert not (await registry.reload()).ok
+    await asyncio.sleep(0)
+    assert waiting.cancelled() and registry._retry is None
+    await registry.close()
