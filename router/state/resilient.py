@@ -91,7 +91,9 @@ class ResilientStore(StateStore):
         self._reserve_store: dict[str, StateStore] = {}  # where each reservation was taken (it never moves)
         # what Redis missed while it was down, made when it answers again
         self._owed: collections.deque[Callable[[StateStore], Awaitable[None]]] = collections.deque(maxlen=MAX_OWED)
-        # while the fallback's resume buffers move to Redis: those not moved yet (``_stream_store``)
+        # from the start of the fallback's resume buffers' move to Redis until
+        # Redis counts as back: those not moved yet (``_stream_store``; empty
+        # once all moved, while the releases owed meanwhile are made)
         self._moving: set[str] | None = None
 
     def _down(self, op: str, err: Exception) -> None:
@@ -180,10 +182,13 @@ class ResilientStore(StateStore):
                 await self._pay_back()
                 await self._move_streams()
                 # (and those owed while the buffers moved: from the last look
-                # at the list to ``healthy``, no await lets one in)
+                # at the list to ``healthy``, no await lets one in; the moved
+                # buffers are written in Redis meanwhile, ``_moving`` empty)
                 await self._pay_back()
             except StoreUnavailable:
                 continue
+            finally:
+                self._moving = None  # (and no await from here to ``healthy``)
             self.healthy = True
             self._returns += 1
             for lid, store in self._lease_store.items():  # (Redis counts them again: ``_hold_locally``'s go)
@@ -211,29 +216,26 @@ class ResilientStore(StateStore):
         router that held it died (``lost``: a client may have events it
         lacks) and the tokens charged for it (``charged``); a claim that ran
         out moves as none, as a read shows it."""
-        self._moving = set(self.fallback.held_streams())
-        try:
-            for sid in list(self._moving):
-                at = None  # (events, tokens, finished) in Redis
-                for _ in range(MOVE_TRIES):
-                    held = self.fallback.held_stream(sid)
-                    if held is None:
-                        break
-                    st, ttl = held
-                    has = (st.total_events, len(st.token_ids), st.finished)
-                    if has == at:
-                        break  # (all of it in Redis: its next writes go there, with no await since this look)
-                    if at is None:
-                        await self.primary.stream_open(sid, st.meta, st.owner, ttl, lease=st.lease, lost=st.lost,
-                                                       charged=st.charged)
-                        at = (0, 0, False)
-                    if has != at:
-                        await self.primary.stream_append(sid, st.events[at[0]:], st.token_ids[at[1]:], st.text_len,
-                                                         st.finished, st.owner, ttl, at[0])
-                    at = has
-                self._moving.discard(sid)
-        finally:
-            self._moving = None
+        self._moving = set(self.fallback.held_streams())  # (``_reconnect`` puts it back to None)
+        for sid in list(self._moving):
+            at = None  # (events, tokens, finished) in Redis
+            for _ in range(MOVE_TRIES):
+                held = self.fallback.held_stream(sid)
+                if held is None:
+                    break
+                st, ttl = held
+                has = (st.total_events, len(st.token_ids), st.finished)
+                if has == at:
+                    break  # (all of it in Redis: its next writes go there, with no await since this look)
+                if at is None:
+                    await self.primary.stream_open(sid, st.meta, st.owner, ttl, lease=st.lease, lost=st.lost,
+                                                   charged=st.charged)
+                    at = (0, 0, False)
+                if has != at:
+                    await self.primary.stream_append(sid, st.events[at[0]:], st.token_ids[at[1]:], st.text_len,
+                                                     st.finished, st.owner, ttl, at[0])
+                at = has
+            self._moving.discard(sid)
 
     def _stream_store(self, sid: str) -> StateStore:
         """Where stream ``sid``'s buffer is: while the fallback's move to

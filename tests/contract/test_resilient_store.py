@@ -770,3 +770,43 @@ async def test_a_reservation_a_continuation_took_over_is_not_settled_again_now_o
     await asyncio.sleep(0.2)
     usage = await store.primary.usage(t, rpm=0, tpm=60)
     assert usage.tokens_available < 20 + 12, usage  # (20 and a few seconds' refill; not 24 more given back)
+
+
+async def test_a_buffer_moved_to_redis_is_written_there_while_the_releases_owed_meanwhile_are_made() -> None:
+    # (once the move ended, the releases owed during it were made with the
+    # buffers back in the fallback's hands: an append then was taken there
+    # and dropped when Redis counted as back; Redis missed the event, and
+    # the stream's next append found its buffer broken)
+    with RedisServer(require_redis_server(), persist=True) as server:
+        async for h in _harness(server, True):
+            store = h.store
+            await store.start()
+            await store._connected()
+            t = f"window-{uuid.uuid4().hex[:8]}"
+            lid = uuid.uuid4().hex
+            assert (await store.admit(t, req(max_concurrent=1, lease=lid))).ok  # (in Redis)
+            server.kill()
+            await store.stream_open("s-window", b"meta", "me", 60.0)  # (in the fallback: the probe moves it)
+            assert await store.stream_append("s-window", [b"e0"], [1], 1, False, "me", 60.0, 0)
+            opened, released = store.primary.stream_open, store.primary.release
+            paying = asyncio.Event()
+
+            async def open_and_end_a_stream(*args, **kwargs):
+                await store.release(t, lid)  # (owed: made once the buffers have moved)
+                return await opened(*args, **kwargs)
+
+            async def slow_release(*args, **kwargs):
+                paying.set()
+                await asyncio.sleep(0.5)
+                return await released(*args, **kwargs)
+
+            store.primary.stream_open = open_and_end_a_stream
+            store.primary.release = slow_release
+            server.restart()
+            await asyncio.wait_for(paying.wait(), 15.0)
+            assert store.healthy is False
+            assert await store.stream_append("s-window", [b"e1"], [2], 2, False, "me", 60.0, 1)
+            await h.wait_healthy(10.0)
+            snap = await store.primary.stream_read("s-window", 0)
+            assert snap is not None and snap.total_events == 2, snap
+            assert await store.stream_append("s-window", [b"e2"], [3], 3, False, "me", 60.0, 2)
