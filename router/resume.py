@@ -224,11 +224,13 @@ class ResumeWriter:
 
     def resumable(self, sid: str) -> bool:
         """Whether a resume of ``sid`` could continue it, as far as this
-        router knows: not once the store refused an append of it (broken:
-        it misses events; or another router's, or finished), nor once an
-        append failed (its events are lost: the store finds the buffer short
-        of them at its next append). What a stream this router ends is told
-        (a resume, or a retry) goes by it."""
+        router knows: not once the store did not take an append of it
+        (broken: it misses events; gone: expired, or lost by a Redis
+        restarted without persistence or flushed, which no outage need have
+        shown; or another router's, or finished), nor once an append failed
+        (its events are lost: the store finds the buffer short of them at
+        its next append). What a stream this router ends is told (a resume,
+        or a retry) goes by it."""
         return sid not in self._refused and sid not in self._unwritten
 
     def append(self, sid: str, event: bytes | None, token_ids: list[int], text_len: int) -> None:
@@ -320,6 +322,7 @@ class ResumeWriter:
             if not done and sid not in self._refused:
                 self._refused.add(sid)
                 log.warning("resume buffer of %s not appended to: it is another router's now (it took the "
-                            "stream over), finished, or broken (events of it came during a state store outage, "
-                            "which the local fallback cannot keep for a buffer the store holds); a resume of it gets an error, never "
-                            "a wrong text", sid)
+                            "stream over), finished, gone (expired, or lost by the state store: restarted without "
+                            "persistence, or flushed), or broken (events of it came during a state store outage, "
+                            "which the local fallback cannot keep for a buffer the store holds); a resume of it gets "
+                            "an error, never a wrong text", sid)

@@ -208,9 +208,11 @@ class StateStore(abc.ABC):
         ``first``: how many events the writer put in the buffer before these
         (-1: unchecked); a buffer that holds another number misses some (they
         went elsewhere: the local fallback during an outage) and is marked
-        broken, for good. False when the buffer refused the append: broken,
-        finished, or another router's now (it took the stream over from this
-        one); True otherwise (also when there is no such buffer)."""
+        broken, for good. False when the append was not made: no such buffer
+        (expired, never made, or lost by the store: a Redis restarted without
+        persistence or flushed), or the buffer refused it: broken, finished,
+        or another router's now (it took the stream over from this one); True
+        when it was made."""
 
     @abc.abstractmethod
     async def stream_read(self, sid: str, after: int, tokens: bool = True) -> StreamSnapshot | None:

@@ -297,7 +297,7 @@ class MemoryStore(StateStore):
         now = self._clock()
         st = self._stream(sid, now)
         if st is None:
-            return True  # (no such buffer: nothing to refuse, as the Redis store answers it)
+            return False  # (no such buffer: gone, expired, or never made; as the Redis store answers it)
         if (st.owner and st.owner != owner) or st.finished:
             return False
         if st.broken or (first >= 0 and len(st.events) != first):

@@ -213,7 +213,7 @@ class RedisStore(StateStore):
             )
         except RedisError as e:
             raise _unavailable(e) from e
-        return done in (0, 1)  # (0: no such buffer, as ever; 2 broken, 3 not this router's)
+        return done == 1  # (0: no such buffer, 2 broken, 3 not this router's)
 
     async def stream_read(self, sid: str, after: int, tokens: bool = True) -> StreamSnapshot | None:
         try:

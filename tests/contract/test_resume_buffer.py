@@ -191,3 +191,31 @@ async def test_only_the_router_that_holds_a_stream_appends_to_it(backend: Backen
     assert not await store.stream_append(s, [b"late"], [98], 9, False, "r2", 60, first=2)  # (finished)
     snap = await store.stream_read(s, 0)
     assert not snap.broken and snap.events == [b"e0", b"e1"] and snap.token_ids == [10, 11] and snap.text_len == 2
+
+
+async def test_an_append_to_a_buffer_that_is_gone_is_not_taken(backend: Backend) -> None:
+    # A Redis restarted without persistence (or flushed) lost the buffers of
+    # the streams a router was writing; its appends were answered "no such
+    # buffer", which read as a success, so its shutdown told their clients
+    # to resume them, and each resume was a 404. An expired buffer is as gone.
+    store, s, never = backend.store, sid(), sid()
+    assert not await store.stream_append(never, [b"e0"], [10], 1, False, "r1", 60, first=0)
+    await store.stream_open(s, encode_meta(META), "r1", 0.2)
+    assert await store.stream_append(s, [b"e0"], [10], 1, False, "r1", 0.2, first=0)
+    await backend.sleep(0.5)
+    assert not await store.stream_append(s, [b"e1"], [11], 2, False, "r1", 60, first=1)
+    assert await store.stream_read(s, 0) is None and await store.stream_read(never, 0) is None
+    if backend.redis is not None:  # (the batching writer's: the memory store's cannot lose a buffer it writes)
+        writer = ResumeWriter(store, retention=60.0)
+        await writer.start()
+        try:
+            await writer.open(s, META)
+            writer.append(s, b"id: 1-1-1\ndata: {}\n\n", [10], 1)
+            await writer._flush()
+            assert writer.resumable(s)
+            await store._redis.flushall()  # type: ignore[attr-defined]
+            writer.append(s, b"id: 2-2-2\ndata: {}\n\n", [11], 2)
+            await writer._flush()
+            assert not writer.resumable(s)
+        finally:
+            await writer.close()

@@ -15,6 +15,7 @@ import time
 
 import httpx
 import pytest
+import redis.asyncio as aioredis
 import yaml
 from websockets.asyncio.client import connect
 from websockets.exceptions import ConnectionClosed
@@ -347,4 +348,50 @@ async def test_a_stream_whose_buffer_redis_holds_is_told_to_retry_at_shutdown_du
                 assert "Last-Event-ID" not in err["message"] and "retry the request" in err["message"], err
         finally:
             redis.proc.send_signal(signal.SIGCONT)
+        a.proc.wait(15)
+
+
+async def test_a_stream_whose_buffer_the_store_lost_is_told_to_retry_at_shutdown(make_router) -> None:
+    # Redis loses its data mid-stream without the router meeting an outage
+    # (flushed here; as well a restart without persistence between two of
+    # its calls, or one while the stream was quiet): the router sees the
+    # store's generation change ("lost the leases") and goes on appending
+    # the stream's events, which the store answered "no such buffer" to,
+    # taken for a success. SIGTERM then told the client to resume from its
+    # Last-Event-ID, and that resume, on the router sharing the store, was
+    # a 404 ``stream_not_found`` (a chaos run: 17 streams at once). It is
+    # to be told to retry the request, as a stream with a broken buffer is.
+    require_redis_server()
+    with RedisServer() as redis:
+        state = {"backend": "redis", "url": redis.url, "timeout": 0.3}
+        sim = {"step_base_ms": 20}
+        a = make_router(replicas=1, sim=sim, settings={"shutdown_grace": 0.5, "state": state})
+        b = make_router(replicas=1, sim=sim, settings={"state": state})
+        body = {**_body(1000), "temperature": 0}
+        async with httpx.AsyncClient(headers=AUTH, timeout=30) as http:
+            n, last, stopped, d = 0, None, False, {}
+            async with http.stream("POST", a.base_url + "/v1/chat/completions", json=body) as r:
+                rid = r.headers["x-request-id"]
+                async for ev in aiter_sse(r):
+                    if ev.id is not None:
+                        last = ev.id
+                    d = ev.json()
+                    if "error" in d:
+                        break
+                    n += 1
+                    if n == 20:
+                        client = aioredis.from_url(redis.url)
+                        await client.flushall()
+                        await client.aclose()
+                    elif n > 20 and not stopped and ("lost the leases" in a.log() or n == 400):
+                        await asyncio.sleep(0.2)  # (a few more of its events appended)
+                        a.proc.send_signal(signal.SIGTERM)
+                        stopped = True
+            assert stopped and "lost the leases" in a.log() and "unavailable" not in a.log()
+            err = d["error"]
+            assert err["code"] == "router_shutdown", err
+            assert "Last-Event-ID" not in err["message"] and "retry the request" in err["message"], err
+            # (what a resume of it gets: the promise it was given before would have been false)
+            r = await http.get(f"{b.base_url}/v1/streams/{rid}", headers={"Last-Event-ID": last})
+            assert r.status_code == 404 and r.json()["error"]["code"] == "stream_not_found", r.text
         a.proc.wait(15)

@@ -2,7 +2,9 @@
 -- ARGV: owner, retention seconds, claim seconds, text_len, finished(0/1),
 --       packed token ids (uint32 little-endian), first (the number of events
 --       the writer put before these; -1: unchecked), events...
--- Returns 1 written; 0 no such buffer; 2 not written: the buffer is broken
+-- Returns 1 written; 0 not written: no such buffer (never made, expired, or
+-- lost by a Redis restarted without persistence or flushed: a resume of it
+-- finds nothing); 2 not written: the buffer is broken
 -- (now, or before: it misses events its writer sent elsewhere, e.g. to the
 -- router's local fallback during an outage); 3 not written: another router
 -- holds the stream now (it took it over from a router that froze), or it
