@@ -263,10 +263,6 @@ class MemoryStore(StateStore):
         now = self._clock()
         return [sid for sid, st in self._streams.items() if st.expires > now and not st.broken]
 
-    def holds_stream(self, sid: str) -> bool:
-        """Whether this store has a live buffer ``sid`` (broken or not)."""
-        return self._stream(sid, self._clock()) is not None
-
     def held_stream(self, sid: str) -> tuple[StreamSnapshot, float] | None:
         """One of ``held_streams``, as ``stream_read`` gives it, and its
         seconds left; None when it is gone, expired or broken."""

@@ -423,15 +423,12 @@ class ResilientStore(StateStore):
                               sid)
 
     async def stream_append(self, sid, events, token_ids, text_len, finished, owner, ttl, first=-1) -> bool:
-        async def append(s: StateStore) -> bool:
-            if s is self.fallback and not self.fallback.holds_stream(sid):
-                # (a buffer Redis holds: its events of the outage are kept
-                # nowhere, so the buffer is as good as broken, and a resume
-                # must not be promised; said at once, not when Redis is back)
-                return False
-            return await s.stream_append(sid, events, token_ids, text_len, finished, owner, ttl, first)
-
-        return await self._stream_op("stream_append", append, sid)
+        # (during an outage, one of a buffer Redis holds goes to the fallback,
+        # which has no such buffer: refused, as the events are kept nowhere)
+        return await self._stream_op(
+            "stream_append",
+            lambda s: s.stream_append(sid, events, token_ids, text_len, finished, owner, ttl, first), sid,
+        )
 
     async def stream_read(self, sid, after, tokens=True):
         return await self._stream_op("stream_read", lambda s: s.stream_read(sid, after, tokens), sid)
