@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import ctypes
 import json
 import logging
@@ -62,6 +63,19 @@ def _unreachable(e: BaseException) -> bool:
     from aiohttp import ClientSSLError
 
     return isinstance(e, OSError) and not isinstance(e, (ReplicaDead, ReplicaRefused, ssl.SSLError, ClientSSLError))
+
+
+def _out_of_descriptors(e: BaseException | None) -> bool:
+    """The router itself out of file descriptors (EMFILE; ENFILE: the
+    system's), in ``e`` or what caused it: the router's want, which passes
+    with a flood of client connections, not the replica's fault."""
+    for _ in range(8):  # (a chain of causes is short: no cycle followed for ever)
+        if e is None:
+            return False
+        if isinstance(e, OSError) and e.errno in (errno.EMFILE, errno.ENFILE):
+            return True
+        e = e.__cause__ or e.__context__
+    return False
 
 
 class SupervisorSettings:
@@ -170,7 +184,7 @@ class Supervisor:
         s = self.settings
         failures = 0
         unreachable = 0  # attempts in a row that could not reach a replica this router does not start
-        warned = 0.0
+        warned = starved_warned = 0.0
         loop = asyncio.get_running_loop()
         while not self._closing:
             started = loop.time()
@@ -178,6 +192,7 @@ class Supervisor:
             missed = False  # this attempt could not reach it
             lost = False  # a replica the router does not start, lost while it was ready
             repeated = False  # refused as at the last attempt
+            starved = False  # the router was out of descriptors
             try:
                 await self._run_once(slot)
             except asyncio.CancelledError:
@@ -202,6 +217,14 @@ class Supervisor:
                         log.warning("replica %s at %s cannot be reached: %s (attempt %d; trying again at least "
                                     "every %gs)", slot.name, slot.spec.url or slot.spec.address, why, unreachable,
                                     s.reconnect_interval)
+                elif _out_of_descriptors(e):
+                    # (the doubling backoff kept a replica down for 16 s and
+                    # more after a flood of connections that lasted less)
+                    starved = True
+                    if loop.time() - starved_warned >= UNREACHABLE_LOG_EVERY:
+                        starved_warned = loop.time()
+                        log.warning("replica %s failed: %s (the router is out of file descriptors: trying again at "
+                                    "least every %gs)", slot.name, why, s.reconnect_interval)
                 else:
                     log.warning("replica %s failed: %s", slot.name, why)
                 if isinstance(e, _Stalled):
@@ -226,13 +249,15 @@ class Supervisor:
                 delay = min(s.backoff_max, s.reconnect_interval, s.backoff_initial * (2 ** min(unreachable - 1, 30)))
             else:
                 delay = min(s.backoff_max, s.backoff_initial * (2 ** min(failures, 30)))
-                if lost:
+                if lost or starved:
                     # (its process, not the router's, restarts it, and a connect
                     # that fails costs little: the first one within
                     # reconnect_interval, so it is used again within that of
-                    # its return, however often it died before)
+                    # its return, however often it died before; or the
+                    # router's want of descriptors, which is no failure of it)
                     delay = min(delay, s.reconnect_interval)
-                failures += 1
+                if not starved:
+                    failures += 1
                 if slot.spec.local:
                     slot.restarts += 1
                 else:  # (not restarted by the router: its own supervisor does that, if anything)

@@ -11,11 +11,12 @@ WebSocket upgrade a 400, all in OpenAI's error shape and counted in
 its open-file limit to the hard limit (``open_file_limit``) and serves at
 most ``max_connections`` client connections (by default about half that
 limit: ``default_max_connections``): one more gets a 503 once its request is
-read, and is closed after a lingering close (``HttpConnection._linger``), so
-a flood of connections cannot take the descriptors the open streams need
-for their replicas and upstreams. At shutdown a connection whose request
-has not come whole gets ``SHUTDOWN_READ`` seconds and a 503
-``router_shutdown``, not a reset.
+read, and is closed after a lingering close (``HttpConnection._linger``);
+past ``OVER_CAP_HELD`` such connections at once, one more gets the 503 as it
+connects and is closed then. So a flood of connections cannot take the
+descriptors the open streams need for their replicas and upstreams. At
+shutdown a connection whose request has not come whole gets
+``SHUTDOWN_READ`` seconds and a 503 ``router_shutdown``, not a reset.
 """
 
 from __future__ import annotations
@@ -23,10 +24,11 @@ from __future__ import annotations
 import asyncio
 import logging
 from http import HTTPStatus
-from typing import Any, Callable
+from typing import Callable
 
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
+from router.descriptors import OVER_CAP_HELD, default_max_connections, open_file_limit
 from router.errors import RouterShutdown, error_body
 from router.handshake import Handshake
 from router.ids import new_id
@@ -54,50 +56,6 @@ SHUTDOWN_READ = 1.0
 # seconds a refused connection is read (and what it sends dropped) after its
 # answer, before it is closed: ``HttpConnection._linger``
 LINGER = 2.0
-# descriptors kept out of the default cap: listeners, replica and Redis
-# connections, health checks, log files
-FILE_RESERVE = 256
-
-
-def default_max_connections(files: int) -> int:
-    """The cap from the open-file limit (0: none): half of what the reserve
-    leaves, since a stream through a ``url:`` upstream holds two."""
-    return max(64, (files - FILE_RESERVE) // 2) if files else 0
-
-
-# what to raise the open-file limit to when its hard limit is unlimited (macOS
-# by default): Linux's default ceiling (fs.nr_open), else macOS's OPEN_MAX
-_UNLIMITED_TARGETS = (1 << 20, 10240)
-
-
-def open_file_limit(res: Any = None) -> int:
-    """Raise the process's open-file limit to its hard limit (as Go's
-    runtime does; an unlimited hard limit, macOS's default, to the most of
-    ``_UNLIMITED_TARGETS`` the system takes), and return it (0: unlimited,
-    or no such limit here). ``res``: the ``resource`` module (tests)."""
-    if res is None:
-        try:
-            import resource as res
-        except ImportError:  # pragma: no cover - Windows: no rlimits
-            return 0
-    soft, hard = res.getrlimit(res.RLIMIT_NOFILE)
-    if soft != hard and soft != res.RLIM_INFINITY:
-        targets = (hard,) if hard != res.RLIM_INFINITY else _UNLIMITED_TARGETS
-        error: Exception | None = None
-        for target in (t for t in targets if t > soft):
-            try:
-                res.setrlimit(res.RLIMIT_NOFILE, (target, hard))
-            except (ValueError, OSError) as e:  # (a sandbox that forbids it, or past the system's ceiling)
-                error = e
-                continue
-            soft = target
-            break
-        else:
-            if error is not None:
-                log.warning("could not raise the open-file limit from %d: %s", soft, error)
-    return 0 if soft == res.RLIM_INFINITY else soft
-
-
 class _Pipeline(list):
     """uvicorn's queue of pipelined requests (it uses ``appendleft``, ``pop``
     and truth) on a list: an empty ``deque`` takes 624 bytes, an empty list
@@ -153,6 +111,10 @@ class HttpConnection(HttpToolsProtocol):
     _over_cap_logged = -OVER_CAP_LOG_INTERVAL  # (loop time of the last warning)
     _over_cap_count = 0  # connections refused since, not yet in a warning
     _over_cap_flush: asyncio.TimerHandle | None = None  # (the warning for the last of them)
+    # connections past the cap open now that read or linger (at most
+    # OVER_CAP_HELD): counted up in connection_made and down in
+    # connection_lost, so never reset (a server's connections all close)
+    _over_held = 0
 
     @classmethod
     def configure(cls, head_timeout: float, body_timeout: float, body_total_timeout: float, max_connections: int,
@@ -179,13 +141,24 @@ class HttpConnection(HttpToolsProtocol):
         self._in_head = True
         self._refused = False
         self._stopping = False  # (shutdown began before its request came whole: see shutdown)
-        # one past max_connections: its request is read, then answered 503
-        self._over = 0 < self.max_connections < len(self.connections)
+        # one past max_connections: its request is read, then answered 503;
+        # past OVER_CAP_HELD of those at once, answered now (and not counted)
+        over = 0 < self.max_connections < len(self.connections)
+        now = over and HttpConnection._over_held >= OVER_CAP_HELD
+        self._over = over and not now
+        if self._over:
+            HttpConnection._over_held += 1
         self._deadline: asyncio.TimerHandle | None = None
         self._body_by = 0.0  # (loop time the request's body must have come whole by: _start_body)
         self._body_at = -1.0  # (loop time _limit_body last armed the deadline, -1 once another limit replaced it)
         self._lost: list[Callable[[], None]] = []  # (see on_headers_complete)
-        if self._over:  # (its request, or not, within OVER_CAP_READ: answered all the same)
+        if now:
+            # Answered before its request, which it may be sending: if that
+            # is in the socket when it closes, the client sees a reset and
+            # not the 503 (a lingering close would keep its descriptor). But
+            # a flood cannot hold more than OVER_CAP_HELD descriptors.
+            self._refuse_over_cap(linger=False)
+        elif self._over:  # (its request, or not, within OVER_CAP_READ: answered all the same)
             self._deadline = self.loop.call_later(OVER_CAP_READ, self._refuse_over_cap)
         else:
             self._limit(self.head_timeout, HEAD_TIMEOUT)
@@ -227,10 +200,11 @@ class HttpConnection(HttpToolsProtocol):
             self._limit_unless_queued(self.body_timeout, BODY_TIMEOUT)
         self._body_at = now
 
-    def _refuse(self, status: int, message: str, code: str, reason: str) -> None:
+    def _refuse(self, status: int, message: str, code: str, reason: str, linger: bool = True) -> None:
         """Answer ``status`` as an OpenAI error with that ``code`` (a 503 with
         ``Retry-After: 1``) unless a response is under way, and close the
-        connection; counted with that ``reason``."""
+        connection (after a lingering close unless not ``linger``); counted
+        with that ``reason``."""
         if self._refused or self.transport.is_closing():
             return  # (answered already: its linger's close stays armed)
         self._limit(0, None)
@@ -248,16 +222,17 @@ class HttpConnection(HttpToolsProtocol):
                 body = error_body(message, "invalid_request_error", None, code)
                 head = b"content-type: application/json\r\n"
             head += b"x-request-id: %s\r\n" % new_id().encode()  # (as every other answer of the API)
-            if self._answer_closing(status, head + b"content-length: %d\r\n" % len(body), body):
+            if self._answer_closing(status, head + b"content-length: %d\r\n" % len(body), body, linger):
                 return
         self.transport.close()
 
-    def _answer_closing(self, status: int, head: bytes, body: bytes) -> bool:
+    def _answer_closing(self, status: int, head: bytes, body: bytes, linger: bool = True) -> bool:
         """Write a response with ``connection: close`` and close after a
-        lingering close (``_linger``); False: that cannot be (TLS), close now."""
+        lingering close (``_linger``); False: that cannot be (TLS) or is not
+        wanted, close now."""
         self.transport.write(b"HTTP/1.1 %d %s\r\n%sconnection: close\r\n\r\n%s"
                              % (status, HTTPStatus(status).phrase.encode(), head, body))
-        return self._linger()
+        return linger and self._linger()
 
     def _linger(self) -> bool:
         """Close the connection's sending side after a refusal and discard
@@ -307,9 +282,10 @@ class HttpConnection(HttpToolsProtocol):
             self.transport.close()
         return True
 
-    def _refuse_over_cap(self) -> None:
+    def _refuse_over_cap(self, linger: bool = True) -> None:
         """Answer a connection past ``max_connections`` (its request read,
-        or ``OVER_CAP_READ`` passed)."""
+        or ``OVER_CAP_READ`` passed; or not read, and not ``linger``: past
+        ``OVER_CAP_HELD``)."""
         if self._refused or self.transport.is_closing():
             return
         cls = type(self)
@@ -320,7 +296,7 @@ class HttpConnection(HttpToolsProtocol):
         elif cls._over_cap_flush is None:  # (the last of a burst is told too)
             cls._over_cap_flush = self.loop.call_later(wait, self._warn_over_cap, self.loop, None)
         self._refuse(503, f"The router has too many open connections ({self.max_connections}); retry shortly.",
-                     "too_many_connections", "max_connections")
+                     "too_many_connections", "max_connections", linger)
 
     @classmethod
     def _warn_over_cap(cls, loop, open_now: int | None) -> None:
@@ -488,6 +464,8 @@ class HttpConnection(HttpToolsProtocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._limit(0, None)
+        if self._over:
+            HttpConnection._over_held -= 1
         if self.metrics is not None:
             self.metrics.connections.dec()
         super().connection_lost(exc)

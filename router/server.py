@@ -27,7 +27,8 @@ import uvicorn
 from uvicorn.protocols.websockets.websockets_sansio_impl import WebSocketsSansIOProtocol
 
 from router.config import SHUTDOWN_MARGIN
-from router.connection import HttpConnection, default_max_connections, open_file_limit
+from router.connection import HttpConnection
+from router.descriptors import default_max_connections, open_file_limit
 from router.fastpath import FastPath
 from router.handshake import Handshake, fits
 

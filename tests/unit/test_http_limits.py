@@ -463,6 +463,48 @@ def test_past_max_connections_a_silent_or_expect_100_connection_is_answered_at_o
         held.close()
 
 
+def test_connections_past_max_connections_hold_at_most_over_cap_held_descriptors(monkeypatch):
+    # A client that connects again as soon as a connection closes (the
+    # tester's 985 idle connections against a cap of 372) kept every
+    # connection past the cap for OVER_CAP_READ and then LINGER seconds:
+    # ~4 s of a descriptor each, with no bound on how many at once, until the
+    # router (its replicas' restarts too) ran out of descriptors. Past
+    # OVER_CAP_HELD of them, one more is answered 503 at once and closed.
+    monkeypatch.setattr(hc, "OVER_CAP_READ", 30.0)
+    monkeypatch.setattr(hc, "OVER_CAP_HELD", 3)
+    with serving(head=30, body=60, max_connections=1) as server:
+        held = conn()
+        time.sleep(0.1)
+        waiting = [conn() for _ in range(3)]  # silent: answered after OVER_CAP_READ
+        time.sleep(0.2)
+        t0 = time.monotonic()
+        flood = [conn() for _ in range(20)]
+        for s in flood:  # answered and closed now, not after OVER_CAP_READ
+            s.settimeout(5)
+            answer = read_all(s)
+            head, _, body = answer.partition(b"\r\n\r\n")
+            assert head.startswith(b"HTTP/1.1 503") and b"retry-after: 1" in head, answer
+            assert json.loads(body)["error"]["code"] == "too_many_connections"
+        assert time.monotonic() - t0 < 5
+        time.sleep(0.2)
+        assert len(server.server_state.connections) <= 1 + 3  # (the cap's one, and OVER_CAP_HELD past it)
+        sent = conn()  # one that sends its request at once is told too
+        sent.sendall(b"GET /echo HTTP/1.1\r\nHost: x\r\n\r\n")
+        sent.settimeout(5)
+        assert read_all(sent).startswith(b"HTTP/1.1 503")
+        for s in [*flood, *waiting, sent]:
+            s.close()
+        time.sleep(0.3)
+        again = conn()  # the held ones gone: past the cap, read again before its answer
+        again.sendall(b"POST /echo HTTP/1.1\r\nHost: x\r\nContent-Length: 5\r\n\r\nhello")
+        again.settimeout(5)
+        assert read_all(again).startswith(b"HTTP/1.1 503")
+        again.close()
+        held.sendall(b"GET /echo HTTP/1.1\r\nHost: x\r\n\r\n")  # the open connection was not touched
+        assert read_all_until(held, b"got 0").startswith(b"HTTP/1.1 200")
+        held.close()
+
+
 def test_a_pipelined_request_whose_body_stops_gets_its_408_after_the_stream_before_it():
     # Its body could not come while it waited (uvicorn pauses reading behind
     # a response under way): body_timeout cut the stream before it, and its

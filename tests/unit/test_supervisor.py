@@ -804,3 +804,37 @@ def test_upstream_model_names_only_a_url_replicas_model() -> None:
     # until it connected: listed in /v1/models, a 404 for its real one)
     assert ReplicaSlot(ReplicaSpec(name="s0", engine="sim", upstream_model="typo")).model != "typo"
     assert ReplicaSlot(ReplicaSpec(name="u0", url="http://127.0.0.1:9/v1", upstream_model="m")).model == "m"
+
+
+async def test_a_restart_that_fails_for_want_of_descriptors_is_tried_again_within_reconnect_interval(caplog) -> None:
+    # (the router out of descriptors, a flood of client connections: the
+    # restart's pipes or socket failed with EMFILE, and each failure doubled
+    # the backoff: 16 s, a replica down 32 s, longer than the flood. It is
+    # the router's want, not the replica's fault: tried again within
+    # reconnect_interval, without growing the backoff)
+    import errno
+
+    pool = ReplicaPool([ReplicaSpec(name="r0", engine="sim")])
+    sup = Supervisor(pool, SupervisorSettings(backoff_initial=0.1, reconnect_interval=0.2))
+    loop = asyncio.get_running_loop()
+    tries: list[float] = []
+
+    async def run_once(slot: ReplicaSlot) -> None:
+        tries.append(loop.time())
+        slot.state = "starting"
+        if len(tries) <= 8:
+            raise OSError(errno.EMFILE, "Too many open files")
+        raise RuntimeError("exited with status 1")  # (a failure of its own: the backoff as before)
+
+    sup._run_once = run_once  # type: ignore[method-assign]
+    caplog.set_level("WARNING", logger="fairstream.supervisor")
+    await sup.start()
+    try:
+        await apoll(lambda: len(tries) >= 11, 5, what="attempts")
+    finally:
+        await sup.close()
+        await _force_stop(sup)
+    gaps = [b - a for a, b in zip(tries, tries[1:])]
+    assert max(gaps[:8]) < 0.2 + 0.1, gaps  # (doubling: 0.1, 0.2, 0.4 ... 12.8 s)
+    assert gaps[8] < 0.1 + 0.1 and gaps[9] > 0.2 - 0.01, gaps  # (its own failures: from backoff_initial, doubling)
+    assert any("out of file descriptors" in r.getMessage() for r in caplog.records), caplog.text
