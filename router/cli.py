@@ -2,21 +2,31 @@
 
 from __future__ import annotations
 
-import argparse
-import os
-import re
+import signal
 import sys
-from pathlib import Path
+
+# A SIGHUP (systemd's reload, ExecReload) while serve starts must not kill it
+# with the default action (a death by SIGHUP counts as clean: Restart=on-failure
+# would not restart it). So serve ignores it from here, as this process's own
+# code begins (the console script and ``python -m router.cli`` import this
+# module first; argparse, the commands' imports and the version's lookup took
+# ~0.1 s before), until the tenant policy registry installs its reload
+# handler, which then reads the file again (router/policy.py): a reload asked
+# for while it started is not lost. (Only for serve: other commands, and a
+# program that imports this module, keep the default.)
+if sys.argv[1:2] == ["serve"]:
+    signal.signal(signal.SIGHUP, signal.SIG_IGN)
+
+import argparse  # noqa: E402
+import os  # noqa: E402
+import re  # noqa: E402
+from pathlib import Path  # noqa: E402
 
 __all__ = ["main"]
 
 
 def _serve(args: argparse.Namespace) -> int:
-    import signal
-
-    # (a SIGHUP, systemd's reload, while the router starts must not kill it:
-    # the tenants file is read as it starts, and its handler comes with it)
-    signal.signal(signal.SIGHUP, signal.SIG_IGN)
+    signal.signal(signal.SIGHUP, signal.SIG_IGN)  # (already, unless main was given its argv: see the top)
     # (router.app and router.server import prometheus-client, which picks its
     # multiprocess mode when first imported: --workers sets that up first)
     from router.config import load_router_config

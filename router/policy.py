@@ -182,7 +182,10 @@ class PolicyRegistry:
             task.cancel()
         await asyncio.gather(*signalled, return_exceptions=True)
         try:
-            asyncio.get_running_loop().remove_signal_handler(signal.SIGHUP)
+            if asyncio.get_running_loop().remove_signal_handler(signal.SIGHUP):
+                # (that set the default action back: a reload asked for while
+                # the router stops must not kill it before its replicas stop)
+                signal.signal(signal.SIGHUP, signal.SIG_IGN)
         except (NotImplementedError, RuntimeError, ValueError):
             pass
         if self._watch is not None:

@@ -9,6 +9,14 @@ its stream cut without a word. uvicorn's own limit comes ``SHUTDOWN_MARGIN``
 seconds later, for those errors to go out; only what is still running then
 is cancelled.
 
+A second SIGINT (Ctrl-C) quits at once, but not abruptly: uvicorn would
+stop waiting and skip the application's shutdown (the replicas and their run
+directory left behind, every request task cancelled with a traceback).
+``Server`` instead ends what is in flight at once (``RouterService.stop_now``:
+the same ``router_shutdown`` errors as at the end of the grace), drops the
+connections still open ``FORCED_MARGIN`` seconds later, cancels what still
+runs after as long again, and then shuts the router down as usual.
+
 uvicorn would also close every WebSocket at once (code 1012); ``_WebSocket``
 leaves an open one to the router, which lets its requests finish within the
 grace like HTTP streams and then closes it (router/websocket.py).
@@ -20,7 +28,10 @@ router/connection.py's ``HttpConnection``.
 
 from __future__ import annotations
 
+import asyncio
 import logging
+import signal
+from types import FrameType
 from typing import Any
 
 import uvicorn
@@ -135,6 +146,11 @@ SOCKET_EXTENSION = "fairstream.socket"
 WS_ENVELOPE = 64 * 1024
 
 
+# after a second SIGINT, seconds for the shutdown errors to go out before the
+# connections still open are dropped, and again before what still runs is cancelled
+FORCED_MARGIN = 1.0
+
+
 def ws_max_message(max_body_bytes: int) -> int:
     return 2 * max_body_bytes + WS_ENVELOPE
 
@@ -166,6 +182,43 @@ class Server(uvicorn.Server):
             timeout_keep_alive=30,
             **config,
         ))
+
+    async def serve(self, sockets=None) -> None:
+        self._loop = asyncio.get_running_loop()
+        self._forced = False
+        await super().serve(sockets)
+
+    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        if sig == signal.SIGINT and self.should_exit:
+            # (uvicorn would set force_exit; not kept in the signals raised
+            # again at the end either: the exit is the first signal's)
+            if not self._forced:
+                self._forced = True
+                # (a signal handler: the loop runs it as soon as it can)
+                self._loop.call_soon_threadsafe(self._force)
+            return
+        super().handle_exit(sig, frame)
+
+    def _force(self) -> None:
+        self.service.stop_now()  # (it says so in a warning)
+        self._loop.call_later(FORCED_MARGIN, self._drop_connections)
+
+    def _drop_connections(self) -> None:
+        """The errors had their moment: a client that is not reading them
+        holds the exit no longer (its request ends as one whose client left)."""
+        left = list(self.server_state.connections)
+        if left:
+            log.warning("forced stop: dropping %d client connections still open", len(left))
+        for conn in left:
+            conn.transport.abort()
+        self._loop.call_later(FORCED_MARGIN, self._cancel_tasks)
+
+    def _cancel_tasks(self) -> None:
+        left = list(self.server_state.tasks)
+        if left:
+            log.warning("forced stop: cancelling %d request tasks still running", len(left))
+        for task in left:
+            task.cancel()
 
     async def startup(self, sockets=None) -> None:
         _WebSocket.probe(self.config, self.server_state)

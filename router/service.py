@@ -219,14 +219,23 @@ class RouterService:
             log.info("shutting down: %d streams running get up to %gs to finish (a second SIGINT, Ctrl-C, quits at once)",
                      len(self.scheduler.running), self.config.shutdown_grace)
 
-    def _stop_requests(self) -> None:
+    def stop_now(self) -> None:
+        """A second SIGINT (Ctrl-C): the rest of the grace is not waited out;
+        what is in flight ends now, as when the grace is over."""
+        self.drain()
+        assert self._drain is not None
+        self._drain.cancel()
+        self._stop_requests(forced=True)
+
+    def _stop_requests(self, forced: bool = False) -> None:
         """End every request still in flight with ``RouterShutdown``: queued
         ones and those waiting for a limit get a 503, running streams an
         error event (the stream stays resumable where the state is shared)."""
         running, queued = self.scheduler.stop_all()
         limited = self.admission.fail_waiting()
-        log.warning("shutdown grace of %gs is over: ended %d running, %d queued and %d rate-limited requests",
-                    self.config.shutdown_grace, running, queued, limited)
+        why = ("a second SIGINT forced the stop" if forced
+               else f"shutdown grace of {self.config.shutdown_grace:g}s is over")
+        log.warning("%s: ended %d running, %d queued and %d rate-limited requests", why, running, queued, limited)
 
     async def close(self) -> None:
         if self._drain is not None:

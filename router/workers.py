@@ -165,14 +165,25 @@ async def _parent(config: RouterConfig, tenants: Path, host: str, port: int, n: 
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     interrupted: list[bool] = []  # (Ctrl-C: exit 130, as a single router does; SIGTERM: 0)
+    forced: list[bool] = []
+    procs: dict[int, subprocess.Popen[bytes]] = {}
 
     def on_stop(sig: int) -> None:
+        if sig == signal.SIGINT and stop.is_set():
+            # a second SIGINT: the workers quit at once too (router.server);
+            # Ctrl-C at a terminal reached them itself, a `kill -INT` did not
+            for p in procs.values():
+                if p.poll() is None:
+                    p.send_signal(signal.SIGINT)
+            if not forced:
+                forced.append(True)
+                log.warning("a second SIGINT forced the stop: the workers end their requests now")
+            return
         interrupted.append(sig == signal.SIGINT)
         stop.set()
 
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, on_stop, sig)
-    procs: dict[int, subprocess.Popen[bytes]] = {}
 
     def forward_hup() -> None:  # (workers not started yet read the file when they start)
         for p in procs.values():

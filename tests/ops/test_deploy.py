@@ -155,3 +155,11 @@ def test_the_k8s_replicas_run_a_gpu_engine_config():
     (sts,) = [d for d in docs if d and d.get("kind") == "StatefulSet"]
     command = sts["spec"]["template"]["spec"]["containers"][0]["command"]
     _check_gpu_engine_config(command[command.index("--config-json") + 1])
+
+
+def test_the_router_unit_restarts_it_after_a_death_by_sighup():
+    # (serve ignores SIGHUP from its first lines, not while the interpreter
+    # starts: a reload then kills it, and systemd counts that death as clean)
+    service = _unit(DEPLOY / "systemd" / "fairstream-router.service")["Service"]
+    assert "-HUP" in service["ExecReload"] and service["Restart"] == "on-failure"
+    assert "SIGHUP" in service["RestartForceExitStatus"].split()
