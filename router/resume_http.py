@@ -45,6 +45,7 @@ from router.errors import ApiError, BadRequest, NotFound, ServiceUnavailable, cl
 from router.ids import new_id
 from router.leases import lease_chain
 from router.relay import NOT_RESUMABLE, Outcome, outcome_of, shutdown_notice
+from router.replay_slices import slices
 from router.resume import ResumeMeta, decode_meta
 from router.resume_charge import charge_resume
 from router.resume_position import AHEAD, WAIT, BufferUnread, Placed, Placer, Position, ahead, mismatch, parse_last_event_id
@@ -85,8 +86,7 @@ class _Reader:
     __slots__ = ("superseded", "continuing")
 
     def __init__(self) -> None:
-        self.superseded = False
-        self.continuing = False
+        self.superseded = self.continuing = False
 
 
 def _not_found(svc: RouterService, sid: str) -> NotFound:
@@ -177,9 +177,8 @@ async def handle_resume(svc: RouterService, policy: TenantPolicy, sid: str, pos:
         final = snap.total_events - 1 if last == DONE else snap.total_events
         raise BadRequest(f"Last-Event-ID {pos.event} is past the end of this stream: its last event id is "
                          f"{final}.", param="Last-Event-ID", code="resume_mismatch")
-    headers = {"x-request-id": sid, "cache-control": "no-cache", "x-accel-buffering": "no"}
     return Stream(_resume(svc, policy, sid, meta, snap, pos, placed, placer), media_type="text/event-stream",
-                  headers=headers)
+                  headers={"x-request-id": sid, "cache-control": "no-cache", "x-accel-buffering": "no"})
 
 
 _GAP = ("Events from {} on of stream {} were lost with the router that produced them and cannot be replayed; "
@@ -293,14 +292,15 @@ async def _replay(svc: RouterService, policy: TenantPolicy, sid: str, meta: Resu
             outcome.record("client_error")  # (its generation ended short of the client's counts: none stores more)
             yield _mismatch(meta, mismatch(sid, pos))
             return
-        for event in () if unplaced else snap.events:  # the stored events after ``cursor``
-            if not event:  # a placeholder for events lost with a router (the client that was ahead had them)
+        for piece, count in slices(() if unplaced else snap.events):  # the stored events after ``cursor``
+            if not piece:  # a placeholder for events lost with a router (the client that was ahead had them)
                 outcome.record("lost")
                 yield _notice(meta, _GAP.format(cursor + 1, sid), "resume_gap")
                 return
-            cursor += 1
-            yield event
+            cursor += count
+            yield piece
             sent_at = loop.time()
+            await asyncio.sleep(0)  # (a turn of the loop for every other stream: router/replay_slices.py)
         if loop.time() - sent_at >= COMMENT_EVERY:
             # (e.g. up to CLAIM_TTL while a crashed router's claim runs out:
             # an SSE comment, which clients skip, keeps proxies and read timeouts content)

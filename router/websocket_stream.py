@@ -48,6 +48,7 @@ import msgspec
 from router.completions import new_request_id, open_stream, start_generation
 from router.errors import ApiError, ServiceUnavailable
 from router.relay import relay_stream
+from router.replay_slices import SOCKET_MESSAGES, events_of
 from router.resume_http import serve_resume
 from router.sse import lead
 from router.state import StoreUnavailable
@@ -182,23 +183,28 @@ async def _relay(conn: _Conn, cid: str, request_id: str, resuming: bool, frames:
     resume message's, else a create's."""
     try:
         async with aclosing(events) as out:
-            async for event in out:
-                role, event = frames.lead(event)
-                if role:
-                    await conn.send(role)
+            async for chunk in out:
+                # (a replay's slice holds many events: a message each, with a turn
+                # of the loop every SOCKET_MESSAGES of them: router/replay_slices.py)
+                for n, event in enumerate(events_of(chunk), 1):
+                    role, event = frames.lead(event)
+                    if role:
+                        await conn.send(role)
+                        if conn.gone:
+                            return
+                    msg = frames.message(event)
+                    if msg is None:
+                        continue
+                    if frames.ended:  # (done, or its error: an abort from now on gets no answer)
+                        await conn.send_last(cid, msg)
+                    else:
+                        await conn.send(msg)
                     if conn.gone:
-                        return
-                msg = frames.message(event)
-                if msg is None:
-                    continue
-                if frames.ended:  # (done, or its error: an abort from now on gets no answer)
-                    await conn.send_last(cid, msg)
-                else:
-                    await conn.send(msg)
-                if conn.gone:
-                    return  # (closing the relay settles the request as cancelled)
-                if frames.ended:
-                    conn.ended(cid, asyncio.current_task())  # (out: a draining socket may close now)
+                        return  # (closing the relay settles the request as cancelled)
+                    if frames.ended:
+                        conn.ended(cid, asyncio.current_task())  # (out: a draining socket may close now)
+                    elif n % SOCKET_MESSAGES == 0:
+                        await asyncio.sleep(0)
     except Exception as e:  # noqa: BLE001 - a stream whose store failed (or a bug): say so, keep the socket
         if isinstance(e, StoreUnavailable):
             # (from the last event it has: a resume's client has events past the id it gave)

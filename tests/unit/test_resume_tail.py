@@ -19,6 +19,7 @@ import msgspec
 from replicas.protocol import FinishReason, SamplingParams
 from router.admission import Admission
 from router.resume import ResumeMeta, ResumeWriter, decode_meta, encode_meta
+from router.replay_slices import events_of
 from router.resume_http import Position, _resume
 from router.sse import DONE, ChunkEncoder
 from router.state.base import CLAIM_TTL
@@ -60,7 +61,7 @@ async def resume_at(svc, pos: Position) -> list[bytes]:
     snap = await svc.store.stream_read("s1", pos.event)
     out = [c async for c in _resume(svc, policy(), "s1", decode_meta(snap.meta), snap, pos)]
     await asyncio.gather(*svc.tasks)
-    return out
+    return [e for c in out for e in events_of(c)]  # (a replay joins the stored events in slices)
 
 
 def chunk(event: bytes) -> dict:
