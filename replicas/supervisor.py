@@ -283,6 +283,12 @@ class Supervisor:
                 client = await connect(
                     slot.name, slot.spec.address or "", secret=self._secret(slot), timeout=10
                 )
+            if self._closing:
+                # (connected as the router stops: on Python 3.11 a cancel that
+                # meets the connect's answer in one loop turn is lost in its
+                # wait_for; not ready, nor "failed" once its watch sees close)
+                await client.close()
+                return
             slot.client = client
             slot.stalled_at = None  # (a stall of its last connection or process says nothing of this one)
             slot.state = "ready"

@@ -19,6 +19,7 @@ from collections.abc import Mapping
 from typing import Protocol
 
 from router.state import StateStore, StoreUnavailable
+from router.stopping import stop
 
 __all__ = ["LeaseKeeper", "LEASE_TTL", "GENERATION_INTERVAL", "lease_chain"]
 
@@ -63,9 +64,7 @@ class LeaseKeeper:
         self._task = asyncio.get_running_loop().create_task(self._run(), name="lease-keeper")
 
     async def close(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            await asyncio.gather(self._task, return_exceptions=True)
+        await stop(self._task)
 
     async def _run(self) -> None:
         loop = asyncio.get_running_loop()

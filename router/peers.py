@@ -18,6 +18,7 @@ import logging
 from router.metrics import Metrics
 from router.policy import PolicyRegistry
 from router.state.base import StateStore, StoreUnavailable
+from router.stopping import stop
 
 __all__ = ["PolicyPeers"]
 
@@ -51,8 +52,9 @@ class PolicyPeers:
 
     async def close(self) -> None:
         if self._task is not None:
-            self._task.cancel()
-            await asyncio.gather(self._task, return_exceptions=True)
+            await stop(self._task)
+            if self.store.connecting:
+                return  # (no answer from the store yet: nothing was published, and a stop waits for no start)
             try:  # (leave: a router started next with another file must not see this one for PEERS_TTL)
                 await self.store.peers(self.router, "", 0)
             except StoreUnavailable:

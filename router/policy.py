@@ -25,6 +25,7 @@ from pathlib import Path
 import msgspec
 
 from router.auth import KeyIndex
+from router.stopping import stop
 from router.configfile import ConfigError, load_yaml, read_text
 from router.tenants import TenantPolicy, TenantsFile
 from router.tenants_parse import ParseUnavailable, decode, parse_elsewhere
@@ -179,8 +180,7 @@ class PolicyRegistry:
         self._stop.set()
         signalled = list(self._signalled) + ([self._retry] if self._retry is not None else [])
         for task in signalled:
-            task.cancel()
-        await asyncio.gather(*signalled, return_exceptions=True)
+            await stop(task)
         try:
             if asyncio.get_running_loop().remove_signal_handler(signal.SIGHUP):
                 # (that set the default action back: a reload asked for while
@@ -188,12 +188,7 @@ class PolicyRegistry:
                 signal.signal(signal.SIGHUP, signal.SIG_IGN)
         except (NotImplementedError, RuntimeError, ValueError):
             pass
-        if self._watch is not None:
-            self._watch.cancel()
-            try:
-                await self._watch
-            except asyncio.CancelledError:
-                pass
+        await stop(self._watch)
 
     async def _settled(self) -> None:
         """Wait until the file has not changed for ``SETTLE`` seconds (at most

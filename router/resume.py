@@ -36,6 +36,7 @@ import msgspec
 from replicas.protocol import SamplingParams
 from router.state import StateStore, StoreUnavailable
 from router.state.base import CLAIM_TTL
+from router.stopping import stop
 
 __all__ = ["ResumeMeta", "ResumeWriter", "router_identity"]
 
@@ -124,16 +125,10 @@ class ResumeWriter:
         self._renewer = loop.create_task(self._renew(), name="resume-claims")
 
     async def close(self) -> None:
-        if self._renewer is not None:
-            self._renewer.cancel()
-            await asyncio.gather(self._renewer, return_exceptions=True)
+        await stop(self._renewer)
         if self._task is not None:
             await self._flush()
-            self._task.cancel()
-            try:
-                await self._task
-            except asyncio.CancelledError:
-                pass
+            await stop(self._task)
 
     async def _renew(self) -> None:
         """Renew the claims of the streams this router generates. An append

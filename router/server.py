@@ -160,6 +160,8 @@ class Server(uvicorn.Server):
 
     def __init__(self, app: FastPath, **config: Any) -> None:
         self.service = app.svc
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._forced = False  # (a second SIGINT forced the stop)
         cfg = app.svc.config
         files = open_file_limit()
         HttpConnection.configure(cfg.header_timeout, cfg.body_timeout, cfg.body_total_timeout,
@@ -185,23 +187,38 @@ class Server(uvicorn.Server):
 
     async def serve(self, sockets=None) -> None:
         self._loop = asyncio.get_running_loop()
-        self._forced = False
         await super().serve(sockets)
 
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        """uvicorn's handler only sets a flag, which its main loop reads. A
+        second SIGINT during the shutdown forces the stop (``_force``; uvicorn
+        would set ``force_exit`` and skip the application's shutdown, and it
+        is not kept in the signals raised again at the end: the exit is the
+        first signal's). And while the router closes its parts (the
+        lifespan's shutdown, after the requests or after a port it could not
+        listen on) no main loop runs: the service is told of every signal
+        itself, and cuts what it may (``hurry``). (A signal handler runs
+        between two bytecodes of whatever the loop was doing: the calls go
+        through the loop's own queue.)"""
+        loop = self._loop
+        live = loop is not None and not loop.is_closed()
         if sig == signal.SIGINT and self.should_exit:
-            # (uvicorn would set force_exit; not kept in the signals raised
-            # again at the end either: the exit is the first signal's)
             if not self._forced:
                 self._forced = True
-                # (a signal handler: the loop runs it as soon as it can)
-                self._loop.call_soon_threadsafe(self._force)
-            return
-        super().handle_exit(sig, frame)
+                if live:
+                    loop.call_soon_threadsafe(self._force)
+            elif live:
+                loop.call_soon_threadsafe(log.warning, "SIGINT again: the stop is forced already and goes on "
+                                          "(replicas stopping, the last settlements); SIGKILL ends it at once")
+        else:
+            super().handle_exit(sig, frame)
+        if live:
+            loop.call_soon_threadsafe(self.service.hurry)
 
     def _force(self) -> None:
-        self.service.stop_now()  # (it says so in a warning)
+        # (armed first: a failure of stop_now does not leave the exit waiting on the graceful timeout)
         self._loop.call_later(FORCED_MARGIN, self._drop_connections)
+        self.service.stop_now()  # (it says so in a warning)
 
     def _drop_connections(self) -> None:
         """The errors had their moment: a client that is not reading them
@@ -221,11 +238,20 @@ class Server(uvicorn.Server):
             task.cancel()
 
     async def startup(self, sockets=None) -> None:
+        self._loop = asyncio.get_running_loop()
         _WebSocket.probe(self.config, self.server_state)
         try:
             await super().startup(sockets)
-        except SystemExit:  # (uvicorn logged the OSError alone: "[Errno -2] Name or service not known")
-            log.error("cannot listen on %s:%d (the line before says why)", self.config.host, self.config.port)
+        except SystemExit as e:
+            # uvicorn logged the OSError alone ("[Errno -2] Name or service
+            # not known"), then stopped the router (its lines come between):
+            # this line says both where and why. Its exit is raised in the
+            # handler of that OSError, which is thus the exit's context.
+            why = e.__context__
+            if isinstance(why, OSError):
+                log.error("cannot listen on %s:%d: %s", self.config.host, self.config.port, why)
+            else:  # (the application's start-up failed: uvicorn logged the error)
+                log.error("the router did not start: its start-up failed (the error is logged above)")
             raise
         for server in self.servers:
             for sock in server.sockets:

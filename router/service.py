@@ -35,10 +35,12 @@ from router.policy import PolicyRegistry
 from router.resume import ResumeWriter
 from router.scheduler import Scheduler
 from router.state import create_store
+from router.stopping import stop
 from router.tenants import TenantPolicy
 
 # allocations between young-generation collections (CPython's default: 700)
 GC_THRESHOLD = 50_000
+SETTLE_WAIT = 5.0  # seconds the settlements still running at shutdown get to finish
 
 __all__ = ["RouterService"]
 
@@ -71,6 +73,8 @@ class RouterService:
         self._tasks: set[asyncio.Task[None]] = set()
         self._lag_task: asyncio.Task[None] | None = None
         self._drain: asyncio.TimerHandle | None = None
+        self._closing = False  # (``close`` began)
+        self._hurry = asyncio.Event()  # (``hurry``: a signal during ``close``)
         self.sockets: set[_Drains] = set()  # open WebSocket connections (router/websocket.py)
         self._warned: set[tuple[str, str]] = set()  # (tenant, model) named by _warn_unserved_models
         self.pool = ReplicaPool(config.replicas)
@@ -237,30 +241,54 @@ class RouterService:
                else f"shutdown grace of {self.config.shutdown_grace:g}s is over")
         log.warning("%s: ended %d running, %d queued and %d rate-limited requests", why, running, queued, limited)
 
+    def hurry(self) -> None:
+        """A signal came while the router stops (``close``, or the
+        shutdown that a port it could not listen on began): settlements
+        still running are cancelled now, not after up to ``SETTLE_WAIT``.
+        (The signal that began the shutdown came before: it changes nothing.)"""
+        if self._closing:
+            self._hurry.set()
+
     async def close(self) -> None:
+        """Stop every part, each bounded: a task still starting (the first
+        contact with Redis, a replica's connect) is ended, never waited for.
+        One part's failure is logged and the others still close: a part left
+        open keeps tasks that the event loop's own end would wait for."""
+        self._closing = True
         if self._drain is not None:
             self._drain.cancel()
-        if self._lag_task is not None:
-            self._lag_task.cancel()
+        self.store.stop_connecting()  # (no part's close waits up to connect_timeout for Redis's first answer)
         try:
-            if self._lag_task is not None:
-                await asyncio.gather(self._lag_task, return_exceptions=True)
-            if self._tasks:  # settlements: 5 s to finish, then cancelled (the store closes next)
-                _, late = await asyncio.wait(list(self._tasks), timeout=5)
-                if late:
-                    log.warning("%d settlement tasks were still running at shutdown; cancelled", len(late))
-                    for task in late:
-                        task.cancel()
-                    await asyncio.gather(*late, return_exceptions=True)
-            await self.resume.close()
-            await self.supervisor.close()
-            await self.admission.close()
-            await self.peers.close()
-            await self.policy.close()
-            await self.store.close()
+            await stop(self._lag_task)
+            await self._settle()
+            for part in (self.resume, self.supervisor, self.admission, self.peers, self.policy, self.store):
+                try:
+                    await part.close()
+                except Exception:  # noqa: BLE001 - the next parts must close all the same
+                    log.exception("closing %s failed", type(part).__name__)
             log.info("stopped")
         finally:
             batch_lines(None)
+
+    async def _settle(self) -> None:
+        """Settlements get ``SETTLE_WAIT`` seconds to finish (none after
+        ``hurry``), then are cancelled: the store closes next."""
+        loop = asyncio.get_running_loop()
+        end = loop.time() + SETTLE_WAIT
+        hurried = loop.create_task(self._hurry.wait())
+        try:
+            while self._tasks and not self._hurry.is_set() and loop.time() < end:
+                await asyncio.wait([*self._tasks, hurried], timeout=end - loop.time(),
+                                   return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            hurried.cancel()
+        late = list(self._tasks)
+        if late:
+            log.warning("%d settlement tasks were still running at shutdown; cancelled", len(late))
+            for task in late:
+                task.cancel()
+            for task in late:
+                await stop(task)
 
     def _on_replica_event(self, event: str, slot: ReplicaSlot) -> None:
         if event == "ready":

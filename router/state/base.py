@@ -280,5 +280,8 @@ class StateStore(abc.ABC):
         """Notice an outage now, even while no request uses the store
         (``/ready`` and ``/metrics`` call this)."""
 
+    def stop_connecting(self) -> None:
+        """The router stops: end a first contact still under way (``start``)."""
+
     async def close(self) -> None:
         """Release connections."""

@@ -27,6 +27,7 @@ from redis.exceptions import NoScriptError, RedisError
 from policies.ratelimit import QUEUED_RETRY, Decision
 from router.state.base import (CLAIM_TTL, LINE_SLACK, SETTLED_TTL, AdmitRequest, StateStore, StoreUnavailable,
                                StreamSnapshot, TenantUsage)
+from router.stopping import stop
 
 __all__ = ["RedisStore"]
 
@@ -329,9 +330,7 @@ class RedisStore(StateStore):
             await asyncio.sleep(1.0)
 
     async def close(self) -> None:
-        if self._watcher is not None:
-            self._watcher.cancel()
-            await asyncio.gather(self._watcher, return_exceptions=True)
+        await stop(self._watcher)
         await self._redis.aclose()
 
 

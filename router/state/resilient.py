@@ -46,6 +46,7 @@ from collections.abc import Awaitable, Callable
 from policies.ratelimit import Decision
 from router.state.base import AdmitRequest, StateStore, StoreUnavailable, TenantUsage
 from router.state.memory import MemoryStore
+from router.stopping import stop
 
 __all__ = ["ResilientStore"]
 
@@ -162,6 +163,9 @@ class ResilientStore(StateStore):
                 self.connecting = False
                 self._say(True)
                 return
+        except asyncio.CancelledError:  # (stop_connecting: no probe, no outage logged, the router stops)
+            self.connecting = self.healthy = False
+            raise
         finally:
             self._connect = None
 
@@ -169,7 +173,7 @@ class ResilientStore(StateStore):
         """Wait for the first contact to end (while ``start``'s is under way)."""
         task = self._connect
         if task is not None:
-            await asyncio.shield(task)  # (a caller cancelled does not end it for every other one)
+            await asyncio.wait((task,))  # (neither's cancel cancels the other, as shield's did: stop_connecting's)
 
     async def _reconnect(self) -> None:
         delay = min(PROBE_FIRST, self._probe_interval)
@@ -484,12 +488,12 @@ class ResilientStore(StateStore):
             except StoreUnavailable as e:
                 self._down("ping", e)
 
+    def stop_connecting(self) -> None:
+        """The router stops: a first contact under way ends now, as an outage."""
+        if self._connect is not None:
+            self._connect.cancel()
+
     async def close(self) -> None:
-        for task in (self._connect, self._probe):
-            if task is not None:
-                task.cancel()
-                try:
-                    await task
-                except asyncio.CancelledError:
-                    pass
+        self.stop_connecting()
+        await asyncio.gather(stop(self._connect), stop(self._probe))
         await self.primary.close()

@@ -1,0 +1,50 @@
+"""Ending the router's own background tasks at shutdown: ``stop``.
+
+A single ``task.cancel()`` followed by an unbounded ``await task`` held a
+router that could not bind its port for good (1 start in ~30, ignoring
+SIGTERM and SIGINT): on Python 3.11 a cancel can be swallowed where it meets
+a result or a timeout of the same loop turn (``asyncio.wait_for`` returns
+the inner result; redis-py turns some into its own timeout errors), and a
+``while True`` loop then runs on as if nothing had happened, its closer
+waiting on it. So ``stop`` cancels again at every ``STOP_TICK`` (the next
+await of such a loop ends it), and gives up after ``STOP_LIMIT`` with a
+warning rather than hold the shutdown: a task left running then is abandoned
+to the process's exit.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+__all__ = ["STOP_LIMIT", "STOP_TICK", "stop"]
+
+log = logging.getLogger("fairstream.router")
+
+STOP_TICK = 0.05  # seconds between two cancels of a task that runs on
+STOP_LIMIT = 2.0  # seconds ``stop`` waits for a task at most
+
+
+async def stop(task: asyncio.Future | None, limit: float = STOP_LIMIT) -> bool:
+    """Cancel ``task`` until it has ended, for at most ``limit`` seconds;
+    whether it ended. Its result or failure is dropped (not reported as
+    never retrieved). A cancel of the caller itself is not held up either:
+    it ends the wait at once and propagates."""
+    if task is None:
+        return True
+    loop = asyncio.get_running_loop()
+    end = loop.time() + limit
+    while not task.done():
+        task.cancel()
+        left = end - loop.time()
+        if left <= 0:
+            log.warning("task %s did not end within %gs of its cancel: left running", _name(task), limit)
+            return False
+        await asyncio.wait((task,), timeout=min(STOP_TICK, left))
+    if not task.cancelled():
+        task.exception()  # (retrieved: its failure at shutdown says nothing new)
+    return True
+
+
+def _name(task: asyncio.Future) -> str:
+    return task.get_name() if isinstance(task, asyncio.Task) else repr(task)
