@@ -63,4 +63,10 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    except KeyboardInterrupt:
+        # (Ctrl-C at a terminal reaches every process of its group: a worker
+        # still starting, before its server's handlers are in, has nothing to
+        # drain, and the parent stops everything; a traceback said nothing)
+        raise SystemExit(130) from None

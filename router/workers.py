@@ -167,14 +167,34 @@ async def _parent(config: RouterConfig, tenants: Path, host: str, port: int, n: 
     interrupted: list[bool] = []  # (Ctrl-C: exit 130, as a single router does; SIGTERM: 0)
     forced: list[bool] = []
     procs: dict[int, subprocess.Popen[bytes]] = {}
+    told: set[int] = set()  # (the pids of the workers sent SIGTERM)
+
+    def terminate(p: subprocess.Popen[bytes]) -> bool:
+        """SIGTERM to ``p`` unless it had it; whether it was sent now."""
+        if p.poll() is None and p.pid not in told:
+            told.add(p.pid)
+            p.terminate()
+            return True
+        return False
+
+    def interrupt() -> None:
+        for p in procs.values():
+            if p.poll() is None:
+                p.send_signal(signal.SIGINT)
 
     def on_stop(sig: int) -> None:
         if sig == signal.SIGINT and stop.is_set():
             # a second SIGINT: the workers quit at once too (router.server);
-            # Ctrl-C at a terminal reached them itself, a `kill -INT` did not
-            for p in procs.values():
-                if p.poll() is None:
-                    p.send_signal(signal.SIGINT)
+            # Ctrl-C at a terminal reached them itself, a `kill -INT` did not.
+            # Their SIGTERM first if the stop has not sent it yet (two quick
+            # `kill -INT`s), and the SIGINT a moment later: a worker that has
+            # both pending runs SIGINT's handler first (Python goes by signal
+            # number) and takes it for a first signal, which drains.
+            fresh = [terminate(p) for p in list(procs.values())]
+            if any(fresh):
+                loop.call_later(0.2, interrupt)
+            else:
+                interrupt()
             if not forced:
                 forced.append(True)
                 log.warning("a second SIGINT forced the stop: the workers end their requests now")
@@ -245,8 +265,7 @@ async def _parent(config: RouterConfig, tenants: Path, host: str, port: int, n: 
                 pass
     finally:
         for p in procs.values():
-            if p.poll() is None:
-                p.terminate()
+            terminate(p)
         # the workers have their shutdown grace for the requests in flight (all
         # at once), then end them
         until = time.monotonic() + config.shutdown_grace + SHUTDOWN_MARGIN + 5

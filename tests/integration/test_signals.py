@@ -121,7 +121,8 @@ def _reap(proc: subprocess.Popen, kids: list[int]) -> list[int]:
 @pytest.mark.parametrize("to", ["group", "parent"])
 async def test_a_second_sigint_quits_workers_at_once_and_cleanly(to, tmp_path, redis_server) -> None:
     # "group": Ctrl-C at a terminal, to every process of the foreground
-    # group (the workers too); "parent": `kill -INT`, to serve alone
+    # group (the workers too, one of them maybe still starting: it quits
+    # quietly); "parent": `kill -INT`, to serve alone
     config, port = _workers_config(tmp_path, redis_server.url)
     base = f"http://127.0.0.1:{port}"
     tmpdir = tempfile.mkdtemp(prefix="fst-")
