@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import errno
 import ctypes
 import json
 import logging
@@ -23,7 +22,8 @@ import sys
 import time
 from collections.abc import Callable
 
-from replicas.client import KeyRefused, ReplicaClient, ReplicaDead, ReplicaRefused, connect
+from replicas.client import KeyRefused, ReplicaClient, ReplicaRefused, connect
+from replicas.connect_errors import not_reached, out_of_descriptors
 from replicas.cpubind import BIND_ENV, core_lists, workers
 from replicas.health import LOOP_STALL, Progress, abandon, answered_within
 from replicas.logs import REPLICA_ERROR_FILE_ENV, REPLICA_NAME_ENV
@@ -49,33 +49,6 @@ def die_with_parent() -> None:
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
     except OSError:
         pass
-
-
-def _unreachable(e: BaseException) -> bool:
-    """A connect that did not get through (refused, no route, no socket file,
-    timed out, closed before any answer), as opposed to a replica that
-    answered with an error (``ReplicaDead``: a bad handshake, an upstream's
-    5xx on ``/models``; ``ReplicaRefused``: a wrong secret or key; a TLS
-    failure: a certificate it presented), which keeps the backoff.
-    (aiohttp's connect errors and ``TimeoutError`` are ``OSError`` too.)"""
-    import ssl
-
-    from aiohttp import ClientSSLError
-
-    return isinstance(e, OSError) and not isinstance(e, (ReplicaDead, ReplicaRefused, ssl.SSLError, ClientSSLError))
-
-
-def _out_of_descriptors(e: BaseException | None) -> bool:
-    """The router itself out of file descriptors (EMFILE; ENFILE: the
-    system's), in ``e`` or what caused it: the router's want, which passes
-    with a flood of client connections, not the replica's fault."""
-    for _ in range(8):  # (a chain of causes is short: no cycle followed for ever)
-        if e is None:
-            return False
-        if isinstance(e, OSError) and e.errno in (errno.EMFILE, errno.ENFILE):
-            return True
-        e = e.__cause__ or e.__context__
-    return False
 
 
 class SupervisorSettings:
@@ -206,7 +179,7 @@ class Supervisor:
                 # (not a stall nor an error answer: those keep the backoff, or a
                 # replica that answers and then stalls would be back every second)
                 lost = not slot.spec.local and isinstance(e, _Disconnected)
-                if not slot.spec.local and slot.state == "starting" and _unreachable(e):
+                if not slot.spec.local and slot.state == "starting" and not_reached(e):
                     # Not there (restarting, or its host is down): try again
                     # every reconnect_interval at most, and say so every
                     # UNREACHABLE_LOG_EVERY seconds, not at every attempt.
@@ -217,7 +190,7 @@ class Supervisor:
                         log.warning("replica %s at %s cannot be reached: %s (attempt %d; trying again at least "
                                     "every %gs)", slot.name, slot.spec.url or slot.spec.address, why, unreachable,
                                     s.reconnect_interval)
-                elif _out_of_descriptors(e):
+                elif out_of_descriptors(e):
                     # (the doubling backoff kept a replica down for 16 s and
                     # more after a flood of connections that lasted less)
                     starved = True
@@ -231,9 +204,11 @@ class Supervisor:
                     grace = 0.0  # it answers nothing (frozen, hung): a graceful stop would only hold it longer
             if not missed:
                 unreachable = 0
-            # down (and said so) before its process is stopped, which may take the grace
+            # down (and said so) before its process is stopped, which may take the grace;
+            # a local one that never got a process (no descriptor to start it) is not restarted
+            spawned = slot.name in self._procs or not slot.spec.local
             slot.state = "down"
-            self._on_event("down", slot)
+            self._on_event("down" if spawned else "unspawned", slot)
             await self._reap(slot.name, grace)  # (a close() meanwhile stops it too: still in _procs)
             if self._closing:
                 return
@@ -259,10 +234,11 @@ class Supervisor:
                 if not starved:
                     failures += 1
                 if slot.spec.local:
-                    slot.restarts += 1
+                    slot.restarts += spawned
                 else:  # (not restarted by the router: its own supervisor does that, if anything)
                     slot.reconnects += 1
-            log.log(logging.DEBUG if unreachable > 1 or repeated else logging.INFO, "replica %s: %s in %.1fs (%s)",
+            log.log(logging.DEBUG if unreachable > 1 or repeated or starved else logging.INFO,
+                    "replica %s: %s in %.1fs (%s)",
                     slot.name, "restarting" if slot.spec.local else "connecting again", delay,
                     f"restart {slot.restarts}" if slot.spec.local else f"reconnect {slot.reconnects}")
             await asyncio.sleep(delay)
@@ -477,6 +453,9 @@ class Supervisor:
                     return await connect(slot.name, address, secret=self._secret(slot), timeout=10)
                 except (ConnectionError, FileNotFoundError, asyncio.TimeoutError):
                     pass
+                except OSError as e:  # (the router out of descriptors: a restart would waste its boot)
+                    if not out_of_descriptors(e):
+                        raise
             if loop.time() > end:
                 raise RuntimeError(f"not ready within {slot.spec.start_timeout}s")
             await asyncio.sleep(0.1)

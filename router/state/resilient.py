@@ -185,11 +185,12 @@ class ResilientStore(StateStore):
                 await self.primary.prepare()  # (a restarted Redis has no scripts)
                 await self._pay_back()
                 await self._move_streams()
-                # (and those owed while the buffers moved: from the last look
-                # at the list to ``healthy``, no await lets one in; the moved
-                # buffers are written in Redis meanwhile, ``_moving`` empty)
+                # (and those owed while the buffers moved: from the last look at the list to
+                # ``healthy``, no await lets one in; the moved ones are written in Redis meanwhile)
                 await self._pay_back()
-            except StoreUnavailable:
+            except Exception as e:  # noqa: BLE001 - a bug must not end the probe: the outage would last for good
+                if not isinstance(e, StoreUnavailable):
+                    log.exception("state store %s: the probe failed; trying again", self.name)
                 continue
             finally:
                 self._moving = None  # (and no await from here to ``healthy``)

@@ -89,3 +89,25 @@ async def test_a_lease_redis_took_as_an_outage_began_is_counted_in_the_fallback(
     d = await store.admit("t", req())
     assert (d.ok, d.reason) == (False, "concurrency"), d
     await store.close()
+
+
+async def test_a_probe_that_fails_unexpectedly_tries_again() -> None:
+    # (anything but StoreUnavailable ended the probe for good, and only the
+    # start of an outage starts one: the router stayed on local limits)
+    primary = Flaky()
+    store = ResilientStore(primary, fail_open=True, probe_interval=0.02)
+    primary.down = True
+    assert (await store.admit("t", req())).ok  # (the outage begins)
+    pings = 0
+
+    async def ping() -> None:
+        nonlocal pings
+        pings += 1
+        if pings == 1:
+            raise RuntimeError("a bug")
+
+    primary.down = False
+    primary.ping = ping  # type: ignore[method-assign]
+    await asyncio.wait_for(_back(store), 5.0)
+    assert pings >= 2
+    await store.close()

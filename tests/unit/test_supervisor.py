@@ -7,6 +7,7 @@ import signal
 import os
 import shutil
 import tempfile
+import types
 
 import pytest
 
@@ -597,7 +598,7 @@ def test_only_a_connect_that_did_not_get_through_counts_as_unreachable() -> None
     import msgspec
 
     from replicas.client import ReplicaDead, ReplicaRefused
-    from replicas.supervisor import _unreachable
+    from replicas.connect_errors import not_reached as _unreachable
 
     connector_error = aiohttp.ClientConnectorError.__new__(aiohttp.ClientConnectorError)  # (what a url: connect raises)
     for e in (ConnectionRefusedError(111, "refused"), FileNotFoundError(2, "no socket"), TimeoutError(),
@@ -616,7 +617,7 @@ async def test_an_upstream_that_closes_before_answering_counts_as_unreachable() 
     # (a tunnel or TCP proxy whose upstream is down takes the connection,
     # reads the request and closes: retried every reconnect_interval, as a
     # refused connect is)
-    from replicas.supervisor import _unreachable
+    from replicas.connect_errors import not_reached as _unreachable
     from replicas.upstream_open import open_upstream
 
     async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
@@ -838,3 +839,38 @@ async def test_a_restart_that_fails_for_want_of_descriptors_is_tried_again_withi
     assert max(gaps[:8]) < 0.2 + 0.1, gaps  # (doubling: 0.1, 0.2, 0.4 ... 12.8 s)
     assert gaps[8] < 0.1 + 0.1 and gaps[9] > 0.2 - 0.01, gaps  # (its own failures: from backoff_initial, doubling)
     assert any("out of file descriptors" in r.getMessage() for r in caplog.records), caplog.text
+    # (this stand-in starts no process: no attempt of it is a restart of the
+    # replica, which its metric and alert count; a want of descriptors was 8)
+    assert pool.slots[0].restarts == 0, pool.slots[0].restarts
+
+
+async def test_a_booting_replica_is_not_restarted_when_the_router_lacks_descriptors_to_connect(tmp_path) -> None:
+    # (an EMFILE while connecting to a replica still loading escaped the wait
+    # for it: the supervisor reaped the replica and started it again, a whole
+    # model load thrown away for each such error)
+    import errno
+
+    pool = ReplicaPool([ReplicaSpec(name="r0", engine="sim")])
+    sup = Supervisor(pool, SupervisorSettings(run_dir=str(tmp_path)))
+    slot = pool.slots[0]
+    sock = tmp_path / "r0.sock"
+    sock.write_text("")  # (its socket is there: connect is tried)
+    proc = types.SimpleNamespace(returncode=None)
+    calls = 0
+
+    async def connect(*args, **kwargs):
+        nonlocal calls
+        calls += 1
+        if calls <= 3:
+            raise OSError(errno.EMFILE, "Too many open files")
+        return "client"
+
+    from replicas import supervisor as supervisor_module
+
+    original = supervisor_module.connect
+    supervisor_module.connect = connect
+    try:
+        assert await sup._connect_when_up(slot, f"unix:{sock}", proc) == "client"
+    finally:
+        supervisor_module.connect = original
+    assert calls == 4
