@@ -60,3 +60,21 @@ async def test_a_failed_or_finished_task_is_done_at_once() -> None:
     task = asyncio.get_running_loop().create_task(fails())
     await asyncio.sleep(0)
     assert await stop(task) and await stop(None)
+
+
+async def test_a_task_ending_in_its_finally_is_not_cut_short() -> None:
+    # (a second cancel 50 ms after the first cut a reload's `proc.kill();
+    # await proc.wait()`: the parse process killed and never reaped)
+    done: list[str] = []
+
+    async def cleans_up() -> None:
+        try:
+            await asyncio.sleep(3600)
+        finally:
+            await asyncio.sleep(0.2)  # (a child reaped, a connection given back)
+            done.append("cleaned")
+
+    task = asyncio.get_running_loop().create_task(cleans_up())
+    await asyncio.sleep(0)
+    assert await stop(task)
+    assert done == ["cleaned"]
