@@ -446,6 +446,8 @@ class Supervisor:
         end = loop.time() + slot.spec.start_timeout
         path = address[5:]
         while True:
+            if self._closing:  # (its cancel may have been lost in a connect that failed meanwhile)
+                raise asyncio.CancelledError
             if proc.returncode is not None:
                 raise _exited(proc, self._run_dir, slot.name, " while starting")
             if os.path.exists(path):

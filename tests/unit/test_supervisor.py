@@ -874,3 +874,15 @@ async def test_a_booting_replica_is_not_restarted_when_the_router_lacks_descript
     finally:
         supervisor_module.connect = original
     assert calls == 4
+
+
+async def test_a_replica_still_booting_is_not_waited_for_once_the_router_closes(tmp_path) -> None:
+    # (a cancel lost in a connect that failed in the same turn, ECONNREFUSED
+    # on a socket not listening yet, left the wait polling to start_timeout,
+    # 180 s, with the router's close waiting on it)
+    pool = ReplicaPool([ReplicaSpec(name="r0", engine="sim")])
+    sup = Supervisor(pool, SupervisorSettings(run_dir=str(tmp_path)))
+    sup._closing = True
+    proc = types.SimpleNamespace(returncode=None)
+    with pytest.raises(asyncio.CancelledError):
+        await asyncio.wait_for(sup._connect_when_up(pool.slots[0], f"unix:{tmp_path}/r0.sock", proc), 1.0)
