@@ -35,7 +35,11 @@ class HistogramBatch:
     costs a bisect per sample. With a ``loop``, what waits is added ``every``
     seconds after the first sample that waits (one timer at a time), so a
     scrape misses at most that much; the owner flushes at the end. Works in
-    multiprocess mode too: those values have the same ``inc``.
+    multiprocess mode too: those values have the same ``inc``. Without a
+    ``loop``, its owner flushes (``TenantCounts``: at each scrape). The sum
+    is added as the batch's total: it may differ from ``observe``'s, one by
+    one, in the last digit (float addition is not associative); anything
+    else may observe into the same child.
     """
 
     __slots__ = ("child", "bounds", "counts", "total", "every", "loop", "timer")
@@ -69,34 +73,6 @@ class HistogramBatch:
         if self.total:
             self.child._sum.inc(self.total)
             self.total = 0.0
-
-
-class _Hist:
-    """One histogram child's samples since the last flush, added to it as
-    ``HistogramBatch`` adds them (the sum as the batch's total: it may differ
-    from ``observe``'s one by one in the last digit, float addition not
-    being associative; anything else may observe into the same child). The
-    samples are durations: finite, never NaN (``observe`` would put a NaN in
-    no bucket)."""
-
-    __slots__ = ("child", "bounds", "counts", "sum")
-
-    def __init__(self, child: Any) -> None:
-        self.child = child
-        self.bounds = child._upper_bounds
-        self.counts = [0] * len(self.bounds)
-        self.sum = 0.0
-
-    def flush(self) -> None:
-        buckets = self.child._buckets
-        counts = self.counts
-        for i, c in enumerate(counts):
-            if c:
-                buckets[i].inc(c)
-                counts[i] = 0
-        if self.sum:
-            self.child._sum.inc(self.sum)
-            self.sum = 0.0
 
 
 class _Count:
@@ -141,9 +117,9 @@ class TenantCounts:
         self.requests: dict[tuple[str, str], _Count] = {}
         self.prompt: _Count | None = None
         self.completion: _Count | None = None
-        self.ttft: _Hist | None = None
-        self.e2e: _Hist | None = None
-        self.queue_wait: _Hist | None = None
+        self.ttft: HistogramBatch | None = None
+        self.e2e: HistogramBatch | None = None
+        self.queue_wait: HistogramBatch | None = None
         self.itl: Any = None  # the inter-token histogram's child (observed directly, and by HistogramBatch)
         self.pending = pending
         self.waiting = False  # on ``pending``
@@ -164,7 +140,7 @@ class TenantCounts:
         if h is None:
             h = self.ttft = self._hist(self.metrics.ttft)
         h.counts[bisect_left(h.bounds, seconds)] += 1
-        h.sum += seconds
+        h.total += seconds
         self._counted()
 
     def waited(self, seconds: float) -> None:
@@ -173,7 +149,7 @@ class TenantCounts:
         if h is None:
             h = self.queue_wait = self._hist(self.metrics.queue_wait)
         h.counts[bisect_left(h.bounds, seconds)] += 1
-        h.sum += seconds
+        h.total += seconds
         self._counted()
 
     def ended(self, endpoint: str, outcome: str) -> None:
@@ -200,7 +176,7 @@ class TenantCounts:
         if h is None:
             h = self.e2e = self._hist(self.metrics.e2e)
         h.counts[bisect_left(h.bounds, seconds)] += 1
-        h.sum += seconds
+        h.total += seconds
         self._counted()
 
     def flush(self) -> None:
@@ -225,5 +201,5 @@ class TenantCounts:
         c = self.requests[(endpoint, outcome)] = _Count(m.child(m.requests, self.tenant, endpoint, outcome))
         return c
 
-    def _hist(self, family: Any) -> _Hist:
-        return _Hist(self.metrics.child(family, self.tenant, self.priority))
+    def _hist(self, family: Any) -> HistogramBatch:
+        return HistogramBatch(self.metrics.child(family, self.tenant, self.priority))
