@@ -271,6 +271,37 @@ async def test_with_shared_state_a_stream_ended_by_shutdown_resumes_on_another_r
         assert line["error_code"] == "router_shutdown" and "Last-Event-ID" in line["error"], line
 
 
+async def _stream_until_shutdown(http, router, disturb, ready) -> tuple[str, str | None, bool, dict]:
+    """Stream a 1,000-token chat from ``router``; at its 20th event
+    ``disturb()`` (the state store), then SIGTERM the router once
+    ``ready(n)``. (request id, last event id, whether it was stopped, the
+    last event's data)."""
+    body = {**_body(1000), "temperature": 0}
+    n, last, stopped, d = 0, None, False, {}
+    async with http.stream("POST", router.base_url + "/v1/chat/completions", json=body) as r:
+        rid = r.headers["x-request-id"]
+        async for ev in aiter_sse(r):
+            if ev.id is not None:
+                last = ev.id
+            d = ev.json()
+            if "error" in d:
+                break
+            n += 1
+            if n == 20:
+                await disturb()
+            elif n > 20 and not stopped and ready(n):
+                await asyncio.sleep(0.2)  # (a few more of its events appended)
+                router.proc.send_signal(signal.SIGTERM)
+                stopped = True
+    return rid, last, stopped, d
+
+
+def _told_to_retry(d: dict) -> None:
+    err = d["error"]
+    assert err["code"] == "router_shutdown", err
+    assert "Last-Event-ID" not in err["message"] and "retry the request" in err["message"], err
+
+
 async def test_a_stream_whose_buffer_broke_is_told_to_retry_at_shutdown_not_to_resume(make_router) -> None:
     # Redis stops answering for 1 s mid-stream (timeout 0.3 s): the router's
     # appends go to its local fallback meanwhile, and once Redis is back it
@@ -285,29 +316,17 @@ async def test_a_stream_whose_buffer_broke_is_told_to_retry_at_shutdown_not_to_r
         sim = {"step_base_ms": 20}
         a = make_router(replicas=1, sim=sim, settings={"shutdown_grace": 0.5, "state": state})
         b = make_router(replicas=1, sim=sim, settings={"state": state})
-        body = {**_body(1000), "temperature": 0}
+
+        async def freeze_a_second() -> None:
+            redis.proc.send_signal(signal.SIGSTOP)
+            await asyncio.sleep(1.0)
+            redis.proc.send_signal(signal.SIGCONT)
+
         async with httpx.AsyncClient(headers=AUTH, timeout=30) as http:
-            n, last, stopped, d = 0, None, False, {}
-            async with http.stream("POST", a.base_url + "/v1/chat/completions", json=body) as r:
-                rid = r.headers["x-request-id"]
-                async for ev in aiter_sse(r):
-                    if ev.id is not None:
-                        last = ev.id
-                    d = ev.json()
-                    if "error" in d:
-                        break
-                    n += 1
-                    if n == 20:
-                        redis.proc.send_signal(signal.SIGSTOP)
-                        await asyncio.sleep(1.0)
-                        redis.proc.send_signal(signal.SIGCONT)
-                    elif n > 20 and not stopped and "not appended to" in a.log():
-                        a.proc.send_signal(signal.SIGTERM)
-                        stopped = True
+            rid, last, stopped, d = await _stream_until_shutdown(http, a, freeze_a_second,
+                                                                 lambda n: "not appended to" in a.log())
             assert stopped, "the router never found the buffer broken"
-            err = d["error"]
-            assert err["code"] == "router_shutdown", err
-            assert "Last-Event-ID" not in err["message"] and "retry the request" in err["message"], err
+            _told_to_retry(d)
             # (what a resume of it gets: the promise it was given before would have been false)
             r = await http.get(f"{b.base_url}/v1/streams/{rid}", headers={"Last-Event-ID": last})
             assert r.status_code == 400 and r.json()["error"]["code"] == "not_resumable", r.text
@@ -327,25 +346,16 @@ async def test_a_stream_whose_buffer_redis_holds_is_told_to_retry_at_shutdown_du
     with RedisServer() as redis:
         state = {"backend": "redis", "url": redis.url, "timeout": 0.3}
         a = make_router(replicas=1, sim={"step_base_ms": 20}, settings={"shutdown_grace": 0.5, "state": state})
-        body = {**_body(1000), "temperature": 0}
+
+        async def freeze() -> None:
+            redis.proc.send_signal(signal.SIGSTOP)
+
         try:
             async with httpx.AsyncClient(headers=AUTH, timeout=30) as http:
-                n, stopped, d = 0, False, {}
-                async with http.stream("POST", a.base_url + "/v1/chat/completions", json=body) as r:
-                    async for ev in aiter_sse(r):
-                        d = ev.json()
-                        if "error" in d:
-                            break
-                        n += 1
-                        if n == 20:
-                            redis.proc.send_signal(signal.SIGSTOP)
-                        elif n > 20 and not stopped and ("not appended to" in a.log() or n == 400):
-                            a.proc.send_signal(signal.SIGTERM)
-                            stopped = True
+                _, _, stopped, d = await _stream_until_shutdown(
+                    http, a, freeze, lambda n: "not appended to" in a.log() or n == 400)
                 assert stopped and "serving with local limits" in a.log()
-                err = d["error"]
-                assert err["code"] == "router_shutdown", err
-                assert "Last-Event-ID" not in err["message"] and "retry the request" in err["message"], err
+                _told_to_retry(d)
         finally:
             redis.proc.send_signal(signal.SIGCONT)
         a.proc.wait(15)
@@ -367,30 +377,17 @@ async def test_a_stream_whose_buffer_the_store_lost_is_told_to_retry_at_shutdown
         sim = {"step_base_ms": 20}
         a = make_router(replicas=1, sim=sim, settings={"shutdown_grace": 0.5, "state": state})
         b = make_router(replicas=1, sim=sim, settings={"state": state})
-        body = {**_body(1000), "temperature": 0}
+
+        async def flush() -> None:
+            client = aioredis.from_url(redis.url)
+            await client.flushall()
+            await client.aclose()
+
         async with httpx.AsyncClient(headers=AUTH, timeout=30) as http:
-            n, last, stopped, d = 0, None, False, {}
-            async with http.stream("POST", a.base_url + "/v1/chat/completions", json=body) as r:
-                rid = r.headers["x-request-id"]
-                async for ev in aiter_sse(r):
-                    if ev.id is not None:
-                        last = ev.id
-                    d = ev.json()
-                    if "error" in d:
-                        break
-                    n += 1
-                    if n == 20:
-                        client = aioredis.from_url(redis.url)
-                        await client.flushall()
-                        await client.aclose()
-                    elif n > 20 and not stopped and ("lost the leases" in a.log() or n == 400):
-                        await asyncio.sleep(0.2)  # (a few more of its events appended)
-                        a.proc.send_signal(signal.SIGTERM)
-                        stopped = True
+            rid, last, stopped, d = await _stream_until_shutdown(
+                http, a, flush, lambda n: "lost the leases" in a.log() or n == 400)
             assert stopped and "lost the leases" in a.log() and "unavailable" not in a.log()
-            err = d["error"]
-            assert err["code"] == "router_shutdown", err
-            assert "Last-Event-ID" not in err["message"] and "retry the request" in err["message"], err
+            _told_to_retry(d)
             # (what a resume of it gets: the promise it was given before would have been false)
             r = await http.get(f"{b.base_url}/v1/streams/{rid}", headers={"Last-Event-ID": last})
             assert r.status_code == 404 and r.json()["error"]["code"] == "stream_not_found", r.text
