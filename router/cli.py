@@ -70,11 +70,14 @@ def _serve(args: argparse.Namespace) -> int:
         return serve_workers(config, tenants, host, port, args.workers, log_args)
     from router.server import Server
 
+    server = Server(app, host=host, port=port, backlog=4096)
     try:
-        Server(app, host=host, port=port, backlog=4096).run()
+        server.run()
     except KeyboardInterrupt:  # (uvicorn raises Ctrl-C's signal again once it has shut down)
         return 130
-    return 0
+    # (started with SIGINT ignored, as a non-interactive shell starts what it
+    # puts in the background: uvicorn raises it again under SIG_IGN, to no effect)
+    return 130 if server.first_signal == signal.SIGINT else 0
 
 
 def _unset_secrets(config) -> list[str]:

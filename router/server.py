@@ -162,6 +162,7 @@ class Server(uvicorn.Server):
         self.service = app.svc
         self._loop: asyncio.AbstractEventLoop | None = None
         self._forced = False  # (a second SIGINT forced the stop)
+        self.first_signal: int | None = None  # (the one that began the stop: the exit status follows it)
         cfg = app.svc.config
         files = open_file_limit()
         HttpConnection.configure(cfg.header_timeout, cfg.body_timeout, cfg.body_total_timeout,
@@ -200,6 +201,8 @@ class Server(uvicorn.Server):
         itself, and cuts what it may (``hurry``). (A signal handler runs
         between two bytecodes of whatever the loop was doing: the calls go
         through the loop's own queue.)"""
+        if self.first_signal is None:
+            self.first_signal = sig
         loop = self._loop
         live = loop is not None and not loop.is_closed()
         if sig == signal.SIGINT and self.should_exit:

@@ -258,3 +258,31 @@ async def test_sighup_while_workers_start_does_not_kill_them(tmp_path, redis_ser
         subprocess.run(["rm", "-rf", tmpdir], check=False)
     assert not left
 
+
+
+def test_sigint_exits_130_when_serve_started_with_sigint_ignored(tmp_path) -> None:
+    # (a non-interactive shell starts what it puts in the background with
+    # SIGINT ignored; uvicorn raised the signal again under that, to no
+    # effect, and serve exited 0 after a `kill -INT`)
+    port = free_port()
+    config = tmp_path / "router.yaml"
+    config.write_text(yaml.safe_dump({
+        "host": "127.0.0.1", "port": port, "tenants": str(Path(__file__).resolve().parents[2] / "configs/tenants.yaml"),
+        "replicas": [{"name": "sim-0", "engine": "sim", "config": SIM}],
+    }))
+    tmpdir = tempfile.mkdtemp(prefix="fst-")
+    with open(tmp_path / "router.log", "ab") as out:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "router.cli", "serve", "--config", str(config)], stdout=out,
+            stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True,
+            env=dict(os.environ, TMPDIR=tmpdir), preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN))
+    kids: list[int] = []
+    try:
+        poll(lambda: _ready(f"http://127.0.0.1:{port}"), STARTUP_WAIT, what="router ready")
+        kids = descendants(proc.pid)
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(30) == 130, (tmp_path / "router.log").read_text()[-3000:]
+    finally:
+        left = _reap(proc, kids)
+        subprocess.run(["rm", "-rf", tmpdir], check=False)
+    assert not left
