@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import contextlib
 import json
 import os
 import signal
@@ -271,6 +272,19 @@ async def test_with_shared_state_a_stream_ended_by_shutdown_resumes_on_another_r
         assert line["error_code"] == "router_shutdown" and "Last-Event-ID" in line["error"], line
 
 
+@contextlib.contextmanager
+def _two_routers_on_redis(make_router):
+    """Routers ``a`` (a shutdown grace of 0.5 s) and ``b`` sharing a
+    redis-server of their own (timeout 0.3 s), one slow sim replica each."""
+    require_redis_server()
+    with RedisServer() as redis:
+        state = {"backend": "redis", "url": redis.url, "timeout": 0.3}
+        sim = {"step_base_ms": 20}
+        a = make_router(replicas=1, sim=sim, settings={"shutdown_grace": 0.5, "state": state})
+        b = make_router(replicas=1, sim=sim, settings={"state": state})
+        yield redis, a, b
+
+
 async def _stream_until_shutdown(http, router, disturb, ready) -> tuple[str, str | None, bool, dict]:
     """Stream a 1,000-token chat from ``router``; at its 20th event
     ``disturb()`` (the state store), then SIGTERM the router once
@@ -310,12 +324,7 @@ async def test_a_stream_whose_buffer_broke_is_told_to_retry_at_shutdown_not_to_r
     # and that resume, on the router sharing the store, was a 400
     # ``not_resumable`` (a chaos run with two routers). It is to be told to
     # retry the request, as a stream with no buffer is.
-    require_redis_server()
-    with RedisServer() as redis:
-        state = {"backend": "redis", "url": redis.url, "timeout": 0.3}
-        sim = {"step_base_ms": 20}
-        a = make_router(replicas=1, sim=sim, settings={"shutdown_grace": 0.5, "state": state})
-        b = make_router(replicas=1, sim=sim, settings={"state": state})
+    with _two_routers_on_redis(make_router) as (redis, a, b):
 
         async def freeze_a_second() -> None:
             redis.proc.send_signal(signal.SIGSTOP)
@@ -371,12 +380,7 @@ async def test_a_stream_whose_buffer_the_store_lost_is_told_to_retry_at_shutdown
     # Last-Event-ID, and that resume, on the router sharing the store, was
     # a 404 ``stream_not_found`` (a chaos run: 17 streams at once). It is
     # to be told to retry the request, as a stream with a broken buffer is.
-    require_redis_server()
-    with RedisServer() as redis:
-        state = {"backend": "redis", "url": redis.url, "timeout": 0.3}
-        sim = {"step_base_ms": 20}
-        a = make_router(replicas=1, sim=sim, settings={"shutdown_grace": 0.5, "state": state})
-        b = make_router(replicas=1, sim=sim, settings={"state": state})
+    with _two_routers_on_redis(make_router) as (redis, a, b):
 
         async def flush() -> None:
             client = aioredis.from_url(redis.url)
