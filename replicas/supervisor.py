@@ -105,7 +105,8 @@ class Supervisor:
     ) -> None:
         self.pool = pool
         self.settings = settings or SupervisorSettings()
-        # "spawned", "ready", "down"; an upstream's "refused" (a connect
+        # "spawned", "ready", "down" ("unspawned": a local one that got no
+        # process, not a restart); an upstream's "refused" (a connect
         # refused: not chosen until a check answers) and "answers" (it did)
         self._on_event = on_event or (lambda event, slot: None)
         self._tasks: list[asyncio.Task[None]] = []
@@ -206,9 +207,9 @@ class Supervisor:
                 unreachable = 0
             # down (and said so) before its process is stopped, which may take the grace;
             # a local one that never got a process (no descriptor to start it) is not restarted
-            spawned = slot.name in self._procs or not slot.spec.local
+            spawned = (slot.name in self._procs or not slot.spec.local) and not self._closing
             slot.state = "down"
-            self._on_event("down" if spawned else "unspawned", slot)
+            self._on_event("down" if spawned else "unspawned", slot)  # (stopping: no restart either)
             await self._reap(slot.name, grace)  # (a close() meanwhile stops it too: still in _procs)
             if self._closing:
                 return

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import signal
 from pathlib import Path
 from typing import ClassVar
 from urllib.parse import urlsplit
@@ -23,6 +24,9 @@ __all__ = ["RouterConfig", "load_router_config", "SHUTDOWN_MARGIN"]
 # After ``shutdown_grace``, seconds for the router's shutdown errors to go out
 # before the server cancels what still runs (router.server).
 SHUTDOWN_MARGIN = 5.0
+# What ``serve --workers`` sends its workers for a second SIGINT: a worker's
+# stop, forced, whatever signal it had before (router.server, router.workers).
+FORCE_SIGNAL = signal.SIGUSR1
 
 
 class RouterConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):

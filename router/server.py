@@ -158,11 +158,14 @@ def ws_max_message(max_body_bytes: int) -> int:
 class Server(uvicorn.Server):
     """uvicorn on uvloop (router.listener) with httptools, for the router app."""
 
-    def __init__(self, app: FastPath, **config: Any) -> None:
+    def __init__(self, app: FastPath, force_signal: int | None = None, **config: Any) -> None:
         self.service = app.svc
+        self.force_signal = force_signal  # (a worker's: router.config.FORCE_SIGNAL)
         self._loop: asyncio.AbstractEventLoop | None = None
         self._forced = False  # (a second SIGINT forced the stop)
-        self.first_signal: int | None = None  # (the one that began the stop: the exit status follows it)
+        # (the one that began the stop: the exit status follows it where the
+        # signals uvicorn raises again at the end do nothing, SIG_IGN)
+        self.first_signal: int | None = None
         cfg = app.svc.config
         files = open_file_limit()
         HttpConnection.configure(cfg.header_timeout, cfg.body_timeout, cfg.body_total_timeout,
@@ -188,7 +191,21 @@ class Server(uvicorn.Server):
 
     async def serve(self, sockets=None) -> None:
         self._loop = asyncio.get_running_loop()
+        if self.force_signal is not None:
+            signal.signal(self.force_signal, self._forced_from_outside)
         await super().serve(sockets)
+
+    def _forced_from_outside(self, sig: int, frame: FrameType | None) -> None:
+        """``force_signal`` (a worker's: its parent had a second SIGINT): the
+        stop, forced, whatever this process had before (a SIGTERM, a SIGINT,
+        or nothing yet); quietly once forced."""
+        self.should_exit = True
+        if self.first_signal is None:
+            self.first_signal = signal.SIGINT
+        loop = self._loop
+        if not self._forced and loop is not None and not loop.is_closed():
+            self._forced = True
+            loop.call_soon_threadsafe(self._force)
 
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
         """uvicorn's handler only sets a flag, which its main loop reads. A

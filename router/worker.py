@@ -10,10 +10,6 @@ import sys
 import threading
 from pathlib import Path
 
-import msgspec
-
-from router.config import RouterConfig
-
 __all__ = ["main"]
 
 
@@ -31,7 +27,10 @@ def _exit_with_parent() -> None:
 def main() -> None:
     # (it starts with SIGHUP ignored, router.workers._worker_preexec, until
     # its router's reload handler is in)
+    import msgspec
+
     from router.app import create_app
+    from router.config import FORCE_SIGNAL, RouterConfig
     from router.configfile import ConfigError
     from router.logs import setup_logging
     from router.server import Server
@@ -59,7 +58,7 @@ def main() -> None:
     sock.listen(2048)
     sock.set_inheritable(True)
     _exit_with_parent()
-    Server(app).run(sockets=[sock])
+    Server(app, force_signal=FORCE_SIGNAL).run(sockets=[sock])
 
 
 if __name__ == "__main__":

@@ -36,7 +36,7 @@ import msgspec
 from replicas.pool import ReplicaPool, ReplicaSlot
 from replicas.rundirs import make_run_dir, sweep
 from replicas.supervisor import Supervisor, SupervisorSettings, die_with_parent
-from router.config import SHUTDOWN_MARGIN, RouterConfig
+from router.config import FORCE_SIGNAL, SHUTDOWN_MARGIN, RouterConfig
 
 __all__ = ["serve_workers", "worker_config"]
 
@@ -169,32 +169,24 @@ async def _parent(config: RouterConfig, tenants: Path, host: str, port: int, n: 
     procs: dict[int, subprocess.Popen[bytes]] = {}
     told: set[int] = set()  # (the pids of the workers sent SIGTERM)
 
-    def terminate(p: subprocess.Popen[bytes]) -> bool:
-        """SIGTERM to ``p`` unless it had it; whether it was sent now."""
+    def terminate(p: subprocess.Popen[bytes]) -> None:
+        """SIGTERM to ``p`` unless it had it."""
         if p.poll() is None and p.pid not in told:
             told.add(p.pid)
             p.terminate()
-            return True
-        return False
-
-    def interrupt() -> None:
-        for p in procs.values():
-            if p.poll() is None:
-                p.send_signal(signal.SIGINT)
 
     def on_stop(sig: int) -> None:
         if sig == signal.SIGINT and stop.is_set():
-            # a second SIGINT: the workers quit at once too (router.server);
-            # Ctrl-C at a terminal reached them itself, a `kill -INT` did not.
-            # Their SIGTERM first if the stop has not sent it yet (two quick
-            # `kill -INT`s), and the SIGINT a moment later: a worker that has
+            # a second SIGINT: the workers quit at once too. Not by a SIGINT
+            # of the parent's: Ctrl-C at a terminal reaches them itself (one
+            # more read as a third), and a worker with a SIGTERM and a SIGINT
             # both pending runs SIGINT's handler first (Python goes by signal
-            # number) and takes it for a first signal, which drains.
-            fresh = [terminate(p) for p in list(procs.values())]
-            if any(fresh):
-                loop.call_later(0.2, interrupt)
-            else:
-                interrupt()
+            # number) and takes it for a first one, which drains. FORCE_SIGNAL
+            # forces a worker's stop whatever it had before (router.server).
+            for p in list(procs.values()):
+                terminate(p)
+                if p.poll() is None:
+                    p.send_signal(FORCE_SIGNAL)
             if not forced:
                 forced.append(True)
                 log.warning("a second SIGINT forced the stop: the workers end their requests now")
