@@ -239,6 +239,22 @@ async def loopback_http(answer: Callable[[bytes, bytes, asyncio.StreamWriter], A
         server.close()
 
 
+def wait_or_dump(proc: subprocess.Popen, within: float) -> int | None:
+    """``proc``'s exit code within ``within`` seconds; else None, once it has
+    had SIGABRT (PYTHONFAULTHANDLER: a router prints every thread's stack to
+    its log before it dies) and, 2 s later, SIGKILL."""
+    try:
+        return proc.wait(within)
+    except subprocess.TimeoutExpired:
+        proc.send_signal(signal.SIGABRT)
+        try:
+            proc.wait(2)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(5)
+        return None
+
+
 def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
@@ -493,17 +509,7 @@ class RouterProcess:
         if proc.poll() is None:
             self._remember(descendants(proc.pid))
             proc.send_signal(signal.SIGTERM)
-            try:
-                proc.wait(timeout)
-            except subprocess.TimeoutExpired:
-                # PYTHONFAULTHANDLER: SIGABRT makes the router print every
-                # thread's stack to its log before it dies.
-                proc.send_signal(signal.SIGABRT)
-                try:
-                    proc.wait(2)
-                except subprocess.TimeoutExpired:
-                    proc.kill()
-                    proc.wait(5)
+            if wait_or_dump(proc, timeout) is None:
                 problems.append(f"router did not exit within {timeout}s of SIGTERM; log tail:\n{self.log()[-4000:]}")
         self.proc = None
         # What the router left in its TMPDIR (the supervisor's run dir, sockets).

@@ -88,15 +88,24 @@ def _workers_config(tmp_path: Path, redis_url: str) -> tuple[Path, int]:
     return path, port
 
 
-def _serve(args: list[str], log: Path, tmpdir: str, *, entry: list[str] | None = None) -> subprocess.Popen:
+def _serve(args: list[str], log: Path, tmpdir: str, *, entry: list[str] | None = None,
+           preexec_fn=None) -> subprocess.Popen:
     """``fairstream serve`` in a session of its own, as at a terminal (a
     Ctrl-C reaches its whole process group)."""
     with open(log, "ab") as out:
         return subprocess.Popen(
             [*(entry or [sys.executable, "-m", "router.cli"]), "serve", *args],
             stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True,
-            env=dict(os.environ, TMPDIR=tmpdir, PYTHONUNBUFFERED="1"),
+            env=dict(os.environ, TMPDIR=tmpdir, PYTHONUNBUFFERED="1"), preexec_fn=preexec_fn,
         )
+
+
+def _serve_workers(tmp_path: Path, redis_url: str) -> tuple[subprocess.Popen, str, str]:
+    """``serve --workers 2`` on a free port: (the process, its base URL, its TMPDIR)."""
+    config, port = _workers_config(tmp_path, redis_url)
+    tmpdir = tempfile.mkdtemp(prefix="fst-")
+    proc = _serve(["--config", str(config), "--workers", "2"], tmp_path / "router.log", tmpdir)
+    return proc, f"http://127.0.0.1:{port}", tmpdir
 
 
 def _ready(base_url: str) -> bool:
@@ -123,10 +132,7 @@ async def test_a_second_sigint_quits_workers_at_once_and_cleanly(to, tmp_path, r
     # "group": Ctrl-C at a terminal, to every process of the foreground
     # group (the workers too, one of them maybe still starting: it quits
     # quietly); "parent": `kill -INT`, to serve alone
-    config, port = _workers_config(tmp_path, redis_server.url)
-    base = f"http://127.0.0.1:{port}"
-    tmpdir = tempfile.mkdtemp(prefix="fst-")
-    proc = _serve(["--config", str(config), "--workers", "2"], tmp_path / "router.log", tmpdir)
+    proc, base, tmpdir = _serve_workers(tmp_path, redis_server.url)
     kids: list[int] = []
     try:
         poll(lambda: _ready(base), STARTUP_WAIT, what="workers ready")
@@ -236,10 +242,7 @@ async def test_sighup_while_the_router_starts_does_not_kill_it(entry, tmp_path) 
 
 
 async def test_sighup_while_workers_start_does_not_kill_them(tmp_path, redis_server) -> None:
-    config, port = _workers_config(tmp_path, redis_server.url)
-    base = f"http://127.0.0.1:{port}"
-    tmpdir = tempfile.mkdtemp(prefix="fst-")
-    proc = _serve(["--config", str(config), "--workers", "2"], tmp_path / "router.log", tmpdir)
+    proc, base, tmpdir = _serve_workers(tmp_path, redis_server.url)
     kids: list[int] = []
     try:
         seen = await _hup_from_the_start(proc, base)
@@ -273,11 +276,8 @@ def test_sigint_exits_130_when_serve_started_with_sigint_ignored(tmp_path) -> No
         "replicas": [{"name": "sim-0", "engine": "sim", "config": SIM}],
     }))
     tmpdir = tempfile.mkdtemp(prefix="fst-")
-    with open(tmp_path / "router.log", "ab") as out:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "router.cli", "serve", "--config", str(config)], stdout=out,
-            stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True,
-            env=dict(os.environ, TMPDIR=tmpdir), preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN))
+    proc = _serve(["--config", str(config)], tmp_path / "router.log", tmpdir,
+                  preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN))
     kids: list[int] = []
     try:
         poll(lambda: _ready(f"http://127.0.0.1:{port}"), STARTUP_WAIT, what="router ready")

@@ -23,7 +23,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tests.helpers import DEMO_TENANTS, MODEL, ROOT, STARTUP_WAIT, poll, remote_replica_process
+from tests.helpers import DEMO_TENANTS, MODEL, ROOT, STARTUP_WAIT, poll, remote_replica_process, wait_or_dump
 
 SECRET = "s3cret-for-tests"
 CONNECT_TIMEOUT = 60.0  # the router's first contact with the deaf Redis (far past every wait below)
@@ -88,17 +88,11 @@ def _serve(tmp_path: Path, redis_port: int, replica_port: int, port: int) -> tup
 def _exit_code(proc: subprocess.Popen[bytes], log_path: Path, within: float, what: str) -> int:
     """The router's exit code within ``within`` seconds; else its stacks
     (SIGABRT, faulthandler) go to its log, it is killed and the test fails."""
-    try:
-        return proc.wait(within)
-    except subprocess.TimeoutExpired:
-        proc.send_signal(signal.SIGABRT)
-        try:
-            proc.wait(3)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(5)
+    code = wait_or_dump(proc, within)
+    if code is None:
         raise AssertionError(f"the router did not exit within {within}s {what}; log:\n"
-                             f"{log_path.read_text(errors='replace')[-6000:]}") from None
+                             f"{log_path.read_text(errors='replace')[-6000:]}")
+    return code
 
 
 def test_router_on_a_port_in_use_exits_3_at_once_while_redis_never_answers(tmp_path, replica) -> None:
