@@ -311,8 +311,9 @@ def _load_yaml(path: str | Path, type_: type[T], text: str | None = None) -> tup
 
 # what PyYAML's constructor raises for a scalar that its tag (written, or
 # taken from how it is written) does not fit, as ``!!float abc``, ``!!bool
-# abc``, ``!!timestamp abc`` or ``2024-13-01``: not a YAMLError, and no line
-_UNBUILT = (ValueError, KeyError, AttributeError, TypeError, OverflowError)
+# abc``, ``!!timestamp abc`` or ``2024-13-01`` (an empty ``!!int`` or
+# ``!!float``: IndexError): not a YAMLError, and no line
+_UNBUILT = (ValueError, KeyError, AttributeError, TypeError, OverflowError, IndexError)
 
 
 def _construct(name: str, loader: Any, root: yaml.Node) -> Any:

@@ -81,11 +81,14 @@ def test_a_key_of_thousands_of_digits_is_a_config_error(key: str) -> None:
     assert "4,300 digits" in message and len(message) < 500, message[:500]
 
 
+@pytest.mark.parametrize("value", ["abc", ""], ids=["abc", "empty"])
 @pytest.mark.parametrize("tag", ["!!float", "!!int", "!!bool", "!!timestamp"])
-def test_a_tagged_value_that_is_not_of_its_tag_is_a_config_error(tmp_path: Path, tag: str) -> None:
+def test_a_tagged_value_that_is_not_of_its_tag_is_a_config_error(tmp_path: Path, tag: str, value: str) -> None:
     # (SafeConstructor raises ValueError, KeyError or AttributeError for
-    # these, not a YAMLError: a traceback from load_yaml, reload, check-config)
-    text = f"tenants:\n  a:\n    keys: [x]\n    weight: {tag} abc\n"
+    # these, not a YAMLError: a traceback from load_yaml, reload, check-config;
+    # and an IndexError for an empty `!!int` or `!!float`, found by the
+    # mutation test below in a fresh clone's run)
+    text = f"tenants:\n  a:\n    keys: [x]\n    weight: {tag} {value}\n"
     message = _error(text)
     assert message.startswith("f.yaml:4: tenants.a.weight: ") and f"{tag}" in message, message
     path = tmp_path / "tenants.yaml"
