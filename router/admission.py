@@ -28,6 +28,7 @@ from collections.abc import Callable, Iterable, Mapping
 
 import msgspec
 
+from policies.dispatch_pace import DispatchPace
 from policies.ratelimit import QUEUED_RETRY, Decision
 from router.deadlines import Deadlines, StreamTimeout
 from router.errors import RateLimited, RouterShutdown, ServiceUnavailable
@@ -75,6 +76,8 @@ class Admission:
         self.metrics = metrics
         self._leases: dict[str, Ticket] = {}
         self._lines: dict[str, collections.deque[Waiter]] = {}  # per tenant, in arrival order
+        # per tenant: the pace at which its line is admitted, for a full line's Retry-After
+        self._paces: dict[str, DispatchPace] = {}
         self._ends: dict[str, int] = {}  # per tenant: streams ended (a refusal older than that is stale)
         self._keeper = LeaseKeeper(store, self._leases)
         self._stopped = asyncio.Event()  # set: requests waiting for a limit get RouterShutdown
@@ -206,6 +209,7 @@ class Admission:
             limit_at, timeout = _wait_limit(deadlines, delivered, loop.time())
         me = Waiter()
         line.append(me)
+        self._paces.setdefault(name, DispatchPace()).waiting(loop.time())
         if self._ends.get(name, 0) != ends:
             me.wake()  # a stream ended while the store answered: try again at once
         self.metrics.gauge_up(self.metrics.admission_waiting, name)
@@ -279,6 +283,7 @@ class Admission:
             if not line:
                 if self._lines.get(name) is line:
                     del self._lines[name]
+                    self._paces[name].idle()
             elif head:
                 line[0].wake()
             if not admitted:
@@ -289,6 +294,7 @@ class Admission:
         refusal instead if its tenant was removed meanwhile (while the store
         answered)."""
         ticket = self._ticket(policy, req, cost_tokens, decision)
+        self._paces[policy.name].dispatched(asyncio.get_running_loop().time())
         gone = self._gone.get(policy.name)
         if gone is not None:
             await self.finish(ticket, 0)
@@ -342,10 +348,14 @@ class Admission:
         return self._refused(policy, decision)
 
     def _line_full(self, policy: TenantPolicy) -> RateLimited:
+        """The 429 ``queue_full``, with the scheduler's basis for its own: the
+        requests in the line ahead times the pace at which it is admitted."""
         self.metrics.limited(policy.name, "queue")
+        pace = self._paces.get(policy.name) or DispatchPace()  # (none yet: 1 s a turn, as the scheduler's)
+        retry = pace.retry_after(self.queued(policy.name), asyncio.get_running_loop().time())
         return RateLimited(
             f"Too many requests of tenant {policy.name!r} wait for its limits (queue depth {policy.queue_depth}); "
-            "retry later.", retry_after=1.0, code="queue_full",
+            "retry later.", retry_after=retry, code="queue_full",
         )
 
     def _raise_if_gone(self, tenant: str) -> None:

@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import math
+
 import msgspec
+
+from policies.dispatch_pace import MAX_RETRY_AFTER
 
 __all__ = [
     "ApiError",
@@ -20,7 +24,21 @@ __all__ = [
     "error_body",
     "clip",
     "unknown_path",
+    "retry_after_header",
 ]
+
+
+def retry_after_header(seconds: float) -> str:
+    """The ``Retry-After`` value for a wait of ``seconds``, the one rounding
+    every answer uses: whole seconds rounded up, so a client that waits that
+    long is not refused for the rest and the figure is never below the
+    ``x-ratelimit-reset-*`` of the same wait (``fmt_duration`` rounds up
+    too, and forgives float noise alike); at least 1 (0 would invite a
+    retry in a busy loop); at most ``MAX_RETRY_AFTER``, as the dispatch
+    pace is (a client that honours an hour stays away for an hour)."""
+    if not seconds < MAX_RETRY_AFTER:  # (inf, NaN too)
+        return str(int(MAX_RETRY_AFTER))
+    return str(max(1, math.ceil(seconds - 1e-6)))
 
 
 class _ErrorDetail(msgspec.Struct):
@@ -119,7 +137,7 @@ class RateLimited(ApiError):
         if retry_after is None:
             self.headers["x-should-retry"] = "false"
         else:
-            self.headers.setdefault("retry-after", str(max(1, int(retry_after + 0.999))))
+            self.headers.setdefault("retry-after", retry_after_header(retry_after))
 
 
 class ServiceUnavailable(ApiError):

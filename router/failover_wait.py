@@ -16,13 +16,12 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import math
 import time
 
 from replicas.client import CredentialsRefused
 from replicas.pool import LoadHandle, NoReplica
 from router.deadlines import StreamTimeout
-from router.errors import ReplicaUnavailable
+from router.errors import ReplicaUnavailable, retry_after_header
 from router.logs import request_id_var
 
 log = logging.getLogger("fairstream.generation")
@@ -199,7 +198,7 @@ class WaitsForReplica:
         (``retry_after``: the pause the last one asked for, if it said)."""
         self._end(self._no_replica(why, ReplicaUnavailable(
             f"The request's replica failed before its first token and no other replica could take it: {why}",
-            headers={"retry-after": str(max(1, math.ceil(retry_after)))},
+            headers={"retry-after": retry_after_header(retry_after)},
         )))
 
     def _no_replica(self, why: str, unavailable: ReplicaUnavailable) -> Exception:

@@ -317,7 +317,8 @@ def to_params(req: ChatRequest | CompletionRequest, default_max_tokens: int) -> 
         raise BadRequest(f"'repetition_penalty' must be greater than 0; got {req.repetition_penalty}.",
                          param="repetition_penalty")
     if req.min_tokens is not None and not 0 <= req.min_tokens <= max_tokens:
-        raise BadRequest(f"'min_tokens' must be between 0 and max_tokens ({max_tokens}); got {req.min_tokens}.",
+        # (named as the client sent it: a chat's limit may be max_completion_tokens)
+        raise BadRequest(f"'min_tokens' must be between 0 and {name} ({max_tokens}); got {req.min_tokens}.",
                          param="min_tokens")
     stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
     if len(stop) > MAX_STOP:

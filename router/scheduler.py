@@ -28,7 +28,8 @@ from policies.batching import AimdLimiter, AimdSettings
 from policies.dispatch_pace import DispatchPace
 from policies.fairshare import HeadIndex, VirtualCounters
 from replicas.pool import LoadHandle, NoReplica, ReplicaPool, ReplicaSlot
-from router.errors import RateLimited, ReplicaUnavailable, RouterShutdown, ServiceUnavailable
+from router.deadlines import StreamTimeout
+from router.errors import RateLimited, ReplicaUnavailable, RouterShutdown, ServiceUnavailable, retry_after_header
 from router.metrics import Metrics
 from router.scheduler_settings import SchedulerSettings
 from router.tenants import TenantPolicy
@@ -36,6 +37,22 @@ from router.tenants import TenantPolicy
 __all__ = ["Scheduler"]
 
 log = logging.getLogger("fairstream.scheduler")
+
+
+def _wait_ended(policy: TenantPolicy, ends: tuple[float, BaseException] | None, waited: float,
+                in_queue: float) -> str:
+    """What ended a wait for a replica, for the client: the time the request
+    waited (``waited`` of it for admission, which counts against the same
+    limits) and the limit that ended it, as configured."""
+    e = ends[1] if ends is not None else None
+    if e is None:
+        limit = f"timeouts.queue_wait of {policy.limits.queue_wait:g}s"
+    elif isinstance(e, StreamTimeout):
+        limit = f"timeouts.{e.which} of {e.seconds:g}s"
+    else:
+        limit = f"limit ({e})"
+    return (f"the request waited {round(waited + in_queue, 2):g}s, {round(in_queue, 2):g}s of it in the queue, "
+            f"until tenant {policy.name!r}'s {limit} ended the wait")
 
 
 class _Waiter:
@@ -171,6 +188,8 @@ class Scheduler:
             wait = max(0.001, ends[0])
         else:
             ends = None
+        loop = asyncio.get_running_loop()
+        began = loop.time()  # (real time for the message: ``self.clock`` may be a test's)
         try:
             if wait:
                 async with asyncio.timeout(wait):
@@ -180,18 +199,18 @@ class Scheduler:
             self._leave(w)
             if ends is None:
                 self.metrics.limited(policy.name, "queue_wait")
+            ended = _wait_ended(policy, ends, waited, loop.time() - began)
             try:
                 self.pool.serving(model, needs)
             except NoReplica as e:  # (its replicas went down while it waited: not a full cluster)
-                raise ReplicaUnavailable(f"{e} (the request waited {wait + waited:g}s in the queue, the limit "
-                                         f"for tenant {policy.name!r}); retry later.") from None
+                raise ReplicaUnavailable(f"{e} ({ended}); retry later.") from None
             if ends is not None:
                 raise ends[1] from None
+            # (the requests of its tenant ahead of a retry, as queue_full counts them)
+            retry = self._pace.retry_after(self.queued(policy.name), self.clock())
             raise ServiceUnavailable(
-                f"The cluster is over capacity: the request waited {wait + waited:g}s, the limit for "
-                f"tenant {policy.name!r}; retry later.",
-                code="queue_timeout",
-                headers={"retry-after": str(int(self._pace.retry_after(self._queued, self.clock())) + 1)},
+                f"The cluster is over capacity: {ended}; retry later.",
+                code="queue_timeout", headers={"retry-after": retry_after_header(retry)},
             ) from None
         except asyncio.CancelledError:
             self._leave(w)

@@ -115,7 +115,7 @@ async def test_a_request_whose_replicas_went_down_while_it_waited_says_so_at_its
     pool.slots[0].state = "down"  # its replica died
     with pytest.raises(ReplicaUnavailable) as info:
         await waiting
-    assert "waited 0.2s in the queue" in info.value.message and info.value.code == "no_replica_available"
+    assert "timeouts.queue_wait of 0.2s ended the wait" in info.value.message and info.value.code == "no_replica_available"
     held.release()
 
 
