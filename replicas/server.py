@@ -230,6 +230,7 @@ class ReplicaServer:
 
     def _generate(self, conn: _Connection, msg: Generate) -> None:
         eng = self.engine
+        erid = None
         try:
             if msg.prompt_token_ids is not None:
                 prompt_ids = msg.prompt_token_ids
@@ -252,6 +253,7 @@ class ReplicaServer:
             return  # no answer: ``serve`` drops the connection and the router fails the request over
         except (EngineError, ValueError) as e:
             conn.requests.pop(msg.rid, None)
+            self._requests.pop(erid, None)  # (the engine refused it: no output will come for it)
             conn.queue(Delta(msg.rid, [], "", FinishReason.ERROR, None, str(e)))
             return
 

@@ -298,6 +298,9 @@ class SimEngine(Engine):
     def add(self, rid: int, token_ids: list[int], params: SamplingParams, generated: int = 0) -> None:
         if rid in self._by_rid:
             raise EngineError(f"request {rid} already running")
+        top = max(token_ids, default=0)
+        if top >= VOCAB:  # (vLLM's check and words: its processor's _validate_model_input)
+            raise EngineError(f"Token id {top} is out of vocabulary")
         if len(token_ids) >= self.max_model_len:
             raise EngineError(
                 f"prompt has {len(token_ids)} tokens; this model's limit is {self.max_model_len}"

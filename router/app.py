@@ -183,6 +183,10 @@ def _http_error(request: Request, exc: HTTPException) -> Response:
         # (a GET is the right method there: what is missing is the upgrade)
         message = ("/v1/ws takes WebSocket connections only: a GET with the headers Upgrade: websocket and "
                    "Connection: Upgrade (a WebSocket client sends them).")
+    elif status == 405 and request.method == "HEAD" and request.url.path.startswith("/v1/streams/"):
+        # (HEAD is served on the other GET routes: router/fastpath.py)
+        message = ("HEAD is not served on /v1/streams/{id}: a GET there resumes the stream (it may admit and run "
+                   "a generation), which a HEAD would pay for and never see; send GET.")
     elif status == 405:
         message = f"Method {request.method} is not allowed on {request.url.path}."
     elif status == 413:  # (request_max_body_size: max_body_bytes)

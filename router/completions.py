@@ -438,14 +438,21 @@ async def _collect(svc, gen: Generation, pieces, first: Piece, model: str, chat:
                 text_parts.append(text)
                 piece = None if finish != FinishReason.NONE else await pieces.__anext__()
         result = "ok"
+    # (each error carries the response's headers: its id and the rate limits as of its admission)
     except StreamLost as e:
-        result, error = "lost", ApiError(f"The generation failed and could not be resumed: {e}", code="stream_lost")
+        result, error = "lost", ApiError(f"The generation failed and could not be resumed: {e}", code="stream_lost",
+                                         headers=dict(headers))
         raise error from e
     except StreamTimeout as e:
-        result, error = f"timeout_{e.which}", error_before_output(m, policy.name, e, {})
+        result, error = f"timeout_{e.which}", error_before_output(m, policy.name, e, headers)
+        if e.which == "total":
+            # (the generation ran all of the tenant's total limit: the same
+            # request would again, so the SDK is told not to retry it, and
+            # pay for the tokens of a response it would not get, twice more)
+            error.headers["x-should-retry"] = "false"
         raise error from e
     except ApiError as e:
-        result, error = outcome_of(e), e
+        result, error = outcome_of(e), error_before_output(m, policy.name, e, headers)
         raise
     finally:
         try:

@@ -15,8 +15,9 @@ on any other ASGI server one ``receive()`` waiter task per request
 watches.
 Resume requests (and requests with a ``Last-Event-ID``), other routes,
 WebSocket upgrades (but those it refuses: ``FastPath._upgrade``) and the
-lifespan go to Litestar; ``HEAD`` on the health, readiness, metrics and
-model-list routes is served as their ``GET`` without the body. With CORS on
+lifespan go to Litestar; ``HEAD`` on the health, readiness, metrics,
+model-list and admin read routes is served as their ``GET`` without the
+body, and an ``OPTIONS`` answer gets an ``x-request-id``. With CORS on
 (``router.cors``), a request with an ``Origin`` gets the headers Litestar's
 CORS middleware would give it, from the same config, and a preflight that
 middleware would refuse is refused here, in OpenAI's error shape.
@@ -54,8 +55,10 @@ log = logging.getLogger("fairstream.router")
 _PATHS = {"/v1/chat/completions": True, "/v1/completions": False,
           "/v1/chat/completions/": True, "/v1/completions/": False}
 # GET routes that also answer HEAD (load balancers' health checks), and
-# /v1/models/{model}: headers only
-_HEAD_PATHS = frozenset({"/health", "/ready", "/metrics", "/v1/models"})
+# /v1/models/{model}: headers only; every GET route but a resume's
+# (/v1/streams/{id}: its GET admits and runs a generation, which a HEAD
+# would pay for and never see: a 405 that says so, router.app) and /v1/ws
+_HEAD_PATHS = frozenset({"/health", "/ready", "/metrics", "/v1/models", "/admin/tenants", "/admin/replicas"})
 _JSON = (b"content-type", b"application/json")
 _SLASHES = re.compile("//+")
 
@@ -106,6 +109,8 @@ class FastPath:
             if refusal is not None:  # (Litestar answers the allowed ones)
                 return await _error(send, [], refusal.status, refusal.body(),
                                     {"x-request-id": new_request_id(), **_close_unless_read(send)})
+        if scope["type"] == "http" and scope["method"] == "OPTIONS":
+            send = _with_request_id(send)  # (Litestar's 204 has none: every answer of the API has one)
         elif scope["type"] == "websocket":
             return await self._upgrade(scope, receive, send)
         if scope["type"] == "http":
@@ -380,6 +385,18 @@ async def _too_large(send, cors: list[tuple[bytes, bytes]], limit: int, outcome:
     e = PayloadTooLarge(f"The request body is too large (over {limit} bytes).")
     outcome.record(outcome_of(e), error=e)
     await _error(send, cors, 413, e.body(), {"x-request-id": outcome.request_id, **_close_unless_read(send)})
+
+
+def _with_request_id(send):
+    """``send`` that gives a response an ``x-request-id`` if it has none."""
+    async def send_with_id(message) -> None:
+        if message["type"] == "http.response.start" and not any(
+                k.lower() == b"x-request-id" for k, _ in message.get("headers", ())):
+            message = {**message, "headers": [*message.get("headers", ()),
+                                              (b"x-request-id", new_request_id().encode())]}
+        await send(message)
+
+    return send_with_id
 
 
 def _headers_only(send):

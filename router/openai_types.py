@@ -19,6 +19,7 @@ from replicas.protocol import REFUSED_TEMPLATE_KWARGS, SamplingParams
 from router.entry_keys import LOC as _LOC
 from router.entry_keys import key_of_entry
 from router.errors import BadRequest, clip
+from router.json_parity import FLOAT_FOR_INT, FRACTION, integral_floats, lone_surrogate, without_bom
 from router.vllm_noops import CHAT_DEFAULTS, COMPLETION_DEFAULTS, VllmFields, not_default, not_default_message
 
 __all__ = ["ChatRequest", "CompletionRequest", "decode_request", "to_params", "chat_messages", "chat_message_slices",
@@ -230,6 +231,8 @@ def _invalid(e: msgspec.ValidationError | msgspec.DecodeError | RecursionError, 
     m = _LOC.search(text)
     param = (at + m.group(1)).lstrip(".") if m else at
     reason = text[: m.start()] if m else text
+    if FLOAT_FOR_INT.match(reason):  # (one integral_floats did not make whole: 3.5)
+        reason = FRACTION
     if body is not None and kind is not None and "[...]" in param:
         param = key_of_entry(body, kind, param, reason)
     if not param and reason.startswith("Expected `object`"):
@@ -250,6 +253,22 @@ def _invalid(e: msgspec.ValidationError | msgspec.DecodeError | RecursionError, 
     return BadRequest(f"Invalid value for '{clip(param)}': {clip(reason, 300)}.", param=param or None)
 
 
+def _lax(body: bytes, kind: type[_Common], e: msgspec.DecodeError | RecursionError) -> _Common:
+    """The request of a body msgspec refused with ``e`` that vLLM takes
+    (whole numbers written as floats, ``router.json_parity``), or its 400."""
+    fixed = integral_floats(body, kind, _LOC.sub("", str(e))) if isinstance(e, msgspec.ValidationError) else None
+    if fixed is not None:
+        try:
+            return msgspec.json.decode(fixed, type=kind)
+        except (msgspec.DecodeError, RecursionError) as again:
+            e = again
+    if isinstance(e, msgspec.DecodeError) and not isinstance(e, msgspec.ValidationError):
+        lone = lone_surrogate(body)
+        if lone is not None:
+            raise BadRequest(lone[0], param=lone[1], code="invalid_json") from e
+    raise _invalid(e, body=body, kind=kind) from e
+
+
 def decode_request(body: bytes, kind: type[ChatRequest] | type[CompletionRequest]):
     """Decode and check a request body; ``BadRequest`` names the faulty field.
     A chat's ``chat_template_kwargs`` are decoded here too, after their size
@@ -257,10 +276,11 @@ def decode_request(body: bytes, kind: type[ChatRequest] | type[CompletionRequest
     refused in them is refused with it, before any other check."""
     if not body:
         raise BadRequest("The request body is empty; send a JSON object.", code="invalid_json")
+    body = without_bom(body)  # (vLLM takes it: router.json_parity)
     try:
         req = msgspec.json.decode(body, type=kind)
     except (msgspec.DecodeError, RecursionError) as e:  # (ValidationError is a DecodeError)
-        raise _invalid(e, body=body, kind=kind) from e
+        req = _lax(body, kind, e)
     if isinstance(req, ChatRequest):
         req.chat_template_kwargs = _template_kwargs(req.chat_template_kwargs)
     _check_least(req)
