@@ -11,7 +11,7 @@ from collections.abc import Sequence
 
 import msgspec
 
-__all__ = ["ReplicaLoad", "score", "choose", "AFFINITY_SLACK"]
+__all__ = ["ReplicaLoad", "score", "choose", "AFFINITY_SLACK", "RUNNING_WEIGHT"]
 
 
 class ReplicaLoad(msgspec.Struct, frozen=True, gc=False):
@@ -24,13 +24,22 @@ class ReplicaLoad(msgspec.Struct, frozen=True, gc=False):
     kv_usage: float  # 0..1
 
 
+# Weight of one running request the replica reports: below one in-flight
+# token's (1/4096) for any count up to 4,096, so it breaks ties only.
+RUNNING_WEIGHT = 1.0 / 4096.0 ** 2
+
+
 def score(load: ReplicaLoad) -> float:
     """Lower is better. The router's own in-flight count is current; the
     replica's report lags by up to one report interval, so it only breaks
-    ties and penalizes queues that formed inside the engine."""
+    ties (``running``: requests the router does not count, such as another
+    ``--workers`` worker's, weigh in where the router's counts are equal)
+    and penalizes queues that formed inside the engine (``waiting``, KV use
+    past 90%)."""
     return (
         load.inflight
         + load.inflight_tokens / 4096.0
+        + RUNNING_WEIGHT * load.running
         + 2.0 * load.waiting
         + 4.0 * max(0.0, load.kv_usage - 0.9)
     )

@@ -124,16 +124,6 @@ class OutputProcessor:
         self._stops = StopMatcher(stop, include=include_stop_str, text=text, emitted=prefix_text_len or 0,
                                   text_is_output=prefix_is_output)
 
-    @property
-    def held_tokens(self) -> int:
-        """Tokens whose text is not decided yet (the end of an unfinished character)."""
-        return len(self._ids) - self._read_offset
-
-    @property
-    def num_tokens(self) -> int:
-        """Completion tokens seen, prefix included."""
-        return len(self._ids)
-
     def process(self, new_ids: list[int], finish: FinishReason, stop_id: int | None = None) -> tuple[str, FinishReason]:
         """Take new tokens; return (text to emit now, finish reason).
 

@@ -85,3 +85,24 @@ def test_two_replicas_are_chosen_as_the_draws_would_have_chosen_them(loads, seed
     b += b >= a
     sa, sb = score(loads[a]), score(loads[b])
     assert choose(loads, random.Random(seed)) == (a if sa < sb or (sa == sb and a < b) else b)
+
+
+def test_the_replicas_report_of_running_requests_breaks_a_tie():
+    """Equal by the router's own counts (with ``--workers`` each worker counts
+    only its own streams; the replica's report counts every worker's), the
+    replica running fewer requests is chosen, with two replicas or more."""
+    busier = ReplicaLoad(2, 100, 9, 0, 0.2)
+    freer = ReplicaLoad(2, 100, 3, 0, 0.2)
+    assert score(freer) < score(busier)
+    assert choose([busier, freer], random.Random(0)) == 1
+    # p2c: the freer one wins each pair it is drawn into (two of the three pairs)
+    picks = [choose([busier, freer, busier], random.Random(s)) for s in range(300)]
+    assert picks.count(1) >= 180
+
+
+def test_running_only_breaks_ties_it_never_outweighs_one_in_flight_token():
+    """The report lags by up to one report interval: the router's own count,
+    current, decides wherever it differs at all."""
+    one_token_more = ReplicaLoad(2, 101, 0, 0, 0.0)
+    far_more_running = ReplicaLoad(2, 100, 4000, 0, 0.0)
+    assert score(far_more_running) < score(one_token_more)

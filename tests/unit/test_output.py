@@ -12,7 +12,7 @@ import pytest
 from hypothesis import assume, example, given
 from hypothesis import strategies as st
 
-from replicas.output import OutputProcessor
+from replicas.output import _CONTEXT, OutputProcessor
 from replicas.protocol import FinishReason, SamplingParams
 from tests.unit.chunking import (
     LENGTH,
@@ -40,7 +40,6 @@ def run_with_resume(ids: list[int], cut: list[int], k: int, stop: list[str]) -> 
     if finish != NONE:
         return e1, finish
     resumed = OutputProcessor(TOK, stop, prefix_token_ids=ids[:k], prefix_text_len=len(e1))
-    assert resumed.num_tokens == k
     e2, finish = feed(resumed, parts[n_first:], LENGTH)
     return e1 + e2, finish
 
@@ -113,14 +112,39 @@ def test_long_runs_of_bad_bytes_decode_the_same_and_stay_bounded(data: bytes, ra
     and the processor never holds more than a few tokens undecoded (it used to
     hold the whole run and decode all of it on every step: quadratic)."""
     ids = list(data)
-    proc = OutputProcessor(TOK, [])
+    tok = _Windows()
+    proc = OutputProcessor(tok, [])
     out = []
     for part in split(ids, points(raw, len(ids))):
+        tok.widest = 0
         piece, _ = proc.process(part, NONE)
         out.append(piece)
-        assert proc.held_tokens <= 8 + len(part)
+        # (what it decodes is the context kept, what it held, and ``part``)
+        assert tok.widest <= _CONTEXT + 8 + len(part)
     piece, _ = proc.process([], LENGTH)
     assert "".join(out) + piece == final_text(ids)
+
+
+class _Windows(type(TOK)):
+    """The sim's tokenizer, noting the most tokens one ``decode`` was given:
+    the window the processor re-decodes, whose length is the tokens it holds
+    undecided plus its few tokens of context."""
+
+    widest = 0
+
+    def decode(self, token_ids: list[int]) -> str:
+        self.widest = max(self.widest, len(token_ids))
+        return super().decode(token_ids)
+
+
+def test_a_resumed_processor_continues_the_prefix_tokens_it_was_given() -> None:
+    """The prefix's tokens are the start of its sequence: a character that the
+    failover split is finished by the next replica's first token, with
+    nothing of the prefix sent again."""
+    ids = TOK.encode("ab日")
+    proc = OutputProcessor(TOK, [], prefix_token_ids=ids[:-1], prefix_text_len=2)  # (the client has "ab")
+    assert proc.process(ids[-1:], NONE) == ("日", NONE)
+    assert proc.process(TOK.encode("c"), LENGTH) == ("c", LENGTH)
 
 
 def test_a_sequence_that_ends_inside_a_character_drops_its_bytes_as_vllm_does() -> None:
