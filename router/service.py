@@ -4,7 +4,8 @@ It owns the replica pool, the supervisor (and through it every replica
 process and connection, with their reader tasks), the tenant policy registry
 (and its watcher), the state store, admission (and its lease keeper), the
 scheduler, the resume writer (and its flush task), the open WebSockets, the
-metrics and the event-loop lag probe. The Litestar lifespan calls
+metrics and the event-loop lag probe, and the tasks ``background`` starts
+(settlements, a reload's metric batches). The Litestar lifespan calls
 ``start()`` and ``close()``. The only other tasks are per request, owned by
 the request's handler (FastPath's disconnect listener, a WebSocket's
 generations) and ended with it.
@@ -40,7 +41,7 @@ from router.tenants import TenantPolicy
 
 # allocations between young-generation collections (CPython's default: 700)
 GC_THRESHOLD = 50_000
-SETTLE_WAIT = 5.0  # seconds the settlements still running at shutdown get to finish
+SETTLE_WAIT = 5.0  # seconds the ``background`` tasks still running at shutdown get to finish
 
 __all__ = ["RouterService"]
 
@@ -157,8 +158,14 @@ class RouterService:
         return self.store.healthy and not self.store.connecting
 
     def background(self, coro: Coroutine[Any, Any, None]) -> asyncio.Task[None]:
-        """Run cleanup work that must finish even if its caller was cancelled
-        (a caller may await the task it returns through ``asyncio.shield``)."""
+        """Run work that outlives its caller, as a task this service owns:
+        a stream's settlement (its resume buffer finished or let go, the
+        store's settle and release), which must finish even if its caller
+        was cancelled (a caller may await the task it returns through
+        ``asyncio.shield``), and a reload's metric batches
+        (``Metrics.declare_gradually``, ``retire_gradually``: a batch per
+        loop turn, not all in the reload's turn). ``close`` gives them
+        ``SETTLE_WAIT`` seconds, then cancels them."""
         task = asyncio.get_running_loop().create_task(coro)
         self._tasks.add(task)
         task.add_done_callback(self._task_done)
@@ -243,8 +250,8 @@ class RouterService:
 
     def hurry(self) -> None:
         """A signal came while the router stops (``close``, or the
-        shutdown that a port it could not listen on began): settlements
-        still running are cancelled now, not after up to ``SETTLE_WAIT``.
+        shutdown that a port it could not listen on began): the background
+        tasks still running are cancelled now, not after up to ``SETTLE_WAIT``.
         (The signal that began the shutdown came before: it changes nothing.)"""
         if self._closing:
             self._hurry.set()
@@ -271,8 +278,9 @@ class RouterService:
             batch_lines(None)
 
     async def _settle(self) -> None:
-        """Settlements get ``SETTLE_WAIT`` seconds to finish (none after
-        ``hurry``), then are cancelled: the store closes next."""
+        """The ``background`` tasks (settlements, a reload's metric batches)
+        get ``SETTLE_WAIT`` seconds to finish (none after ``hurry``), then
+        are cancelled: the store closes next."""
         loop = asyncio.get_running_loop()
         end = loop.time() + SETTLE_WAIT
         hurried = loop.create_task(self._hurry.wait())
@@ -284,7 +292,8 @@ class RouterService:
             hurried.cancel()
         late = list(self._tasks)
         if late:
-            log.warning("%d settlement tasks were still running at shutdown; cancelled", len(late))
+            log.warning("%d background tasks (settlements, metric batches) were still running at shutdown; "
+                        "cancelled", len(late))
             for task in late:
                 task.cancel()
             for task in late:

@@ -32,7 +32,9 @@ with its TTL). One that timed out on a Redis that only hung may have run when
 it woke: made again, a release changes nothing, nor does a settlement (the
 store keeps settled lease ids: ``SETTLED_TTL``); an admission, whose answer
 the router never used, is undone (``undo_admit``), in its place among them
-(the list is made oldest first; the undo touches no other lease's).
+(the list is made oldest first; the undo touches no other lease's). The
+resume buffers the fallback took move to Redis before it counts as back
+(``router.state.stream_move``).
 """
 
 from __future__ import annotations
@@ -46,6 +48,7 @@ from collections.abc import Awaitable, Callable
 from policies.ratelimit import Decision
 from router.state.base import AdmitRequest, StateStore, StoreUnavailable, TenantUsage
 from router.state.memory import MemoryStore
+from router.state.stream_move import StreamMove
 from router.stopping import stop
 
 __all__ = ["ResilientStore"]
@@ -55,10 +58,6 @@ log = logging.getLogger("fairstream.state")
 MAX_OWED = 10_000  # releases and settlements kept for Redis's return
 CONNECT_RETRY = 0.2  # seconds between two tries of the first contact
 PROBE_FIRST = 0.1  # seconds from an outage's start to the probe's first try (then doubling)
-# looks at one fallback buffer while it moves to Redis: what its writer adds
-# meanwhile goes after it, until a look finds nothing new (past this, its
-# next write finds Redis short of events and marks the buffer broken)
-MOVE_TRIES = 8
 
 
 class ResilientStore(StateStore):
@@ -92,10 +91,8 @@ class ResilientStore(StateStore):
         self._reserve_store: dict[str, StateStore] = {}  # where each reservation was taken (it never moves)
         # what Redis missed while it was down, made when it answers again
         self._owed: collections.deque[Callable[[StateStore], Awaitable[None]]] = collections.deque(maxlen=MAX_OWED)
-        # from the start of the fallback's resume buffers' move to Redis until
-        # Redis counts as back: those not moved yet (``_stream_store``; empty
-        # once all moved, while the releases owed meanwhile are made)
-        self._moving: set[str] | None = None
+        # the fallback's resume buffers, moved to Redis before it counts as back
+        self._streams = StreamMove(primary, self.fallback)
 
     def _down(self, op: str, err: Exception) -> None:
         self._on_error(op)
@@ -184,7 +181,7 @@ class ResilientStore(StateStore):
                 await self.primary.ping()
                 await self.primary.prepare()  # (a restarted Redis has no scripts)
                 await self._pay_back()
-                await self._move_streams()
+                await self._streams.move()
                 # (and those owed while the buffers moved: from the last look at the list to
                 # ``healthy``, no await lets one in; the moved ones are written in Redis meanwhile)
                 await self._pay_back()
@@ -193,7 +190,7 @@ class ResilientStore(StateStore):
                     log.exception("state store %s: the probe failed; trying again", self.name)
                 continue
             finally:
-                self._moving = None  # (and no await from here to ``healthy``)
+                self._streams.done()  # (and no await from here to ``healthy``)
             self.healthy = True
             self._returns += 1
             for lid, store in self._lease_store.items():  # (Redis counts them again: ``_hold_locally``'s go)
@@ -206,50 +203,11 @@ class ResilientStore(StateStore):
             self._say(True)
             return
 
-    async def _move_streams(self) -> None:
-        """Copy the resume buffers the fallback took during the outage (the
-        streams that began then) to Redis, which resumes read from now on:
-        dropped, a stream begun in a moment's outage could not be resumed
-        on any router, its own included, for the rest of its life, and its
-        resume was a 404 naming causes that were not its own. One buffer at
-        a time: what its writer adds to the fallback while it is copied goes
-        after it (Redis checks the count of events, ``first``), until a look
-        finds nothing new; from that look on (no await between), its reads
-        and writes go to Redis, as do those of a stream opened while the
-        move runs (``_stream_store``), which the fallback would have taken
-        and dropped. A buffer keeps its last claim's leases, whether a
-        router that held it died (``lost``: a client may have events it
-        lacks) and the tokens charged for it (``charged``); a claim that ran
-        out moves as none, as a read shows it."""
-        self._moving = set(self.fallback.held_streams())  # (``_reconnect`` puts it back to None)
-        for sid in list(self._moving):
-            at = None  # (events, tokens, finished) in Redis
-            for _ in range(MOVE_TRIES):
-                held = self.fallback.held_stream(sid)
-                if held is None:
-                    break
-                st, ttl = held
-                has = (st.total_events, len(st.token_ids), st.finished)
-                if has == at:
-                    break  # (all of it in Redis: its next writes go there, with no await since this look)
-                if at is None:
-                    await self.primary.stream_open(sid, st.meta, st.owner, ttl, lease=st.lease, lost=st.lost,
-                                                   charged=st.charged)
-                    at = (0, 0, False)
-                if has != at:
-                    await self.primary.stream_append(sid, st.events[at[0]:], st.token_ids[at[1]:], st.text_len,
-                                                     st.finished, st.owner, ttl, at[0])
-                at = has
-            self._moving.discard(sid)
-
     def _stream_store(self, sid: str) -> StateStore:
-        """Where stream ``sid``'s buffer is: while the fallback's move to
-        Redis runs, in Redis unless it is one the fallback holds that has not
-        moved yet (a stream opened meanwhile is opened there, not missed)."""
-        moving = self._moving
-        if moving is not None and sid not in moving:
-            return self.primary
-        return self._current()
+        """Where stream ``sid``'s buffer is (while the fallback's buffers
+        move to Redis, maybe in Redis already: ``StreamMove.where``)."""
+        store = self._streams.where(sid)
+        return self._current() if store is None else store
 
     async def _pay_back(self) -> None:
         """Make the releases and settlements Redis missed, oldest first;
@@ -442,7 +400,7 @@ class ResilientStore(StateStore):
         return await self._stream_op("stream_claim", lambda s: s.stream_claim(sid, owner, claim_ttl, lease), sid)
 
     async def stream_renew(self, sids, owner, claim_ttl) -> list[bool]:
-        if self._moving is not None:  # (each where it is: ``_stream_store``)
+        if self._streams.under_way:  # (each where it is: ``_stream_store``)
             return [(await self._stream_op("stream_renew", lambda s, i=i: s.stream_renew([i], owner, claim_ttl), i))[0]
                     for i in sids]
         return await self._stream_op("stream_renew", lambda s: s.stream_renew(sids, owner, claim_ttl))
