@@ -143,8 +143,10 @@ class Supervisor:
         for t in self._tasks:
             try:
                 await t
-            except (asyncio.CancelledError, Exception):
+            except asyncio.CancelledError:
                 pass
+            except Exception:  # noqa: BLE001 - the others stop all the same; a bug is not dropped unsaid
+                log.exception("replica supervision task %s had failed", t.get_name())
         self._tasks.clear()
         await asyncio.gather(*(self._reap(name) for name in list(self._procs)))
         for name in list(self._ipc):  # (one whose process did not start)
@@ -209,8 +211,11 @@ class Supervisor:
             # a local one that never got a process (no descriptor to start it) is not restarted
             spawned = (slot.name in self._procs or not slot.spec.local) and not self._closing
             slot.state = "down"
-            self._on_event("down" if spawned else "unspawned", slot)  # (stopping: no restart either)
-            await self._reap(slot.name, grace)  # (a close() meanwhile stops it too: still in _procs)
+            self._tell("down" if spawned else "unspawned", slot)  # (stopping: no restart either)
+            try:
+                await self._reap(slot.name, grace)  # (a close() meanwhile stops it too: still in _procs)
+            except Exception:  # noqa: BLE001 - a bug must not end this replica's supervision for good
+                log.exception("replica %s: stopping its process failed", slot.name)
             if self._closing:
                 return
             if loop.time() - started > s.healthy_after:
@@ -243,6 +248,13 @@ class Supervisor:
                     slot.name, "restarting" if slot.spec.local else "connecting again", delay,
                     f"restart {slot.restarts}" if slot.spec.local else f"reconnect {slot.reconnects}")
             await asyncio.sleep(delay)
+
+    def _tell(self, event: str, slot: ReplicaSlot) -> None:
+        """``on_event``; its failure is logged and is no failure of the replica (nor ends its supervision)."""
+        try:
+            self._on_event(event, slot)
+        except Exception:  # noqa: BLE001 - the router's bug, not the replica's
+            log.exception("replica %s: the router's handler of its %r event failed", slot.name, event)
 
     async def _run_once(self, slot: ReplicaSlot) -> None:
         slot.state = "starting"
@@ -277,7 +289,7 @@ class Supervisor:
             if missing:  # (an older version: a rolling upgrade)
                 log.warning("replica %s does not take %s (an older fairstream): requests that set them go to "
                             "the replicas that do", slot.name, Feature(missing).names())
-            self._on_event("ready", slot)
+            self._tell("ready", slot)
             self.pool.notify_ready()  # streams waiting to fail over continue here
             await self._watch(slot, client, proc)
         finally:
@@ -306,7 +318,7 @@ class Supervisor:
                 if refused or unauthorized:  # not chosen until a check clears it (fairstream_replica_up 0 meanwhile)
                     if unauthorized:
                         slot.failed(unauthorized)  # (why /admin/replicas shows it down)
-                    self._on_event("refused", slot)
+                    self._tell("refused", slot)
                 sent = time.monotonic()  # (a stall caught after this is not cleared by its pong)
                 ping = asyncio.ensure_future(answered_within(client.ping(None), s.health_timeout))
                 done, _ = await asyncio.wait({ping, exited} - {None}, return_when=asyncio.FIRST_COMPLETED)
@@ -326,7 +338,7 @@ class Supervisor:
                     log.info("replica %s answers its health check after a refused connection", slot.name)
                 back = self._answered(slot, sent)
                 if back or (refused and not client.refused) or (unauthorized and not client.credentials_refused):
-                    self._on_event("answers", slot)
+                    self._tell("answers", slot)
                     self.pool.notify_ready()
                 if progress.stuck(pong.load, loop.time(), paused):
                     # (its front end answers, its engine does not: a frozen vLLM engine core)
@@ -374,7 +386,7 @@ class Supervisor:
             except Exception:  # noqa: BLE001 - no answer: the regular check tells why (lost, stalled, ...)
                 continue
             if self._answered(slot, sent):
-                self._on_event("answers", slot)
+                self._tell("answers", slot)
                 self.pool.notify_ready()
 
     @staticmethod
@@ -420,7 +432,7 @@ class Supervisor:
         )
         self._procs[spec.name] = proc
         slot.pid = proc.pid
-        self._on_event("spawned", slot)
+        self._tell("spawned", slot)
         return proc, "unix:" + path
 
     def _env(self, spec: ReplicaSpec) -> dict[str, str]:

@@ -422,7 +422,7 @@ class VllmEngine(Engine):
         if llm is not None and not llm.errored:
             # The cancelled generator aborts in vLLM too; this covers a cancel
             # that lands before generate() has registered the request.
-            t = asyncio.get_running_loop().create_task(_abort_quietly(llm, req_id))
+            t = asyncio.get_running_loop().create_task(self._abort_in(llm, req_id))
             self._aborts.add(t)
             t.add_done_callback(self._aborts.discard)
 
@@ -439,14 +439,22 @@ class VllmEngine(Engine):
             reports_steps=True,  # (one per scheduler stats record: vLLM's engine steps)
         )
 
+    async def _abort_in(self, llm: Any, req_id: str) -> None:
+        try:
+            await llm.abort(req_id)
+        except Exception:  # (a healthy engine's failure: the request may go on using KV cache, unseen)
+            healthy = self._llm is llm and not llm.errored  # (close() takes _llm first)
+            log.log(logging.WARNING if healthy else logging.DEBUG, "abort of %s failed%s", req_id,
+                    ": it may go on in the engine, using KV cache, until it ends" if healthy else "", exc_info=True)
+
     async def close(self) -> None:
+        llm, self._llm = self._llm, None  # (first: an abort failing meanwhile is of a closing engine)
         tasks = list(self._tasks.values())
         self._tasks.clear()
         self._req_ids.clear()
         for t in tasks:
             t.cancel()
         await asyncio.gather(*tasks, *self._aborts, return_exceptions=True)
-        llm, self._llm = self._llm, None
         if llm is not None:
             # vLLM's shutdown stops the engine core, then cancels its output
             # handler task; run in a thread, it let that task (on this loop)
@@ -458,13 +466,6 @@ class VllmEngine(Engine):
                 handler.cancel()
                 await asyncio.gather(handler, return_exceptions=True)
             await asyncio.to_thread(llm.shutdown)
-
-
-async def _abort_quietly(llm: Any, req_id: str) -> None:
-    try:
-        await llm.abort(req_id)
-    except Exception:  # the engine may be shutting down
-        log.debug("abort of %s failed", req_id, exc_info=True)
 
 
 def _stat_logger_factory(load: _SchedulerLoad) -> Any:

@@ -26,15 +26,22 @@ def _admin_svc(request: Request) -> RouterService:
 @post("/admin/reload", status_code=200)
 async def reload_policy(request: Request) -> Response:
     """Re-read tenants.yaml now. 200 with the new version, or 422 with the
-    errors (the old policy stays in force): OpenAI's error shape, whose
-    message lists them all, beside the result's own fields."""
+    errors (the old policy stays in force), or 500 when the new version is
+    in force but applying it failed part way (``changed``; reload again once
+    fixed): OpenAI's error shape, whose message lists them all, beside the
+    result's own fields."""
     result = await _admin_svc(request).policy.reload()
     if result.ok:
         return Response(msgspec.json.encode(result), media_type=_JSON)
-    message = f"the tenants file was not loaded; version {result.version} stays in force:\n" + "\n".join(result.errors)
-    body = msgspec.json.decode(error_body(message, "invalid_request_error", code="invalid_config"))
+    if result.changed:
+        message, status = "\n".join(result.errors), 500
+        body = msgspec.json.decode(error_body(message, "server_error", code="reload_incomplete"))
+    else:
+        message, status = (f"the tenants file was not loaded; version {result.version} stays in force:\n"
+                           + "\n".join(result.errors)), 422
+        body = msgspec.json.decode(error_body(message, "invalid_request_error", code="invalid_config"))
     body.update(msgspec.to_builtins(result))
-    return Response(msgspec.json.encode(body), media_type=_JSON, status_code=422)
+    return Response(msgspec.json.encode(body), media_type=_JSON, status_code=status)
 
 
 def policy_view(pol: TenantPolicy, keys: int) -> dict:

@@ -18,6 +18,7 @@ import logging
 from collections.abc import Mapping
 from typing import Protocol
 
+from router.background import KeepGoing, spawn
 from router.state import StateStore, StoreUnavailable
 from router.stopping import stop
 
@@ -61,7 +62,7 @@ class LeaseKeeper:
         self._task: asyncio.Task[None] | None = None
 
     def start(self) -> None:
-        self._task = asyncio.get_running_loop().create_task(self._run(), name="lease-keeper")
+        self._task = spawn(self._run(), "lease-keeper")
 
     async def close(self) -> None:
         await stop(self._task)
@@ -70,25 +71,27 @@ class LeaseKeeper:
         loop = asyncio.get_running_loop()
         seen: str | None = None  # (None: not looked yet; the first look renews, in case)
         due = loop.time() + LEASE_TTL / 3
+        guard = KeepGoing("lease keeper", log)  # (a bug must not end it: every lease would expire)
         while True:
             await asyncio.sleep(GENERATION_INTERVAL)
             if not self._leases:
                 due = loop.time() + LEASE_TTL / 3  # (a lease taken now has all its TTL)
                 continue
-            lost = False
-            try:
-                generation = await self.store.generation()
-            except StoreUnavailable:
-                pass  # (an outage: the leases stay where they are counted; the store logs it)
-            else:
-                lost, seen, was = generation != seen, generation, seen
-                if lost and was is not None:
-                    log.warning("the state store lost the leases it held (restarted without persistence, flushed, "
-                                "or back from an outage): adding back those of this router's %d streams now",
-                                len(self._leases))
-            if lost or loop.time() >= due:
-                due = loop.time() + LEASE_TTL / 3
-                await self.renew()
+            async with guard:
+                lost = False
+                try:
+                    generation = await self.store.generation()
+                except StoreUnavailable:
+                    pass  # (an outage: the leases stay where they are counted; the store logs it)
+                else:
+                    lost, seen, was = generation != seen, generation, seen
+                    if lost and was is not None:
+                        log.warning("the state store lost the leases it held (restarted without persistence, "
+                                    "flushed, or back from an outage): adding back those of this router's %d streams "
+                                    "now", len(self._leases))
+                if lost or loop.time() >= due:
+                    due = loop.time() + LEASE_TTL / 3
+                    await self.renew()
 
     async def renew(self) -> None:
         """Renew every live lease (the store adds back one it lost)."""

@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import logging
 
+from router.background import KeepGoing, spawn
 from router.metrics import Metrics
 from router.policy import PolicyRegistry
 from router.state.base import StateStore, StoreUnavailable
@@ -44,7 +45,7 @@ class PolicyPeers:
 
     async def start(self) -> None:
         if self.store.name != "memory":
-            self._task = asyncio.get_running_loop().create_task(self._run(), name="policy-peers")
+            self._task = spawn(self._run(), "policy-peers")
 
     def soon(self) -> None:
         """Publish and compare now (the policy was reloaded)."""
@@ -61,8 +62,10 @@ class PolicyPeers:
                 pass  # (its entry expires after PEERS_TTL)
 
     async def _run(self) -> None:
+        guard = KeepGoing("policy peers check", log)
         while True:
-            await self.check()
+            async with guard:
+                await self.check()
             try:
                 await asyncio.wait_for(self._wake.wait(), PEERS_INTERVAL)
             except TimeoutError:

@@ -25,6 +25,7 @@ from pathlib import Path
 import msgspec
 
 from router.auth import KeyIndex
+from router.background import spawn
 from router.stopping import stop
 from router.configfile import ConfigError, load_yaml, read_text
 from router.tenants import TenantPolicy, TenantsFile
@@ -60,10 +61,11 @@ class PolicySnapshot:
 
 
 class ReloadResult(msgspec.Struct):
-    """What a reload did: ``ok`` (the file is valid), the ``version`` in
-    force, the ``errors`` (``file:line: key: reason``) and whether a new
-    policy took effect (``changed``: false when the file was unchanged or
-    invalid)."""
+    """What a reload did: ``ok`` (the file is valid and in force), the
+    ``version`` in force, the ``errors`` (``file:line: key: reason``) and
+    whether a new policy took effect (``changed``: false when the file was
+    unchanged or invalid). ``ok`` false with ``changed`` true: the new
+    policy is in force, but what follows it failed part way (``_swap``)."""
 
     ok: bool
     version: int
@@ -74,8 +76,9 @@ class ReloadResult(msgspec.Struct):
 class PolicyRegistry:
     def __init__(self, path: Path, on_reload: Callable[[bool, bool], None] | None = None) -> None:
         self.path = Path(path)
-        # (one read: the text compared at start() is the text in force)
-        self._text = read_text(self.path)
+        # (one read: the text compared at start() is the text in force; None:
+        # a text whose reload failed part way, which a reload applies again)
+        self._text: str | None = read_text(self.path)
         file, _ = load_yaml(self.path, TenantsFile, self._text)  # a bad file at start is fatal
         self.current = PolicySnapshot(file, 1, self._text)
         self.last_errors: list[str] = []
@@ -111,6 +114,10 @@ class PolicyRegistry:
                 else:
                     self._no_retry()
                 return self._failed(e.errors)
+            except Exception as e:  # noqa: BLE001 - a bug: the old policy stays, and the reload says so
+                log.exception("tenant policy reload of %s failed unexpectedly", self.path)
+                self._no_retry()
+                return self._failed([f"{self.path}: the reload failed: {type(e).__name__}: {e} (see the log)"])
             self._no_retry()
             return self._swap(snapshot, text)
 
@@ -132,32 +139,54 @@ class PolicyRegistry:
         log.warning("tenant policy reload failed for the moment; trying again in %g s (try %d of %d)",
                     delay, self._retries, RETRIES)
         # (held until it is done, reload included: ``close`` cancels it wherever it is)
-        self._retry = asyncio.get_running_loop().create_task(self._reload_after(delay), name="policy-retry")
+        self._retry = spawn(self._reload_after(delay), "policy-retry")
 
     async def _reload_after(self, delay: float) -> None:
         await asyncio.sleep(delay)
         await self.reload()
 
     def _swap(self, snapshot: PolicySnapshot, text: str) -> ReloadResult:
+        """Put ``snapshot`` in force, then the hook (metrics, the queues'
+        follow, removed tenants' requests refused, sockets rechecked). The
+        snapshot stays in force if the hook fails (requests see it already;
+        what the hook did is not undone): the reload is then reported as
+        applied part way, in its result, ``last_errors`` (the admin view)
+        and the log, and the same file reloaded again is applied again."""
         self.current = snapshot
-        self._text = text
+        self._text = None
         self.last_errors = []
+        version = snapshot.version
         log.info("tenant policy reloaded from %s (version %d, digest %s, %d tenants)",
-                 self.path, self.current.version, self.current.digest, len(self.current.tenants))
-        self._on_reload(True, True)
-        return ReloadResult(True, self.current.version)
+                 self.path, version, snapshot.digest, len(snapshot.tenants))
+        try:
+            self._on_reload(True, True)
+        except Exception:  # noqa: BLE001 - told, never lost: the new policy is in force, its follow-up is not whole
+            self.last_errors = [f"{self.path}: version {version} is in force, but applying it failed part way "
+                                f"(see the log); reload it again (POST /admin/reload, SIGHUP) once the cause is fixed"]
+            log.exception("tenant policy version %d is in force, but applying it failed part way: reload it again "
+                          "once the cause is fixed", version)
+            return ReloadResult(False, version, self.last_errors)
+        self._text = text
+        return ReloadResult(True, version)
+
+    def _tell(self, ok: bool, changed: bool) -> None:
+        """The reload hook, where no new policy came in force; its failure is logged, never lost."""
+        try:
+            self._on_reload(ok, changed)
+        except Exception:  # noqa: BLE001 - the reload's outcome is told all the same
+            log.exception("the tenant policy reload hook failed (version %d)", self.current.version)
 
     def _restored(self) -> None:
         self.last_errors = []
         log.info("tenant policy file %s is valid again, the same as version %d: nothing changed",
                  self.path, self.current.version)
-        self._on_reload(True, False)
+        self._tell(True, False)
 
     def _failed(self, errors: list[str]) -> ReloadResult:
         self.last_errors = errors
         for line in errors:
             log.error("tenant policy reload failed, keeping version %d: %s", self.current.version, line)
-        self._on_reload(False, False)
+        self._tell(False, False)
         return ReloadResult(False, self.current.version, errors, changed=False)
 
     async def start(self) -> None:
@@ -166,13 +195,13 @@ class PolicyRegistry:
             loop.add_signal_handler(signal.SIGHUP, self._reload_soon)
         except (NotImplementedError, RuntimeError, ValueError):
             log.warning("SIGHUP reload unavailable on this platform")
-        self._watch = loop.create_task(self._watch_file(), name="policy-watch")
+        self._watch = spawn(self._watch_file(), "policy-watch")
         # A change (or a SIGHUP) between the first read and now, before the
         # handler and the watcher were in, would be lost for good: read again.
         await self.reload()
 
     def _reload_soon(self) -> None:
-        task = asyncio.get_running_loop().create_task(self.reload(), name="policy-reload")
+        task = spawn(self.reload(), "policy-reload")
         self._signalled.add(task)
         task.add_done_callback(self._signalled.discard)
 

@@ -34,6 +34,7 @@ import uuid
 import msgspec
 
 from replicas.protocol import SamplingParams
+from router.background import KeepGoing, spawn
 from router.state import StateStore, StoreUnavailable
 from router.state.base import CLAIM_TTL
 from router.stopping import stop
@@ -120,15 +121,16 @@ class ResumeWriter:
         self._releasing: dict[str, int] = {}
 
     async def start(self) -> None:
-        loop = asyncio.get_running_loop()
-        self._task = loop.create_task(self._run(), name="resume-writer")
-        self._renewer = loop.create_task(self._renew(), name="resume-claims")
+        self._task = spawn(self._run(), "resume-writer")
+        self._renewer = spawn(self._renew(), "resume-claims")
 
     async def close(self) -> None:
         await stop(self._renewer)
         if self._task is not None:
-            await self._flush()
-            await stop(self._task)
+            try:
+                await self._flush()
+            finally:
+                await stop(self._task)
 
     async def _renew(self) -> None:
         """Renew the claims of the streams this router generates. An append
@@ -138,15 +140,17 @@ class ResumeWriter:
         resume (here, or on another router sharing the store) would take the
         stream over and start a second generation into its buffer. A router
         that dies stops renewing, and its claims lapse as before."""
+        guard = KeepGoing("resume claim renewal", log)
         while True:
             await asyncio.sleep(RENEW_INTERVAL)
             if self.live:
-                try:
-                    # (only claims it still holds: a stream released while
-                    # this was on its way is not taken back)
-                    await self.store.stream_renew(list(self.live), self.owner, CLAIM_TTL)
-                except StoreUnavailable:
-                    pass  # the store is down: the next round tries again
+                async with guard:
+                    try:
+                        # (only claims it still holds: a stream released while
+                        # this was on its way is not taken back)
+                        await self.store.stream_renew(list(self.live), self.owner, CLAIM_TTL)
+                    except StoreUnavailable:
+                        pass  # the store is down: the next round tries again
 
     async def open(self, sid: str, meta: ResumeMeta) -> None:
         self.live.add(sid)
@@ -286,11 +290,14 @@ class ResumeWriter:
             self._wake.set()
 
     async def _run(self) -> None:
+        guard = KeepGoing("resume buffer flush", log)
         while True:
-            await self._wake.wait()
-            self._wake.clear()
-            await asyncio.sleep(FLUSH_INTERVAL)
-            await self._flush()
+            async with guard:
+                if not self._pending:  # (some may be left by a flush that failed)
+                    await self._wake.wait()
+                self._wake.clear()
+                await asyncio.sleep(FLUSH_INTERVAL)
+                await self._flush()
 
     async def _flush(self) -> None:
         for sid in list(self._pending):
@@ -314,6 +321,9 @@ class ResumeWriter:
                     self._unwritten.add(sid)
                     log.warning("resume buffer append for %s failed: %s (its later failures are not logged)", sid, e)
                 return
+            except Exception:
+                self._unwritten.add(sid)  # (its events are lost all the same: no resume of it reads a short buffer)
+                raise
             if not done and sid not in self._refused:
                 self._refused.add(sid)
                 log.warning("resume buffer of %s not appended to: it is another router's now (it took the "

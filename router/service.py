@@ -36,6 +36,7 @@ from router.policy import PolicyRegistry
 from router.resume import ResumeWriter
 from router.scheduler import Scheduler
 from router.state import create_store
+from router.background import report, spawn
 from router.stopping import stop
 from router.tenants import TenantPolicy
 
@@ -94,19 +95,26 @@ class RouterService:
         )
 
     def _on_reload(self, ok: bool, changed: bool) -> None:
+        """After a reload: a new policy (``changed``) followed by the parts.
+        The reload metrics count it a failure if that fails part way (the
+        registry logs it and keeps the new policy: ``PolicyRegistry._swap``)."""
         m = self.metrics
-        m.reloads.labels("success" if ok else "failure").inc()
-        m.reload_ok.set(1 if ok else 0)
-        if changed:
-            classes = {name: p.priority for name, p in self.policy.current.tenants.items()}
-            m.unretire(classes)  # (at once: a tenant added again is counted from now on)
-            m.reclass(classes)  # (a queue depth under a class the tenant left goes)
-            self.background(m.declare_gradually(classes))  # (its counters at 0: a batch per loop turn)
-            self._refuse_removed()
-            for conn in list(self.sockets):  # (a revoked key's socket closes once its requests end)
-                conn.recheck()
-            self.peers.soon()
-            self._warn_unserved_models()
+        applied = False
+        try:
+            if changed:
+                classes = {name: p.priority for name, p in self.policy.current.tenants.items()}
+                m.unretire(classes)  # (at once: a tenant added again is counted from now on)
+                m.reclass(classes)  # (a queue depth under a class the tenant left goes)
+                self.background(m.declare_gradually(classes))  # (its counters at 0: a batch per loop turn)
+                self._refuse_removed()
+                for conn in list(self.sockets):  # (a revoked key's socket closes once its requests end)
+                    conn.recheck()
+                self.peers.soon()
+                self._warn_unserved_models()
+            applied = True
+        finally:
+            m.reloads.labels("success" if ok and applied else "failure").inc()
+            m.reload_ok.set(1 if ok and applied else 0)
 
     def _refuse_removed(self) -> None:
         """Requests still waiting (for their limits or a replica) of tenants
@@ -173,8 +181,7 @@ class RouterService:
 
     def _task_done(self, task: asyncio.Task[None]) -> None:
         self._tasks.discard(task)
-        if not task.cancelled() and task.exception() is not None:
-            log.error("background task failed", exc_info=task.exception())
+        report(task)
 
     async def _watch_loop_lag(self) -> None:
         loop = asyncio.get_running_loop()
@@ -192,7 +199,7 @@ class RouterService:
                 self.metrics.update_pool(self.pool)
 
     async def start(self) -> None:
-        self._lag_task = asyncio.get_running_loop().create_task(self._watch_loop_lag(), name="loop-lag")
+        self._lag_task = spawn(self._watch_loop_lag(), "loop-lag")
         await self.store.start()  # (first contact in the background: /ready says until when)
         await self.resume.start()
         await self.policy.start()

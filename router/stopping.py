@@ -15,12 +15,18 @@ the shutdown. A task that swallowed every one of those cancels would still
 hold the process's exit (asyncio's runner cancels what is left once more
 and waits for it): none of the router's does, a lost cancel being a single
 one; the orchestrator's kill is the bound then.
+
+A task that had ended by an exception (not a cancel) is logged at ERROR with
+its traceback, unless ``router.background.report`` logged it when it
+happened: a loop that died of a bug says so at the latest at shutdown.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+
+from router.background import reported
 
 __all__ = ["STOP_CLEANUP", "STOP_LIMIT", "STOP_TICK", "stop"]
 
@@ -33,9 +39,9 @@ STOP_LIMIT = 2.0  # seconds ``stop`` waits for a task at most
 
 async def stop(task: asyncio.Future | None, limit: float = STOP_LIMIT) -> bool:
     """Cancel ``task`` until it has ended, for at most ``limit`` seconds;
-    whether it ended. Its result or failure is dropped (not reported as
-    never retrieved). A cancel of the caller itself is not held up either:
-    it ends the wait at once and propagates."""
+    whether it ended. Its result is dropped; a failure (not a cancel) is
+    logged, once (``router.background``). A cancel of the caller itself is
+    not held up either: it ends the wait at once and propagates."""
     if task is None:
         return True
     loop = asyncio.get_running_loop()
@@ -50,7 +56,10 @@ async def stop(task: asyncio.Future | None, limit: float = STOP_LIMIT) -> bool:
         await asyncio.wait((task,), timeout=min(tick, left))
         tick = STOP_TICK
     if not task.cancelled():
-        task.exception()  # (retrieved: its failure at shutdown says nothing new)
+        error = task.exception()  # (retrieved: not reported again as never retrieved)
+        if error is not None and not reported(task):
+            log.error("task %s had ended by an unexpected %s: %s", _name(task), type(error).__name__, error,
+                      exc_info=error)
     return True
 
 

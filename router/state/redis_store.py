@@ -22,9 +22,10 @@ from redis.backoff import NoBackoff
 from redis.commands.core import AsyncScript
 from redis.exceptions import AuthenticationError
 from redis.exceptions import ConnectionError as RedisConnectionError
-from redis.exceptions import NoScriptError, RedisError
+from redis.exceptions import NoScriptError, RedisError, ResponseError
 
 from policies.ratelimit import QUEUED_RETRY, Decision
+from router.background import LOG_EVERY, KeepGoing, spawn
 from router.state.base import (CLAIM_TTL, LINE_SLACK, SETTLED_TTL, AdmitRequest, StateStore, StoreUnavailable,
                                StreamSnapshot, TenantUsage)
 from router.stopping import stop
@@ -34,6 +35,7 @@ __all__ = ["RedisStore"]
 log = logging.getLogger("fairstream.state")
 
 CLAIMS_PER_TRIP = 500  # streams whose claims one pipeline renews (stream_renew)
+TURNS_WARN_AFTER = 30.0  # seconds the turns subscription fails in a row before that is a warning
 
 
 def _script(name: str) -> str:
@@ -312,22 +314,41 @@ class RedisStore(StateStore):
 
     def watch(self, on_turn: Callable[[str], None]) -> None:
         if self._watcher is None:
-            self._watcher = asyncio.get_running_loop().create_task(self._watch(on_turn), name="state-turns")
+            self._watcher = spawn(self._watch(on_turn), "state-turns")
 
     async def _watch(self, on_turn: Callable[[str], None]) -> None:
         """Subscribed to the channel the scripts publish turns on, for
         good: a lost connection is made again (a turn missed meanwhile is
-        found by the heads' polls)."""
+        found by the heads' polls). A subscription that fails for
+        ``TURNS_WARN_AFTER`` seconds in a row, or that Redis refuses (an
+        ACL without SUBSCRIBE: it will not pass by itself), is a warning
+        every ``LOG_EVERY`` seconds; a moment's loss only a debug line. Any
+        other failure (``on_turn``'s) is logged and subscribed again."""
+        loop = asyncio.get_running_loop()
+        guard = KeepGoing("turns subscription", log)
+        failing: float | None = None  # since when it fails
+        warned = -LOG_EVERY
         while True:
-            try:
-                async with self._redis.pubsub(ignore_subscribe_messages=True) as ps:
-                    await ps.subscribe(self._channel)
-                    async for msg in ps.listen():
-                        if msg["type"] == "message":
-                            on_turn(msg["data"].decode())
-            except (RedisError, OSError) as e:
-                log.debug("turns subscription lost (%s); again in 1 s", e)
-            await asyncio.sleep(1.0)
+            async with guard:
+                try:
+                    async with self._redis.pubsub(ignore_subscribe_messages=True) as ps:
+                        await ps.subscribe(self._channel)
+                        failing = None
+                        async for msg in ps.listen():
+                            if msg["type"] == "message":
+                                on_turn(msg["data"].decode())
+                except (RedisError, OSError) as e:
+                    now = loop.time()
+                    failing = now if failing is None else failing
+                    if (isinstance(e, ResponseError) or now - failing >= TURNS_WARN_AFTER) and \
+                            now - warned >= LOG_EVERY:
+                        warned = now
+                        log.warning("turns subscription failing for %.0f s (%s): this router hears the turns of "
+                                    "other routers' tenants only by its waiting requests' polls, later; trying again "
+                                    "every 1 s", now - failing, e)
+                    else:
+                        log.debug("turns subscription lost (%s); again in 1 s", e)
+                    await asyncio.sleep(1.0)
 
     async def close(self) -> None:
         await stop(self._watcher)

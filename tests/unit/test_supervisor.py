@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 import signal
 import os
 import shutil
@@ -886,3 +887,27 @@ async def test_a_replica_still_booting_is_not_waited_for_once_the_router_closes(
     proc = types.SimpleNamespace(returncode=None)
     with pytest.raises(asyncio.CancelledError):
         await asyncio.wait_for(sup._connect_when_up(pool.slots[0], f"unix:{tmp_path}/r0.sock", proc), 1.0)
+
+
+async def test_a_failing_event_hook_does_not_end_the_supervision_of_its_replica(caplog) -> None:
+    # (_on_event and _reap sat outside the attempt's try: the supervise-* task
+    # died there, unlogged, and its replica was never tried again)
+    run_dir = tempfile.mkdtemp(prefix="fst-")
+    pool = ReplicaPool([ReplicaSpec(name="remote", address=f"unix:{run_dir}/r.sock")])
+    downs: list[str] = []
+
+    def on_event(event: str, slot: ReplicaSlot) -> None:
+        if event == "down":
+            downs.append(event)
+            if len(downs) == 1:
+                raise ValueError("a bug in the hook")
+
+    sup = Supervisor(pool, SupervisorSettings(backoff_initial=0.05, reconnect_interval=0.05), on_event=on_event)
+    await sup.start()
+    try:
+        await apoll(lambda: len(downs) >= 3, 5, what="attempts after the hook failed")
+    finally:
+        await sup.close()
+        shutil.rmtree(run_dir, ignore_errors=True)
+    [error] = [r for r in caplog.records if r.levelno >= logging.ERROR]
+    assert "remote" in error.getMessage() and error.exc_info[0] is ValueError
