@@ -31,9 +31,11 @@ from replicas.protocol import (
     encode_frame,
     replica_decoder,
 )
+from replicas.handshake import read_handshake
 from replicas.spec import host_port
 
-__all__ = ["ReplicaClient", "Collector", "CredentialsRefused", "ReplicaDead", "ReplicaRefused", "connect"]
+__all__ = ["ReplicaClient", "Collector", "CredentialsRefused", "ReplicaDead", "ReplicaRefused", "ReplicaStalled",
+           "connect"]
 
 log = logging.getLogger("fairstream.replica_client")
 
@@ -62,6 +64,14 @@ class CredentialsRefused(ReplicaDead):
     request, and no death either; the upstream is not chosen again until a
     health check shows it takes them (``replicas.upstream``), so a request
     moves off it once, and with no other replica ready ends at once."""
+
+
+class ReplicaStalled(ReplicaDead):
+    """The replica took a request and answered nothing within its limit (an
+    upstream's response head), while its health checks may pass: the stream
+    fails over and the router treats the replica as one a stream's stall
+    limit caught (``ReplicaPool.caught_stalling``): out of dispatch until a
+    health check shows it answers again (``ReplicaClient.stalling``)."""
 
 
 class ReplicaRefused(ConnectionError):
@@ -211,8 +221,10 @@ class ReplicaClient:
         self._ping_ids = itertools.count(1)
         self._on_close = on_close
         self.closed: BaseException | None = None
+        self._why: BaseException | None = None  # (``close``'s)
         self.refused = False  # (an upstream's: see replicas/upstream.py; never set here)
         self.credentials_refused: str | None = None  # (the same)
+        self.stalling: str | None = None  # (the same: why its requests get no answer, until a check shows they do)
         self.continues = True  # continues a stream from its token ids (an upstream's may not)
         self._task = asyncio.get_running_loop().create_task(self._read(), name=f"replica-reader-{name}")
 
@@ -310,7 +322,9 @@ class ReplicaClient:
                 self.closed = ReplicaDead(why)  # (as above; not the one raised, whose traceback holds the frame)
             raise ReplicaDead(why) from e
 
-    async def close(self) -> None:
+    async def close(self, why: BaseException | None = None) -> None:
+        """End the connection; ``why``: the router's reason (its streams' failures name it)."""
+        self._why = why
         if self.closed is not None and not self._task.done():
             # (marked closed by a write that found the transport closing: the
             # reader sees the end within a turn or two and fails its streams
@@ -410,7 +424,8 @@ class ReplicaClient:
                     for rid in [r for r in owed if r not in streams]:
                         del owed[rid]
         except asyncio.CancelledError:
-            reason = ReplicaDead(f"replica {self.name} connection closed by the router")
+            why = self._why
+            reason = ReplicaDead(f"replica {self.name} connection closed by the router" + (f": {why}" if why else ""))
             raise
         except Exception as e:  # noqa: BLE001 - any failure ends the connection
             reason = ReplicaDead(f"replica {self.name} connection failed: {e}")
@@ -438,27 +453,26 @@ async def connect(
     secret: str = "",
     timeout: float = 5.0,
     on_close: Callable[[ReplicaClient, BaseException], None] | None = None,
+    silence: float = 0.0,
 ) -> ReplicaClient:
-    """Connect to ``address`` ("unix:/path" or "host:port") and handshake."""
+    """Connect to ``address`` ("unix:/path" or "host:port") and handshake,
+    within ``timeout`` each. ``silence``: the longest the router leaves the
+    connection without a frame (its pings' interval and timeout), after which
+    the replica takes it for gone and aborts its streams (0: no limit)."""
     if address.startswith("unix:"):
-        reader, writer = await asyncio.wait_for(asyncio.open_unix_connection(address[5:]), timeout)
+        opening = asyncio.open_unix_connection(address[5:])
     else:
         parsed = host_port(address)
         if parsed is None:  # (router.yaml's are checked before: ReplicaSpec)
             raise ValueError(f"not host:port or unix:/path: {address!r}")
-        reader, writer = await asyncio.wait_for(asyncio.open_connection(*parsed), timeout)
+        opening = asyncio.open_connection(*parsed)
     try:
-        writer.write(encode_frame(Hello(secret=secret)))
-        decoder = FrameDecoder(replica_decoder())
-        msgs: list = []
-        while not msgs:
-            data = await asyncio.wait_for(reader.read(65536), timeout)
-            if not data:
-                # (nothing behind what took the connection: a tunnel or proxy
-                # whose replica is down; the supervisor retries it as unreachable)
-                raise ConnectionResetError(f"replica {name} closed the connection during the handshake")
-            msgs = decoder.feed(data)
-        first = msgs[0]
+        reader, writer = await asyncio.wait_for(opening, timeout)
+    except TimeoutError:  # (a bare one says nothing in the log and last_error)
+        raise TimeoutError(f"replica {name}: no connection to {address} within {timeout:g}s") from None
+    try:
+        writer.write(encode_frame(Hello(secret=secret, silence=silence)))
+        first = await read_handshake(name, reader, timeout)
         if isinstance(first, Refused):
             raise ReplicaRefused(f"replica {name} refused the connection: {first.reason}")
         if not isinstance(first, Ready):
@@ -467,3 +481,4 @@ async def connect(
         writer.close()
         raise
     return ReplicaClient(name, reader, writer, first, on_close)
+

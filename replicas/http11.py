@@ -21,7 +21,7 @@ from urllib.parse import urlsplit
 
 import httptools
 
-__all__ = ["HttpError", "HttpPool", "Response", "sse_data"]
+__all__ = ["HttpError", "HeadTimeout", "HttpPool", "Response", "sse_data"]
 
 KEEPALIVE = 30.0  # seconds an idle connection is kept for reuse
 
@@ -54,6 +54,10 @@ def sse_data(buf: bytes) -> tuple[list[bytes], bytes]:
 
 class HttpError(Exception):
     """The connection failed, or closed before the response was complete."""
+
+
+class HeadTimeout(HttpError):
+    """No response head within the request's ``head_timeout``: the server has the request."""
 
 
 class Response:
@@ -369,7 +373,7 @@ class HttpPool:
                     raise
                 except TimeoutError:  # (the server has the request: not sent again)
                     response.close()
-                    raise HttpError(f"no response head within {head_timeout:g}s") from None
+                    raise HeadTimeout(f"no response head within {head_timeout:g}s") from None
                 except BaseException:
                     response.close()
                     raise

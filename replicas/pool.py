@@ -91,8 +91,9 @@ class ReplicaSlot:
         """It answered a ping sent at ``sent`` (time.monotonic()): back in
         dispatch if it was out for a stall caught before that ping (a pong
         to an older one may have been on its way when it froze). Whether it
-        came back."""
-        if self.stalled_at is None or sent < self.stalled_at:
+        came back. Not while its client says its requests still get no
+        answer (``stalling``: an upstream whose /models answers)."""
+        if self.stalled_at is None or sent < self.stalled_at or getattr(self.client, "stalling", None):
             return False
         self.stalled_at = None
         return True
@@ -328,8 +329,9 @@ class ReplicaPool:
         beside its regular checks: a replica merely slow for one stream
         (whichever tenant's stall limit caught it) is back at its pong, one
         round trip later."""
-        if slot.stalled():  # (logged once while it is out)
+        if slot.stalled():  # (logged once while it is out; why in /admin/replicas too)
             log.warning("replica %s stalled a stream (%s): not chosen until it answers a health check", slot.name, why)
+            slot.failed(f"stalled a stream: {why}")
         if slot.ping_now is not None:
             slot.ping_now()
         if self.on_stalled is not None:

@@ -156,10 +156,16 @@ class SamplingParams(msgspec.Struct, array_like=True, omit_defaults=True, gc=Fal
 
 
 class Hello(msgspec.Struct, tag=1, array_like=True, gc=False):
-    """First frame from the router; ``secret`` must match the replica's."""
+    """First frame from the router; ``secret`` must match the replica's.
+    ``silence``: the longest the router leaves its connection without a frame
+    (it pings every ``health_interval``, each ping waiting up to
+    ``health_timeout``); after that the replica takes the router for gone
+    (a partition: no FIN, no RST) and aborts its streams. 0: no limit (an
+    older router, which sends no such field, or a client that does not ping)."""
 
     version: int = PROTOCOL_VERSION
     secret: str = ""
+    silence: float = 0.0
 
 
 # Generate.chat_template_kwargs keys vLLM's server refuses

@@ -47,6 +47,11 @@ __all__ = ["ReplicaServer", "create_engine", "serve", "wait_for_stop", "watch_en
 log = logging.getLogger("fairstream.replica")
 
 LOAD_REPORT_INTERVAL = 0.2
+HANDSHAKE_TIMEOUT = 10.0  # (s) for a router's Hello, all of it: a peer trickling it is dropped
+# (bytes) most output a connection may have waiting to go out: a router that
+# reads nothing (partitioned, its loop stuck) is dropped and its streams
+# aborted, as a silent one is (Hello.silence), not buffered without end
+WRITE_BUFFER_LIMIT = 64 * 1024 * 1024
 # the pid of the process that started a replica with --exit-with-parent (its supervisor)
 PARENT_PID_ENV = "FAIRSTREAM_PARENT_PID"
 ENGINE_CHECK_INTERVAL = 1.0  # seconds between checks that the engine is alive
@@ -91,6 +96,11 @@ class _Connection:
     def send(self, msg: msgspec.Struct) -> None:
         if not self.closed:
             self.writer.write(encode_frame(msg))
+            transport = self.writer.transport
+            if transport.get_write_buffer_size() > WRITE_BUFFER_LIMIT:
+                log.warning("connection dropped: the router read none of %d bytes of output", WRITE_BUFFER_LIMIT)
+                self.closed = True
+                transport.abort()  # (its read ends: ``_serve`` aborts its streams)
 
     def queue(self, delta: Delta) -> None:
         self.outbox.append(delta)
@@ -175,14 +185,26 @@ class ReplicaServer:
             if hello is None:
                 return
             reporter = asyncio.create_task(self._report_load(conn))
+            silence = hello.silence if hello.silence > 0 else None
             while True:
-                data = await reader.read(65536)
+                try:
+                    async with asyncio.timeout(silence):
+                        data = await reader.read(65536)
+                except TimeoutError:
+                    # (the router pings within this: a partition, or it froze; what
+                    # it ran here it regenerates elsewhere, so it stops here)
+                    log.warning("connection dropped: no frame from the router for %gs; its %d streams aborted",
+                                silence, len(conn.requests))
+                    writer.transport.abort()  # (a close would wait on output that goes nowhere)
+                    break
                 if not data:
                     break
                 for msg in decoder.feed(data):
                     self._handle(conn, msg)
         except (ConnectionError, msgspec.DecodeError, ValueError) as e:
             log.warning("connection dropped: %s", e)
+        except TimeoutError:
+            log.warning("connection dropped: no complete Hello within %gs", HANDSHAKE_TIMEOUT)
         finally:
             conn.closed = True
             self._conns.discard(conn)
@@ -196,11 +218,12 @@ class ReplicaServer:
 
     async def _handshake(self, reader, decoder: FrameDecoder, conn: _Connection) -> Hello | None:
         msgs: list = []
-        while not msgs:
-            data = await asyncio.wait_for(reader.read(65536), timeout=10)
-            if not data:
-                return None
-            msgs = decoder.feed(data)
+        async with asyncio.timeout(HANDSHAKE_TIMEOUT):  # (the whole of it, not each read)
+            while not msgs:
+                data = await reader.read(65536)
+                if not data:
+                    return None
+                msgs = decoder.feed(data)
         hello = msgs[0]
         if not isinstance(hello, Hello):
             conn.send(Refused("expected Hello as the first frame"))

@@ -259,6 +259,7 @@ class Supervisor:
     async def _run_once(self, slot: ReplicaSlot) -> None:
         slot.state = "starting"
         proc = None
+        why: Exception | None = None
         try:
             if slot.spec.url is not None:
                 # An OpenAI-compatible server (docs/upstreams.md); pings are GET /models.
@@ -269,9 +270,10 @@ class Supervisor:
                 proc, address = await self._spawn(slot)
                 client = await self._connect_when_up(slot, address, proc)
             else:
-                client = await connect(
-                    slot.name, slot.spec.address or "", secret=self._secret(slot), timeout=10
-                )
+                # (silence: a ping's interval and two of its timeouts, so the replica
+                # drops the streams of a connection the router has lost, as the router does)
+                client = await connect(slot.name, slot.spec.address or "", secret=self._secret(slot), timeout=10,
+                                       silence=self.settings.health_interval + 2 * self.settings.health_timeout)
             if self._closing:
                 # (connected as the router stops: on Python 3.11 a cancel that
                 # meets the connect's answer in one loop turn is lost in its
@@ -292,9 +294,12 @@ class Supervisor:
             self._tell("ready", slot)
             self.pool.notify_ready()  # streams waiting to fail over continue here
             await self._watch(slot, client, proc)
+        except Exception as e:
+            why = e  # (its streams' failovers say this, not only "closed by the router")
+            raise
         finally:
             if slot.client is not None:
-                await slot.client.close()
+                await slot.client.close(why)
             # (its process, if any, is stopped by _supervise, or by close on a cancel)
 
     async def _watch(self, slot: ReplicaSlot, client: ReplicaClient, proc) -> None:

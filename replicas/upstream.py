@@ -35,8 +35,8 @@ from typing import Any
 import aiohttp
 import msgspec
 
-from replicas.client import Collector, CredentialsRefused, ReplicaBusy, ReplicaDead
-from replicas.http11 import HttpError, HttpPool, Response, Sent
+from replicas.client import Collector, CredentialsRefused, ReplicaBusy, ReplicaDead, ReplicaStalled
+from replicas.http11 import HeadTimeout, HttpError, HttpPool, Response, Sent
 from replicas.protocol import (
     FEATURES,
     PROTOCOL_VERSION,
@@ -45,6 +45,7 @@ from replicas.protocol import (
 )
 from replicas.spec import ReplicaSpec
 from replicas.splice import post_detokenize, splice_at
+from replicas.upstream_checks import ModelCard, ModelList, answers_post
 from replicas.upstream_credentials import Credentials
 from replicas.upstream_errors import UpstreamFailed, error_text, rejects_field, retry_after_seconds
 from replicas.upstream_load import poll_vllm_load
@@ -53,14 +54,6 @@ from replicas.upstream_sse import Chunk, SseReader, Stream
 __all__ = ["UpstreamClient", "ModelCard", "ModelList"]
 
 log = logging.getLogger("fairstream.upstream")
-
-class ModelCard(msgspec.Struct):
-    id: str
-    max_model_len: int | None = None
-
-
-class ModelList(msgspec.Struct):
-    data: list[ModelCard]
 
 
 def _root(url: str) -> str:
@@ -95,6 +88,9 @@ class UpstreamClient:
         # health checks pass): not chosen until its health check's probe, or
         # a request, shows the key is taken (``credentials_refused``).
         self.credentials = Credentials(name, spec.api_key_env, self.check_now)
+        # A generation request got no response head within head_timeout: why (the router's pool keeps
+        # it out of dispatch, as a stall) until a health check's POST is answered (upstream_probe)
+        self.stalling: str | None = None
         # Whether the upstream returns token ids (None: not known yet).
         self.token_ids: bool | None = {"yes": True, "no": False}.get(spec.token_ids)
         self._require_ids = spec.token_ids == "yes"
@@ -211,6 +207,9 @@ class UpstreamClient:
                 raise UpstreamFailed(f"GET /models no longer lists {self.upstream_model!r} (it lists {listed})")
             if self.credentials.refused is not None:  # (/models may need no key: ask a generation endpoint)
                 await self.credentials.probe(session, self.url, self.upstream_model)
+            if self.stalling is not None and await answers_post(self._http, self.name, self.upstream_model,
+                                                                self.head_timeout):
+                self.stalling = None
         except TimeoutError:
             raise
         except (aiohttp.ClientError, OSError, UpstreamFailed, msgspec.ValidationError, msgspec.DecodeError) as e:
@@ -221,9 +220,9 @@ class UpstreamClient:
                 await session.close()
         return Pong(next(self._pings), self.load)
 
-    async def close(self) -> None:
-        if self.closed is None:
-            self.closed = ReplicaDead(f"upstream {self.name} closed by the router")
+    async def close(self, why: BaseException | None = None) -> None:
+        if self.closed is None:  # (``why``: the router's reason, as ReplicaClient.close)
+            self.closed = ReplicaDead(f"upstream {self.name} closed by the router" + (f": {why}" if why else ""))
         streams = list(self._streams.values())
         self._streams.clear()
         for st in streams:
@@ -398,6 +397,10 @@ class UpstreamClient:
                 if isinstance(e, UpstreamFailed) and e.busy and not st.delivered:
                     self._streams.pop(col.rid, None)
                     st.col.fail(ReplicaBusy(f"upstream {self.name} failed: {e}", e.retry_after))
+                elif isinstance(e, HeadTimeout):  # (its /models may answer all along: a stall, not a death)
+                    self.stalling = f"upstream {self.name} failed: {e}"
+                    self._streams.pop(col.rid, None)
+                    st.col.fail(ReplicaStalled(self.stalling))
                 else:
                     self._lost(st, f"upstream {self.name} failed: {e or type(e).__name__}")
         except Exception as e:  # noqa: BLE001 - a bug here must not leave the stream hanging

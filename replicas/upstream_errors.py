@@ -42,8 +42,9 @@ def error_text(body: bytes | str | Any, limit: int = 500) -> str:
     if isinstance(body, (bytes, str)):
         try:
             obj = msgspec.json.decode(body)
-        except msgspec.DecodeError:
-            return (body.decode(errors="replace") if isinstance(body, bytes) else body)[:limit]
+        except msgspec.DecodeError:  # (a web server's HTML page: its text on one line, cut short)
+            text = " ".join((body.decode(errors="replace") if isinstance(body, bytes) else body).split())
+            return text if len(text) <= limit else text[:limit] + "..."
     if isinstance(obj, dict):
         err = obj.get("error", obj)
         if isinstance(err, dict):

@@ -47,7 +47,9 @@ async def open_upstream(name: str, spec: ReplicaSpec, *, timeout: float = 10.0,
                 if r.status in (401, 403):  # (its /models needs the key: vllm serve --api-key)
                     raise KeyRefused(refusal(name, spec.api_key_env, r.status, error_text(raw)))
                 if r.status != 200:
-                    raise ReplicaDead(f"upstream {name}: GET /models: HTTP {r.status}: {error_text(raw)}")
+                    raise ReplicaDead(f"upstream {name}: GET /models: HTTP {r.status}"
+                                      f"{' (no OpenAI-compatible API at this url?)' if r.status == 404 else ''}"
+                                      f": {error_text(raw, 200)}")
         models = msgspec.json.decode(raw, type=ModelList).data
         if spec.upstream_model is not None:
             found = [m for m in models if m.id == spec.upstream_model]

@@ -17,7 +17,7 @@ import time
 from collections.abc import AsyncIterator, Collection
 from typing import TYPE_CHECKING
 
-from replicas.client import ReplicaBusy, ReplicaDead
+from replicas.client import ReplicaBusy, ReplicaDead, ReplicaStalled
 from replicas.pool import CONTINUES, LoadHandle, NoReplica, ReplicaPool
 from replicas.protocol import Delta, FinishReason
 from router.deadlines import Deadlines, Stalled, Watchdog
@@ -410,7 +410,7 @@ class Generation(WaitsForReplica):
 
     def _failed(self, exc: BaseException) -> None:
         name = self.replica or ""
-        if isinstance(exc, Stalled) and self._handle is not None:  # (chosen for nothing until it shows life)
+        if isinstance(exc, (Stalled, ReplicaStalled)) and self._handle is not None:  # (chosen for nothing meanwhile)
             self.pool.caught_stalling(self._handle.slot, exc)
         self._detach(finished=False)
         if isinstance(exc, (ReplicaDead, Stalled)):
