@@ -26,6 +26,7 @@ import logging
 from http import HTTPStatus
 from typing import Callable
 
+import httptools
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 from router.descriptors import OVER_CAP_HELD, default_max_connections, open_file_limit
@@ -86,22 +87,17 @@ def _answer_unread(cycle, status: int, headers: list[tuple[bytes, bytes]], body:
 
 
 class HttpConnection(HttpToolsProtocol):
-    """uvicorn's httptools protocol with the limits a server facing many
-    clients needs, which uvicorn does not set for a request's head: a
-    connection that sends no complete request head within ``head_timeout``
-    (idle from the start, or trickling bytes) gets a 408 and is closed, as
-    one whose body stops arriving for ``body_timeout`` or has not come
-    whole within ``body_total_timeout`` (router.yaml's ``header_timeout``,
-    ``body_timeout`` and ``body_total_timeout``, set by ``Server``); a head
-    larger than ``MAX_HEAD_BYTES`` is a 431. (Between requests, uvicorn's
-    keep-alive timeout applies.)"""
+    """uvicorn's httptools protocol with the limits of the module's
+    docstring (``head_timeout``, ``body_timeout``, ``body_total_timeout``:
+    router.yaml's, set by ``Server``; between requests, uvicorn's keep-alive
+    timeout applies), serving an upgrade it does not take as a plain request."""
 
     # (the router's own per-connection state in slots: uvicorn's ~27
     # attributes share their keys among instances, and 7 more in the
     # instance dict pushed it past CPython's limit for shared keys, to a
     # 1.6 KB dict of its own on every connection)
     __slots__ = ("_head", "_raw", "_in_head", "_refused", "_over", "_deadline", "_lost", "_stopping", "_body_by",
-                 "_body_at")
+                 "_body_at", "_upgrade")
 
     head_timeout = 30.0
     body_timeout = 60.0
@@ -152,6 +148,7 @@ class HttpConnection(HttpToolsProtocol):
         self._body_by = 0.0  # (loop time the request's body must have come whole by: _start_body)
         self._body_at = -1.0  # (loop time _limit_body last armed the deadline, -1 once another limit replaced it)
         self._lost: list[Callable[[], None]] = []  # (see on_headers_complete)
+        self._upgrade = False  # (an upgrade served as a plain request, from its head to its body's: _ignore_upgrade)
         if now:
             # Answered before its request, which it may be sending: if that
             # is in the socket when it closes, the client sees a reset and
@@ -324,7 +321,7 @@ class HttpConnection(HttpToolsProtocol):
     def data_received(self, data: bytes) -> None:
         if self._refused:
             return
-        super().data_received(data)
+        self._feed(data)
         if self._in_head and not self._refused:
             # a head still incomplete: a header not finished yet waits in the
             # parser, unseen by on_header
@@ -332,8 +329,33 @@ class HttpConnection(HttpToolsProtocol):
             if self._raw > MAX_HEAD_BYTES:
                 self._refuse(431, "Request header fields too large.", "header_too_large", "header_too_large")
 
+    def _feed(self, data: bytes) -> None:  # (uvicorn's data_received, but for _ignore_upgrade)
+        self._unset_keepalive_if_required()
+        try:
+            self.parser.feed_data(data)
+        except httptools.HttpParserUpgrade as e:
+            if self._should_upgrade():
+                self.handle_websocket_upgrade()
+            elif self._upgrade:
+                self._ignore_upgrade(data[e.args[0]:])
+        except httptools.HttpParserError:
+            self.logger.warning("Invalid HTTP request received.")
+            self.send_400_response("Invalid HTTP request received.")
+
+    def _ignore_upgrade(self, rest: bytes) -> None:
+        """Serve a request asking for an upgrade other than a WebSocket's
+        (``Upgrade: h2c``: ``curl --http2``) as the HTTP/1.1 request it also is
+        (RFC 9110 7.8). httptools stops at its head and parses no more (uvicorn
+        served it bodiless and nothing after it): a new parser goes on, fed
+        first a head of its framing headers (no request: ``_upgrade``)."""
+        framing = b"".join(b"%s: %s\r\n" % h for h in self.headers if h[0] in (b"content-length", b"transfer-encoding"))
+        self.parser = httptools.HttpRequestParser(self)
+        self.parser.set_dangerous_leniencies(lenient_data_after_close=True)  # (as uvicorn's)
+        self.headers, self.url, self._head = [], b"", 0  # (that head's; the request's are in its scope)
+        self._feed(b"POST / HTTP/1.1\r\n%s\r\n%s" % (framing, rest))
+
     def on_message_begin(self) -> None:
-        if self._refused:
+        if self._refused or self._upgrade:
             # (a request pipelined behind the refused one, in the same read:
             # never served, and its head timer must not replace the linger's)
             return
@@ -355,6 +377,9 @@ class HttpConnection(HttpToolsProtocol):
             self._count(0)
 
     def on_headers_complete(self) -> None:
+        if self._upgrade:  # (_ignore_upgrade's head: its request's body follows)
+            self._upgrade = False
+            return
         self._in_head = False
         if self._refused:
             return  # (the application never sees the request)
@@ -378,6 +403,7 @@ class HttpConnection(HttpToolsProtocol):
             # a function, not this connection's bound method, which would
             # put the connection and its request in a reference cycle)
             self.cycle.answer_unread = _answer_unread
+        self._upgrade = self.parser.should_upgrade() and not self._should_upgrade()  # (see _ignore_upgrade)
 
     def on_body(self, body: bytes) -> None:
         if self._refused:
@@ -391,7 +417,7 @@ class HttpConnection(HttpToolsProtocol):
             super().on_body(body)
 
     def on_message_complete(self) -> None:
-        if self._refused:
+        if self._refused or self._upgrade:  # (_upgrade: its body is still to come)
             return
         if self._over:
             self._refuse_over_cap()
