@@ -49,9 +49,9 @@ from router.replay_slices import slices
 from router.resume import ResumeMeta, decode_meta
 from router.resume_charge import charge_resume
 from router.resume_position import AHEAD, WAIT, BufferUnread, Placed, Placer, Position, ahead, mismatch, parse_last_event_id
-from router.resume_tail import client_on_placeholder, error_code, finish_tail, last_event, tail_after
+from router.resume_tail import client_on_placeholder, done_at, error_code, finish_tail, last_event, tail_after
 from router.service import RouterService
-from router.sse import DONE, ChunkEncoder
+from router.sse import ChunkEncoder, is_done
 from router.state import StoreUnavailable, StreamSnapshot
 from router.tenants import TenantPolicy
 
@@ -112,8 +112,10 @@ async def serve_resume(svc: RouterService, policy: TenantPolicy, sid: str | None
         if not sid:  # a reconnect: a new generation would repeat its text
             raise BadRequest("Last-Event-ID resumes a stream: send X-Resume-Request-Id with the stream's "
                              "x-request-id as well, or GET /v1/streams/{id}.", param="X-Resume-Request-Id")
+        if await done_at(svc, sid, policy.name, pos := parse_last_event_id(last_event_id)):  # (uncharged)
+            return Response(None, status_code=204, headers={"x-request-id": sid})
         await charge_resume(svc, policy)  # (before the lookup: trying ids costs requests too)
-        return await handle_resume(svc, policy, sid, parse_last_event_id(last_event_id), chat)
+        return await handle_resume(svc, policy, sid, pos, chat)
     except ApiError as e:
         request_id = new_id()
         e.headers.setdefault("x-request-id", request_id)
@@ -159,7 +161,7 @@ async def handle_resume(svc: RouterService, policy: TenantPolicy, sid: str, pos:
         # its live events from there on had plain ids, the same numbers or past them)
         raise BadRequest(f"Stream {sid} cannot be resumed after event {snap.total_events - 1}: its output had no "
                          "token ids from there on; retry the request.", param="Last-Event-ID", code=NOT_RESUMABLE)
-    if last is not None and last != DONE and b'"error"' in last:
+    if last is not None and not is_done(last) and b'"error"' in last:
         # (it ended with that error, which the client has: there is nothing
         # after it, and an empty 200 left an EventSource reconnecting for good)
         code = error_code(last)
@@ -170,13 +172,11 @@ async def handle_resume(svc: RouterService, policy: TenantPolicy, sid: str, pos:
         raise BadRequest(f"Last-Event-ID {pos.event} is past the stream's last stored event "
                          f"({snap.total_events}); send the full id (N-T-C) this router sent.",
                          param="Last-Event-ID", code="resume_mismatch")
-    if snap.finished and (pos.event > snap.total_events or last == DONE):
-        # (a full id past the end is a client behind a router that died with
-        # its last events; a finished stream has all of them: a wrong id.
-        # Its last event, [DONE], carries no id: no client has its number.)
-        final = snap.total_events - 1 if last == DONE else snap.total_events
+    if snap.finished and (pos.event > snap.total_events or (last is not None and is_done(last))):
+        # (a full id past the end is a client behind a router that died with its last events; a finished
+        # stream has all of them: a wrong id. At [DONE]'s (its number alone), ``done_at``'s 204 came first)
         raise BadRequest(f"Last-Event-ID {pos.event} is past the end of this stream: its last event id is "
-                         f"{final}.", param="Last-Event-ID", code="resume_mismatch")
+                         f"{snap.total_events}.", param="Last-Event-ID", code="resume_mismatch")
     return Stream(_resume(svc, policy, sid, meta, snap, pos, placed, placer), media_type="text/event-stream",
                   headers={"x-request-id": sid, "cache-control": "no-cache", "x-accel-buffering": "no"})
 

@@ -35,11 +35,11 @@ import logging
 import msgspec
 
 from replicas.protocol import FinishReason
-from router.resume import ResumeMeta
-from router.sse import DONE, END_FINISH, END_USAGE, ChunkEncoder, Usage, numbered
+from router.resume import ResumeMeta, decode_meta
+from router.sse import END_FINISH, END_USAGE, ChunkEncoder, Usage, is_done, numbered
 from router.state import StoreUnavailable, StreamSnapshot
 
-__all__ = ["finish_tail", "tail_after", "client_on_placeholder", "last_event", "error_code"]
+__all__ = ["finish_tail", "tail_after", "client_on_placeholder", "last_event", "error_code", "done_at"]
 
 log = logging.getLogger("fairstream.resume")
 
@@ -84,6 +84,22 @@ async def last_event(svc, sid: str, snap: StreamSnapshot) -> bytes | None:
     except StoreUnavailable:
         return None
     return last.events[-1] if last is not None and last.events else None
+
+
+async def done_at(svc, sid: str, tenant: str, pos) -> bool:
+    """Whether ``pos`` is the id of the ``[DONE]`` that ended ``tenant``'s
+    stream ``sid``: its client has all of it (an EventSource reconnecting
+    after the end, which it does not know ``[DONE]`` is), and is answered
+    204 No Content, uncharged. Any doubt (a read that fails) is False: the
+    resume is served, and charged, as any other."""
+    if pos.tokens is not None or pos.event < 1:  # ([DONE]'s id is its number alone)
+        return False
+    try:
+        snap = await svc.store.stream_read(sid, pos.event - 1, False)
+    except StoreUnavailable:
+        return False
+    return (snap is not None and snap.finished and snap.total_events == pos.event and len(snap.events) == 1
+            and is_done(snap.events[0]) and decode_meta(snap.meta).tenant == tenant)
 
 
 def error_code(event: bytes) -> str:
@@ -198,11 +214,11 @@ async def finish_tail(svc, sid: str, meta: ResumeMeta, snap: StreamSnapshot, tai
         out.append(event)
     log.info("stream %s: its output had ended when its router stopped (%d tokens); sending what of its end "
              "the buffer lacks: %s", sid, tokens, ", ".join((*left, "[DONE]")))
-    svc.background(_finish(svc, sid, meta.tenant, chars, leases))
-    out.append(DONE)
+    out.append(enc.done())  # (numbered after the end's events the buffer gets, and the pads)
+    svc.background(_finish(svc, sid, meta.tenant, out[-1], chars, leases))
     return out
 
 
-async def _finish(svc, sid: str, tenant: str, chars: int, leases: tuple[str, ...]) -> None:
-    await svc.resume.finish(sid, DONE, chars)
+async def _finish(svc, sid: str, tenant: str, done: bytes, chars: int, leases: tuple[str, ...]) -> None:
+    await svc.resume.finish(sid, done, chars)
     await svc.admission.drop(tenant, leases)

@@ -14,7 +14,10 @@ stream's end say so with a fourth part: the finish event (the one with a
 ``N-T-C-2`` (``END_USAGE``). A client whose last events the buffer lost
 with their router then is not sent that end again (``N-T-C`` alone does
 not say whether its event had the finish). Plain token events never carry
-one: their ids are unchanged.
+one: their ids are unchanged. ``data: [DONE]`` has an id too, its number
+alone (``N``): a client that has it resumes with that id and is answered
+204 No Content, which stops an EventSource's reconnects; one that missed it
+resumes from the event before and gets it (router/resume_http.py).
 
 A chat stream opens with a role-only chunk, as vLLM's (``"delta":
 {"role":"assistant","content":""}``). It is an SSE event without an
@@ -33,9 +36,9 @@ import msgspec
 
 from replicas.protocol import FinishReason
 
-__all__ = ["ChunkEncoder", "Usage", "DONE", "END_FINISH", "END_USAGE", "lead", "numbered"]
+__all__ = ["ChunkEncoder", "Usage", "DONE", "END_FINISH", "END_USAGE", "is_done", "lead", "numbered"]
 
-DONE = b"data: [DONE]\n\n"
+DONE = b"data: [DONE]\n\n"  # (the end of every stream's ``[DONE]`` event, after its id: ``ChunkEncoder.done``)
 # the last part of the id of a resumable stream's finish event, and of its usage event
 END_FINISH, END_USAGE = b"-1", b"-2"
 _enc = msgspec.json.encode
@@ -81,8 +84,10 @@ class ChunkEncoder:
         return b"id: %d%s\ndata: %s\n\n" % (self.event_id, pos, payload)  # (one step, as ``plain``)
 
     def done(self) -> bytes:
-        """The end-of-stream marker, ``data: [DONE]``."""
-        return DONE
+        """The end-of-stream marker, ``data: [DONE]``, with the next number as
+        its id (no counts: it adds no text; see the module's docstring)."""
+        self.event_id += 1
+        return b"id: %d\n%s" % (self.event_id, DONE)
 
     def delta(self, text: str, finish: FinishReason = FinishReason.NONE, pos: bytes = b"",
               usage: Usage | None = None, stop_reason: str | int | None = None) -> bytes:
@@ -140,6 +145,12 @@ class ChunkEncoder:
         line, so a client keeps the last id it had (a WebSocket message of
         it has no ``event``)."""
         return b"data: " + error_json + b"\n\n"
+
+
+def is_done(event: bytes) -> bool:
+    """Whether an SSE event is ``[DONE]`` (with an id, or stored by a router
+    before it had one). (A JSON payload ends in ``}``.)"""
+    return event.endswith(DONE)
 
 
 def lead(event: bytes) -> int:

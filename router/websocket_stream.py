@@ -50,7 +50,7 @@ from router.errors import ApiError, ServiceUnavailable
 from router.relay import relay_stream
 from router.replay_slices import SOCKET_MESSAGES, events_of
 from router.resume_http import serve_resume
-from router.sse import lead
+from router.sse import DONE, lead
 from router.state import StoreUnavailable
 from router.tenants import TenantPolicy
 
@@ -119,6 +119,9 @@ class SocketFrames:
             cut = frame.index(b"\n", 4)
             eid = frame[4:cut]
             payload = frame[cut + 7:-2]  # (after "\ndata: ", before the blank line)
+            if payload == b"[DONE]":  # (its id, its number alone, is for SSE clients: router/sse.py)
+                self.ended = True
+                return self.done
             dash = eid.find(b"-")
             if dash < 0:  # (a stream that is not resumable: its ids are the numbers alone)
                 head += b',"event":' + eid
@@ -173,7 +176,12 @@ async def run_resume(conn: _Conn, cid: str, sid: str, last_event_id: str, policy
         log.exception("websocket resume of %s failed", sid, exc_info=e)
         await conn.send_last(cid, error_message(cid, ApiError("Internal server error."), sid))
         return
-    await _relay(conn, cid, sid, True, SocketFrames(cid, sid), resp.iterator)
+    # (a 204: the id was that of the stream's [DONE], router/sse.py: its client has it all; done again)
+    await _relay(conn, cid, sid, True, SocketFrames(cid, sid), resp.iterator if resp.status_code != 204 else _done())
+
+
+async def _done() -> AsyncIterator[bytes]:
+    yield DONE
 
 
 async def _relay(conn: _Conn, cid: str, request_id: str, resuming: bool, frames: SocketFrames,

@@ -13,7 +13,7 @@ from replicas.protocol import FinishReason, SamplingParams
 from router.admission import Admission
 from router.resume import ResumeMeta, ResumeWriter, decode_meta, encode_meta
 from router.resume_http import Position, _resume
-from router.sse import DONE, ChunkEncoder
+from router.sse import DONE, ChunkEncoder, is_done
 from router.state.base import CLAIM_TTL
 from tests.contract.conftest import Backend
 from tests.unit.test_resume_takeover import policy, service
@@ -35,7 +35,7 @@ async def test_a_resume_sends_and_stores_the_end_its_dead_router_did_not_store(b
         snap = await store.stream_read(sid, 2)
         out = [c async for c in _resume(svc, policy(), sid, decode_meta(snap.meta), snap, Position(2, 3, 11))]
         await asyncio.gather(*svc.tasks)
-        assert len(out) == 2 and out[1] == DONE, out
+        assert len(out) == 2 and is_done(out[1]), out
         usage = msgspec.json.decode(out[0].split(b"data: ", 1)[1])["usage"]
         assert usage == {"prompt_tokens": 3, "completion_tokens": 3, "total_tokens": 6}
         after = await store.stream_read(sid, 2)

@@ -358,14 +358,14 @@ async def test_other_tenants_unknown_ids_and_bad_event_ids_are_refused(
     r = await http.get(f"/v1/streams/{rid}", headers={"Last-Event-ID": f"{len(events) + 5}-20-999"})
     error = assert_openai_error(r, 400, param="Last-Event-ID")
     assert "past the end" in error["message"] and error["code"] == "resume_mismatch"
-    # the last id sent gets the rest, [DONE]; the number after it was never sent ([DONE] has no id):
-    # it was an empty 200, a silent end
-    last_id = [e.id for e in events if e.id][-1]
-    n = int(last_id.split("-")[0])
+    # the last id before [DONE] gets the rest, [DONE] with its id (its number alone; at it, a 204:
+    # test_resume_done); the number after it was never sent: it was an empty 200, a silent end
+    done_id, last_id = events[-1].id, events[-2].id
+    n = int(done_id)
     r = await http.get(f"/v1/streams/{rid}", headers={"Last-Event-ID": last_id})
-    assert r.status_code == 200 and [e.data for e in parse_sse(r.text)] == ["[DONE]"], r.text
+    assert r.status_code == 200 and [(e.id, e.data) for e in parse_sse(r.text)] == [(done_id, "[DONE]")], r.text
     r = await http.get(f"/v1/streams/{rid}", headers={"Last-Event-ID": str(n + 1)})
-    assert f"its last event id is {n}." in assert_openai_error(r, 400, param="Last-Event-ID")["message"]
+    assert f"last stored event ({n})" in assert_openai_error(r, 400, param="Last-Event-ID")["message"]
 
 
 async def test_an_id_ahead_of_a_stream_its_client_left_is_refused_and_the_stream_stays_whole(

@@ -21,10 +21,16 @@ from router.metrics import Metrics
 from router.relay import EventStream
 from router.resume import ResumeMeta, ResumeWriter
 from router.resume_http import Position, parse_last_event_id
-from router.sse import DONE, ChunkEncoder
+from router.sse import DONE, ChunkEncoder, is_done
 from router.state.memory import MemoryStore
 from tests.unit.generations import Sink, started
 from tests.unit.test_resume_tail import died_at_the_end, resume_at
+
+
+def _done(n: int) -> bytes:
+    """``[DONE]`` as event ``n`` (its id is its number alone: router/sse.py)."""
+    return b"id: %d\n" % n + DONE
+
 
 NONE, LENGTH = FinishReason.NONE, FinishReason.LENGTH
 
@@ -62,7 +68,7 @@ async def _stream(include_usage: bool, had_end: int = 0, skip_chars: int = 0):
 
 
 def _ids(events) -> list[bytes]:
-    return [e.split(b"\n", 1)[0] for e in events if e is not None and e != DONE]
+    return [e.split(b"\n", 1)[0] for e in events if e is not None and not is_done(e)]
 
 
 async def test_the_finish_and_usage_events_say_so_in_their_ids_and_plain_events_do_not() -> None:
@@ -71,7 +77,7 @@ async def test_the_finish_and_usage_events_say_so_in_their_ids_and_plain_events_
     col.put(Delta(1, [7], " you", LENGTH))
     out = [es.event("Hello", 2, NONE), es.event(" you", 1, LENGTH), *es.tail()]
     assert _ids(out) == [b"id: 1-2-5", b"id: 2-3-9-1", b"id: 3-3-9-2"], out
-    assert out[-1] == DONE
+    assert is_done(out[-1])
 
 
 async def test_a_client_that_has_the_finish_is_not_sent_it_again_and_the_buffer_keeps_its_tokens() -> None:
@@ -82,10 +88,10 @@ async def test_a_client_that_has_the_finish_is_not_sent_it_again_and_the_buffer_
         col.put(Delta(1, [5, 6], "Hello", NONE))
         col.put(Delta(1, [7], " you", LENGTH))
         out = [es.event("Hello", 2, NONE), es.event(" you", 1, LENGTH), *es.tail()]
-        assert _ids(out) == rest and out[-1] == DONE, out
+        assert _ids(out) == rest and is_done(out[-1]), out
         snap = await store.stream_read("s1", 0)  # (what went to the buffer: ``settle`` adds [DONE])
         assert snap.token_ids == [5, 6, 7] and snap.text_len == 9
-        assert snap.events == [e for e in out if e is not None and e != DONE]
+        assert snap.events == [e for e in out if e is not None and not is_done(e)]
     # a finish with text the client lacks still goes out (its regeneration is longer than what it had)
     es, col, _ = await _stream(include_usage=False, had_end=1, skip_chars=5)
     col.put(Delta(1, [5, 6], "Hello", NONE))
@@ -97,14 +103,14 @@ async def test_a_client_that_has_the_finish_is_not_sent_it_again_and_the_buffer_
 async def test_the_end_a_resume_sends_from_the_buffer_has_those_ids_too() -> None:
     svc, _ = await died_at_the_end(max_tokens=3, finish=NONE, include_usage=True)
     out = await resume_at(svc, Position(2, 3, 11))
-    assert _ids(out) == [b"id: 3-3-11-1", b"id: 4-3-11-2"] and out[-1] == DONE, out
+    assert _ids(out) == [b"id: 3-3-11-1", b"id: 4-3-11-2"] and is_done(out[-1]), out
 
 
 async def test_a_client_ahead_of_the_buffer_with_the_finish_gets_the_rest_of_the_end() -> None:
     # (its router sent the finish, in an event of its own at max_tokens, and died before storing it)
     svc, store = await died_at_the_end(max_tokens=3, finish=NONE, include_usage=True)
     out = await resume_at(svc, Position(3, 3, 11, 1))
-    assert _ids(out) == [b"id: 4-3-11-2"] and out[-1] == DONE, out
+    assert _ids(out) == [b"id: 4-3-11-2"] and is_done(out[-1]), out
     after = await store.stream_read("s1", 0)
     assert after.finished and after.events[2] == b"" and after.events[3:] == out
 
@@ -118,4 +124,4 @@ async def test_an_id_that_says_another_part_of_the_end_than_the_buffer_makes_it_
     after = await store.stream_read("s1", 0)
     assert not after.finished and after.total_events == 2 and after.owner == ""
     # (an id without that part, as a router before it sent, is taken as before)
-    assert await resume_at(svc, Position(4, 3, 11)) == [DONE]
+    assert await resume_at(svc, Position(4, 3, 11)) == [_done(5)]

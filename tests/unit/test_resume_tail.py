@@ -21,10 +21,16 @@ from router.admission import Admission
 from router.resume import ResumeMeta, ResumeWriter, decode_meta, encode_meta
 from router.replay_slices import events_of
 from router.resume_http import Position, _resume
-from router.sse import DONE, ChunkEncoder
+from router.sse import DONE, ChunkEncoder, is_done
 from router.state.base import CLAIM_TTL
 from router.state.memory import MemoryStore
 from tests.unit.test_resume_takeover import Clock, policy, service
+
+
+def _done(n: int) -> bytes:
+    """``[DONE]`` as event ``n`` (its id is its number alone: router/sse.py)."""
+    return b"id: %d\n" % n + DONE
+
 
 PROMPT = [1, 2, 3]
 
@@ -71,38 +77,38 @@ def chunk(event: bytes) -> dict:
 async def test_a_stream_whose_finish_was_stored_gets_its_done_and_nothing_generated() -> None:
     svc, store = await died_at_the_end()
     out = await resume_at(svc, Position(2, 3, 11))
-    assert out == [DONE], out
+    assert out == [_done(3)], out
     after = await store.stream_read("s1", 0)
-    assert after.finished and after.total_events == 3 and after.events[-1] == DONE and after.owner == ""
+    assert after.finished and after.total_events == 3 and after.events[-1] == _done(3) and after.owner == ""
     # the lease a died holding ends with the stream (a continuation's admission
     # replaced it; without one it held the tenant's only slot until it expired)
     assert (await store.usage("t", rpm=0, tpm=0)).active_streams == 0
     await svc.admission.admit(policy(max_concurrent=1), 1)  # the client's next request
     # a client that had only the first event gets the finish from the buffer, then [DONE]
     out = await resume_at(svc, Position(1, 2, 5))
-    assert [chunk(e)["choices"][0]["finish_reason"] for e in out[:-1]] == ["stop"] and out[-1] == DONE, out
+    assert [chunk(e)["choices"][0]["finish_reason"] for e in out[:-1]] == ["stop"] and is_done(out[-1]), out
 
 
 async def test_the_usage_event_it_asked_for_and_did_not_store_is_sent_with_the_whole_streams_counts() -> None:
     svc, store = await died_at_the_end(include_usage=True)
     out = await resume_at(svc, Position(2, 3, 11))
-    assert len(out) == 2 and out[1] == DONE, out
+    assert len(out) == 2 and is_done(out[1]), out
     assert out[0].startswith(b"id: 3-3-11-2\n") and chunk(out[0])["choices"] == []
     assert chunk(out[0])["usage"] == {"prompt_tokens": 3, "completion_tokens": 3, "total_tokens": 6}
     after = await store.stream_read("s1", 2)
-    assert after.finished and after.events == [out[0], DONE]
+    assert after.finished and after.events == [out[0], _done(4)]
 
 
 async def test_a_stored_usage_event_is_not_sent_again() -> None:
     svc, _ = await died_at_the_end(include_usage=True, stored="usage")
-    assert await resume_at(svc, Position(3, 3, 11)) == [DONE]
+    assert await resume_at(svc, Position(3, 3, 11)) == [_done(4)]
 
 
 async def test_at_max_tokens_without_a_stored_finish_the_finish_is_sent_not_a_stream_lost() -> None:
     # (the upstream sent the finish in an event of its own, which a did not store)
     svc, store = await died_at_the_end(max_tokens=3, finish=FinishReason.NONE, chat=True, include_usage=True)
     out = await resume_at(svc, Position(2, 3, 11))
-    assert len(out) == 3 and out[2] == DONE, out
+    assert len(out) == 3 and is_done(out[2]), out
     assert out[0].startswith(b"id: 3-3-11-1\n") and chunk(out[0])["choices"][0] == {
         "index": 0, "delta": {}, "logprobs": None, "finish_reason": "length", "stop_reason": None}
     assert out[1].startswith(b"id: 4-3-11-2\n") and chunk(out[1])["usage"]["completion_tokens"] == 3
@@ -119,13 +125,13 @@ async def test_at_max_tokens_with_stop_strings_the_end_is_generated_not_sent_wit
     # (with include_stop_str_in_output nothing is held back: the end is sent as without stop strings)
     svc, store = await died_at_the_end(max_tokens=3, finish=FinishReason.NONE, stop=["wolves"], include=True)
     out = await resume_at(svc, Position(2, 3, 11))
-    assert len(out) == 2 and chunk(out[0])["choices"][0]["finish_reason"] == "length" and out[1] == DONE, out
+    assert len(out) == 2 and chunk(out[0])["choices"][0]["finish_reason"] == "length" and is_done(out[1]), out
 
 
 async def test_with_continuous_usage_the_finish_it_sends_has_the_usage_so_far() -> None:
     svc, _ = await died_at_the_end(max_tokens=3, finish=FinishReason.NONE, continuous_usage=True)
     out = await resume_at(svc, Position(2, 3, 11))
-    assert chunk(out[0])["choices"][0]["finish_reason"] == "length" and out[1] == DONE, out
+    assert chunk(out[0])["choices"][0]["finish_reason"] == "length" and is_done(out[1]), out
     assert chunk(out[0])["usage"] == {"prompt_tokens": 3, "completion_tokens": 3, "total_tokens": 6}
 
 
@@ -133,7 +139,7 @@ async def test_a_client_that_had_the_end_the_buffer_lacks_gets_only_the_rest() -
     # a sent the finish and the usage event to its client and died before
     # storing them: the client is two events ahead, and only [DONE] is left
     svc, store = await died_at_the_end(max_tokens=3, finish=FinishReason.NONE, include_usage=True)
-    assert await resume_at(svc, Position(4, 3, 11)) == [DONE]
+    assert await resume_at(svc, Position(4, 3, 11)) == [_done(5)]
     after = await store.stream_read("s1", 0)
     assert after.finished and after.total_events == 5 and after.events[2:4] == [b"", b""]
 
@@ -146,7 +152,7 @@ async def test_a_finish_id_for_an_event_the_buffer_holds_does_not_drop_the_finis
     # resumed from it got none)
     svc, store = await died_at_the_end(max_tokens=3, finish=FinishReason.NONE, include_usage=True)
     out = await resume_at(svc, Position(2, 3, 11, 1))
-    assert len(out) == 3 and out[0].startswith(b"id: 3-3-11-1\n") and out[2] == DONE, out
+    assert len(out) == 3 and out[0].startswith(b"id: 3-3-11-1\n") and is_done(out[2]), out
     assert chunk(out[0])["choices"][0]["finish_reason"] == "length"
     after = await store.stream_read("s1", 2)
     assert after.finished and after.events == out
@@ -160,7 +166,7 @@ async def test_an_id_past_what_the_end_could_hold_is_a_mismatch_and_the_stream_s
     after = await store.stream_read("s1", 0)
     assert not after.finished and after.total_events == 2 and after.owner == ""
     out = await resume_at(svc, Position(2, 3, 11))  # its real client
-    assert chunk(out[0])["usage"]["total_tokens"] == 6 and out[1] == DONE
+    assert chunk(out[0])["usage"]["total_tokens"] == 6 and is_done(out[1])
 
 
 async def test_a_client_leaving_while_the_end_is_read_gives_the_claim_back() -> None:
@@ -183,7 +189,7 @@ async def test_a_client_leaving_while_the_end_is_read_gives_the_claim_back() -> 
     await asyncio.gather(*svc.tasks)
     store.stream_read = read
     assert not (await store.stream_read("s1", 0)).owner and "s1" not in svc.resume.live
-    assert await resume_at(svc, Position(2, 3, 11)) == [DONE]
+    assert await resume_at(svc, Position(2, 3, 11)) == [_done(3)]
 
 
 async def test_a_stream_whose_last_events_cannot_be_read_is_not_continued(monkeypatch) -> None:
@@ -239,9 +245,9 @@ async def test_a_stored_usage_event_after_a_padded_finish_says_the_output_ended(
     # (the buffer held no real finish, so the end went unseen: an end-of-sequence
     # finish was continued past its end, one at max_tokens was sent again)
     svc = await padded_finish_then_usage(8)  # (ended on a stop or end-of-sequence, below max_tokens)
-    assert await resume_at(svc, Position(3, 3, 11, 2)) == [DONE]
+    assert await resume_at(svc, Position(3, 3, 11, 2)) == [_done(4)]
     svc = await padded_finish_then_usage(8)
     out = await resume_at(svc, Position(2, 3, 11, 1))  # (the client had the finish, not the usage event)
-    assert len(out) == 2 and chunk(out[0])["usage"] is not None and out[-1] == DONE, out
+    assert len(out) == 2 and chunk(out[0])["usage"] is not None and is_done(out[-1]), out
     svc = await padded_finish_then_usage(3)  # (ended at max_tokens)
-    assert await resume_at(svc, Position(3, 3, 11, 2)) == [DONE]
+    assert await resume_at(svc, Position(3, 3, 11, 2)) == [_done(4)]

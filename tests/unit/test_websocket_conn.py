@@ -124,12 +124,12 @@ def test_socket_messages_are_the_sse_events_with_their_ids_and_a_resumable_end_h
     notice = json.loads(frames.message(enc.notice(RouterShutdown().body())))
     assert set(notice) == {"id", "error"} and notice["error"]["code"] == "router_shutdown", notice
     assert frames.ended
-    assert json.loads(frames.message(enc.done())) == {"id": "c1", "done": True}
+    assert json.loads(frames.message(enc.done())) == {"id": "c1", "done": True}  # (its SSE id, 3: not sent)
     # a stream that is not resumable: plain numbers, no stream named; its error is numbered
     plain = SocketFrames("c2", None)
     assert set(json.loads(plain.message(enc.delta("x")))) == {"id", "event", "chunk"}
     err = json.loads(plain.message(enc.error(RouterShutdown().body())))
-    assert err["event"] == 4 and err["error"]["code"] == "router_shutdown" and plain.ended, err
+    assert err["event"] == 5 and err["error"]["code"] == "router_shutdown" and plain.ended, err
 
 
 class SlowSocket:

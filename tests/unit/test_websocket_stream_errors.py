@@ -78,7 +78,7 @@ async def test_a_create_whose_store_fails_mid_stream_is_told_to_resume_its_strea
 
 async def test_a_resume_whose_store_fails_mid_stream_is_told_to_resume_again(monkeypatch) -> None:
     async def serve(svc, policy, sid, last_event_id):
-        return SimpleNamespace(iterator=one_chunk_then(StoreUnavailable("redis down")))
+        return SimpleNamespace(status_code=200, iterator=one_chunk_then(StoreUnavailable("redis down")))
 
     monkeypatch.setattr(ws, "serve_resume", serve)
     c, sock = conn()
