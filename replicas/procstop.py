@@ -4,17 +4,29 @@ A replica runs in a process group of its own (``start_new_session``): its
 engine's processes (vLLM's engine core and workers) are in it too. A clean
 stop signals the replica's process first and lets it stop them, as vLLM's
 own shutdown does; what is left then gets the group's SIGTERM, then SIGKILL.
+And a child the router starts stops with it (``die_with_parent``).
 """
 
 from __future__ import annotations
 
 import asyncio
+import ctypes
 import os
 import signal
 
-__all__ = ["GROUP_GRACE", "stop_process"]
+__all__ = ["GROUP_GRACE", "die_with_parent", "stop_process"]
+
+_PR_SET_PDEATHSIG = 1
 
 GROUP_GRACE = 2.0  # seconds what is left of a replica's process group gets after SIGTERM, before SIGKILL
+
+
+def die_with_parent() -> None:
+    """preexec_fn: the child gets SIGTERM when its parent dies (Linux)."""
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+    except OSError:
+        pass
 
 
 async def stop_process(proc: asyncio.subprocess.Process, grace: float) -> None:

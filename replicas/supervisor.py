@@ -12,12 +12,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import ctypes
 import json
 import logging
 import os
 import shutil
-import signal
 import sys
 import time
 from collections.abc import Callable
@@ -28,27 +26,18 @@ from replicas.cpubind import BIND_ENV, core_lists, workers
 from replicas.health import LOOP_STALL, Progress, abandon, answered_within
 from replicas.logs import REPLICA_ERROR_FILE_ENV, REPLICA_NAME_ENV
 from replicas.pool import ReplicaPool, ReplicaSlot
-from replicas.procstop import stop_process
+from replicas.procstop import die_with_parent, stop_process
 from replicas.protocol import FEATURES, Feature
 from replicas.rundirs import IPC_ENV, make_ipc_dir, make_run_dir, sweep
 from replicas.server import PARENT_PID_ENV
 from replicas.spec import ReplicaSpec
 from replicas.upstream_errors import UpstreamFailed
 
-__all__ = ["Supervisor", "SupervisorSettings", "die_with_parent"]
+__all__ = ["Supervisor", "SupervisorSettings"]
 
 log = logging.getLogger("fairstream.supervisor")
 
-_PR_SET_PDEATHSIG = 1
 UNREACHABLE_LOG_EVERY = 30.0  # (s) between warnings about a replica that still cannot be reached
-
-
-def die_with_parent() -> None:
-    """preexec_fn: the child gets SIGTERM when its parent dies (Linux)."""
-    try:
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
-    except OSError:
-        pass
 
 
 class SupervisorSettings:

@@ -55,7 +55,7 @@ async def parse_elsewhere(path: Path, text: str) -> bytes:
     """``load_yaml(path, TenantsFile, text)`` in a child process: its
     answer, for ``decode`` (in a thread: it builds the file's structs).
     ``ConfigError`` if the child cannot be started or fails."""
-    from replicas.supervisor import die_with_parent  # (here: the child, which imports this module, needs it not)
+    from replicas.procstop import die_with_parent  # (here: the child, which imports this module, needs it not)
 
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [_ROOT, os.environ.get("PYTHONPATH")])))
     try:

@@ -35,7 +35,8 @@ import msgspec
 
 from replicas.pool import ReplicaPool, ReplicaSlot
 from replicas.rundirs import make_run_dir, sweep
-from replicas.supervisor import Supervisor, SupervisorSettings, die_with_parent
+from replicas.procstop import die_with_parent
+from replicas.supervisor import Supervisor, SupervisorSettings
 from router.config import FORCE_SIGNAL, SHUTDOWN_MARGIN, RouterConfig
 
 __all__ = ["serve_workers", "worker_config"]
