@@ -53,8 +53,17 @@ class _ErrorBody(msgspec.Struct):
 
 
 def error_body(message: str, type_: str, param: str | None = None, code: str | None = None) -> bytes:
-    """OpenAI's error shape: ``{"error": {"message", "type", "param", "code"}}``."""
-    return msgspec.json.encode(_ErrorBody(_ErrorDetail(message, type_, param, code)))
+    """OpenAI's error shape: ``{"error": {"message", "type", "param", "code"}}``.
+    A lone surrogate in the text (a client's, echoed back) is written as its
+    escape: UTF-8 has no such character, and the encode's error was a 500."""
+    try:
+        return msgspec.json.encode(_ErrorBody(_ErrorDetail(message, type_, param, code)))
+    except UnicodeEncodeError:
+        return msgspec.json.encode(_ErrorBody(_ErrorDetail(_escaped(message), type_, _escaped(param), code)))
+
+
+def _escaped(text: str | None) -> str | None:
+    return text if text is None else text.encode("utf-8", "backslashreplace").decode("utf-8")
 
 
 def clip(text: str, n: int = 100) -> str:

@@ -257,13 +257,14 @@ def _lax(body: bytes, kind: type[_Common], e: msgspec.DecodeError | RecursionErr
     """The request of a body msgspec refused with ``e`` that vLLM takes
     (whole numbers written as floats, ``router.json_parity``), or its 400."""
     fixed = integral_floats(body, kind, _LOC.sub("", str(e))) if isinstance(e, msgspec.ValidationError) else None
+    refused = body
     if fixed is not None:
         try:
             return msgspec.json.decode(fixed, type=kind)
         except (msgspec.DecodeError, RecursionError) as again:
-            e = again
+            e, refused = again, fixed
     if isinstance(e, msgspec.DecodeError) and not isinstance(e, msgspec.ValidationError):
-        lone = lone_surrogate(body)
+        lone = lone_surrogate(refused, str(e))  # (msgspec's words say where: a few bytes read)
         if lone is not None:
             raise BadRequest(lone[0], param=lone[1], code="invalid_json") from e
     raise _invalid(e, body=body, kind=kind) from e

@@ -172,6 +172,19 @@ def test_an_unpaired_surrogate_escape_is_one_400_naming_its_field(shared_router:
                                      f"UTF-16 surrogate escape {escape}, which encodes no character"), err
 
 
+@pytest.mark.parametrize("tail, param", [('}], "metadata": {"\\ud83d": "x"}}', "metadata.\\ud83d"),
+                                         (', "\\ud83d": 1}]}', "messages[0].\\ud83d")])
+def test_a_key_holding_an_unpaired_surrogate_escape_is_a_400_naming_it(shared_router: RouterProcess, tail,
+                                                                       param) -> None:
+    # (the key itself was the param: no UTF-8 for it, so a text/plain 500)
+    body = '{"model": "%s", "messages": [{"role": "user", "content": "hi"%s' % (MODEL, tail)
+    r = _post(shared_router, "/v1/chat/completions", body.encode())
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert (err["code"], err["param"]) == ("invalid_json", param), err
+    assert err["message"].startswith(f"The request body is not valid JSON: '{param}' holds the unpaired "), err
+
+
 def test_an_escaped_backslash_before_u_is_text(shared_router: RouterProcess) -> None:
     body = '{"model": "%s", "messages": [{"role": "user", "content": "a \\\\ud83d"}], "max_tokens": 2}' % MODEL
     assert _post(shared_router, "/v1/chat/completions", body.encode()).status_code == 200
