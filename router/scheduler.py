@@ -196,6 +196,10 @@ class Scheduler:
                     return await asyncio.shield(w.future)
             return await asyncio.shield(w.future)
         except TimeoutError:
+            # (before it leaves: the tenant's queue with it, as a retry would
+            # wait behind the rest and need its own dispatch; and the stall it
+            # waited through, which the pace forgets once nobody waits)
+            retry = self._pace.retry_after(self.queued(policy.name), self.clock())
             self._leave(w)
             if ends is None:
                 self.metrics.limited(policy.name, "queue_wait")
@@ -206,8 +210,6 @@ class Scheduler:
                 raise ReplicaUnavailable(f"{e} ({ended}); retry later.") from None
             if ends is not None:
                 raise ends[1] from None
-            # (the requests of its tenant ahead of a retry, as queue_full counts them)
-            retry = self._pace.retry_after(self.queued(policy.name), self.clock())
             raise ServiceUnavailable(
                 f"The cluster is over capacity: {ended}; retry later.",
                 code="queue_timeout", headers={"retry-after": retry_after_header(retry)},

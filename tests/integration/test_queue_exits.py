@@ -94,13 +94,15 @@ async def _holding(client: httpx.AsyncClient, key: str):
         await asyncio.gather(holder, return_exceptions=True)
 
 
-async def test_a_queue_timeout_names_queue_wait_and_says_retry_after_1_with_nobody_behind(router) -> None:
+async def test_a_queue_timeout_names_queue_wait_and_counts_its_own_dispatch(router) -> None:
     async with httpx.AsyncClient(base_url=router.base_url, timeout=30) as client:
         async with _holding(client, HOLD):
             r = await client.post("/v1/completions", headers=_auth(QUEUE), json=_body(2))
     assert r.status_code == 503 and r.json()["error"]["code"] == "queue_timeout", r.text
-    # (nobody of q waits behind it: the pace's least, 1 s; it said 2)
-    assert r.headers["retry-after"] == "1", r.headers
+    # (nobody of q waits with it: its own dispatch at the pace, 1 s a turn
+    # until one was measured, a little over once the 1 s it waited through
+    # weighs in, rounded up; int(x) + 1 said 2 for exactly 1 s)
+    assert r.headers["retry-after"] in ("1", "2"), r.headers
     msg = r.json()["error"]["message"]
     assert "tenant 'q''s timeouts.queue_wait of 1s ended the wait" in msg, msg
     waited = re.search(r"waited ([\d.]+)s, ([\d.]+)s of it in the queue", msg)

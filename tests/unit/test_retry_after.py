@@ -2,8 +2,8 @@
 (``router.errors.retry_after_header``): whole seconds rounded up (a client
 that waits that long is not refused for the rest, and it agrees with the
 ``x-ratelimit-reset-*`` figure of the same wait), at least 1, at most
-``MAX_RETRY_AFTER``. The scheduler's 503 ``queue_timeout`` and 429
-``queue_full`` count the same requests ahead: the tenant's queue. (There
+``MAX_RETRY_AFTER``. The scheduler's 503 ``queue_timeout`` counts the
+tenant's queue and its own dispatch, and the stall it waited through. (There
 were three roundings: ``int(x + 0.999)`` said 59 for 59.0005 s; the
 queue_timeout's ``int(x) + 1`` said 2 for exactly 1 s and 301 past the
 300 s cap, with every tenant's queued requests counted ahead.)"""
@@ -64,9 +64,9 @@ async def test_a_queue_timeout_with_nobody_behind_says_1_not_2() -> None:
     held.release()
 
 
-async def test_a_queue_timeout_counts_its_tenant_s_queue_as_queue_full_does() -> None:
-    # 9 of tenant b queued, none of a: a's Retry-After is a's queue (1 s), not
-    # the 9 s of everyone's; queue_full counts only the tenant's queue too
+async def test_a_queue_timeout_counts_its_tenant_s_queue_and_its_own_dispatch() -> None:
+    # 9 of tenant b queued, none of a: a's Retry-After is a's queue and its
+    # own dispatch (1 s at the pace's 1 s a turn), not the 10 s of everyone's
     sched = _scheduler(1, Clock())
     held = await sched.acquire(queueing_policy("b"), 1, MODEL, 8)
     others = [asyncio.create_task(sched.acquire(queueing_policy("b"), 1, MODEL, 8)) for _ in range(9)]
@@ -78,6 +78,21 @@ async def test_a_queue_timeout_counts_its_tenant_s_queue_as_queue_full_does() ->
     for t in others:
         t.cancel()
     await asyncio.gather(*others, return_exceptions=True)
+    held.release()
+
+
+async def test_a_queue_timeout_alone_in_its_queue_counts_the_stall_it_waited_through() -> None:
+    # nothing dispatched for the 50 s it waited: a retry needs a dispatch
+    # too, 0.8 x 1 s + 0.2 x 50 s at the pace; it said 1 (0 ahead x the pace)
+    clock = Clock()
+    sched = _scheduler(1, clock)
+    held = await sched.acquire(queueing_policy("a"), 1, MODEL, 8)
+    waiting = asyncio.create_task(sched.acquire(_short(queueing_policy("a"), 0.05), 1, MODEL, 8))
+    await asyncio.sleep(0)
+    clock.now = 50.0
+    with pytest.raises(ServiceUnavailable) as timed_out:
+        await waiting
+    assert timed_out.value.headers["retry-after"] == "11", timed_out.value.headers
     held.release()
 
 
