@@ -30,15 +30,21 @@ __all__ = [
 
 def retry_after_header(seconds: float) -> str:
     """The ``Retry-After`` value for a wait of ``seconds``, the one rounding
-    every answer uses: whole seconds rounded up, so a client that waits that
-    long is not refused for the rest and the figure is never below the
-    ``x-ratelimit-reset-*`` of the same wait (``fmt_duration`` rounds up
-    too, and forgives float noise alike); at least 1 (0 would invite a
-    retry in a busy loop); at most ``MAX_RETRY_AFTER``, as the dispatch
-    pace is (a client that honours an hour stays away for an hour)."""
-    if not seconds < MAX_RETRY_AFTER:  # (inf, NaN too)
+    every answer uses: the figure ``x-ratelimit-reset-*`` shows for the same
+    wait (``router.ticket.fmt_duration``: rounded up at its unit, forgiving
+    1e-6 of it as float noise), rounded up to whole seconds, so a client
+    that waits that long is not refused for the rest and the figure is never
+    below the reset header's; at least 1 (0 would invite a retry in a busy
+    loop). Not capped: a rate limit's wait is what its bucket needs (a token
+    bucket driven below zero by a stream that used more than it reserved can
+    need minutes); the estimates are capped where they are made
+    (``DispatchPace.retry_after``: ``MAX_RETRY_AFTER``), and a wait without
+    an end (inf, NaN) says that cap."""
+    if not seconds < math.inf:  # (inf, NaN)
         return str(int(MAX_RETRY_AFTER))
-    return str(max(1, math.ceil(seconds - 1e-6)))
+    scale = 1000 if seconds <= 0.999 else 100 if seconds < 10 else 10 if seconds < 60 else 1
+    shown = math.ceil(seconds * scale - 1e-6) / scale
+    return str(max(1, math.ceil(shown)))
 
 
 class _ErrorDetail(msgspec.Struct):
