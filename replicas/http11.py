@@ -36,14 +36,17 @@ def sse_data(buf: bytes) -> tuple[list[bytes], bytes]:
     bring its LF); one that ends a blank line ends its event now (an LF
     after it is an empty line, which is nothing)."""
     held = b""
-    if b"\r" in buf:
+    # (``find``, not ``in``: CPython 3.11's ``bytes.__contains__`` first
+    # tries its argument as an int, and a bytes argument costs it a TypeError
+    # made, formatted and cleared: ~1,800 instructions, twice per token)
+    if buf.find(b"\r") >= 0:
         if buf[-1:] == b"\r" and buf[-2:-1] not in (b"\r", b"\n"):
             buf, held = buf[:-1], b"\r"
         buf = buf.replace(b"\r\n", b"\n").replace(b"\r", b"\n")
     *events, rest = buf.split(b"\n\n")
     out = []
     for event in events:
-        if event.startswith(b"data:") and b"\n" not in event:
+        if event.startswith(b"data:") and event.find(b"\n") < 0:
             out.append(event[5:].strip())  # (the usual event: one data line)
             continue
         lines = [line[5:].strip() for line in event.split(b"\n") if line.startswith(b"data:")]

@@ -159,7 +159,8 @@ class SseReader:
             self.size += len(data)
             self.tail = seam[-3:]
             # (a blank line: LF LF, CRLF CRLF, or with a lone CR ending a line)
-            if b"\n\n" not in seam and b"\n\r" not in seam and b"\r\r" not in seam:
+            # (``find``: see ``sse_data``)
+            if seam.find(b"\n\n") < 0 and seam.find(b"\n\r") < 0 and seam.find(b"\r\r") < 0:
                 if self.size > MAX_EVENT:
                     raise UpstreamFailed(f"an SSE event larger than {MAX_EVENT} bytes")
                 return
