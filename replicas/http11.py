@@ -189,7 +189,23 @@ class _Conn(asyncio.Protocol):
             self._flush()  # (what came before the bad bytes is the response's)
             self._fail(HttpError(f"bad HTTP response: {e}"))
             return
-        self._flush()
+        # ``_flush`` and ``Response._body`` in one frame: this runs once per
+        # token of a stream that is not ahead of the router, and each of the
+        # two calls was a Python frame of its own (docs/perf.md, "Session 39")
+        body = self.body
+        if body:
+            self.body = []
+            r = self.response
+            if r is not None:  # (its ``_done`` is not done while it is ours: ``_end`` and ``close`` let it go first)
+                piece = body[0] if len(body) == 1 else b"".join(body)
+                sink = r._sink
+                if sink is None:
+                    r._kept.append(piece)
+                    return
+                try:
+                    sink(piece)
+                except Exception as e:  # noqa: BLE001 - as in Response._body
+                    r.close(e)
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.closed = True
