@@ -153,6 +153,8 @@ class SseReader:
     def feed(self, data: bytes) -> None:
         if self.ended:
             return
+        if self._laned(data):
+            return
         if self.parts:
             seam = self.tail + data
             self.parts.append(data)
@@ -262,6 +264,44 @@ class SseReader:
             return
         if acc_text:
             self._put(st, acc_ids, acc_text, acc_count)
+
+    def _laned(self, data: bytes) -> bool:
+        """The usual read of a stream in its steady state, in one pass: one
+        complete event of one ``data:`` line, a plain chunk (token ids and
+        text, no finish, no usage), a run with a token lane: decoded and
+        handed to the lane. False: not such a read, the general path takes
+        it. That is ``feed``'s loop for one plain piece without its lists,
+        tuples and the ``sse_data`` and ``_put`` frames (docs/perf.md,
+        "Session 39"); a chunk that turns out not plain after decoding (a
+        finish, a usage chunk: once or twice per request) is decoded again
+        by the general path."""
+        st = self.st
+        lane = st.col.lane
+        if (lane is None or self.parts or self.first or self.held is not None or st.splice is not None or st.done
+                or st.prompt_ids is not None):
+            return False
+        end = len(data) - 2
+        # one event of one line: its first LF ends it, and no CR (a line end too)
+        if data[:6] != b"data: " or data[end:] != b"\n\n" or data.find(b"\n") != end or data.find(b"\r") >= 0:
+            return False
+        payload = data[6:end]
+        if payload[:1] != b"{":  # ([DONE], or space the general path strips)
+            return False
+        chunk = _chunk_decoder.decode(payload)
+        choices = chunk.choices
+        if (not choices or len(choices) != 1 or chunk.usage is not None or chunk.error is not None
+                or chunk.object == "error"):
+            return False
+        ch = choices[0]
+        ids = ch.token_ids
+        t = ch.text if ch.text is not None else (ch.delta.content if ch.delta else None)
+        if ch.index != 0 or not ids or not t or ch.finish_reason is not None:
+            return False
+        if not lane.tokens(ids, t):
+            st.col.put(_delta(st, ids, t, FinishReason.NONE))
+        st.delivered = True
+        self.owed = 0
+        return True
 
     def _put(self, st: Stream, ids: list[int], texts: list[str], count: int) -> None:
         text = texts[0] if len(texts) == 1 else "".join(texts)
