@@ -154,7 +154,8 @@ def main() -> None:
     p.add_argument("--top", type=int, default=40)
     p.add_argument("--system", default="fairstream", choices=["fairstream", "py-floor", "py-floor-features"])
     p.add_argument("--concurrency", type=int, help="streams at once, instead of the scenario's")
-    p.add_argument("--under", help="sum the calls inside the functions of this name, or FILE:NAME (e.g. http11.py:data_received)")
+    p.add_argument("--under", help="sum the calls inside the functions of this name, or FILE:NAME "
+                   "(e.g. http11.py:data_received)")
     p.add_argument("--per", type=int, default=1, help="with --under: per this many of a request (its tokens)")
     args = p.parse_args()
     if args.summary is None:
