@@ -254,7 +254,9 @@ class Supervisor:
                 # An OpenAI-compatible server (docs/upstreams.md); pings are GET /models.
                 from replicas.upstream_open import open_upstream
 
-                client = await open_upstream(slot.name, slot.spec, timeout=10, head_timeout=self.settings.health_timeout)
+                client = await open_upstream(slot.name, slot.spec, timeout=10,
+                                             head_timeout=self.settings.health_timeout,
+                                             stalling=getattr(slot.client, "stalling", None))
             elif slot.spec.local:
                 proc, address = await self._spawn(slot)
                 client = await self._connect_when_up(slot, address, proc)
@@ -270,7 +272,9 @@ class Supervisor:
                 await client.close()
                 return
             slot.client = client
-            slot.stalled_at = None  # (a stall of its last connection or process says nothing of this one)
+            # (a stall of its last connection or process says nothing of this one; but an upstream's generation
+            # route that sent no response head is its server's: still out of dispatch until its probe is answered)
+            slot.stalled_at = time.monotonic() if getattr(client, "stalling", None) else None
             slot.state = "ready"
             if isinstance(slot.connected(), KeyRefused):
                 log.warning("upstream %s takes the router's credentials again", slot.name)

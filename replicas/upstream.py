@@ -45,7 +45,7 @@ from replicas.protocol import (
 )
 from replicas.spec import ReplicaSpec
 from replicas.splice import post_detokenize, splice_at
-from replicas.upstream_checks import ModelCard, ModelList, answers_post
+from replicas.upstream_checks import ModelCard, ModelList, Stall
 from replicas.upstream_credentials import Credentials
 from replicas.upstream_errors import UpstreamFailed, error_text, rejects_field, retry_after_seconds
 from replicas.upstream_load import poll_vllm_load
@@ -66,7 +66,8 @@ class UpstreamClient:
     """One OpenAI-compatible upstream, duck-typed as a ``ReplicaClient``."""
 
     def __init__(self, name: str, spec: ReplicaSpec, session: aiohttp.ClientSession, http: HttpPool,
-                 model: str, upstream_model: str, max_model_len: int, head_timeout: float = 0.0) -> None:
+                 model: str, upstream_model: str, max_model_len: int, head_timeout: float = 0.0,
+                 stalling: str | None = None) -> None:
         self.name = name
         # longest wait for a response head (health_timeout; 0: none; vLLM sends it before the first
         # token): one that never comes (a proxy whose backend hangs) fails over, not a 504 at first_token
@@ -88,9 +89,9 @@ class UpstreamClient:
         # health checks pass): not chosen until its health check's probe, or
         # a request, shows the key is taken (``credentials_refused``).
         self.credentials = Credentials(name, spec.api_key_env, self.check_now)
-        # A generation request got no response head within head_timeout: why (the router's pool keeps
-        # it out of dispatch, as a stall) until a health check's POST is answered (upstream_probe)
-        self.stalling: str | None = None
+        # A generation request got no response head within head_timeout: out of dispatch, a stall, until a probe
+        # a health check starts is answered (``stalling``: its last connection's, its server's: kept, probed at once)
+        self._stall = Stall(name, http, upstream_model, head_timeout, self.check_now.set, stalling)
         # Whether the upstream returns token ids (None: not known yet).
         self.token_ids: bool | None = {"yes": True, "no": False}.get(spec.token_ids)
         self._require_ids = spec.token_ids == "yes"
@@ -110,6 +111,10 @@ class UpstreamClient:
     @property
     def active(self) -> int:
         return len(self._streams)
+
+    @property
+    def stalling(self) -> str | None:  # (why its generation requests get no response head; None: they do)
+        return self._stall.why
 
     @property
     def credentials_refused(self) -> str | None:
@@ -187,10 +192,9 @@ class UpstreamClient:
         self._streams.pop(col.rid, None)
 
     async def ping(self, timeout: float | None) -> Pong:
-        """GET {url}/models; ``ReplicaDead`` if it fails, TimeoutError after
-        ``timeout`` s (None: no limit).
-        After a refused connect it goes on a new connection (the session's
-        kept-alive one would not tell whether new ones are taken)."""
+        """GET {url}/models; ``ReplicaDead`` if it fails, TimeoutError after ``timeout`` s (None: no
+        limit). After a refused connect it goes on a new connection (the session's kept-alive one would
+        not tell whether new ones are taken). While stalled it starts a probe (``Stall``), not waited for."""
         session = self._session
         if self.refused:
             session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(force_close=True),
@@ -207,9 +211,7 @@ class UpstreamClient:
                 raise UpstreamFailed(f"GET /models no longer lists {self.upstream_model!r} (it lists {listed})")
             if self.credentials.refused is not None:  # (/models may need no key: ask a generation endpoint)
                 await self.credentials.probe(session, self.url, self.upstream_model)
-            if self.stalling is not None and await answers_post(self._http, self.name, self.upstream_model,
-                                                                self.head_timeout):
-                self.stalling = None
+            self._stall.probe()  # (while stalled; its own task: a probe's wait is not this check's)
         except TimeoutError:
             raise
         except (aiohttp.ClientError, OSError, UpstreamFailed, msgspec.ValidationError, msgspec.DecodeError) as e:
@@ -232,7 +234,7 @@ class UpstreamClient:
         tasks = [self._poller, *self._tasks]
         for t in tasks:
             t.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
+        await asyncio.gather(*tasks, self._stall.close(), return_exceptions=True)
         await self._http.close()
         await self._session.close()
 
@@ -398,9 +400,9 @@ class UpstreamClient:
                     self._streams.pop(col.rid, None)
                     st.col.fail(ReplicaBusy(f"upstream {self.name} failed: {e}", e.retry_after))
                 elif isinstance(e, HeadTimeout):  # (its /models may answer all along: a stall, not a death)
-                    self.stalling = f"upstream {self.name} failed: {e}"
+                    self._stall.caught(f"upstream {self.name} failed: {e}")
                     self._streams.pop(col.rid, None)
-                    st.col.fail(ReplicaStalled(self.stalling))
+                    st.col.fail(ReplicaStalled(self._stall.why))
                 else:
                     self._lost(st, f"upstream {self.name} failed: {e or type(e).__name__}")
         except Exception as e:  # noqa: BLE001 - a bug here must not leave the stream hanging
@@ -493,8 +495,6 @@ class UpstreamClient:
     async def _detokenize(self, ids: list[int]) -> str:
         """The text of ``ids`` from this upstream's ``/detokenize`` (for a ``Splice``)."""
         return await post_detokenize(self._session, _root(self.url), self.upstream_model, ids)
-
-    # -- load ----------------------------------------------------------------
 
     def _loaded(self, report: LoadReport | None) -> None:
         self._vllm_load = report

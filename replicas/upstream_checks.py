@@ -5,20 +5,34 @@ That check, ``GET /models``, may pass all along (a proxy or balancer
 that black-holes the POSTs, a front end whose generation route hangs), so
 the check alone would put it back in dispatch and every request sent there
 would wait out the head timeout again. While it is ``stalling`` each health
-check also POSTs a request with no prompt to its completions endpoint, on the
-connections generation requests use: an OpenAI server answers it at once
-(400, generating nothing); an answer within the head timeout, any status
-below 500, shows its generation requests are answered again."""
+check also starts a POST probe to its completions endpoint (``Stall``), on
+the connections generation requests use, one at a time and beside the check,
+not inside it: a probe that gets no answer (the very case it tests) must not
+make the check overrun its own limit, which takes the upstream down and fails
+over every stream on it, healthy ones too.
+
+The probe's body (``probe_body``) is refused before any generation by the servers
+that matter, and caps what any other could generate at one token: no
+``prompt`` (vLLM answers 400, "Either prompt or prompt_embeds must be
+provided"), ``n: 0`` (below the OpenAI API's minimum of 1: a 400 from OpenAI,
+vLLM, llama.cpp's server), ``max_tokens: 1`` (OpenAI's legacy completions take
+a missing prompt as the start of a document and would generate, by default 16
+tokens, billed, were ``n`` not refused first; a server that ignores both
+fields still stops at one). Any answer below 500 shows its generation route
+answers; a 5xx (a proxy's 502/503) does not. A gateway that validates requests
+itself answers for the server behind it: the probe cannot see past it."""
 
 from __future__ import annotations
 
+import asyncio
 import logging
+from collections.abc import Callable
 
 import msgspec
 
 from replicas.http11 import HttpError, HttpPool
 
-__all__ = ["ModelCard", "ModelList", "answers_post"]
+__all__ = ["ModelCard", "ModelList", "probe_body", "Stall", "answers_post"]
 
 log = logging.getLogger("fairstream.upstream")
 
@@ -32,18 +46,70 @@ class ModelList(msgspec.Struct):
     data: list[ModelCard]
 
 
-async def answers_post(http: HttpPool, name: str, model: str, head_timeout: float) -> bool:
-    """Whether upstream ``name`` answers a POST within ``head_timeout`` s (0: no limit)."""
+def probe_body(model: str) -> bytes:
+    """The probe's body (the module's docstring says why these fields)."""
+    return msgspec.json.encode({"model": model, "n": 0, "max_tokens": 1})
+
+
+async def answers_post(http: HttpPool, name: str, model: str, budget: float) -> bool:
+    """Whether upstream ``name`` answers a POST within ``budget`` s in all: the wait for a
+    ``max_concurrency`` slot and the connect count, as the answer's body does (0: no limit)."""
     try:
-        resp = await http.request("POST", "/completions", msgspec.json.encode({"model": model}), None, head_timeout)
-        try:
-            await resp.read()
-        finally:
-            resp.close()
-    except (HttpError, OSError) as e:
-        log.debug("upstream %s: its generation endpoint still does not answer: %s", name, e)
+        async with asyncio.timeout(budget or None):
+            resp = await http.request("POST", "/completions", probe_body(model), None, budget)
+            try:
+                await resp.read()
+            finally:
+                resp.close()
+    except (HttpError, OSError, TimeoutError) as e:
+        log.debug("upstream %s: its generation endpoint still does not answer: %s", name, e or "timed out")
         return False
     if resp.status >= 500:  # (a proxy's 502/503: no server behind it takes them yet)
         return False
     log.info("upstream %s answers generation requests again: chosen again", name)
     return True
+
+
+class Stall:
+    """Why an upstream's generation requests get no response head (``why``;
+    None: they do), and its probes, one at a time (``probe``, at each health
+    check while ``why`` is set). A probe that is answered clears ``why`` and
+    calls ``answered`` (the client's ``check_now``: the health check that then
+    puts it back in dispatch comes at once) unless a request got no head while
+    it was under way: it shows nothing of that request, sent before its answer."""
+
+    def __init__(self, name: str, http: HttpPool, model: str, budget: float, answered: Callable[[], None],
+                 why: str | None = None) -> None:
+        self.name = name
+        self._http = http
+        self._model = model
+        # (a probe's whole time, slot and connect included: a generation request's head limit, so an
+        # answered probe was at least as quick as that request had to be; 0: none, as for the request)
+        self._budget = budget
+        self._answered = answered
+        self.why = why
+        self._caught = 0  # (stalls caught so far: one during a probe keeps it stalled)
+        self._task: asyncio.Task[None] | None = None
+        self._closed = False  # (its client closed: a ping still under way starts none)
+
+    def caught(self, why: str) -> None:
+        """A generation request got no response head (``why``)."""
+        self.why = why
+        self._caught += 1
+
+    def probe(self) -> None:
+        """Start a probe while stalled, unless one is under way."""
+        if self.why is not None and not self._closed and (self._task is None or self._task.done()):
+            self._task = asyncio.get_running_loop().create_task(self._probe(), name=f"upstream-probe-{self.name}")
+
+    async def _probe(self) -> None:
+        caught = self._caught
+        if await answers_post(self._http, self.name, self._model, self._budget) and caught == self._caught:
+            self.why = None
+            self._answered()
+
+    async def close(self) -> None:
+        self._closed = True
+        if self._task is not None:
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)

@@ -36,8 +36,9 @@ def _session(spec: ReplicaSpec) -> aiohttp.ClientSession:
 
 
 async def open_upstream(name: str, spec: ReplicaSpec, *, timeout: float = 10.0,
-                        head_timeout: float = 0.0) -> UpstreamClient:
-    """Connect to ``spec.url``: list its models, pick the one to serve."""
+                        head_timeout: float = 0.0, stalling: str | None = None) -> UpstreamClient:
+    """Connect to ``spec.url``: list its models, pick the one to serve (``stalling``: why its last
+    connection's generation requests got no response head, kept until a probe is answered)."""
     session = _session(spec)
     url = (spec.url or "").rstrip("/")
     try:
@@ -63,7 +64,8 @@ async def open_upstream(name: str, spec: ReplicaSpec, *, timeout: float = 10.0,
             raise ReplicaDead(f"upstream {name} lists no models")
         model = str(spec.config.get("model") or card.id)
         http = HttpPool(url, _auth(spec), limit=spec.max_concurrency or 0)
-        return UpstreamClient(name, spec, session, http, model, card.id, card.max_model_len or 0, head_timeout)
+        return UpstreamClient(name, spec, session, http, model, card.id, card.max_model_len or 0, head_timeout,
+                              stalling)
     except aiohttp.ServerDisconnectedError as e:
         await session.close()
         # (closed before any answer: a tunnel or proxy whose upstream is down;

@@ -16,6 +16,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import httpx
+import pytest
 import yaml
 
 from replicas.client import connect
@@ -62,12 +63,14 @@ def _fake_peers() -> Iterator[_Loop]:
 class _Proxy:
     """A TCP proxy that can black-hole: stop forwarding without closing
     (``hole``: every connection; ``hole_posts``: new connections whose
-    request is a POST)."""
+    request is a POST); ``get_delay``: seconds each GET is held before it
+    goes on (a slow network or front end)."""
 
     def __init__(self, target_port: int) -> None:
         self.target_port = target_port
         self.hole = False
         self.hole_posts = False
+        self.get_delay = 0.0
         self.server: asyncio.AbstractServer | None = None
         self.writers: list[asyncio.StreamWriter] = []
 
@@ -89,11 +92,15 @@ class _Proxy:
             while await reader.read(65536):  # (held: read and never answered)
                 pass
             return
+        if self.get_delay and first.startswith(b"GET"):
+            await asyncio.sleep(self.get_delay)
         up_w.write(first)
-        await asyncio.gather(self._pipe(reader, up_w), self._pipe(up_r, writer), return_exceptions=True)
+        await asyncio.gather(self._pipe(reader, up_w, True), self._pipe(up_r, writer), return_exceptions=True)
 
-    async def _pipe(self, src: asyncio.StreamReader, dst: asyncio.StreamWriter) -> None:
+    async def _pipe(self, src: asyncio.StreamReader, dst: asyncio.StreamWriter, requests: bool = False) -> None:
         while data := await src.read(65536):
+            if requests and self.get_delay and data.startswith(b"GET"):  # (a kept-alive connection's next GET)
+                await asyncio.sleep(self.get_delay)
             while self.hole:  # (what comes now is dropped: neither FIN nor RST goes on)
                 await asyncio.sleep(3600)
             dst.write(data)
@@ -195,7 +202,8 @@ def test_a_replica_aborts_the_streams_of_a_router_connection_gone_silent(tmp_pat
     assert "no frame from the router" in (tmp_path / "replica.log").read_text()
 
 
-def test_an_upstream_that_sends_no_response_head_is_out_of_dispatch_until_it_answers_again(tmp_path):
+@pytest.mark.parametrize("get_delay", [0.0, 0.3])
+def test_an_upstream_that_sends_no_response_head_is_out_of_dispatch_until_it_answers_again(tmp_path, get_delay):
     # (its GET /models passed, so it stayed ready, and each request sent to it
     # waited out the head timeout before failing over)
     upstream = SimOpenAI(tmp_path).start()
@@ -210,6 +218,7 @@ def test_an_upstream_that_sends_no_response_head_is_out_of_dispatch_until_it_ans
                 body = {"model": MODEL, "prompt": "Le caf", "max_tokens": 4}
                 with httpx.Client(base_url=router.base_url, headers={"Authorization": f"Bearer {GOLD}"},
                                   timeout=30) as http:
+                    proxy.get_delay = get_delay  # (its GET /models slow: 0.3 s of the 1 s health timeout)
                     proxy.hole_posts = True
                     assert http.post("/v1/completions", json=body).status_code == 200  # (the upstream's: failed over)
                     poll(lambda: _rows(router)[UPSTREAM]["state"] == "stalled", 5, what="the upstream stalled")
@@ -220,8 +229,13 @@ def test_an_upstream_that_sends_no_response_head_is_out_of_dispatch_until_it_ans
                         start = time.monotonic()
                         assert http.post("/v1/completions", json=body).status_code == 200
                         assert time.monotonic() - start < 0.8
-                    time.sleep(1.0)  # (health checks pass meanwhile: /models is a GET)
-                    assert _rows(router)[UPSTREAM]["state"] == "stalled"
+                    # Health checks pass meanwhile (/models is a GET), while their POST probe gets no answer: the
+                    # probe's wait is not the health check's (it was: "no pong within 1s", down, its streams failed
+                    # over, and the reconnect put it straight back in dispatch, to wait out the head timeout again).
+                    for _ in range(10):
+                        time.sleep(0.25)
+                        row = _rows(router)[UPSTREAM]
+                        assert row["state"] == "stalled" and row["reconnects"] == 0, row
                     proxy.hole_posts = False
                     poll(lambda: _rows(router)[UPSTREAM]["state"] == "ready", 10, what="the upstream back")
             peers.run(proxy.close())

@@ -1,0 +1,64 @@
+"""An upstream's stall probe (replicas.upstream_checks): its time limit
+counts the wait for a slot, a stall caught while it runs is not cleared by
+it, and its body asks for no generation."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import msgspec
+
+from replicas.http11 import HttpPool
+from replicas.upstream_checks import Stall, answers_post, probe_body
+from tests.unit.test_http11 import Server
+
+REFUSED = b"HTTP/1.1 400 Bad Request\r\nContent-Type: application/json\r\nContent-Length: 2\r\n\r\n{}"
+
+
+def test_the_probe_asks_for_nothing_to_be_generated():
+    # (no prompt: vLLM's 400; n 0: below the API's minimum; max_tokens 1: at most a token where neither is refused)
+    assert msgspec.json.decode(probe_body("m")) == {"model": "m", "n": 0, "max_tokens": 1}
+
+
+async def test_the_wait_for_a_concurrency_slot_counts_in_the_probe_budget():
+    # (it waited for a slot with no limit: at the cap, the health check waited, overran, and took the upstream down)
+    async def never(path, w, r):
+        await asyncio.sleep(3600)
+
+    async with Server(never) as srv:
+        pool = HttpPool(srv.url, limit=1)
+        held = asyncio.ensure_future(pool.request("POST", "/completions", b"{}"))  # (the one slot, for good)
+        await asyncio.sleep(0.05)
+        start = time.monotonic()
+        assert not await answers_post(pool, "up", "m", 0.3)
+        assert time.monotonic() - start < 0.6
+        held.cancel()
+        await asyncio.gather(held, return_exceptions=True)
+        await pool.close()
+
+
+async def test_a_stall_caught_while_a_probe_runs_is_not_cleared_by_its_answer():
+    gate = asyncio.Event()
+
+    async def late_refusal(path, w, r):
+        await gate.wait()
+        w.write(REFUSED)
+
+    async with Server(late_refusal) as srv:
+        pool = HttpPool(srv.url)
+        answered = asyncio.Event()
+        stall = Stall("up", pool, "m", 5.0, answered.set, "upstream up failed: no response head within 5s")
+        stall.probe()
+        await asyncio.sleep(0.05)
+        stall.probe()  # (one at a time: a second check while it runs starts none)
+        stall.caught("upstream up failed: no response head within 5s")  # (a request sent before its answer)
+        gate.set()
+        await asyncio.sleep(0.1)
+        assert stall.why is not None and not answered.is_set()
+        assert len(srv.requests) == 1
+        stall.probe()  # (the next check's probe, begun after that stall: its answer counts)
+        await asyncio.wait_for(answered.wait(), 2)
+        assert stall.why is None
+        await stall.close()
+        await pool.close()
