@@ -209,9 +209,15 @@ async def test_an_upstream_refusing_the_key_at_connect_is_logged_once_naming_api
     router.replica_names = ["sim-0"]
     cleanup(router)
     await asyncio.to_thread(router.start)
-    await asyncio.sleep(3.6)  # attempts at 0, 0.5, 1.5, 3.5 s
     async with httpx.AsyncClient(base_url=router.base_url, headers={"Authorization": f"Bearer {GOLD}"},
                                  timeout=30) as http:
+        # attempts at 0, 0.5, 1.5, 3.5 s: waited for, not slept (a loaded host is later)
+        deadline = asyncio.get_running_loop().time() + 30
+        while asyncio.get_running_loop().time() < deadline:
+            rows = (await http.get("/admin/replicas", headers={"Authorization": f"Bearer {ADMIN}"})).json()["replicas"]
+            if all(row["reconnects"] >= 3 for row in rows[:2]):
+                break
+            await asyncio.sleep(0.2)
         for model in ("up-model", "a-model-up-2-may-serve"):
             r = await http.post("/v1/completions", json={"model": model, "prompt": PROMPT, "max_tokens": 4})
             assert r.status_code == 503, r.text
