@@ -323,36 +323,37 @@ class HttpConnection(HttpToolsProtocol):
             return
         self._feed(data)
         if self._in_head and not self._refused:
-            # a head still incomplete: a header not finished yet waits in the
-            # parser, unseen by on_header
+            # a head still incomplete: a header not finished yet waits in the parser, unseen by on_header
             self._raw += len(data)
             if self._raw > MAX_HEAD_BYTES:
                 self._refuse(431, "Request header fields too large.", "header_too_large", "header_too_large")
 
     def _feed(self, data: bytes) -> None:  # (uvicorn's data_received, but for _ignore_upgrade)
         self._unset_keepalive_if_required()
-        try:
-            self.parser.feed_data(data)
-        except httptools.HttpParserUpgrade as e:
-            if self._should_upgrade():
-                self.handle_websocket_upgrade()
-            elif self._upgrade:
-                self._ignore_upgrade(data[e.args[0]:])
-        except httptools.HttpParserError:
-            self.logger.warning("Invalid HTTP request received.")
-            self.send_400_response("Invalid HTTP request received.")
+        rest: bytes | None = data
+        while rest is not None:  # (a loop, not a recursion: one read may hold thousands of upgrades)
+            data, rest = rest, None
+            try:
+                self.parser.feed_data(data)
+            except httptools.HttpParserUpgrade as e:
+                if self._should_upgrade():
+                    self.handle_websocket_upgrade()
+                elif self._upgrade:
+                    rest = self._ignore_upgrade(data[e.args[0]:])
+            except httptools.HttpParserError:
+                self.logger.warning("Invalid HTTP request received.")
+                self.send_400_response("Invalid HTTP request received.")
 
-    def _ignore_upgrade(self, rest: bytes) -> None:
-        """Serve a request asking for an upgrade other than a WebSocket's
-        (``Upgrade: h2c``: ``curl --http2``) as the HTTP/1.1 request it also is
-        (RFC 9110 7.8). httptools stops at its head and parses no more (uvicorn
-        served it bodiless and nothing after it): a new parser goes on, fed
-        first a head of its framing headers (no request: ``_upgrade``)."""
+    def _ignore_upgrade(self, rest: bytes) -> bytes:
+        """Serve a request asking for an upgrade other than a WebSocket's (``Upgrade: h2c``:
+        ``curl --http2``) as the HTTP/1.1 request it also is (RFC 9110 7.8). httptools stops at
+        its head and parses no more (uvicorn served it bodiless and nothing after it): a new
+        parser goes on, fed first a head of its framing headers (no request: ``_upgrade``): returned."""
         framing = b"".join(b"%s: %s\r\n" % h for h in self.headers if h[0] in (b"content-length", b"transfer-encoding"))
         self.parser = httptools.HttpRequestParser(self)
         self.parser.set_dangerous_leniencies(lenient_data_after_close=True)  # (as uvicorn's)
         self.headers, self.url, self._head = [], b"", 0  # (that head's; the request's are in its scope)
-        self._feed(b"POST / HTTP/1.1\r\n%s\r\n%s" % (framing, rest))
+        return b"POST / HTTP/1.1\r\n%s\r\n%s" % (framing, rest)
 
     def on_message_begin(self) -> None:
         if self._refused or self._upgrade:
