@@ -464,14 +464,16 @@ async def relay_stream(es: EventStream, pieces: AsyncIterator[Piece], first: Pie
 
 async def _settle(svc, writer, sid: str, result: str, final: bytes | None, chars: int,
                   ticket: Ticket | None, used: int, charged: int) -> None:
-    if result in _DETACHED:
-        # The client left (or this router stops): keep what was delivered so
-        # a resume can continue it, and what its tokens were charged.
-        await writer.detach(sid, chars, charged)
-    else:
-        await writer.finish(sid, final, chars)
-    if ticket is not None:
-        await svc.admission.finish(ticket, used)  # (once: a no-op after ``EventStream.release``)
+    try:
+        if result in _DETACHED:
+            # The client left (or this router stops): keep what was delivered so
+            # a resume can continue it, and what its tokens were charged.
+            await writer.detach(sid, chars, charged)
+        else:
+            await writer.finish(sid, final, chars)
+    finally:  # (a writer that fails unexpectedly, too: else the lease keeper renewed its lease for good)
+        if ticket is not None:
+            await svc.admission.finish(ticket, used)  # (once: a no-op after ``EventStream.release``)
 
 
 class _NoBuffer:

@@ -253,8 +253,10 @@ class ResumeWriter:
     async def finish(self, sid: str, final: bytes | None, text_len: int) -> None:
         """Append the last event, mark the stream finished, drop the claim."""
         self._put(sid, () if final is None else (final,), (), text_len, True)
-        await self._flush_one(sid)
-        await self.release(sid)
+        try:
+            await self._flush_one(sid)
+        finally:  # (a flush that fails unexpectedly, too: else its claim was renewed for good)
+            await self.release(sid)
 
     async def detach(self, sid: str, text_len: int, charged: int = 0) -> None:
         """The client went away mid-stream: flush and drop the claim so a
@@ -264,8 +266,10 @@ class ResumeWriter:
         events sent): kept with the buffer, so that the continuation of a
         resume charges only those past them (router/continuation.py)."""
         self._put(sid, (), (), text_len, False)
-        await self._flush_one(sid)
-        await self.release(sid, charged)
+        try:
+            await self._flush_one(sid)
+        finally:
+            await self.release(sid, charged)
 
     def _put(self, sid: str, events, token_ids, text_len: int | None, finished: bool) -> None:
         """To the store at once (in-process store), or into the next flush

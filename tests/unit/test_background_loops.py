@@ -16,6 +16,7 @@ import pytest
 import router.background as background
 import router.leases as leases
 import router.peers as peers_mod
+import router.relay as relay
 import router.resume as resume
 from router.background import KeepGoing, spawn
 from router.leases import LeaseKeeper
@@ -180,3 +181,37 @@ async def test_a_cancel_that_came_out_as_another_error_ends_the_loop_unlogged(ca
     task.cancel()
     await asyncio.wait((task,), timeout=1.0)
     assert task.cancelled() and not _errors(caplog)
+
+
+@pytest.mark.parametrize("end", ["finish", "detach"])
+async def test_a_stream_whose_last_flush_fails_unexpectedly_is_released_all_the_same(end: str) -> None:
+    # (the failure skipped the release: the stream stayed in ``live``, and
+    # the renewal loop kept its claim until the router restarted)
+    store = FailsOnce(stream_append=True, stream_release=None)
+    w = ResumeWriter(store, 60.0)  # type: ignore[arg-type]
+    w.live.add("s1")
+    w._written["s1"] = 0
+    w.append("s1", b"data: 1", [1], 1)
+    with pytest.raises(ValueError):
+        await (w.finish("s1", b"data: [DONE]", 1) if end == "finish" else w.detach("s1", 1, 1))
+    assert [args[0] for args in store.calls["stream_release"]] == ["s1"] and "s1" not in w.live
+
+
+async def test_a_stream_whose_settling_fails_unexpectedly_gives_its_admission_back() -> None:
+    # (the failure skipped admission.finish: the lease keeper renewed the
+    # tenant's concurrency lease for good, a max_concurrent 1 tenant locked out)
+    finished = []
+
+    class Writer:
+        async def finish(self, sid, final, text_len) -> None:
+            raise ValueError("an append that failed")
+
+    class Admission:
+        async def finish(self, ticket, used) -> None:
+            finished.append((ticket, used))
+
+    ticket = object()
+    with pytest.raises(ValueError):
+        await relay._settle(SimpleNamespace(admission=Admission()), Writer(), "s1", "stop", b"data: [DONE]", 1,
+                            ticket, 3, 3)  # type: ignore[arg-type]
+    assert finished == [(ticket, 3)]
