@@ -58,6 +58,8 @@ class _Chunk(msgspec.Struct):
 
 
 _decode = msgspec.json.Decoder(_Chunk).decode
+# a ``stream_read`` after past any buffer's events (the stores clamp it): its count, no event
+_PAST_ANY_EVENT = 1 << 52
 
 
 def _data(event: bytes) -> bytes:
@@ -95,11 +97,17 @@ async def done_at(svc, sid: str, tenant: str, pos) -> bool:
     if pos.tokens is not None or pos.event < 1:  # ([DONE]'s id is its number alone)
         return False
     try:
+        # (the count first, no event, then the one event: this runs before the
+        # resume is charged, and reading from the id on read all of a long
+        # stream's events for an early id, again at every try)
+        head = await svc.store.stream_read(sid, _PAST_ANY_EVENT, False)
+        if (head is None or not head.finished or head.total_events != pos.event
+                or decode_meta(head.meta).tenant != tenant):
+            return False
         snap = await svc.store.stream_read(sid, pos.event - 1, False)
     except StoreUnavailable:
         return False
-    return (snap is not None and snap.finished and snap.total_events == pos.event and len(snap.events) == 1
-            and is_done(snap.events[0]) and decode_meta(snap.meta).tenant == tenant)
+    return snap is not None and len(snap.events) == 1 and is_done(snap.events[0])
 
 
 def error_code(event: bytes) -> str:
