@@ -348,7 +348,8 @@ class RedisStore(StateStore):
                                     "every 1 s", now - failing, e)
                     else:
                         log.debug("turns subscription lost (%s); again in 1 s", e)
-                    await asyncio.sleep(1.0)
+                # (after a listen() that ended cleanly too: subscribing again at once could spin)
+                await asyncio.sleep(1.0)
 
     async def close(self) -> None:
         await stop(self._watcher)

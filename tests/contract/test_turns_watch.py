@@ -68,3 +68,37 @@ async def test_a_subscription_redis_refuses_is_a_warning(redis_server, caplog) -
     said = [r for r in caplog.records if "turns subscription" in r.getMessage()]
     assert said[0].levelno == logging.WARNING, [(r.levelname, r.getMessage()) for r in said]
     assert "poll" in said[0].getMessage()
+
+
+async def test_a_subscription_that_ends_cleanly_is_made_again_after_a_pause() -> None:
+    # (a listen() that ends without an error, as on a connection closed
+    # cleanly, was subscribed again at once: a hot loop on a dead server)
+    from router.state.redis_store import RedisStore
+
+    subscribed: list[float] = []
+
+    class EndsAtOnce:  # a dependency double of redis-py's PubSub
+        async def __aenter__(self):
+            return self
+
+        async def __aexit__(self, *exc) -> None:
+            pass
+
+        async def subscribe(self, channel) -> None:
+            subscribed.append(asyncio.get_running_loop().time())
+            await asyncio.sleep(0)  # (as a round trip would: the hot loop must not starve this test)
+
+        async def listen(self):
+            return
+            yield
+
+    store = RedisStore("redis://127.0.0.1:1", prefix="fs-clean")
+    real = store._redis
+    store._redis = type("Redis", (), {"pubsub": lambda self, **kw: EndsAtOnce(),  # type: ignore[assignment]
+                                      "aclose": lambda self: real.aclose()})()
+    try:
+        store.watch(lambda tenant: None)
+        await asyncio.sleep(0.3)
+    finally:
+        await store.close()
+    assert len(subscribed) == 1, len(subscribed)
