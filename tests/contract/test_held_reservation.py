@@ -145,3 +145,32 @@ async def test_a_stream_longer_than_its_hold_is_still_taken_over(backend: Backen
     cont = req(29, hold=1.0, base=3 + 30, replaces=(first.lease_id,))
     d = await store.admit(t, cont)
     assert d.ok and d.taken == 43, d
+
+
+async def test_a_reservation_past_its_hold_is_not_taken_over_before_the_next_sweep(backend: Backend) -> None:
+    # (the memory store sweeps expired reservations at most once a second: a
+    # continuation that came after a hold ran out, but before the sweep,
+    # took the expired reservation over and paid for none of its tokens)
+    t, store = backend.tenant(), backend.store
+    first = req(43, hold=1.5)
+    assert (await store.admit(t, first)).ok  # (the memory store sweeps now, the next in 1 s)
+    await backend.sleep(1.2)
+    assert (await store.admit(t, req(1))).ok  # (another request: a sweep, the first kept; the next at 2.2)
+    await backend.sleep(0.5)  # (1.7 s in: its hold ran out at 1.5)
+    d = await store.admit(t, req(10, base=33, replaces=(first.lease_id,)))
+    assert d.ok and (d.taken, d.base) == (0, 0), d
+
+
+async def test_a_renewed_reservation_is_kept_for_its_hold_past_the_leases_end(backend: Backend) -> None:
+    # (a renewal keeps the reservation until the lease's new end plus the
+    # hold: a router that dies right after renewing leaves its lease for the
+    # TTL, and a client resuming after that, within the hold, must still
+    # find the reservation to take over)
+    t, store = backend.tenant(), backend.store
+    first = req(43, hold=2.0)
+    assert (await store.admit(t, first)).ok
+    await backend.sleep(0.5)
+    await store.renew(t, [first.lease_id], 1.0)  # (its router's last renewal: kept until 0.5 + 1 + 2)
+    await backend.sleep(2.0)  # (2.5 s in: the lease ended at 1.5, the hold not yet)
+    d = await store.admit(t, req(29, base=14, replaces=(first.lease_id,)))
+    assert d.ok and d.taken == 43, d

@@ -118,6 +118,11 @@ async def test_a_finished_buffer_says_so(backend: Backend) -> None:
     await store.stream_append(s, [b"e1", b"[DONE]"], [10], 3, True, "r1", 60)
     snap = await store.stream_read(s, 0)
     assert snap.finished and snap.total_events == 2
+    # (and is never claimed: a resume of it is told the stream is done, not continued)
+    await store.stream_release(s, "r1")
+    assert not await store.stream_claim(s, "r2", 10)
+    assert not await store.stream_claim(s, "r1", 10)
+    assert (await store.stream_read(s, 0)).owner == ""
 
 
 async def test_padding_keeps_the_text_length(backend: Backend) -> None:

@@ -11,6 +11,7 @@ import asyncio
 import msgspec
 import pytest
 
+from router import admission
 from router.admission import DEADLINE_SLACK, Admission
 from router.errors import RateLimited, RouterShutdown
 from router.metrics import Metrics
@@ -122,6 +123,20 @@ async def test_a_stream_that_ends_lets_the_next_in_at_once() -> None:
     assert loop.time() - t < 0.2
 
 
+async def test_the_head_asks_again_when_its_tokens_should_have_refilled() -> None:
+    # (the head sleeps the store's retry_after, capped by a poll period of
+    # 1 s: a head that always slept the poll period waited 1 s for 20 tokens
+    # that came back in 0.2 s)
+    p = _policy(20.0, rpm=0)
+    policy = msgspec.structs.replace(p, limits=msgspec.structs.replace(p.limits, tokens_per_minute=6000))
+    adm = Admission(MemoryStore(), Metrics())
+    await adm.admit(policy, 6000)  # (100 tokens a second from now)
+    loop = asyncio.get_running_loop()
+    t = loop.time()
+    await asyncio.wait_for(adm.admit(policy, 20), 3)
+    assert 0.15 <= loop.time() - t < 0.75, loop.time() - t
+
+
 async def test_shutdown_ends_every_waiter() -> None:
     # (one more request a minute: none of the three gets in while they line
     # up; at 600 a minute one went in after 0.1 s, so on a loaded host the
@@ -174,6 +189,42 @@ async def test_requests_arriving_together_on_a_slow_store_share_one_line() -> No
     await adm.finish(held, 1)
     await asyncio.wait_for(asyncio.gather(*tasks), 3)  # (each in well under the 1 s a refusal suggests)
     assert sorted(order) == [0, 1, 2] and adm.queued("t") == 0 and not adm._lines
+
+
+class AnswersLate(MemoryStore):
+    """While ``late``: decides at once, answers when ``go`` is set."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.late = False
+        self.decided = asyncio.Event()
+        self.go = asyncio.Event()
+
+    async def admit(self, tenant, req):
+        decision = await super().admit(tenant, req)
+        if self.late:
+            self.decided.set()
+            await self.go.wait()
+        return decision
+
+
+async def test_a_stream_that_ends_while_the_store_answers_lets_the_request_in_at_once(monkeypatch) -> None:
+    # (the refusal on its way is stale: the tokens are back, and the request
+    # asks again at once, not when the refusal or a head's poll says; the
+    # poll period is made long here so that a missed wake shows)
+    monkeypatch.setitem(admission.HEAD_POLL, "", 30.0)
+    p = _policy(60.0, rpm=0)
+    policy = msgspec.structs.replace(p, limits=msgspec.structs.replace(p.limits, tokens_per_minute=60))
+    store = AnswersLate()
+    adm = Admission(store, Metrics())
+    held = await adm.admit(policy, 60)
+    store.late = True
+    waiting = asyncio.create_task(adm.admit(policy, 30))
+    await asyncio.wait_for(store.decided.wait(), 5)  # refused: 30 tokens are 30 s away
+    store.late = False
+    await adm.finish(held, 0)  # the stream used none of its 60
+    store.go.set()
+    assert await asyncio.wait_for(waiting, 5) is not None
 
 
 async def test_a_full_line_refuses_without_taking_the_heads_turn() -> None:

@@ -459,10 +459,11 @@ def test_a_returning_tenant_is_lifted_to_the_backlogged_minimum(data, workload, 
 
 def test_a_new_tenant_starts_at_the_backlogged_minimum() -> None:
     c = VirtualCounters()
+    c.charge("idle", 1, 0, 1.0)  # (the smallest counter of all, but not backlogged: not the floor)
     c.charge("a", 100, 100, 1.0)
     c.charge("b", 10, 10, 1.0)
     c.activate("new", ["a", "b"])
-    assert c.get("new") == c.get("b")
+    assert c.get("new") == c.get("b") == 30
     c.activate("b", ["a"])  # b is behind a: lifted
     assert c.get("b") == c.get("a")
     c.charge("b", 1000, 0, 1.0)

@@ -23,7 +23,7 @@ import pytest
 from hypothesis import example, given
 from hypothesis import strategies as st
 
-from policies.ratelimit import Bucket, Decision, admit, level, prune_leases, settle
+from policies.ratelimit import QUEUED_RETRY, Bucket, Decision, admit, level, prune_leases, settle
 
 # -- a scenario: limits, a start time and a list of steps ----------------------
 
@@ -311,6 +311,22 @@ def test_retry_after_worked_example() -> None:
     assert (d.ok, d.reason, d.retry_after) == (False, "tokens", 10.0)
     assert d.remaining_tokens == 100.0 and d.reset_tokens == 50.0
 
+
+
+def test_an_admission_reports_its_buckets_after_its_own_cost() -> None:
+    """The x-ratelimit-* headers of an admitted request: what is left once
+    it took its cost, and how long until that refills (not the level before)."""
+    d, req, tok = admit(None, None, 0, rpm=60, tpm=600, max_concurrent=0, cost_tokens=60, now=0.0)
+    assert d.ok and (d.remaining_tokens, d.reset_tokens) == (540.0, 6.0)
+    assert (d.remaining_requests, d.reset_requests) == (59.0, 1.0)
+
+
+def test_a_request_behind_others_of_its_tenant_asks_again_soon() -> None:
+    """``behind``: refused even where its limits pass, and told to ask again
+    in ``QUEUED_RETRY`` (the head of a line moves on quickly), nothing taken."""
+    d, req, tok = admit(None, None, 0, rpm=60, tpm=600, max_concurrent=0, cost_tokens=60, now=0.0, behind=True)
+    assert (d.ok, d.reason, d.retry_after) == (False, "queued", QUEUED_RETRY) and QUEUED_RETRY == 0.25
+    assert (req, tok) == (None, None)
 
 # -- leases -------------------------------------------------------------------------------
 

@@ -143,3 +143,41 @@ async def test_a_model_with_no_room_has_none_for_requests_that_need_features_eit
     (first if first.done() else second).result().release()
     for t in (first, second):
         (await asyncio.wait_for(t, 1)).release()
+
+
+class OtherModel(ReadyClient):
+    """A ready replica of another model."""
+
+    model = "other"
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ready = Ready(1, "other", "sim", 4096, 1, int(FEATURES))
+
+
+async def test_a_dispatch_pass_tries_a_full_model_once_whatever_its_requests_need() -> None:
+    # (every replica of MODEL full: a request of it that needs features would
+    # find none either, so the pass that found one of MODEL without needs
+    # full ends there; the other model's free replica keeps the cluster "with
+    # room", so without that the pass tried the request that needs features too)
+    pool = _pool(int(FEATURES), 0)
+    pool.slots[1].client = OtherModel()  # type: ignore[assignment]
+    sched = _scheduler(pool)
+    a, b = queueing_policy("a"), queueing_policy("b")
+    held = await sched.acquire(a, 1, MODEL, 8)
+    plain = asyncio.create_task(sched.acquire(a, 1, MODEL, 8))
+    await asyncio.sleep(0)
+    tries = []
+    try_choose = pool.try_choose
+
+    def counted(model: str, *args):
+        tries.append(model)
+        return try_choose(model, *args)
+
+    pool.try_choose = counted  # type: ignore[method-assign]
+    needing = asyncio.create_task(sched.acquire(b, 1, MODEL, 8, needs=int(Feature.MIN_P)))
+    await asyncio.sleep(0)
+    assert sched.queued() == 2 and tries == [MODEL]  # (a's head, queued first; b's not tried)
+    held.release()
+    for task in (plain, needing):
+        (await asyncio.wait_for(task, 1)).release()

@@ -159,3 +159,42 @@ def test_a_wrong_key_is_shown_only_by_a_small_part(key: str, shown: str) -> None
     from router.auth import _redact
 
     assert _redact(key) == shown
+
+
+# -- refusals the data files do not cover (a mutation audit found them untested) --
+
+KEY = "a" * 64  # (a well-formed digest)
+
+
+def _errors(text: str) -> list[str]:
+    with pytest.raises(ConfigError) as info:
+        load_yaml("t.yaml", TenantsFile, text=text)
+    return info.value.errors
+
+
+def test_a_tenant_with_no_keys_is_refused() -> None:
+    # (a tenant nobody can authenticate as: a typo'd list, not a configuration)
+    assert _errors("priority_classes: [normal]\ntenants:\n  a:\n    keys: []\n") == \
+        ["t.yaml:4: tenants.a.keys: a tenant needs at least one key"]
+
+
+@pytest.mark.parametrize("field, value, says", [
+    ("chunk_tokens", 0, "must be at least 1"),
+    ("chunk_tokens", 2**53 + 1, "must be at most 9007199254740992"),
+    ("queue_depth", 2**53 + 1, "must be at most 9007199254740992"),
+])
+def test_a_tenant_count_out_of_range_is_refused(field: str, value: int, says: str) -> None:
+    text = f"priority_classes: [normal]\ntenants:\n  a:\n    keys: [{KEY}]\n    {field}: {value}\n"
+    assert _errors(text) == [f"t.yaml:5: tenants.a.{field}: {says}"]
+
+
+def test_a_count_at_its_bounds_is_taken() -> None:
+    text = f"priority_classes: [normal]\ntenants:\n  a:\n    keys: [{KEY}]\n    chunk_tokens: 1\n" \
+           f"    queue_depth: {2**53}\n"
+    file, _ = load_yaml("t.yaml", TenantsFile, text=text)
+    assert (file.policies()["a"].chunk_tokens, file.policies()["a"].queue_depth) == (1, 2**53)
+
+
+def test_a_priority_class_named_twice_is_refused() -> None:
+    errors = _errors(f"priority_classes: [normal, normal]\ntenants:\n  a:\n    keys: [{KEY}]\n")
+    assert errors == ["t.yaml:1: priority_classes: must list distinct class names"]
