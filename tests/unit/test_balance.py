@@ -106,3 +106,30 @@ def test_running_only_breaks_ties_it_never_outweighs_one_in_flight_token():
     one_token_more = ReplicaLoad(2, 101, 0, 0, 0.0)
     far_more_running = ReplicaLoad(2, 100, 4000, 0, 0.0)
     assert score(far_more_running) < score(one_token_more)
+
+
+def test_requests_waiting_inside_the_engine_count_against_it():
+    """A request queued in the engine's own FIFO (``waiting``) weighs two in
+    the router's count: a replica with one running and one waiting is busier
+    than one with two running."""
+    queueing = ReplicaLoad(1, 0, 1, 1, 0.0)
+    running = ReplicaLoad(2, 0, 2, 0, 0.0)
+    assert choose([queueing, running], random.Random(0)) == 1
+
+
+def test_kv_cache_use_counts_only_past_90_percent():
+    """Below 90% the engine has room for more, and KV use decides nothing
+    (the router's in-flight tokens do); past it, a nearly full cache does."""
+    more_kv = ReplicaLoad(1, 50, 0, 0, 0.85)
+    more_tokens = ReplicaLoad(1, 100, 0, 0, 0.1)
+    assert choose([more_tokens, more_kv], random.Random(0)) == 1
+    assert choose([more_kv, more_tokens], random.Random(0)) == 0
+    full = ReplicaLoad(1, 50, 0, 0, 1.0)  # (0.1 past 90%: 0.4, more than 50 tokens' 0.012)
+    assert choose([full, more_tokens], random.Random(0)) == 1
+
+
+def test_a_preferred_replica_exactly_the_slack_busier_still_wins():
+    preferred = ReplicaLoad(2, 0, 0, 0, 0.0)
+    idle = ReplicaLoad(0, 0, 0, 0, 0.0)
+    assert score(preferred) == score(idle) + AFFINITY_SLACK
+    assert choose([preferred, idle], random.Random(0), prefer=0) == 0

@@ -69,6 +69,15 @@ def test_the_decision_is_on_p90_not_on_single_outliers() -> None:
     assert lim.cap == 20
 
 
+def test_the_p90_of_ten_samples_is_the_ninth() -> None:
+    """Nearest rank: of 10 samples the 9th smallest, so one slow sample in
+    ten is an outlier (no cut), two are not (cut)."""
+    lim = AimdLimiter(mk(initial=40), now=0.0)
+    assert not window(lim, 0.5, itl=[0.01] * 9 + [5.0])
+    assert lim.cap == 40
+    assert window(lim, 1.0, itl=[0.01] * 8 + [5.0] * 2)
+    assert lim.cap == 20
+
 def test_the_cap_never_goes_below_min() -> None:
     lim = AimdLimiter(mk(initial=8, min_inflight=3, backoff=0.5), now=0.0)
     for i in range(1, 20):
