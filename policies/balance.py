@@ -67,7 +67,6 @@ def choose(loads: Sequence[ReplicaLoad], rng: random.Random, prefer: int | None 
     b = rng.randrange(n - 1)
     if b >= a:
         b += 1
-    sa, sb = score(loads[a]), score(loads[b])
-    if sa < sb or (sa == sb and a < b):
-        return a
-    return b
+    # a tie to the first pick, itself uniform: a tie to the lower index gave
+    # replica 0 two thirds of the ties among three and the last one none
+    return a if score(loads[a]) <= score(loads[b]) else b

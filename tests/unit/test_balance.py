@@ -133,3 +133,15 @@ def test_a_preferred_replica_exactly_the_slack_busier_still_wins():
     idle = ReplicaLoad(0, 0, 0, 0, 0.0)
     assert score(preferred) == score(idle) + AFFINITY_SLACK
     assert choose([preferred, idle], random.Random(0), prefer=0) == 0
+
+
+def test_ties_among_three_or_more_replicas_are_spread_evenly():
+    # (a tie went to the lower index: among three equally loaded replicas the
+    # first got two thirds of the requests and the last none)
+    for n in (3, 5):
+        loads = [ReplicaLoad(inflight=1, inflight_tokens=10, running=1, waiting=0, kv_usage=0.0)] * n
+        rng = random.Random(7)
+        counts = [0] * n
+        for _ in range(3000 * n):
+            counts[choose(loads, rng)] += 1
+        assert all(2500 < c < 3500 for c in counts), counts
