@@ -323,8 +323,8 @@ class HttpConnection(HttpToolsProtocol):
             return
         self._feed(data)
         if self._in_head and not self._refused:
-            # a head still incomplete: a header not finished yet waits in the parser, unseen by on_header
-            self._raw += len(data)
+            # a head still incomplete, unseen by on_header: the bytes after the read's last head end (pipelined ones)
+            self._raw += len(data) - data.rfind(b"\r\n\r\n") - 4 if b"\r\n\r\n" in data else len(data)
             if self._raw > MAX_HEAD_BYTES:
                 self._refuse(431, "Request header fields too large.", "header_too_large", "header_too_large")
 
