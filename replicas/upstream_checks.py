@@ -14,13 +14,15 @@ over every stream on it, healthy ones too.
 The probe's body (``probe_body``) is refused before any generation by the servers
 that matter, and caps what any other could generate at one token: no
 ``prompt`` (vLLM answers 400, "Either prompt or prompt_embeds must be
-provided"), ``n: 0`` (below the OpenAI API's minimum of 1: a 400 from OpenAI,
-vLLM, llama.cpp's server), ``max_tokens: 1`` (OpenAI's legacy completions take
-a missing prompt as the start of a document and would generate, by default 16
-tokens, billed, were ``n`` not refused first; a server that ignores both
-fields still stops at one). Any answer below 500 shows its generation route
-answers; a 5xx (a proxy's 502/503) does not. A gateway that validates requests
-itself answers for the server behind it: the probe cannot see past it."""
+provided"), ``n: 0`` (below the OpenAI API's minimum of 1; llama.cpp's server
+refuses both with a 500, "Only one completion choice is allowed"),
+``max_tokens: 1`` (OpenAI's legacy completions take a missing prompt as the
+start of a document and would generate, by default 16 tokens, billed, were
+``n`` not refused first; a server that ignores both fields still stops at
+one). Any answer shows its generation route answers, a 500 too, but a
+gateway's 502, 503 or 504 (no server behind it takes them yet). A gateway
+that validates requests itself answers for the server behind it: the probe
+cannot see past it."""
 
 from __future__ import annotations
 
@@ -64,7 +66,7 @@ async def answers_post(http: HttpPool, name: str, model: str, budget: float) -> 
     except (HttpError, OSError, TimeoutError) as e:
         log.debug("upstream %s: its generation endpoint still does not answer: %s", name, e or "timed out")
         return False
-    if resp.status >= 500:  # (a proxy's 502/503: no server behind it takes them yet)
+    if resp.status in (502, 503, 504):  # (a gateway's: no server behind it takes them yet)
         return False
     log.info("upstream %s answers generation requests again: chosen again", name)
     return True

@@ -15,6 +15,8 @@ from typing import Any
 
 import msgspec
 
+from policies.dispatch_pace import MAX_RETRY_AFTER
+
 __all__ = ["UpstreamFailed", "error_text", "rejects_field"]
 
 
@@ -29,9 +31,11 @@ class UpstreamFailed(Exception):
 
 
 def retry_after_seconds(value: bytes | None) -> float:
-    """A Retry-After header's delay in seconds (0: absent, or an HTTP date)."""
+    """A Retry-After header's delay in seconds (0: absent, or an HTTP date),
+    at most ``MAX_RETRY_AFTER`` (the router passes it on to its clients: an
+    upstream's or a proxy's day, or 1e300, is no forecast worth a client's)."""
     try:
-        return max(0.0, float(value)) if value else 0.0
+        return min(MAX_RETRY_AFTER, max(0.0, float(value))) if value else 0.0
     except ValueError:
         return 0.0
 

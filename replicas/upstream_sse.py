@@ -285,7 +285,7 @@ class SseReader:
         if data[:6] != b"data: " or data[end:] != b"\n\n" or data.find(b"\n") != end or data.find(b"\r") >= 0:
             return False
         payload = data[6:end]
-        if payload[:1] != b"{":  # ([DONE], or space the general path strips)
+        if payload[:1] != b"{" or payload[-1:] != b"}":  # ([DONE], or space the general path strips: \x0c too)
             return False
         chunk = _chunk_decoder.decode(payload)
         choices = chunk.choices

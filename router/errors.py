@@ -38,7 +38,8 @@ def retry_after_header(seconds: float) -> str:
     loop). Not capped: a rate limit's wait is what its bucket needs (a token
     bucket driven below zero by a stream that used more than it reserved can
     need minutes); the estimates are capped where they are made
-    (``DispatchPace.retry_after``: ``MAX_RETRY_AFTER``), and a wait without
+    (``DispatchPace.retry_after``; an upstream's ``Retry-After`` as it is
+    read, ``retry_after_seconds``: ``MAX_RETRY_AFTER``), and a wait without
     an end (inf, NaN) says that cap."""
     if not seconds < math.inf:  # (inf, NaN)
         return str(int(MAX_RETRY_AFTER))

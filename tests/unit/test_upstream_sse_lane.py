@@ -123,3 +123,76 @@ def test_a_plain_read_goes_to_the_lane_without_the_general_path(monkeypatch) -> 
     reader.feed(_event([3], "c", chat=True))
     assert calls == []
     assert col.lane.calls[-2:] == [([2], "b", True), ([3], "c", True)]
+
+
+# Any stream an upstream may send, cut into reads anywhere (a review's
+# differential fuzz): events of several lines, other fields and comments,
+# CR and CRLF line ends, whitespace around the JSON (a form feed the general
+# path strips: the one-pass path took it to the decoder, which failed the
+# stream), role-only, logprobs, error and usage chunks, [DONE].
+_texts = hs.sampled_from(["a", "é", "日本", "🙂", " x", "", "\n"])
+_choice = hs.builds(
+    lambda ids, text, finish, index, chat, role, logprobs: {
+        "index": index, "finish_reason": finish,
+        **({"delta": {"content": text, **({"role": "assistant"} if role else {})}} if chat else {"text": text}),
+        **({"token_ids": ids} if ids is not None else {}),
+        **({"logprobs": {"tokens": ["a"], "token_logprobs": [-0.1]}} if logprobs else {}),
+    },
+    hs.one_of(hs.none(), hs.lists(hs.integers(1, 50), max_size=3)), _texts,
+    hs.sampled_from([None, None, None, "stop", "length"]), hs.sampled_from([0, 0, 0, 1]),
+    hs.booleans(), hs.booleans(), hs.booleans(),
+)
+_payload = hs.one_of(
+    hs.builds(lambda cs: msgspec.json.encode({"choices": cs}).decode(), hs.lists(_choice, min_size=1, max_size=2)),
+    hs.builds(lambda cs: msgspec.json.encode({"choices": cs, "usage": {"prompt_tokens": 3, "completion_tokens": 4}})
+              .decode(), hs.lists(_choice, max_size=1)),
+    hs.just("[DONE]"), hs.just('{"error": {"message": "boom"}}'), hs.just('{"object": "error", "message": "boom"}'),
+)
+
+
+def _frame(payload: str, sep: str, nl: str, trail: str, multiline: bool, fields: bool) -> bytes:
+    lines = ["event: message", "id: 7", ": keepalive"] if fields else []
+    if multiline and payload.startswith("{"):
+        half = len(payload) // 2
+        lines += [sep + payload[:half], sep + payload[half:]]
+    else:
+        lines.append(sep + payload + trail)
+    return (nl.join(lines) + nl + nl).encode()
+
+
+_framed = hs.builds(_frame, _payload, hs.sampled_from(["data: ", "data: ", "data:", "data:  "]),
+                    hs.sampled_from(["\n", "\n", "\r\n", "\r"]), hs.sampled_from(["", "", " ", "\t", "\x0c", "\x0b"]),
+                    hs.booleans(), hs.booleans())
+_extra = hs.sampled_from([b": ping\n\n", b"\n", b"data:\n\n", b"data: \n\n", b"event: ping\n\n"])
+
+
+def _feed_cut(stream: bytes, cuts: list[int], declines: set[int], laned: bool, asked_usage: bool):
+    reader, owner, col = _reader(declines, laned)
+    reader.st.asked_usage = asked_usage
+    error, pos = None, 0
+    for cut in [*sorted(set(cuts)), len(stream)]:
+        piece, pos = stream[pos:cut], max(pos, cut)
+        if not piece:
+            continue
+        try:
+            reader.feed(piece)
+        except Exception as e:  # noqa: BLE001 - the response ends with it: the same one both ways
+            error = repr(e)
+            break
+    if reader.timer is not None:
+        reader.timer.cancel()
+    return _state(reader, owner, col), error
+
+
+@settings(max_examples=400, deadline=None)
+@given(hs.lists(hs.one_of(_framed, _framed, _framed, _extra), max_size=10), hs.lists(hs.integers(0, 2000), max_size=10),
+       hs.booleans(), hs.sets(hs.integers(0, 10), max_size=3), hs.booleans())
+async def test_any_stream_cut_anywhere_gives_the_same_both_ways(events, cuts, at_events, declines, asked_usage) -> None:
+    first = _event([1], "hi")
+    stream = first + b"".join(events)
+    if at_events:  # (reads at the events' ends)
+        cuts = [len(first)]
+        for e in events:
+            cuts.append(cuts[-1] + len(e))
+    assert (_feed_cut(stream, cuts, declines, True, asked_usage)
+            == _feed_cut(stream, cuts, declines, False, asked_usage)), (stream, cuts)

@@ -8,9 +8,11 @@ import asyncio
 import time
 
 import msgspec
+import pytest
 
 from replicas.http11 import HttpPool
 from replicas.upstream_checks import Stall, answers_post, probe_body
+from replicas.upstream_errors import retry_after_seconds
 from tests.unit.test_http11 import Server
 
 REFUSED = b"HTTP/1.1 400 Bad Request\r\nContent-Type: application/json\r\nContent-Length: 2\r\n\r\n{}"
@@ -62,3 +64,26 @@ async def test_a_stall_caught_while_a_probe_runs_is_not_cleared_by_its_answer():
         assert stall.why is None
         await stall.close()
         await pool.close()
+
+
+@pytest.mark.parametrize("status, answered", [(400, True), (500, True), (502, False), (503, False), (504, False)])
+async def test_any_answer_of_the_server_counts_a_gateway_s_does_not(status: int, answered: bool):
+    # (llama.cpp's server refuses the probe with a 500, "Only one completion
+    # choice is allowed": counting every 5xx as no answer kept it stalled for good)
+    async def answer(path, w, r):
+        w.write(b"HTTP/1.1 %d X\r\nContent-Type: application/json\r\nContent-Length: 2\r\n\r\n{}" % status)
+        await w.drain()
+
+    async with Server(answer) as srv:
+        pool = HttpPool(srv.url, limit=1)
+        try:
+            assert await answers_post(pool, "up", "m", 2.0) is answered
+        finally:
+            await pool.close()
+
+
+@pytest.mark.parametrize("value, seconds", [(b"7", 7.0), (b"86400", 300.0), (b"1e300", 300.0), (b"-3", 0.0),
+                                            (b"Wed, 21 Oct 2015 07:28:00 GMT", 0.0), (None, 0.0)])
+def test_an_upstream_s_retry_after_is_taken_up_to_the_pace_s_cap(value, seconds):
+    # (the router passes it on in its 503: an upstream's day, or 1e300, went to the clients as it came)
+    assert retry_after_seconds(value) == seconds
