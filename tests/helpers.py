@@ -624,3 +624,25 @@ class RouterProcess:
     def inflight(self, replica: str) -> float:
         """Requests the router has on ``replica`` (``fairstream_replica_inflight_requests``)."""
         return self.metrics().value("fairstream_replica_inflight_requests", replica=replica)
+
+
+@contextlib.asynccontextmanager
+async def holding_stream(client: httpx.AsyncClient, headers: dict[str, str], body: dict) -> AsyncIterator[None]:
+    """A streamed ``/v1/completions`` of ``body`` held open while inside
+    (its first bytes have come when the block starts), cancelled at its end:
+    a tenant's stream that keeps a replica's slot or its concurrency busy."""
+    started = asyncio.Event()
+
+    async def hold() -> None:
+        async with client.stream("POST", "/v1/completions", headers=headers, json=body) as r:
+            assert r.status_code == 200, await r.aread()
+            async for _ in r.aiter_bytes():
+                started.set()
+
+    holder = asyncio.create_task(hold())
+    try:
+        await asyncio.wait_for(started.wait(), 10)
+        yield
+    finally:
+        holder.cancel()
+        await asyncio.gather(holder, return_exceptions=True)

@@ -26,7 +26,7 @@ import pytest
 import yaml
 
 from router.auth import hash_key
-from tests.helpers import ADMIN, MODEL, RouterProcess, apoll, poll
+from tests.helpers import ADMIN, MODEL, RouterProcess, apoll, holding_stream, poll
 
 HOLD = "waits-hold-key"  # tenant a: one stream at a time, waits in its line for 1 s
 QUEUE = "waits-queue-key"  # tenant q: waits for a replica for 1 s
@@ -76,19 +76,8 @@ def test_the_series_alerts_and_panels_need_are_at_0_before_a_tenant_s_first_requ
 async def test_every_wait_is_observed_however_it_ends(router) -> None:
     async with httpx.AsyncClient(base_url=router.base_url, timeout=30) as client:
         before = await router.ametrics(client)
-        started = asyncio.Event()
-
-        async def hold() -> None:  # (~6 s of tokens; cancelled below)
-            async with client.stream("POST", "/v1/completions", headers={"authorization": f"Bearer {HOLD}"},
-                                     json=_body(3000, stream=True)) as r:
-                assert r.status_code == 200
-                async for _ in r.aiter_bytes():
-                    started.set()
-
-        holder = asyncio.create_task(hold())
-        try:
-            await asyncio.wait_for(started.wait(), 10)
-
+        # (a stream of ~6 s of tokens holds the replica; cancelled at the block's end)
+        async with holding_stream(client, {"authorization": f"Bearer {HOLD}"}, _body(3000, stream=True)):
             async def post(key: str) -> httpx.Response:
                 return await client.post("/v1/completions", headers={"authorization": f"Bearer {key}"},
                                          json=_body(2))
@@ -103,9 +92,6 @@ async def test_every_wait_is_observed_however_it_ends(router) -> None:
             timed_out, refused, _, _ = await asyncio.gather(post(QUEUE), post(HOLD), left(QUEUE), left(HOLD))
             assert timed_out.status_code == 503 and timed_out.json()["error"]["code"] == "queue_timeout"
             assert refused.status_code == 429, refused.text
-        finally:
-            holder.cancel()
-            await asyncio.gather(holder, return_exceptions=True)
 
         def grew(m, name: str, **labels: str) -> float:
             return m.value(name, 0.0, **labels) - before.value(name, 0.0, **labels)

@@ -30,7 +30,7 @@ import pytest
 import yaml
 
 from router.auth import hash_key
-from tests.helpers import ADMIN, MODEL, RouterProcess, apoll
+from tests.helpers import ADMIN, MODEL, RouterProcess, apoll, holding_stream
 
 HOLD = "exits-hold-key"  # tenant h: holds the one replica
 QUEUE = "exits-queue-key"  # tenant q: waits for a replica for 1 s
@@ -74,24 +74,9 @@ def router(tmp_path_factory) -> Iterator[RouterProcess]:
         yield r
 
 
-@contextlib.asynccontextmanager
-async def _holding(client: httpx.AsyncClient, key: str):
+def _holding(client: httpx.AsyncClient, key: str):
     """A long stream of ``key``'s tenant on the replica (~6 s of tokens) while inside."""
-    started = asyncio.Event()
-
-    async def hold() -> None:
-        async with client.stream("POST", "/v1/completions", headers=_auth(key), json=_body(3000, stream=True)) as r:
-            assert r.status_code == 200
-            async for _ in r.aiter_bytes():
-                started.set()
-
-    holder = asyncio.create_task(hold())
-    try:
-        await asyncio.wait_for(started.wait(), 10)
-        yield
-    finally:
-        holder.cancel()
-        await asyncio.gather(holder, return_exceptions=True)
+    return holding_stream(client, _auth(key), _body(3000, stream=True))
 
 
 async def test_a_queue_timeout_names_queue_wait_and_counts_its_own_dispatch(router) -> None:
