@@ -61,7 +61,7 @@ def choose(loads: Sequence[ReplicaLoad], rng: random.Random, prefer: int | None 
         if score(loads[prefer]) <= score(loads[other]) + AFFINITY_SLACK:
             return prefer
         return other
-    if n == 2:  # (the two picks are both replicas, whatever the draws: the draws decide nothing)
+    if n == 2:  # (both are the picks: no draws; a tie to replica 0, keeping a lone client on one cache)
         return 0 if score(loads[0]) <= score(loads[1]) else 1
     a = rng.randrange(n)
     b = rng.randrange(n - 1)
