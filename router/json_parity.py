@@ -46,6 +46,8 @@ _LOW = re.compile(rb"\\u[dD][c-fC-F][0-9a-fA-F]{2}")
 # "Input data was truncated", as for any body that ends early.
 _PAIR_ERROR = re.compile(r"JSON is malformed: (?:unexpected end of escaped|invalid) utf-16 surrogate pair "
                          r"\(byte (\d+)\)")
+# (msgspec skipping a Raw field: a WebSocket message's body)
+_HEX_END = re.compile(r"JSON is malformed: unexpected end of hex escape \(byte (\d+)\)")
 TRUNCATED = "Input data was truncated"
 _WINDOW = 12  # (bytes before msgspec's N, or the body's end, that hold the escape: a pair's two)
 SURROGATE_SCAN_LIMIT = 64 * 1024
@@ -167,19 +169,25 @@ def _first_lone(body: bytes, start: int, end: int) -> int | None:
     return None
 
 
-def lone_surrogate(body: bytes, error: str) -> tuple[str, str | None] | None:
+def lone_surrogate(body: bytes, error: str, skipped: bool = False) -> tuple[str, str | None] | None:
     """The message and field (None: not known) of the unpaired surrogate
     escape msgspec refused ``body`` for with ``error``; None if that was not
     its reason. msgspec says where it stopped, or, "truncated", it was at the
-    end: only a few bytes there are read (``_WINDOW``), whatever the size."""
-    m = _PAIR_ERROR.fullmatch(error)
+    end: only a few bytes there are read (``_WINDOW``), whatever the size.
+    ``skipped``: ``body`` has a ``msgspec.Raw`` field, which msgspec skips
+    without decoding: it says "unexpected end of hex escape", or "truncated"
+    for an escape anywhere in it, so a body of at most
+    ``SURROGATE_SCAN_LIMIT`` is searched whole."""
+    m = _PAIR_ERROR.fullmatch(error) or (_HEX_END.fullmatch(error) if skipped else None)
     if m is not None:
-        end = int(m.group(1))
+        start = end = int(m.group(1))
     elif error == TRUNCATED:
-        end = len(body)
+        start = end = len(body)
     else:
         return None
-    at = _first_lone(body, end - _WINDOW, end)
+    if skipped and len(body) <= SURROGATE_SCAN_LIMIT:
+        start = _WINDOW
+    at = _first_lone(body, start - _WINDOW, end)
     if at is None:
         return None
     escape = body[at:at + 6].decode("ascii")

@@ -54,6 +54,7 @@ was idle. router/server.py keeps uvicorn from closing it earlier.
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 from collections.abc import Coroutine
 from typing import Any
@@ -65,6 +66,7 @@ from litestar.exceptions import WebSocketDisconnect
 from router.auth import authorization
 from router.completions import new_request_id
 from router.errors import ApiError, BadRequest, PayloadTooLarge, RateLimited, RouterShutdown, clip, error_body
+from router.json_parity import SURROGATE_SCAN_LIMIT, lone_surrogate
 from router.push import ClientTooSlow, bounded
 from router.relay import log_refused
 from router.server import SOCKET_EXTENSION, ws_max_message
@@ -113,8 +115,17 @@ def _id_of(raw: str) -> str:
     type elsewhere), to answer it under: "" when it has none that could be one."""
     try:
         cid = _decode_id(raw).id
-    except (msgspec.DecodeError, RecursionError):
-        return ""
+    except (msgspec.DecodeError, RecursionError) as e:
+        # (an unpaired surrogate escape elsewhere, valid JSON to Python's json, as a browser's
+        # JSON.stringify writes text cut inside an emoji: its id is read so, in a message of a bounded size)
+        if len(raw) > SURROGATE_SCAN_LIMIT or lone_surrogate(raw.encode(), str(e), skipped=True) is None:
+            return ""
+        try:
+            cid = json.loads(raw).get("id", "")
+        except (ValueError, RecursionError, AttributeError):
+            return ""
+        if isinstance(cid, str) and any("\ud800" <= c <= "\udfff" for c in cid):
+            return ""
     return cid if isinstance(cid, str) and len(cid) <= MAX_ID else ""
 
 
@@ -267,6 +278,11 @@ def _read(raw: str) -> _Msg | ApiError:
     try:
         msg = _decode(raw)
     except msgspec.DecodeError as e:
+        lone = lone_surrogate(raw.encode(), str(e), skipped=True)  # (as a request body's: router.json_parity)
+        if lone is not None:
+            text, param = lone
+            return BadRequest("Bad message: " + text.removeprefix("The request body is not valid JSON: "),
+                              param=param, code="invalid_json")
         return BadRequest(f"Bad message: {e}", code="invalid_json")
     except RecursionError:
         return BadRequest("Bad message: nested too deeply.", code="invalid_json")

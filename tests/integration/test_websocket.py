@@ -303,6 +303,13 @@ async def test_protocol_errors_are_messages_not_closes(router: RouterProcess, ht
         assert_error(await recv(ws), "nobody", param="body")
         await create(ws, "bad-field", {**chat_body("hello", 10), "frobnicate": 1})
         assert_error(await recv(ws), "bad-field", param="frobnicate")
+        # an unpaired surrogate escape (JSON.stringify of text cut inside an emoji) is named, under the
+        # request's id, as over HTTP (it was msgspec's "Input data was truncated", under the id "")
+        cut = json.dumps({"type": "chat.completions.create", "id": "cut", "body": chat_body("\ud83d", 10)})
+        assert "\\ud83d" in cut
+        await ws.send(cut)
+        err = assert_error(await recv(ws), "cut", code="invalid_json", param="body.messages[0].content")
+        assert "unpaired UTF-16 surrogate escape \\ud83d" in err["message"] and "truncated" not in err["message"], err
         # after all that, the socket serves a request
         col = Collector(ws)
         await create(ws, "ok", chat_body("hello", 10))
