@@ -4,9 +4,9 @@ with the limits a server facing many clients needs.
 uvicorn sets none for a request's head: here a connection that sends no
 complete head within router.yaml's ``header_timeout`` gets a 408 (as one
 whose body stops arriving for ``body_timeout``, or has not come whole
-within ``body_total_timeout``), a head larger than
-``MAX_HEAD_BYTES`` a 431, bytes that are not HTTP/1.1 a 400, an HTTP/1.0
-WebSocket upgrade a 400, all in OpenAI's error shape and counted in
+within ``body_total_timeout``), a head (or a chunked body's trailers)
+larger than ``MAX_HEAD_BYTES`` a 431 (``router.request_size``), bytes
+that are not HTTP/1.1 a 400, an HTTP/1.0 WebSocket upgrade a 400, all in OpenAI's error shape and counted in
 ``fairstream_http_connections_refused_total``. At start the router raises
 its open-file limit to the hard limit (``open_file_limit``) and serves at
 most ``max_connections`` client connections (by default about half that
@@ -34,12 +34,12 @@ from router.errors import RouterShutdown, error_body
 from router.handshake import Handshake
 from router.ids import new_id
 from router.metrics import Metrics
+from router.request_size import MAX_HEAD_BYTES, RequestSize
 
-__all__ = ["HttpConnection", "open_file_limit", "default_max_connections"]
+__all__ = ["HttpConnection", "MAX_HEAD_BYTES", "open_file_limit", "default_max_connections"]
 
 log = logging.getLogger("fairstream.router")
 
-MAX_HEAD_BYTES = 64 * 1024  # request line and headers
 HEAD_TIMEOUT = "Timed out reading the request head."
 BODY_TIMEOUT = "Timed out reading the request body."
 BODY_TOO_SLOW = "Timed out reading the request body: it arrived too slowly."
@@ -86,7 +86,7 @@ def _answer_unread(cycle, status: int, headers: list[tuple[bytes, bytes]], body:
     return isinstance(conn, HttpConnection) and conn.answer_unread(cycle, status, headers, body)
 
 
-class HttpConnection(HttpToolsProtocol):
+class HttpConnection(RequestSize, HttpToolsProtocol):
     """uvicorn's httptools protocol with the limits of the module's
     docstring (``head_timeout``, ``body_timeout``, ``body_total_timeout``:
     router.yaml's, set by ``Server``; between requests, uvicorn's keep-alive
@@ -96,7 +96,7 @@ class HttpConnection(HttpToolsProtocol):
     # attributes share their keys among instances, and 7 more in the
     # instance dict pushed it past CPython's limit for shared keys, to a
     # 1.6 KB dict of its own on every connection)
-    __slots__ = ("_head", "_raw", "_in_head", "_refused", "_over", "_deadline", "_lost", "_stopping", "_body_by",
+    __slots__ = ("_in_head", "_refused", "_over", "_deadline", "_lost", "_stopping", "_body_by",
                  "_body_at", "_upgrade")
 
     head_timeout = 30.0
@@ -132,8 +132,7 @@ class HttpConnection(HttpToolsProtocol):
         writable.set()  # (as FlowControl starts: writable)
         if self.metrics is not None:
             self.metrics.connections.inc()
-        self._head = 0  # bytes of the request line and headers parsed so far
-        self._raw = 0  # bytes received since the request began, while its head is incomplete
+        self._open_size()
         self._in_head = True
         self._refused = False
         self._stopping = False  # (shutdown began before its request came whole: see shutdown)
@@ -306,11 +305,6 @@ class HttpConnection(HttpToolsProtocol):
                         now, cls.max_connections, cls._over_cap_count)
         cls._over_cap_logged, cls._over_cap_count = loop.time(), 0
 
-    def _count(self, n: int) -> None:
-        self._head += n
-        if self._head > MAX_HEAD_BYTES:
-            self._refuse(431, "Request header fields too large.", "header_too_large", "header_too_large")
-
     def send_400_response(self, msg: str) -> None:
         """uvicorn's answer to bytes that are not HTTP/1.1 (a smuggling
         attempt, a NUL in a header): a refusal in OpenAI's error shape
@@ -322,11 +316,8 @@ class HttpConnection(HttpToolsProtocol):
         if self._refused:
             return
         self._feed(data)
-        if self._in_head and not self._refused:
-            # a head still incomplete, unseen by on_header: the bytes after the read's last head end (pipelined ones)
-            self._raw += len(data) - data.rfind(b"\r\n\r\n") - 4 if b"\r\n\r\n" in data else len(data)
-            if self._raw > MAX_HEAD_BYTES:
-                self._refuse(431, "Request header fields too large.", "header_too_large", "header_too_large")
+        if not self._refused:
+            self._count_read(data)
 
     def _feed(self, data: bytes) -> None:  # (uvicorn's data_received, but for _ignore_upgrade)
         self._unset_keepalive_if_required()
@@ -364,18 +355,7 @@ class HttpConnection(HttpToolsProtocol):
         if not self._in_head and not self._over:  # a keep-alive connection's next request
             self._in_head = True
             self._limit_unless_queued(self.head_timeout, HEAD_TIMEOUT)
-        self._head = self._raw = 0
-
-    def on_url(self, url: bytes) -> None:
-        super().on_url(url)
-        self._count(len(url))
-
-    def on_header(self, name: bytes, value: bytes) -> None:
-        super().on_header(name, value)
-        # (``_count``'s sum inline, the refusal by it: this runs for every header of every request)
-        self._head += len(name) + len(value) + 4
-        if self._head > MAX_HEAD_BYTES:
-            self._count(0)
+        self._start_size()
 
     def on_headers_complete(self) -> None:
         if self._upgrade:  # (_ignore_upgrade's head: its request's body follows)
@@ -407,6 +387,7 @@ class HttpConnection(HttpToolsProtocol):
         self._upgrade = self.parser.should_upgrade() and not self._should_upgrade()  # (see _ignore_upgrade)
 
     def on_body(self, body: bytes) -> None:
+        self._bodied = True  # (request_size: this read gave a body byte)
         if self._refused:
             return
         if not self._over:
