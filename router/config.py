@@ -75,7 +75,7 @@ class RouterConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     """Seconds a streaming client may take none of its stream (its connection's buffers full: it stopped reading) before the router closes the connection, as nginx's ``send_timeout`` does. Its lease and request end then, and the stream stays resumable like a disconnected one. 0: wait as long as TCP keeps the connection. Applies to streamed completions, to resumes (``GET /v1/streams/{id}`` and resume POSTs) and the router's other responses, and to WebSocket frames (the socket's requests end and its connection is dropped)."""
 
     header_timeout: float = 30.0
-    """Seconds a connection may take to send a request's head (request line and headers), from its start or the request's first byte: a connection that sends nothing, or trickles its head, gets a 408 and is closed (nginx's ``client_header_timeout``). Heads over 64 KiB are a 431."""
+    """Seconds a connection may take to send a request's head (request line and headers), from its start or the request's first byte: a connection that sends nothing, or trickles its head, gets a 408 and is closed (nginx's ``client_header_timeout``). Heads over 64 KiB are a 431, as are a chunked body's trailers over 64 KiB."""
     body_timeout: float = 60.0
     """Seconds a request's body may go without arriving, after its head or between two reads (408 and closed after; nginx's ``client_body_timeout``)."""
     body_total_timeout: float = 120.0
