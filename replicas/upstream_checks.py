@@ -20,7 +20,8 @@ refuses both with a 500, "Only one completion choice is allowed"),
 start of a document and would generate, by default 16 tokens, billed, were
 ``n`` not refused first; a server that ignores both fields still stops at
 one). Any answer shows its generation route answers, a 500 too, but a
-gateway's 502, 503 or 504 (no server behind it takes them yet). A gateway
+gateway's 502, 503 or 504, or Cloudflare's 520-524 (no server behind it
+takes them yet). A gateway
 that validates requests itself answers for the server behind it: the probe
 cannot see past it."""
 
@@ -37,6 +38,10 @@ from replicas.http11 import HttpError, HttpPool
 __all__ = ["ModelCard", "ModelList", "probe_body", "Stall", "answers_post"]
 
 log = logging.getLogger("fairstream.upstream")
+
+# a gateway's answers for a server behind it that does not answer: a proxy's
+# 502/503/504, Cloudflare's 520-524 (the origin down, refused, timed out)
+_GATEWAY = frozenset({502, 503, 504, 520, 521, 522, 523, 524})
 
 
 class ModelCard(msgspec.Struct):
@@ -66,7 +71,7 @@ async def answers_post(http: HttpPool, name: str, model: str, budget: float) -> 
     except (HttpError, OSError, TimeoutError) as e:
         log.debug("upstream %s: its generation endpoint still does not answer: %s", name, e or "timed out")
         return False
-    if resp.status in (502, 503, 504):  # (a gateway's: no server behind it takes them yet)
+    if resp.status in _GATEWAY:  # (no server behind the gateway takes them yet)
         return False
     log.info("upstream %s answers generation requests again: chosen again", name)
     return True

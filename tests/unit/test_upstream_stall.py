@@ -66,7 +66,8 @@ async def test_a_stall_caught_while_a_probe_runs_is_not_cleared_by_its_answer():
         await pool.close()
 
 
-@pytest.mark.parametrize("status, answered", [(400, True), (500, True), (502, False), (503, False), (504, False)])
+@pytest.mark.parametrize("status, answered", [(400, True), (500, True), (502, False), (503, False), (504, False),
+                                              (522, False), (524, False)])
 async def test_any_answer_of_the_server_counts_a_gateway_s_does_not(status: int, answered: bool):
     # (llama.cpp's server refuses the probe with a 500, "Only one completion
     # choice is allowed": counting every 5xx as no answer kept it stalled for good)
