@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import glob
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -97,6 +98,9 @@ def main() -> None:
     p.add_argument("--fairstream-src", type=Path, default=ROOT)
     p.add_argument("--out", type=Path, default=Path(tempfile.gettempdir()) / "fs-instructions")
     a = p.parse_args()
+    missing = [tool for tool in ("valgrind", "callgrind_control") if shutil.which(tool) is None]
+    if missing:
+        sys.exit(f"ops.bench.instructions needs {' and '.join(missing)} on PATH (Debian: apt-get install valgrind)")
     per_token, per_request = run(a.system, a.streams, a.fairstream_src.resolve(), a.out.resolve())
     print(f"{a.system}: {per_token:,.0f} instructions per token, {per_request:,.0f} per request")
 
