@@ -147,7 +147,8 @@ def _path_of(value: Any, at: str = "") -> str | None:
 
 def _escapes(body: bytes, i: int) -> bool:
     """Whether the backslash at ``body[i]`` begins an escape: an even number
-    of backslashes before it (``\\\\ud83d`` is text)."""
+    of backslashes before it (``\\\\ud83d`` is text). Only the escapes
+    msgspec's error points at are asked about (``_WINDOW``)."""
     if body[i - 1:i] != b"\\":  # (the usual case: no copy of the body)
         return True
     head = body[:i]
@@ -169,25 +170,28 @@ def _first_lone(body: bytes, start: int, end: int) -> int | None:
     return None
 
 
+def lone_at(body: bytes, error: str, skipped: bool = False) -> int | None:
+    """Where the unpaired surrogate escape msgspec refused ``body`` for with
+    ``error`` begins (``lone_surrogate``); None if that was not its reason."""
+    m = _PAIR_ERROR.fullmatch(error) or (_HEX_END.fullmatch(error) if skipped else None)
+    if m is not None:
+        end = int(m.group(1))
+    elif error == TRUNCATED:
+        end = len(body)
+    else:
+        return None
+    return _first_lone(body, end - _WINDOW, end)
+
+
 def lone_surrogate(body: bytes, error: str, skipped: bool = False) -> tuple[str, str | None] | None:
     """The message and field (None: not known) of the unpaired surrogate
     escape msgspec refused ``body`` for with ``error``; None if that was not
     its reason. msgspec says where it stopped, or, "truncated", it was at the
     end: only a few bytes there are read (``_WINDOW``), whatever the size.
     ``skipped``: ``body`` has a ``msgspec.Raw`` field, which msgspec skips
-    without decoding: it says "unexpected end of hex escape", or "truncated"
-    for an escape anywhere in it, so a body of at most
-    ``SURROGATE_SCAN_LIMIT`` is searched whole."""
-    m = _PAIR_ERROR.fullmatch(error) or (_HEX_END.fullmatch(error) if skipped else None)
-    if m is not None:
-        start = end = int(m.group(1))
-    elif error == TRUNCATED:
-        start = end = len(body)
-    else:
-        return None
-    if skipped and len(body) <= SURROGATE_SCAN_LIMIT:
-        start = _WINDOW
-    at = _first_lone(body, start - _WINDOW, end)
+    without decoding: it says "unexpected end of hex escape" there, its
+    byte 6 past the escape too."""
+    at = lone_at(body, error, skipped)
     if at is None:
         return None
     escape = body[at:at + 6].decode("ascii")

@@ -65,7 +65,9 @@ class RequestSize:
                 self._bare = 0
                 return
             cycle = self.cycle  # type: ignore[attr-defined]
-            if cycle is None or not cycle.more_body:  # (no body under way: a WebSocket's upgrade, a request's end)
+            if cycle is None and self._over:  # type: ignore[attr-defined]
+                pass  # (a connection past max_connections: no cycle, its request read before its 503, trailers too)
+            elif cycle is None or not cycle.more_body:  # (no body under way: a WebSocket's upgrade, a request's end)
                 return
         # the bytes after the read's last head end (a pipelined head's, or the one whose body follows), unseen
         # by on_header: a head's, or a body's trailers (which end at their own blank line) or chunk extensions

@@ -54,7 +54,6 @@ was idle. router/server.py keeps uvicorn from closing it earlier.
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 from collections.abc import Coroutine
 from typing import Any
@@ -66,7 +65,7 @@ from litestar.exceptions import WebSocketDisconnect
 from router.auth import authorization
 from router.completions import new_request_id
 from router.errors import ApiError, BadRequest, PayloadTooLarge, RateLimited, RouterShutdown, clip, error_body
-from router.json_parity import SURROGATE_SCAN_LIMIT, lone_surrogate
+from router.json_parity import TRUNCATED, lone_at, lone_surrogate
 from router.push import ClientTooSlow, bounded
 from router.relay import log_refused
 from router.server import SOCKET_EXTENSION, ws_max_message
@@ -101,6 +100,7 @@ class _IdOnly(msgspec.Struct):
 
 
 _decode_id = msgspec.json.Decoder(_IdOnly).decode
+_ID_RETRIES = 4  # (decodes of a refused message for its id: unpaired surrogate escapes set aside)
 
 
 def _refused(cid: str, e: ApiError) -> bytes:
@@ -112,20 +112,24 @@ def _refused(cid: str, e: ApiError) -> bytes:
 
 def _id_of(raw: str) -> str:
     """The ``id`` of a message ``_read`` refused (a field too many, a wrong
-    type elsewhere), to answer it under: "" when it has none that could be one."""
-    try:
-        cid = _decode_id(raw).id
-    except (msgspec.DecodeError, RecursionError) as e:
-        # (an unpaired surrogate escape elsewhere, valid JSON to Python's json, as a browser's
-        # JSON.stringify writes text cut inside an emoji: its id is read so, in a message of a bounded size)
-        if len(raw) > SURROGATE_SCAN_LIMIT or lone_surrogate(raw.encode(), str(e), skipped=True) is None:
-            return ""
+    type elsewhere), to answer it under: "" when it has none that could be one.
+    An unpaired surrogate escape (a browser's ``JSON.stringify`` of text cut
+    inside an emoji) is set aside (U+FFFD in its place) to read the id past
+    it, a few times at most."""
+    data = raw.encode()
+    for tries in range(_ID_RETRIES):
         try:
-            cid = json.loads(raw).get("id", "")
-        except (ValueError, RecursionError, AttributeError):
-            return ""
-        if isinstance(cid, str) and any("\ud800" <= c <= "\udfff" for c in cid):
-            return ""
+            cid = _decode_id(data).id
+            if tries and isinstance(cid, str) and "\ufffd" in cid:
+                return ""  # (the id held one: not the client's id as sent)
+            break
+        except (msgspec.DecodeError, RecursionError) as e:
+            at = lone_at(data, str(e), skipped=True) if isinstance(e, msgspec.DecodeError) else None
+            if at is None:
+                return ""
+            data = data[:at] + b"\\ufffd" + data[at + 6:]
+    else:
+        return ""
     return cid if isinstance(cid, str) and len(cid) <= MAX_ID else ""
 
 
@@ -278,7 +282,8 @@ def _read(raw: str) -> _Msg | ApiError:
     try:
         msg = _decode(raw)
     except msgspec.DecodeError as e:
-        lone = lone_surrogate(raw.encode(), str(e), skipped=True)  # (as a request body's: router.json_parity)
+        lone = lone_surrogate(raw.encode(), str(e), skipped=True) if "surrogate" in str(e) or "escape" in str(e) \
+            or str(e) == TRUNCATED else None  # (as a request body's: router.json_parity; no copy for other errors)
         if lone is not None:
             text, param = lone
             return BadRequest("Bad message: " + text.removeprefix("The request body is not valid JSON: "),

@@ -667,11 +667,12 @@ async def test_a_connection_costs_uvicorn_its_own_state_and_little_more() -> Non
     ours.connection_lost(None)
 
 
-def flood(head: bytes, byte: bytes = b"a", most: int = 16 << 20) -> tuple[bytes, int]:
+def flood(head: bytes, byte: bytes = b"a", most: int = 16 << 20, over_cap: bool = False) -> tuple[bytes, int]:
     """Send ``head``, then ``byte`` in 64 KiB pieces (never a CRLF) until the
     server answers or ``most`` bytes are out: its answer, and the bytes sent
-    by then."""
-    with serving(head=5, body=30, body_total=60):
+    by then (``over_cap``: on a connection past ``max_connections``)."""
+    with serving(head=5, body=30, body_total=60, max_connections=1 if over_cap else 0):
+        holder = conn() if over_cap else None  # (the one connection under the cap)
         s = conn()
         s.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 65536)  # (what "sent" counts is what the server could read)
         s.sendall(head)
@@ -685,6 +686,8 @@ def flood(head: bytes, byte: bytes = b"a", most: int = 16 << 20) -> tuple[bytes,
         s.settimeout(5)
         out += read_all_until(s, b"}")
         s.close()
+        if holder is not None:
+            holder.close()
     return out, sent
 
 
@@ -700,6 +703,12 @@ def test_a_chunked_body_s_endless_trailer_gets_a_431_within_a_few_megabytes():
     assert sent < 4 << 20, sent
     name, sent = flood(CHUNKED + b"1\r\nx\r\n0\r\n")  # (an endless trailer name, as well)
     assert name.startswith(b"HTTP/1.1 431") and sent < 4 << 20, (name[:300], sent)
+
+
+def test_past_max_connections_an_endless_trailer_gets_a_431_within_a_few_megabytes():
+    # (such a connection has no request cycle: its trailers went uncounted until its 503, OVER_CAP_READ later)
+    answer, sent = flood(CHUNKED + b"1\r\nx\r\n0\r\nX-T: ", over_cap=True)
+    assert answer.startswith(b"HTTP/1.1 431") and sent < 4 << 20, (answer[:300], sent)
 
 
 def test_a_chunk_s_endless_extension_gets_a_431_within_a_few_megabytes():
