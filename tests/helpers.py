@@ -30,6 +30,8 @@ import msgspec
 import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
+from router.auth import hash_key
+
 __all__ = [
     "read_request",
     "ROOT",
@@ -39,6 +41,8 @@ __all__ = [
     "SILVER",
     "FREE",
     "ADMIN",
+    "write_tenants",
+    "holding_stream",
     "RouterProcess",
     "MetricsSnapshot",
     "SseEvent",
@@ -646,3 +650,10 @@ async def holding_stream(client: httpx.AsyncClient, headers: dict[str, str], bod
     finally:
         holder.cancel()
         await asyncio.gather(holder, return_exceptions=True)
+
+
+def write_tenants(path: Path, tenants: dict[str, Any]) -> Path:
+    """A tenants file at ``path`` of ``tenants`` (their keys hashed by the
+    caller) with ``ADMIN`` as its admin key."""
+    path.write_text(yaml.safe_dump({"admin_keys": [hash_key(ADMIN)], "tenants": tenants}, sort_keys=False))
+    return path

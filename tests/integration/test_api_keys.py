@@ -15,11 +15,10 @@ from pathlib import Path
 
 import httpx
 import pytest
-import yaml
 from websockets.asyncio.client import connect
 
 from router.auth import hash_key
-from tests.helpers import ADMIN, MODEL, RouterProcess
+from tests.helpers import MODEL, RouterProcess, write_tenants
 
 KEY_UNI = "sk-ключ-юникод-0123456789"  # (24 characters or more: its error shows its ends)
 # registered as its digest, as `sha256sum` would make it (`fairstream hash-key` refuses it)
@@ -33,11 +32,8 @@ KEY_TAB = "sk-tab\tinside-0123456789abcdef"
 def router(tmp_path_factory) -> RouterProcess:
     d: Path = tmp_path_factory.mktemp("keys")
     tenants = d / "tenants.yaml"
-    tenants.write_text(yaml.safe_dump({
-        "admin_keys": [hash_key(ADMIN)],
-        "tenants": {"uni": {"keys": [hash_key(KEY_UNI), hashlib.sha256(KEY_CTL.encode()).hexdigest(),
-                                     hash_key(KEY_LATIN), hash_key(KEY_TAB)]}},
-    }, sort_keys=False))
+    write_tenants(tenants, {"uni": {"keys": [hash_key(KEY_UNI), hashlib.sha256(KEY_CTL.encode()).hexdigest(),
+                                             hash_key(KEY_LATIN), hash_key(KEY_TAB)]}})
     r = RouterProcess(d / "r", replicas=1, tenants=tenants, sim={"step_base_ms": 1})
     r.start()
     yield r

@@ -19,17 +19,16 @@ from typing import Any
 
 import httpx
 import pytest
-import yaml
 
 from router.auth import hash_key
 from tests.helpers import (
-    ADMIN,
     MODEL,
     RouterProcess,
     SseEvent,
     aiter_sse,
     apoll,
     parse_sse,
+    write_tenants,
 )
 
 KEY_A, KEY_B, KEY_ONE, KEY_REJ = "resume-tenant-a", "resume-tenant-b", "resume-tenant-one", "resume-tenant-rej"
@@ -44,15 +43,14 @@ def auth(key: str = KEY_A) -> dict[str, str]:
 def router(tmp_path_factory) -> RouterProcess:
     d: Path = tmp_path_factory.mktemp("resume")
     tenants = d / "tenants.yaml"
-    tenants.write_text(yaml.safe_dump({
-        "admin_keys": [hash_key(ADMIN)],
-        "tenants": {"a": {"keys": [hash_key(KEY_A)]}, "b": {"keys": [hash_key(KEY_B)]},
-                    # one stream at a time; more wait in line
-                    "one": {"keys": [hash_key(KEY_ONE)], "limits": {"max_concurrent": 1}, "on_limit": "queue",
-                            "timeouts": {"queue_wait": 30}},
-                    # one stream at a time; more are refused (429)
-                    "rej": {"keys": [hash_key(KEY_REJ)], "limits": {"max_concurrent": 1}, "on_limit": "reject"}},
-    }, sort_keys=False))
+    write_tenants(tenants, {
+        "a": {"keys": [hash_key(KEY_A)]}, "b": {"keys": [hash_key(KEY_B)]},
+        # one stream at a time; more wait in line
+        "one": {"keys": [hash_key(KEY_ONE)], "limits": {"max_concurrent": 1}, "on_limit": "queue",
+                "timeouts": {"queue_wait": 30}},
+        # one stream at a time; more are refused (429)
+        "rej": {"keys": [hash_key(KEY_REJ)], "limits": {"max_concurrent": 1}, "on_limit": "reject"},
+    })
     # one replica (its running count is the whole story), 10 ms per token
     r = RouterProcess(d / "r", replicas=1, tenants=tenants, sim={"step_base_ms": 10})
     r.start()

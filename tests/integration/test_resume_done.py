@@ -17,11 +17,10 @@ import json
 
 import httpx
 import pytest
-import yaml
 from websockets.sync.client import connect
 
 from router.auth import hash_key
-from tests.helpers import ADMIN, MODEL, RouterProcess, parse_sse
+from tests.helpers import MODEL, RouterProcess, parse_sse, write_tenants
 
 KEY = "resume-done-tenant"
 RPM = 3
@@ -30,10 +29,8 @@ RPM = 3
 @pytest.fixture
 def limited_router(tmp_path):
     tenants = tmp_path / "tenants.yaml"
-    tenants.write_text(yaml.safe_dump({
-        "admin_keys": [hash_key(ADMIN)],
-        "tenants": {"a": {"keys": [hash_key(KEY)], "on_limit": "reject", "limits": {"requests_per_minute": RPM}}},
-    }, sort_keys=False))
+    write_tenants(tenants, {"a": {"keys": [hash_key(KEY)], "on_limit": "reject",
+                                  "limits": {"requests_per_minute": RPM}}})
     with RouterProcess(tmp_path / "r", replicas=1, tenants=tenants) as router:
         yield router
 

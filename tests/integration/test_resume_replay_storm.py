@@ -30,11 +30,10 @@ from pathlib import Path
 
 import httpx
 import pytest
-import yaml
 from websockets.asyncio.client import connect
 
 from router.auth import hash_key
-from tests.helpers import ADMIN, MODEL, RouterProcess
+from tests.helpers import MODEL, RouterProcess, write_tenants
 
 KEY_A, KEY_B = "storm-tenant-a", "storm-tenant-b"
 REPLAYS = 40
@@ -73,10 +72,7 @@ print(" ".join(map(repr, times)))
 def router(tmp_path_factory) -> RouterProcess:
     d: Path = tmp_path_factory.mktemp("storm")
     tenants = d / "tenants.yaml"
-    tenants.write_text(yaml.safe_dump({
-        "admin_keys": [hash_key(ADMIN)],
-        "tenants": {"a": {"keys": [hash_key(KEY_A)]}, "b": {"keys": [hash_key(KEY_B)]}},
-    }, sort_keys=False))
+    write_tenants(tenants, {"a": {"keys": [hash_key(KEY_A)]}, "b": {"keys": [hash_key(KEY_B)]}})
     r = RouterProcess(d / "r", replicas=1, tenants=tenants, sim={"step_base_ms": 1})
     r.start()
     yield r

@@ -23,7 +23,7 @@ from websockets.asyncio.client import ClientConnection, connect
 from websockets.exceptions import ConnectionClosed
 
 from router.auth import hash_key
-from tests.helpers import ADMIN, MODEL, RouterProcess, apoll
+from tests.helpers import ADMIN, MODEL, RouterProcess, apoll, write_tenants
 
 KEY_A, KEY_LIM = "ws-tenant-a", "ws-tenant-limited"
 REPLICA = "sim-0"
@@ -33,13 +33,10 @@ REPLICA = "sim-0"
 def router(tmp_path_factory) -> RouterProcess:
     d: Path = tmp_path_factory.mktemp("ws")
     tenants = d / "tenants.yaml"
-    tenants.write_text(yaml.safe_dump({
-        "admin_keys": [hash_key(ADMIN)],
-        "tenants": {
-            "a": {"keys": [hash_key(KEY_A)]},
-            "lim": {"keys": [hash_key(KEY_LIM)], "on_limit": "reject", "limits": {"max_concurrent": 1}},
-        },
-    }, sort_keys=False))
+    write_tenants(tenants, {
+        "a": {"keys": [hash_key(KEY_A)]},
+        "lim": {"keys": [hash_key(KEY_LIM)], "on_limit": "reject", "limits": {"max_concurrent": 1}},
+    })
     # one replica (its running count is the whole story), 10 ms per token
     r = RouterProcess(d / "r", replicas=1, tenants=tenants, sim={"step_base_ms": 10})
     r.start()
@@ -431,10 +428,7 @@ async def test_a_reload_reaches_open_sockets_a_revoked_key_closes_them(tmp_path:
     tenants = tmp_path / "tenants.yaml"
 
     def write(keys: list[str], max_tokens: int) -> None:
-        tenants.write_text(yaml.safe_dump({
-            "admin_keys": [hash_key(ADMIN)],
-            "tenants": {"a": {"keys": [hash_key(k) for k in keys], "limits": {"max_tokens": max_tokens}}},
-        }, sort_keys=False))
+        write_tenants(tenants, {"a": {"keys": [hash_key(k) for k in keys], "limits": {"max_tokens": max_tokens}}})
 
     write([KEY_A, KEY_LIM], 1000)
     with RouterProcess(tmp_path / "r", replicas=1, tenants=tenants, sim={"step_base_ms": 1}) as r:
@@ -478,10 +472,7 @@ async def test_a_socket_whose_key_a_reload_revoked_closes_after_its_requests_wit
     tenants = tmp_path / "tenants.yaml"
 
     def write(keys: list[str]) -> None:
-        tenants.write_text(yaml.safe_dump({
-            "admin_keys": [hash_key(ADMIN)],
-            "tenants": {"a": {"keys": [hash_key(k) for k in keys], "limits": {"max_sockets": 1}}},
-        }, sort_keys=False))
+        write_tenants(tenants, {"a": {"keys": [hash_key(k) for k in keys], "limits": {"max_sockets": 1}}})
 
     write([KEY_A, KEY_LIM])
     with RouterProcess(tmp_path / "r", replicas=1, tenants=tenants, sim={"step_base_ms": 1}) as r:
