@@ -153,7 +153,7 @@ class SseReader:
     def feed(self, data: bytes) -> None:
         if self.ended:
             return
-        if self._laned(data):
+        if self.st.col.lane is not None and self._laned(data):  # (no call per read where no lane is)
             return
         if self.parts:
             seam = self.tail + data
@@ -277,7 +277,7 @@ class SseReader:
         by the general path."""
         st = self.st
         lane = st.col.lane
-        if (lane is None or self.parts or self.first or self.held is not None or st.splice is not None or st.done
+        if (self.parts or self.first or self.held is not None or st.splice is not None or st.done
                 or st.prompt_ids is not None):
             return False
         end = len(data) - 2

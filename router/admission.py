@@ -209,7 +209,7 @@ class Admission:
             limit_at, timeout = _wait_limit(deadlines, delivered, loop.time())
         me = Waiter()
         line.append(me)
-        self._paces.setdefault(name, DispatchPace()).waiting(loop.time())
+        (self._paces.get(name) or self._paces.setdefault(name, DispatchPace())).waiting(loop.time())
         if self._ends.get(name, 0) != ends:
             me.wake()  # a stream ended while the store answered: try again at once
         self.metrics.gauge_up(self.metrics.admission_waiting, name)

@@ -139,8 +139,7 @@ class TenantCounts:
         h = self.ttft
         if h is None:
             h = self.ttft = self._hist(self.metrics.ttft)
-        h.counts[bisect_left(h.bounds, seconds)] += 1
-        h.total += seconds
+        h.add(seconds)
         self._counted()
 
     def waited(self, seconds: float) -> None:
@@ -148,8 +147,7 @@ class TenantCounts:
         h = self.queue_wait
         if h is None:
             h = self.queue_wait = self._hist(self.metrics.queue_wait)
-        h.counts[bisect_left(h.bounds, seconds)] += 1
-        h.total += seconds
+        h.add(seconds)
         self._counted()
 
     def ended(self, endpoint: str, outcome: str) -> None:
@@ -175,8 +173,7 @@ class TenantCounts:
         h = self.e2e
         if h is None:
             h = self.e2e = self._hist(self.metrics.e2e)
-        h.counts[bisect_left(h.bounds, seconds)] += 1
-        h.total += seconds
+        h.add(seconds)
         self._counted()
 
     def flush(self) -> None:

@@ -256,7 +256,7 @@ def _invalid(e: msgspec.ValidationError | msgspec.DecodeError | RecursionError, 
 def _lax(body: bytes, kind: type[_Common], e: msgspec.DecodeError | RecursionError) -> _Common:
     """The request of a body msgspec refused with ``e`` that vLLM takes
     (whole numbers written as floats, ``router.json_parity``), or its 400."""
-    fixed = integral_floats(body, kind, _LOC.sub("", str(e))) if isinstance(e, msgspec.ValidationError) else None
+    fixed = integral_floats(body, kind, str(e)) if isinstance(e, msgspec.ValidationError) else None
     refused = body
     if fixed is not None:
         try:

@@ -208,8 +208,7 @@ class PolicyRegistry:
     async def close(self) -> None:
         self._stop.set()
         signalled = list(self._signalled) + ([self._retry] if self._retry is not None else [])
-        for task in signalled:
-            await stop(task)
+        await asyncio.gather(*(stop(task) for task in signalled))
         try:
             if asyncio.get_running_loop().remove_signal_handler(signal.SIGHUP):
                 # (that set the default action back: a reload asked for while

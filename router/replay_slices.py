@@ -36,7 +36,10 @@ def slices(events: Sequence[bytes], limit: int = SLICE_BYTES) -> Iterator[tuple[
     ``(b"", 1)`` after the run before it, and nothing after it: its reader
     stops there. (The cuts are found by bisection over the running sizes:
     a Python step per event cost more than the writes it saved.)"""
-    stop = events.index(b"") if b"" in events else len(events)
+    try:
+        stop = events.index(b"")
+    except ValueError:
+        stop = len(events)
     ends = list(accumulate(map(len, events[:stop])))
     at = size = 0
     while at < stop:

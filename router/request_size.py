@@ -71,7 +71,8 @@ class RequestSize:
                 return
         # the bytes after the read's last head end (a pipelined head's, or the one whose body follows), unseen
         # by on_header: a head's, or a body's trailers (which end at their own blank line) or chunk extensions
-        n = len(data) - data.rfind(b"\r\n\r\n") - 4 if b"\r\n\r\n" in data else len(data)
+        end = data.rfind(b"\r\n\r\n")
+        n = len(data) - end - 4 if end >= 0 else len(data)
         if self._in_head:  # type: ignore[attr-defined]
             self._raw += n
             over = self._raw > MAX_HEAD_BYTES

@@ -82,7 +82,7 @@ async def last_event(svc, sid: str, snap: StreamSnapshot) -> bytes | None:
     (``EventStream._unbuffer``'s, when the output lost its token ids); None
     if it cannot be read now."""
     try:
-        last = await svc.store.stream_read(sid, snap.total_events - 1)
+        last = await svc.store.stream_read(sid, snap.total_events - 1, False)
     except StoreUnavailable:
         return None
     return last.events[-1] if last is not None and last.events else None
@@ -104,10 +104,10 @@ async def done_at(svc, sid: str, tenant: str, pos) -> bool:
         if (head is None or not head.finished or head.total_events != pos.event
                 or decode_meta(head.meta).tenant != tenant):
             return False
-        snap = await svc.store.stream_read(sid, pos.event - 1, False)
     except StoreUnavailable:
         return False
-    return snap is not None and len(snap.events) == 1 and is_done(snap.events[0])
+    last = await last_event(svc, sid, head)
+    return last is not None and is_done(last)
 
 
 def error_code(event: bytes) -> str:

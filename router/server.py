@@ -258,7 +258,6 @@ class Server(uvicorn.Server):
             task.cancel()
 
     async def startup(self, sockets=None) -> None:
-        self._loop = asyncio.get_running_loop()
         _WebSocket.probe(self.config, self.server_state)
         try:
             await super().startup(sockets)

@@ -301,10 +301,7 @@ class RouterService:
         if late:
             log.warning("%d background tasks (settlements, metric batches) were still running at shutdown; "
                         "cancelled", len(late))
-            for task in late:
-                task.cancel()
-            for task in late:
-                await stop(task)
+            await asyncio.gather(*(stop(task) for task in late))
 
     def _on_replica_event(self, event: str, slot: ReplicaSlot) -> None:
         if event == "ready":

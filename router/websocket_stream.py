@@ -119,9 +119,6 @@ class SocketFrames:
             cut = frame.index(b"\n", 4)
             eid = frame[4:cut]
             payload = frame[cut + 7:-2]  # (after "\ndata: ", before the blank line)
-            if payload == b"[DONE]":  # (its id, its number alone, is for SSE clients: router/sse.py)
-                self.ended = True
-                return self.done
             dash = eid.find(b"-")
             if dash < 0:  # (a stream that is not resumable: its ids are the numbers alone)
                 head += b',"event":' + eid
@@ -129,12 +126,12 @@ class SocketFrames:
                 head += b',"event":' + eid[:dash] + b',"event_id":"' + eid + b'"'
         elif frame[:6] == b"data: ":
             payload = frame[6:-2]
-            if payload == b"[DONE]":
-                self.ended = True
-                return self.done
         else:
             self._head = head  # (not sent: the next message is the first)
             return None
+        if payload == b"[DONE]":  # (with an id or not: that id, its number alone, is for SSE clients: router/sse.py)
+            self.ended = True
+            return self.done
         if payload[:9] == b'{"error":':
             self.ended = True
             payload = payload.replace(_HEADER.encode(), _FIELD.encode())  # (socket_words: the field it sent)
@@ -192,9 +189,9 @@ async def _relay(conn: _Conn, cid: str, request_id: str, resuming: bool, frames:
     try:
         async with aclosing(events) as out:
             async for chunk in out:
-                # (a replay's slice holds many events: a message each, with a turn
-                # of the loop every SOCKET_MESSAGES of them: router/replay_slices.py)
-                for n, event in enumerate(events_of(chunk), 1):
+                # (a replay's slice holds many events: a message each, with a turn of the loop every
+                # SOCKET_MESSAGES of them: router/replay_slices.py; a create's chunk is one event)
+                for n, event in enumerate(events_of(chunk) if resuming else (chunk,), 1):
                     role, event = frames.lead(event)
                     if role:
                         await conn.send(role)

@@ -46,6 +46,7 @@ import logging
 from collections.abc import Awaitable, Callable
 
 from policies.ratelimit import Decision
+from router.background import KeepGoing
 from router.state.base import AdmitRequest, StateStore, StoreUnavailable, TenantUsage
 from router.state.memory import MemoryStore
 from router.state.stream_move import StreamMove
@@ -174,6 +175,8 @@ class ResilientStore(StateStore):
 
     async def _reconnect(self) -> None:
         delay = min(PROBE_FIRST, self._probe_interval)
+        guard = KeepGoing(f"state store {self.name} probe", log)
+        guard.backoff = self._probe_interval  # (what its log line says it waits, at most)
         while True:
             await asyncio.sleep(delay)
             delay = min(2 * delay, self._probe_interval)
@@ -187,7 +190,7 @@ class ResilientStore(StateStore):
                 await self._pay_back()
             except Exception as e:  # noqa: BLE001 - a bug must not end the probe: the outage would last for good
                 if not isinstance(e, StoreUnavailable):
-                    log.exception("state store %s: the probe failed; trying again", self.name)
+                    guard.failed(e)  # (with its traceback, at most once a LOG_EVERY: it runs every probe_interval)
                 continue
             finally:
                 self._streams.done()  # (and no await from here to ``healthy``)
@@ -453,6 +456,5 @@ class ResilientStore(StateStore):
             self._connect.cancel()
 
     async def close(self) -> None:
-        self.stop_connecting()
         await asyncio.gather(stop(self._connect), stop(self._probe))
         await self.primary.close()
