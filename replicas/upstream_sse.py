@@ -281,13 +281,11 @@ class SseReader:
                 or st.prompt_ids is not None):
             return False
         end = len(data) - 2
-        # one event of one line: its first LF ends it, and no CR (a line end too)
-        if data[:6] != b"data: " or data[end:] != b"\n\n" or data.find(b"\n") != end or data.find(b"\r") >= 0:
+        # one event of one line, a JSON object with no space around it (not [DONE]; the general path
+        # strips space, a form feed too): its first LF ends it, and no CR (a line end too)
+        if data[:7] != b"data: {" or data[end - 1:] != b"}\n\n" or data.find(b"\n") != end or data.find(b"\r") >= 0:
             return False
-        payload = data[6:end]
-        if payload[:1] != b"{" or payload[-1:] != b"}":  # ([DONE], or space the general path strips: \x0c too)
-            return False
-        chunk = _chunk_decoder.decode(payload)
+        chunk = _chunk_decoder.decode(data[6:end])
         choices = chunk.choices
         if (not choices or len(choices) != 1 or chunk.usage is not None or chunk.error is not None
                 or chunk.object == "error"):
@@ -298,7 +296,7 @@ class SseReader:
         if ch.index != 0 or not ids or not t or ch.finish_reason is not None:
             return False
         if not lane.tokens(ids, t):
-            st.col.put(_delta(st, ids, t, FinishReason.NONE))
+            st.col.put(Delta(st.col.rid, ids, t, FinishReason.NONE))  # (no prompt ids to carry: see the guard)
         st.delivered = True
         self.owed = 0
         return True
