@@ -27,8 +27,8 @@ __all__ = ["LeaseKeeper", "LEASE_TTL", "GENERATION_INTERVAL", "lease_chain"]
 log = logging.getLogger("fairstream.admission")
 
 LEASE_TTL = 30.0  # seconds; renewed every LEASE_TTL / 3 while the stream lives
-# seconds between two looks at the store's generation while this router's
-# streams hold leases (one small Redis call each)
+# seconds between two looks at the store's generation (one small Redis call
+# each; idle too, so that the generation a lease was taken under is known)
 GENERATION_INTERVAL = 0.5
 # The most lease ids a resume's claim records (``lease_chain``): its own and
 # those of the generators before it that may still hold theirs. Each
@@ -74,10 +74,11 @@ class LeaseKeeper:
         guard = KeepGoing("lease keeper", log)  # (a bug must not end it: every lease would expire)
         while True:
             await asyncio.sleep(GENERATION_INTERVAL)
-            if not self._leases:
-                due = loop.time() + LEASE_TTL / 3  # (a lease taken now has all its TTL)
-                continue
             async with guard:
+                # (it looks while no stream holds a lease too: a store that
+                # lost its data between a lease's taking and the first look
+                # after it went unseen, the look taking the new generation for
+                # the first, and that lease stayed lost until the renewal)
                 lost = False
                 try:
                     generation = await self.store.generation()
@@ -85,10 +86,13 @@ class LeaseKeeper:
                     pass  # (an outage: the leases stay where they are counted; the store logs it)
                 else:
                     lost, seen, was = generation != seen, generation, seen
-                    if lost and was is not None:
-                        log.warning("the state store lost the leases it held (restarted without persistence, "
-                                    "flushed, or back from an outage): adding back those of this router's %d streams "
-                                    "now", len(self._leases))
+                if not self._leases:
+                    due = loop.time() + LEASE_TTL / 3  # (a lease taken now has all its TTL)
+                    continue
+                if lost and was is not None:
+                    log.warning("the state store lost the leases it held (restarted without persistence, "
+                                "flushed, or back from an outage): adding back those of this router's %d streams "
+                                "now", len(self._leases))
                 if lost or loop.time() >= due:
                     due = loop.time() + LEASE_TTL / 3
                     await self.renew()
