@@ -39,6 +39,16 @@ __all__ = ["ModelCard", "ModelList", "probe_body", "Stall", "answers_post"]
 
 log = logging.getLogger("fairstream.upstream")
 
+# An upstream whose probe is answered while its generation requests hang
+# (a front end that answers a request it refuses at once but not one it
+# would run) stalls again at its next request, each time costing that
+# request the head timeout. A stall that comes within RELAPSE_WINDOW seconds
+# of an answered probe is a relapse: the next probe waits RELAPSE_HOLD
+# seconds, doubled at each relapse in a row, at most RELAPSE_HOLD_MAX.
+RELAPSE_WINDOW = 60.0
+RELAPSE_HOLD = 5.0
+RELAPSE_HOLD_MAX = 60.0
+
 # a gateway's answers for a server behind it that does not answer: a proxy's
 # 502/503/504, Cloudflare's 520-524 (the origin down, refused, timed out)
 _GATEWAY = frozenset({502, 503, 504, 520, 521, 522, 523, 524})
@@ -83,7 +93,9 @@ class Stall:
     check while ``why`` is set). A probe that is answered clears ``why`` and
     calls ``answered`` (the client's ``check_now``: the health check that then
     puts it back in dispatch comes at once) unless a request got no head while
-    it was under way: it shows nothing of that request, sent before its answer."""
+    it was under way: it shows nothing of that request, sent before its answer.
+    A stall soon after an answered probe holds the next probe back
+    (``RELAPSE_WINDOW``), longer at each relapse in a row (``hold``)."""
 
     def __init__(self, name: str, http: HttpPool, model: str, budget: float, answered: Callable[[], None],
                  why: str | None = None) -> None:
@@ -98,21 +110,39 @@ class Stall:
         self._caught = 0  # (stalls caught so far: one during a probe keeps it stalled)
         self._task: asyncio.Task[None] | None = None
         self._closed = False  # (its client closed: a ping still under way starts none)
+        self._cleared_at: float | None = None  # (loop time of the last answered probe)
+        self.relapses = 0  # (stalls in a row, each within RELAPSE_WINDOW of the probe that ended the one before)
+        self._hold_until = 0.0  # (no probe before this loop time)
+
+    def hold(self) -> float:
+        """Seconds the next probe waits after a stall (0 unless a relapse)."""
+        return 0.0 if not self.relapses else min(RELAPSE_HOLD_MAX, RELAPSE_HOLD * 2 ** (self.relapses - 1))
 
     def caught(self, why: str) -> None:
         """A generation request got no response head (``why``)."""
+        if self.why is None:  # (a new stall; the other requests it caught add nothing)
+            now = asyncio.get_running_loop().time()
+            soon = self._cleared_at is not None and now - self._cleared_at <= RELAPSE_WINDOW
+            self.relapses = self.relapses + 1 if soon else 0
+            self._hold_until = now + self.hold()
+            if self.relapses:
+                log.warning("upstream %s stalled again %.0fs after its probe was answered (%d in a row): its "
+                            "generation route answers the probe but not requests; the next probe waits %.0fs",
+                            self.name, now - self._cleared_at, self.relapses, self.hold())
         self.why = why
         self._caught += 1
 
     def probe(self) -> None:
-        """Start a probe while stalled, unless one is under way."""
-        if self.why is not None and not self._closed and (self._task is None or self._task.done()):
+        """Start a probe while stalled, unless one is under way or a relapse holds it back."""
+        if self.why is not None and not self._closed and (self._task is None or self._task.done()) \
+                and asyncio.get_running_loop().time() >= self._hold_until:
             self._task = asyncio.get_running_loop().create_task(self._probe(), name=f"upstream-probe-{self.name}")
 
     async def _probe(self) -> None:
         caught = self._caught
         if await answers_post(self._http, self.name, self._model, self._budget) and caught == self._caught:
             self.why = None
+            self._cleared_at = asyncio.get_running_loop().time()
             self._answered()
 
     async def close(self) -> None:

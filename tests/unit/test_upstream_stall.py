@@ -1,6 +1,7 @@
 """An upstream's stall probe (replicas.upstream_checks): its time limit
 counts the wait for a slot, a stall caught while it runs is not cleared by
-it, and its body asks for no generation."""
+it, a stall soon after its answer holds the next one back, and its body asks
+for no generation."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import msgspec
 import pytest
 
 from replicas.http11 import HttpPool
+from replicas import upstream_checks
 from replicas.upstream_checks import Stall, answers_post, probe_body
 from replicas.upstream_errors import retry_after_seconds
 from tests.unit.test_http11 import Server
@@ -62,6 +64,48 @@ async def test_a_stall_caught_while_a_probe_runs_is_not_cleared_by_its_answer():
         stall.probe()  # (the next check's probe, begun after that stall: its answer counts)
         await asyncio.wait_for(answered.wait(), 2)
         assert stall.why is None
+        await stall.close()
+        await pool.close()
+
+
+async def test_a_stall_soon_after_an_answered_probe_holds_the_next_probe_back_longer_each_time(monkeypatch):
+    # (an upstream whose generation route refuses the probe at once but hangs
+    # real requests went back into dispatch at each health check, and each
+    # time the next request sent there waited out the head timeout: one lost
+    # request every health_interval, for good. Scaled down: hold 0.2 s,
+    # doubled up to 0.5 s, a 1 s window)
+    monkeypatch.setattr(upstream_checks, "RELAPSE_HOLD", 0.2)
+    monkeypatch.setattr(upstream_checks, "RELAPSE_HOLD_MAX", 0.5)
+    monkeypatch.setattr(upstream_checks, "RELAPSE_WINDOW", 1.0)
+
+    async def refuse(path, w, r):
+        w.write(REFUSED)
+        await w.drain()
+
+    async with Server(refuse) as srv:
+        pool = HttpPool(srv.url)
+        answered = asyncio.Event()
+        stall = Stall("up", pool, "m", 5.0, answered.set)
+        loop = asyncio.get_running_loop()
+
+        async def stall_and_probe() -> tuple[int, float, float]:
+            """A stall, then a probe at every 'health check' (10 ms) until one is
+            answered: (relapses, the hold, seconds from the stall to the answer)."""
+            answered.clear()
+            stall.caught("upstream up failed: no response head within 5s")
+            start, hold = loop.time(), stall.hold()
+            while not answered.is_set():
+                stall.probe()
+                await asyncio.sleep(0.01)
+            return stall.relapses, hold, loop.time() - start
+
+        assert (await stall_and_probe())[:2] == (0, 0.0) and stall.why is None  # (a first stall: probed at once)
+        runs = [await stall_and_probe() for _ in range(3)]  # (each at once after the answer: relapses)
+        assert [(n, hold) for n, hold, _ in runs] == [(1, 0.2), (2, 0.4), (3, 0.5)]
+        assert all(took >= hold - 0.01 for _, hold, took in runs), runs  # (no probe sooner)
+        assert len(srv.requests) == 4  # (one probe per stall: none started while held)
+        await asyncio.sleep(1.1)  # (past the window: a stall then is a first one again)
+        assert (await stall_and_probe())[:2] == (0, 0.0)
         await stall.close()
         await pool.close()
 
