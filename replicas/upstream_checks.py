@@ -42,9 +42,10 @@ log = logging.getLogger("fairstream.upstream")
 # An upstream whose probe is answered while its generation requests hang
 # (a front end that answers a request it refuses at once but not one it
 # would run) stalls again at its next request, each time costing that
-# request the head timeout. A stall that comes within RELAPSE_WINDOW seconds
-# of an answered probe is a relapse: the next probe waits RELAPSE_HOLD
-# seconds, doubled at each relapse in a row, at most RELAPSE_HOLD_MAX.
+# request the head timeout. A stall of a request sent within RELAPSE_WINDOW
+# seconds after an answered probe is a relapse: the next probe waits
+# RELAPSE_HOLD seconds, doubled at each relapse in a row, at most
+# RELAPSE_HOLD_MAX.
 RELAPSE_WINDOW = 60.0
 RELAPSE_HOLD = 5.0
 RELAPSE_HOLD_MAX = 60.0
@@ -116,25 +117,37 @@ class Stall:
 
     def hold(self) -> float:
         """Seconds the next probe waits after a stall (0 unless a relapse)."""
-        return 0.0 if not self.relapses else min(RELAPSE_HOLD_MAX, RELAPSE_HOLD * 2 ** (self.relapses - 1))
+        # (the exponent capped: a float past 2**1023 is an OverflowError, some 17 hours of relapses)
+        return 0.0 if not self.relapses else min(RELAPSE_HOLD_MAX, RELAPSE_HOLD * 2 ** min(self.relapses - 1, 16))
 
     def caught(self, why: str) -> None:
-        """A generation request got no response head (``why``)."""
+        """A generation request got no response head (``why``), ``_budget``
+        seconds after it was sent."""
         if self.why is None:  # (a new stall; the other requests it caught add nothing)
             now = asyncio.get_running_loop().time()
-            soon = self._cleared_at is not None and now - self._cleared_at <= RELAPSE_WINDOW
-            self.relapses = self.relapses + 1 if soon else 0
-            self._hold_until = now + self.hold()
-            if self.relapses:
-                log.warning("upstream %s stalled again %.0fs after its probe was answered (%d in a row): its "
-                            "generation route answers the probe but not requests; the next probe waits %.0fs",
-                            self.name, now - self._cleared_at, self.relapses, self.hold())
+            sent, cleared = now - self._budget, self._cleared_at
+            self._hold_until = 0.0
+            if cleared is not None and sent < cleared:
+                pass  # (the last stall's request, sent before the answer that ended it: no relapse; the count stays)
+            elif cleared is not None and sent <= cleared + RELAPSE_WINDOW:
+                self.relapses += 1
+                self._hold_until = now + self.hold()
+                log.warning("upstream %s stalled again on a request sent %.0fs after its probe was answered (%d in "
+                            "a row): its generation route answers the probe but not requests; the next probe "
+                            "waits %.0fs", self.name, sent - cleared, self.relapses, self.hold())
+            else:
+                self.relapses = 0
         self.why = why
         self._caught += 1
 
+    @property
+    def probing(self) -> bool:
+        """Whether a probe is under way."""
+        return self._task is not None and not self._task.done()
+
     def probe(self) -> None:
         """Start a probe while stalled, unless one is under way or a relapse holds it back."""
-        if self.why is not None and not self._closed and (self._task is None or self._task.done()) \
+        if self.why is not None and not self._closed and not self.probing \
                 and asyncio.get_running_loop().time() >= self._hold_until:
             self._task = asyncio.get_running_loop().create_task(self._probe(), name=f"upstream-probe-{self.name}")
 

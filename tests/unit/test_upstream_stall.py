@@ -73,10 +73,11 @@ async def test_a_stall_soon_after_an_answered_probe_holds_the_next_probe_back_lo
     # real requests went back into dispatch at each health check, and each
     # time the next request sent there waited out the head timeout: one lost
     # request every health_interval, for good. Scaled down: hold 0.2 s,
-    # doubled up to 0.5 s, a 1 s window)
+    # doubled up to 0.5 s, a 1 s window, a head timeout of 0.1 s)
     monkeypatch.setattr(upstream_checks, "RELAPSE_HOLD", 0.2)
     monkeypatch.setattr(upstream_checks, "RELAPSE_HOLD_MAX", 0.5)
     monkeypatch.setattr(upstream_checks, "RELAPSE_WINDOW", 1.0)
+    head_timeout = 0.1
 
     async def refuse(path, w, r):
         w.write(REFUSED)
@@ -85,27 +86,38 @@ async def test_a_stall_soon_after_an_answered_probe_holds_the_next_probe_back_lo
     async with Server(refuse) as srv:
         pool = HttpPool(srv.url)
         answered = asyncio.Event()
-        stall = Stall("up", pool, "m", 5.0, answered.set)
+        stall = Stall("up", pool, "m", head_timeout, answered.set)
         loop = asyncio.get_running_loop()
 
-        async def stall_and_probe() -> tuple[int, float, float]:
-            """A stall, then a probe at every 'health check' (10 ms) until one is
-            answered: (relapses, the hold, seconds from the stall to the answer)."""
+        async def stall_and_probe(sent_after_the_answer: bool = True) -> tuple[int, bool, float, float]:
+            """A request that got no head (sent after the last answer, or before
+            it), then a probe at every 'health check' (10 ms) until one is
+            answered: (relapses, whether the first check probed, the hold, seconds
+            from the stall to the answer)."""
+            if sent_after_the_answer:
+                await asyncio.sleep(head_timeout)  # (sent at the answer, its head timeout ends now)
             answered.clear()
-            stall.caught("upstream up failed: no response head within 5s")
+            stall.caught("upstream up failed: no response head within 0.1s")
             start, hold = loop.time(), stall.hold()
+            stall.probe()
+            at_once = stall.probing
             while not answered.is_set():
                 stall.probe()
                 await asyncio.sleep(0.01)
-            return stall.relapses, hold, loop.time() - start
+            return stall.relapses, at_once, hold, loop.time() - start
 
-        assert (await stall_and_probe())[:2] == (0, 0.0) and stall.why is None  # (a first stall: probed at once)
-        runs = [await stall_and_probe() for _ in range(3)]  # (each at once after the answer: relapses)
-        assert [(n, hold) for n, hold, _ in runs] == [(1, 0.2), (2, 0.4), (3, 0.5)]
-        assert all(took >= hold - 0.01 for _, hold, took in runs), runs  # (no probe sooner)
+        assert (await stall_and_probe())[:2] == (0, True) and stall.why is None  # (a first stall: probed at once)
+        runs = [await stall_and_probe() for _ in range(3)]  # (each soon after the answer: relapses)
+        assert [run[:3] for run in runs] == [(1, False, 0.2), (2, False, 0.4), (3, False, 0.5)]
+        assert all(took >= hold - 0.01 for _, _, hold, took in runs), runs  # (no probe sooner)
         assert len(srv.requests) == 4  # (one probe per stall: none started while held)
-        await asyncio.sleep(1.1)  # (past the window: a stall then is a first one again)
-        assert (await stall_and_probe())[:2] == (0, 0.0)
+        # a request sent before the last answer, its head timeout ending after
+        # it: that stall's, not a relapse (the count stays, no hold)
+        assert (await stall_and_probe(sent_after_the_answer=False))[:2] == (3, True)
+        await asyncio.sleep(1.2)  # (past the window: a stall then is a first one again)
+        assert (await stall_and_probe())[:2] == (0, True)
+        stall.relapses = 5000  # (the hold's doubling stops at its cap: 2.0 ** 5000 is an OverflowError)
+        assert stall.hold() == 0.5
         await stall.close()
         await pool.close()
 
