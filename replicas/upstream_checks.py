@@ -95,8 +95,9 @@ class Stall:
     calls ``answered`` (the client's ``check_now``: the health check that then
     puts it back in dispatch comes at once) unless a request got no head while
     it was under way: it shows nothing of that request, sent before its answer.
-    A stall soon after an answered probe holds the next probe back
-    (``RELAPSE_WINDOW``), longer at each relapse in a row (``hold``)."""
+    A stall of a request sent soon after an answered probe holds the next
+    probe back (``RELAPSE_WINDOW``), longer at each relapse in a row
+    (``hold``)."""
 
     def __init__(self, name: str, http: HttpPool, model: str, budget: float, answered: Callable[[], None],
                  why: str | None = None) -> None:
@@ -112,7 +113,8 @@ class Stall:
         self._task: asyncio.Task[None] | None = None
         self._closed = False  # (its client closed: a ping still under way starts none)
         self._cleared_at: float | None = None  # (loop time of the last answered probe)
-        self.relapses = 0  # (stalls in a row, each within RELAPSE_WINDOW of the probe that ended the one before)
+        # (stalls in a row, each of a request sent within RELAPSE_WINDOW after the probe that ended the one before)
+        self.relapses = 0
         self._hold_until = 0.0  # (no probe before this loop time)
 
     def hold(self) -> float:

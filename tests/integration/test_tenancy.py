@@ -700,10 +700,10 @@ async def test_redis_killed_mid_run(tmp_path, redis_server, mode):
             ready = await client.get("/ready")
             m = await router.ametrics(client)
             assert m.value("fairstream_state_store_up") == 0
-            # (the admission's call failed, or the lease keeper's look at the
-            # store's generation, made idle too, found it down first)
-            errors = [m.value("fairstream_state_store_errors_total", 0.0, op=op) for op in ("admit", "generation")]
-            assert sum(errors) >= 1, errors
+            # (the admission's call failed, or a background call found it down
+            # first: the lease keeper's look at the store's generation, made
+            # idle too, or the policy peers')
+            assert m.value("fairstream_state_store_errors_total") >= 1
             if mode == "open":
                 assert r.status_code == 200, r.text
                 assert ready.status_code == 200 and ready.json()["state_store"]["healthy"] is False

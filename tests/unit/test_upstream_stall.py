@@ -73,11 +73,11 @@ async def test_a_stall_soon_after_an_answered_probe_holds_the_next_probe_back_lo
     # real requests went back into dispatch at each health check, and each
     # time the next request sent there waited out the head timeout: one lost
     # request every health_interval, for good. Scaled down: hold 0.2 s,
-    # doubled up to 0.5 s, a 1 s window, a head timeout of 0.1 s)
+    # doubled up to 0.5 s, a 1 s window, a head timeout of 0.5 s)
     monkeypatch.setattr(upstream_checks, "RELAPSE_HOLD", 0.2)
     monkeypatch.setattr(upstream_checks, "RELAPSE_HOLD_MAX", 0.5)
     monkeypatch.setattr(upstream_checks, "RELAPSE_WINDOW", 1.0)
-    head_timeout = 0.1
+    head_timeout = 0.5
 
     async def refuse(path, w, r):
         w.write(REFUSED)
@@ -89,15 +89,15 @@ async def test_a_stall_soon_after_an_answered_probe_holds_the_next_probe_back_lo
         stall = Stall("up", pool, "m", head_timeout, answered.set)
         loop = asyncio.get_running_loop()
 
-        async def stall_and_probe(sent_after_the_answer: bool = True) -> tuple[int, bool, float, float]:
-            """A request that got no head (sent after the last answer, or before
-            it), then a probe at every 'health check' (10 ms) until one is
-            answered: (relapses, whether the first check probed, the hold, seconds
-            from the stall to the answer)."""
-            if sent_after_the_answer:
-                await asyncio.sleep(head_timeout)  # (sent at the answer, its head timeout ends now)
+        async def stall_and_probe(sent: float = 0.0) -> tuple[int, bool, float, float]:
+            """A request that got no head, sent ``sent`` s after the last answer
+            (None: before it), then a probe at every 'health check' (10 ms) until
+            one is answered: (relapses, whether the first check probed, the hold,
+            seconds from the stall to the answer)."""
+            if sent is not None:
+                await asyncio.sleep(sent + head_timeout)  # (its head timeout ends now)
             answered.clear()
-            stall.caught("upstream up failed: no response head within 0.1s")
+            stall.caught("upstream up failed: no response head within 0.5s")
             start, hold = loop.time(), stall.hold()
             stall.probe()
             at_once = stall.probing
@@ -113,9 +113,11 @@ async def test_a_stall_soon_after_an_answered_probe_holds_the_next_probe_back_lo
         assert len(srv.requests) == 4  # (one probe per stall: none started while held)
         # a request sent before the last answer, its head timeout ending after
         # it: that stall's, not a relapse (the count stays, no hold)
-        assert (await stall_and_probe(sent_after_the_answer=False))[:2] == (3, True)
-        await asyncio.sleep(1.2)  # (past the window: a stall then is a first one again)
-        assert (await stall_and_probe())[:2] == (0, True)
+        assert (await stall_and_probe(sent=None))[:2] == (3, True)
+        # the window counts to the request's sending, not to its stall: sent
+        # 0.75 s after the answer, its stall comes 1.25 s after it
+        assert (await stall_and_probe(sent=0.75))[:2] == (4, False)
+        assert (await stall_and_probe(sent=1.3))[:2] == (0, True)  # (sent past the window: a first stall again)
         stall.relapses = 5000  # (the hold's doubling stops at its cap: 2.0 ** 5000 is an OverflowError)
         assert stall.hold() == 0.5
         await stall.close()
