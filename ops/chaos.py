@@ -236,14 +236,31 @@ def _p99(before: dict[str, float], after: dict[str, float]) -> float | None:
 
 
 def _thaw(pid: int, frozen: dict[int, asyncio.TimerHandle]) -> None:
-    """SIGCONT a replica this run froze (at the end of its freeze, or of the run)."""
-    handle = frozen.pop(pid, None)
-    if handle is not None:
-        handle.cancel()
+    """SIGCONT a replica this run froze (at the end of its freeze, or of the run).
+    (Continued before it leaves ``frozen``: a SIGTERM, raised as a
+    KeyboardInterrupt between two lines, must not leave one stopped that
+    ``frozen`` no longer names.)"""
     try:
         os.kill(pid, signal.SIGCONT)
     except ProcessLookupError:
         pass  # the supervisor killed it for not answering pings
+    handle = frozen.pop(pid, None)
+    if handle is not None:
+        handle.cancel()
+
+
+def _thaw_all(frozen: dict[int, asyncio.TimerHandle]) -> None:
+    """Thaw every replica in ``frozen``, a Ctrl-C or SIGTERM during it too
+    (raised once all are thawed)."""
+    interrupted: KeyboardInterrupt | None = None
+    while frozen:
+        try:
+            for pid in list(frozen):
+                _thaw(pid, frozen)
+        except KeyboardInterrupt as e:
+            interrupted = e
+    if interrupted is not None:
+        raise interrupted
 
 
 # how often the runner looks at /admin/replicas while a replica is frozen
@@ -301,14 +318,15 @@ async def _chaos(admin: httpx.AsyncClient, cfg: ChaosConfig, rep: ChaosReport, s
                 os.kill(victim["pid"], signal.SIGKILL)
                 rep.actions.append(f"kill {victim['name']} pid {victim['pid']}")
             else:
-                os.kill(victim["pid"], signal.SIGSTOP)
+                # (named in ``frozen`` before it is stopped: a SIGTERM between
+                # the two, a KeyboardInterrupt here, left it stopped for good)
                 frozen[victim["pid"]] = loop.call_later(cfg.freeze, _thaw, victim["pid"], frozen)
+                os.kill(victim["pid"], signal.SIGSTOP)
                 watched[victim["pid"]] = victim["name"]
                 rep.freezes += 1
                 rep.actions.append(f"freeze {victim['name']} pid {victim['pid']} for {cfg.freeze}s")
     finally:
-        for pid in list(frozen):
-            _thaw(pid, frozen)
+        _thaw_all(frozen)
 
 
 def _seen(listed: list[dict], watched: dict[int, str], rep: ChaosReport) -> None:
