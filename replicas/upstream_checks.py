@@ -129,16 +129,15 @@ class Stall:
             now = asyncio.get_running_loop().time()
             sent, cleared = now - self._budget, self._cleared_at
             self._hold_until = 0.0
-            if cleared is not None and sent < cleared:
-                pass  # (the last stall's request, sent before the answer that ended it: no relapse; the count stays)
-            elif cleared is not None and sent <= cleared + RELAPSE_WINDOW:
+            if cleared is None or sent > cleared + RELAPSE_WINDOW:
+                self.relapses = 0
+            elif sent >= cleared:  # (else the last stall's request, sent before the answer: the count stays)
                 self.relapses += 1
-                self._hold_until = now + self.hold()
+                hold = self.hold()
+                self._hold_until = now + hold
                 log.warning("upstream %s stalled again on a request sent %.0fs after its probe was answered (%d in "
                             "a row): its generation route answers the probe but not requests; the next probe "
-                            "waits %.0fs", self.name, sent - cleared, self.relapses, self.hold())
-            else:
-                self.relapses = 0
+                            "waits %.0fs", self.name, sent - cleared, self.relapses, hold)
         self.why = why
         self._caught += 1
 

@@ -69,7 +69,7 @@ class LeaseKeeper:
 
     async def _run(self) -> None:
         loop = asyncio.get_running_loop()
-        seen: str | None = None  # (None: not looked yet; the first look renews, in case)
+        seen: str | None = None  # (None: not looked yet; a first look with leases live renews, in case)
         due = loop.time() + LEASE_TTL / 3
         guard = KeepGoing("lease keeper", log)  # (a bug must not end it: every lease would expire)
         while True:
@@ -77,8 +77,9 @@ class LeaseKeeper:
             async with guard:
                 # (it looks while no stream holds a lease too: a store that
                 # lost its data between a lease's taking and the first look
-                # after it went unseen, the look taking the new generation for
-                # the first, and that lease stayed lost until the renewal)
+                # after it went unseen, that look taking the new generation
+                # for the first; its renewal "in case" added the lease back,
+                # but nothing said the store had lost it)
                 lost = False
                 try:
                     generation = await self.store.generation()
